@@ -1,0 +1,75 @@
+"""The registry of algorithms with their metadata; the tuner and the CLI both read it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from lpsync.algorithms import be, lp, mst, ring
+from lpsync.algorithms.schedule import Schedule
+from lpsync.errors import InvalidArgumentError
+from lpsync.types import Collective
+
+Generator = Callable[[int, int, int, int], Schedule]
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    description: str  # one line, shown by the CLI
+    suits: str  # which sizes and link models it is good for
+    pipelined: bool  # whether it takes a chunk count
+    generators: Mapping[Collective, Generator]
+
+
+C = Collective
+ALGORITHMS: dict[str, Algorithm] = {
+    a.name: a
+    for a in (
+        Algorithm("lp", "linear pipeline: a chain, the message cut into k chunks",
+                  "large messages; cost flat in P",
+                  True, {C.BROADCAST: lp.broadcast_lp, C.REDUCE: lp.reduce_lp,
+                         C.ALLREDUCE: lp.allreduce_lp}),
+        Algorithm("ring", "ring reduce-scatter and allgather (NCCL, Gloo, Horovod)",
+                  "large allreduce with one NIC per node",
+                  False, {C.ALLREDUCE: ring.allreduce_ring,
+                          C.REDUCE_SCATTER: ring.reduce_scatter_ring,
+                          C.ALLGATHER: ring.allgather_ring}),
+        Algorithm("mst", "binomial tree (minimum spanning tree), whole message per round",
+                  "small messages: ceil(log2 P) latencies",
+                  False, {C.BROADCAST: mst.broadcast_mst, C.REDUCE: mst.reduce_mst,
+                          C.ALLREDUCE: mst.allreduce_mst}),
+        Algorithm("be", "bidirectional exchange: scatter/reduce-scatter + allgather/gather",
+                  "medium messages: 2 log2 P latencies, 2(P-1)/P bytes",
+                  False, {C.BROADCAST: be.broadcast_be, C.REDUCE: be.reduce_be,
+                          C.ALLREDUCE: be.allreduce_be, C.ALLGATHER: be.allgather_be,
+                          C.REDUCE_SCATTER: be.reduce_scatter_be}),
+    )
+}
+
+
+def algorithms_for(op: Collective) -> list[str]:
+    return [name for name, algo in ALGORITHMS.items() if op in algo.generators]
+
+
+def generate(op: Collective, algorithm: str, participants: int, count: int, root: int = 0,
+             chunks: int = 1) -> Schedule:
+    """The schedule of ``op`` by ``algorithm``; InvalidArgumentError for impossible requests."""
+    if algorithm not in ALGORITHMS:
+        raise InvalidArgumentError(
+            f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+    algo = ALGORITHMS[algorithm]
+    if op not in algo.generators:
+        raise InvalidArgumentError(
+            f"algorithm {algorithm!r} has no {op}; {op} is offered by {', '.join(algorithms_for(op))}")
+    if participants < 1:
+        raise InvalidArgumentError(f"participants must be >= 1, got {participants}")
+    if count < 0:
+        raise InvalidArgumentError(f"count must be >= 0, got {count}")
+    if not 0 <= root < participants:
+        raise InvalidArgumentError(f"root {root} is not a participant (0..{participants - 1})")
+    if chunks < 1:
+        raise InvalidArgumentError(f"chunks must be >= 1, got {chunks}")
+    if algo.pipelined:
+        chunks = max(1, min(chunks, count))
+    return algo.generators[op](participants, count, root, chunks if algo.pipelined else 1)

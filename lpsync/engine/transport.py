@@ -1,0 +1,37 @@
+"""The transport interface the executor talks to; algorithms never see the wire.
+
+One Endpoint per participant. Sends are asynchronous and return a request that
+completes when the sent span may be written again; receives block up to a
+deadline. Messages are matched by (peer, tag). Backends live in lpsync.transport.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+import numpy as np
+
+
+class SendRequest(Protocol):
+    def done(self) -> bool:
+        """True once the sent span may be overwritten."""
+
+    def wait(self, deadline: float) -> None:
+        """Block until done, or raise CollectiveTimeoutError at ``deadline`` (time.monotonic)."""
+
+
+class Endpoint(Protocol):
+    rank: int
+    size: int
+
+    def send(self, peer: int, tag: int, data: np.ndarray) -> SendRequest:
+        """Start sending the contiguous array ``data``; it must not change until done()."""
+
+    def recv_into(self, peer: int, tag: int, out: np.ndarray, deadline: float) -> None:
+        """Receive the message (peer, tag) into ``out`` (same number of bytes)."""
+
+    def recv_borrow(self, peer: int, tag: int, nbytes: int,
+                    deadline: float) -> AbstractContextManager[np.ndarray]:
+        """Receive (peer, tag) and lend its bytes (a read-only uint8 array) for the
+        duration of the with-block; zero-copy where the transport allows."""

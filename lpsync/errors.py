@@ -1,0 +1,49 @@
+"""One exception hierarchy for lpsync; the daemon maps each class to a gRPC status code."""
+
+from __future__ import annotations
+
+
+class LpsyncError(Exception):
+    """Root of every error lpsync raises on purpose."""
+
+    code = "UNKNOWN"
+
+
+class InvalidArgumentError(LpsyncError, ValueError):
+    """A request that can never succeed as given (bad size, dtype, op or root)."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class MismatchError(InvalidArgumentError):
+    """Participants called the same collective with different op/count/dtype/root/reduce-op."""
+
+
+class CollectiveTimeoutError(LpsyncError, TimeoutError):
+    """A participant or a message did not arrive before the collective's timeout."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
+class AbortedError(LpsyncError):
+    """The collective was abandoned because another participant failed."""
+
+    code = "ABORTED"
+
+
+class UnavailableError(LpsyncError):
+    """A peer (daemon or link) needed by the collective is gone."""
+
+    code = "UNAVAILABLE"
+
+
+class SimulationError(LpsyncError):
+    """A schedule could not be simulated (for example it deadlocks)."""
+
+    code = "INTERNAL"
+
+
+class ScheduleError(LpsyncError):
+    """A generated schedule is malformed (unmatched messages, size mismatch)."""
+
+    code = "INTERNAL"

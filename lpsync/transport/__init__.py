@@ -1,0 +1,1 @@
+"""Transport backends behind lpsync.engine.transport.Endpoint: inproc (tests, one process)."""

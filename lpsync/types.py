@@ -1,0 +1,74 @@
+"""Names shared by every layer: collective ops, reduce ops and element types."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import ml_dtypes
+import numpy as np
+
+from lpsync.errors import InvalidArgumentError
+
+
+class Collective(StrEnum):
+    ALLREDUCE = "allreduce"
+    BROADCAST = "broadcast"
+    REDUCE = "reduce"
+    ALLGATHER = "allgather"
+    REDUCE_SCATTER = "reduce_scatter"
+
+
+class ReduceOp(StrEnum):
+    SUM = "sum"
+    PROD = "prod"
+    MIN = "min"
+    MAX = "max"
+    AVG = "avg"
+
+
+# The element types of DESIGN.md; bfloat16 comes from ml_dtypes (numpy has none).
+DTYPES: dict[str, np.dtype] = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "int8": np.dtype(np.int8),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
+}
+
+
+def dtype_of(name: str) -> np.dtype:
+    """The numpy dtype for a DESIGN.md type name; InvalidArgumentError for anything else."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise InvalidArgumentError(
+            f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}"
+        ) from None
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    for name, candidate in DTYPES.items():
+        if candidate == dtype:
+            return name
+    raise InvalidArgumentError(f"unsupported dtype {dtype}; expected one of {', '.join(DTYPES)}")
+
+
+def parse_collective(name: str) -> Collective:
+    try:
+        return Collective(name)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"unknown collective {name!r}; expected one of {', '.join(c.value for c in Collective)}"
+        ) from None
+
+
+def parse_reduce_op(name: str) -> ReduceOp:
+    try:
+        return ReduceOp(name)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"unknown reduce op {name!r}; expected one of {', '.join(r.value for r in ReduceOp)}"
+        ) from None
