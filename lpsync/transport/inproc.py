@@ -19,7 +19,7 @@ from lpsync.errors import AbortedError, CollectiveTimeoutError, LpsyncError
 
 
 class _Message:
-    __slots__ = ("raw", "released", "fabric")
+    __slots__ = ("fabric", "raw", "released")
 
     def __init__(self, raw: np.ndarray, fabric: InprocFabric) -> None:
         self.raw = raw

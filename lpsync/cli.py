@@ -1,0 +1,40 @@
+"""The ``lpsync`` console script: one subcommand per module in lpsync.commands."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from lpsync import __version__
+from lpsync.errors import LpsyncError
+
+# Subcommand modules, each with add_parser(subparsers) and run(args) -> int.
+COMMANDS = ("simulate",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lpsync",
+        description="Linear Pipelining collectives: simulator, benchmarks and the node daemon.")
+    parser.add_argument("--version", action="version", version=f"lpsync {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"lpsync.commands.{name}").add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except LpsyncError as error:
+        print(f"lpsync {args.command}: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"lpsync {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
