@@ -1,0 +1,197 @@
+"""Shared helpers for the collective tests: the case lists, inputs, the numpy reference
+and one generic multi-rank harness (every rank a thread on the inproc transport)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from lpsync.algorithms import ALGORITHMS, Schedule
+from lpsync.engine.group import LocalGroup, layout
+from lpsync.engine.reduce import Reduction
+from lpsync.types import DTYPES, Collective, ReduceOp
+
+C = Collective
+
+# Every (op, algorithm) the registry offers, as pytest ids "op-algorithm".
+OPS_ALGS: list[tuple[Collective, str]] = [
+    (op, name) for name, algo in ALGORITHMS.items() for op in algo.generators]
+OPS_ALGS_IDS = [f"{op}-{name}" for op, name in OPS_ALGS]
+
+# World sizes: 1, every small size (primes and non-powers of two included), 16 and 17.
+PARTICIPANTS = [*range(1, 10), 16, 17]
+
+ROOTED = frozenset({C.BROADCAST, C.REDUCE})
+REDUCING = frozenset({C.ALLREDUCE, C.REDUCE, C.REDUCE_SCATTER})
+
+
+def roots_for(op: Collective, p: int) -> list[int]:
+    """The roots worth testing: the first, the last and a middle participant."""
+    return sorted({0, p - 1, p // 2}) if op in ROOTED else [0]
+
+
+def chunk_options(algorithm: str, options: Sequence[int] = (1, 3, 8)) -> list[int]:
+    return list(options) if ALGORITHMS[algorithm].pipelined else [1]
+
+
+def in_elements(op: Collective, p: int, count: int) -> int:
+    return count * p if op is C.REDUCE_SCATTER else count
+
+
+def out_elements(op: Collective, p: int, count: int) -> int:
+    return count * p if op is C.ALLGATHER else count
+
+
+FLOAT_DTYPES = frozenset(n for n, d in DTYPES.items()
+                         if d == np.dtype(ml_dtypes.bfloat16) or np.issubdtype(d, np.floating))
+
+
+def make_inputs(op: Collective, p: int, count: int, dtype: np.dtype, reduce_op: ReduceOp,
+                rng: np.random.Generator) -> list[np.ndarray]:
+    """Every rank's own input (IN-sized), distinct per rank.
+
+    Integers span the whole range of the type (sums and products wrap); floats lie in
+    [-1, 1], or near 1 for prod so that products neither overflow nor vanish.
+    """
+    n = in_elements(op, p, count)
+    dtype = np.dtype(dtype)
+    inputs = []
+    for _ in range(p):
+        if np.issubdtype(dtype, np.integer):
+            info = np.iinfo(dtype)
+            x = rng.integers(info.min, info.max, size=n, endpoint=True, dtype=dtype)
+        elif reduce_op is ReduceOp.PROD:
+            x = (1.0 + rng.uniform(-0.1, 0.1, size=n)).astype(dtype)
+        else:
+            x = rng.uniform(-1.0, 1.0, size=n).astype(dtype)
+        inputs.append(x)
+    return inputs
+
+
+def _reduce_exact(stack: np.ndarray, reduce_op: ReduceOp, p: int) -> np.ndarray:
+    """The reduction of the rows of ``stack`` in its own dtype (integers wrap)."""
+    dtype = stack.dtype
+    if reduce_op in (ReduceOp.SUM, ReduceOp.AVG):
+        out = np.add.reduce(stack, axis=0, dtype=dtype)
+        if reduce_op is ReduceOp.AVG:
+            out = np.floor_divide(out, dtype.type(p)).astype(dtype)
+        return out
+    ufunc = {ReduceOp.PROD: np.multiply, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
+    return ufunc[reduce_op].reduce(stack, axis=0, dtype=dtype)
+
+
+@dataclass
+class Expected:
+    """What a rank's OUT must hold: ``value`` (None: unspecified) compared exactly, or,
+    when ``tol`` is set, within ``tol`` (per element) of ``value`` in float64."""
+
+    value: np.ndarray | None
+    tol: np.ndarray | None = None
+
+
+def reference(op: Collective, reduce_op: ReduceOp, inputs: Sequence[np.ndarray], root: int,
+              count: int) -> list[Expected]:
+    """The numpy reference for every rank's OUT.
+
+    Integer reductions and data movement are exact; float sums, products and averages
+    get a float64 reference and a tolerance of a few ulps per participant.
+    """
+    p = len(inputs)
+    dtype = inputs[0].dtype
+    if op is C.BROADCAST:
+        return [Expected(inputs[root].copy()) for _ in range(p)]
+    if op is C.ALLGATHER:
+        return [Expected(np.concatenate(inputs)) for _ in range(p)]
+    stack = np.stack(inputs)
+    if op is C.REDUCE_SCATTER:
+        stack = stack.reshape(p, p, count)  # [rank, block, element]
+    is_float = not np.issubdtype(dtype, np.integer)
+    if not is_float or reduce_op in (ReduceOp.MIN, ReduceOp.MAX):
+        total = _reduce_exact(stack, reduce_op, p)
+        tol = None
+    else:
+        wide = stack.astype(np.float64)
+        eps = float(np.finfo(dtype).eps)
+        if reduce_op is ReduceOp.PROD:
+            total = np.prod(wide, axis=0)
+            tol = 4 * (p + 1) * eps * np.abs(total)
+        else:
+            total = np.sum(wide, axis=0)
+            tol = 4 * (p + 1) * eps * np.sum(np.abs(wide), axis=0)
+            if reduce_op is ReduceOp.AVG:
+                total, tol = total / p, tol / p
+        tol = tol + float(np.finfo(dtype).tiny)
+    if op is C.REDUCE_SCATTER:
+        return [Expected(total[r], None if tol is None else tol[r]) for r in range(p)]
+    if op is C.REDUCE:
+        return [Expected(total if r == root else None, tol if r == root else None)
+                for r in range(p)]
+    return [Expected(total, tol) for _ in range(p)]
+
+
+def assert_matches(got: np.ndarray, want: Expected, what: str) -> None:
+    if want.value is None:
+        return
+    assert got.shape == want.value.shape, f"{what}: shape {got.shape} != {want.value.shape}"
+    if want.tol is None:
+        assert got.dtype == want.value.dtype
+        bad = np.flatnonzero(got.view(np.uint8).reshape(got.size, -1)
+                             != want.value.view(np.uint8).reshape(got.size, -1))
+        assert bad.size == 0, (f"{what}: {bad.size} wrong elements, first at "
+                               f"{bad[0] // max(1, got.itemsize)}")
+    else:
+        err = np.abs(got.astype(np.float64) - want.value)
+        bad = np.flatnonzero(~(err <= want.tol))
+        assert bad.size == 0, (f"{what}: {bad.size} elements off, first {bad[0]}: "
+                               f"{got[bad[0]]} vs {want.value[bad[0]]} (tol {want.tol[bad[0]]})")
+
+
+def bits(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a).view(np.uint8).tobytes()
+
+
+@dataclass
+class Outcome:
+    results: list[np.ndarray]  # every rank's OUT after the run (copies)
+    inputs_after: list[np.ndarray]  # every rank's input buffer after the run (copies)
+    buffers: list[np.ndarray]  # in place: the one buffer of each rank, after
+
+
+def in_place_buffer(op: Collective, rank: int, p: int, count: int,
+                    data: np.ndarray) -> np.ndarray:
+    """The one buffer a rank passes in place, holding its input where layout() wants it."""
+    if op is C.ALLGATHER:
+        buf = np.zeros(p * count, data.dtype)
+        buf[rank * count:(rank + 1) * count] = data
+        return buf
+    return data.copy()
+
+
+def run_collective(schedule: Schedule, inputs: Sequence[np.ndarray], reduce_op: ReduceOp,
+                   in_place: bool = False, runs: int = 1, timeout: float = 30.0) -> list[Outcome]:
+    """Run ``schedule`` over the ranks' ``inputs`` with LocalGroup, ``runs`` times on the
+    same plans (in place, the buffers are refilled with the inputs before each run)."""
+    op, p, count = schedule.op, schedule.participants, schedule.count
+    dtype = inputs[0].dtype
+    if in_place:
+        datas = [in_place_buffer(op, r, p, count, x) for r, x in enumerate(inputs)]
+        pristine = [d.copy() for d in datas]
+    else:
+        datas = [x.copy() for x in inputs]
+    pairs = [layout(op, r, p, count, d, in_place) for r, d in enumerate(datas)]
+    outcomes = []
+    with LocalGroup(schedule, pairs, Reduction(reduce_op, dtype, p)) as group:
+        for _ in range(runs):
+            if in_place:
+                for d, orig in zip(datas, pristine, strict=True):
+                    d[...] = orig
+            for _, out in ([] if in_place else pairs):
+                out.fill(0)
+            group.run(timeout)
+            outcomes.append(Outcome([out.copy() for _, out in pairs],
+                                    [inp.copy() for inp, _ in pairs],
+                                    [d.copy() for d in datas]))
+    return outcomes
