@@ -42,6 +42,14 @@ class LinkModel:
         return 1.0 / self.beta
 
 
+# Participants that are threads of one process moving chunks through shared memory
+# (the executor over the inproc transport): a chunk hand-off costs ~150 us of thread
+# wake-ups and GIL traffic on a 2-core machine, memory moves ~6 GB/s per stream, and
+# each pair of participants has its own "link". Fitted from `python -m
+# lpsync.bench.executor --chunk-bytes 256KiB|1MiB|4MiB` (docs/benchmarks.md).
+SHARED_MEMORY_LINK = LinkModel(alpha=150e-6, beta=1 / 6e9, gamma=0.0, shared_nic=False)
+
+
 def lp_chunks(participants: int, nbytes: int, link: LinkModel,
               min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES) -> int:
     """k* = sqrt((P-2) n (beta+gamma) / alpha), clamped to [1, n / min_chunk_bytes]."""

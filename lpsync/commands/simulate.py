@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+
 from lpsync.algorithms import (
     ALGORITHMS,
     LinkModel,
@@ -84,19 +86,24 @@ def _choose_chunks(mode: str, schedule_args: dict[str, Any], itemsize: int, link
 
 
 def points(args: argparse.Namespace) -> list[dict[str, Any]]:
-    ops = [parse_collective(o.strip()) for o in args.op.split(",")]
     wanted = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     for name in wanted:
         if name not in ALGORITHMS:
             raise InvalidArgumentError(f"unknown algorithm {name!r}; expected {', '.join(ALGORITHMS)}")
-    nodes, sizes = parse_ints(args.nodes, "--nodes"), parse_sizes(args.bytes)
+    nodes = parse_ints(args.nodes, "--nodes")
     if any(p < 1 for p in nodes):
         raise InvalidArgumentError("--nodes must be >= 1")
-    dtype = dtype_of(args.dtype)
     link = LinkModel.from_bandwidth(args.alpha, args.bandwidth, args.gamma,
                                     shared_nic=args.links == "nic")
-    min_chunk = parse_size(args.min_chunk)
-    progress = sys.stderr.isatty() and not args.json
+    return sweep([parse_collective(o.strip()) for o in args.op.split(",")], wanted, nodes,
+                 parse_sizes(args.bytes), dtype_of(args.dtype), link, args.chunks,
+                 parse_size(args.min_chunk), progress=sys.stderr.isatty() and not args.json)
+
+
+def sweep(ops: list[Collective], wanted: list[str], nodes: list[int], sizes: list[int],
+          dtype: np.dtype, link: LinkModel, chunks: str = "auto",
+          min_chunk: int = DEFAULT_MIN_CHUNK_BYTES, progress: bool = False) -> list[dict[str, Any]]:
+    """One simulated row per (op, P, size, algorithm), with x_lp filled in."""
     rows: list[dict[str, Any]] = []
     for op in ops:
         algos = [a for a in wanted if a in algorithms_for(op)]
@@ -112,7 +119,7 @@ def points(args: argparse.Namespace) -> list[dict[str, Any]]:
                     if progress:
                         print(f"\r{op} {name} P={p} {format_size(nbytes)} ...", end="",
                               file=sys.stderr, flush=True)
-                    rows.append(_point(op, name, p, count, nbytes, dtype.itemsize, link, args,
+                    rows.append(_point(op, name, p, count, nbytes, dtype.itemsize, link, chunks,
                                        min_chunk))
     if progress:
         print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
@@ -121,11 +128,11 @@ def points(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _point(op: Collective, name: str, p: int, count: int, nbytes: int, itemsize: int,
-           link: LinkModel, args: argparse.Namespace, min_chunk: int) -> dict[str, Any]:
+           link: LinkModel, chunks_mode: str, min_chunk: int) -> dict[str, Any]:
     schedule_args = {"op": op, "algorithm": name, "participants": p, "count": count}
     chunks = 1
     if ALGORITHMS[name].pipelined:
-        chunks = _choose_chunks(args.chunks, schedule_args, itemsize, link, nbytes, min_chunk)
+        chunks = _choose_chunks(chunks_mode, schedule_args, itemsize, link, nbytes, min_chunk)
     schedule = generate(chunks=chunks, **schedule_args)
     result = simulate(schedule, itemsize, link)
     bw = algbw(nbytes, result.seconds)

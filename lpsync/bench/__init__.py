@@ -1,0 +1,1 @@
+"""Benchmarks: set up, run, verify; figures are printed, never asserted in tests."""
