@@ -138,10 +138,12 @@ def assert_matches(got: np.ndarray, want: Expected, what: str) -> None:
     assert got.shape == want.value.shape, f"{what}: shape {got.shape} != {want.value.shape}"
     if want.tol is None:
         assert got.dtype == want.value.dtype
-        bad = np.flatnonzero(got.view(np.uint8).reshape(got.size, -1)
-                             != want.value.view(np.uint8).reshape(got.size, -1))
-        assert bad.size == 0, (f"{what}: {bad.size} wrong elements, first at "
-                               f"{bad[0] // max(1, got.itemsize)}")
+        width = got.dtype.itemsize
+        differ = (got.view(np.uint8).reshape(-1, width)
+                  != want.value.view(np.uint8).reshape(-1, width)).any(axis=1)
+        bad = np.flatnonzero(differ)
+        assert bad.size == 0, (f"{what}: {bad.size} wrong elements, first {bad[0]}: "
+                               f"{got[bad[0]]} vs {want.value[bad[0]]}")
     else:
         err = np.abs(got.astype(np.float64) - want.value)
         bad = np.flatnonzero(~(err <= want.tol))
