@@ -56,16 +56,17 @@ class LocalGroup:
         """Run once; the first participant to fail aborts the others and its error is raised."""
         fabric = InprocFabric(len(self.plans))
         deadline = deadline_after(timeout)
-        errors: list[LpsyncError] = []
+        errors: list[BaseException] = []
         lock = threading.Lock()
 
         def participant(plan: Plan) -> None:
             try:
                 plan.run(fabric.endpoint(plan.rank), deadline)
-            except LpsyncError as error:
+            except BaseException as error:  # any failure must release the others at once
                 with lock:
                     errors.append(error)
-                fabric.abort(error)
+                fabric.abort(error if isinstance(error, LpsyncError)
+                             else LpsyncError(f"rank {plan.rank} failed: {error!r}"))
 
         for future in [self._pool.submit(participant, plan) for plan in self.plans]:
             future.result()
