@@ -1,0 +1,183 @@
+"""The event simulator against the closed forms, the cost model and the tuner."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import C
+
+from lpsync.algorithms import (
+    LinkModel,
+    algorithms_for,
+    closed_form,
+    generate,
+    lp_chunks,
+    select,
+    simulate,
+)
+from lpsync.algorithms.cost import DEFAULT_MIN_CHUNK_BYTES
+from lpsync.algorithms.schedule import Buf, ScheduleBuilder
+from lpsync.errors import SimulationError
+
+ITEMSIZE = 4
+LINK = LinkModel.from_bandwidth(alpha=5e-6, bandwidth=1.25e8)
+SIZES_P = [2, 3, 4, 5, 8, 16]
+# Element counts divisible by every P above and every chunk count below.
+COUNTS = [16 * 9 * 5 * 7 * 4, 16 * 9 * 5 * 7 * 4 * 1000]
+
+
+def simulated(op: C, algorithm: str, p: int, nbytes: int, link: LinkModel,
+              chunks: int = 1) -> float:
+    count = nbytes // ITEMSIZE
+    if op in (C.ALLGATHER, C.REDUCE_SCATTER):
+        count //= p  # nbytes is the whole P * count buffer
+    return simulate(generate(op, algorithm, p, count, 0, chunks), ITEMSIZE, link).seconds
+
+
+def assert_close(sim: float, model: float) -> None:
+    assert sim == pytest.approx(model, rel=1e-9, abs=1e-15)
+
+
+CLOSED_FORM_CASES = [
+    (C.BROADCAST, "lp"), (C.REDUCE, "lp"), (C.ALLREDUCE, "lp"),
+    (C.BROADCAST, "mst"), (C.REDUCE, "mst"), (C.ALLREDUCE, "mst"),
+    (C.ALLREDUCE, "ring"), (C.ALLGATHER, "ring"), (C.REDUCE_SCATTER, "ring"),
+    (C.BROADCAST, "be"), (C.REDUCE, "be"), (C.ALLREDUCE, "be"), (C.ALLGATHER, "be"),
+    (C.REDUCE_SCATTER, "be"),
+]
+
+
+@pytest.mark.parametrize("count", COUNTS)
+@pytest.mark.parametrize(("op", "algorithm"), CLOSED_FORM_CASES,
+                         ids=[f"{op}-{a}" for op, a in CLOSED_FORM_CASES])
+def test_simulator_matches_closed_form_one_nic(op: C, algorithm: str, count: int) -> None:
+    nbytes = count * ITEMSIZE
+    for p in SIZES_P:
+        for chunks in ((1, 2, 4, 7, 16) if algorithm == "lp" else (1,)):
+            sim = simulated(op, algorithm, p, nbytes, LINK, chunks)
+            assert_close(sim, closed_form(op, algorithm, p, nbytes, LINK, chunks))
+
+
+@pytest.mark.parametrize("count", COUNTS)
+def test_lp_allreduce_with_a_link_per_neighbour(count: int) -> None:
+    link = LinkModel(LINK.alpha, LINK.beta, shared_nic=False)
+    nbytes = count * ITEMSIZE
+    for p in SIZES_P:
+        for chunks in (1, 2, 4, 7, 16):
+            sim = simulated(C.ALLREDUCE, "lp", p, nbytes, link, chunks)
+            assert_close(sim, closed_form(C.ALLREDUCE, "lp", p, nbytes, link, chunks))
+    # Independent links make LP allreduce as fast as a broadcast, unlike one NIC.
+    p, k, n = 8, 16, COUNTS[1] * ITEMSIZE
+    assert simulated(C.ALLREDUCE, "lp", p, n, link, k) < simulated(C.ALLREDUCE, "lp", p, n,
+                                                                   LINK, k)
+
+
+def test_single_participant_costs_nothing() -> None:
+    for op, algorithm in CLOSED_FORM_CASES:
+        assert simulated(op, algorithm, 1, 4000, LINK, 3) == 0.0
+        assert closed_form(op, algorithm, 1, 4000, LINK, 3) == 0.0
+
+
+def test_bytes_per_participant() -> None:
+    count = 1000
+    s = generate(C.BROADCAST, "lp", 5, count, 2, 4)
+    result = simulate(s, ITEMSIZE, LINK)
+    # The chain 2 -> 3 -> 4 -> 0 -> 1: the tail only receives, the root only sends.
+    assert result.out_bytes.tolist() == [4000, 0, 4000, 4000, 4000]
+    assert result.in_bytes.tolist() == [4000, 4000, 0, 4000, 4000]
+
+
+@pytest.mark.parametrize("p", [3, 4, 16, 64])
+@pytest.mark.parametrize("nbytes", [1, 10**6, 2**30])
+def test_lp_chunks_is_the_clamped_optimum(p: int, nbytes: int) -> None:
+    k = lp_chunks(p, nbytes, LINK)
+    most = max(1, nbytes // DEFAULT_MIN_CHUNK_BYTES)
+    ideal = math.sqrt((p - 2) * nbytes * LINK.beta / LINK.alpha)
+    assert k == min(most, max(1, round(ideal)))
+    assert 1 <= k <= most
+    assert lp_chunks(2, nbytes, LINK) == 1
+    assert lp_chunks(p, 0, LINK) == 1
+    # The closed form's optimum: k* is no worse than its neighbours (when unclamped).
+    if 1 < k < most:
+        t = [closed_form(C.BROADCAST, "lp", p, nbytes, LINK, j) for j in (k - 1, k, k + 1)]
+        assert t[1] <= min(t[0], t[2]) * (1 + 1e-12)
+
+
+GIB = 2**30
+
+
+def lp_time(op: C, p: int) -> float:
+    k = lp_chunks(p, GIB, LINK, DEFAULT_MIN_CHUNK_BYTES)
+    return simulated(op, "lp", p, GIB, LINK, k)
+
+
+@pytest.mark.parametrize("op", [C.BROADCAST, C.REDUCE])
+def test_lp_time_is_flat_in_p_at_1gib(op: C) -> None:
+    base = lp_time(op, 2)
+    assert base == pytest.approx(LINK.alpha + GIB * LINK.beta, rel=1e-9)
+    for p in (4, 8, 16, 32, 64):
+        assert lp_time(op, p) / base < 1.1, p
+
+
+@pytest.mark.parametrize("op", [C.BROADCAST, C.REDUCE])
+def test_lp_beats_mst_by_log_p_and_be_by_two_at_1gib(op: C) -> None:
+    for p in (4, 8, 16, 32, 64):
+        lp = lp_time(op, p)
+        mst = simulated(op, "mst", p, GIB, LINK)
+        be = simulated(op, "be", p, GIB, LINK)
+        assert mst / lp >= 0.9 * math.log2(p), p
+        assert be / lp >= 0.9 * 2 * (p - 1) / p, p
+
+
+def test_select_follows_the_model() -> None:
+    small, large = 8, GIB
+    assert select(C.BROADCAST, small, 16, LINK).algorithm == "mst"
+    assert select(C.REDUCE, small, 16, LINK).algorithm == "mst"
+    big_bcast = select(C.BROADCAST, large, 16, LINK)
+    assert big_bcast.algorithm == "lp"
+    assert big_bcast.chunks == lp_chunks(16, large, LINK)
+    assert select(C.REDUCE, large, 16, LINK).algorithm == "lp"
+    # One NIC per node: a middle LP node sends 2n, ring 2(P-1)/P n.
+    assert select(C.ALLREDUCE, large, 12, LINK).algorithm == "ring"
+    assert select(C.ALLREDUCE, large, 16, LINK).algorithm in ("ring", "be")
+    # A link per neighbour: LP allreduce costs about n beta and wins.
+    per_pair = LinkModel(LINK.alpha, LINK.beta, shared_nic=False)
+    assert select(C.ALLREDUCE, large, 12, per_pair).algorithm == "lp"
+    choice = select(C.ALLGATHER, large, 12, LINK)
+    assert choice.algorithm in ("ring", "be")
+    assert choice.seconds == pytest.approx(
+        closed_form(C.ALLGATHER, choice.algorithm, 12, large, LINK))
+
+
+def test_select_is_the_minimum_over_candidates() -> None:
+    for op in C:
+        for nbytes in (8, 10**5, 10**8):
+            for p in (2, 3, 8, 17):
+                choice = select(op, nbytes, p, LINK)
+                assert choice.algorithm in algorithms_for(op)
+                for name in algorithms_for(op):
+                    k = lp_chunks(p, nbytes, LINK) if name == "lp" else 1
+                    assert choice.seconds <= closed_form(op, name, p, nbytes, LINK, k)
+
+
+def test_a_deadlocking_schedule_raises() -> None:
+    # Both ranks wait for the other's message before sending theirs.
+    b = ScheduleBuilder(C.BROADCAST, "deadlock", 2, 4)
+    for rank in (0, 1):
+        b.recv(0, rank, 1 - rank, Buf.OUT, 0, 4)
+        b.send(1, rank, 1 - rank, Buf.OUT, 0, 4)
+    with pytest.raises(SimulationError):
+        simulate(b.build(), ITEMSIZE, LINK)
+
+
+def test_eager_sends_do_not_deadlock() -> None:
+    # Sends are asynchronous: both ranks sending first, then receiving, is fine.
+    b = ScheduleBuilder(C.BROADCAST, "exchange", 2, 4)
+    for rank in (0, 1):
+        b.send(0, rank, 1 - rank, Buf.IN, 0, 4)
+        b.recv(0, rank, 1 - rank, Buf.OUT, 0, 4)
+    result = simulate(b.build(), ITEMSIZE, LINK)
+    assert result.seconds == pytest.approx(LINK.alpha + 16 * LINK.beta, rel=1e-9)
+    assert np.array_equal(result.out_bytes, [16, 16])
