@@ -192,3 +192,37 @@ def test_plan_of_a_reduction_needs_a_reduce_op() -> None:
     s = generate(C.ALLREDUCE, "ring", 3, 9)
     with pytest.raises(InvalidArgumentError, match="reduce op"):
         Plan(s, 0, (np.zeros(9, np.int32), np.zeros(9, np.int32)), None)
+
+
+class _FailingReduction(Reduction):
+    """A reduction whose first combine raises, as a broken reduce kernel would."""
+
+    def combine(self, acc: np.ndarray, incoming: np.ndarray, out: np.ndarray) -> None:
+        with _FAIL_LOCK:
+            first = not _FAILED
+            _FAILED.append(True)
+        if first:
+            raise ArithmeticError("reduce kernel failed")
+        super().combine(acc, incoming, out)
+
+
+_FAIL_LOCK = threading.Lock()
+_FAILED: list[bool] = []
+
+
+def test_a_failing_participant_releases_the_others_at_once() -> None:
+    _FAILED.clear()
+    p, count, timeout = 6, 1000, 20.0
+    s = generate(C.ALLREDUCE, "lp", p, count, 0, 8)
+    pairs = [layout(C.ALLREDUCE, r, p, count, np.ones(count, np.float32), False)
+             for r in range(p)]
+    before = set(threading.enumerate())
+    with LocalGroup(s, pairs, _FailingReduction(ReduceOp.SUM, np.dtype(np.float32), p)) as g:
+        start = time.monotonic()
+        with pytest.raises(ArithmeticError, match="reduce kernel failed"):
+            g.run(timeout)
+        assert time.monotonic() - start < 2.0, "the others waited for the timeout"
+        # The plans stay usable: the next run (no failure now) succeeds.
+        g.run(timeout)
+        assert all(np.all(out == p) for _, out in pairs)
+    assert set(threading.enumerate()) <= before

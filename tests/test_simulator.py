@@ -181,3 +181,20 @@ def test_eager_sends_do_not_deadlock() -> None:
     result = simulate(b.build(), ITEMSIZE, LINK)
     assert result.seconds == pytest.approx(LINK.alpha + 16 * LINK.beta, rel=1e-9)
     assert np.array_equal(result.out_bytes, [16, 16])
+
+
+def test_empty_schedules_cost_nothing() -> None:
+    for op, algorithm in CLOSED_FORM_CASES:
+        for p in (2, 5, 17):
+            result = simulate(generate(op, algorithm, p, 0, p - 1, 3), ITEMSIZE, LINK)
+            assert result.seconds == 0.0
+            assert not result.out_bytes.any() and not result.in_bytes.any()
+
+
+def test_link_model_rejects_nonsense() -> None:
+    from lpsync.errors import InvalidArgumentError
+
+    for alpha, bandwidth, gamma in ((-1, 1e9, 0), (1e-6, 0, 0), (1e-6, 1e9, -1)):
+        with pytest.raises(InvalidArgumentError):
+            LinkModel.from_bandwidth(alpha, bandwidth, gamma)
+    assert LinkModel.from_bandwidth(1e-6, 2e9).beta == pytest.approx(5e-10)
