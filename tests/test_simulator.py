@@ -198,3 +198,27 @@ def test_link_model_rejects_nonsense() -> None:
         with pytest.raises(InvalidArgumentError):
             LinkModel.from_bandwidth(alpha, bandwidth, gamma)
     assert LinkModel.from_bandwidth(1e-6, 2e9).beta == pytest.approx(5e-10)
+
+
+@pytest.mark.parametrize(("op", "algorithm"), CLOSED_FORM_CASES,
+                         ids=[f"{op}-{a}" for op, a in CLOSED_FORM_CASES])
+def test_simulator_matches_closed_form_every_p_and_root(op: C, algorithm: str) -> None:
+    """Every P up to 17 (non-powers of two fall back to the ring in BE) and a middle root."""
+    for p in range(2, 18):
+        nbytes = p * 9 * 16 * 5 * 7 * ITEMSIZE  # divisible by P and the chunk counts
+        count = nbytes // ITEMSIZE // (p if op in (C.ALLGATHER, C.REDUCE_SCATTER) else 1)
+        for chunks in ((1, 3, 16) if algorithm == "lp" else (1,)):
+            s = generate(op, algorithm, p, count, p // 2, chunks)
+            assert_close(simulate(s, ITEMSIZE, LINK).seconds,
+                         closed_form(op, algorithm, p, nbytes, LINK, chunks))
+
+
+@pytest.mark.parametrize("op", [C.BROADCAST, C.REDUCE])
+def test_lp_at_64mib_and_256_participants_matches_closed_form(op: C) -> None:
+    """Where the pipeline fill shows (P-2 of P-2+k steps), the event times still agree."""
+    p, nbytes = 256, 64 * 2**20
+    k = lp_chunks(p, nbytes, LINK)
+    s = generate(op, "lp", p, nbytes // ITEMSIZE, 0, k)
+    sim = simulate(s, ITEMSIZE, LINK).seconds
+    assert_close(sim, closed_form(op, "lp", p, nbytes, LINK, k))
+    assert sim > 1.1 * (nbytes * LINK.beta)  # the fill is visible at this size
