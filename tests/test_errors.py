@@ -79,6 +79,22 @@ def test_a_missing_participant_times_out(op: C, algorithm: str) -> None:
     # Allreduce needs everyone's contribution: every present rank must fail.
     if op is C.ALLREDUCE:
         assert set(failed) == set(present)
+    # Whoever waited on the missing rank itself says so.
+    assert any(f"from rank {missing}" in str(e) for e in failed.values()), failed
+
+
+@pytest.mark.xfail(strict=True, reason="a send that times out (its chunk never consumed) "
+                   "raises 'a sent chunk was not consumed before the deadline' without "
+                   "naming the peer or the message (lpsync/transport/inproc.py _Message.wait)")
+def test_every_timeout_names_the_peer_it_waited_for() -> None:
+    # LP broadcast from 0 over 0 -> 1 -> 2 -> 3, rank 2 missing: rank 1's send to 2 is
+    # never consumed, rank 3's receive from 2 never arrives.
+    p, missing = 4, 2
+    errors, _ = run_in_threads(plans_for(C.BROADCAST, "lp", p, 64, [0, 1, 3]),
+                               InprocFabric(p), 0.3)
+    assert isinstance(errors[1], CollectiveTimeoutError)
+    for r in (1, 3):
+        assert f"rank {missing}" in str(errors[r]), (r, str(errors[r]))
 
 
 def test_abort_wakes_every_waiting_participant_promptly() -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 import zlib
 
 import numpy as np
@@ -132,3 +133,21 @@ def test_integer_avg_floors() -> None:
     (outcome,) = run_collective(s, inputs, ReduceOp.AVG)
     # 4 * 127 = 508 wraps to -4 in int8; -4 // 4 = -1.
     assert outcome.results[0].tolist() == [-1, 0, 0, -2, -1]
+
+
+def test_inproc_transport_is_zero_copy() -> None:
+    """A message is a read-only view of the sender's span until the receiver releases it."""
+    from lpsync.transport.inproc import InprocFabric
+
+    fabric = InprocFabric(2)
+    data = np.arange(10, dtype=np.float32)
+    request = fabric.endpoint(0).send(1, 7, data[2:6])
+    assert not request.done()
+    with fabric.endpoint(1).recv_borrow(0, 7, 16, deadline=time.monotonic() + 5) as raw:
+        assert np.shares_memory(raw, data)
+        assert not raw.flags.writeable
+        assert raw.view(np.float32).tolist() == [2, 3, 4, 5]
+        assert not request.done()  # the sender may not touch the span yet
+    assert request.done()
+    assert data.flags.writeable  # the sender's own array is untouched
+
