@@ -83,9 +83,6 @@ def test_a_missing_participant_times_out(op: C, algorithm: str) -> None:
     assert any(f"from rank {missing}" in str(e) for e in failed.values()), failed
 
 
-@pytest.mark.xfail(strict=True, reason="a send that times out (its chunk never consumed) "
-                   "raises 'a sent chunk was not consumed before the deadline' without "
-                   "naming the peer or the message (lpsync/transport/inproc.py _Message.wait)")
 def test_every_timeout_names_the_peer_it_waited_for() -> None:
     # LP broadcast from 0 over 0 -> 1 -> 2 -> 3, rank 2 missing: rank 1's send to 2 is
     # never consumed, rank 3's receive from 2 never arrives.

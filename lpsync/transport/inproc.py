@@ -19,19 +19,20 @@ from lpsync.errors import AbortedError, CollectiveTimeoutError, LpsyncError
 
 
 class _Message:
-    __slots__ = ("fabric", "raw", "released")
+    __slots__ = ("dst", "fabric", "raw", "released", "src", "tag")
 
-    def __init__(self, raw: np.ndarray, fabric: InprocFabric) -> None:
+    def __init__(self, raw: np.ndarray, fabric: InprocFabric, src: int, dst: int, tag: int) -> None:
         self.raw = raw
         self.released = threading.Event()
-        self.fabric = fabric
+        self.fabric, self.src, self.dst, self.tag = fabric, src, dst, tag
 
     def done(self) -> bool:
         return self.released.is_set()
 
     def wait(self, deadline: float) -> None:
         if not self.released.wait(max(0.0, deadline - time.monotonic())):
-            raise CollectiveTimeoutError("a sent chunk was not consumed before the deadline")
+            raise CollectiveTimeoutError(
+                f"rank {self.src} timed out waiting for rank {self.dst} to take message {self.tag}")
         self.fabric.check()
 
 
@@ -66,7 +67,7 @@ class InprocFabric:
     def _post(self, src: int, dst: int, tag: int, data: np.ndarray) -> _Message:
         raw = data.view(np.uint8)
         raw.flags.writeable = False
-        message = _Message(raw, self)
+        message = _Message(raw, self, src, dst, tag)
         with self._live_lock:
             self._live.add(message)
         condition = self._conditions[dst]
