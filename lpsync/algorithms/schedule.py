@@ -117,12 +117,13 @@ class ScheduleBuilder:
         self.op, self.algorithm = op, algorithm
         self.participants, self.count, self.root, self.chunks = participants, count, root, chunks
         self.tmp_elements = 0
-        self._batches: list[dict[str, np.ndarray]] = []
+        self._batches: list[tuple[tuple[int, ...], dict[str, np.ndarray]]] = []
 
     def _add(self, **columns: object) -> None:
-        names = list(columns)
-        arrays = np.broadcast_arrays(*(np.asarray(columns[n]) for n in names))
-        self._batches.append({n: np.ravel(a) for n, a in zip(names, arrays, strict=True)})
+        # Kept unexpanded: build() writes every batch straight into the final columns.
+        arrays = {name: np.asarray(value) for name, value in columns.items()}
+        shape = np.broadcast_shapes(*(a.shape for a in arrays.values()))
+        self._batches.append((shape, arrays))
 
     def send(self, step: object, rank: object, peer: object, buf: object, lo: object,
              hi: object) -> None:
@@ -149,11 +150,13 @@ class ScheduleBuilder:
         self.tmp_elements = max(self.tmp_elements, int(elements))
 
     def build(self) -> Schedule:
-        cols = {name: np.concatenate([b[name] for b in self._batches]).astype(dtype, copy=False)
-                if self._batches else np.empty(0, dtype)
-                for name, dtype in _COLUMNS.items()}
-        step = (np.concatenate([b["step"] for b in self._batches]).astype(np.int64)
-                if self._batches else np.empty(0, np.int64))
+        sizes = [int(np.prod(shape)) for shape, _ in self._batches]
+        starts = np.r_[0, np.cumsum(sizes)].astype(np.int64)
+        cols = {name: np.empty(int(starts[-1]), dtype) for name, dtype in _COLUMNS.items()}
+        step = np.empty(int(starts[-1]), np.int64)
+        for (shape, arrays), a, b in zip(self._batches, starts[:-1], starts[1:], strict=True):
+            for name, column in (*cols.items(), ("step", step)):
+                column[a:b].reshape(shape)[...] = arrays[name]
         keep = cols["hi"] > cols["lo"]  # empty spans move nothing: both sides drop them
         if not keep.all():
             cols = {k: v[keep] for k, v in cols.items()}
@@ -176,17 +179,18 @@ class ScheduleBuilder:
                         send_op=send_op, recv_op=recv_op, tmp_elements=self.tmp_elements)
 
 
-def _pair_sequence(src: np.ndarray, dst: np.ndarray, rows: np.ndarray, p: int) -> tuple[
-        np.ndarray, np.ndarray]:
-    """For messages listed in program order, their number within each (src, dst) pair."""
+def _pair_order(src: np.ndarray, dst: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray,
+                                                                   np.ndarray]:
+    """For messages listed in program order: the (src, dst) pair key, the order that sorts
+    them by pair (program order kept inside a pair) and each one's number within its pair."""
     pair = src.astype(np.int64) * p + dst
-    order = np.lexsort((rows, pair))
+    order = np.argsort(pair, kind="stable")
     sorted_pair = pair[order]
     start = np.r_[0, np.flatnonzero(np.diff(sorted_pair)) + 1]
     first = np.repeat(start, np.diff(np.r_[start, len(order)]))
     seq = np.empty(len(order), np.int64)
     seq[order] = np.arange(len(order)) - first
-    return seq, pair
+    return pair, order, seq
 
 
 def _match_messages(cols: dict[str, np.ndarray], p: int, name: str) -> tuple[
@@ -195,14 +199,11 @@ def _match_messages(cols: dict[str, np.ndarray], p: int, name: str) -> tuple[
     tags = np.full(len(kind), -1, np.int64)
     sends = np.flatnonzero(kind == Kind.SEND)
     recvs = np.flatnonzero((kind == Kind.RECV) | (kind == Kind.RECV_REDUCE))
-    s_seq, s_pair = _pair_sequence(cols["rank"][sends], cols["peer"][sends], sends, p)
-    r_seq, r_pair = _pair_sequence(cols["peer"][recvs], cols["rank"][recvs], recvs, p)
+    s_pair, s_order, s_seq = _pair_order(cols["rank"][sends], cols["peer"][sends], p)
+    r_pair, r_order, r_seq = _pair_order(cols["peer"][recvs], cols["rank"][recvs], p)
     tags[sends], tags[recvs] = s_seq, r_seq
-    s_order = np.lexsort((s_seq, s_pair))
-    r_order = np.lexsort((r_seq, r_pair))
-    if len(sends) != len(recvs) or not (
-            np.array_equal(s_pair[s_order], r_pair[r_order])
-            and np.array_equal(s_seq[s_order], r_seq[r_order])):
+    # Sorted by pair and then by number within the pair, message i pairs send i with recv i.
+    if len(sends) != len(recvs) or not np.array_equal(s_pair[s_order], r_pair[r_order]):
         raise ScheduleError(f"{name}: sends and receives do not pair up")
     send_op, recv_op = sends[s_order], recvs[r_order]
     sizes = cols["hi"] - cols["lo"]
