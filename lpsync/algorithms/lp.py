@@ -62,8 +62,9 @@ def allreduce_lp(participants: int, count: int, root: int = 0, chunks: int = 1) 
     if p == 1:
         b.copy(0, 0, Buf.OUT, 0, count, Buf.IN, 0)
         return b.build()
-    # Reduce toward p-1: chunk c crosses link i -> i+1 in step c+i.
-    b.send(c, 0, 1, Buf.IN, lo, hi)
+    # Reduce toward p-1: chunk c crosses link i -> i+1 in step c+i. The head's sends read
+    # IN only, so all are issued up front: none waits behind a receive of a returning chunk.
+    b.send(0 * c, 0, 1, Buf.IN, lo, hi)
     mid = np.arange(1, p - 1)[:, None]
     b.recv_reduce(c + mid - 1, mid, mid - 1, Buf.OUT, lo, hi, Buf.IN, lo)
     b.send(c + mid, mid, mid + 1, Buf.OUT, lo, hi)
