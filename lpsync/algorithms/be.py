@@ -14,6 +14,7 @@ from lpsync.algorithms.patterns import (
     allgather_blocks,
     binomial_down,
     binomial_up,
+    partials_at_root,
     reduce_scatter_blocks,
     rotation,
 )
@@ -34,12 +35,8 @@ def broadcast_be(participants: int, count: int, root: int = 0, chunks: int = 1) 
 def reduce_be(participants: int, count: int, root: int = 0, chunks: int = 1) -> Schedule:
     p = participants
     b = ScheduleBuilder(Collective.REDUCE, "be", p, count, root)
-    if p == 1:
-        b.copy(0, root, Buf.OUT, 0, count, Buf.IN, 0)
-        return b.build()
     ranks, bounds = rotation(p, root), split(count, p)
-    work = np.full(p, Buf.TMP)
-    work[0] = Buf.OUT
+    work = partials_at_root(p)
     steps = reduce_scatter_blocks(b, ranks, bounds, 0, work, work, bounds[:-1])
     binomial_up(b, ranks, bounds, steps, work)
     b.need_tmp(count)
@@ -49,9 +46,6 @@ def reduce_be(participants: int, count: int, root: int = 0, chunks: int = 1) -> 
 def allreduce_be(participants: int, count: int, root: int = 0, chunks: int = 1) -> Schedule:
     p = participants
     b = ScheduleBuilder(Collective.ALLREDUCE, "be", p, count)
-    if p == 1:
-        b.copy(0, 0, Buf.OUT, 0, count, Buf.IN, 0)
-        return b.build()
     ranks, bounds = np.arange(p), split(count, p)
     out = np.full(p, Buf.OUT)
     steps = reduce_scatter_blocks(b, ranks, bounds, 0, out, out, bounds[:-1])
@@ -72,9 +66,6 @@ def reduce_scatter_be(participants: int, count: int, root: int = 0,
                       chunks: int = 1) -> Schedule:
     p = participants
     b = ScheduleBuilder(Collective.REDUCE_SCATTER, "be", p, count)
-    if p == 1:
-        b.copy(0, 0, Buf.OUT, 0, count, Buf.IN, 0)
-        return b.build()
     ranks, bounds = np.arange(p), np.arange(p + 1, dtype=np.int64) * count
     reduce_scatter_blocks(b, ranks, bounds, 0, np.full(p, Buf.TMP), np.full(p, Buf.OUT),
                           np.zeros(p, np.int64))

@@ -41,9 +41,6 @@ def reduce_lp(participants: int, count: int, root: int = 0, chunks: int = 1) -> 
     b = ScheduleBuilder(Collective.REDUCE, "lp", p, count, root, chunks)
     c, lo, hi = _chunks(count, chunks)
     chain = rotation(p, root + 1)  # chain[p-1] is the root
-    if p == 1:
-        b.copy(0, root, Buf.OUT, 0, count, Buf.IN, 0)
-        return b.build()
     b.send(c, chain[0], chain[1], Buf.IN, lo, hi)
     mid = np.arange(1, p - 1)[:, None]
     # Partials live in TMP so that a non-root's buffers keep their contents.
@@ -59,9 +56,6 @@ def allreduce_lp(participants: int, count: int, root: int = 0, chunks: int = 1) 
     p = participants
     b = ScheduleBuilder(Collective.ALLREDUCE, "lp", p, count, 0, chunks)
     c, lo, hi = _chunks(count, chunks)
-    if p == 1:
-        b.copy(0, 0, Buf.OUT, 0, count, Buf.IN, 0)
-        return b.build()
     # Reduce toward p-1: chunk c crosses link i -> i+1 in step c+i. The head's sends read
     # IN only, so all are issued up front: none waits behind a receive of a returning chunk.
     b.send(0 * c, 0, 1, Buf.IN, lo, hi)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lpsync.algorithms.patterns import binomial_down, binomial_up, rotation
+from lpsync.algorithms.patterns import binomial_down, binomial_up, partials_at_root, rotation
 from lpsync.algorithms.schedule import Buf, Schedule, ScheduleBuilder
 from lpsync.types import Collective
 
@@ -20,11 +20,7 @@ def broadcast_mst(participants: int, count: int, root: int = 0, chunks: int = 1)
 def reduce_mst(participants: int, count: int, root: int = 0, chunks: int = 1) -> Schedule:
     p = participants
     b = ScheduleBuilder(Collective.REDUCE, "mst", p, count, root)
-    if p == 1:
-        b.copy(0, root, Buf.OUT, 0, count, Buf.IN, 0)
-        return b.build()
-    work = np.full(p, Buf.TMP)
-    work[0] = Buf.OUT
+    work = partials_at_root(p)
     binomial_up(b, rotation(p, root), None, 0, work, 0, count, reduce=True)
     b.need_tmp(count)
     return b.build()
@@ -34,9 +30,6 @@ def allreduce_mst(participants: int, count: int, root: int = 0, chunks: int = 1)
     """Binomial reduce to participant 0, then binomial broadcast from it."""
     p = participants
     b = ScheduleBuilder(Collective.ALLREDUCE, "mst", p, count)
-    if p == 1:
-        b.copy(0, 0, Buf.OUT, 0, count, Buf.IN, 0)
-        return b.build()
     ranks = np.arange(p)
     steps = binomial_up(b, ranks, None, 0, np.full(p, Buf.OUT), 0, count, reduce=True)
     binomial_down(b, ranks, None, steps, Buf.OUT, Buf.OUT, 0, count)

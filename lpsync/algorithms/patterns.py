@@ -186,6 +186,14 @@ def binomial_up(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray | None
     return levels
 
 
+def partials_at_root(p: int) -> np.ndarray:
+    """Work buffers of a rooted reduction: the root sums into OUT, everyone else into TMP
+    (so a non-root's buffers keep their contents)."""
+    work = np.full(p, Buf.TMP)
+    work[0] = Buf.OUT
+    return work
+
+
 def rotation(p: int, root: int) -> np.ndarray:
     """Participants in position order with ``root`` at position 0."""
     return (root + np.arange(p)) % p

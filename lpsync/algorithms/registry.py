@@ -6,10 +6,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from lpsync.algorithms import be, lp, mst, ring
-from lpsync.algorithms.schedule import Schedule
+from lpsync.algorithms.schedule import Buf, Schedule, ScheduleBuilder
 from lpsync.errors import InvalidArgumentError
 from lpsync.types import Collective
 
+# (participants >= 2, count, root, chunks) -> Schedule; generate() handles one participant.
 Generator = Callable[[int, int, int, int], Schedule]
 
 
@@ -72,4 +73,8 @@ def generate(op: Collective, algorithm: str, participants: int, count: int, root
         raise InvalidArgumentError(f"chunks must be >= 1, got {chunks}")
     if algo.pipelined:
         chunks = max(1, min(chunks, count))
+    if participants == 1:  # every collective of one participant is a copy of IN to OUT
+        b = ScheduleBuilder(op, algorithm, 1, count, root, chunks if algo.pipelined else 1)
+        b.copy(0, 0, Buf.OUT, 0, count, Buf.IN, 0)
+        return b.build()
     return algo.generators[op](participants, count, root, chunks if algo.pipelined else 1)

@@ -13,9 +13,6 @@ def allreduce_ring(participants: int, count: int, root: int = 0, chunks: int = 1
     p = participants
     b = ScheduleBuilder(Collective.ALLREDUCE, "ring", p, count)
     ranks, bounds = np.arange(p), split(count, p)
-    if p == 1:
-        b.copy(0, 0, Buf.OUT, 0, count, Buf.IN, 0)
-        return b.build()
     steps = ring_reduce_scatter(b, ranks, bounds, 0, np.full(p, Buf.OUT), np.full(p, Buf.OUT),
                                 bounds[:-1])
     ring_allgather(b, ranks, bounds, steps, Buf.OUT)
@@ -27,9 +24,6 @@ def reduce_scatter_ring(participants: int, count: int, root: int = 0,
     p = participants
     b = ScheduleBuilder(Collective.REDUCE_SCATTER, "ring", p, count)
     ranks, bounds = np.arange(p), np.arange(p + 1, dtype=np.int64) * count
-    if p == 1:
-        b.copy(0, 0, Buf.OUT, 0, count, Buf.IN, 0)
-        return b.build()
     ring_reduce_scatter(b, ranks, bounds, 0, np.full(p, Buf.TMP), np.full(p, Buf.OUT),
                         np.zeros(p, np.int64))
     b.need_tmp(p * count)
