@@ -16,7 +16,9 @@ import numpy as np
 from lpsync.algorithms.schedule import Schedule
 from lpsync.engine.executor import Plan, deadline_after
 from lpsync.engine.reduce import Reduction
-from lpsync.errors import AbortedError, LpsyncError
+from lpsync.engine.routing import Placement, RoutedEndpoint
+from lpsync.engine.transport import Endpoint
+from lpsync.errors import AbortedError, InvalidArgumentError, LpsyncError
 from lpsync.transport.inproc import InprocFabric
 from lpsync.types import Collective
 
@@ -43,25 +45,47 @@ def layout(op: Collective, rank: int, participants: int, count: int, data: np.nd
 
 
 class LocalGroup:
-    """All participants of ``schedule`` bound to their buffers; ``run`` as often as needed."""
+    """This node's participants of ``schedule`` bound to their buffers; ``run`` as often as needed.
+
+    Without ``placement`` every participant is here and ``buffers`` lists them all in rank
+    order. With it (a multi-node collective) ``buffers`` lists the node's own participants
+    (``placement.local_ranks``) and ``remote`` is the node-level Endpoint that reaches the
+    other nodes (lpsync.engine.routing).
+    """
 
     def __init__(self, schedule: Schedule, buffers: Sequence[tuple[np.ndarray, np.ndarray]],
-                 reduction: Reduction | None) -> None:
-        self.schedule = schedule
-        self.plans = [Plan(schedule, r, bufs, reduction) for r, bufs in enumerate(buffers)]
+                 reduction: Reduction | None, placement: Placement | None = None,
+                 remote: Endpoint | None = None) -> None:
+        if (placement is None) != (remote is None):
+            raise InvalidArgumentError("a placement and a remote endpoint go together")
+        ranks = placement.local_ranks if placement is not None else list(range(len(buffers)))
+        if len(ranks) != len(buffers):
+            raise InvalidArgumentError(f"{len(buffers)} buffers for {len(ranks)} local participants")
+        self.schedule, self.placement, self.remote = schedule, placement, remote
+        self.plans = [Plan(schedule, r, bufs, reduction)
+                      for r, bufs in zip(ranks, buffers, strict=True)]
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.plans)),
                                         thread_name_prefix="lpsync-local")
 
-    def run(self, timeout: float) -> None:
-        """Run once; the first participant to fail aborts the others and its error is raised."""
-        fabric = InprocFabric(len(self.plans))
+    def _endpoint(self, fabric: InprocFabric, rank: int) -> Endpoint:
+        if self.placement is None or self.remote is None:
+            return fabric.endpoint(rank)
+        return RoutedEndpoint(rank, self.placement, fabric.endpoint(rank), self.remote)
+
+    def run(self, timeout: float, tag_base: int = 0) -> None:
+        """Run once; the first participant to fail aborts the others and its error is raised.
+
+        ``tag_base`` keeps the messages of successive collectives apart on a transport
+        that outlives them (the inter-node one).
+        """
+        fabric = InprocFabric(self.schedule.participants)
         deadline = deadline_after(timeout)
         errors: list[BaseException] = []
         lock = threading.Lock()
 
         def participant(plan: Plan) -> None:
             try:
-                plan.run(fabric.endpoint(plan.rank), deadline)
+                plan.run(self._endpoint(fabric, plan.rank), deadline, tag_base)
             except BaseException as error:  # any failure must release the others at once
                 with lock:
                     errors.append(error)

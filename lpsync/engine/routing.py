@@ -1,0 +1,84 @@
+"""Routing one collective's messages between the participants of several nodes.
+
+A multi-node collective is one schedule over every participant of the job, numbered
+node-major (node 0's local ranks first, then node 1's, ...), so an LP or ring chain
+crosses each node boundary once and its local and inter-node stages form one chunk
+pipeline. On each node the daemon runs the plans of its own participants; a message
+between two of them goes through the node's inproc fabric, a message to another node
+through the node-level transport (one Endpoint per daemon, peers = node indices) with
+sender, receiver and tag folded into the transport's tag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import numpy as np
+
+from lpsync.engine.transport import Endpoint, SendRequest
+from lpsync.errors import InvalidArgumentError
+
+# Folded tag: message tag (40 bits) | sender (12 bits) | receiver (12 bits) = 64 bits,
+# the width of a UCX tag.
+RANK_BITS, TAG_BITS = 12, 40
+MAX_PARTICIPANTS = 1 << RANK_BITS
+
+
+def fold(src: int, dst: int, tag: int) -> int:
+    if tag >= 1 << TAG_BITS:
+        raise InvalidArgumentError(f"message tag {tag} does not fit in {TAG_BITS} bits")
+    return (tag << 2 * RANK_BITS) | (src << RANK_BITS) | dst
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The node of every participant (node-major), and which node this is."""
+
+    node_of: tuple[int, ...]
+    node: int
+
+    @classmethod
+    def node_major(cls, ranks_per_node: Sequence[int], node: int) -> Placement:
+        if any(n < 1 for n in ranks_per_node):
+            raise InvalidArgumentError("every node needs at least one participant")
+        if sum(ranks_per_node) > MAX_PARTICIPANTS:
+            raise InvalidArgumentError(f"at most {MAX_PARTICIPANTS} participants per job")
+        if not 0 <= node < len(ranks_per_node):
+            raise InvalidArgumentError(f"node {node} is not one of {len(ranks_per_node)}")
+        return cls(tuple(i for i, n in enumerate(ranks_per_node) for _ in range(n)), node)
+
+    @property
+    def local_ranks(self) -> list[int]:
+        return [r for r, n in enumerate(self.node_of) if n == self.node]
+
+
+class RoutedEndpoint:
+    """The Endpoint of participant ``rank``: local peers via ``local``, others via ``remote``."""
+
+    def __init__(self, rank: int, placement: Placement, local: Endpoint, remote: Endpoint) -> None:
+        self.rank, self.size = rank, len(placement.node_of)
+        self._node_of, self._node = placement.node_of, placement.node
+        self._local, self._remote = local, remote
+
+    def _is_local(self, peer: int) -> bool:
+        return self._node_of[peer] == self._node
+
+    def send(self, peer: int, tag: int, data: np.ndarray) -> SendRequest:
+        if self._is_local(peer):
+            return self._local.send(peer, tag, data)
+        return self._remote.send(self._node_of[peer], fold(self.rank, peer, tag), data)
+
+    def recv_into(self, peer: int, tag: int, out: np.ndarray, deadline: float) -> None:
+        if self._is_local(peer):
+            self._local.recv_into(peer, tag, out, deadline)
+        else:
+            self._remote.recv_into(self._node_of[peer], fold(peer, self.rank, tag), out, deadline)
+
+    def recv_borrow(self, peer: int, tag: int, nbytes: int,
+                    deadline: float) -> AbstractContextManager[np.ndarray]:
+        if self._is_local(peer):
+            return self._local.recv_borrow(peer, tag, nbytes, deadline)
+        return self._remote.recv_borrow(self._node_of[peer], fold(peer, self.rank, tag), nbytes,
+                                        deadline)
