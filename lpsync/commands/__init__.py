@@ -1,0 +1,1 @@
+"""Subcommands of the ``lpsync`` console script; each exposes add_parser() and run()."""
