@@ -32,7 +32,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LpSync"].full_name
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
-    """Every call must carry ``authorization: Bearer <token>`` (compared in constant time)."""
+    """Every call must carry ``authorization: Bearer <token>`` (compared in constant time),
+    except health checks, which probes make without credentials and which reveal nothing."""
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
@@ -44,6 +45,8 @@ class TokenInterceptor(grpc.ServerInterceptor):
         self._deny = deny
 
     def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith("/grpc.health.v1.Health/"):
+            return continuation(handler_call_details)
         given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
         if hmac.compare_digest(str(given).encode(), self._expected):
             return continuation(handler_call_details)

@@ -99,3 +99,48 @@ def check_cases(rank: int, socket: str, job: str, world: int, cases: list) -> li
                 failures.append(f"{label}: got {np.asarray(result)[:6]} want {want[:6]}")
             digest.update(np.ascontiguousarray(result).view(np.uint8).tobytes())
     return [*failures, "digest:" + digest.hexdigest()]
+
+
+def mismatch(rank: int, socket: str, job: str) -> dict:
+    """Rank 0 and rank 1 disagree on count (and rank 1 on dtype in the second call)."""
+    with lpsync_client.connect(socket, job=job, rank=rank, world_size=2, timeout=10) as c:
+        out = {}
+        x = c.zeros(8 if rank == 0 else 4, "float32")
+        try:
+            c.allreduce(x)
+        except lpsync_client.MismatchError as error:
+            out["count"] = (type(error).__name__, str(error), error.buffer_state)
+        y = c.zeros(4, "float32" if rank == 0 else "int32")
+        try:
+            c.allreduce(y, out=c.zeros(4, y.dtype))
+        except lpsync_client.InvalidArgumentError as error:
+            out["dtype"] = (type(error).__name__, str(error), error.buffer_state)
+        c.barrier()  # the job still works afterwards
+        z = c.zeros(3, "int32")
+        z[:] = rank + 1
+        c.allreduce(z)
+        out["after"] = z.tolist()
+        return out
+
+
+def attach_and_wait(rank: int, socket: str, job: str, world: int, ready, hold: float) -> None:
+    """Attach, allocate buffers, start an allreduce (rank != 0 only waits), then sleep to be
+    killed."""
+    import time
+
+    c = lpsync_client.connect(socket, job=job, rank=rank, world_size=world, timeout=60)
+    c.zeros(1 << 16, "float32")
+    c.register(np.zeros(100, np.float64))
+    ready.set()
+    time.sleep(hold)
+
+
+def isolated(rank: int, socket: str, job: str, value: int) -> list:
+    with lpsync_client.connect(socket, job=job, rank=rank, world_size=2, timeout=20) as c:
+        results = []
+        for i in range(20):
+            x = c.zeros(16, "int64")
+            x[:] = value * (rank + 1) + i
+            c.allreduce(x)
+            results.append(int(x[0]))
+        return results
