@@ -166,7 +166,8 @@ def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
         small = rows["lpsync"][0]
         lines.append(f"# smallest size: median {small.median() * 1e6:.1f} us = "
                      f"{small.median() / statistics.median(small.pings):.2f}x the median "
-                     "round trip measured just before it")
+                     f"round trip ({statistics.median(small.pings) * 1e6:.1f} us) measured in "
+                     "rounds alternating with it")
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 DTYPE = "float32"
+ROUNDS = 5
 
 
 def iterations(nbytes: int, forced: int) -> int:
@@ -63,20 +64,24 @@ def run(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int],
             buf = client.zeros(count * world if op in ("allgather", "reduce_scatter")
                                else count, DTYPE)
             n = iterations(nbytes, iters)
-            client.barrier()
-            pings = []
-            for _ in range(min(n, 200)):
-                t = time.perf_counter()
-                client.ping()
-                pings.append(time.perf_counter() - t)
             for _ in range(warmup):
                 call(buf, **kwargs)
-            client.barrier()
-            times = []
-            for _ in range(n):
-                t = time.perf_counter()
-                call(buf, **kwargs)
-                times.append(time.perf_counter() - t)
+            # Pings and collectives alternate in rounds, so both see the same machine
+            # (the latency criterion compares their medians).
+            pings: list[float] = []
+            times: list[float] = []
+            rounds = ROUNDS if n >= 10 * ROUNDS else 1
+            for _ in range(rounds):
+                client.barrier()
+                for _ in range(max(1, min(n, 1000) // rounds)):
+                    t = time.perf_counter()
+                    client.ping()
+                    pings.append(time.perf_counter() - t)
+                client.barrier()
+                for _ in range(n // rounds):
+                    t = time.perf_counter()
+                    call(buf, **kwargs)
+                    times.append(time.perf_counter() - t)
             _fill(op, buf, rank, world, count)
             client.barrier()
             call(buf, **kwargs)

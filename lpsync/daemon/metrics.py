@@ -35,16 +35,25 @@ class Metrics:
             registry=r)
         self.peer_link_bw = Gauge(
             "lpsync_peer_link_bytes_per_second", "Peer link bandwidth", ["peer"], registry=r)
+        self._children: dict[tuple[str, str, str], tuple] = {}
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
 
     def collective_done(self, op: str, algorithm: str, dtype: str, nbytes: int, seconds: float,
                         busbw_factor: float) -> None:
-        self.collective_seconds.labels(op, algorithm, dtype).observe(seconds)
-        self.collective_bytes.labels(op).inc(nbytes)
+        # labels() costs more than the observation: keep the children per label set.
+        key = (op, algorithm, dtype)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (self.collective_seconds.labels(*key),
+                                              self.collective_bytes.labels(op),
+                                              self.busbw.labels(op))
+        seconds_child, bytes_child, busbw_child = children
+        seconds_child.observe(seconds)
+        bytes_child.inc(nbytes)
         if seconds > 0 and nbytes:
-            self.busbw.labels(op).set(nbytes / seconds * busbw_factor)
+            busbw_child.set(nbytes / seconds * busbw_factor)
 
     def collective_failed(self, op: str, code: str) -> None:
         self.collective_errors.labels(op, code).inc()

@@ -39,13 +39,16 @@ from lpsync.errors import (
     NotFoundError,
     UnavailableError,
 )
-from lpsync.types import Collective, ReduceOp, dtype_of, parse_reduce_op
+from lpsync.types import DTYPES, Collective, ReduceOp, dtype_of, parse_reduce_op
 
 log = logging.getLogger("lpsync.daemon")
 
 OPS = {c.value for c in Collective} | {execute.BARRIER}
 _STATE = {"INTACT": pb.INTACT, "PARTIAL": pb.PARTIAL, "": pb.BUFFER_STATE_UNSPECIFIED}
 _RECENT = 256
+_ITEMSIZE = {name: dt.itemsize for name, dt in DTYPES.items()}
+_RECORD_FIELDS = ("job", "sequence", "op", "dtype", "count", "algorithm", "seconds", "code",
+                  "finished_at")
 
 
 class Service(pb_grpc.LpSyncServicer):
@@ -56,7 +59,9 @@ class Service(pb_grpc.LpSyncServicer):
                                      on_bytes=metrics.registered_bytes.set)
         self.watcher = Watcher()
         self.jobs = Jobs(self.watcher, self._run, self._record)
-        self.recent: deque[pb.CollectiveRecord] = deque(maxlen=_RECENT)
+        # (job, seq, op, dtype, count, algorithm, seconds, code, unix time); made into
+        # messages only when Status asks, to keep the collective path short.
+        self.recent: deque[tuple] = deque(maxlen=_RECENT)
         self._closing = False
         self._running = 0
         self._idle = threading.Condition()
@@ -268,7 +273,8 @@ class Service(pb_grpc.LpSyncServicer):
                                      staged=b.staged)
         recent = list(self.recent)
         limit = request.recent or 20
-        response.recent.extend(recent[-limit:])
+        for entry in recent[-limit:]:
+            response.recent.add(**dict(zip(_RECORD_FIELDS, entry, strict=True)))
         return response
 
     # -- collectives -------------------------------------------------------------------------
@@ -334,14 +340,12 @@ class Service(pb_grpc.LpSyncServicer):
     def _record(self, job: Job, pending: Pending, outcome: Outcome) -> None:
         spec = pending.spec
         code = "OK" if outcome.error is None else outcome.error.code
-        self.recent.append(pb.CollectiveRecord(
-            job=job.name, sequence=pending.sequence, op=spec.op, dtype=spec.dtype,
-            count=spec.count, algorithm=outcome.algorithm, seconds=outcome.seconds, code=code,
-            finished_at=time.time()))
+        self.recent.append((job.name, pending.sequence, spec.op, spec.dtype, spec.count,
+                            outcome.algorithm, outcome.seconds, code, time.time()))
         if outcome.error is not None:
             self.metrics.collective_failed(spec.op, code)
             return
-        itemsize = dtype_of(spec.dtype).itemsize if spec.dtype else 0
+        itemsize = _ITEMSIZE.get(spec.dtype, 0)
         nbytes = (execute.nccl_bytes(spec.op, spec.count, itemsize, job.world_size)
                   if itemsize else 0)
         self.metrics.collective_done(spec.op, outcome.algorithm, spec.dtype, nbytes,

@@ -42,6 +42,8 @@ class Session:
     pid: int
     attached_at: float = field(default_factory=time.time)
     buffers: dict[int, Buffer] = field(default_factory=dict)
+    # Typed views of the buffers by (handle, offset, dtype, count): planned once, reused.
+    views: dict[tuple, np.ndarray] = field(default_factory=dict)
     nbytes: int = 0
     # Called once when the session ends (closes its Session stream's response side).
     on_close: list[Callable[[], None]] = field(default_factory=list)
@@ -95,6 +97,7 @@ class SessionTable:
             self._sessions.pop(session.id, None)
             buffers = list(session.buffers.values())
             session.buffers.clear()
+            session.views.clear()
             self._total -= session.nbytes
             session.nbytes = 0
             total = self._total
@@ -144,6 +147,7 @@ class SessionTable:
             buffer = session.buffers.pop(handle, None)
             if buffer is None:
                 raise NotFoundError(f"session has no buffer with handle {handle}")
+            session.views = {k: v for k, v in session.views.items() if k[0] != handle}
             session.nbytes -= buffer.segment.nbytes
             self._total -= buffer.segment.nbytes
             total = self._total
@@ -154,6 +158,10 @@ class SessionTable:
     def view(self, session: Session, handle: int, offset: int, dtype: np.dtype,
              count: int) -> np.ndarray:
         """``count`` elements of ``dtype`` at byte ``offset`` of one of the session's buffers."""
+        key = (handle, offset, dtype, count)
+        cached = session.views.get(key)
+        if cached is not None:
+            return cached
         with self._lock:
             buffer = session.buffers.get(handle)
         if buffer is None:
@@ -165,7 +173,13 @@ class SessionTable:
                 f"{buffer.segment.nbytes} bytes")
         if offset % dtype.itemsize:
             raise InvalidArgumentError(f"offset {offset} is not aligned to {dtype} elements")
-        return buffer.segment.array[offset:offset + nbytes].view(dtype)
+        view = buffer.segment.array[offset:offset + nbytes].view(dtype)
+        with self._lock:
+            if handle in session.buffers:  # not released meanwhile
+                if len(session.views) > 256:
+                    session.views.clear()
+                session.views[key] = view
+        return view
 
     def close_all(self) -> None:
         for session in self.all():

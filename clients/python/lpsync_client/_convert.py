@@ -14,9 +14,17 @@ from lpsync_client.errors import InvalidArgumentError
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int32", "int64", "uint8")
 
 
+_NAMES: dict[np.dtype, str] = {}
+
+
 def dtype_name(dtype: np.dtype) -> str:
+    name = _NAMES.get(dtype)
+    if name is not None:
+        return name
     name = np.dtype(dtype).name
-    if name not in DTYPES:
+    if name in DTYPES:
+        _NAMES[dtype] = name
+    else:
         raise InvalidArgumentError(f"dtype {dtype} is not supported; use one of "
                                    f"{', '.join(DTYPES)}")
     return name
@@ -41,6 +49,8 @@ def as_numpy(x: object) -> tuple[np.ndarray, str]:
     """(a C-contiguous 1-D view sharing x's memory, dtype name)."""
     arr: np.ndarray
     name = ""
+    if type(x) is np.ndarray and x.flags.c_contiguous:  # the hot path
+        return x.reshape(-1), dtype_name(x.dtype)
     if isinstance(x, np.ndarray):
         arr = x
     elif type(x).__module__.startswith("torch"):

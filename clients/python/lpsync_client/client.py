@@ -17,6 +17,7 @@ concurrent.futures.Future. Collectives must be issued in the same order on every
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Sequence
@@ -78,6 +79,24 @@ class _Operand:
     scratch: _Segment | None = None
 
 
+def _span(a: np.ndarray) -> tuple:
+    return (a.__array_interface__["data"][0], a.nbytes, a.dtype, a.flags.c_contiguous)
+
+
+def _copy(message: pb.SessionRequest) -> pb.SessionRequest:
+    fresh = pb.SessionRequest()
+    fresh.CopyFrom(message)
+    return fresh
+
+
+def _plain(result: object, response: pb.SessionResponse) -> object:
+    """Completion of a collective over shared-memory arrays: nothing to copy back."""
+    r = response.result
+    if r.code != "OK":
+        raise from_status(r.code, r.message, r.error, _STATES.get(r.buffer_state, ""))
+    return result
+
+
 class Client:
     """One attached rank. Prefer :func:`connect`, which reads torchrun's environment."""
 
@@ -100,6 +119,8 @@ class Client:
         self._lock = threading.Lock()
         self._sequence = 0
         self._closed = False
+        # Prepared requests by (op, spans, parameters) for arrays in shared memory.
+        self._prepared: dict[tuple, pb.SessionRequest] = {}
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
             attached = self._call(self._stub.Attach, pb.AttachRequest(
@@ -183,6 +204,7 @@ class Client:
                                                          handle=segment.handle))
         with self._lock:
             self._segments.pop(segment.handle, None)
+            self._prepared.clear()  # an address may come back in another segment
         segment.mapping.close()
 
     def _operand(self, x: object, writes: bool) -> _Operand:
@@ -222,6 +244,7 @@ class Client:
                                                          handle=handle))
         with self._lock:
             segment = self._segments.pop(handle, None)
+            self._prepared.clear()
         if segment is not None:
             segment.mapping.close()
 
@@ -230,10 +253,22 @@ class Client:
                 reduce_op: str = "", algorithm: str | None = None, timeout: float | None = None,
                 name: str = "") -> Future:
         timeout = self.timeout if timeout is None else timeout
+        # Hot path: arrays already in shared memory, a call seen before -> copy a prepared
+        # request, number it, send. No lookups, no staging.
+        key = None
+        if type(x) is np.ndarray and (out is None or type(out) is np.ndarray):
+            key = (op, _span(x), None if out is None else _span(out), root, reduce_op,
+                   algorithm, timeout, name)
+            template = self._prepared.get(key)
+            if template is not None:
+                return self._send(_copy(template),
+                                  functools.partial(_plain, x if out is None else out))
         operands: list[_Operand] = []
-        request = pb.CollectiveRequest(session_id=self.session_id, op=op, root=root,
-                                       reduce_op=reduce_op, algorithm=algorithm or "",
-                                       timeout=timeout, name=name)
+        message = pb.SessionRequest()
+        request = message.collective
+        request.session_id, request.op, request.root = self.session_id, op, root
+        request.reduce_op, request.algorithm = reduce_op, algorithm or ""
+        request.timeout, request.name = timeout, name
         try:
             if x is not None:
                 a = self._operand(x, writes=out is None)
@@ -274,10 +309,18 @@ class Client:
             finally:
                 self._recycle(operands)
 
+        if key is not None and all(o.copy_in is None and o.scratch is None for o in operands):
+            with self._lock:
+                if len(self._prepared) > 1024:
+                    self._prepared.clear()
+                self._prepared[key] = _copy(message)  # unnumbered; copied for each call
+        return self._send(message, complete)
+
+    def _send(self, message: pb.SessionRequest, hook) -> Future:
         with self._lock:  # sequence numbers leave in submission order
             self._sequence += 1
-            request.sequence = self._sequence
-            return self._stream.submit(pb.SessionRequest(collective=request), complete)
+            message.collective.sequence = self._sequence
+            return self._stream.submit(message, hook)
 
     def _recycle(self, operands: list[_Operand]) -> None:
         for operand in operands:
