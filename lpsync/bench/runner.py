@@ -29,6 +29,7 @@ class Row:
     # Empty round trips on the Session stream, every rank's (pings are not synchronised
     # across ranks, so there is no "slowest rank per ping").
     pings: list[float] = field(default_factory=list)
+    algorithm: str = ""  # what the daemon ran (lpsync rows)
 
     def median(self) -> float:
         return statistics.median(self.times)
@@ -85,6 +86,7 @@ def run(options: Options) -> dict[str, list[Row]]:
         p.start()
     engines = ["lpsync"] + ([options.compare] if options.compare else [])
     partial: dict[tuple[str, int], list] = {}
+    algorithms: dict[tuple[str, int], str] = {}
     rows: dict[str, list[Row]] = {e: [] for e in engines}
     expected = len(engines) * len(options.sizes)
     deadline = time.monotonic() + options.timeout
@@ -94,17 +96,19 @@ def run(options: Options) -> dict[str, list[Row]]:
             if time.monotonic() > deadline or stopped:
                 raise SystemExit("lpsync bench: rank processes stopped early")
             try:
-                engine, _rank, nbytes, count, times, wrong, pings = queue.get(timeout=1.0)
+                engine, rank, nbytes, count, times, wrong, pings, algo = queue.get(timeout=1.0)
             except Exception:
                 continue
             key = (engine, nbytes)
             partial.setdefault(key, []).append((times, wrong, pings, count))
+            if rank == 0:
+                algorithms[key] = algo
             if len(partial[key]) == options.procs:
                 got = partial.pop(key)
                 row = Row(nbytes, got[0][3], [max(t) for t in zip(*[g[0] for g in got],
                                                                 strict=True)],
                           sum(g[1] for g in got),
-                          [p for g in got for p in g[2]])
+                          [p for g in got for p in g[2]], algorithms.get(key, ""))
                 rows[engine].append(row)
                 done = sum(len(v) for v in rows.values())
                 print(f"[{done}/{expected}] {engine} {human(nbytes)}: "
@@ -131,7 +135,7 @@ def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
         return {"time_us": t * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * factor,
                 "wrong": row.wrong, "mean_us": statistics.fmean(row.times) * 1e6,
                 "p10_us": _pct(row.times, 10) * 1e6, "p90_us": _pct(row.times, 90) * 1e6,
-                "iterations": len(row.times),
+                "iterations": len(row.times), "algorithm": row.algorithm,
                 "ping_median_us": statistics.median(row.pings) * 1e6 if row.pings else None}
 
     if as_json:
@@ -160,10 +164,13 @@ def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
             line += f" | {rows[engines[1]][i].median() / row.median():>6.2f}x"
         lines.append(line)
     pings = [p for r in rows["lpsync"] for p in r.pings]
+    algorithms = ", ".join(f"{human(r.nbytes)}: {r.algorithm}" for r in rows["lpsync"])
+    lines.append(f"# lpsync algorithm per size (the daemon's choice): {algorithms}")
     if pings:
         lines.append(f"# Session round trip (empty Ping, same processes and stream): median "
                      f"{statistics.median(pings) * 1e6:.1f} us over {len(pings)} pings")
         small = rows["lpsync"][0]
+    if pings and small.nbytes <= 1024:
         lines.append(f"# smallest size: median {small.median() * 1e6:.1f} us = "
                      f"{small.median() / statistics.median(small.pings):.2f}x the median "
                      f"round trip ({statistics.median(small.pings) * 1e6:.1f} us) measured in "

@@ -86,7 +86,10 @@ def run(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int],
             client.barrier()
             call(buf, **kwargs)
             wrong = _wrong(op, buf, rank, world, count, root)
-            queue.put(("lpsync", rank, nbytes, count, times, wrong, pings))
+            recent = client.status().recent if rank == 0 else []
+            mine = [r for r in recent if r.job == job]
+            queue.put(("lpsync", rank, nbytes, count, times, wrong, pings,
+                       mine[-1].algorithm if mine else ""))
             client.release(buf)
             del buf
     if compare == "gloo":
@@ -128,7 +131,7 @@ def _gloo(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int
             call()
             wrong = _wrong(op, arr, rank, world, count, 0) if op != "reduce_scatter" else \
                 int(np.count_nonzero(mine.numpy() != world * (world + 1) / 2))
-            queue.put(("gloo", rank, nbytes, count, times, wrong, []))
+            queue.put(("gloo", rank, nbytes, count, times, wrong, [], "gloo"))
     finally:
         dist.destroy_process_group()
 

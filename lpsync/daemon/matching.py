@@ -235,13 +235,13 @@ class Job:
             except Exception as error:  # a bug: report it rather than hang the participants
                 log.exception("collective failed unexpectedly")
                 outcome = Outcome(LpsyncError(f"internal error: {error!r}"))
-        self._record(self, pending, outcome)
         for arrival in pending.arrivals.values():
             state = outcome.buffer_state
             if outcome.error is not None:
                 state = PARTIAL if arrival.in_place else UNSPECIFIED
             arrival.done(Outcome(outcome.error, state, outcome.algorithm, outcome.chunks,
                                  outcome.seconds))
+        self._record(self, pending, outcome)  # after the replies: off the critical path
 
 
 class Jobs:
