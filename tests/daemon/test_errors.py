@@ -189,3 +189,13 @@ def test_jobs_run_concurrently_without_crosstalk(daemon) -> None:
         t.join(120)
     assert results["c"][0] == [3 + 2 * i for i in range(20)]
     assert results["d"][1] == [300 + 2 * i for i in range(20)]
+
+
+def test_failed_inplace_collective_reports_partial(daemon) -> None:
+    from workers import partial_inplace
+
+    states = run_ranks(2, partial_inplace, daemon.socket, "partial")
+    for s in states:
+        assert "PARTIAL" in s[:3], s  # at least one attempt timed out while running
+        # Out of place: the error carries no buffer state and the input is untouched.
+        assert s[3] in ("out-of-place::1:1",), s

@@ -144,3 +144,27 @@ def isolated(rank: int, socket: str, job: str, value: int) -> list:
             c.allreduce(x)
             results.append(int(x[0]))
         return results
+
+
+def partial_inplace(rank: int, socket: str, job: str) -> list:
+    """A large in-place allreduce whose timeout passes while it runs: PARTIAL, not INTACT.
+    Tried a few times (the arrival wait itself may take the whole budget: then INTACT)."""
+    states = []
+    with lpsync_client.connect(socket, job=job, rank=rank, world_size=2, timeout=30) as c:
+        x = c.zeros(32 << 20, "float32")  # 128 MiB: far longer than the 20 ms budget
+        for _ in range(3):
+            c.barrier()
+            try:
+                c.allreduce(x, algorithm="lp", timeout=0.02)
+                states.append("OK")
+            except lpsync_client.TimeoutError as error:
+                states.append(error.buffer_state)
+        src = c.zeros(32 << 20, "float32")
+        src[:] = 1
+        out = c.zeros(32 << 20, "float32")
+        c.barrier()
+        try:
+            c.allreduce(src, out=out, algorithm="lp", timeout=0.02)
+        except lpsync_client.TimeoutError as error:
+            states.append(f"out-of-place:{error.buffer_state}:{int(src.min())}:{int(src.max())}")
+    return states
