@@ -51,3 +51,28 @@ def test_two_ranks(daemon) -> None:
 
 def test_three_ranks(daemon) -> None:
     _check(daemon, 3, "three")
+
+
+def test_async_calls_in_flight_together(daemon) -> None:
+    from workers import async_and_barrier
+
+    r0, r1 = run_ranks(2, async_and_barrier, daemon.socket, "async")
+    assert r0 == r1 == [3, 6, 9, 12, 15, 18, 2.0]
+
+
+def test_bench_smoke(daemon) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from harness import ROOT
+
+    out = subprocess.run([sys.executable, "-m", "lpsync.cli", "bench", "--op", "allreduce",
+                          "--bytes", "4,512KiB", "--procs", "2", "--iters", "10", "--json",
+                          "--socket", daemon.socket], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120, check=True).stdout
+    report = json.loads(out)
+    rows = report["results"]["lpsync"]
+    assert [r["size"] for r in rows] == [4, 512 * 1024]
+    assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows)
+    assert rows[0]["algorithm"] == "direct" and rows[0]["ping_median_us"] > 0

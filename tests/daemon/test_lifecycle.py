@@ -172,3 +172,25 @@ def test_torch_tensor_and_buffer_protocol(daemon) -> None:
         c.broadcast(raw)
         assert np.frombuffer(raw, np.int32).tolist() == [0, 1, 2, 3]
         h.release()
+
+
+def _threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no thread count")
+
+
+def test_sessions_leave_no_threads_behind(daemon) -> None:
+    from harness import run_ranks
+    from workers import isolated
+
+    run_ranks(2, isolated, daemon.socket, "warm", 1)
+    time.sleep(0.5)
+    baseline = _threads(daemon.pid)
+    for n in range(3):
+        run_ranks(2, isolated, daemon.socket, f"t{n}", 1)
+    with lpsync_client.connect(daemon.socket, job="big", rank=0, world_size=1) as c:
+        c.allreduce(c.zeros(1 << 20), algorithm="lp")  # a pipelined group with its threads
+    time.sleep(0.5)
+    assert _threads(daemon.pid) <= baseline + 2, (baseline, _threads(daemon.pid))

@@ -168,3 +168,18 @@ def partial_inplace(rank: int, socket: str, job: str) -> list:
         except lpsync_client.TimeoutError as error:
             states.append(f"out-of-place:{error.buffer_state}:{int(src.min())}:{int(src.max())}")
     return states
+
+
+def async_and_barrier(rank: int, socket: str, job: str) -> list:
+    """Several collectives in flight at once (futures), completed in order."""
+    with lpsync_client.connect(socket, job=job, rank=rank, world_size=2, timeout=20) as c:
+        bufs = [c.zeros(5, "int32") for _ in range(6)]
+        for i, b in enumerate(bufs):
+            b[:] = (rank + 1) * (i + 1)
+        futures = [c.allreduce_async(b) for b in bufs]
+        futures.append(c.barrier_async())
+        big = np.full(100_000, rank + 1, np.float32)  # staged: not in shared memory
+        futures.append(c.allreduce_async(big, op="max"))
+        results = [f.result(timeout=20) for f in futures]
+        assert results[-1] is big
+        return [int(b[0]) for b in bufs] + [float(big[0])]
