@@ -26,6 +26,7 @@ from lpsync.daemon.config import DaemonConfig
 from lpsync.daemon.metrics import Metrics
 from lpsync.daemon.servicer import Service
 from lpsync.errors import InvalidArgumentError
+from lpsync.memory import reclaim_stale
 
 log = logging.getLogger("lpsync.daemon")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LpSync"].full_name
@@ -88,6 +89,10 @@ class Daemon:
         self.socket = Path(config.socket) if config.socket else None
 
     def start(self) -> None:
+        reclaimed = reclaim_stale()
+        if reclaimed:
+            log.warning("unlinked shared memory of daemons that died",
+                        extra={"segments": reclaimed})
         if self.socket is not None:
             self.socket.parent.mkdir(parents=True, exist_ok=True)
             if self.socket.exists():

@@ -84,3 +84,22 @@ def leaked_segments(pid: int | None = None) -> list[str]:
     """Names of lpsync segments in /dev/shm (of the daemon ``pid`` if given)."""
     prefix = PREFIX if pid is None else f"{PREFIX}{pid}-"
     return sorted(p.name for p in SHM_DIR.glob(f"{prefix}*"))
+
+
+def reclaim_stale() -> list[str]:
+    """Unlink the segments of lpsync daemons that are no longer running (a daemon killed
+    with SIGKILL cannot clean up after itself). A live pid is left alone, whoever it is."""
+    reclaimed = []
+    for path in SHM_DIR.glob(f"{PREFIX}*"):
+        try:
+            pid = int(path.name[len(PREFIX):].split("-", 1)[0])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            reclaimed.append(path.name)
+        except PermissionError:
+            pass  # alive, another user's
+    return sorted(reclaimed)

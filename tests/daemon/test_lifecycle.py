@@ -194,3 +194,24 @@ def test_sessions_leave_no_threads_behind(daemon) -> None:
         c.allreduce(c.zeros(1 << 20), algorithm="lp")  # a pipelined group with its threads
     time.sleep(0.5)
     assert _threads(daemon.pid) <= baseline + 2, (baseline, _threads(daemon.pid))
+
+
+def test_restart_after_sigkill_reclaims_shared_memory(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path)
+    c = lpsync_client.connect(d.socket, job="k", rank=0, world_size=1)
+    c.zeros(1024)
+    assert len(shm_segments(d.pid)) == 1
+    d.proc.kill()  # no chance to clean up
+    d.proc.wait(10)
+    d._log.close()
+    assert len(shm_segments(d.pid)) == 1
+    with pytest.raises(lpsync_client.LpsyncError):
+        c.allreduce(np.zeros(2), timeout=5)
+    c.close()
+    again = DaemonProcess(tmp_path)  # replaces the stale socket, unlinks the old segments
+    try:
+        assert shm_segments(d.pid) == []
+        with lpsync_client.connect(again.socket, job="k", rank=0, world_size=1) as c2:
+            c2.barrier()
+    finally:
+        again.stop_and_check()
