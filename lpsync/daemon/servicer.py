@@ -46,6 +46,7 @@ log = logging.getLogger("lpsync.daemon")
 OPS = {c.value for c in Collective} | {execute.BARRIER}
 _STATE = {"INTACT": pb.INTACT, "PARTIAL": pb.PARTIAL, "": pb.BUFFER_STATE_UNSPECIFIED}
 _RECENT = 256
+_MAX_TIMEOUT = 7 * 86400.0
 _ITEMSIZE = {name: dt.itemsize for name, dt in DTYPES.items()}
 _RECORD_FIELDS = ("job", "sequence", "op", "dtype", "count", "algorithm", "seconds", "code",
                   "finished_at")
@@ -285,9 +286,9 @@ class Service(pb_grpc.LpSyncServicer):
             raise InvalidArgumentError(
                 f"unknown collective {op!r}; expected one of {', '.join(sorted(OPS))}")
         timeout = request.timeout or self.config.timeout
-        if not (timeout > 0 and math.isfinite(timeout)):
-            raise InvalidArgumentError(f"timeout must be a positive number of seconds, got "
-                                       f"{request.timeout}")
+        if not (0 < timeout <= _MAX_TIMEOUT and math.isfinite(timeout)):
+            raise InvalidArgumentError(f"timeout must be between 0 and {_MAX_TIMEOUT:g} "
+                                       f"seconds, got {request.timeout}")
         if op == execute.BARRIER:
             spec = Spec(op, "", 0, 0, "", "", request.name)
             return Arrival(session.rank, request.sequence, spec, timeout, None, None, (), done)

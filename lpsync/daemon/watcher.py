@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 log = logging.getLogger("lpsync.daemon")
+_MAX_SLEEP = 3600.0
 
 
 class Timer:
@@ -60,7 +61,9 @@ class Watcher:
                         heapq.heappop(self._heap)
                     if self._heap and self._heap[0][0] <= time.monotonic():
                         break
-                    timeout = self._heap[0][0] - time.monotonic() if self._heap else None
+                    # Capped so a far deadline never overflows the lock's timeout.
+                    timeout = (min(self._heap[0][0] - time.monotonic(), _MAX_SLEEP)
+                               if self._heap else None)
                     self._cond.wait(timeout)
                 if self._stopped:
                     return
