@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -44,6 +45,10 @@ class DaemonConfig:
             raise InvalidArgumentError(
                 "--listen needs --tls-cert, --tls-key and --token-file: the TCP listener "
                 "never runs without TLS and a token")
+        if not re.fullmatch(r"cpu(:\d+)?", self.devices):
+            raise InvalidArgumentError(
+                f"--devices {self.devices!r}: this version serves CPU shared memory only "
+                "(cpu or cpu:N); CUDA devices come with a later issue")
         if self.timeout <= 0 or self.max_buffer_bytes <= 0 or self.max_session_bytes <= 0:
             raise InvalidArgumentError("timeout and byte limits must be positive")
 

@@ -215,3 +215,31 @@ def test_restart_after_sigkill_reclaims_shared_memory(tmp_path: Path) -> None:
             c2.barrier()
     finally:
         again.stop_and_check()
+
+
+class _DlpackOnly:
+    """An object that offers only the DLPack protocol (no buffer protocol, not numpy)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self._array = array
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
+
+def test_dlpack_object_is_staged(daemon) -> None:
+    backing = np.arange(5, dtype=np.int64)
+    with lpsync_client.connect(daemon.socket, job="dl", rank=0, world_size=1) as c:
+        h = c.register(_DlpackOnly(backing))
+        c.allreduce(h, op="max")
+        assert backing.tolist() == [0, 1, 2, 3, 4]
+        assert h.staging.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_devices_other_than_cpu_are_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="CPU shared memory only"):
+        load({"devices": "cuda:all"}, {}, None)
+    assert load({"devices": "cpu:4"}, {}, None).devices == "cpu:4"
