@@ -25,59 +25,59 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lpsync/v1/lpsync.proto\x12\tlpsync.v1\"y\n\rAttachRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x12\n\nlocal_rank\x18\x04 \x01(\r\x12\x18\n\x10local_world_size\x18\x05 \x01(\r\x12\x0b\n\x03pid\x18\x06 \x01(\r\"<\n\x0e\x41ttachResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x02 \x01(\t\"#\n\rDetachRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x10\n\x0e\x44\x65tachResponse\"5\n\x0f\x41llocateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\"E\n\x0fRegisterRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\"J\n\x06\x42uffer\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x0e\n\x06staged\x18\x04 \x01(\x08\"4\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x04\"\x11\n\x0fReleaseResponse\"+\n\tBufferRef\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"\x81\x02\n\x11\x43ollectiveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\n\n\x02op\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05\x63ount\x18\x05 \x01(\x03\x12\x0c\n\x04root\x18\x06 \x01(\r\x12\x11\n\treduce_op\x18\x07 \x01(\t\x12\x11\n\talgorithm\x18\x08 \x01(\t\x12\x0f\n\x07timeout\x18\t \x01(\x01\x12#\n\x05input\x18\n \x01(\x0b\x32\x14.lpsync.v1.BufferRef\x12$\n\x06output\x18\x0b \x01(\x0b\x32\x14.lpsync.v1.BufferRef\x12\x0c\n\x04name\x18\x0c \x01(\t\"H\n\x12\x43ollectiveResponse\x12\x11\n\talgorithm\x18\x01 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"!\n\x0bSessionOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x06\n\x04Ping\"\xa9\x01\n\x0eSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12&\n\x04open\x18\x02 \x01(\x0b\x32\x16.lpsync.v1.SessionOpenH\x00\x12\x32\n\ncollective\x18\x03 \x01(\x0b\x32\x1c.lpsync.v1.CollectiveRequestH\x00\x12\x1f\n\x04ping\x18\x04 \x01(\x0b\x32\x0f.lpsync.v1.PingH\x00\x42\x06\n\x04\x62ody\"\x9f\x01\n\x10\x43ollectiveResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12,\n\x0c\x62uffer_state\x18\x03 \x01(\x0e\x32\x16.lpsync.v1.BufferState\x12/\n\x08response\x18\x04 \x01(\x0b\x32\x1d.lpsync.v1.CollectiveResponse\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"\xa7\x01\n\x0fSessionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12(\n\x06opened\x18\x02 \x01(\x0b\x32\x16.lpsync.v1.SessionOpenH\x00\x12-\n\x06result\x18\x03 \x01(\x0b\x32\x1b.lpsync.v1.CollectiveResultH\x00\x12\x1f\n\x04pong\x18\x04 \x01(\x0b\x32\x0f.lpsync.v1.PingH\x00\x42\x06\n\x04\x62ody\"\x1f\n\rStatusRequest\x12\x0e\n\x06recent\x18\x01 \x01(\r\"\xa2\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x0f\n\x07\x62uffers\x18\x06 \x01(\r\x12\x18\n\x10registered_bytes\x18\x07 \x01(\x03\x12\x18\n\x10\x61ttached_seconds\x18\x08 \x01(\x01\"b\n\nBufferInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x04\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x0e\n\x06staged\x18\x05 \x01(\x08\"\xa2\x01\n\x10\x43ollectiveRecord\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\n\n\x02op\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05\x63ount\x18\x05 \x01(\x03\x12\x11\n\talgorithm\x18\x06 \x01(\t\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12\x0c\n\x04\x63ode\x18\x08 \x01(\t\x12\x13\n\x0b\x66inished_at\x18\t \x01(\x01\"\xb8\x01\n\x0eStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x02 \x01(\x01\x12(\n\x08sessions\x18\x03 \x03(\x0b\x32\x16.lpsync.v1.SessionInfo\x12&\n\x07\x62uffers\x18\x04 \x03(\x0b\x32\x15.lpsync.v1.BufferInfo\x12+\n\x06recent\x18\x05 \x03(\x0b\x32\x1b.lpsync.v1.CollectiveRecord*D\n\x0b\x42ufferState\x12\x1c\n\x18\x42UFFER_STATE_UNSPECIFIED\x10\x00\x12\n\n\x06INTACT\x10\x01\x12\x0b\n\x07PARTIAL\x10\x02\x32\x8e\x04\n\x06LpSync\x12=\n\x06\x41ttach\x12\x18.lpsync.v1.AttachRequest\x1a\x19.lpsync.v1.AttachResponse\x12=\n\x06\x44\x65tach\x12\x18.lpsync.v1.DetachRequest\x1a\x19.lpsync.v1.DetachResponse\x12\x39\n\x08\x41llocate\x12\x1a.lpsync.v1.AllocateRequest\x1a\x11.lpsync.v1.Buffer\x12\x39\n\x08Register\x12\x1a.lpsync.v1.RegisterRequest\x1a\x11.lpsync.v1.Buffer\x12@\n\x07Release\x12\x19.lpsync.v1.ReleaseRequest\x1a\x1a.lpsync.v1.ReleaseResponse\x12I\n\nCollective\x12\x1c.lpsync.v1.CollectiveRequest\x1a\x1d.lpsync.v1.CollectiveResponse\x12\x44\n\x07Session\x12\x19.lpsync.v1.SessionRequest\x1a\x1a.lpsync.v1.SessionResponse(\x01\x30\x01\x12=\n\x06Status\x12\x18.lpsync.v1.StatusRequest\x1a\x19.lpsync.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lpsync/v1/lpsync.proto\x12\tlpsync.v1\"y\n\rAttachRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x12\n\nlocal_rank\x18\x04 \x01(\r\x12\x18\n\x10local_world_size\x18\x05 \x01(\r\x12\x0b\n\x03pid\x18\x06 \x01(\r\"T\n\x0e\x41ttachResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x02 \x01(\t\x12\x16\n\x0etrigger_socket\x18\x03 \x01(\t\"#\n\rDetachRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x10\n\x0e\x44\x65tachResponse\"5\n\x0f\x41llocateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\"E\n\x0fRegisterRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\"J\n\x06\x42uffer\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x0e\n\x06staged\x18\x04 \x01(\x08\"4\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x04\"\x11\n\x0fReleaseResponse\"+\n\tBufferRef\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"\x81\x02\n\x11\x43ollectiveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\n\n\x02op\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05\x63ount\x18\x05 \x01(\x03\x12\x0c\n\x04root\x18\x06 \x01(\r\x12\x11\n\treduce_op\x18\x07 \x01(\t\x12\x11\n\talgorithm\x18\x08 \x01(\t\x12\x0f\n\x07timeout\x18\t \x01(\x01\x12#\n\x05input\x18\n \x01(\x0b\x32\x14.lpsync.v1.BufferRef\x12$\n\x06output\x18\x0b \x01(\x0b\x32\x14.lpsync.v1.BufferRef\x12\x0c\n\x04name\x18\x0c \x01(\t\"H\n\x12\x43ollectiveResponse\x12\x11\n\talgorithm\x18\x01 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"!\n\x0bSessionOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x06\n\x04Ping\"\xa9\x01\n\x0eSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12&\n\x04open\x18\x02 \x01(\x0b\x32\x16.lpsync.v1.SessionOpenH\x00\x12\x32\n\ncollective\x18\x03 \x01(\x0b\x32\x1c.lpsync.v1.CollectiveRequestH\x00\x12\x1f\n\x04ping\x18\x04 \x01(\x0b\x32\x0f.lpsync.v1.PingH\x00\x42\x06\n\x04\x62ody\"\x9f\x01\n\x10\x43ollectiveResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12,\n\x0c\x62uffer_state\x18\x03 \x01(\x0e\x32\x16.lpsync.v1.BufferState\x12/\n\x08response\x18\x04 \x01(\x0b\x32\x1d.lpsync.v1.CollectiveResponse\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"\xa7\x01\n\x0fSessionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12(\n\x06opened\x18\x02 \x01(\x0b\x32\x16.lpsync.v1.SessionOpenH\x00\x12-\n\x06result\x18\x03 \x01(\x0b\x32\x1b.lpsync.v1.CollectiveResultH\x00\x12\x1f\n\x04pong\x18\x04 \x01(\x0b\x32\x0f.lpsync.v1.PingH\x00\x42\x06\n\x04\x62ody\"\x1f\n\rStatusRequest\x12\x0e\n\x06recent\x18\x01 \x01(\r\"\xa2\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x0f\n\x07\x62uffers\x18\x06 \x01(\r\x12\x18\n\x10registered_bytes\x18\x07 \x01(\x03\x12\x18\n\x10\x61ttached_seconds\x18\x08 \x01(\x01\"b\n\nBufferInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x04\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x0e\n\x06staged\x18\x05 \x01(\x08\"\xa2\x01\n\x10\x43ollectiveRecord\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\n\n\x02op\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05\x63ount\x18\x05 \x01(\x03\x12\x11\n\talgorithm\x18\x06 \x01(\t\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12\x0c\n\x04\x63ode\x18\x08 \x01(\t\x12\x13\n\x0b\x66inished_at\x18\t \x01(\x01\"\xb8\x01\n\x0eStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x02 \x01(\x01\x12(\n\x08sessions\x18\x03 \x03(\x0b\x32\x16.lpsync.v1.SessionInfo\x12&\n\x07\x62uffers\x18\x04 \x03(\x0b\x32\x15.lpsync.v1.BufferInfo\x12+\n\x06recent\x18\x05 \x03(\x0b\x32\x1b.lpsync.v1.CollectiveRecord*D\n\x0b\x42ufferState\x12\x1c\n\x18\x42UFFER_STATE_UNSPECIFIED\x10\x00\x12\n\n\x06INTACT\x10\x01\x12\x0b\n\x07PARTIAL\x10\x02\x32\x8e\x04\n\x06LpSync\x12=\n\x06\x41ttach\x12\x18.lpsync.v1.AttachRequest\x1a\x19.lpsync.v1.AttachResponse\x12=\n\x06\x44\x65tach\x12\x18.lpsync.v1.DetachRequest\x1a\x19.lpsync.v1.DetachResponse\x12\x39\n\x08\x41llocate\x12\x1a.lpsync.v1.AllocateRequest\x1a\x11.lpsync.v1.Buffer\x12\x39\n\x08Register\x12\x1a.lpsync.v1.RegisterRequest\x1a\x11.lpsync.v1.Buffer\x12@\n\x07Release\x12\x19.lpsync.v1.ReleaseRequest\x1a\x1a.lpsync.v1.ReleaseResponse\x12I\n\nCollective\x12\x1c.lpsync.v1.CollectiveRequest\x1a\x1d.lpsync.v1.CollectiveResponse\x12\x44\n\x07Session\x12\x19.lpsync.v1.SessionRequest\x1a\x1a.lpsync.v1.SessionResponse(\x01\x30\x01\x12=\n\x06Status\x12\x18.lpsync.v1.StatusRequest\x1a\x19.lpsync.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lpsync.v1.lpsync_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BUFFERSTATE']._serialized_start=2128
-  _globals['_BUFFERSTATE']._serialized_end=2196
+  _globals['_BUFFERSTATE']._serialized_start=2152
+  _globals['_BUFFERSTATE']._serialized_end=2220
   _globals['_ATTACHREQUEST']._serialized_start=37
   _globals['_ATTACHREQUEST']._serialized_end=158
   _globals['_ATTACHRESPONSE']._serialized_start=160
-  _globals['_ATTACHRESPONSE']._serialized_end=220
-  _globals['_DETACHREQUEST']._serialized_start=222
-  _globals['_DETACHREQUEST']._serialized_end=257
-  _globals['_DETACHRESPONSE']._serialized_start=259
-  _globals['_DETACHRESPONSE']._serialized_end=275
-  _globals['_ALLOCATEREQUEST']._serialized_start=277
-  _globals['_ALLOCATEREQUEST']._serialized_end=330
-  _globals['_REGISTERREQUEST']._serialized_start=332
-  _globals['_REGISTERREQUEST']._serialized_end=401
-  _globals['_BUFFER']._serialized_start=403
-  _globals['_BUFFER']._serialized_end=477
-  _globals['_RELEASEREQUEST']._serialized_start=479
-  _globals['_RELEASEREQUEST']._serialized_end=531
-  _globals['_RELEASERESPONSE']._serialized_start=533
-  _globals['_RELEASERESPONSE']._serialized_end=550
-  _globals['_BUFFERREF']._serialized_start=552
-  _globals['_BUFFERREF']._serialized_end=595
-  _globals['_COLLECTIVEREQUEST']._serialized_start=598
-  _globals['_COLLECTIVEREQUEST']._serialized_end=855
-  _globals['_COLLECTIVERESPONSE']._serialized_start=857
-  _globals['_COLLECTIVERESPONSE']._serialized_end=929
-  _globals['_SESSIONOPEN']._serialized_start=931
-  _globals['_SESSIONOPEN']._serialized_end=964
-  _globals['_PING']._serialized_start=966
-  _globals['_PING']._serialized_end=972
-  _globals['_SESSIONREQUEST']._serialized_start=975
-  _globals['_SESSIONREQUEST']._serialized_end=1144
-  _globals['_COLLECTIVERESULT']._serialized_start=1147
-  _globals['_COLLECTIVERESULT']._serialized_end=1306
-  _globals['_SESSIONRESPONSE']._serialized_start=1309
-  _globals['_SESSIONRESPONSE']._serialized_end=1476
-  _globals['_STATUSREQUEST']._serialized_start=1478
-  _globals['_STATUSREQUEST']._serialized_end=1509
-  _globals['_SESSIONINFO']._serialized_start=1512
-  _globals['_SESSIONINFO']._serialized_end=1674
-  _globals['_BUFFERINFO']._serialized_start=1676
-  _globals['_BUFFERINFO']._serialized_end=1774
-  _globals['_COLLECTIVERECORD']._serialized_start=1777
-  _globals['_COLLECTIVERECORD']._serialized_end=1939
-  _globals['_STATUSRESPONSE']._serialized_start=1942
-  _globals['_STATUSRESPONSE']._serialized_end=2126
-  _globals['_LPSYNC']._serialized_start=2199
-  _globals['_LPSYNC']._serialized_end=2725
+  _globals['_ATTACHRESPONSE']._serialized_end=244
+  _globals['_DETACHREQUEST']._serialized_start=246
+  _globals['_DETACHREQUEST']._serialized_end=281
+  _globals['_DETACHRESPONSE']._serialized_start=283
+  _globals['_DETACHRESPONSE']._serialized_end=299
+  _globals['_ALLOCATEREQUEST']._serialized_start=301
+  _globals['_ALLOCATEREQUEST']._serialized_end=354
+  _globals['_REGISTERREQUEST']._serialized_start=356
+  _globals['_REGISTERREQUEST']._serialized_end=425
+  _globals['_BUFFER']._serialized_start=427
+  _globals['_BUFFER']._serialized_end=501
+  _globals['_RELEASEREQUEST']._serialized_start=503
+  _globals['_RELEASEREQUEST']._serialized_end=555
+  _globals['_RELEASERESPONSE']._serialized_start=557
+  _globals['_RELEASERESPONSE']._serialized_end=574
+  _globals['_BUFFERREF']._serialized_start=576
+  _globals['_BUFFERREF']._serialized_end=619
+  _globals['_COLLECTIVEREQUEST']._serialized_start=622
+  _globals['_COLLECTIVEREQUEST']._serialized_end=879
+  _globals['_COLLECTIVERESPONSE']._serialized_start=881
+  _globals['_COLLECTIVERESPONSE']._serialized_end=953
+  _globals['_SESSIONOPEN']._serialized_start=955
+  _globals['_SESSIONOPEN']._serialized_end=988
+  _globals['_PING']._serialized_start=990
+  _globals['_PING']._serialized_end=996
+  _globals['_SESSIONREQUEST']._serialized_start=999
+  _globals['_SESSIONREQUEST']._serialized_end=1168
+  _globals['_COLLECTIVERESULT']._serialized_start=1171
+  _globals['_COLLECTIVERESULT']._serialized_end=1330
+  _globals['_SESSIONRESPONSE']._serialized_start=1333
+  _globals['_SESSIONRESPONSE']._serialized_end=1500
+  _globals['_STATUSREQUEST']._serialized_start=1502
+  _globals['_STATUSREQUEST']._serialized_end=1533
+  _globals['_SESSIONINFO']._serialized_start=1536
+  _globals['_SESSIONINFO']._serialized_end=1698
+  _globals['_BUFFERINFO']._serialized_start=1700
+  _globals['_BUFFERINFO']._serialized_end=1798
+  _globals['_COLLECTIVERECORD']._serialized_start=1801
+  _globals['_COLLECTIVERECORD']._serialized_end=1963
+  _globals['_STATUSRESPONSE']._serialized_start=1966
+  _globals['_STATUSRESPONSE']._serialized_end=2150
+  _globals['_LPSYNC']._serialized_start=2223
+  _globals['_LPSYNC']._serialized_end=2749
 # @@protoc_insertion_point(module_scope)

@@ -34,12 +34,14 @@ class AttachRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("session_id", "daemon_version")
+    __slots__ = ("session_id", "daemon_version", "trigger_socket")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRIGGER_SOCKET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     daemon_version: str
-    def __init__(self, session_id: _Optional[str] = ..., daemon_version: _Optional[str] = ...) -> None: ...
+    trigger_socket: str
+    def __init__(self, session_id: _Optional[str] = ..., daemon_version: _Optional[str] = ..., trigger_socket: _Optional[str] = ...) -> None: ...
 
 class DetachRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -36,6 +36,7 @@ class DaemonConfig:
     drain_seconds: float = 10.0  # SIGTERM waits this long for running collectives
     log_level: str = "INFO"
     workers: int = 256  # gRPC handler threads; each open Session stream holds one
+    trigger: bool = True  # offer the trigger socket <socket>.trigger (trigger.py)
 
     def token(self) -> str:
         return Path(self.token_file).read_text().strip() if self.token_file else ""
@@ -58,6 +59,12 @@ _FIELDS = {f.name: f for f in fields(DaemonConfig)}
 
 def _coerce(name: str, value: object) -> object:
     kind = type(getattr(DaemonConfig, name))
+    if kind is bool and isinstance(value, str):
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise InvalidArgumentError(f"setting {name}: {value!r} is not a boolean")
     try:
         return kind(value)
     except (TypeError, ValueError):
@@ -108,6 +115,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     add("--max-buffer-bytes", type=int, help="largest single buffer")
     add("--max-session-bytes", type=int, help="bytes one session may hold")
     add("--log-level", help="DEBUG, INFO, WARNING, ERROR")
+    add("--trigger", action=argparse.BooleanOptionalAction, default=None,
+        help="offer the trigger socket <socket>.trigger beside gRPC (default: on)")
     # Flags of later issues, accepted so the CLI contract of DESIGN.md stays stable.
     add("--node-rank", type=int, help="this node's rank (multi-node: later issue)")
     add("--peers", help="peer daemons H:P,... (multi-node: later issue)")

@@ -25,6 +25,7 @@ from lpsync._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync.daemon.config import DaemonConfig
 from lpsync.daemon.metrics import Metrics
 from lpsync.daemon.servicer import Service
+from lpsync.daemon.trigger import TriggerServer
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory import reclaim_stale
 
@@ -87,6 +88,9 @@ class Daemon:
              reflection.SERVICE_NAME), self.server)
         self._stop = threading.Event()
         self.socket = Path(config.socket) if config.socket else None
+        self.trigger = (TriggerServer(Path(f"{self.socket}.trigger"), self.service)
+                        if self.socket is not None and config.trigger else None)
+        self.service.trigger_path = str(self.trigger.path) if self.trigger else ""
 
     def start(self) -> None:
         reclaimed = reclaim_stale()
@@ -114,6 +118,8 @@ class Daemon:
         self.server.start()
         if self.socket is not None:
             os.chmod(self.socket, 0o660)
+        if self.trigger is not None:
+            self.trigger.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_port:
@@ -135,6 +141,8 @@ class Daemon:
         log.info("shutting down: draining collectives")
         self.health.enter_graceful_shutdown()
         self.service.shutdown(self.config.drain_seconds)
+        if self.trigger is not None:
+            self.trigger.stop()
         self.server.stop(grace=1.0).wait(5.0)
         if self.socket is not None:
             with contextlib.suppress(FileNotFoundError):

@@ -67,6 +67,7 @@ class Service(pb_grpc.LpSyncServicer):
         self._running = 0
         self._idle = threading.Condition()
         self._ending = threading.Lock()
+        self.trigger_path = ""  # set by the server when it offers the trigger socket
 
     # -- lifecycle -------------------------------------------------------------------------
     def end_session(self, session: Session, reason: str) -> None:
@@ -125,7 +126,8 @@ class Service(pb_grpc.LpSyncServicer):
             self.metrics.sessions.set(len(self.sessions.all()))
             log.info("attached", extra={"session": session.id, "job": session.job,
                                         "rank": session.rank, "pid": session.pid})
-            return pb.AttachResponse(session_id=session.id, daemon_version=__version__)
+            return pb.AttachResponse(session_id=session.id, daemon_version=__version__,
+                                     trigger_socket=self.trigger_path)
         raise AssertionError  # unreachable: _status aborts
 
     def Detach(self, request: pb.DetachRequest, context: grpc.ServicerContext
@@ -225,14 +227,7 @@ class Service(pb_grpc.LpSyncServicer):
                      responses: queue.SimpleQueue) -> None:
         try:
             for request in requests:
-                rid, body = request.request_id, request.WhichOneof("body")
-                if body == "ping":
-                    responses.put(pb.SessionResponse(request_id=rid, pong=request.ping))
-                elif body == "collective":
-                    self._stream_collective(session, rid, request.collective, responses)
-                else:
-                    responses.put(_result(rid, Outcome(InvalidArgumentError(
-                        f"unexpected {body} message on an open Session stream"))))
+                self.handle(session, request, responses.put)
         except grpc.RpcError:
             pass  # the client is gone; handled below
         except Exception:
@@ -240,17 +235,28 @@ class Service(pb_grpc.LpSyncServicer):
         finally:
             self.end_session(session, "session stream closed")
 
-    def _stream_collective(self, session: Session, rid: int, request: pb.CollectiveRequest,
-                           responses: queue.SimpleQueue) -> None:
-        def done(outcome: Outcome) -> None:
-            responses.put(_result(rid, outcome))
-        try:
-            arrival = self._arrival(session, request, done)
-        except LpsyncError as error:
-            self.metrics.collective_failed(request.op, error.code)
-            done(Outcome(error))
+    def handle(self, session: Session, request: pb.SessionRequest,
+               reply: Callable[[pb.SessionResponse], None]) -> None:
+        """One request of a Session stream or of the trigger socket; ``reply`` sends the
+        answer (from whichever thread completes it)."""
+        rid, body = request.request_id, request.WhichOneof("body")
+        if body == "ping":
+            reply(pb.SessionResponse(request_id=rid, pong=request.ping))
             return
-        self._submit(session, arrival)
+        if body != "collective":
+            reply(_result(rid, Outcome(InvalidArgumentError(
+                f"unexpected {body} message on an open session"))))
+            return
+
+        def done(outcome: Outcome) -> None:
+            reply(_result(rid, outcome))
+
+        try:
+            arrival = self._arrival(session, request.collective, done)
+            self._submit(session, arrival)
+        except LpsyncError as error:
+            self.metrics.collective_failed(request.collective.op, error.code)
+            done(Outcome(error))
 
     def _submit(self, session: Session, arrival: Arrival) -> None:
         self._check_open()

@@ -53,6 +53,7 @@ class DaemonProcess:
         assert rc == 0, f"daemon exited with {rc}:\n{self.log.read_text()[-4000:]}"
         assert not leaked, f"shared memory left behind: {leaked}"
         assert not Path(self.socket).exists(), "socket left behind"
+        assert not Path(self.socket + ".trigger").exists(), "trigger socket left behind"
 
 
 def serving(socket: str) -> bool:

@@ -42,16 +42,17 @@ def test_missing_rank_deadline_names_it(daemon) -> None:
         assert info.value.code == "DEADLINE_EXCEEDED" and info.value.buffer_state == "INTACT"
 
 
-def test_killed_client_aborts_others_and_frees_buffers(daemon) -> None:
+@pytest.mark.parametrize("trigger", ["grpc", "socket"])
+def test_killed_client_aborts_others_and_frees_buffers(daemon, trigger: str) -> None:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     victim = ctx.Process(target=attach_and_wait,
-                         args=(1, daemon.socket, "kill", 2, ready, 120.0))
+                         args=(1, daemon.socket, "kill", 2, ready, 120.0, trigger))
     victim.start()
     try:
         assert ready.wait(30)
         with lpsync_client.connect(daemon.socket, job="kill", rank=0, world_size=2,
-                                   timeout=60) as c:
+                                   timeout=60, trigger=trigger) as c:
             x = c.zeros(1000)
             future = c.allreduce_async(x)
             time.sleep(0.3)  # rank 0 is now waiting inside the collective
@@ -203,3 +204,21 @@ def test_failed_inplace_collective_reports_partial(daemon) -> None:
         assert "PARTIAL" in s[:3], s  # at least one attempt timed out while running
         # Out of place: the error carries no buffer state and the input is untouched.
         assert s[3] in ("out-of-place::1:1",), s
+
+
+def test_trigger_socket_refuses_unknown_sessions(daemon) -> None:
+    from lpsync_client._trigger import TriggerStream
+
+    with pytest.raises(lpsync_client.NotFoundError):
+        TriggerStream(daemon.socket + ".trigger", "not-a-session", 5.0)
+    with lpsync_client.connect(daemon.socket, job="trig", rank=0, world_size=1,
+                               trigger="socket") as c:
+        c.ping()
+        c.ping(via="grpc")
+        x = c.zeros(3)
+        x[:] = 4
+        c.allreduce(x, op="avg")
+        assert x.tolist() == [4, 4, 4]
+        with pytest.raises(lpsync_client.MismatchError.__mro__[1]):
+            c.allreduce(c.zeros(3, "int8"), op="nonsense")
+    assert serving(daemon.socket)

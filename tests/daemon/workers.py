@@ -48,13 +48,14 @@ def expected(op: str, rop: str, dt: np.dtype, rank: int, world: int, count: int,
     return acc
 
 
-def check_cases(rank: int, socket: str, job: str, world: int, cases: list) -> list[str]:
+def check_cases(rank: int, socket: str, job: str, world: int, cases: list,
+                trigger: str = "grpc") -> list[str]:
     """Run every (op, dtype, rop, count, in_place, algorithm, root) case; returns
     [failure descriptions] plus a digest of all results (for cross-rank bitwise checks)."""
     failures: list[str] = []
     digest = hashlib.sha256()
     with lpsync_client.connect(socket, job=job, rank=rank, world_size=world,
-                               timeout=30) as client:
+                               timeout=30, trigger=trigger) as client:
         for seed, (op, dname, rop, count, in_place, algorithm, root, shm) in enumerate(cases):
             dt = dtype(dname)
             label = f"{op} {dname} {rop} n={count} in_place={in_place} algo={algorithm} " \
@@ -123,12 +124,14 @@ def mismatch(rank: int, socket: str, job: str) -> dict:
         return out
 
 
-def attach_and_wait(rank: int, socket: str, job: str, world: int, ready, hold: float) -> None:
+def attach_and_wait(rank: int, socket: str, job: str, world: int, ready, hold: float,
+                    trigger: str = "grpc") -> None:
     """Attach, allocate buffers, start an allreduce (rank != 0 only waits), then sleep to be
     killed."""
     import time
 
-    c = lpsync_client.connect(socket, job=job, rank=rank, world_size=world, timeout=60)
+    c = lpsync_client.connect(socket, job=job, rank=rank, world_size=world, timeout=60,
+                              trigger=trigger)
     c.zeros(1 << 16, "float32")
     c.register(np.zeros(100, np.float64))
     ready.set()

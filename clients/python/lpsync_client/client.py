@@ -32,6 +32,7 @@ from lpsync_client._proto import lpsync_pb2 as pb
 from lpsync_client._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync_client._shm import Mapping
 from lpsync_client._stream import SessionStream
+from lpsync_client._trigger import TriggerStream
 from lpsync_client.errors import (
     CollectiveTimeoutError,
     InvalidArgumentError,
@@ -104,7 +105,10 @@ class Client:
                  job: str, rank: int, world_size: int, local_rank: int | None = None,
                  local_world_size: int | None = None, token: str | None = None,
                  root_certificates: bytes | None = None,
-                 timeout: float = DEFAULT_TIMEOUT, connect_timeout: float = 10.0) -> None:
+                 timeout: float = DEFAULT_TIMEOUT, connect_timeout: float = 10.0,
+                 trigger: str = "grpc") -> None:
+        if trigger not in ("grpc", "socket"):
+            raise InvalidArgumentError(f"trigger must be 'grpc' or 'socket', got {trigger!r}")
         self.job, self.rank, self.world_size = job, rank, world_size
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -131,6 +135,16 @@ class Client:
             self.session_id = attached.session_id
             self._stream = SessionStream(self._stub, self.session_id, self._metadata,
                                          connect_timeout)
+            # Collectives and pings go through the trigger socket when asked for (and
+            # offered); the gRPC stream above stays open either way: it is the lifeline.
+            self._trigger: TriggerStream | None = None
+            if trigger == "socket":
+                if not attached.trigger_socket:
+                    raise from_status("UNAVAILABLE", "the daemon offers no trigger socket "
+                                      "(TCP, or started with --no-trigger)")
+                self._trigger = TriggerStream(attached.trigger_socket, self.session_id,
+                                              connect_timeout)
+            self._path = self._trigger or self._stream
         except grpc.FutureTimeoutError:
             self._channel.close()
             raise from_status("UNAVAILABLE", f"no lpsync daemon answers at "
@@ -320,7 +334,7 @@ class Client:
         with self._lock:  # sequence numbers leave in submission order
             self._sequence += 1
             message.collective.sequence = self._sequence
-            return self._stream.submit(message, hook)
+            return self._path.submit(message, hook)
 
     def _recycle(self, operands: list[_Operand]) -> None:
         for operand in operands:
@@ -443,9 +457,13 @@ class Client:
         """Block until every rank of the job has reached this barrier."""
         self._wait(self.barrier_async(timeout, name), timeout)
 
-    def ping(self, timeout: float = 10.0) -> None:
-        """One empty round trip on the Session stream (the latency floor of a collective)."""
-        self._stream.submit(pb.SessionRequest(ping=pb.Ping()), lambda r: None).result(timeout)
+    def ping(self, timeout: float = 10.0, via: str | None = None) -> None:
+        """One empty round trip: on the path collectives take (default), or ``via="grpc"``
+        (the gRPC Session stream) or ``via="socket"`` (the trigger socket)."""
+        path = {None: self._path, "grpc": self._stream, "socket": self._trigger}[via]
+        if path is None:
+            raise InvalidArgumentError("this client has no trigger socket")
+        path.submit(pb.SessionRequest(ping=pb.Ping()), lambda r: None).result(timeout)
 
     def status(self) -> pb.StatusResponse:
         return self._call(self._stub.Status, pb.StatusRequest())
@@ -460,6 +478,8 @@ class Client:
         # The daemon may be gone or have ended the session already: nothing to free then.
         with contextlib.suppress(Exception):
             self._call(self._stub.Detach, pb.DetachRequest(session_id=self.session_id), 10.0)
+        if self._trigger is not None:
+            self._trigger.close()
         self._stream.close()
         with self._lock:
             segments = list(self._segments.values())
@@ -480,11 +500,13 @@ def connect(socket: str | None = None, *, job: str | None = None, rank: int | No
             world_size: int | None = None, local_rank: int | None = None,
             local_world_size: int | None = None, target: str | None = None,
             token: str | None = None, root_certificates: bytes | None = None,
-            timeout: float = DEFAULT_TIMEOUT) -> Client:
+            timeout: float = DEFAULT_TIMEOUT, trigger: str | None = None) -> Client:
     """Attach to the node's daemon. Unset arguments come from the environment as torchrun
     sets it: LPSYNC_SOCKET, LPSYNC_JOB, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
     (and LPSYNC_TARGET / LPSYNC_TOKEN for TCP). ``timeout`` is the default collective
-    timeout in seconds.
+    timeout in seconds. ``trigger`` (or LPSYNC_TRIGGER): "grpc" (default) sends
+    collectives on the gRPC Session stream, "socket" on the daemon's trigger socket
+    (same messages, no gRPC: several times lower latency for small collectives).
 
     >>> with lpsync_client.connect(job="demo", rank=0, world_size=2) as client:
     ...     client.allreduce(client.zeros(8))
@@ -510,4 +532,4 @@ def connect(socket: str | None = None, *, job: str | None = None, rank: int | No
         local_rank=pick(local_rank, "LOCAL_RANK", rank, int),
         local_world_size=pick(local_world_size, "LOCAL_WORLD_SIZE", world_size, int),
         token=token or env.get("LPSYNC_TOKEN") or None, root_certificates=root_certificates,
-        timeout=timeout)
+        timeout=timeout, trigger=trigger or env.get("LPSYNC_TRIGGER") or "grpc")
