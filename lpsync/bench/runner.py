@@ -30,6 +30,7 @@ class Row:
     # across ranks, so there is no "slowest rank per ping").
     pings: list[float] = field(default_factory=list)
     algorithm: str = ""  # what the daemon ran (lpsync rows)
+    trigger_pings: list[float] = field(default_factory=list)  # --trigger socket
 
     def median(self) -> float:
         return statistics.median(self.times)
@@ -46,6 +47,7 @@ class Options:
     compare: str | None = None
     socket: str | None = None
     timeout: float = 3600.0
+    trigger: str = "auto"  # the path of collectives: socket, grpc (Session stream) or auto
 
 
 def _serving(socket: str) -> bool:
@@ -81,7 +83,8 @@ def run(options: Options) -> dict[str, list[Row]]:
     job = f"bench-{os.getpid()}"
     procs = [ctx.Process(target=worker.run, args=(
         r, options.procs, socket, job, options.op, options.sizes, options.algorithm,
-        options.iters, options.warmup, options.compare, queue)) for r in range(options.procs)]
+        options.iters, options.warmup, options.compare, queue, options.trigger))
+        for r in range(options.procs)]
     for p in procs:
         p.start()
     engines = ["lpsync"] + ([options.compare] if options.compare else [])
@@ -108,7 +111,8 @@ def run(options: Options) -> dict[str, list[Row]]:
                 row = Row(nbytes, got[0][3], [max(t) for t in zip(*[g[0] for g in got],
                                                                 strict=True)],
                           sum(g[1] for g in got),
-                          [p for g in got for p in g[2]], algorithms.get(key, ""))
+                          [p for g in got for p in g[2][0]], algorithms.get(key, ""),
+                          [p for g in got for p in g[2][1]])
                 rows[engine].append(row)
                 done = sum(len(v) for v in rows.values())
                 print(f"[{done}/{expected}] {engine} {human(nbytes)}: "
@@ -136,12 +140,14 @@ def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
                 "wrong": row.wrong, "mean_us": statistics.fmean(row.times) * 1e6,
                 "p10_us": _pct(row.times, 10) * 1e6, "p90_us": _pct(row.times, 90) * 1e6,
                 "iterations": len(row.times), "algorithm": row.algorithm,
-                "ping_median_us": statistics.median(row.pings) * 1e6 if row.pings else None}
+                "ping_median_us": statistics.median(row.pings) * 1e6 if row.pings else None,
+                "trigger_ping_median_us": (statistics.median(row.trigger_pings) * 1e6
+                                           if row.trigger_pings else None)}
 
     if as_json:
         return json.dumps({
             "op": options.op, "procs": options.procs, "dtype": worker.DTYPE,
-            "algorithm": options.algorithm or "auto",
+            "algorithm": options.algorithm or "auto", "trigger": options.trigger,
             "results": {e: [{"size": r.nbytes, "count": r.count, **metrics(r)} for r in rs]
                         for e, rs in rows.items()}}, indent=2)
     engines = list(rows)
@@ -152,8 +158,11 @@ def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
         head2 += f" | {'(us)':>12} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}"
     if len(engines) > 1:
         head1 += f" | {'speedup':>7}"
+    via = {"socket": "the trigger socket", "grpc": "the gRPC Session stream",
+           "auto": "the client's default (trigger socket if offered)"}[options.trigger]
     lines = [f"# lpsync bench: {options.op}, {options.procs} processes, {worker.DTYPE}, "
-             f"algorithm {options.algorithm or 'auto (tuner)'}", head1, head2]
+             f"algorithm {options.algorithm or 'auto (tuner)'}, collectives via {via}",
+             head1, head2]
     for i, row in enumerate(rows["lpsync"]):
         line = f" {row.nbytes:>12} {row.count:>12} {worker.DTYPE:>8} {redop:>6} {root:>5}"
         for e in engines:
@@ -166,15 +175,20 @@ def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
     pings = [p for r in rows["lpsync"] for p in r.pings]
     algorithms = ", ".join(f"{human(r.nbytes)}: {r.algorithm}" for r in rows["lpsync"])
     lines.append(f"# lpsync algorithm per size (the daemon's choice): {algorithms}")
+    small = rows["lpsync"][0]
     if pings:
-        lines.append(f"# Session round trip (empty Ping, same processes and stream): median "
-                     f"{statistics.median(pings) * 1e6:.1f} us over {len(pings)} pings")
-        small = rows["lpsync"][0]
+        lines.append(f"# gRPC Session stream round trip (empty Ping, same processes and "
+                     f"stream): median {statistics.median(pings) * 1e6:.1f} us over "
+                     f"{len(pings)} pings")
+    trigger_pings = [p for r in rows["lpsync"] for p in r.trigger_pings]
+    if trigger_pings:
+        lines.append(f"# trigger socket round trip (empty Ping): median "
+                     f"{statistics.median(trigger_pings) * 1e6:.1f} us")
     if pings and small.nbytes <= 1024:
         lines.append(f"# smallest size: median {small.median() * 1e6:.1f} us = "
                      f"{small.median() / statistics.median(small.pings):.2f}x the median "
-                     f"round trip ({statistics.median(small.pings) * 1e6:.1f} us) measured in "
-                     "rounds alternating with it")
+                     f"Session round trip ({statistics.median(small.pings) * 1e6:.1f} us) "
+                     "measured in rounds alternating with it")
     return "\n".join(lines)
 
 

@@ -49,12 +49,13 @@ def _count(op: str, nbytes: int, world: int) -> int:
 
 
 def run(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int],
-        algorithm: str | None, iters: int, warmup: int, compare: str | None, queue) -> None:
+        algorithm: str | None, iters: int, warmup: int, compare: str | None, queue,
+        trigger: str = "auto") -> None:
     import lpsync_client
 
     root = 0
     with lpsync_client.connect(socket, job=job, rank=rank, world_size=world,
-                               timeout=600) as client:
+                               timeout=600, trigger=trigger) as client:
         call = getattr(client, op)
         kwargs = {"algorithm": algorithm}
         if op in ("broadcast", "reduce"):
@@ -68,15 +69,20 @@ def run(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int],
                 call(buf, **kwargs)
             # Pings and collectives alternate in rounds, so both see the same machine
             # (the latency criterion compares their medians).
-            pings: list[float] = []
+            pings: list[float] = []  # the gRPC Session stream's round trip, always
+            trigger_pings: list[float] = []  # the trigger socket's, with --trigger socket
             times: list[float] = []
             rounds = ROUNDS if n >= 10 * ROUNDS else 1
             for _ in range(rounds):
                 client.barrier()
                 for _ in range(max(1, min(n, 1000) // rounds)):
                     t = time.perf_counter()
-                    client.ping()
+                    client.ping(via="grpc")
                     pings.append(time.perf_counter() - t)
+                    if client.trigger == "socket":
+                        t = time.perf_counter()
+                        client.ping(via="socket")
+                        trigger_pings.append(time.perf_counter() - t)
                 client.barrier()
                 for _ in range(n // rounds):
                     t = time.perf_counter()
@@ -88,7 +94,7 @@ def run(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int],
             wrong = _wrong(op, buf, rank, world, count, root)
             recent = client.status().recent if rank == 0 else []
             mine = [r for r in recent if r.job == job]
-            queue.put(("lpsync", rank, nbytes, count, times, wrong, pings,
+            queue.put(("lpsync", rank, nbytes, count, times, wrong, (pings, trigger_pings),
                        mine[-1].algorithm if mine else ""))
             client.release(buf)
             del buf
@@ -131,7 +137,7 @@ def _gloo(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int
             call()
             wrong = _wrong(op, arr, rank, world, count, 0) if op != "reduce_scatter" else \
                 int(np.count_nonzero(mine.numpy() != world * (world + 1) / 2))
-            queue.put(("gloo", rank, nbytes, count, times, wrong, [], "gloo"))
+            queue.put(("gloo", rank, nbytes, count, times, wrong, ([], []), "gloo"))
     finally:
         dist.destroy_process_group()
 

@@ -26,6 +26,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--compare", choices=["gloo"], help="also run torch.distributed gloo")
     parser.add_argument("--socket", help="use the daemon on this socket if one is serving")
+    parser.add_argument("--trigger", choices=["auto", "grpc", "socket"], default="auto",
+                        help="send collectives on the daemon's trigger socket, on the gRPC "
+                             "Session stream, or auto (the client's default: the socket if "
+                             "offered)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(func=run)
 
@@ -36,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         options = runner.Options(args.op, parse_sizes(args.bytes), args.procs, args.algorithm,
-                                 args.iters, args.warmup, args.compare, args.socket)
+                                 args.iters, args.warmup, args.compare, args.socket,
+                                 trigger=args.trigger)
     except LpsyncError as error:
         print(f"lpsync bench: {error}", file=sys.stderr)
         return 2

@@ -39,7 +39,7 @@ def _cases(world: int) -> list[tuple]:
     return cases
 
 
-def _check(daemon, world: int, job: str, trigger: str = "grpc") -> None:
+def _check(daemon, world: int, job: str, trigger: str = "auto") -> None:
     results = run_ranks(world, check_cases, daemon.socket, job, world, _cases(world), trigger)
     failures = [f for r in results for f in r if not f.startswith("digest:")]
     assert not failures, "\n".join(failures[:30])
@@ -53,8 +53,8 @@ def test_three_ranks(daemon) -> None:
     _check(daemon, 3, "three")
 
 
-def test_two_ranks_over_the_trigger_socket(daemon) -> None:
-    _check(daemon, 2, "two-trigger", trigger="socket")
+def test_two_ranks_over_the_grpc_session_stream(daemon) -> None:
+    _check(daemon, 2, "two-grpc", trigger="grpc")
 
 
 def test_async_calls_in_flight_together(daemon) -> None:

@@ -49,7 +49,7 @@ def expected(op: str, rop: str, dt: np.dtype, rank: int, world: int, count: int,
 
 
 def check_cases(rank: int, socket: str, job: str, world: int, cases: list,
-                trigger: str = "grpc") -> list[str]:
+                trigger: str = "auto") -> list[str]:
     """Run every (op, dtype, rop, count, in_place, algorithm, root) case; returns
     [failure descriptions] plus a digest of all results (for cross-rank bitwise checks)."""
     failures: list[str] = []
@@ -125,7 +125,7 @@ def mismatch(rank: int, socket: str, job: str) -> dict:
 
 
 def attach_and_wait(rank: int, socket: str, job: str, world: int, ready, hold: float,
-                    trigger: str = "grpc") -> None:
+                    trigger: str = "auto") -> None:
     """Attach, allocate buffers, start an allreduce (rank != 0 only waits), then sleep to be
     killed."""
     import time

@@ -36,6 +36,7 @@ from lpsync_client._trigger import TriggerStream
 from lpsync_client.errors import (
     CollectiveTimeoutError,
     InvalidArgumentError,
+    LpsyncError,
     from_rpc_error,
     from_status,
 )
@@ -106,9 +107,10 @@ class Client:
                  local_world_size: int | None = None, token: str | None = None,
                  root_certificates: bytes | None = None,
                  timeout: float = DEFAULT_TIMEOUT, connect_timeout: float = 10.0,
-                 trigger: str = "grpc") -> None:
-        if trigger not in ("grpc", "socket"):
-            raise InvalidArgumentError(f"trigger must be 'grpc' or 'socket', got {trigger!r}")
+                 trigger: str = "auto") -> None:
+        if trigger not in ("auto", "grpc", "socket"):
+            raise InvalidArgumentError(
+                f"trigger must be 'auto', 'grpc' or 'socket', got {trigger!r}")
         self.job, self.rank, self.world_size = job, rank, world_size
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -138,13 +140,21 @@ class Client:
             # Collectives and pings go through the trigger socket when asked for (and
             # offered); the gRPC stream above stays open either way: it is the lifeline.
             self._trigger: TriggerStream | None = None
-            if trigger == "socket":
-                if not attached.trigger_socket:
-                    raise from_status("UNAVAILABLE", "the daemon offers no trigger socket "
-                                      "(TCP, or started with --no-trigger)")
-                self._trigger = TriggerStream(attached.trigger_socket, self.session_id,
-                                              connect_timeout)
+            if trigger == "socket" and not attached.trigger_socket:
+                raise from_status("UNAVAILABLE", "the daemon offers no trigger socket "
+                                  "(TCP, or started with --no-trigger)")
+            # auto never leaves a TCP connection for a local socket: the daemon may be remote.
+            if attached.trigger_socket and (trigger == "socket" or
+                                            (trigger == "auto" and not target)):
+                try:
+                    self._trigger = TriggerStream(attached.trigger_socket, self.session_id,
+                                                  connect_timeout)
+                except LpsyncError:
+                    if trigger == "socket":
+                        raise
+                    # auto: e.g. the socket is not reachable from this container; gRPC works
             self._path = self._trigger or self._stream
+            self.trigger = "socket" if self._trigger is not None else "grpc"
         except grpc.FutureTimeoutError:
             self._channel.close()
             raise from_status("UNAVAILABLE", f"no lpsync daemon answers at "
@@ -504,9 +514,10 @@ def connect(socket: str | None = None, *, job: str | None = None, rank: int | No
     """Attach to the node's daemon. Unset arguments come from the environment as torchrun
     sets it: LPSYNC_SOCKET, LPSYNC_JOB, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
     (and LPSYNC_TARGET / LPSYNC_TOKEN for TCP). ``timeout`` is the default collective
-    timeout in seconds. ``trigger`` (or LPSYNC_TRIGGER): "grpc" (default) sends
-    collectives on the gRPC Session stream, "socket" on the daemon's trigger socket
-    (same messages, no gRPC: several times lower latency for small collectives).
+    timeout in seconds. ``trigger`` (or LPSYNC_TRIGGER) picks the path of collectives:
+    "socket" the daemon's trigger socket (the Session messages without gRPC: several
+    times lower latency for small collectives), "grpc" the gRPC Session stream, "auto"
+    (default) the socket when the daemon offers one (Unix socket), else gRPC.
 
     >>> with lpsync_client.connect(job="demo", rank=0, world_size=2) as client:
     ...     client.allreduce(client.zeros(8))
@@ -532,4 +543,4 @@ def connect(socket: str | None = None, *, job: str | None = None, rank: int | No
         local_rank=pick(local_rank, "LOCAL_RANK", rank, int),
         local_world_size=pick(local_world_size, "LOCAL_WORLD_SIZE", world_size, int),
         token=token or env.get("LPSYNC_TOKEN") or None, root_certificates=root_certificates,
-        timeout=timeout, trigger=trigger or env.get("LPSYNC_TRIGGER") or "grpc")
+        timeout=timeout, trigger=trigger or env.get("LPSYNC_TRIGGER") or "auto")
