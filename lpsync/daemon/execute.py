@@ -1,7 +1,8 @@
 """Running a matched collective over the participants' shared-memory views.
 
 Two paths, chosen per collective and identical on every participant:
-  * direct (messages up to DIRECT_MAX_BYTES, P == 1, barrier, or algorithm="direct"):
+  * direct (messages up to DIRECT_MAX_BYTES = 2 MiB, P == 1, barrier, or
+    algorithm="direct"):
     the last participant's thread reduces the P views in rank order into a scratch
     array and writes every output. One pass, no thread hand-offs: this is what keeps
     a 4-byte allreduce close to a bare gRPC round trip. Deterministic: the order of
@@ -30,7 +31,9 @@ from lpsync.engine.group import LocalGroup, layout
 from lpsync.engine.reduce import Reduction
 from lpsync.types import Collective, ReduceOp, dtype_of
 
-DIRECT_MAX_BYTES = 256 * 1024
+# Measured (docs/benchmarks.md, 4 ranks on 2 cores): one thread reducing every view beats
+# the thread-per-participant schedules up to 2 MiB; be/lp win from 4 MiB on.
+DIRECT_MAX_BYTES = 2 * 1024 * 1024
 # Local memory as the tuner sees it: a thread hand-off per message, memcpy bandwidth,
 # and a link of its own between every pair of participants (no shared NIC).
 LOCAL_LINK = LinkModel.from_bandwidth(alpha=30e-6, bandwidth=8e9, shared_nic=False)

@@ -23,7 +23,7 @@ def _cases(world: int) -> list[tuple]:
         cases.append(("allgather", dt, "sum", 5, in_place, None, 0, True))
         cases.append(("reduce_scatter", dt, "min", 7, in_place, None, 0, True))
     # Pipelined schedules: the tuner's choice and each algorithm forced, larger buffers.
-    big = 70_000  # 280 KB of float32: above the direct threshold
+    big = 70_000  # 280 KB of float32
     for algo, op in [(None, "allreduce"), ("lp", "allreduce"), ("ring", "allreduce"),
                      ("mst", "allreduce"), ("be", "allreduce"), ("lp", "broadcast"),
                      ("lp", "reduce"), ("ring", "allgather"), ("ring", "reduce_scatter"),
@@ -31,6 +31,8 @@ def _cases(world: int) -> list[tuple]:
         for in_place in (True, False):
             cases.append((op, "float32", "sum", big, in_place, algo, 0, True))
     cases.append(("allreduce", "bfloat16", "avg", big, True, "lp", 0, True))
+    # Above the direct path's 2 MiB: the tuner's choice runs.
+    cases.append(("allreduce", "float32", "sum", 600_000, True, None, 0, True))
     cases.append(("allreduce", "int32", "prod", 1000, False, "ring", 0, True))
     # Plain numpy arrays (not from client.empty): staged through shared memory.
     for op in ("allreduce", "allgather", "reduce_scatter", "broadcast"):
