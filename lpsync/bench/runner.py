@@ -1,4 +1,9 @@
-"""Set up a daemon (or use one) and N rank processes, collect times, print the table."""
+"""``lpsync bench``: nccl-tests-style measurements of a daemon, optionally beside gloo.
+
+Steps, as in nccl-tests: set up (a daemon, or the one on --socket; N rank processes;
+buffers), run (warm-up, timed iterations per rank, worker.py), verify (#wrong after a
+final checked iteration), report (the table, or JSON with the distributions).
+"""
 
 from __future__ import annotations
 

@@ -1,1 +1,0 @@
-"""Subcommands of the ``lpsync`` console script; each exposes add_parser() and run()."""
