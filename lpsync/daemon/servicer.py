@@ -8,7 +8,8 @@ handler turns LpsyncError into a status and logs anything else as a bug.
 
 Threads: each Session stream holds one gRPC handler thread (writing responses from a
 queue) and one reader thread of ours (reading requests and, when its request is the
-last arrival of a collective, running that collective).
+last arrival of a collective, running that collective). The trigger socket
+(trigger.py) feeds the same ``handle`` from its own reader threads.
 """
 
 from __future__ import annotations
