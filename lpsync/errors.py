@@ -47,3 +47,33 @@ class ScheduleError(LpsyncError):
     """A generated schedule is malformed (unmatched messages, size mismatch)."""
 
     code = "INTERNAL"
+
+
+class NotFoundError(LpsyncError):
+    """A handle, session or job that the daemon does not know (or no longer knows)."""
+
+    code = "NOT_FOUND"
+
+
+class AlreadyExistsError(LpsyncError):
+    """A second attach of a (job, rank) that is already attached."""
+
+    code = "ALREADY_EXISTS"
+
+
+class ResourceExhaustedError(LpsyncError):
+    """A request beyond a limit: buffer size, per-session bytes, shared memory."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class UnauthenticatedError(LpsyncError):
+    """A call without the daemon's token, or with a wrong one."""
+
+    code = "UNAUTHENTICATED"
+
+
+class UnimplementedError(LpsyncError):
+    """A request this build cannot serve yet (another device kind, several nodes)."""
+
+    code = "UNIMPLEMENTED"

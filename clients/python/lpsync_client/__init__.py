@@ -1,0 +1,33 @@
+"""lpsync_client: attach to the node's lpsync daemon and run collectives over shared memory.
+
+    import lpsync_client
+    with lpsync_client.connect() as client:   # env: LPSYNC_SOCKET, LPSYNC_JOB, RANK, WORLD_SIZE
+        x = client.zeros(1024, "float32")
+        x[:] = client.rank
+        client.allreduce(x)                    # x == sum of ranks, on every rank
+
+Blocking calls: allreduce, broadcast, reduce, allgather, reduce_scatter, barrier; each
+has an ``*_async`` twin returning a concurrent.futures.Future.
+"""
+
+from lpsync_client.client import Client, Registered, connect
+from lpsync_client.errors import (
+    AbortedError,
+    AlreadyExistsError,
+    CollectiveTimeoutError,
+    InvalidArgumentError,
+    LpsyncError,
+    MismatchError,
+    NotFoundError,
+    ResourceExhaustedError,
+    TimeoutError,
+    UnauthenticatedError,
+    UnavailableError,
+    UnimplementedError,
+)
+
+__version__ = "0.1.0"
+__all__ = ["AbortedError", "AlreadyExistsError", "Client", "CollectiveTimeoutError",
+           "InvalidArgumentError", "LpsyncError", "MismatchError", "NotFoundError",
+           "Registered", "ResourceExhaustedError", "TimeoutError", "UnauthenticatedError",
+           "UnavailableError", "UnimplementedError", "connect"]

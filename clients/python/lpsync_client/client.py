@@ -1,0 +1,546 @@
+"""The lpsync client: attach to the node's daemon, place buffers in shared memory and run
+collectives over them.
+
+    import lpsync_client
+    with lpsync_client.connect() as client:          # RANK, WORLD_SIZE, LPSYNC_JOB... from env
+        grads = client.zeros(1 << 20, "float32")     # lives in shared memory: zero copy
+        grads[:] = 1.0
+        client.allreduce(grads)                      # in place, sum over the job's ranks
+        t = torch.ones(10)                           # anything else is staged transparently
+        client.allreduce(client.register(t), op="avg")
+
+Every collective blocks until it completes; each has an ``*_async`` twin that returns a
+concurrent.futures.Future. Collectives must be issued in the same order on every rank
+(they are matched by a per-job sequence number). Errors are typed (lpsync_client.errors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from lpsync_client._convert import as_numpy, numpy_dtype
+from lpsync_client._proto import lpsync_pb2 as pb
+from lpsync_client._proto import lpsync_pb2_grpc as pb_grpc
+from lpsync_client._shm import Mapping
+from lpsync_client._stream import SessionStream
+from lpsync_client._trigger import TriggerStream
+from lpsync_client.errors import (
+    CollectiveTimeoutError,
+    InvalidArgumentError,
+    LpsyncError,
+    from_rpc_error,
+    from_status,
+)
+
+DEFAULT_SOCKET = "/run/lpsync/lpsync.sock"
+DEFAULT_TIMEOUT = 300.0
+_STATES = {pb.INTACT: "INTACT", pb.PARTIAL: "PARTIAL"}
+_SCRATCH_KEEP = 8  # staging segments kept for reuse by unregistered arrays
+
+
+@dataclass
+class _Segment:
+    handle: int
+    mapping: Mapping
+
+
+class Registered:
+    """A tensor of yours staged through a daemon segment: copied in before each collective
+    that reads it, copied back after each that writes it. Made by Client.register()."""
+
+    def __init__(self, client: Client, source: np.ndarray, dtype: str, segment: _Segment,
+                 original: object) -> None:
+        self.client, self.source, self.dtype, self.original = client, source, dtype, original
+        self.segment = segment
+        self.staging = segment.mapping.array[:source.nbytes].view(source.dtype)
+
+    @property
+    def handle(self) -> int:
+        return self.segment.handle
+
+    def release(self) -> None:
+        self.client.release(self)
+
+
+@dataclass
+class _Operand:
+    ref: pb.BufferRef
+    array: np.ndarray  # the 1-D typed view the daemon reads/writes (user's or staging)
+    dtype: str
+    copy_in: object = None  # (staging, source) pairs to copy before / after
+    copy_out: object = None
+    scratch: _Segment | None = None
+
+
+def _span(a: np.ndarray) -> tuple:
+    return (a.__array_interface__["data"][0], a.nbytes, a.dtype, a.flags.c_contiguous)
+
+
+def _copy(message: pb.SessionRequest) -> pb.SessionRequest:
+    fresh = pb.SessionRequest()
+    fresh.CopyFrom(message)
+    return fresh
+
+
+def _plain(result: object, response: pb.SessionResponse) -> object:
+    """Completion of a collective over shared-memory arrays: nothing to copy back."""
+    r = response.result
+    if r.code != "OK":
+        raise from_status(r.code, r.message, r.error, _STATES.get(r.buffer_state, ""))
+    return result
+
+
+class Client:
+    """One attached rank. Prefer :func:`connect`, which reads torchrun's environment."""
+
+    def __init__(self, *, socket: str | None = None, target: str | None = None,
+                 job: str, rank: int, world_size: int, local_rank: int | None = None,
+                 local_world_size: int | None = None, token: str | None = None,
+                 root_certificates: bytes | None = None,
+                 timeout: float = DEFAULT_TIMEOUT, connect_timeout: float = 10.0,
+                 trigger: str = "auto") -> None:
+        if trigger not in ("auto", "grpc", "socket"):
+            raise InvalidArgumentError(
+                f"trigger must be 'auto', 'grpc' or 'socket', got {trigger!r}")
+        self.job, self.rank, self.world_size = job, rank, world_size
+        self.timeout = timeout
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        if target:  # TCP: the daemon only listens there with TLS
+            credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self._channel = grpc.secure_channel(target, credentials)
+        else:
+            self._channel = grpc.insecure_channel(f"unix:{socket or DEFAULT_SOCKET}")
+        self._stub = pb_grpc.LpSyncStub(self._channel)
+        self._segments: dict[int, _Segment] = {}
+        self._scratch: dict[int, list[_Segment]] = {}
+        self._lock = threading.Lock()
+        self._sequence = 0
+        self._closed = False
+        # Prepared requests by (op, spans, parameters) for arrays in shared memory.
+        self._prepared: dict[tuple, pb.SessionRequest] = {}
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
+            attached = self._call(self._stub.Attach, pb.AttachRequest(
+                job=job, rank=rank, world_size=world_size,
+                local_rank=rank if local_rank is None else local_rank,
+                local_world_size=world_size if local_world_size is None else local_world_size,
+                pid=os.getpid()), connect_timeout)
+            self.session_id = attached.session_id
+            self._stream = SessionStream(self._stub, self.session_id, self._metadata,
+                                         connect_timeout)
+            # Collectives and pings go through the trigger socket when asked for (and
+            # offered); the gRPC stream above stays open either way: it is the lifeline.
+            self._trigger: TriggerStream | None = None
+            if trigger == "socket" and not attached.trigger_socket:
+                raise from_status("UNAVAILABLE", "the daemon offers no trigger socket "
+                                  "(TCP, or started with --no-trigger)")
+            # auto never leaves a TCP connection for a local socket: the daemon may be remote.
+            if attached.trigger_socket and (trigger == "socket" or
+                                            (trigger == "auto" and not target)):
+                try:
+                    self._trigger = TriggerStream(attached.trigger_socket, self.session_id,
+                                                  connect_timeout)
+                except LpsyncError:
+                    if trigger == "socket":
+                        raise
+                    # auto: e.g. the socket is not reachable from this container; gRPC works
+            self._path = self._trigger or self._stream
+            self.trigger = "socket" if self._trigger is not None else "grpc"
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise from_status("UNAVAILABLE", f"no lpsync daemon answers at "
+                              f"{target or socket or DEFAULT_SOCKET} (is it running?)") from None
+        except BaseException:
+            self._channel.close()
+            raise
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _call(self, method, request, timeout: float | None = 30.0):
+        try:
+            return method(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+
+    def _map(self, buffer: pb.Buffer) -> _Segment:
+        segment = _Segment(buffer.handle, Mapping(buffer.shm_name, buffer.nbytes))
+        with self._lock:
+            self._segments[buffer.handle] = segment
+        return segment
+
+    def _find(self, array: np.ndarray) -> tuple[_Segment, int] | None:
+        address = array.__array_interface__["data"][0]
+        with self._lock:
+            for segment in self._segments.values():
+                if segment.mapping.contains(address, array.nbytes):
+                    return segment, address - segment.mapping.base
+        return None
+
+    # -- buffers ---------------------------------------------------------------------------
+    def empty(self, shape: int | Sequence[int], dtype: str | np.dtype = "float32") -> np.ndarray:
+        """An uninitialised array in shared memory the daemon maps too (zero copy).
+
+        >>> grads = client.empty((1024, 1024), "float32")
+        """
+        dt = numpy_dtype(np.dtype(dtype).name if not isinstance(dtype, str) else dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        segment = self._map(self._call(self._stub.Allocate, pb.AllocateRequest(
+            session_id=self.session_id, nbytes=nbytes)))
+        return segment.mapping.array[:nbytes].view(dt).reshape(shape)
+
+    def zeros(self, shape: int | Sequence[int], dtype: str | np.dtype = "float32") -> np.ndarray:
+        """Like :meth:`empty`, filled with zeros."""
+        array = self.empty(shape, dtype)
+        array.fill(0)
+        return array
+
+    def register(self, x: object) -> Registered:
+        """Stage ``x`` (numpy array, torch CPU tensor, __dlpack__ or buffer-protocol object)
+        through shared memory; pass the result to collectives instead of ``x``.
+
+        >>> h = client.register(torch.zeros(10))
+        >>> client.allreduce(h)          # h.original now holds the sum
+        """
+        source, dtype = as_numpy(x)
+        buffer = self._call(self._stub.Register, pb.RegisterRequest(
+            session_id=self.session_id, nbytes=source.nbytes, device="cpu"))
+        return Registered(self, source, dtype, self._map(buffer), x)
+
+    def release(self, x: np.ndarray | Registered) -> None:
+        """Give a buffer from empty()/zeros()/register() back to the daemon."""
+        if isinstance(x, Registered):
+            segment = x.segment
+        else:
+            found = self._find(np.asarray(x))
+            if found is None:
+                raise InvalidArgumentError("this array is not in a buffer of this client")
+            segment = found[0]
+        self._call(self._stub.Release, pb.ReleaseRequest(session_id=self.session_id,
+                                                         handle=segment.handle))
+        with self._lock:
+            self._segments.pop(segment.handle, None)
+            self._prepared.clear()  # an address may come back in another segment
+        segment.mapping.close()
+
+    def _operand(self, x: object, writes: bool) -> _Operand:
+        if isinstance(x, Registered):
+            return _Operand(pb.BufferRef(handle=x.handle), x.staging.reshape(-1), x.dtype,
+                            (x.staging, x.source), (x.staging, x.source) if writes else None)
+        array, dtype = as_numpy(x)
+        found = self._find(array)
+        if found is not None:
+            segment, offset = found
+            return _Operand(pb.BufferRef(handle=segment.handle, offset=offset), array, dtype)
+        scratch = self._take_scratch(array.nbytes)
+        staging = scratch.mapping.array[:array.nbytes].view(array.dtype)
+        return _Operand(pb.BufferRef(handle=scratch.handle), staging, dtype,
+                        (staging, array), (staging, array) if writes else None, scratch)
+
+    def _take_scratch(self, nbytes: int) -> _Segment:
+        with self._lock:
+            pool = self._scratch.get(nbytes)
+            if pool:
+                return pool.pop()
+        return self._map(self._call(self._stub.Register, pb.RegisterRequest(
+            session_id=self.session_id, nbytes=nbytes, device="cpu")))
+
+    def _give_scratch(self, segment: _Segment) -> None:
+        with self._lock:
+            pool = self._scratch.setdefault(segment.mapping.nbytes, [])
+            if sum(len(p) for p in self._scratch.values()) < _SCRATCH_KEEP:
+                pool.append(segment)
+                return
+        # The session may be gone already; then the daemon has freed the segment.
+        with contextlib.suppress(Exception):
+            self.release_handle(segment.handle)
+
+    def release_handle(self, handle: int) -> None:
+        self._call(self._stub.Release, pb.ReleaseRequest(session_id=self.session_id,
+                                                         handle=handle))
+        with self._lock:
+            segment = self._segments.pop(handle, None)
+            self._prepared.clear()
+        if segment is not None:
+            segment.mapping.close()
+
+    # -- collectives -----------------------------------------------------------------------
+    def _submit(self, op: str, x: object | None, out: object | None, *, count_of, root: int = 0,
+                reduce_op: str = "", algorithm: str | None = None, timeout: float | None = None,
+                name: str = "") -> Future:
+        timeout = self.timeout if timeout is None else timeout
+        # Hot path: arrays already in shared memory, a call seen before -> copy a prepared
+        # request, number it, send. No lookups, no staging.
+        key = None
+        if type(x) is np.ndarray and (out is None or type(out) is np.ndarray):
+            key = (op, _span(x), None if out is None else _span(out), root, reduce_op,
+                   algorithm, timeout, name)
+            template = self._prepared.get(key)
+            if template is not None:
+                return self._send(_copy(template),
+                                  functools.partial(_plain, x if out is None else out))
+        operands: list[_Operand] = []
+        message = pb.SessionRequest()
+        request = message.collective
+        request.session_id, request.op, request.root = self.session_id, op, root
+        request.reduce_op, request.algorithm = reduce_op, algorithm or ""
+        request.timeout, request.name = timeout, name
+        try:
+            if x is not None:
+                a = self._operand(x, writes=out is None)
+                operands.append(a)
+                request.input.CopyFrom(a.ref)
+                request.dtype = a.dtype
+                if out is not None:
+                    b = self._operand(out, writes=True)
+                    operands.append(b)
+                    request.output.CopyFrom(b.ref)
+                    if b.dtype != a.dtype:
+                        raise InvalidArgumentError(f"input is {a.dtype} but out is {b.dtype}")
+                    request.count = count_of(a.array.size, b.array.size)
+                else:
+                    request.count = count_of(a.array.size, None)
+            for operand in operands:
+                if operand.copy_in is not None:
+                    staging, source = operand.copy_in
+                    np.copyto(staging, source)
+        except BaseException:
+            self._recycle(operands)
+            raise
+        result = out if out is not None else x
+        if isinstance(result, Registered):
+            result = result.original
+
+        def complete(response: pb.SessionResponse) -> object:
+            try:
+                r = response.result
+                if r.code != "OK":
+                    raise from_status(r.code, r.message, r.error,
+                                      _STATES.get(r.buffer_state, ""))
+                for operand in operands:
+                    if operand.copy_out is not None:
+                        staging, source = operand.copy_out
+                        np.copyto(source, staging)
+                return result
+            finally:
+                self._recycle(operands)
+
+        if key is not None and all(o.copy_in is None and o.scratch is None for o in operands):
+            with self._lock:
+                if len(self._prepared) > 1024:
+                    self._prepared.clear()
+                self._prepared[key] = _copy(message)  # unnumbered; copied for each call
+        return self._send(message, complete)
+
+    def _send(self, message: pb.SessionRequest, hook) -> Future:
+        with self._lock:  # sequence numbers leave in submission order
+            self._sequence += 1
+            message.collective.sequence = self._sequence
+            return self._path.submit(message, hook)
+
+    def _recycle(self, operands: list[_Operand]) -> None:
+        for operand in operands:
+            if operand.scratch is not None:
+                self._give_scratch(operand.scratch)
+
+    def _wait(self, future: Future, timeout: float | None) -> object:
+        bound = 2 * (self.timeout if timeout is None else timeout) + 10
+        try:
+            return future.result(timeout=bound)
+        except TimeoutError:
+            if future.done():
+                raise  # the daemon's own timeout error, delivered through the future
+            raise CollectiveTimeoutError(
+                f"the daemon did not answer within {bound:g} s") from None
+
+    def _same(self, n: int, m: int | None) -> int:
+        if m is not None and m != n:
+            raise InvalidArgumentError(f"out has {m} elements, the input {n}")
+        return n
+
+    def _blocks(self, n: int, what: str) -> int:
+        if n % self.world_size:
+            raise InvalidArgumentError(
+                f"{what} has {n} elements, not a multiple of the world size {self.world_size}")
+        return n // self.world_size
+
+    def allreduce_async(self, x, op: str = "sum", out=None, algorithm: str | None = None,
+                        timeout: float | None = None, name: str = "") -> Future:
+        """Start an allreduce; the Future's result is the output (``out`` or ``x``)."""
+        return self._submit("allreduce", x, out, count_of=self._same, reduce_op=op,
+                            algorithm=algorithm, timeout=timeout, name=name)
+
+    def allreduce(self, x, op: str = "sum", out=None, algorithm: str | None = None,
+                  timeout: float | None = None, name: str = ""):
+        """Reduce ``x`` over every rank of the job (op: sum, prod, min, max, avg).
+
+        In place unless ``out`` is given (then ``x`` is only read).
+        ``algorithm`` forces one (lp, ring, mst, be, direct); None lets the daemon tune.
+
+        >>> g = client.zeros(4); g[:] = client.rank
+        >>> client.allreduce(g, op="sum")    # every rank: 0 + 1 + ... + (P-1)
+        """
+        return self._wait(self.allreduce_async(x, op, out, algorithm, timeout, name), timeout)
+
+    def broadcast_async(self, x, root: int = 0, out=None, algorithm: str | None = None,
+                        timeout: float | None = None, name: str = "") -> Future:
+        return self._submit("broadcast", x, out, count_of=self._same, root=root,
+                            algorithm=algorithm, timeout=timeout, name=name)
+
+    def broadcast(self, x, root: int = 0, out=None, algorithm: str | None = None,
+                  timeout: float | None = None, name: str = ""):
+        """Copy root's ``x`` to every rank (into ``x``, or ``out`` if given).
+
+        >>> client.broadcast(weights, root=0)
+        """
+        return self._wait(self.broadcast_async(x, root, out, algorithm, timeout, name), timeout)
+
+    def reduce_async(self, x, root: int = 0, op: str = "sum", out=None,
+                     algorithm: str | None = None, timeout: float | None = None,
+                     name: str = "") -> Future:
+        return self._submit("reduce", x, out, count_of=self._same, root=root, reduce_op=op,
+                            algorithm=algorithm, timeout=timeout, name=name)
+
+    def reduce(self, x, root: int = 0, op: str = "sum", out=None, algorithm: str | None = None,
+               timeout: float | None = None, name: str = ""):
+        """Reduce ``x`` over every rank into root's buffer; other ranks' buffers are untouched.
+
+        >>> client.reduce(loss, root=0, op="avg")
+        """
+        return self._wait(self.reduce_async(x, root, op, out, algorithm, timeout, name),
+                          timeout)
+
+    def allgather_async(self, x, out=None, algorithm: str | None = None,
+                        timeout: float | None = None, name: str = "") -> Future:
+        def count(n: int, m: int | None) -> int:
+            if m is None:  # in place: x is the whole output, this rank's block at rank*count
+                return self._blocks(n, "the allgather buffer")
+            if m != n * self.world_size:
+                raise InvalidArgumentError(f"out must have {n * self.world_size} elements")
+            return n
+        return self._submit("allgather", x, out, count_of=count, algorithm=algorithm,
+                            timeout=timeout, name=name)
+
+    def allgather(self, x, out=None, algorithm: str | None = None,
+                  timeout: float | None = None, name: str = ""):
+        """Gather every rank's block into every rank's output.
+
+        Out of place: ``x`` holds this rank's count elements, ``out`` P*count. In place:
+        ``x`` is the P*count output with this rank's block at rank*count.
+
+        >>> out = client.empty(client.world_size * 4); client.allgather(block, out=out)
+        """
+        return self._wait(self.allgather_async(x, out, algorithm, timeout, name), timeout)
+
+    def reduce_scatter_async(self, x, op: str = "sum", out=None, algorithm: str | None = None,
+                             timeout: float | None = None, name: str = "") -> Future:
+        def count(n: int, m: int | None) -> int:
+            c = self._blocks(n, "the reduce_scatter input")
+            if m is not None and m != c:
+                raise InvalidArgumentError(f"out must have {c} elements")
+            return c
+        return self._submit("reduce_scatter", x, out, count_of=count, reduce_op=op,
+                            algorithm=algorithm, timeout=timeout, name=name)
+
+    def reduce_scatter(self, x, op: str = "sum", out=None, algorithm: str | None = None,
+                       timeout: float | None = None, name: str = ""):
+        """Reduce the P*count input over ranks; rank r gets block r (into ``out``, or in
+        place into x[r*count:(r+1)*count]).
+
+        >>> mine = client.empty(n // client.world_size); client.reduce_scatter(x, out=mine)
+        """
+        return self._wait(self.reduce_scatter_async(x, op, out, algorithm, timeout, name),
+                          timeout)
+
+    def barrier_async(self, timeout: float | None = None, name: str = "") -> Future:
+        return self._submit("barrier", None, None, count_of=None, timeout=timeout, name=name)
+
+    def barrier(self, timeout: float | None = None, name: str = "") -> None:
+        """Block until every rank of the job has reached this barrier."""
+        self._wait(self.barrier_async(timeout, name), timeout)
+
+    def ping(self, timeout: float = 10.0, via: str | None = None) -> None:
+        """One empty round trip: on the path collectives take (default), or ``via="grpc"``
+        (the gRPC Session stream) or ``via="socket"`` (the trigger socket)."""
+        path = {None: self._path, "grpc": self._stream, "socket": self._trigger}[via]
+        if path is None:
+            raise InvalidArgumentError("this client has no trigger socket")
+        path.submit(pb.SessionRequest(ping=pb.Ping()), lambda r: None).result(timeout)
+
+    def status(self) -> pb.StatusResponse:
+        return self._call(self._stub.Status, pb.StatusRequest())
+
+    # -- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Detach: the daemon frees this client's buffers; arrays from empty() stay
+        readable in this process until dropped (their memory is no longer shared)."""
+        if self._closed:
+            return
+        self._closed = True
+        # The daemon may be gone or have ended the session already: nothing to free then.
+        with contextlib.suppress(Exception):
+            self._call(self._stub.Detach, pb.DetachRequest(session_id=self.session_id), 10.0)
+        if self._trigger is not None:
+            self._trigger.close()
+        self._stream.close()
+        with self._lock:
+            segments = list(self._segments.values())
+            self._segments.clear()
+            self._scratch.clear()
+        for segment in segments:
+            segment.mapping.close()
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(socket: str | None = None, *, job: str | None = None, rank: int | None = None,
+            world_size: int | None = None, local_rank: int | None = None,
+            local_world_size: int | None = None, target: str | None = None,
+            token: str | None = None, root_certificates: bytes | None = None,
+            timeout: float = DEFAULT_TIMEOUT, trigger: str | None = None) -> Client:
+    """Attach to the node's daemon. Unset arguments come from the environment as torchrun
+    sets it: LPSYNC_SOCKET, LPSYNC_JOB, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
+    (and LPSYNC_TARGET / LPSYNC_TOKEN for TCP). ``timeout`` is the default collective
+    timeout in seconds. ``trigger`` (or LPSYNC_TRIGGER) picks the path of collectives:
+    "socket" the daemon's trigger socket (the Session messages without gRPC: several
+    times lower latency for small collectives), "grpc" the gRPC Session stream, "auto"
+    (default) the socket when the daemon offers one (Unix socket), else gRPC.
+
+    >>> with lpsync_client.connect(job="demo", rank=0, world_size=2) as client:
+    ...     client.allreduce(client.zeros(8))
+    """
+    env = os.environ
+
+    def pick(value, name: str, default=None, cast=str):
+        if value is not None:
+            return value
+        raw = env.get(name)
+        if raw is None or raw == "":
+            if default is None:
+                raise InvalidArgumentError(f"{name} is not set; pass it to connect()")
+            return default
+        return cast(raw)
+
+    rank = pick(rank, "RANK", cast=int)
+    world_size = pick(world_size, "WORLD_SIZE", cast=int)
+    return Client(
+        socket=pick(socket, "LPSYNC_SOCKET", DEFAULT_SOCKET),
+        target=target or env.get("LPSYNC_TARGET") or None,
+        job=pick(job, "LPSYNC_JOB", "default"), rank=rank, world_size=world_size,
+        local_rank=pick(local_rank, "LOCAL_RANK", rank, int),
+        local_world_size=pick(local_world_size, "LOCAL_WORLD_SIZE", world_size, int),
+        token=token or env.get("LPSYNC_TOKEN") or None, root_certificates=root_certificates,
+        timeout=timeout, trigger=trigger or env.get("LPSYNC_TRIGGER") or "auto")

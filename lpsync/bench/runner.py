@@ -1,0 +1,202 @@
+"""``lpsync bench``: nccl-tests-style measurements of a daemon, optionally beside gloo.
+
+Steps, as in nccl-tests: set up (a daemon, or the one on --socket; N rank processes;
+buffers), run (warm-up, timed iterations per rank, worker.py), verify (#wrong after a
+final checked iteration), report (the table, or JSON with the distributions).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lpsync.algorithms.cost import busbw_factor
+from lpsync.bench import worker
+from lpsync.bench.sizes import human
+from lpsync.types import Collective
+
+
+@dataclass
+class Row:
+    nbytes: int
+    count: int
+    times: list[float] = field(default_factory=list)  # per iteration, slowest rank
+    wrong: int = 0
+    # Empty round trips on the Session stream, every rank's (pings are not synchronised
+    # across ranks, so there is no "slowest rank per ping").
+    pings: list[float] = field(default_factory=list)
+    algorithm: str = ""  # what the daemon ran (lpsync rows)
+    trigger_pings: list[float] = field(default_factory=list)  # --trigger socket
+
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+
+@dataclass(frozen=True)
+class Options:
+    op: str
+    sizes: list[int]
+    procs: int
+    algorithm: str | None = None
+    iters: int = 0
+    warmup: int = 5
+    compare: str | None = None
+    socket: str | None = None
+    timeout: float = 3600.0
+    trigger: str = "auto"  # the path of collectives: socket, grpc (Session stream) or auto
+
+
+def _serving(socket: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    if not Path(socket).exists():
+        return False
+    try:
+        with grpc.insecure_channel(f"unix:{socket}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=1.0)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def run(options: Options) -> dict[str, list[Row]]:
+    tmp = tempfile.mkdtemp(prefix="lpsync-bench-")
+    daemon = None
+    socket = options.socket
+    if socket is None or not _serving(socket):
+        socket = socket or os.path.join(tmp, "lpsync.sock")
+        daemon = subprocess.Popen([sys.executable, "-m", "lpsync.cli", "daemon", "--socket",
+                                   socket, "--log-level", "WARNING"])
+        deadline = time.monotonic() + 30
+        while not _serving(socket):
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("lpsync bench: the daemon did not start")
+            time.sleep(0.05)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    job = f"bench-{os.getpid()}"
+    procs = [ctx.Process(target=worker.run, args=(
+        r, options.procs, socket, job, options.op, options.sizes, options.algorithm,
+        options.iters, options.warmup, options.compare, queue, options.trigger))
+        for r in range(options.procs)]
+    for p in procs:
+        p.start()
+    engines = ["lpsync"] + ([options.compare] if options.compare else [])
+    partial: dict[tuple[str, int], list] = {}
+    algorithms: dict[tuple[str, int], str] = {}
+    rows: dict[str, list[Row]] = {e: [] for e in engines}
+    expected = len(engines) * len(options.sizes)
+    deadline = time.monotonic() + options.timeout
+    try:
+        while sum(len(v) for v in rows.values()) < expected:
+            stopped = not any(p.is_alive() for p in procs) and queue.empty()
+            if time.monotonic() > deadline or stopped:
+                raise SystemExit("lpsync bench: rank processes stopped early")
+            try:
+                engine, rank, nbytes, count, times, wrong, pings, algo = queue.get(timeout=1.0)
+            except Exception:
+                continue
+            key = (engine, nbytes)
+            partial.setdefault(key, []).append((times, wrong, pings, count))
+            if rank == 0:
+                algorithms[key] = algo
+            if len(partial[key]) == options.procs:
+                got = partial.pop(key)
+                row = Row(nbytes, got[0][3], [max(t) for t in zip(*[g[0] for g in got],
+                                                                strict=True)],
+                          sum(g[1] for g in got),
+                          [p for g in got for p in g[2][0]], algorithms.get(key, ""),
+                          [p for g in got for p in g[2][1]])
+                rows[engine].append(row)
+                done = sum(len(v) for v in rows.values())
+                print(f"[{done}/{expected}] {engine} {human(nbytes)}: "
+                      f"{row.median() * 1e6:.1f} us", file=sys.stderr, flush=True)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        if daemon is not None:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(30)
+    return rows
+
+
+def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
+    factor = busbw_factor(Collective(options.op), options.procs)
+    root = 0 if options.op in ("broadcast", "reduce") else -1
+    redop = "sum" if options.op in ("allreduce", "reduce", "reduce_scatter") else "none"
+
+    def metrics(row: Row) -> dict:
+        t = row.median()
+        algbw = row.nbytes / t / 1e9
+        return {"time_us": t * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * factor,
+                "wrong": row.wrong, "mean_us": statistics.fmean(row.times) * 1e6,
+                "p10_us": _pct(row.times, 10) * 1e6, "p90_us": _pct(row.times, 90) * 1e6,
+                "iterations": len(row.times), "algorithm": row.algorithm,
+                "ping_median_us": statistics.median(row.pings) * 1e6 if row.pings else None,
+                "trigger_ping_median_us": (statistics.median(row.trigger_pings) * 1e6
+                                           if row.trigger_pings else None)}
+
+    if as_json:
+        return json.dumps({
+            "op": options.op, "procs": options.procs, "dtype": worker.DTYPE,
+            "algorithm": options.algorithm or "auto", "trigger": options.trigger,
+            "results": {e: [{"size": r.nbytes, "count": r.count, **metrics(r)} for r in rs]
+                        for e, rs in rows.items()}}, indent=2)
+    engines = list(rows)
+    head1 = f"#{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5}"
+    head2 = f"#{'(B)':>12} {'(elements)':>12} {'':>8} {'':>6} {'':>5}"
+    for e in engines:
+        head1 += f" | {e + ' time':>12} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
+        head2 += f" | {'(us)':>12} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}"
+    if len(engines) > 1:
+        head1 += f" | {'speedup':>7}"
+    via = {"socket": "the trigger socket", "grpc": "the gRPC Session stream",
+           "auto": "the client's default (trigger socket if offered)"}[options.trigger]
+    lines = [f"# lpsync bench: {options.op}, {options.procs} processes, {worker.DTYPE}, "
+             f"algorithm {options.algorithm or 'auto (tuner)'}, collectives via {via}",
+             head1, head2]
+    for i, row in enumerate(rows["lpsync"]):
+        line = f" {row.nbytes:>12} {row.count:>12} {worker.DTYPE:>8} {redop:>6} {root:>5}"
+        for e in engines:
+            m = metrics(rows[e][i])
+            line += (f" | {m['time_us']:>12.1f} {m['algbw_gbps']:>7.3f} "
+                     f"{m['busbw_gbps']:>7.3f} {m['wrong']:>6}")
+        if len(engines) > 1:
+            line += f" | {rows[engines[1]][i].median() / row.median():>6.2f}x"
+        lines.append(line)
+    pings = [p for r in rows["lpsync"] for p in r.pings]
+    algorithms = ", ".join(f"{human(r.nbytes)}: {r.algorithm}" for r in rows["lpsync"])
+    lines.append(f"# lpsync algorithm per size (the daemon's choice): {algorithms}")
+    small = rows["lpsync"][0]
+    if pings:
+        lines.append(f"# gRPC Session stream round trip (empty Ping, same processes and "
+                     f"stream): median {statistics.median(pings) * 1e6:.1f} us over "
+                     f"{len(pings)} pings")
+    trigger_pings = [p for r in rows["lpsync"] for p in r.trigger_pings]
+    if trigger_pings:
+        lines.append(f"# trigger socket round trip (empty Ping): median "
+                     f"{statistics.median(trigger_pings) * 1e6:.1f} us")
+    if pings and small.nbytes <= 1024:
+        lines.append(f"# smallest size: median {small.median() * 1e6:.1f} us = "
+                     f"{small.median() / statistics.median(small.pings):.2f}x the median "
+                     f"Session round trip ({statistics.median(small.pings) * 1e6:.1f} us) "
+                     "measured in rounds alternating with it")
+    return "\n".join(lines)
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]

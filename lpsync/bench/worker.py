@@ -1,0 +1,157 @@
+"""One benchmark rank: the same sizes through lpsync, then (optionally) through gloo.
+
+Each timed iteration is one blocking collective on a buffer set up once per size; the
+per-iteration times go back to the runner, which takes the slowest rank per iteration
+(a collective is as slow as its last participant). The verify pass fills the buffer
+with known values, runs once more and counts wrong elements.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+DTYPE = "float32"
+ROUNDS = 5
+
+
+def iterations(nbytes: int, forced: int) -> int:
+    return forced or int(min(1000, max(10, (1 << 30) // max(nbytes, 1))))
+
+
+def _fill(op: str, buf: np.ndarray, rank: int, world: int, count: int) -> None:
+    if op == "allgather":
+        buf[:] = -1
+        buf[rank * count:(rank + 1) * count] = rank + 1
+    else:
+        buf[:] = rank + 1
+
+
+def _wrong(op: str, buf: np.ndarray, rank: int, world: int, count: int, root: int) -> int:
+    if op == "allreduce":
+        want: np.ndarray | float = world * (world + 1) / 2
+    elif op == "broadcast":
+        want = root + 1
+    elif op == "reduce":
+        want = world * (world + 1) / 2 if rank == root else rank + 1
+    elif op == "allgather":
+        want = np.repeat(np.arange(1, world + 1, dtype=buf.dtype), count)
+    else:  # reduce_scatter: this rank's block holds the sum
+        block = buf[rank * count:(rank + 1) * count]
+        return int(np.count_nonzero(block != world * (world + 1) / 2))
+    return int(np.count_nonzero(buf != want))
+
+
+def _count(op: str, nbytes: int, world: int) -> int:
+    elements = max(1, nbytes // 4)
+    return elements // world if op in ("allgather", "reduce_scatter") else elements
+
+
+def run(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int],
+        algorithm: str | None, iters: int, warmup: int, compare: str | None, queue,
+        trigger: str = "auto") -> None:
+    import lpsync_client
+
+    root = 0
+    with lpsync_client.connect(socket, job=job, rank=rank, world_size=world,
+                               timeout=600, trigger=trigger) as client:
+        call = getattr(client, op)
+        kwargs = {"algorithm": algorithm}
+        if op in ("broadcast", "reduce"):
+            kwargs["root"] = root
+        for nbytes in sizes:
+            count = _count(op, nbytes, world)
+            buf = client.zeros(count * world if op in ("allgather", "reduce_scatter")
+                               else count, DTYPE)
+            n = iterations(nbytes, iters)
+            for _ in range(warmup):
+                call(buf, **kwargs)
+            # Pings and collectives alternate in rounds, so both see the same machine
+            # (the latency criterion compares their medians).
+            pings: list[float] = []  # the gRPC Session stream's round trip, always
+            trigger_pings: list[float] = []  # the trigger socket's, with --trigger socket
+            times: list[float] = []
+            rounds = ROUNDS if n >= 10 * ROUNDS else 1
+            for _ in range(rounds):
+                client.barrier()
+                for _ in range(max(1, min(n, 1000) // rounds)):
+                    t = time.perf_counter()
+                    client.ping(via="grpc")
+                    pings.append(time.perf_counter() - t)
+                    if client.trigger == "socket":
+                        t = time.perf_counter()
+                        client.ping(via="socket")
+                        trigger_pings.append(time.perf_counter() - t)
+                client.barrier()
+                for _ in range(n // rounds):
+                    t = time.perf_counter()
+                    call(buf, **kwargs)
+                    times.append(time.perf_counter() - t)
+            _fill(op, buf, rank, world, count)
+            client.barrier()
+            call(buf, **kwargs)
+            wrong = _wrong(op, buf, rank, world, count, root)
+            recent = client.status().recent if rank == 0 else []
+            mine = [r for r in recent if r.job == job]
+            queue.put(("lpsync", rank, nbytes, count, times, wrong, (pings, trigger_pings),
+                       mine[-1].algorithm if mine else ""))
+            client.release(buf)
+            del buf
+    if compare == "gloo":
+        _gloo(rank, world, socket, job, op, sizes, iters, warmup, queue)
+
+
+def _gloo(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int], iters: int,
+          warmup: int, queue) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = os.path.join(os.path.dirname(socket), f"{job}.gloo-store")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world)
+    try:
+        for nbytes in sizes:
+            count = _count(op, nbytes, world)
+            if op in ("allgather", "reduce_scatter"):
+                full = torch.zeros(count * world)
+                mine = full[rank * count:(rank + 1) * count]
+            else:
+                full = mine = torch.zeros(count)
+            call = _gloo_call(dist, op, full, mine)
+            n = iterations(nbytes, iters)
+            for _ in range(warmup):
+                call()
+            dist.barrier()
+            times = []
+            for _ in range(n):
+                t = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t)
+            arr = full.numpy()
+            _fill(op, arr, rank, world, count)
+            dist.barrier()
+            call()
+            wrong = _wrong(op, arr, rank, world, count, 0) if op != "reduce_scatter" else \
+                int(np.count_nonzero(mine.numpy() != world * (world + 1) / 2))
+            queue.put(("gloo", rank, nbytes, count, times, wrong, ([], []), "gloo"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _gloo_call(dist, op: str, full, mine):
+    """The torch.distributed call for ``op`` on a size's tensors (same layout as lpsync's)."""
+    if op == "allreduce":
+        return lambda: dist.all_reduce(full)
+    if op == "broadcast":
+        return lambda: dist.broadcast(full, 0)
+    if op == "reduce":
+        return lambda: dist.reduce(full, 0)
+    if op == "allgather":
+        block = mine.clone()
+        return lambda: dist.all_gather_into_tensor(full, block)
+    source = full.clone()
+    return lambda: dist.reduce_scatter_tensor(mine, source)

@@ -1,0 +1,1 @@
+"""The lpsync daemon: gRPC control plane, sessions, matching, execution, metrics, config."""

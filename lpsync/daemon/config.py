@@ -1,0 +1,128 @@
+"""Daemon configuration: flags > environment > TOML file > defaults.
+
+Every setting has one name used in all three places: the flag ``--metrics-port``, the
+variable ``LPSYNC_METRICS_PORT`` and the TOML key ``metrics_port`` (top level or
+under ``[daemon]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from lpsync.errors import InvalidArgumentError
+
+DEFAULT_SOCKET = "/run/lpsync/lpsync.sock"
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    socket: str = DEFAULT_SOCKET  # Unix domain socket of the control plane (mode 0660)
+    listen: str = ""  # HOST:PORT of an optional TCP listener; needs TLS and a token
+    tls_cert: str = ""
+    tls_key: str = ""
+    token_file: str = ""  # the token clients send as "authorization: Bearer <token>"
+    metrics_port: int = 0  # Prometheus exporter port; 0: off
+    devices: str = "cpu:0"  # only host memory in this issue
+    timeout: float = 300.0  # default collective timeout (seconds) when a request has none
+    max_buffer_bytes: int = 1 << 34  # one Allocate/Register above this: RESOURCE_EXHAUSTED
+    max_session_bytes: int = 1 << 35  # bytes one session may hold in buffers
+    stream_grace: float = 30.0  # an attached session without a Session stream is dropped
+    drain_seconds: float = 10.0  # SIGTERM waits this long for running collectives
+    log_level: str = "INFO"
+    workers: int = 256  # gRPC handler threads; each open Session stream holds one
+    trigger: bool = True  # offer the trigger socket <socket>.trigger (trigger.py)
+
+    def token(self) -> str:
+        return Path(self.token_file).read_text().strip() if self.token_file else ""
+
+    def validate(self) -> None:
+        if self.listen and not (self.tls_cert and self.tls_key and self.token_file):
+            raise InvalidArgumentError(
+                "--listen needs --tls-cert, --tls-key and --token-file: the TCP listener "
+                "never runs without TLS and a token")
+        if not re.fullmatch(r"cpu(:\d+)?", self.devices):
+            raise InvalidArgumentError(
+                f"--devices {self.devices!r}: this version serves CPU shared memory only "
+                "(cpu or cpu:N); CUDA devices come with a later issue")
+        if self.timeout <= 0 or self.max_buffer_bytes <= 0 or self.max_session_bytes <= 0:
+            raise InvalidArgumentError("timeout and byte limits must be positive")
+
+
+_FIELDS = {f.name: f for f in fields(DaemonConfig)}
+
+
+def _coerce(name: str, value: object) -> object:
+    kind = type(getattr(DaemonConfig, name))
+    if kind is bool and isinstance(value, str):
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise InvalidArgumentError(f"setting {name}: {value!r} is not a boolean")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(
+            f"setting {name}: cannot read {value!r} as {kind.__name__}") from None
+
+
+def load(flags: Mapping[str, object], environ: Mapping[str, str],
+         config_file: str | None = None) -> DaemonConfig:
+    """Merge the sources; ``flags`` holds only the flags actually given (None = not given)."""
+    values: dict[str, object] = {}
+    if config_file:
+        try:
+            data = tomllib.loads(Path(config_file).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as error:
+            raise InvalidArgumentError(f"cannot read config {config_file}: {error}") from error
+        table = {**{k: v for k, v in data.items() if not isinstance(v, dict)},
+                 **data.get("daemon", {})}
+        for key, value in table.items():
+            name = key.replace("-", "_")
+            if name not in _FIELDS:
+                raise InvalidArgumentError(f"{config_file}: unknown setting {key!r}")
+            values[name] = _coerce(name, value)
+    for name in _FIELDS:
+        env = environ.get(f"LPSYNC_{name.upper()}")
+        if env is not None and env != "":
+            values[name] = _coerce(name, env)
+    for name, value in flags.items():
+        if name in _FIELDS and value is not None:
+            values[name] = _coerce(name, value)
+    config = DaemonConfig(**values)
+    config.validate()
+    return config
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """The daemon's flags; defaults are None so that unset flags fall through to env/TOML."""
+    add = parser.add_argument
+    add("--config", help="TOML file (lowest precedence after defaults)")
+    add("--socket", help=f"Unix socket path (env LPSYNC_SOCKET; default {DEFAULT_SOCKET})")
+    add("--listen", help="HOST:PORT for a TCP listener (requires TLS and a token)")
+    add("--tls-cert", help="PEM certificate chain for --listen")
+    add("--tls-key", help="PEM private key for --listen")
+    add("--token-file", help="file holding the bearer token clients must send")
+    add("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    add("--devices", help="cpu:N (CPU shared memory; the only kind in this version)")
+    add("--timeout", type=float, help="default collective timeout in seconds")
+    add("--max-buffer-bytes", type=int, help="largest single buffer")
+    add("--max-session-bytes", type=int, help="bytes one session may hold")
+    add("--log-level", help="DEBUG, INFO, WARNING, ERROR")
+    add("--trigger", action=argparse.BooleanOptionalAction, default=None,
+        help="offer the trigger socket <socket>.trigger beside gRPC (default: on)")
+    # Flags of later issues, accepted so the CLI contract of DESIGN.md stays stable.
+    add("--node-rank", type=int, help="this node's rank (multi-node: later issue)")
+    add("--peers", help="peer daemons H:P,... (multi-node: later issue)")
+    add("--secret-file", help="cluster secret (multi-node: later issue)")
+
+
+def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> DaemonConfig:
+    flags = {name: getattr(args, name, None) for name in _FIELDS}
+    return load(flags, os.environ if environ is None else environ, args.config)

@@ -1,0 +1,169 @@
+"""Running a matched collective over the participants' shared-memory views.
+
+Two paths, chosen per collective and identical on every participant:
+  * direct (messages up to DIRECT_MAX_BYTES = 2 MiB, P == 1, barrier, or
+    algorithm="direct"):
+    the last participant's thread reduces the P views in rank order into a scratch
+    array and writes every output. One pass, no thread hand-offs: this is what keeps
+    a 4-byte allreduce close to a bare gRPC round trip. Deterministic: the order of
+    the reduction is fixed, so every participant and every run get the same bits.
+  * pipelined (everything else): the tuner picks an algorithm and chunk count for
+    local memory (or ``algorithm=`` forces one) and the engine's LocalGroup runs the
+    schedule with one thread per participant over the zero-copy inproc transport.
+    LocalGroups are cached per (spec, buffers) and reused: plan once, run many.
+Invariants: inputs of out-of-place collectives are only read; a non-root's buffer of
+reduce is never written.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+from lpsync.algorithms import LinkModel, generate, select
+from lpsync.algorithms.cost import busbw_factor
+from lpsync.algorithms.tuner import chunks_for
+from lpsync.daemon.matching import Arrival, Job, Outcome, Pending
+from lpsync.engine.group import LocalGroup, layout
+from lpsync.engine.reduce import Reduction
+from lpsync.types import Collective, ReduceOp, dtype_of
+
+# Measured (docs/benchmarks.md, 4 ranks on 2 cores): one thread reducing every view beats
+# the thread-per-participant schedules up to 2 MiB; be/lp win from 4 MiB on.
+DIRECT_MAX_BYTES = 2 * 1024 * 1024
+# Local memory as the tuner sees it: a thread hand-off per message, memcpy bandwidth,
+# and a link of its own between every pair of participants (no shared NIC).
+LOCAL_LINK = LinkModel.from_bandwidth(alpha=30e-6, bandwidth=8e9, shared_nic=False)
+_CACHE_SIZE = 8
+BARRIER = "barrier"
+DIRECT = "direct"
+_REDUCING = (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER)
+
+
+def nccl_bytes(op: str, count: int, itemsize: int, participants: int) -> int:
+    """nccl-tests' "size": the whole buffer (the gathered output, the scattered input)."""
+    if op in (Collective.ALLGATHER, Collective.REDUCE_SCATTER):
+        return count * itemsize * participants
+    return count * itemsize
+
+
+def bus_factor(op: str, participants: int) -> float:
+    return 1.0 if op == BARRIER else busbw_factor(Collective(op), participants)
+
+
+class GroupCache:
+    """LocalGroups of one job, least recently used evicted (their threads shut down)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._groups: OrderedDict[tuple, LocalGroup] = OrderedDict()
+
+    def get(self, key: tuple, build) -> LocalGroup:
+        with self._lock:
+            group = self._groups.get(key)
+            if group is not None:
+                self._groups.move_to_end(key)
+                return group
+        group = build()
+        evicted = []
+        with self._lock:
+            self._groups[key] = group
+            while len(self._groups) > _CACHE_SIZE:
+                evicted.append(self._groups.popitem(last=False)[1])
+        for old in evicted:
+            old.close()
+        return group
+
+    def forget(self, session_id: str, handle: int) -> None:
+        """Drop the groups bound to a released buffer, so its memory can be unmapped."""
+        with self._lock:
+            stale = [k for k in self._groups if (session_id, handle) in k[-1]]
+            groups = [self._groups.pop(k) for k in stale]
+        for group in groups:
+            group.close()
+
+    def close(self) -> None:
+        with self._lock:
+            groups = list(self._groups.values())
+            self._groups.clear()
+        for group in groups:
+            group.close()
+
+
+def run(job: Job, pending: Pending) -> Outcome:
+    """The Runner of matching.py: run ``pending`` (all participants arrived, specs agree)."""
+    spec = pending.spec
+    arrivals = [pending.arrivals[r] for r in range(job.world_size)]
+    start = time.perf_counter()
+    if spec.op == BARRIER:
+        return Outcome(algorithm=DIRECT, chunks=1, seconds=time.perf_counter() - start)
+    op, dtype, p = Collective(spec.op), dtype_of(spec.dtype), job.world_size
+    buffers = [_buffers(op, a, p, spec.count) for a in arrivals]
+    reduction = Reduction(ReduceOp(spec.reduce_op), dtype, p) if op in _REDUCING else None
+    nbytes = nccl_bytes(op, spec.count, dtype.itemsize, p)
+    algorithm = spec.algorithm
+    if algorithm == DIRECT or (not algorithm and (nbytes <= DIRECT_MAX_BYTES or p == 1)):
+        _direct(op, spec.root, buffers, reduction, spec.count)
+        return Outcome(algorithm=DIRECT, chunks=1, seconds=time.perf_counter() - start)
+    if algorithm:
+        chunks = chunks_for(algorithm, p, nbytes, LOCAL_LINK)
+    else:
+        choice = select(op, nbytes, p, LOCAL_LINK)
+        algorithm, chunks = choice.algorithm, choice.chunks
+    if job.cache is None:
+        job.cache = GroupCache()
+    # The views' addresses are part of the key (same handle, other offset: other plan);
+    # the handles come last so that forget() finds the groups of a released buffer.
+    key = (spec, algorithm, chunks,
+           tuple(arr.__array_interface__["data"][0] for pair in buffers for arr in pair),
+           tuple(h for a in arrivals for h in a.handles))
+
+    def build() -> LocalGroup:
+        schedule = generate(op, algorithm, p, spec.count, spec.root, chunks)
+        return LocalGroup(schedule, buffers, reduction)
+
+    group = job.cache.get(key, build)
+    group.run(min(a.timeout for a in arrivals))
+    return Outcome(algorithm=algorithm, chunks=chunks, seconds=time.perf_counter() - start)
+
+
+def _buffers(op: Collective, arrival: Arrival, p: int, count: int) -> tuple[np.ndarray,
+                                                                               np.ndarray]:
+    assert arrival.data is not None
+    if arrival.out is None:
+        return layout(op, arrival.rank, p, count, arrival.data, in_place=True)
+    return arrival.data, arrival.out
+
+
+def _direct(op: Collective, root: int, buffers: list[tuple[np.ndarray, np.ndarray]],
+            reduction: Reduction | None, count: int) -> None:
+    if op is Collective.BROADCAST:
+        source = buffers[root][0]
+        for _, out in buffers:
+            if out is not source:
+                np.copyto(out, source)
+        return
+    if op is Collective.ALLGATHER:
+        for _, out in buffers:
+            for q, (inp, _) in enumerate(buffers):
+                block = out[q * count:(q + 1) * count]
+                if not np.shares_memory(block, inp):
+                    np.copyto(block, inp)
+        return
+    assert reduction is not None
+    # Reduce into a scratch array first: in place, the inputs are also the outputs.
+    acc = buffers[0][0].copy()
+    for inp, _ in buffers[1:]:
+        reduction.combine(acc, inp, acc)
+    reduction.finalize(acc)
+    if op is Collective.ALLREDUCE:
+        for _, out in buffers:
+            np.copyto(out, acc)
+    elif op is Collective.REDUCE:
+        np.copyto(buffers[root][1], acc)
+    else:  # reduce_scatter
+        for rank, (_, out) in enumerate(buffers):
+            np.copyto(out, acc[rank * count:(rank + 1) * count])

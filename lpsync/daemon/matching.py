@@ -1,0 +1,282 @@
+"""Matching: the participants of one job meet at each collective by sequence number.
+
+Every participant issues its collectives in the same order and numbers them; the
+first arrival of a sequence number opens a Pending collective, each later arrival is
+checked against it (op, count, dtype, root, reduce-op, algorithm, name) and the last
+one runs it, in its own thread, then completes every participant. Failures:
+  * a field differs  -> MismatchError to every arrived participant at once, and to the
+    late ones when they come (the sequence number is remembered as failed);
+  * the first arrival's timeout passes -> CollectiveTimeoutError naming the missing ranks;
+  * a participant's session ends -> AbortedError to everyone waiting in the job, and
+    every later collective of the job fails at once until that rank attaches again.
+Lock order: Job.lock is taken alone; callbacks run with no lock held.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lpsync.daemon.watcher import Timer, Watcher
+from lpsync.errors import (
+    AbortedError,
+    AlreadyExistsError,
+    CollectiveTimeoutError,
+    InvalidArgumentError,
+    LpsyncError,
+    MismatchError,
+)
+
+log = logging.getLogger("lpsync.daemon")
+
+INTACT, PARTIAL, UNSPECIFIED = "INTACT", "PARTIAL", ""
+_REMEMBERED_FAILURES = 64
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What every participant of one collective must agree on."""
+
+    op: str
+    dtype: str
+    count: int
+    root: int
+    reduce_op: str
+    algorithm: str
+    name: str
+
+    def differences(self, other: Spec) -> list[str]:
+        return [f for f in ("op", "count", "dtype", "root", "reduce_op", "algorithm", "name")
+                if getattr(self, f) != getattr(other, f)]
+
+
+@dataclass
+class Outcome:
+    error: LpsyncError | None = None
+    buffer_state: str = UNSPECIFIED
+    algorithm: str = ""
+    chunks: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Arrival:
+    rank: int
+    sequence: int
+    spec: Spec
+    timeout: float
+    data: np.ndarray | None  # the input (in place: the one buffer); None for barrier
+    out: np.ndarray | None  # None: in place
+    handles: tuple[tuple[str, int], ...]  # (session id, handle) of the buffers, for caches
+    done: Callable[[Outcome], None]
+
+    @property
+    def in_place(self) -> bool:
+        return self.out is None and self.data is not None
+
+
+@dataclass
+class Pending:
+    sequence: int
+    spec: Spec
+    arrivals: dict[int, Arrival] = field(default_factory=dict)
+    timer: Timer | None = None
+
+
+# Runs a complete collective and returns each rank's outcome (execute.py).
+Runner = Callable[["Job", Pending], Outcome]
+
+
+class Job:
+    def __init__(self, name: str, world_size: int, watcher: Watcher, runner: Runner,
+                 record: Callable[[Job, Pending, Outcome], None]) -> None:
+        self.name, self.world_size = name, world_size
+        self.lock = threading.Lock()
+        self.run_lock = threading.Lock()  # one collective of a job runs at a time, in order
+        self.sessions: dict[int, str] = {}  # rank -> session id
+        self.gone: dict[int, str] = {}  # rank -> why it left
+        self._pending: dict[int, Pending] = {}
+        self._failed: OrderedDict[int, LpsyncError] = OrderedDict()
+        self._watcher, self._runner, self._record = watcher, runner, record
+        self.cache: object = None  # the executor's plan cache for this job (execute.py)
+
+    # -- membership ---------------------------------------------------------------------
+    def join(self, rank: int, world_size: int, session_id: str) -> None:
+        with self.lock:
+            if world_size != self.world_size:
+                raise InvalidArgumentError(
+                    f"job {self.name!r} has world size {self.world_size}; rank {rank} "
+                    f"attached with {world_size}")
+            if rank in self.sessions:
+                raise AlreadyExistsError(
+                    f"rank {rank} of job {self.name!r} is already attached; detach it first "
+                    "or use another job name")
+            self.sessions[rank] = session_id
+            self.gone.pop(rank, None)
+
+    def leave(self, rank: int, reason: str) -> bool:
+        """Remove ``rank``; abort what waits on it. True when the job has no ranks left."""
+        with self.lock:
+            self.sessions.pop(rank, None)
+            if self.sessions:
+                self.gone[rank] = reason
+            failed = list(self._pending.values())
+            self._pending.clear()
+            error = AbortedError(
+                f"rank {rank} of job {self.name!r} left ({reason}); its collectives were "
+                "abandoned")
+            for pending in failed:
+                self._remember(pending.sequence, error)
+            empty = not self.sessions
+        for pending in failed:
+            self._fail(pending, error)
+        return empty
+
+    # -- matching ---------------------------------------------------------------------------
+    def submit(self, arrival: Arrival) -> None:
+        """Add one participant's request; runs the collective if it is the last one."""
+        ready = None
+        error: LpsyncError | None = None
+        failed_pending: Pending | None = None
+        with self.lock:
+            seq = arrival.sequence
+            if seq in self._failed:
+                error = self._failed[seq]
+            elif self.gone:
+                ranks = ", ".join(f"{r} ({why})" for r, why in sorted(self.gone.items()))
+                error = AbortedError(
+                    f"job {self.name!r} lost rank(s) {ranks}; collective #{seq} cannot run "
+                    "until they attach again")
+            else:
+                pending = self._pending.get(seq)
+                if pending is None:
+                    pending = Pending(seq, arrival.spec)
+                    self._pending[seq] = pending
+                if arrival.rank in pending.arrivals:
+                    error = InvalidArgumentError(
+                        f"rank {arrival.rank} submitted collective #{seq} twice")
+                else:
+                    pending.arrivals[arrival.rank] = arrival
+                    error = self._check(pending)
+                    if error is not None:
+                        del self._pending[seq]
+                        self._remember(seq, error)
+                        failed_pending = pending
+                    elif len(pending.arrivals) == self.world_size:
+                        del self._pending[seq]
+                        ready = pending
+                    elif pending.timer is None:
+                        pending.timer = self._watcher.at(
+                            time.monotonic() + arrival.timeout,
+                            lambda p=pending: self._expire(p))
+        if failed_pending is not None:
+            assert error is not None
+            self._fail(failed_pending, error)
+        elif error is not None:
+            arrival.done(Outcome(error, INTACT if arrival.in_place else UNSPECIFIED))
+        elif ready is not None:
+            if ready.timer is not None:
+                ready.timer.cancel()
+            self._run(ready)
+
+    def _check(self, pending: Pending) -> MismatchError | None:
+        ranks = sorted(pending.arrivals)
+        specs = {r: pending.arrivals[r].spec for r in ranks}
+        first = specs[ranks[0]]
+        fields = sorted({f for r in ranks for f in first.differences(specs[r])})
+        if not fields:
+            return None
+        detail = "; ".join(
+            f"{f}: " + ", ".join(f"rank {r}={getattr(specs[r], f)!r}" for r in ranks)
+            for f in fields)
+        return MismatchError(
+            f"collective #{pending.sequence} of job {self.name!r}: participants disagree on "
+            f"{', '.join(fields)} ({detail})")
+
+    def _expire(self, pending: Pending) -> None:
+        with self.lock:
+            if self._pending.get(pending.sequence) is not pending:
+                return  # completed or failed meanwhile
+            del self._pending[pending.sequence]
+            missing = sorted(set(range(self.world_size)) - set(pending.arrivals))
+            first = min(pending.arrivals.values(), key=lambda a: a.timeout)
+            error = CollectiveTimeoutError(
+                f"collective #{pending.sequence} ({pending.spec.op}) of job {self.name!r}: "
+                f"rank(s) {', '.join(map(str, missing))} did not arrive within "
+                f"{first.timeout:g} s (arrived: {', '.join(map(str, sorted(pending.arrivals)))})")
+            self._remember(pending.sequence, error)
+        self._fail(pending, error)
+
+    def _remember(self, sequence: int, error: LpsyncError) -> None:
+        self._failed[sequence] = error
+        while len(self._failed) > _REMEMBERED_FAILURES:
+            self._failed.popitem(last=False)
+
+    def _fail(self, pending: Pending, error: LpsyncError) -> None:
+        if pending.timer is not None:
+            pending.timer.cancel()
+        outcome = Outcome(error)
+        self._record(self, pending, outcome)
+        for arrival in pending.arrivals.values():
+            arrival.done(Outcome(error, INTACT if arrival.in_place else UNSPECIFIED))
+
+    def _run(self, pending: Pending) -> None:
+        with self.run_lock:
+            try:
+                outcome = self._runner(self, pending)
+            except LpsyncError as error:
+                outcome = Outcome(error)
+            except Exception as error:  # a bug: report it rather than hang the participants
+                log.exception("collective failed unexpectedly")
+                outcome = Outcome(LpsyncError(f"internal error: {error!r}"))
+        for arrival in pending.arrivals.values():
+            state = outcome.buffer_state
+            if outcome.error is not None:
+                state = PARTIAL if arrival.in_place else UNSPECIFIED
+            arrival.done(Outcome(outcome.error, state, outcome.algorithm, outcome.chunks,
+                                 outcome.seconds))
+        self._record(self, pending, outcome)  # after the replies: off the critical path
+
+
+class Jobs:
+    """Every job of this daemon by name; a job disappears with its last rank."""
+
+    def __init__(self, watcher: Watcher, runner: Runner,
+                 record: Callable[[Job, Pending, Outcome], None]) -> None:
+        self._lock = threading.Lock()
+        self._jobs: dict[str, Job] = {}
+        self._watcher, self._runner, self._record = watcher, runner, record
+
+    def join(self, name: str, rank: int, world_size: int, session_id: str) -> Job:
+        with self._lock:
+            job = self._jobs.get(name)
+            if job is None:
+                job = self._jobs[name] = Job(name, world_size, self._watcher, self._runner,
+                                             self._record)
+            job.join(rank, world_size, session_id)
+            return job
+
+    def leave(self, name: str, rank: int, reason: str) -> None:
+        with self._lock:
+            job = self._jobs.get(name)
+        if job is not None and job.leave(rank, reason):
+            with self._lock:
+                if self._jobs.get(name) is job and not job.sessions:
+                    del self._jobs[name]
+                    closer = getattr(job.cache, "close", None)
+                    if closer is not None:
+                        closer()
+
+    def get(self, name: str) -> Job | None:
+        with self._lock:
+            return self._jobs.get(name)
+
+    def all(self) -> list[Job]:
+        with self._lock:
+            return list(self._jobs.values())

@@ -1,0 +1,174 @@
+"""Wiring: the gRPC server with LpSync, health and reflection; listeners; shutdown.
+
+Shutdown (SIGTERM/SIGINT): health goes NOT_SERVING, new work is refused, running
+collectives drain (config.drain_seconds), every session ends (its waiting collectives
+are aborted, its shared memory unlinked), the server stops and the socket is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+import signal
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from lpsync._proto import lpsync_pb2 as pb
+from lpsync._proto import lpsync_pb2_grpc as pb_grpc
+from lpsync.daemon.config import DaemonConfig
+from lpsync.daemon.metrics import Metrics
+from lpsync.daemon.servicer import Service
+from lpsync.daemon.trigger import TriggerServer
+from lpsync.errors import InvalidArgumentError
+from lpsync.memory import reclaim_stale
+
+log = logging.getLogger("lpsync.daemon")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LpSync"].full_name
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Every call must carry ``authorization: Bearer <token>`` (compared in constant time),
+    except health checks, which probes make without credentials and which reveal nothing."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong token: send 'authorization: Bearer <token>'")
+
+        self._deny = deny
+
+    def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith("/grpc.health.v1.Health/"):
+            return continuation(handler_call_details)
+        given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(str(given).encode(), self._expected):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                lambda it, ctx: iter([self._deny(None, ctx)]))
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(self._deny)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                lambda req, ctx: iter([self._deny(req, ctx)]))
+        return grpc.unary_unary_rpc_method_handler(self._deny)
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.service = Service(config, self.metrics)
+        self.health = health.HealthServicer()
+        token = config.token()
+        if config.token_file and not token:
+            raise InvalidArgumentError(f"token file {config.token_file} is empty")
+        interceptors = [TokenInterceptor(token)] if token else []
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.workers,
+                                       thread_name_prefix="lpsync-grpc"),
+            interceptors=interceptors,
+            options=[("grpc.max_receive_message_length", 16 << 20)])
+        pb_grpc.add_LpSyncServicer_to_server(self.service, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self.server)
+        self._stop = threading.Event()
+        self.socket = Path(config.socket) if config.socket else None
+        self.trigger = (TriggerServer(Path(f"{self.socket}.trigger"), self.service)
+                        if self.socket is not None and config.trigger else None)
+        self.service.trigger_path = str(self.trigger.path) if self.trigger else ""
+
+    def start(self) -> None:
+        reclaimed = reclaim_stale()
+        if reclaimed:
+            log.warning("unlinked shared memory of daemons that died",
+                        extra={"segments": reclaimed})
+        if self.socket is not None:
+            self.socket.parent.mkdir(parents=True, exist_ok=True)
+            if self.socket.exists():
+                if _socket_alive(self.socket):
+                    raise InvalidArgumentError(
+                        f"another daemon is listening on {self.socket}; stop it or use "
+                        "--socket")
+                self.socket.unlink()  # stale, from a daemon that was killed
+            # umask first: the socket must never be wider than 0660, not even briefly
+            old = os.umask(0o117)
+            try:
+                self.server.add_insecure_port(f"unix:{self.socket}")
+            finally:
+                os.umask(old)
+        if self.config.listen:
+            credentials = grpc.ssl_server_credentials([(
+                Path(self.config.tls_key).read_bytes(), Path(self.config.tls_cert).read_bytes())])
+            self.server.add_secure_port(self.config.listen, credentials)
+        self.server.start()
+        if self.socket is not None:
+            os.chmod(self.socket, 0o660)
+        if self.trigger is not None:
+            self.trigger.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.metrics_port:
+            self.metrics.serve(self.config.metrics_port)
+        log.info("daemon serving", extra={"socket": str(self.socket or ""),
+                                          "listen": self.config.listen,
+                                          "metrics_port": self.config.metrics_port,
+                                          "pid": os.getpid()})
+
+    def request_stop(self, *_: object) -> None:
+        self._stop.set()
+
+    def wait(self) -> None:
+        # Signal handlers run in the main thread; a timed wait keeps it responsive.
+        while not self._stop.wait(1.0):
+            pass
+
+    def stop(self) -> None:
+        log.info("shutting down: draining collectives")
+        self.health.enter_graceful_shutdown()
+        self.service.shutdown(self.config.drain_seconds)
+        if self.trigger is not None:
+            self.trigger.stop()
+        self.server.stop(grace=1.0).wait(5.0)
+        if self.socket is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.socket.unlink()
+        log.info("daemon stopped")
+
+
+def _socket_alive(path: Path) -> bool:
+    import socket as sk
+
+    with sk.socket(sk.AF_UNIX, sk.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def serve(config: DaemonConfig) -> int:
+    daemon = Daemon(config)
+    signal.signal(signal.SIGTERM, daemon.request_stop)
+    signal.signal(signal.SIGINT, daemon.request_stop)
+    daemon.start()
+    try:
+        daemon.wait()
+    finally:
+        daemon.stop()
+    return 0

@@ -1,0 +1,413 @@
+"""The LpSync gRPC servicer: validates requests, maps them onto sessions and matching.
+
+Errors leave as gRPC status codes named by the LpsyncError class (``.code``); the
+class name and, for collectives, the in-place buffer's state (INTACT/PARTIAL) go in
+trailing metadata ``lpsync-error`` / ``lpsync-buffer-state`` (unary) or in the
+CollectiveResult (Session stream). No request can take the daemon down: every
+handler turns LpsyncError into a status and logs anything else as a bug.
+
+Threads: each Session stream holds one gRPC handler thread (writing responses from a
+queue) and one reader thread of ours (reading requests and, when its request is the
+last arrival of a collective, running that collective). The trigger socket
+(trigger.py) feeds the same ``handle`` from its own reader threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from lpsync import __version__
+from lpsync._proto import lpsync_pb2 as pb
+from lpsync._proto import lpsync_pb2_grpc as pb_grpc
+from lpsync.algorithms import ALGORITHMS
+from lpsync.daemon import execute
+from lpsync.daemon.config import DaemonConfig
+from lpsync.daemon.matching import Arrival, Job, Jobs, Outcome, Pending, Spec
+from lpsync.daemon.metrics import Metrics
+from lpsync.daemon.sessions import Session, SessionTable
+from lpsync.daemon.watcher import Watcher
+from lpsync.errors import (
+    InvalidArgumentError,
+    LpsyncError,
+    NotFoundError,
+    UnavailableError,
+)
+from lpsync.types import DTYPES, Collective, ReduceOp, dtype_of, parse_reduce_op
+
+log = logging.getLogger("lpsync.daemon")
+
+OPS = {c.value for c in Collective} | {execute.BARRIER}
+_STATE = {"INTACT": pb.INTACT, "PARTIAL": pb.PARTIAL, "": pb.BUFFER_STATE_UNSPECIFIED}
+_RECENT = 256
+_MAX_TIMEOUT = 7 * 86400.0
+_ITEMSIZE = {name: dt.itemsize for name, dt in DTYPES.items()}
+_RECORD_FIELDS = ("job", "sequence", "op", "dtype", "count", "algorithm", "seconds", "code",
+                  "finished_at")
+
+
+class Service(pb_grpc.LpSyncServicer):
+    def __init__(self, config: DaemonConfig, metrics: Metrics) -> None:
+        self.config, self.metrics = config, metrics
+        self.started = time.time()
+        self.sessions = SessionTable(config.max_buffer_bytes, config.max_session_bytes,
+                                     on_bytes=metrics.registered_bytes.set)
+        self.watcher = Watcher()
+        self.jobs = Jobs(self.watcher, self._run, self._record)
+        # (job, seq, op, dtype, count, algorithm, seconds, code, unix time); made into
+        # messages only when Status asks, to keep the collective path short.
+        self.recent: deque[tuple] = deque(maxlen=_RECENT)
+        self._closing = False
+        self._running = 0
+        self._idle = threading.Condition()
+        self._ending = threading.Lock()
+        self.trigger_path = ""  # set by the server when it offers the trigger socket
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def end_session(self, session: Session, reason: str) -> None:
+        """Idempotent: abort what waits on the session, free its buffers, end its stream."""
+        with self._ending:
+            if session.ended:
+                return
+            session.ended = True
+        # Abort first, so the other ranks hear of it; then free the buffers.
+        self.jobs.leave(session.job, session.rank, reason)
+        buffers = self.sessions.remove(session)
+        job = self.jobs.get(session.job)
+        if job is not None and job.cache is not None:
+            for buffer in buffers:
+                job.cache.forget(session.id, buffer.handle)
+        for callback in session.on_close:
+            callback()
+        self.metrics.sessions.set(len(self.sessions.all()))
+        log.info("session ended", extra={"session": session.id, "job": session.job,
+                                         "rank": session.rank, "reason": reason,
+                                         "buffers_freed": len(buffers)})
+
+    def shutdown(self, drain: float) -> None:
+        """Refuse new work, let running collectives finish (up to ``drain`` s), end all."""
+        self._closing = True
+        deadline = time.monotonic() + drain
+        with self._idle:
+            while self._running and (left := deadline - time.monotonic()) > 0:
+                self._idle.wait(left)
+        for session in self.sessions.all():
+            self.end_session(session, "daemon shutting down")
+        self.sessions.close_all()
+        self.watcher.stop()
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise UnavailableError("the daemon is shutting down")
+
+    # -- RPCs ------------------------------------------------------------------------------
+    def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext
+               ) -> pb.AttachResponse:
+        with _status(context):
+            self._check_open()
+            session = self.sessions.create(request.job, request.rank, request.world_size,
+                                           request.local_rank, request.local_world_size,
+                                           request.pid)
+            try:
+                self.jobs.join(session.job, session.rank, session.world_size, session.id)
+            except LpsyncError:
+                self.sessions.remove(session)
+                raise
+            # A session whose client never opens its stream would never learn of its death.
+            self.watcher.at(time.monotonic() + self.config.stream_grace,
+                            lambda: None if session.stream_bound or session.closed
+                            else self.end_session(session, "no Session stream opened"))
+            self.metrics.sessions.set(len(self.sessions.all()))
+            log.info("attached", extra={"session": session.id, "job": session.job,
+                                        "rank": session.rank, "pid": session.pid})
+            return pb.AttachResponse(session_id=session.id, daemon_version=__version__,
+                                     trigger_socket=self.trigger_path)
+        raise AssertionError  # unreachable: _status aborts
+
+    def Detach(self, request: pb.DetachRequest, context: grpc.ServicerContext
+               ) -> pb.DetachResponse:
+        with _status(context):
+            self.end_session(self.sessions.get(request.session_id), "detached")
+            return pb.DetachResponse()
+        raise AssertionError
+
+    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.Buffer:
+        return self._allocate(request.session_id, request.nbytes, False, context)
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Buffer:
+        if request.device not in ("", "cpu"):
+            with _status(context):
+                raise InvalidArgumentError(
+                    f"device {request.device!r} is not supported yet; register host memory")
+        return self._allocate(request.session_id, request.nbytes, True, context)
+
+    def _allocate(self, session_id: str, nbytes: int, staged: bool,
+                  context: grpc.ServicerContext) -> pb.Buffer:
+        with _status(context):
+            self._check_open()
+            session = self.sessions.get(session_id)
+            buffer = self.sessions.allocate(session, nbytes, staged)
+            return pb.Buffer(handle=buffer.handle, shm_name=buffer.segment.name,
+                             nbytes=buffer.segment.nbytes, staged=staged)
+        raise AssertionError
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext
+                ) -> pb.ReleaseResponse:
+        with _status(context):
+            session = self.sessions.get(request.session_id)
+            self.sessions.release(session, request.handle)
+            job = self.jobs.get(session.job)
+            if job is not None and job.cache is not None:
+                job.cache.forget(session.id, request.handle)
+            return pb.ReleaseResponse()
+        raise AssertionError
+
+    def Collective(self, request: pb.CollectiveRequest, context: grpc.ServicerContext
+                   ) -> pb.CollectiveResponse:
+        finished = threading.Event()
+        result: list[Outcome] = []
+
+        def done(outcome: Outcome) -> None:
+            result.append(outcome)
+            finished.set()
+
+        with _status(context):
+            session = self.sessions.get(request.session_id)
+            arrival = self._arrival(session, request, done)
+            self._submit(session, arrival)
+            # The watcher fails the collective at its timeout and execution has the same
+            # bound, so this wait ends; the margin only guards against a bug.
+            if not finished.wait(2 * arrival.timeout + 5):
+                raise UnavailableError("collective did not complete: daemon overloaded")
+        outcome = result[0]
+        if outcome.error is not None:
+            _abort(context, outcome.error, outcome.buffer_state)
+        return pb.CollectiveResponse(algorithm=outcome.algorithm, chunks=outcome.chunks,
+                                     seconds=outcome.seconds)
+
+    def Session(self, request_iterator: Iterator[pb.SessionRequest],
+                context: grpc.ServicerContext) -> Iterator[pb.SessionResponse]:
+        try:
+            first = next(request_iterator)
+        except (StopIteration, grpc.RpcError):
+            return
+        with _status(context):
+            if first.WhichOneof("body") != "open":
+                raise InvalidArgumentError("the first message of a Session stream must be open")
+            session = self.sessions.get(first.open.session_id)
+            if session.stream_bound:
+                raise InvalidArgumentError("this session already has a Session stream")
+            session.stream_bound = True
+        responses: queue.SimpleQueue[pb.SessionResponse | None] = queue.SimpleQueue()
+        session.on_close.append(lambda: responses.put(None))
+        context.add_callback(lambda: self.end_session(session, "session stream closed"))
+        reader = threading.Thread(target=self._read_stream,
+                                  args=(request_iterator, session, responses),
+                                  name=f"lpsync-session-{session.rank}", daemon=True)
+        reader.start()
+        yield pb.SessionResponse(request_id=first.request_id, opened=first.open)
+        while True:
+            try:
+                response = responses.get(timeout=5.0)
+            except queue.Empty:
+                if not context.is_active():
+                    break
+                continue
+            if response is None:
+                break
+            yield response
+
+    def _read_stream(self, requests: Iterator[pb.SessionRequest], session: Session,
+                     responses: queue.SimpleQueue) -> None:
+        try:
+            for request in requests:
+                self.handle(session, request, responses.put)
+        except grpc.RpcError:
+            pass  # the client is gone; handled below
+        except Exception:
+            log.exception("session reader failed", extra={"session": session.id})
+        finally:
+            self.end_session(session, "session stream closed")
+
+    def handle(self, session: Session, request: pb.SessionRequest,
+               reply: Callable[[pb.SessionResponse], None]) -> None:
+        """One request of a Session stream or of the trigger socket; ``reply`` sends the
+        answer (from whichever thread completes it)."""
+        rid, body = request.request_id, request.WhichOneof("body")
+        if body == "ping":
+            reply(pb.SessionResponse(request_id=rid, pong=request.ping))
+            return
+        if body != "collective":
+            reply(_result(rid, Outcome(InvalidArgumentError(
+                f"unexpected {body} message on an open session"))))
+            return
+
+        def done(outcome: Outcome) -> None:
+            reply(_result(rid, outcome))
+
+        try:
+            arrival = self._arrival(session, request.collective, done)
+            self._submit(session, arrival)
+        except LpsyncError as error:
+            self.metrics.collective_failed(request.collective.op, error.code)
+            done(Outcome(error))
+
+    def _submit(self, session: Session, arrival: Arrival) -> None:
+        self._check_open()
+        job = self.jobs.get(session.job)
+        if job is None or session.closed:
+            raise NotFoundError(f"session {session.id} has ended")
+        job.submit(arrival)
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext
+               ) -> pb.StatusResponse:
+        now = time.time()
+        response = pb.StatusResponse(version=__version__, uptime_seconds=now - self.started)
+        for s in sorted(self.sessions.all(), key=lambda s: (s.job, s.rank)):
+            response.sessions.add(session_id=s.id, job=s.job, rank=s.rank,
+                                  world_size=s.world_size, pid=s.pid, buffers=len(s.buffers),
+                                  registered_bytes=s.nbytes,
+                                  attached_seconds=now - s.attached_at)
+            for b in list(s.buffers.values()):
+                response.buffers.add(session_id=s.id, handle=b.handle,
+                                     shm_name=b.segment.name, nbytes=b.segment.nbytes,
+                                     staged=b.staged)
+        recent = list(self.recent)
+        limit = request.recent or 20
+        for entry in recent[-limit:]:
+            response.recent.add(**dict(zip(_RECORD_FIELDS, entry, strict=True)))
+        return response
+
+    # -- collectives -------------------------------------------------------------------------
+    def _arrival(self, session: Session, request: pb.CollectiveRequest,
+                 done: Callable[[Outcome], None]) -> Arrival:
+        op, p = request.op, session.world_size
+        if op not in OPS:
+            raise InvalidArgumentError(
+                f"unknown collective {op!r}; expected one of {', '.join(sorted(OPS))}")
+        timeout = request.timeout or self.config.timeout
+        if not (0 < timeout <= _MAX_TIMEOUT and math.isfinite(timeout)):
+            raise InvalidArgumentError(f"timeout must be between 0 and {_MAX_TIMEOUT:g} "
+                                       f"seconds, got {request.timeout}")
+        if op == execute.BARRIER:
+            spec = Spec(op, "", 0, 0, "", "", request.name)
+            return Arrival(session.rank, request.sequence, spec, timeout, None, None, (), done)
+        dtype = dtype_of(request.dtype)
+        count = request.count
+        if count < 0:
+            raise InvalidArgumentError(f"count must be >= 0, got {count}")
+        if op in (Collective.BROADCAST, Collective.REDUCE) and request.root >= p:
+            raise InvalidArgumentError(f"root {request.root} is not a rank of a world of {p}")
+        root = request.root if op in (Collective.BROADCAST, Collective.REDUCE) else 0
+        reducing = op in (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER)
+        reduce_op = parse_reduce_op(request.reduce_op or ReduceOp.SUM) if reducing else ""
+        algorithm = request.algorithm
+        if algorithm and algorithm != execute.DIRECT:
+            if algorithm not in ALGORITHMS:
+                raise InvalidArgumentError(
+                    f"unknown algorithm {algorithm!r}; expected one of "
+                    f"{', '.join([*ALGORITHMS, execute.DIRECT])}")
+            if Collective(op) not in ALGORITHMS[algorithm].generators:
+                raise InvalidArgumentError(f"algorithm {algorithm!r} has no {op}")
+        blocks = p if op in (Collective.ALLGATHER, Collective.REDUCE_SCATTER) else 1
+        in_place = request.output.handle == 0
+        n_in = count * (blocks if in_place or op == Collective.REDUCE_SCATTER else 1)
+        n_out = count * (blocks if op == Collective.ALLGATHER else 1)
+        data = self.sessions.view(session, request.input.handle, request.input.offset, dtype,
+                                  n_in)
+        out = None
+        handles = [(session.id, request.input.handle)]
+        if not in_place:
+            out = self.sessions.view(session, request.output.handle, request.output.offset,
+                                     dtype, n_out)
+            if data.size and out.size and _overlap(data, out):
+                raise InvalidArgumentError(
+                    "input and output overlap; pass no output for an in-place collective")
+            handles.append((session.id, request.output.handle))
+        spec = Spec(op, request.dtype, count, root, reduce_op, algorithm, request.name)
+        return Arrival(session.rank, request.sequence, spec, timeout, data, out, tuple(handles),
+                       done)
+
+    def _run(self, job: Job, pending: Pending) -> Outcome:
+        with self._idle:
+            self._running += 1
+        try:
+            return execute.run(job, pending)
+        finally:
+            with self._idle:
+                self._running -= 1
+                self._idle.notify_all()
+
+    def _record(self, job: Job, pending: Pending, outcome: Outcome) -> None:
+        spec = pending.spec
+        code = "OK" if outcome.error is None else outcome.error.code
+        self.recent.append((job.name, pending.sequence, spec.op, spec.dtype, spec.count,
+                            outcome.algorithm, outcome.seconds, code, time.time()))
+        if outcome.error is not None:
+            self.metrics.collective_failed(spec.op, code)
+            return
+        itemsize = _ITEMSIZE.get(spec.dtype, 0)
+        nbytes = (execute.nccl_bytes(spec.op, spec.count, itemsize, job.world_size)
+                  if itemsize else 0)
+        self.metrics.collective_done(spec.op, outcome.algorithm, spec.dtype, nbytes,
+                                     outcome.seconds, execute.bus_factor(spec.op,
+                                                                         job.world_size))
+
+
+def _overlap(a, b) -> bool:
+    a0, b0 = a.__array_interface__["data"][0], b.__array_interface__["data"][0]
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
+def _result(rid: int, outcome: Outcome) -> pb.SessionResponse:
+    error = outcome.error
+    result = pb.CollectiveResult(
+        code="OK" if error is None else error.code,
+        message="" if error is None else str(error),
+        buffer_state=_STATE[outcome.buffer_state],
+        error="" if error is None else type(error).__name__,
+        response=pb.CollectiveResponse(algorithm=outcome.algorithm, chunks=outcome.chunks,
+                                       seconds=outcome.seconds))
+    return pb.SessionResponse(request_id=rid, result=result)
+
+
+def _abort(context: grpc.ServicerContext, error: LpsyncError, buffer_state: str = "") -> None:
+    metadata = [("lpsync-error", type(error).__name__)]
+    if buffer_state:
+        metadata.append(("lpsync-buffer-state", buffer_state))
+    context.set_trailing_metadata(metadata)
+    code = getattr(grpc.StatusCode, error.code, grpc.StatusCode.UNKNOWN)
+    context.abort(code, str(error))
+
+
+class _status:  # a context manager, named like contextlib helpers
+    """Turn an LpsyncError raised inside the block into the call's gRPC status."""
+
+    def __init__(self, context: grpc.ServicerContext) -> None:
+        self.context = context
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if isinstance(error, LpsyncError):
+            _abort(self.context, error)
+        elif error is not None and not isinstance(error, Exception):
+            return False
+        elif error is not None and not _is_abort(error):
+            log.exception("request failed unexpectedly", exc_info=error)
+            self.context.abort(grpc.StatusCode.INTERNAL, f"internal error: {error!r}")
+        return False
+
+
+def _is_abort(error: BaseException) -> bool:
+    # context.abort raises an Exception subclass private to grpc; let it through untouched.
+    return type(error).__module__.startswith("grpc")
+

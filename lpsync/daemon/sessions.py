@@ -1,0 +1,186 @@
+"""Sessions (one per attached training process) and the buffers they hold.
+
+Ownership: the table owns every SharedSegment; a buffer belongs to exactly one
+session and is unlinked when released, when its session ends (Detach, stream closed,
+process killed) or when the daemon shuts down. Lock order: SessionTable._lock, then
+a Job's lock (matching.py); never the reverse.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lpsync.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnimplementedError,
+)
+from lpsync.memory import SharedSegment
+
+
+@dataclass
+class Buffer:
+    handle: int
+    segment: SharedSegment
+    staged: bool  # Register: the client copies its own memory in and out
+
+
+@dataclass
+class Session:
+    id: str
+    job: str
+    rank: int
+    world_size: int
+    pid: int
+    attached_at: float = field(default_factory=time.time)
+    buffers: dict[int, Buffer] = field(default_factory=dict)
+    # Typed views of the buffers by (handle, offset, dtype, count): planned once, reused.
+    views: dict[tuple, np.ndarray] = field(default_factory=dict)
+    nbytes: int = 0
+    # Called once when the session ends (closes its Session stream's response side).
+    on_close: list[Callable[[], None]] = field(default_factory=list)
+    stream_bound: bool = False
+    closed: bool = False  # removed from the table; its buffers are freed
+    ended: bool = False  # end_session ran (servicer.py)
+
+
+class SessionTable:
+    def __init__(self, max_buffer_bytes: int, max_session_bytes: int,
+                 on_bytes: Callable[[int], None] | None = None) -> None:
+        self.max_buffer_bytes, self.max_session_bytes = max_buffer_bytes, max_session_bytes
+        self._lock = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+        self._handles = itertools.count(1)
+        self._total = 0
+        self._on_bytes = on_bytes or (lambda total: None)
+
+    def create(self, job: str, rank: int, world_size: int, local_rank: int,
+               local_world_size: int, pid: int) -> Session:
+        if not job:
+            raise InvalidArgumentError("attach needs a job name (LPSYNC_JOB)")
+        if world_size < 1 or rank >= world_size:
+            raise InvalidArgumentError(f"rank {rank} is not in a world of size {world_size}")
+        if local_world_size and (local_world_size != world_size or local_rank != rank):
+            raise UnimplementedError(
+                f"job {job!r} spans several nodes (world size {world_size}, local world size "
+                f"{local_world_size}); this daemon serves single-node jobs only")
+        session = Session(secrets.token_hex(16), job, rank, world_size, pid)
+        with self._lock:
+            self._sessions[session.id] = session
+        return session
+
+    def get(self, session_id: str) -> Session:
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None or session.closed:
+            raise NotFoundError(f"no session {session_id!r}: attach first (it may have ended)")
+        return session
+
+    def all(self) -> list[Session]:
+        with self._lock:
+            return list(self._sessions.values())
+
+    def remove(self, session: Session) -> list[Buffer]:
+        """End the session; returns its buffers, already unlinked."""
+        with self._lock:
+            if session.closed:
+                return []
+            session.closed = True
+            self._sessions.pop(session.id, None)
+            buffers = list(session.buffers.values())
+            session.buffers.clear()
+            session.views.clear()
+            self._total -= session.nbytes
+            session.nbytes = 0
+            total = self._total
+        for buffer in buffers:
+            buffer.segment.unlink()
+            buffer.segment.close()
+        self._on_bytes(total)
+        return buffers
+
+    def allocate(self, session: Session, nbytes: int, staged: bool) -> Buffer:
+        if nbytes < 0:
+            raise InvalidArgumentError(f"buffer size must be >= 0 bytes, got {nbytes}")
+        if nbytes > self.max_buffer_bytes:
+            raise ResourceExhaustedError(
+                f"a {nbytes}-byte buffer exceeds the daemon's limit of {self.max_buffer_bytes} "
+                "bytes (--max-buffer-bytes)")
+        with self._lock:
+            if session.nbytes + nbytes > self.max_session_bytes:
+                raise ResourceExhaustedError(
+                    f"session holds {session.nbytes} bytes; {nbytes} more exceeds the limit of "
+                    f"{self.max_session_bytes} (--max-session-bytes); release buffers first")
+            session.nbytes += nbytes  # reserved before the (slow) segment creation
+            self._total += nbytes
+        try:
+            segment = SharedSegment.create(nbytes)
+        except Exception:
+            with self._lock:
+                session.nbytes -= nbytes
+                self._total -= nbytes
+            raise
+        buffer = Buffer(next(self._handles), segment, staged)
+        with self._lock:
+            if session.closed:  # ended while we created the segment
+                closed = True
+            else:
+                closed = False
+                session.buffers[buffer.handle] = buffer
+            total = self._total
+        if closed:
+            segment.unlink()
+            raise NotFoundError(f"session {session.id} ended")
+        self._on_bytes(total)
+        return buffer
+
+    def release(self, session: Session, handle: int) -> None:
+        with self._lock:
+            buffer = session.buffers.pop(handle, None)
+            if buffer is None:
+                raise NotFoundError(f"session has no buffer with handle {handle}")
+            session.views = {k: v for k, v in session.views.items() if k[0] != handle}
+            session.nbytes -= buffer.segment.nbytes
+            self._total -= buffer.segment.nbytes
+            total = self._total
+        buffer.segment.unlink()
+        buffer.segment.close()
+        self._on_bytes(total)
+
+    def view(self, session: Session, handle: int, offset: int, dtype: np.dtype,
+             count: int) -> np.ndarray:
+        """``count`` elements of ``dtype`` at byte ``offset`` of one of the session's buffers."""
+        key = (handle, offset, dtype, count)
+        cached = session.views.get(key)
+        if cached is not None:
+            return cached
+        with self._lock:
+            buffer = session.buffers.get(handle)
+        if buffer is None:
+            raise NotFoundError(f"session has no buffer with handle {handle}")
+        nbytes = count * dtype.itemsize
+        if offset < 0 or offset + nbytes > buffer.segment.nbytes:
+            raise InvalidArgumentError(
+                f"{count} x {dtype} at offset {offset} does not fit buffer {handle} of "
+                f"{buffer.segment.nbytes} bytes")
+        if offset % dtype.itemsize:
+            raise InvalidArgumentError(f"offset {offset} is not aligned to {dtype} elements")
+        view = buffer.segment.array[offset:offset + nbytes].view(dtype)
+        with self._lock:
+            if handle in session.buffers:  # not released meanwhile
+                if len(session.views) > 256:
+                    session.views.clear()
+                session.views[key] = view
+        return view
+
+    def close_all(self) -> None:
+        for session in self.all():
+            self.remove(session)

@@ -1,0 +1,245 @@
+"""Shutdown, codegen freshness, reflection and health, status, metrics, config."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+from harness import ROOT, DaemonProcess, shm_segments
+
+import lpsync_client
+from lpsync.daemon.config import load
+from lpsync.errors import InvalidArgumentError
+
+
+def test_generated_code_is_fresh(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "protos"))
+    try:
+        import generate
+    finally:
+        sys.path.pop(0)
+    for committed in generate.TARGETS.values():
+        fresh = tmp_path / committed.name
+        for path in generate.generate(fresh):
+            old = committed / path.name
+            assert old.exists() and old.read_text() == path.read_text(), (
+                f"{old} is stale: run python protos/generate.py")
+
+
+def test_reflection_lists_services(daemon) -> None:
+    with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"lpsync.v1.LpSync", "grpc.health.v1.Health"} <= services
+
+
+def test_sigterm_drains_and_cleans_up(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path)
+    clients = [lpsync_client.connect(d.socket, job="sd", rank=r, world_size=3, timeout=60)
+               for r in range(2)]
+    arrays = [c.zeros(1 << 16) for c in clients]
+    staged = clients[0].register(np.ones(10))
+    assert len(shm_segments(d.pid)) == 3 and staged.handle
+    # Rank 2 never comes: both wait in a collective when the daemon is told to stop.
+    futures = [c.allreduce_async(a) for c, a in zip(clients, arrays, strict=True)]
+    time.sleep(0.2)
+    start = time.monotonic()
+    rc = d.stop()
+    assert rc == 0 and time.monotonic() - start < 10
+    for future in futures:
+        with pytest.raises(lpsync_client.LpsyncError):
+            future.result(timeout=5)
+    assert shm_segments(d.pid) == []
+    assert not Path(d.socket).exists()
+    for c in clients:
+        c.close()  # the daemon is gone: close still returns
+    assert threading.active_count() < 20
+
+
+def test_status_and_metrics(tmp_path: Path) -> None:
+    import socket as sk
+
+    with sk.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = DaemonProcess(tmp_path, "--metrics-port", str(port))
+    try:
+        with lpsync_client.connect(d.socket, job="st", rank=0, world_size=1) as c:
+            x = c.zeros(256)
+            for _ in range(3):
+                c.allreduce(x)
+            out = subprocess.run([sys.executable, "-m", "lpsync.cli", "status", "--socket",
+                                  d.socket, "--json"], capture_output=True, text=True,
+                                 cwd=ROOT, timeout=30, check=True).stdout
+            status = json.loads(out)
+            assert status["sessions"][0]["job"] == "st"
+            assert status["buffers"][0]["nbytes"] == "1024"
+            assert [r["op"] for r in status["recent"]][-3:] == ["allreduce"] * 3
+            text = subprocess.run([sys.executable, "-m", "lpsync.cli", "status", "--socket",
+                                   d.socket], capture_output=True, text=True, cwd=ROOT,
+                                  timeout=30, check=True).stdout
+            assert "recent collectives" in text and "st" in text
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                             timeout=5).read().decode()
+        for name in ("lpsync_collective_seconds_bucket", "lpsync_collective_bytes_total",
+                     "lpsync_busbw_bytes_per_second", "lpsync_sessions",
+                     "lpsync_registered_bytes", "lpsync_collective_errors_total"):
+            assert name in metrics, name
+        assert 'lpsync_collective_bytes_total{op="allreduce"} 3072.0' in metrics
+    finally:
+        d.stop_and_check()
+
+
+def test_config_precedence(tmp_path: Path) -> None:
+    toml = tmp_path / "lpsync.toml"
+    toml.write_text('[daemon]\nsocket = "/from/toml"\nmetrics_port = 9000\ntimeout = 7.5\n')
+    c = load({}, {}, str(toml))
+    assert (c.socket, c.metrics_port, c.timeout) == ("/from/toml", 9000, 7.5)
+    c = load({}, {"LPSYNC_SOCKET": "/from/env", "LPSYNC_METRICS_PORT": "9100"}, str(toml))
+    assert (c.socket, c.metrics_port, c.timeout) == ("/from/env", 9100, 7.5)
+    c = load({"socket": "/from/flag", "metrics_port": None}, {"LPSYNC_SOCKET": "/from/env"},
+             str(toml))
+    assert (c.socket, c.metrics_port) == ("/from/flag", 9000)
+    with pytest.raises(InvalidArgumentError):
+        load({"listen": "0.0.0.0:7000"}, {}, None)  # TCP without TLS and token
+    bad = tmp_path / "bad.toml"
+    bad.write_text("nonsense = 1\n")
+    with pytest.raises(InvalidArgumentError):
+        load({}, {}, str(bad))
+
+
+def test_listen_without_tls_is_refused(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "lpsync.cli", "daemon", "--socket",
+                             str(tmp_path / "s"), "--listen", "127.0.0.1:0"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=30)
+    assert result.returncode == 2 and "TLS" in result.stderr
+
+
+def test_tcp_with_tls_and_token(tmp_path: Path) -> None:
+    import shutil
+    import socket as sk
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    key, cert, token = tmp_path / "key.pem", tmp_path / "cert.pem", tmp_path / "token"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True,
+                   timeout=60)
+    token.write_text("tok")
+    with sk.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = DaemonProcess(tmp_path, "--listen", f"localhost:{port}", "--tls-cert", str(cert),
+                      "--tls-key", str(key), "--token-file", str(token))
+    try:
+        with lpsync_client.connect(target=f"localhost:{port}", token="tok",
+                                   root_certificates=cert.read_bytes(), job="tcp", rank=0,
+                                   world_size=1) as c:
+            x = c.zeros(4)
+            x[:] = 2
+            c.allreduce(x)
+            assert x.tolist() == [2, 2, 2, 2]
+        with pytest.raises(lpsync_client.UnauthenticatedError):
+            lpsync_client.connect(target=f"localhost:{port}", token="bad",
+                                  root_certificates=cert.read_bytes(), job="tcp", rank=0,
+                                  world_size=1)
+    finally:
+        d.stop_and_check()
+
+
+def test_torch_tensor_and_buffer_protocol(daemon) -> None:
+    torch = pytest.importorskip("torch")
+    with lpsync_client.connect(daemon.socket, job="torch", rank=0, world_size=1) as c:
+        t = torch.arange(6, dtype=torch.float32)
+        h = c.register(t)
+        assert c.allreduce(h, op="avg") is t
+        assert t.tolist() == [0, 1, 2, 3, 4, 5]
+        b = torch.ones(4, dtype=torch.bfloat16)
+        c.allreduce(b)  # staged on the fly, bfloat16 bits as uint16
+        assert b.tolist() == [1, 1, 1, 1]
+        raw = bytearray(np.arange(4, dtype=np.int32).tobytes())
+        c.broadcast(raw)
+        assert np.frombuffer(raw, np.int32).tolist() == [0, 1, 2, 3]
+        h.release()
+
+
+def _threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no thread count")
+
+
+def test_sessions_leave_no_threads_behind(daemon) -> None:
+    from harness import run_ranks
+    from workers import isolated
+
+    run_ranks(2, isolated, daemon.socket, "warm", 1)
+    time.sleep(0.5)
+    baseline = _threads(daemon.pid)
+    for n in range(3):
+        run_ranks(2, isolated, daemon.socket, f"t{n}", 1)
+    with lpsync_client.connect(daemon.socket, job="big", rank=0, world_size=1) as c:
+        c.allreduce(c.zeros(1 << 20), algorithm="lp")  # a pipelined group with its threads
+    time.sleep(0.5)
+    assert _threads(daemon.pid) <= baseline + 2, (baseline, _threads(daemon.pid))
+
+
+def test_restart_after_sigkill_reclaims_shared_memory(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path)
+    c = lpsync_client.connect(d.socket, job="k", rank=0, world_size=1)
+    c.zeros(1024)
+    assert len(shm_segments(d.pid)) == 1
+    d.proc.kill()  # no chance to clean up
+    d.proc.wait(10)
+    d._log.close()
+    assert len(shm_segments(d.pid)) == 1
+    with pytest.raises(lpsync_client.LpsyncError):
+        c.allreduce(np.zeros(2), timeout=5)
+    c.close()
+    again = DaemonProcess(tmp_path)  # replaces the stale socket, unlinks the old segments
+    try:
+        assert shm_segments(d.pid) == []
+        with lpsync_client.connect(again.socket, job="k", rank=0, world_size=1) as c2:
+            c2.barrier()
+    finally:
+        again.stop_and_check()
+
+
+class _DlpackOnly:
+    """An object that offers only the DLPack protocol (no buffer protocol, not numpy)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self._array = array
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
+
+def test_dlpack_object_is_staged(daemon) -> None:
+    backing = np.arange(5, dtype=np.int64)
+    with lpsync_client.connect(daemon.socket, job="dl", rank=0, world_size=1) as c:
+        h = c.register(_DlpackOnly(backing))
+        c.allreduce(h, op="max")
+        assert backing.tolist() == [0, 1, 2, 3, 4]
+        assert h.staging.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_devices_other_than_cpu_are_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="CPU shared memory only"):
+        load({"devices": "cuda:all"}, {}, None)
+    assert load({"devices": "cpu:4"}, {}, None).devices == "cpu:4"
