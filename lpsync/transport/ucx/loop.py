@@ -48,6 +48,8 @@ class LoopThread:
         try:
             return future.result(timeout)
         except TimeoutError:
+            if future.done():  # the coroutine's own TimeoutError (CollectiveTimeoutError is one)
+                raise
             future.cancel()
             raise CollectiveTimeoutError(f"UCX operation did not finish in {timeout:.1f} s") \
                 from None
