@@ -63,6 +63,7 @@ def server(secret: bytes, admit: auth.Admit | None = None) -> Iterator[tuple[int
     try:
         yield listener.getsockname()[1], outcomes
     finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone does not)
         listener.close()
         thread.join(5)
 
