@@ -47,6 +47,12 @@ class ConfigError(InvalidArgumentError):
     """Configuration that cannot work as given (a missing secret, a bad address list)."""
 
 
+class ClusterError(LpsyncError):
+    """The emulated cluster could not be built, found or torn down as asked."""
+
+    code = "FAILED_PRECONDITION"
+
+
 class SimulationError(LpsyncError):
     """A schedule could not be simulated (for example it deadlocks)."""
 
