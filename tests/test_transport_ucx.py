@@ -89,7 +89,7 @@ def run_cases(n: int, cases: list[Case]) -> None:
     with participants(n, cases, modes=["idle"] * n) as (queue, _):
         results = collect(queue, {"result"}, n * len(cases), 90)
         idle = collect(queue, {"idle"}, n, 30)
-        collect(queue, {"closed"}, n, 30)
+        closed = collect(queue, {"closed"}, n, 30)
     check_results(cases, n, results)
     for index, case in enumerate(cases):
         if case.op in ("allreduce", "allgather", "broadcast"):
@@ -97,6 +97,8 @@ def run_cases(n: int, cases: list[Case]) -> None:
             assert len({o.tobytes() for o in outs}) == 1, f"{case}: ranks differ in bits"
     for _, rank, cpu in idle:
         assert cpu < 0.1, f"rank {rank} used {cpu:.3f} CPU-seconds in 2 s of idling"
+    for _, rank, _, leaked in closed:
+        assert leaked == [], f"rank {rank} left threads running after close: {leaked}"
 
 
 TWO = [

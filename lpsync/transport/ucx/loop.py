@@ -37,6 +37,8 @@ class LoopThread:
                 task.cancel()
             if pending:
                 self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            # getaddrinfo ran in the loop's default executor: join its threads too.
+            self.loop.run_until_complete(self.loop.shutdown_default_executor())
             self.loop.close()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
