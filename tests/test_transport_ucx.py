@@ -147,6 +147,17 @@ def test_killed_peer_fails_the_survivors_promptly() -> None:
     assert latency < 5.0, f"survivors took {latency:.1f} s to fail"
 
 
+def test_peer_lost_while_idle_breaks_the_endpoint_at_once() -> None:
+    with participants(2, [], modes=["notice_loss", "hang"]) as (queue, procs):
+        collect(queue, {"connected"}, 2, 60)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        (noticed,) = collect(queue, {"noticed"}, 1, 20)
+        (error,) = collect(queue, {"error"}, 1, 20)
+    assert noticed[2] is not None and "rank 1" in noticed[2], noticed
+    assert error[2] == "UnavailableError" and "rank 1" in error[3], error
+    assert error[4] < 0.5, f"the receive took {error[4]:.2f} s to fail"
+
+
 def test_wrong_secret_is_refused_and_logged() -> None:
     with participants(2, [], secrets=[SECRET, b"not the secret"],
                       connect_timeout=4.0) as (queue, _):

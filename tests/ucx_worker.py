@@ -56,7 +56,8 @@ def participant(rank: int, peers: str, secret: bytes, cases: list[Case], queue: 
                 mode: str = "run", connect_timeout: float = 20.0, timeout: float = 20.0) -> None:
     """mode: run (the cases), idle (report CPU seconds over 2 s idle after the cases),
     hang (connect, report, then sleep: the parent kills it), recv_timeout (a receive
-    nobody sends: expect CollectiveTimeoutError)."""
+    nobody sends: expect CollectiveTimeoutError), notice_loss (idle 3 s while the
+    parent kills rank 1, then receive from it)."""
     records = _Records()
     logging.getLogger("lpsync").addHandler(records)
     from lpsync.algorithms import generate
@@ -80,6 +81,18 @@ def participant(rank: int, peers: str, secret: bytes, cases: list[Case], queue: 
     try:
         if mode == "hang":
             time.sleep(120)
+        if mode == "notice_loss":
+            # Idle while the parent kills rank 1; the close callback alone must have
+            # broken the endpoint, so this receive fails at once, not at its deadline.
+            time.sleep(3.0)
+            queue.put(("noticed", rank, None if endpoint.error is None else str(endpoint.error)))
+            start = time.monotonic()
+            try:
+                endpoint.recv_into(1, 7, np.empty(4, np.uint8), start + 10.0)
+            except LpsyncError as error:
+                queue.put(("error", rank, type(error).__name__, str(error),
+                           time.monotonic() - start, records.lines))
+            return
         if mode == "recv_timeout":
             start = time.monotonic()
             try:

@@ -7,10 +7,13 @@ tag matching; ucxx hashes the message tag with a random per-connection tag agree
 at connect time, so (peer, tag) never collides across connections or with tags a
 refused peer could guess.
 
-Threads: ucxx is asyncio-only and binds progress to the loop it was created on; a
-LoopThread owns every ucxx object and runs UCX in *blocking* progress mode (the loop
-sleeps in epoll on the worker's event fd: no polling, ~0% CPU when idle). The
-caller's thread submits coroutines and waits on threading events with deadlines.
+Threads: ucxx is asyncio-only; a LoopThread owns every ucxx object and the caller's
+thread submits coroutines to it and waits on threading events with deadlines. UCX
+progresses on ucxx's progress thread, which sleeps in epoll on the worker's event
+fd, and completions reach the loop as Python futures through ucxx's notifier thread.
+(ucxx's "blocking" mode is no good here: without Python futures every pending
+request's wait() is a loop of ``asyncio.sleep(0)``, a busy poll.) Idle, all of these
+threads sleep: ~0% CPU.
 
 Failure model: the endpoint is a communicator. A timeout, a peer lost (its UCX
 endpoint errors or closes without saying goodbye) or any transport error *breaks*
@@ -269,10 +272,13 @@ class UcxEndpoint:
         peer.departed = True
 
     def _on_close(self, rank: int) -> None:
-        # Runs on the loop thread, inside UCX progress: nothing but scheduling here.
+        # Runs on ucxx's progress thread, inside UCX progress: only hand over to the loop.
         peer = self._peers.get(rank)
-        if self._closing or peer is None or peer.departed:
+        if self._closing or peer is None or peer.departed or self._loop is None:
             return
+        self._loop.loop.call_soon_threadsafe(self._judge_close_soon, peer)
+
+    def _judge_close_soon(self, peer: _Peer) -> None:
         asyncio.get_running_loop().create_task(self._judge_close(peer))
 
     async def _judge_close(self, peer: _Peer) -> None:
@@ -302,6 +308,12 @@ class UcxEndpoint:
             # Aborting cancels in-flight requests and tells the peers at once. Never from
             # inside a UCX callback, hence call_soon.
             self._loop.loop.call_soon_threadsafe(self._abort_all)
+
+    @property
+    def error(self) -> LpsyncError | None:
+        """What broke this endpoint (a lost peer, a timeout), or None while it is healthy;
+        set as soon as UCX reports a peer gone, even when nothing was waiting on it."""
+        return self._broken
 
     def _abort_all(self) -> None:
         for peer in self._peers.values():
