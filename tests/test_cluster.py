@@ -236,3 +236,18 @@ def test_interrupted_user_still_tears_down(sig: signal.Signals, tmp_path: Path) 
             down(name, tmp_path)
     assert leftover == [], f"{sig.name} left {leftover}"
     assert not list(tmp_path.iterdir())
+
+
+@needs_netns
+def test_peer_plane_benchmark_smoke() -> None:
+    """The benchmark runs end to end on a tiny cluster (its figures are not asserted)."""
+    pytest.importorskip("ucxx")
+    done = subprocess.run([PY, "-m", "lpsync.bench.peer_plane", "--nodes", "2", "--link", "1gbit",
+                           "--bytes", "256KiB", "--reps", "1", "--algorithm", "lp,be",
+                           "--prefix", prefix("b"), "--json"],
+                          capture_output=True, text=True, timeout=90, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["algorithm"] for r in rows] == ["lp", "be"]
+    assert all(r["wrong"] == 0 and r["wire_seconds"] > 0 for r in rows)
+    assert existing(prefix("b")) == []

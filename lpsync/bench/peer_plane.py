@@ -45,7 +45,7 @@ def node_main(args: argparse.Namespace) -> int:
     p, rank, dtype = len(peers), args.rank, np.dtype(np.float32)
     count = args.bytes // dtype.itemsize
     link = LinkModel.from_bandwidth(_ALPHA, args.rate_bits / 8)
-    options = UcxOptions(rank, peers, load_secret(None), tls="tcp", connect_timeout=60)
+    options = UcxOptions(rank, peers, load_secret(None), tls=args.tls or None, connect_timeout=60)
     rows = []
     with UcxEndpoint.connect(options) as endpoint:
         barrier = Plan(generate(Collective.ALLREDUCE, "ring", p, p), rank,
@@ -132,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     node.add_argument("--algorithm", required=True)
     node.add_argument("--bytes", type=int, required=True)
     node.add_argument("--reps", type=int, required=True)
-    node.add_argument("--rate-bits", type=int, required=True)
+    node.add_argument("--rate-bits", type=int, required=True,
+                      help="link rate, for LP's chunk count only")
+    node.add_argument("--tls", default="tcp",
+                      help="UCX_TLS for the peer plane (default tcp; '' lets UCX choose, e.g. RDMA)")
     args = parser.parse_args(argv)
     return node_main(args) if args.role == "node" else coordinate(args)
 
