@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     node.add_argument("--peers", required=True)
     node.add_argument("--op", required=True)
     node.add_argument("--algorithm", required=True)
-    node.add_argument("--bytes", type=int, required=True)
+    node.add_argument("--bytes", type=parse_size, required=True)
     node.add_argument("--reps", type=int, required=True)
     node.add_argument("--rate-bits", type=int, required=True,
                       help="link rate, for LP's chunk count only")
