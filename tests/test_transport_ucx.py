@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import assert_matches, reference
 from ucx_worker import Case, case_inputs, participant
@@ -178,3 +179,24 @@ def test_receive_without_sender_times_out_at_its_deadline() -> None:
         assert kind in ("CollectiveTimeoutError", "UnavailableError"), (rank, kind, message)
         assert seconds < 3.0
     assert any(e[2] == "CollectiveTimeoutError" and e[4] > 0.9 for e in errors), errors
+
+
+def test_single_participant_and_bad_rank_in_process() -> None:
+    """P = 1 needs no peer (the local schedule still runs); a rank outside the list is refused."""
+    from lpsync.algorithms import generate
+    from lpsync.engine.executor import Plan
+    from lpsync.engine.reduce import Reduction
+    from lpsync.errors import ConfigError
+    from lpsync.transport.addresses import parse_peers
+    from lpsync.transport.ucx import UcxEndpoint, UcxOptions
+
+    peers = tuple(parse_peers(peers_for(1)))
+    with pytest.raises(ConfigError):
+        UcxEndpoint(UcxOptions(1, peers, SECRET))
+    with UcxEndpoint.connect(UcxOptions(0, peers, SECRET, tls="tcp")) as endpoint:
+        x = np.arange(10, dtype=np.float32)
+        out = np.zeros_like(x)
+        schedule = generate(Collective.ALLREDUCE, "lp", 1, 10)
+        Plan(schedule, 0, (x, out), Reduction(ReduceOp.SUM, x.dtype, 1)).run(
+            endpoint, time.monotonic() + 5)
+        assert (out == x).all()
