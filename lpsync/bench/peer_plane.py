@@ -54,7 +54,7 @@ def node_main(args: argparse.Namespace) -> int:
         for op_name in args.op.split(","):
             op = Collective(op_name)
             for algorithm in args.algorithm.split(","):
-                chunks = chunks_for(algorithm, p, args.bytes, link)
+                chunks = args.chunks or chunks_for(algorithm, p, args.bytes, link)
                 schedule = generate(op, algorithm, p, count, 0, chunks)
                 inp = np.full(schedule.in_elements(), rank + 1, dtype)
                 out = np.zeros(schedule.out_elements(), dtype)
@@ -84,7 +84,8 @@ def coordinate(args: argparse.Namespace) -> int:
         procs = [cluster.run_in(i, [sys.executable, "-m", "lpsync.bench.peer_plane", "node",
                                     "--rank", str(i), "--peers", peers, "--op", args.op,
                                     "--algorithm", args.algorithm, "--bytes", str(args.bytes),
-                                    "--reps", str(args.reps), "--rate-bits", str(rate_bits)],
+                                    "--reps", str(args.reps), "--rate-bits", str(rate_bits),
+                                    "--chunks", str(args.chunks)],
                                  stdout=subprocess.PIPE, text=True, env=env)
                  for i in range(args.nodes)]
         reports = []
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--prefix", default="lpbench")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--chunks", type=int, default=0,
+                        help="LP chunk count (default 0: the tuner's k* for the link)")
     parser.add_argument("--json", action="store_true")
     sub = parser.add_subparsers(dest="role")
     node = sub.add_parser("node", help="(internal) one node's process")
@@ -134,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     node.add_argument("--reps", type=int, required=True)
     node.add_argument("--rate-bits", type=int, required=True,
                       help="link rate, for LP's chunk count only")
+    node.add_argument("--chunks", type=int, default=0)
     node.add_argument("--tls", default="tcp",
                       help="UCX_TLS for the peer plane (default tcp; '' lets UCX choose, e.g. RDMA)")
     args = parser.parse_args(argv)
