@@ -37,6 +37,22 @@ class UnavailableError(LpsyncError):
     code = "UNAVAILABLE"
 
 
+class UnauthenticatedError(LpsyncError):
+    """A peer or client could not prove it holds the cluster secret (or the token)."""
+
+    code = "UNAUTHENTICATED"
+
+
+class ConfigError(InvalidArgumentError):
+    """Configuration that cannot work as given (a missing secret, a bad address list)."""
+
+
+class ClusterError(LpsyncError):
+    """The emulated cluster could not be built, found or torn down as asked."""
+
+    code = "FAILED_PRECONDITION"
+
+
 class SimulationError(LpsyncError):
     """A schedule could not be simulated (for example it deadlocks)."""
 

@@ -1,0 +1,27 @@
+"""Peer address lists as --peers gives them."""
+
+from __future__ import annotations
+
+import pytest
+
+from lpsync.errors import ConfigError
+from lpsync.transport.addresses import PeerAddress, parse_address, parse_peers
+
+
+def test_parse_peers_in_rank_order() -> None:
+    assert parse_peers("a:1, 10.0.0.2:13337,[fe80::1]:9") == [
+        PeerAddress("a", 1), PeerAddress("10.0.0.2", 13337), PeerAddress("fe80::1", 9)]
+    assert str(PeerAddress("fe80::1", 9)) == "[fe80::1]:9"
+
+
+@pytest.mark.parametrize("bad", ["host", "host:", ":80", "host:0", "host:70000", "host:http"])
+def test_bad_addresses_are_refused(bad: str) -> None:
+    with pytest.raises(ConfigError):
+        parse_address(bad)
+
+
+def test_duplicates_and_empty_lists_are_refused() -> None:
+    with pytest.raises(ConfigError, match="twice"):
+        parse_peers("a:1,b:2,a:1")
+    with pytest.raises(ConfigError, match="empty"):
+        parse_peers(" , ")
