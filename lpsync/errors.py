@@ -38,7 +38,7 @@ class UnavailableError(LpsyncError):
 
 
 class UnauthenticatedError(LpsyncError):
-    """A peer or client could not prove it holds the cluster secret (or the token)."""
+    """A peer without the cluster secret, or a client without the daemon's token."""
 
     code = "UNAUTHENTICATED"
 
@@ -82,11 +82,6 @@ class ResourceExhaustedError(LpsyncError):
 
     code = "RESOURCE_EXHAUSTED"
 
-
-class UnauthenticatedError(LpsyncError):
-    """A call without the daemon's token, or with a wrong one."""
-
-    code = "UNAUTHENTICATED"
 
 
 class UnimplementedError(LpsyncError):
