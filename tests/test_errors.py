@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import C
+from collective_cases import C
 
 from lpsync.algorithms import ALGORITHMS, Schedule, generate
 from lpsync.algorithms.schedule import Buf, ScheduleBuilder

@@ -8,7 +8,7 @@ import zlib
 
 import numpy as np
 import pytest
-from conftest import (
+from collective_cases import (
     OPS_ALGS,
     OPS_ALGS_IDS,
     PARTICIPANTS,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from conftest import (
+from collective_cases import (
     OPS_ALGS,
     REDUCING,
     ROOTED,

@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import OPS_ALGS, OPS_ALGS_IDS, REDUCING, ROOTED, assert_matches, make_inputs, reference
+from collective_cases import OPS_ALGS, OPS_ALGS_IDS, REDUCING, ROOTED, assert_matches, make_inputs, reference
 
 from lpsync.algorithms import Kind, generate
 from lpsync.engine.group import LocalGroup, layout

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
-from conftest import (
+from collective_cases import (
     OPS_ALGS,
     OPS_ALGS_IDS,
     PARTICIPANTS,

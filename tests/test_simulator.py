@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import C
+from collective_cases import C
 
 from lpsync.algorithms import (
     LinkModel,
