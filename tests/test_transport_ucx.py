@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import assert_matches, reference
+from collective_cases import assert_matches, reference
 from ucx_worker import Case, case_inputs, participant
 
 from lpsync.types import Collective, ReduceOp

@@ -14,7 +14,7 @@ import sys
 import time
 
 import numpy as np
-from conftest import assert_matches, reference
+from collective_cases import assert_matches, reference
 from ucx_worker import Case, case_inputs
 
 from lpsync.algorithms import generate
