@@ -34,7 +34,7 @@ class Case:
 
 def case_inputs(case: Case, participants: int) -> list[np.ndarray]:
     """Every rank's input, the same on the parent and in every child."""
-    from conftest import make_inputs
+    from collective_cases import make_inputs
 
     from lpsync.types import Collective, ReduceOp, dtype_of
 
