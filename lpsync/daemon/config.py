@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from lpsync.daemon.peers import PeerSet, discover
 from lpsync.errors import InvalidArgumentError
 
 DEFAULT_SOCKET = "/run/lpsync/lpsync.sock"
@@ -37,6 +38,16 @@ class DaemonConfig:
     log_level: str = "INFO"
     workers: int = 256  # gRPC handler threads; each open Session stream holds one
     trigger: bool = True  # offer the trigger socket <socket>.trigger (trigger.py)
+    # Multi-node (peers.py, peer_plane.py). Exactly one peer source, or none (one node).
+    node_rank: int = -1  # this daemon's index into the peer list; -1: derive it
+    peers: str = ""  # every daemon's peer address H:P,... in node-rank order
+    peers_dns: str = ""  # NAME:PORT: every address NAME resolves to
+    peers_slurm: bool = False  # SLURM_JOB_NODELIST / SLURM_NODEID, on peer_port
+    peer_port: int = 13337  # the peer port with --peers-slurm
+    secret_file: str = ""  # the cluster secret; else LPSYNC_SECRET (never a flag value)
+    heartbeat_interval: float = 1.0  # seconds between heartbeats to each peer
+    heartbeat_timeout: float = 5.0  # a peer silent this long is declared gone
+    peer_tls: str = "tcp"  # UCX_TLS of the peer plane; "" lets UCX choose
 
     def token(self) -> str:
         return Path(self.token_file).read_text().strip() if self.token_file else ""
@@ -52,6 +63,13 @@ class DaemonConfig:
                 "(cpu or cpu:N); CUDA devices come with a later issue")
         if self.timeout <= 0 or self.max_buffer_bytes <= 0 or self.max_session_bytes <= 0:
             raise InvalidArgumentError("timeout and byte limits must be positive")
+        if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
+            raise InvalidArgumentError("need 0 < heartbeat_interval < heartbeat_timeout")
+
+    def peer_set(self, environ: Mapping[str, str] | None = None) -> PeerSet | None:
+        """Every daemon's peer address and this one's node rank; None: a single node."""
+        return discover(self.peers, self.peers_dns, self.peers_slurm, self.node_rank,
+                        self.peer_port, os.environ if environ is None else environ)
 
 
 _FIELDS = {f.name: f for f in fields(DaemonConfig)}
@@ -117,10 +135,19 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     add("--log-level", help="DEBUG, INFO, WARNING, ERROR")
     add("--trigger", action=argparse.BooleanOptionalAction, default=None,
         help="offer the trigger socket <socket>.trigger beside gRPC (default: on)")
-    # Flags of later issues, accepted so the CLI contract of DESIGN.md stays stable.
-    add("--node-rank", type=int, help="this node's rank (multi-node: later issue)")
-    add("--peers", help="peer daemons H:P,... (multi-node: later issue)")
-    add("--secret-file", help="cluster secret (multi-node: later issue)")
+    add("--node-rank", type=int,
+        help="this daemon's index into the peer list (derived with --peers-dns/--peers-slurm)")
+    peers = parser.add_mutually_exclusive_group()
+    peers.add_argument("--peers", help="every daemon's peer address H:P,... in node-rank "
+                                       "order, this one's included")
+    peers.add_argument("--peers-dns", help="NAME:PORT: the peers are every address NAME "
+                                           "resolves to (a headless Service)")
+    peers.add_argument("--peers-slurm", action="store_true", default=None,
+                       help="peers from SLURM_JOB_NODELIST, node rank from SLURM_NODEID")
+    add("--peer-port", type=int, help="peer port with --peers-slurm (default 13337)")
+    add("--secret-file", help="file holding the cluster secret (else env LPSYNC_SECRET)")
+    add("--heartbeat-timeout", type=float,
+        help="seconds of silence before a peer daemon is declared gone (default 5)")
 
 
 def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> DaemonConfig:

@@ -1,0 +1,91 @@
+"""Peer discovery (lpsync.daemon.peers) and the daemon's peer settings."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from lpsync.daemon import config as daemon_config
+from lpsync.daemon.peers import discover, expand_nodelist, from_dns, from_slurm, is_local_address
+from lpsync.errors import ConfigError, InvalidArgumentError
+from lpsync.transport.addresses import PeerAddress
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+    ("a1", ["a1"]),
+    ("n[8-10]", ["n8", "n9", "n10"]),
+    ("r[1-2]-c[3,5]", ["r1-c3", "r1-c5", "r2-c3", "r2-c5"]),
+    ("x,y[1],z", ["x", "y1", "z"]),
+])
+def test_slurm_nodelist_expands_in_order(text: str, want: list[str]) -> None:
+    assert expand_nodelist(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "n[1-2", "n1-2]", "n[a-b]", "n[1-]"])
+def test_bad_nodelists_are_refused(text: str) -> None:
+    with pytest.raises(ConfigError):
+        expand_nodelist(text)
+
+
+def test_slurm_peers_use_nodeid_and_peer_port() -> None:
+    env = {"SLURM_JOB_NODELIST": "node[01-03]", "SLURM_NODEID": "2"}
+    found = from_slurm(env, 4000, None)
+    assert found.peers == tuple(PeerAddress(f"node0{i}", 4000) for i in (1, 2, 3))
+    assert found.node_rank == 2
+    assert from_slurm(env, 4000, 0).node_rank == 0  # --node-rank wins
+    with pytest.raises(ConfigError, match="SLURM_JOB_NODELIST"):
+        from_slurm({}, 4000, None)
+    with pytest.raises(ConfigError, match="node rank 5"):
+        from_slurm({"SLURM_JOB_NODELIST": "a,b", "SLURM_NODEID": "5"}, 1, None)
+
+
+def test_dns_peers_are_sorted_numerically_and_this_node_found_by_address() -> None:
+    resolved = ["10.0.0.10", "10.0.0.9", "10.0.0.10", "10.0.0.100"]
+    found = from_dns("svc.ns:7000", None, resolve=lambda name, port: resolved,
+                     is_local=lambda host: host == "10.0.0.10")
+    assert [p.host for p in found.peers] == ["10.0.0.9", "10.0.0.10", "10.0.0.100"]
+    assert all(p.port == 7000 for p in found.peers)
+    assert found.node_rank == 1
+    given = from_dns("svc:7000", 2, resolve=lambda n, p: resolved, is_local=lambda h: False)
+    assert given.node_rank == 2
+    with pytest.raises(ConfigError, match="give --node-rank"):
+        from_dns("svc:7000", None, resolve=lambda n, p: resolved, is_local=lambda h: False)
+
+
+def test_dns_of_a_real_name_and_local_addresses() -> None:
+    found = from_dns("localhost:7000", None,
+                     is_local=lambda host: host in ("127.0.0.1", "::1"),
+                     resolve=lambda n, p: ["127.0.0.1"])
+    assert found.peers == (PeerAddress("127.0.0.1", 7000),)
+    assert is_local_address("127.0.0.1")
+    assert not is_local_address("198.18.0.254")
+
+
+def test_discover_needs_one_source_and_a_rank_for_lists() -> None:
+    assert discover("", "", False, -1, 1, {}) is None
+    found = discover("h1:1,h2:2", "", False, 1, 1, {})
+    assert found is not None and found.node_rank == 1
+    with pytest.raises(ConfigError, match="--node-rank"):
+        discover("h1:1,h2:2", "", False, -1, 1, {})
+    with pytest.raises(ConfigError, match="one peer source"):
+        discover("h1:1", "svc:1", False, 0, 1, {})
+    with pytest.raises(ConfigError, match="not an index"):
+        discover("h1:1,h2:2", "", False, 2, 1, {})
+
+
+def test_peer_settings_follow_flags_env_toml_precedence(tmp_path) -> None:
+    toml = tmp_path / "d.toml"
+    toml.write_text('peers = "a:1,b:1"\nnode_rank = 0\nheartbeat_timeout = 3.0\n')
+    parser = argparse.ArgumentParser()
+    daemon_config.add_flags(parser)
+    args = parser.parse_args(["--config", str(toml), "--node-rank", "1"])
+    cfg = daemon_config.from_args(args, {"LPSYNC_PEERS": "x:1,y:1,z:1", "LPSYNC_NODE_RANK": "2"})
+    assert (cfg.peers, cfg.node_rank, cfg.heartbeat_timeout) == ("x:1,y:1,z:1", 1, 3.0)
+    found = cfg.peer_set({})
+    assert found is not None and found.peers[found.node_rank] == PeerAddress("y", 1)
+    with pytest.raises(SystemExit):  # the sources exclude each other on the command line
+        parser.parse_args(["--peers", "a:1", "--peers-slurm"])
+    with pytest.raises(InvalidArgumentError):
+        daemon_config.load({"heartbeat_timeout": 0.5}, {})
