@@ -352,6 +352,10 @@ class Service(pb_grpc.LpSyncServicer):
                             outcome.algorithm, outcome.seconds, code, time.time()))
         if outcome.error is not None:
             self.metrics.collective_failed(spec.op, code)
+            # Failures are rare and worth a line; successes only go to metrics and Status.
+            log.info("collective failed", extra={"job": job.name, "sequence": pending.sequence,
+                                                 "op": spec.op, "code": code,
+                                                 "error": str(outcome.error)})
             return
         itemsize = _ITEMSIZE.get(spec.dtype, 0)
         nbytes = (execute.nccl_bytes(spec.op, spec.count, itemsize, job.world_size)
