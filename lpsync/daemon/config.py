@@ -35,7 +35,7 @@ class DaemonConfig:
     stream_grace: float = 30.0  # an attached session without a Session stream is dropped
     drain_seconds: float = 10.0  # SIGTERM waits this long for running collectives
     log_level: str = "INFO"
-    workers: int = 256  # gRPC handler threads; each open Session stream holds one
+    workers: int = 4  # threads that run pipelined collectives off the gRPC event loop
     trigger: bool = True  # offer the trigger socket <socket>.trigger (trigger.py)
 
     def token(self) -> str:

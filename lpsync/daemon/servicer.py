@@ -78,7 +78,8 @@ class Service(pb_grpc.LpSyncServicer):
         # these threads so that the loop stays free.
         self.loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = -1
-        self._workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lpsync-run")
+        self._workers = ThreadPoolExecutor(max_workers=config.workers,
+                                           thread_name_prefix="lpsync-run")
 
     # -- lifecycle -------------------------------------------------------------------------
     def end_session(self, session: Session, reason: str) -> None:
