@@ -36,7 +36,7 @@ class DaemonConfig:
     stream_grace: float = 30.0  # an attached session without a Session stream is dropped
     drain_seconds: float = 10.0  # SIGTERM waits this long for running collectives
     log_level: str = "INFO"
-    workers: int = 256  # gRPC handler threads; each open Session stream holds one
+    workers: int = 4  # threads that run pipelined collectives off the gRPC event loop
     trigger: bool = True  # offer the trigger socket <socket>.trigger (trigger.py)
     # Multi-node (peers.py, peer_plane.py). Exactly one peer source, or none (one node).
     node_rank: int = -1  # this daemon's index into the peer list; -1: derive it

@@ -93,6 +93,17 @@ class GroupCache:
             group.close()
 
 
+def is_direct(spec, participants: int) -> bool:
+    """Whether ``run`` takes the direct path for this spec (decided the same way there)."""
+    if spec.op == BARRIER or spec.algorithm == DIRECT:
+        return True
+    if spec.algorithm:
+        return False
+    itemsize = dtype_of(spec.dtype).itemsize
+    return participants == 1 or nccl_bytes(spec.op, spec.count, itemsize,
+                                           participants) <= DIRECT_MAX_BYTES
+
+
 def run(job: Job, pending: Pending) -> Outcome:
     """The Runner of matching.py: run ``pending`` (all participants arrived, specs agree)."""
     spec = pending.spec

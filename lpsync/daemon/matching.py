@@ -91,11 +91,18 @@ class Pending:
 
 # Runs a complete collective and returns each rank's outcome (execute.py).
 Runner = Callable[["Job", Pending], Outcome]
+# Decides where a complete collective runs: call the thunk inline or on another thread.
+Dispatch = Callable[["Job", Pending, Callable[[], None]], None]
+
+
+def _inline(job: Job, pending: Pending, run: Callable[[], None]) -> None:
+    run()
 
 
 class Job:
     def __init__(self, name: str, world_size: int, watcher: Watcher, runner: Runner,
-                 record: Callable[[Job, Pending, Outcome], None]) -> None:
+                 record: Callable[[Job, Pending, Outcome], None],
+                 dispatch: Dispatch = _inline) -> None:
         self.name, self.world_size = name, world_size
         self.lock = threading.Lock()
         self.run_lock = threading.Lock()  # one collective of a job runs at a time, in order
@@ -104,6 +111,7 @@ class Job:
         self._pending: dict[int, Pending] = {}
         self._failed: OrderedDict[int, LpsyncError] = OrderedDict()
         self._watcher, self._runner, self._record = watcher, runner, record
+        self._dispatch = dispatch
         self.cache: object = None  # the executor's plan cache for this job (execute.py)
 
     # -- membership ---------------------------------------------------------------------
@@ -183,7 +191,7 @@ class Job:
         elif ready is not None:
             if ready.timer is not None:
                 ready.timer.cancel()
-            self._run(ready)
+            self._dispatch(self, ready, lambda: self._run(ready))
 
     def _check(self, pending: Pending) -> MismatchError | None:
         ranks = sorted(pending.arrivals)
@@ -248,17 +256,19 @@ class Jobs:
     """Every job of this daemon by name; a job disappears with its last rank."""
 
     def __init__(self, watcher: Watcher, runner: Runner,
-                 record: Callable[[Job, Pending, Outcome], None]) -> None:
+                 record: Callable[[Job, Pending, Outcome], None],
+                 dispatch: Dispatch = _inline) -> None:
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
         self._watcher, self._runner, self._record = watcher, runner, record
+        self._dispatch = dispatch
 
     def join(self, name: str, rank: int, world_size: int, session_id: str) -> Job:
         with self._lock:
             job = self._jobs.get(name)
             if job is None:
                 job = self._jobs[name] = Job(name, world_size, self._watcher, self._runner,
-                                             self._record)
+                                             self._record, self._dispatch)
             job.join(rank, world_size, session_id)
             return job
 

@@ -1,19 +1,18 @@
-"""Wiring: the gRPC server with LpSync, health and reflection; listeners; shutdown.
+"""Wiring: the grpc.aio server with LpSync, health and reflection; listeners; shutdown.
 
 Shutdown (SIGTERM/SIGINT): health goes NOT_SERVING, new work is refused, running
 collectives drain (config.drain_seconds), every session ends (its waiting collectives
-are aborted, its shared memory unlinked), the server stops and the socket is removed.
+are aborted, its shared memory unlinked), the server stops and the sockets are removed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
 import os
 import signal
-import threading
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -31,39 +30,41 @@ from lpsync.memory import reclaim_stale
 
 log = logging.getLogger("lpsync.daemon")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LpSync"].full_name
+_DENIED = "missing or wrong token: send 'authorization: Bearer <token>'"
 
 
-class TokenInterceptor(grpc.ServerInterceptor):
+async def _deny_unary(request, context) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+
+
+async def _deny_stream(request, context):
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+    yield  # makes this an async generator, as streaming handlers are
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Every call must carry ``authorization: Bearer <token>`` (compared in constant time),
     except health checks, which probes make without credentials and which reveal nothing."""
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
 
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong token: send 'authorization: Bearer <token>'")
-
-        self._deny = deny
-
-    def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith("/grpc.health.v1.Health/"):
-            return continuation(handler_call_details)
+            return await continuation(handler_call_details)
         given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
         if hmac.compare_digest(str(given).encode(), self._expected):
-            return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         if handler is None:
             return None
         if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(
-                lambda it, ctx: iter([self._deny(None, ctx)]))
+            return grpc.stream_stream_rpc_method_handler(_deny_stream)
         if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(self._deny)
+            return grpc.stream_unary_rpc_method_handler(_deny_unary)
         if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                lambda req, ctx: iter([self._deny(req, ctx)]))
-        return grpc.unary_unary_rpc_method_handler(self._deny)
+            return grpc.unary_stream_rpc_method_handler(_deny_stream)
+        return grpc.unary_unary_rpc_method_handler(_deny_unary)
 
 
 class Daemon:
@@ -71,28 +72,28 @@ class Daemon:
         self.config = config
         self.metrics = Metrics()
         self.service = Service(config, self.metrics)
-        self.health = health.HealthServicer()
+        self.health = health.aio.HealthServicer()
         token = config.token()
         if config.token_file and not token:
             raise InvalidArgumentError(f"token file {config.token_file} is empty")
-        interceptors = [TokenInterceptor(token)] if token else []
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=config.workers,
-                                       thread_name_prefix="lpsync-grpc"),
-            interceptors=interceptors,
-            options=[("grpc.max_receive_message_length", 16 << 20)])
+        self._interceptors = [TokenInterceptor(token)] if token else []
+        self.socket = Path(config.socket) if config.socket else None
+        self.trigger = (TriggerServer(Path(f"{self.socket}.trigger"), self.service)
+                        if self.socket is not None and config.trigger else None)
+        self.service.trigger_path = str(self.trigger.path) if self.trigger else ""
+        self.server: grpc.aio.Server | None = None
+        self._stop: asyncio.Event | None = None
+
+    async def start(self) -> None:
+        self.service.bind_loop(asyncio.get_running_loop())
+        self._stop = asyncio.Event()
+        self.server = grpc.aio.server(interceptors=self._interceptors,
+                                      options=[("grpc.max_receive_message_length", 16 << 20)])
         pb_grpc.add_LpSyncServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
-        self._stop = threading.Event()
-        self.socket = Path(config.socket) if config.socket else None
-        self.trigger = (TriggerServer(Path(f"{self.socket}.trigger"), self.service)
-                        if self.socket is not None and config.trigger else None)
-        self.service.trigger_path = str(self.trigger.path) if self.trigger else ""
-
-    def start(self) -> None:
         reclaimed = reclaim_stale()
         if reclaimed:
             log.warning("unlinked shared memory of daemons that died",
@@ -115,13 +116,13 @@ class Daemon:
             credentials = grpc.ssl_server_credentials([(
                 Path(self.config.tls_key).read_bytes(), Path(self.config.tls_cert).read_bytes())])
             self.server.add_secure_port(self.config.listen, credentials)
-        self.server.start()
+        await self.server.start()
         if self.socket is not None:
             os.chmod(self.socket, 0o660)
         if self.trigger is not None:
             self.trigger.start()
         for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_port:
             self.metrics.serve(self.config.metrics_port)
         log.info("daemon serving", extra={"socket": str(self.socket or ""),
@@ -129,21 +130,24 @@ class Daemon:
                                           "metrics_port": self.config.metrics_port,
                                           "pid": os.getpid()})
 
-    def request_stop(self, *_: object) -> None:
+    def request_stop(self) -> None:
+        assert self._stop is not None
         self._stop.set()
 
-    def wait(self) -> None:
-        # Signal handlers run in the main thread; a timed wait keeps it responsive.
-        while not self._stop.wait(1.0):
-            pass
+    async def wait(self) -> None:
+        assert self._stop is not None
+        await self._stop.wait()
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         log.info("shutting down: draining collectives")
-        self.health.enter_graceful_shutdown()
-        self.service.shutdown(self.config.drain_seconds)
+        await self.health.enter_graceful_shutdown()
+        loop = asyncio.get_running_loop()
+        # Draining blocks on running collectives; the loop keeps serving replies meanwhile.
+        await loop.run_in_executor(None, self.service.shutdown, self.config.drain_seconds)
         if self.trigger is not None:
-            self.trigger.stop()
-        self.server.stop(grace=1.0).wait(5.0)
+            await loop.run_in_executor(None, self.trigger.stop)
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
         if self.socket is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.socket.unlink()
@@ -162,13 +166,18 @@ def _socket_alive(path: Path) -> bool:
     return True
 
 
-def serve(config: DaemonConfig) -> int:
+async def _serve(config: DaemonConfig) -> int:
     daemon = Daemon(config)
-    signal.signal(signal.SIGTERM, daemon.request_stop)
-    signal.signal(signal.SIGINT, daemon.request_stop)
-    daemon.start()
+    loop = asyncio.get_running_loop()
+    await daemon.start()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, daemon.request_stop)
     try:
-        daemon.wait()
+        await daemon.wait()
     finally:
-        daemon.stop()
+        await daemon.stop()
     return 0
+
+
+def serve(config: DaemonConfig) -> int:
+    return asyncio.run(_serve(config))

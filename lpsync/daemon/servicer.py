@@ -6,21 +6,26 @@ trailing metadata ``lpsync-error`` / ``lpsync-buffer-state`` (unary) or in the
 CollectiveResult (Session stream). No request can take the daemon down: every
 handler turns LpsyncError into a status and logs anything else as a bug.
 
-Threads: each Session stream holds one gRPC handler thread (writing responses from a
-queue) and one reader thread of ours (reading requests and, when its request is the
-last arrival of a collective, running that collective). The trigger socket
-(trigger.py) feeds the same ``handle`` from its own reader threads.
+Threads: the gRPC handlers are coroutines on one asyncio loop (grpc.aio). A Session
+stream is a reader task (requests -> ``handle``) and the handler writing replies from
+an asyncio queue. When a request is the last arrival of a small collective, the loop
+runs it inline (the direct path) and queues both replies: no thread hand-off at all.
+Larger collectives run on worker threads (``_dispatch``) and reply through
+call_soon_threadsafe, as do the watcher (timeouts) and the trigger socket's readers
+(trigger.py), which feed the same ``handle``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -60,7 +65,7 @@ class Service(pb_grpc.LpSyncServicer):
         self.sessions = SessionTable(config.max_buffer_bytes, config.max_session_bytes,
                                      on_bytes=metrics.registered_bytes.set)
         self.watcher = Watcher()
-        self.jobs = Jobs(self.watcher, self._run, self._record)
+        self.jobs = Jobs(self.watcher, self._run, self._record, self._dispatch)
         # (job, seq, op, dtype, count, algorithm, seconds, code, unix time); made into
         # messages only when Status asks, to keep the collective path short.
         self.recent: deque[tuple] = deque(maxlen=_RECENT)
@@ -69,6 +74,12 @@ class Service(pb_grpc.LpSyncServicer):
         self._idle = threading.Condition()
         self._ending = threading.Lock()
         self.trigger_path = ""  # set by the server when it offers the trigger socket
+        # gRPC handlers run on one asyncio loop (bind_loop); pipelined collectives run on
+        # these threads so that the loop stays free.
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = -1
+        self._workers = ThreadPoolExecutor(max_workers=config.workers,
+                                           thread_name_prefix="lpsync-run")
 
     # -- lifecycle -------------------------------------------------------------------------
     def end_session(self, session: Session, reason: str) -> None:
@@ -102,15 +113,45 @@ class Service(pb_grpc.LpSyncServicer):
             self.end_session(session, "daemon shutting down")
         self.sessions.close_all()
         self.watcher.stop()
+        self._workers.shutdown(wait=False)
 
     def _check_open(self) -> None:
         if self._closing:
             raise UnavailableError("the daemon is shutting down")
 
-    # -- RPCs ------------------------------------------------------------------------------
-    def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext
-               ) -> pb.AttachResponse:
-        with _status(context):
+    # -- the event loop ----------------------------------------------------------------------
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The loop that runs the gRPC handlers (server.py calls this before serving)."""
+        self.loop = loop
+        self._loop_thread = threading.get_ident()
+
+    def _putter(self, responses: asyncio.Queue) -> Callable[[object], None]:
+        """A put for ``responses`` callable from any thread: direct on the loop's own
+        thread (the common case: no hand-off), through call_soon_threadsafe elsewhere."""
+        loop, put = self.loop, responses.put_nowait
+
+        def putter(item: object) -> None:
+            if threading.get_ident() == self._loop_thread:
+                put(item)
+            else:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody reads
+                    loop.call_soon_threadsafe(put, item)
+
+        return putter
+
+    def _dispatch(self, job: Job, pending: Pending, run: Callable[[], None]) -> None:
+        """Where a complete collective runs: the direct path inline (it is short), anything
+        else off the event loop, on a worker thread, so other sessions keep being served."""
+        if threading.get_ident() != self._loop_thread or execute.is_direct(pending.spec,
+                                                                          job.world_size):
+            run()
+        else:
+            self._workers.submit(run)
+
+    # -- RPCs ----------------------------------------------------------------------------------
+    async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext
+                     ) -> pb.AttachResponse:
+        try:
             self._check_open()
             session = self.sessions.create(request.job, request.rank, request.world_size,
                                            request.local_rank, request.local_world_size,
@@ -120,116 +161,131 @@ class Service(pb_grpc.LpSyncServicer):
             except LpsyncError:
                 self.sessions.remove(session)
                 raise
-            # A session whose client never opens its stream would never learn of its death.
-            self.watcher.at(time.monotonic() + self.config.stream_grace,
-                            lambda: None if session.stream_bound or session.closed
-                            else self.end_session(session, "no Session stream opened"))
-            self.metrics.sessions.set(len(self.sessions.all()))
-            log.info("attached", extra={"session": session.id, "job": session.job,
-                                        "rank": session.rank, "pid": session.pid})
-            return pb.AttachResponse(session_id=session.id, daemon_version=__version__,
-                                     trigger_socket=self.trigger_path)
-        raise AssertionError  # unreachable: _status aborts
+        except LpsyncError as error:
+            await _abort(context, error)
+            raise AssertionError from error  # unreachable: abort raises
+        # A session whose client never opens its stream would never learn of its death.
+        self.watcher.at(time.monotonic() + self.config.stream_grace,
+                        lambda: None if session.stream_bound or session.closed
+                        else self.end_session(session, "no Session stream opened"))
+        self.metrics.sessions.set(len(self.sessions.all()))
+        log.info("attached", extra={"session": session.id, "job": session.job,
+                                    "rank": session.rank, "pid": session.pid})
+        return pb.AttachResponse(session_id=session.id, daemon_version=__version__,
+                                 trigger_socket=self.trigger_path)
 
-    def Detach(self, request: pb.DetachRequest, context: grpc.ServicerContext
-               ) -> pb.DetachResponse:
-        with _status(context):
+    async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext
+                     ) -> pb.DetachResponse:
+        try:
             self.end_session(self.sessions.get(request.session_id), "detached")
-            return pb.DetachResponse()
-        raise AssertionError
+        except LpsyncError as error:
+            await _abort(context, error)
+        return pb.DetachResponse()
 
-    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.Buffer:
-        return self._allocate(request.session_id, request.nbytes, False, context)
+    async def Allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
+                       ) -> pb.Buffer:
+        return await self._allocate(request.session_id, request.nbytes, False, context)
 
-    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Buffer:
+    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
+                       ) -> pb.Buffer:
         if request.device not in ("", "cpu"):
-            with _status(context):
-                raise InvalidArgumentError(
-                    f"device {request.device!r} is not supported yet; register host memory")
-        return self._allocate(request.session_id, request.nbytes, True, context)
+            await _abort(context, InvalidArgumentError(
+                f"device {request.device!r} is not supported yet; register host memory"))
+        return await self._allocate(request.session_id, request.nbytes, True, context)
 
-    def _allocate(self, session_id: str, nbytes: int, staged: bool,
-                  context: grpc.ServicerContext) -> pb.Buffer:
-        with _status(context):
+    async def _allocate(self, session_id: str, nbytes: int, staged: bool,
+                        context: grpc.aio.ServicerContext) -> pb.Buffer:
+        try:
             self._check_open()
             session = self.sessions.get(session_id)
             buffer = self.sessions.allocate(session, nbytes, staged)
-            return pb.Buffer(handle=buffer.handle, shm_name=buffer.segment.name,
-                             nbytes=buffer.segment.nbytes, staged=staged)
-        raise AssertionError
+        except LpsyncError as error:
+            await _abort(context, error)
+            raise AssertionError from error
+        return pb.Buffer(handle=buffer.handle, shm_name=buffer.segment.name,
+                         nbytes=buffer.segment.nbytes, staged=staged)
 
-    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext
-                ) -> pb.ReleaseResponse:
-        with _status(context):
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+                      ) -> pb.ReleaseResponse:
+        try:
             session = self.sessions.get(request.session_id)
             self.sessions.release(session, request.handle)
-            job = self.jobs.get(session.job)
-            if job is not None and job.cache is not None:
-                job.cache.forget(session.id, request.handle)
-            return pb.ReleaseResponse()
-        raise AssertionError
+        except LpsyncError as error:
+            await _abort(context, error)
+        job = self.jobs.get(session.job)
+        if job is not None and job.cache is not None:
+            job.cache.forget(session.id, request.handle)
+        return pb.ReleaseResponse()
 
-    def Collective(self, request: pb.CollectiveRequest, context: grpc.ServicerContext
-                   ) -> pb.CollectiveResponse:
-        finished = threading.Event()
-        result: list[Outcome] = []
+    async def Collective(self, request: pb.CollectiveRequest,
+                         context: grpc.aio.ServicerContext) -> pb.CollectiveResponse:
+        finished: asyncio.Future = self.loop.create_future()
+
+        def settle(outcome: Outcome) -> None:
+            if not finished.done():  # the call may have given up (cancelled) already
+                finished.set_result(outcome)
 
         def done(outcome: Outcome) -> None:
-            result.append(outcome)
-            finished.set()
+            if threading.get_ident() == self._loop_thread:
+                settle(outcome)
+            else:
+                with contextlib.suppress(RuntimeError):  # loop closed: nobody waits
+                    self.loop.call_soon_threadsafe(settle, outcome)
 
-        with _status(context):
+        try:
             session = self.sessions.get(request.session_id)
             arrival = self._arrival(session, request, done)
             self._submit(session, arrival)
-            # The watcher fails the collective at its timeout and execution has the same
-            # bound, so this wait ends; the margin only guards against a bug.
-            if not finished.wait(2 * arrival.timeout + 5):
-                raise UnavailableError("collective did not complete: daemon overloaded")
-        outcome = result[0]
+        except LpsyncError as error:
+            await _abort(context, error)
+            raise AssertionError from error
+        # The watcher fails the collective at its timeout and execution has the same bound,
+        # so this wait ends; the margin only guards against a bug.
+        try:
+            outcome = await asyncio.wait_for(finished, 2 * arrival.timeout + 5)
+        except TimeoutError:
+            outcome = Outcome(UnavailableError("collective did not complete: daemon overloaded"))
         if outcome.error is not None:
-            _abort(context, outcome.error, outcome.buffer_state)
+            await _abort(context, outcome.error, outcome.buffer_state)
         return pb.CollectiveResponse(algorithm=outcome.algorithm, chunks=outcome.chunks,
                                      seconds=outcome.seconds)
 
-    def Session(self, request_iterator: Iterator[pb.SessionRequest],
-                context: grpc.ServicerContext) -> Iterator[pb.SessionResponse]:
+    async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionResponse]:
         try:
-            first = next(request_iterator)
-        except (StopIteration, grpc.RpcError):
+            first = await anext(request_iterator)
+        except (StopAsyncIteration, grpc.RpcError, asyncio.CancelledError):
             return
-        with _status(context):
+        try:
             if first.WhichOneof("body") != "open":
                 raise InvalidArgumentError("the first message of a Session stream must be open")
             session = self.sessions.get(first.open.session_id)
             if session.stream_bound:
                 raise InvalidArgumentError("this session already has a Session stream")
             session.stream_bound = True
-        responses: queue.SimpleQueue[pb.SessionResponse | None] = queue.SimpleQueue()
-        session.on_close.append(lambda: responses.put(None))
-        context.add_callback(lambda: self.end_session(session, "session stream closed"))
-        reader = threading.Thread(target=self._read_stream,
-                                  args=(request_iterator, session, responses),
-                                  name=f"lpsync-session-{session.rank}", daemon=True)
-        reader.start()
+        except LpsyncError as error:
+            await _abort(context, error)
+            return
+        responses: asyncio.Queue[pb.SessionResponse | None] = asyncio.Queue()
+        put = self._putter(responses)
+        session.on_close.append(lambda: put(None))
+        context.add_done_callback(lambda _: self.end_session(session, "session stream closed"))
+        reader = asyncio.get_running_loop().create_task(
+            self._read_stream(request_iterator, session, put))
         yield pb.SessionResponse(request_id=first.request_id, opened=first.open)
-        while True:
-            try:
-                response = responses.get(timeout=5.0)
-            except queue.Empty:
-                if not context.is_active():
-                    break
-                continue
-            if response is None:
-                break
-            yield response
-
-    def _read_stream(self, requests: Iterator[pb.SessionRequest], session: Session,
-                     responses: queue.SimpleQueue) -> None:
         try:
-            for request in requests:
-                self.handle(session, request, responses.put)
-        except grpc.RpcError:
+            # Ends with the None that end_session puts (detach, stream closed, shutdown).
+            while (response := await responses.get()) is not None:
+                yield response
+        finally:
+            reader.cancel()
+
+    async def _read_stream(self, requests: AsyncIterator[pb.SessionRequest], session: Session,
+                           put: Callable[[object], None]) -> None:
+        try:
+            async for request in requests:
+                self.handle(session, request, put)
+        except (grpc.RpcError, asyncio.CancelledError):
             pass  # the client is gone; handled below
         except Exception:
             log.exception("session reader failed", extra={"session": session.id})
@@ -266,8 +322,8 @@ class Service(pb_grpc.LpSyncServicer):
             raise NotFoundError(f"session {session.id} has ended")
         job.submit(arrival)
 
-    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext
-               ) -> pb.StatusResponse:
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
+                     ) -> pb.StatusResponse:
         now = time.time()
         response = pb.StatusResponse(version=__version__, uptime_seconds=now - self.started)
         for s in sorted(self.sessions.all(), key=lambda s: (s.job, s.rank)):
@@ -352,6 +408,10 @@ class Service(pb_grpc.LpSyncServicer):
                             outcome.algorithm, outcome.seconds, code, time.time()))
         if outcome.error is not None:
             self.metrics.collective_failed(spec.op, code)
+            # Failures are rare and worth a line; successes only go to metrics and Status.
+            log.info("collective failed", extra={"job": job.name, "sequence": pending.sequence,
+                                                 "op": spec.op, "code": code,
+                                                 "error": str(outcome.error)})
             return
         itemsize = _ITEMSIZE.get(spec.dtype, 0)
         nbytes = (execute.nccl_bytes(spec.op, spec.count, itemsize, job.world_size)
@@ -378,36 +438,11 @@ def _result(rid: int, outcome: Outcome) -> pb.SessionResponse:
     return pb.SessionResponse(request_id=rid, result=result)
 
 
-def _abort(context: grpc.ServicerContext, error: LpsyncError, buffer_state: str = "") -> None:
+async def _abort(context: grpc.aio.ServicerContext, error: LpsyncError,
+                 buffer_state: str = "") -> None:
+    """End the call with the error's status; raises (grpc.aio's abort always does)."""
     metadata = [("lpsync-error", type(error).__name__)]
     if buffer_state:
         metadata.append(("lpsync-buffer-state", buffer_state))
-    context.set_trailing_metadata(metadata)
     code = getattr(grpc.StatusCode, error.code, grpc.StatusCode.UNKNOWN)
-    context.abort(code, str(error))
-
-
-class _status:  # a context manager, named like contextlib helpers
-    """Turn an LpsyncError raised inside the block into the call's gRPC status."""
-
-    def __init__(self, context: grpc.ServicerContext) -> None:
-        self.context = context
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, error, tb) -> bool:
-        if isinstance(error, LpsyncError):
-            _abort(self.context, error)
-        elif error is not None and not isinstance(error, Exception):
-            return False
-        elif error is not None and not _is_abort(error):
-            log.exception("request failed unexpectedly", exc_info=error)
-            self.context.abort(grpc.StatusCode.INTERNAL, f"internal error: {error!r}")
-        return False
-
-
-def _is_abort(error: BaseException) -> bool:
-    # context.abort raises an Exception subclass private to grpc; let it through untouched.
-    return type(error).__module__.startswith("grpc")
-
+    await context.abort(code, str(error), trailing_metadata=tuple(metadata))

@@ -82,3 +82,21 @@ def test_bench_smoke(daemon) -> None:
     assert [r["size"] for r in rows] == [4, 512 * 1024]
     assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows)
     assert rows[0]["algorithm"] == "direct" and rows[0]["ping_median_us"] > 0
+
+
+def test_aio_twin(daemon) -> None:
+    import asyncio
+
+    import lpsync_client.aio as lpsync_aio
+
+    async def main() -> list:
+        async with await lpsync_aio.connect(daemon.socket, job="aio", rank=0,
+                                            world_size=1) as c:
+            x = c.zeros(4, "int32")
+            x[:] = 7
+            await c.allreduce(x, op="max")
+            out = c.zeros(4, "int32")
+            await asyncio.gather(c.broadcast(x, out=out), c.barrier())
+            return out.tolist()
+
+    assert asyncio.run(main()) == [7, 7, 7, 7]

@@ -222,3 +222,21 @@ def test_trigger_socket_refuses_unknown_sessions(daemon) -> None:
         with pytest.raises(lpsync_client.MismatchError.__mro__[1]):
             c.allreduce(c.zeros(3, "int8"), op="nonsense")
     assert serving(daemon.socket)
+
+
+def test_unary_collective_reports_status_and_buffer_state(daemon) -> None:
+    channel, stub = _stub(daemon.socket)
+    with channel:
+        sid = stub.Attach(pb.AttachRequest(job="unary", rank=0, world_size=2)).session_id
+        buffer = stub.Allocate(pb.AllocateRequest(session_id=sid, nbytes=16))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Collective(pb.CollectiveRequest(
+                session_id=sid, sequence=1, op="allreduce", dtype="float32", count=4,
+                timeout=0.3, input=pb.BufferRef(handle=buffer.handle)))
+        error = info.value
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "rank(s) 1 did not arrive" in error.details()
+        trailers = dict(error.trailing_metadata())
+        assert trailers["lpsync-error"] == "CollectiveTimeoutError"
+        assert trailers["lpsync-buffer-state"] == "INTACT"
+        stub.Detach(pb.DetachRequest(session_id=sid))

@@ -243,3 +243,16 @@ def test_devices_other_than_cpu_are_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="CPU shared memory only"):
         load({"devices": "cuda:all"}, {}, None)
     assert load({"devices": "cpu:4"}, {}, None).devices == "cpu:4"
+
+
+def test_no_trigger_socket_falls_back_to_grpc(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path, env={"LPSYNC_TRIGGER": "off"})
+    try:
+        assert not Path(d.socket + ".trigger").exists()
+        with lpsync_client.connect(d.socket, job="nt", rank=0, world_size=1) as c:
+            assert c.trigger == "grpc"
+            c.allreduce(c.zeros(2))
+        with pytest.raises(lpsync_client.UnavailableError):
+            lpsync_client.connect(d.socket, job="nt2", rank=0, world_size=1, trigger="socket")
+    finally:
+        d.stop_and_check()
