@@ -28,6 +28,7 @@ an eager message still in flight is never lost to an early close.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
@@ -267,7 +268,8 @@ class UcxEndpoint:
         buf = bytearray(1)
         try:
             await peer.endpoint.recv(buf)
-        except Exception:  # the connection died first: _on_close reports that
+        except Exception as error:  # the connection died first: _on_close reports that
+            _release_frames(error)
             return
         peer.departed = True
 
@@ -308,6 +310,11 @@ class UcxEndpoint:
             # Aborting cancels in-flight requests and tells the peers at once. Never from
             # inside a UCX callback, hence call_soon.
             self._loop.loop.call_soon_threadsafe(self._abort_all)
+
+    def abort(self, error: LpsyncError) -> None:
+        """Break the endpoint from outside (a heartbeat watchdog that declared a peer
+        gone): every wait raises ``error``, unless something broke it first."""
+        self._fail(error)
 
     @property
     def error(self) -> LpsyncError | None:
@@ -354,16 +361,25 @@ class UcxEndpoint:
             finally:
                 with self._lock:
                     self._waiters.discard(event)
+        # Errors are raised outside the except block and without tracebacks of ucxx's:
+        # a ucxx frame kept alive by a traceback keeps its endpoint alive, and an accepted
+        # endpoint keeps the listener's port bound (a rebuilt mesh could not listen again).
+        failure = ""
         try:
             future.result()
         except LpsyncError:
             raise
         except (Exception, CancelledError) as error:
+            _release_frames(error)
             if type(error).__name__ in ("UCXMessageTruncatedError", "UCXMsgTruncated"):
-                raise InvalidArgumentError(f"{what}: the message is larger than the receive "
-                                           "buffer (mismatched counts across participants?)") \
-                    from None
-            self._fail(UnavailableError(f"{what} failed: {type(error).__name__}: {error}"))
+                failure = "truncated"
+            else:
+                failure = f"{what} failed: {type(error).__name__}: {error}"
+        if failure == "truncated":
+            raise InvalidArgumentError(f"{what}: the message is larger than the receive "
+                                       "buffer (mismatched counts across participants?)")
+        if failure:
+            self._fail(UnavailableError(failure))
             self._check()
 
     # -- the Endpoint interface ----------------------------------------------------------
@@ -371,13 +387,13 @@ class UcxEndpoint:
     def send(self, peer: int, tag: int, data: np.ndarray) -> _Send:
         ep = self._peer(peer)
         assert self._loop is not None
-        future = self._loop.submit(ep.send(_bytes_view(data), tag=tag))
+        future = self._loop.submit(_guarded(ep.send(_bytes_view(data), tag=tag)))
         return _Send(self, future, f"send of message {tag} to rank {peer}")
 
     def recv_into(self, peer: int, tag: int, out: np.ndarray, deadline: float) -> None:
         ep = self._peer(peer)
         assert self._loop is not None
-        future = self._loop.submit(ep.recv(_bytes_view(out), tag=tag))
+        future = self._loop.submit(_guarded(ep.recv(_bytes_view(out), tag=tag)))
         self._wait(future, deadline, f"message {tag} from rank {peer}")
 
     @contextmanager
@@ -432,6 +448,19 @@ class UcxEndpoint:
                 await asyncio.wait_for(peer.endpoint.close(period=10**9), 2.0)
             except Exception:
                 peer.endpoint.abort(period=10**9)
+        # The goodbye receives must finish before the loop stops: a receive left suspended
+        # keeps its ucxx endpoint alive, and an accepted endpoint keeps the listener's port
+        # bound, so this process could not listen on it again (a rebuilt mesh).
+        # (ucxx's recv may catch the first cancellation and post a second receive, so
+        # cancel again until the tasks are done.)
+        goodbyes = {p.goodbye for p in peers if p.goodbye is not None}
+        for _ in range(3):
+            goodbyes = {g for g in goodbyes if not g.done()}
+            if not goodbyes:
+                break
+            for goodbye in goodbyes:
+                goodbye.cancel()
+            await asyncio.wait(goodbyes, timeout=0.5)
         if self._listener is not None:
             self._listener.close()
 
@@ -440,6 +469,28 @@ class UcxEndpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release_frames(error: BaseException) -> None:
+    """Drop the locals of the finished frames in ``error``'s traceback. ucxx keeps a failed
+    request's exception alive (its C++ side holds the future), and through the traceback
+    the ucxx endpoint of the frame, which keeps an accepted connection's listener bound:
+    without this, a process cannot listen on its port again after a peer is lost."""
+    tb = error.__traceback__
+    while tb is not None:
+        # A frame still executing (our own) refuses: its locals are ours anyway.
+        with contextlib.suppress(RuntimeError):
+            tb.tb_frame.clear()
+        tb = tb.tb_next
+
+
+async def _guarded(coro: Any) -> Any:
+    """Await a ucxx request; a failure leaves no ucxx frame alive (see _release_frames)."""
+    try:
+        return await coro
+    except BaseException as error:
+        _release_frames(error)
+        raise
 
 
 async def _say_goodbye(peer: _Peer) -> None:

@@ -1,0 +1,315 @@
+"""The peer manager: this daemon's node-level UCX mesh over every daemon of the cluster.
+
+Lifecycle (one background thread, ``lpsync-peers``): connect the mesh (UcxEndpoint, rank
+= node rank; the daemon serves single-node jobs meanwhile), probe alpha/beta to every peer,
+start heartbeats, then wait until the mesh breaks (a peer killed, cut off, silent for
+``heartbeat_timeout``, or any transport error). A broken mesh is closed, logged and
+rebuilt in the background, retrying until the peers are back; collectives waiting for a
+mesh wait (bounded by their own deadline) for the next one.
+
+Invariants:
+  * a Link is one generation of the mesh; once broken it stays broken (the endpoint is a
+    communicator) and collectives that used it fail with UnavailableError;
+  * control messages (heartbeats, probes, spec exchange) use tags with bit 63 set; the
+    collectives' folded tags never set it (multinode.py keeps their tag < 2**39);
+  * several local participant threads use one Link at once: UcxEndpoint's send and
+    recv_into hand work to its loop thread and are safe from any thread; only its
+    recv_borrow staging buffer is shared, so SharedEndpoint gives each thread its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lpsync.algorithms import LinkModel
+from lpsync.daemon.metrics import Metrics
+from lpsync.daemon.peers import PeerSet
+from lpsync.engine.transport import Endpoint, SendRequest
+from lpsync.errors import LpsyncError, UnavailableError
+from lpsync.transport.ucx import UcxEndpoint, UcxOptions
+
+log = logging.getLogger("lpsync.peers")
+
+CONTROL = 1 << 63
+_KIND_SHIFT = 56
+HEARTBEAT, PROBE, SPEC = 1, 2, 3
+_PROBE_SMALL, _PROBE_LARGE, _PROBE_REPS = 8, 4 << 20, 3
+
+
+def control_tag(kind: int, value: int) -> int:
+    """A peer-plane control tag: bit 63, the kind in bits 56..62, ``value`` below."""
+    return CONTROL | (kind << _KIND_SHIFT) | (value & ((1 << _KIND_SHIFT) - 1))
+
+
+@dataclass(frozen=True)
+class PeerPlaneOptions:
+    peers: PeerSet
+    secret: bytes = field(repr=False)
+    heartbeat_interval: float = 1.0  # seconds between heartbeats to each peer
+    heartbeat_timeout: float = 5.0  # a peer silent this long breaks the mesh
+    connect_timeout: float = 10.0  # one attempt to build the mesh; then retry
+    tls: str | None = "tcp"  # UCX_TLS of the peer plane; None: UCX chooses
+    probe: bool = True  # measure alpha/beta to every peer after connecting
+
+
+class SharedEndpoint:
+    """A UcxEndpoint used by several threads: recv_borrow stages per thread."""
+
+    def __init__(self, endpoint: UcxEndpoint) -> None:
+        self._endpoint = endpoint
+        self.rank, self.size = endpoint.rank, endpoint.size
+        self._local = threading.local()
+
+    def send(self, peer: int, tag: int, data: np.ndarray) -> SendRequest:
+        return self._endpoint.send(peer, tag, data)
+
+    def recv_into(self, peer: int, tag: int, out: np.ndarray, deadline: float) -> None:
+        self._endpoint.recv_into(peer, tag, out, deadline)
+
+    @contextlib.contextmanager
+    def recv_borrow(self, peer: int, tag: int, nbytes: int,
+                    deadline: float) -> Iterator[np.ndarray]:
+        staging = getattr(self._local, "staging", None)
+        if staging is None or staging.nbytes < nbytes:
+            staging = self._local.staging = np.empty(nbytes, np.uint8)
+        view = staging[:nbytes]
+        self._endpoint.recv_into(peer, tag, view, deadline)
+        lent = view.view()
+        lent.flags.writeable = False
+        yield lent
+
+
+class Link:
+    """One generation of the mesh: the shared endpoint and the probed link model."""
+
+    def __init__(self, generation: int, endpoint: UcxEndpoint) -> None:
+        self.generation = generation
+        self.ucx = endpoint
+        self.endpoint: Endpoint = SharedEndpoint(endpoint)
+        self.model: LinkModel | None = None  # the slowest probed peer link
+        self.broken = threading.Event()  # set once: the heartbeat threads then end
+        self.last_heard: dict[int, float] = {}  # peer -> monotonic time of its last heartbeat
+
+    @property
+    def error(self) -> LpsyncError | None:
+        return self.ucx.error
+
+    def check(self) -> None:
+        if self.ucx.error is not None:
+            raise UnavailableError(f"the peer plane broke: {self.ucx.error}")
+
+
+class PeerPlane:
+    def __init__(self, options: PeerPlaneOptions, metrics: Metrics,
+                 connect: Callable[[UcxOptions], UcxEndpoint] = UcxEndpoint.connect) -> None:
+        self.options = options
+        self.rank, self.size = options.peers.node_rank, len(options.peers.peers)
+        self._metrics, self._connect = metrics, connect
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._link: Link | None = None
+        self._stop = threading.Event()
+        self._generation = 0
+        self._thread = threading.Thread(target=self._main, name="lpsync-peers", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- for collectives ----------------------------------------------------------------------
+    def link(self, deadline: float) -> Link:
+        """The current healthy mesh, waiting for one until ``deadline``; UnavailableError
+        naming the peers when there is none by then."""
+        with self._changed:
+            while True:
+                link = self._link
+                if link is not None and link.error is None and link.model is not None:
+                    return link
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stop.is_set():
+                    peers = ", ".join(f"{i}={p}" for i, p in enumerate(self.options.peers.peers)
+                                      if i != self.rank)
+                    raise UnavailableError(
+                        f"node {self.rank}: the peer daemons ({peers}) are not all connected; "
+                        "is every daemon of --peers running with the same secret?")
+                self._changed.wait(remaining)
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._changed:
+            link, self._link = self._link, None
+            self._changed.notify_all()
+        if link is not None:
+            link.broken.set()
+            link.ucx.close()
+        self._thread.join(2.0)  # a connect attempt in progress ends on its own timeout
+
+    # -- the background thread ----------------------------------------------------------------
+    def _main(self) -> None:
+        pause = 0.2
+        while not self._stop.is_set():
+            try:
+                endpoint = self._connect(self._ucx_options())
+            except LpsyncError as error:
+                log.warning("node %d: peer mesh not up yet (%s: %s); retrying", self.rank,
+                            type(error).__name__, error)
+                self._stop.wait(pause)
+                pause = min(2.0, pause * 2)
+                continue
+            pause = 0.2
+            self._generation += 1
+            link = Link(self._generation, endpoint)
+            self._serve(link)
+
+    def _ucx_options(self) -> UcxOptions:
+        o = self.options
+        return UcxOptions(rank=self.rank, peers=o.peers.peers, secret=o.secret,
+                          connect_timeout=o.connect_timeout, close_timeout=1.0, tls=o.tls)
+
+    def _serve(self, link: Link) -> None:
+        """Probe, publish, heartbeat until the link breaks; then close it."""
+        others = [p for p in range(self.size) if p != self.rank]
+        workers = [threading.Thread(target=self._heartbeats_from, args=(link, p), daemon=True,
+                                    name=f"lpsync-hb-{p}") for p in others]
+        workers.append(threading.Thread(target=self._heartbeats_to, args=(link, others),
+                                        daemon=True, name="lpsync-hb-send"))
+        try:
+            link.model = self._probe(link, others) if self.options.probe else \
+                LinkModel.from_bandwidth(alpha=50e-6, bandwidth=1.25e9)
+        except LpsyncError as error:
+            log.warning("node %d: probing the peer links failed: %s", self.rank, error)
+            link.ucx.close()
+            return
+        for worker in workers:
+            worker.start()
+        with self._changed:
+            self._link = link
+            self._changed.notify_all()
+        self._metrics.peers_connected.set(len(others))
+        log.info("node %d: peer mesh up (generation %d, %d peers; alpha %.1f us, "
+                 "%.3g bytes/s)", self.rank, link.generation, len(others),
+                 link.model.alpha * 1e6, link.model.bandwidth)
+        now = time.monotonic()
+        link.last_heard.update({p: now for p in others})
+        self._watch(link)
+        link.broken.set()
+        with self._changed:
+            if self._link is link:
+                self._link = None
+        self._metrics.peers_connected.set(0)
+        if not self._stop.is_set():
+            log.warning("node %d: peer mesh lost (%s); rebuilding it", self.rank, link.error)
+        link.ucx.close()
+        for worker in workers:
+            worker.join(self.options.heartbeat_timeout + 1.0)
+
+    def _heartbeats_to(self, link: Link, others: list[int]) -> None:
+        beat = np.zeros(1, np.uint8)  # never written: safe to send while in flight
+        count = 0
+        while not link.broken.wait(self.options.heartbeat_interval):
+            try:
+                requests = [link.ucx.send(p, control_tag(HEARTBEAT, count), beat)
+                            for p in others]
+                deadline = time.monotonic() + self.options.heartbeat_timeout
+                for request in requests:
+                    request.wait(deadline)
+            except LpsyncError:
+                link.broken.set()
+                return
+            count += 1
+
+    def _heartbeats_from(self, link: Link, peer: int) -> None:
+        # Receives never time out on their own (that would break the mesh with a timeout);
+        # the watchdog in _serve judges silence from link.last_heard and aborts the mesh
+        # with UnavailableError.
+        buf = np.zeros(1, np.uint8)
+        count = 0
+        while not link.broken.is_set():
+            try:
+                link.ucx.recv_into(peer, control_tag(HEARTBEAT, count), buf,
+                                   time.monotonic() + 10 * self.options.heartbeat_timeout)
+            except LpsyncError:
+                link.broken.set()
+                return
+            link.last_heard[peer] = time.monotonic()
+            count += 1
+
+    def _watch(self, link: Link) -> None:
+        """Until the link breaks: abort it when a peer has been silent too long."""
+        timeout = self.options.heartbeat_timeout
+        tick = min(self.options.heartbeat_interval, timeout / 4)
+        while not link.broken.wait(tick):
+            if link.error is not None or self._stop.is_set():
+                return
+            now = time.monotonic()
+            for peer, heard in list(link.last_heard.items()):
+                if now - heard > timeout:
+                    error = UnavailableError(
+                        f"peer node {peer} ({self.options.peers.peers[peer]}) sent no "
+                        f"heartbeat for {now - heard:.1f} s (limit {timeout:g} s): declared gone")
+                    log.warning("node %d: %s", self.rank, error)
+                    link.ucx.abort(error)
+                    return
+
+    def _probe(self, link: Link, others: list[int]) -> LinkModel:
+        """Ping-pong a small and a large message with every peer (the lower rank pings);
+        alpha = half the small round trip, beta from the large one. All pairs at once."""
+        results: dict[int, tuple[float, float]] = {}
+        errors: list[LpsyncError] = []
+
+        def pair(peer: int) -> None:
+            try:
+                results[peer] = _ping_pong(link.ucx, peer, self.rank < peer,
+                                           time.monotonic() + self.options.connect_timeout)
+            except LpsyncError as error:
+                errors.append(error)
+
+        threads = [threading.Thread(target=pair, args=(p,), daemon=True) for p in others]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.options.connect_timeout + 1.0)
+        if errors or len(results) != len(others):
+            raise errors[0] if errors else UnavailableError("link probe did not finish")
+        for peer, (_, bandwidth) in results.items():
+            self._metrics.peer_link_bw.labels(str(self.options.peers.peers[peer])).set(bandwidth)
+        alpha = max(a for a, _ in results.values()) if results else 50e-6
+        bandwidth = min(b for _, b in results.values()) if results else 1.25e9
+        return LinkModel.from_bandwidth(alpha=alpha, bandwidth=bandwidth, shared_nic=True)
+
+
+def _ping_pong(endpoint: UcxEndpoint, peer: int, initiator: bool,
+               deadline: float) -> tuple[float, float]:
+    """(alpha seconds, bytes/s) to ``peer``; both ends return the initiator's figures."""
+    times = []
+    tag = 0
+    for size in (_PROBE_SMALL, _PROBE_LARGE):
+        buf = np.zeros(size, np.uint8)
+        best = float("inf")
+        for _ in range(_PROBE_REPS):
+            start = time.perf_counter()
+            if initiator:
+                endpoint.send(peer, control_tag(PROBE, tag), buf).wait(deadline)
+                endpoint.recv_into(peer, control_tag(PROBE, tag + 1), buf, deadline)
+            else:
+                endpoint.recv_into(peer, control_tag(PROBE, tag), buf, deadline)
+                endpoint.send(peer, control_tag(PROBE, tag + 1), buf).wait(deadline)
+            best = min(best, time.perf_counter() - start)
+            tag += 2
+        times.append(best)
+    alpha = max(times[0] / 2, 1e-6)
+    one_way = max(times[1] / 2 - alpha, 1e-6)
+    result = np.array([alpha, _PROBE_LARGE / one_way])
+    # The initiator's measurement is the pair's: both ends must agree (the tuner's input
+    # has to be identical on every node; multinode.py also takes the slowest of all).
+    if initiator:
+        endpoint.send(peer, control_tag(PROBE, tag), result).wait(deadline)
+    else:
+        endpoint.recv_into(peer, control_tag(PROBE, tag), result, deadline)
+    return float(result[0]), float(result[1])
