@@ -40,6 +40,20 @@ _REMEMBERED_FAILURES = 64
 
 
 @dataclass(frozen=True)
+class NodeLayout:
+    """A multi-node job, node-major: node n serves ranks n*L .. n*L+L-1 (torchrun's
+    RANK = node_rank * LOCAL_WORLD_SIZE + LOCAL_RANK); node n is daemon n of --peers."""
+
+    ranks_per_node: int  # L, LOCAL_WORLD_SIZE (uniform across nodes)
+    nodes: int  # WORLD_SIZE // L
+    node: int  # this daemon's node rank
+
+    @property
+    def local_ranks(self) -> range:
+        return range(self.node * self.ranks_per_node, (self.node + 1) * self.ranks_per_node)
+
+
+@dataclass(frozen=True)
 class Spec:
     """What every participant of one collective must agree on."""
 
@@ -102,8 +116,13 @@ def _inline(job: Job, pending: Pending, run: Callable[[], None]) -> None:
 class Job:
     def __init__(self, name: str, world_size: int, watcher: Watcher, runner: Runner,
                  record: Callable[[Job, Pending, Outcome], None],
-                 dispatch: Dispatch = _inline) -> None:
+                 dispatch: Dispatch = _inline, layout: NodeLayout | None = None) -> None:
         self.name, self.world_size = name, world_size
+        # A multi-node job: the ranks this daemon serves; its collectives run when these
+        # arrived (multinode.py agrees with the other nodes before data moves).
+        self.layout = layout
+        self.local_ranks = (tuple(layout.local_ranks) if layout is not None
+                            else tuple(range(world_size)))
         self.lock = threading.Lock()
         self.run_lock = threading.Lock()  # one collective of a job runs at a time, in order
         self.sessions: dict[int, str] = {}  # rank -> session id
@@ -121,6 +140,10 @@ class Job:
                 raise InvalidArgumentError(
                     f"job {self.name!r} has world size {self.world_size}; rank {rank} "
                     f"attached with {world_size}")
+            if rank not in self.local_ranks:
+                raise InvalidArgumentError(
+                    f"rank {rank} of job {self.name!r} belongs to another node (this node "
+                    f"serves ranks {self.local_ranks[0]}..{self.local_ranks[-1]})")
             if rank in self.sessions:
                 raise AlreadyExistsError(
                     f"rank {rank} of job {self.name!r} is already attached; detach it first "
@@ -176,7 +199,7 @@ class Job:
                         del self._pending[seq]
                         self._remember(seq, error)
                         failed_pending = pending
-                    elif len(pending.arrivals) == self.world_size:
+                    elif len(pending.arrivals) == len(self.local_ranks):
                         del self._pending[seq]
                         ready = pending
                     elif pending.timer is None:
@@ -212,7 +235,7 @@ class Job:
             if self._pending.get(pending.sequence) is not pending:
                 return  # completed or failed meanwhile
             del self._pending[pending.sequence]
-            missing = sorted(set(range(self.world_size)) - set(pending.arrivals))
+            missing = sorted(set(self.local_ranks) - set(pending.arrivals))
             first = min(pending.arrivals.values(), key=lambda a: a.timeout)
             error = CollectiveTimeoutError(
                 f"collective #{pending.sequence} ({pending.spec.op}) of job {self.name!r}: "
@@ -263,12 +286,17 @@ class Jobs:
         self._watcher, self._runner, self._record = watcher, runner, record
         self._dispatch = dispatch
 
-    def join(self, name: str, rank: int, world_size: int, session_id: str) -> Job:
+    def join(self, name: str, rank: int, world_size: int, session_id: str,
+             layout: NodeLayout | None = None) -> Job:
         with self._lock:
             job = self._jobs.get(name)
             if job is None:
                 job = self._jobs[name] = Job(name, world_size, self._watcher, self._runner,
-                                             self._record, self._dispatch)
+                                             self._record, self._dispatch, layout)
+            elif job.layout != layout:
+                raise InvalidArgumentError(
+                    f"job {name!r}: rank {rank} attached with another node layout "
+                    f"({layout}) than the job's ({job.layout})")
             job.join(rank, world_size, session_id)
             return job
 

@@ -31,10 +31,11 @@ class Metrics:
         self.registered_bytes = Gauge(
             "lpsync_registered_bytes", "Bytes in allocated and registered buffers", registry=r)
         self.peers_connected = Gauge(
-            "lpsync_peers_connected", "Peer daemons connected (multi-node: later issue)",
+            "lpsync_peers_connected", "Peer daemons this one is connected to",
             registry=r)
         self.peer_link_bw = Gauge(
-            "lpsync_peer_link_bytes_per_second", "Peer link bandwidth", ["peer"], registry=r)
+            "lpsync_peer_link_bytes_per_second", "Peer link bandwidth probed on connect",
+            ["peer"], registry=r)
         self._children: dict[tuple[str, str, str], tuple] = {}
 
     def serve(self, port: int) -> None:

@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 import time
@@ -54,7 +55,7 @@ class PeerPlaneOptions:
     secret: bytes = field(repr=False)
     heartbeat_interval: float = 1.0  # seconds between heartbeats to each peer
     heartbeat_timeout: float = 5.0  # a peer silent this long breaks the mesh
-    connect_timeout: float = 10.0  # one attempt to build the mesh; then retry
+    connect_timeout: float = 20.0  # one attempt to build the mesh; then retry
     tls: str | None = "tcp"  # UCX_TLS of the peer plane; None: UCX chooses
     probe: bool = True  # measure alpha/beta to every peer after connecting
 
@@ -154,6 +155,9 @@ class PeerPlane:
     def _main(self) -> None:
         pause = 0.2
         while not self._stop.is_set():
+            # A closed mesh's ucxx objects may sit in reference cycles; until they are
+            # collected its accepted connections keep our listening port bound.
+            gc.collect()
             try:
                 endpoint = self._connect(self._ucx_options())
             except LpsyncError as error:

@@ -23,10 +23,12 @@ from lpsync._proto import lpsync_pb2 as pb
 from lpsync._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync.daemon.config import DaemonConfig
 from lpsync.daemon.metrics import Metrics
+from lpsync.daemon.peer_plane import PeerPlane, PeerPlaneOptions
 from lpsync.daemon.servicer import Service
 from lpsync.daemon.trigger import TriggerServer
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory import reclaim_stale
+from lpsync.transport.auth import load_secret
 
 log = logging.getLogger("lpsync.daemon")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LpSync"].full_name
@@ -71,7 +73,8 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.service = Service(config, self.metrics)
+        self.plane = _peer_plane(config, self.metrics)
+        self.service = Service(config, self.metrics, self.plane)
         self.health = health.aio.HealthServicer()
         token = config.token()
         if config.token_file and not token:
@@ -125,6 +128,8 @@ class Daemon:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_port:
             self.metrics.serve(self.config.metrics_port)
+        if self.plane is not None:
+            self.plane.start()  # connects in the background; local jobs are served meanwhile
         log.info("daemon serving", extra={"socket": str(self.socket or ""),
                                           "listen": self.config.listen,
                                           "metrics_port": self.config.metrics_port,
@@ -146,12 +151,27 @@ class Daemon:
         await loop.run_in_executor(None, self.service.shutdown, self.config.drain_seconds)
         if self.trigger is not None:
             await loop.run_in_executor(None, self.trigger.stop)
+        if self.plane is not None:
+            await loop.run_in_executor(None, self.plane.stop)
         if self.server is not None:
             await self.server.stop(grace=1.0)
         if self.socket is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.socket.unlink()
         log.info("daemon stopped")
+
+
+def _peer_plane(config: DaemonConfig, metrics: Metrics) -> PeerPlane | None:
+    """The peer manager when the daemon has peers (--peers/--peers-dns/--peers-slurm)."""
+    peers = config.peer_set()
+    if peers is None:
+        return None
+    secret = load_secret(config.secret_file or None)
+    log.info("peers", extra={"node_rank": peers.node_rank,
+                             "peers": ",".join(str(p) for p in peers.peers)})
+    return PeerPlane(PeerPlaneOptions(
+        peers, secret, heartbeat_interval=config.heartbeat_interval,
+        heartbeat_timeout=config.heartbeat_timeout, tls=config.peer_tls or None), metrics)
 
 
 def _socket_alive(path: Path) -> bool:

@@ -33,10 +33,11 @@ from lpsync import __version__
 from lpsync._proto import lpsync_pb2 as pb
 from lpsync._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync.algorithms import ALGORITHMS
-from lpsync.daemon import execute
+from lpsync.daemon import execute, multinode
 from lpsync.daemon.config import DaemonConfig
-from lpsync.daemon.matching import Arrival, Job, Jobs, Outcome, Pending, Spec
+from lpsync.daemon.matching import Arrival, Job, Jobs, NodeLayout, Outcome, Pending, Spec
 from lpsync.daemon.metrics import Metrics
+from lpsync.daemon.peer_plane import PeerPlane
 from lpsync.daemon.sessions import Session, SessionTable
 from lpsync.daemon.watcher import Watcher
 from lpsync.errors import (
@@ -59,8 +60,10 @@ _RECORD_FIELDS = ("job", "sequence", "op", "dtype", "count", "algorithm", "secon
 
 
 class Service(pb_grpc.LpSyncServicer):
-    def __init__(self, config: DaemonConfig, metrics: Metrics) -> None:
+    def __init__(self, config: DaemonConfig, metrics: Metrics,
+                 plane: PeerPlane | None = None) -> None:
         self.config, self.metrics = config, metrics
+        self.plane = plane  # the peer manager; None: a single-node daemon
         self.started = time.time()
         self.sessions = SessionTable(config.max_buffer_bytes, config.max_session_bytes,
                                      on_bytes=metrics.registered_bytes.set)
@@ -142,11 +145,26 @@ class Service(pb_grpc.LpSyncServicer):
     def _dispatch(self, job: Job, pending: Pending, run: Callable[[], None]) -> None:
         """Where a complete collective runs: the direct path inline (it is short), anything
         else off the event loop, on a worker thread, so other sessions keep being served."""
-        if threading.get_ident() != self._loop_thread or execute.is_direct(pending.spec,
-                                                                          job.world_size):
+        # A multi-node collective waits on other nodes: never on the loop.
+        if threading.get_ident() != self._loop_thread or (
+                job.layout is None and execute.is_direct(pending.spec, job.world_size)):
             run()
         else:
             self._workers.submit(run)
+
+    def _layout(self, session: Session) -> NodeLayout | None:
+        """The node layout of a multi-node job: node n of the job is daemon n of --peers."""
+        per_node = session.local_world_size
+        if not per_node or self.plane is None:
+            return None
+        nodes, node = session.world_size // per_node, session.rank // per_node
+        if node != self.plane.rank or nodes > self.plane.size:
+            raise InvalidArgumentError(
+                f"rank {session.rank} of job {session.job!r} ({nodes} nodes of {per_node} "
+                f"ranks) belongs on node {node}, but this daemon is node {self.plane.rank} of "
+                f"{self.plane.size}: attach each node's ranks to daemon RANK // "
+                "LOCAL_WORLD_SIZE of --peers")
+        return NodeLayout(per_node, nodes, node)
 
     # -- RPCs ----------------------------------------------------------------------------------
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext
@@ -155,9 +173,10 @@ class Service(pb_grpc.LpSyncServicer):
             self._check_open()
             session = self.sessions.create(request.job, request.rank, request.world_size,
                                            request.local_rank, request.local_world_size,
-                                           request.pid)
+                                           request.pid, multinode=self.plane is not None)
             try:
-                self.jobs.join(session.job, session.rank, session.world_size, session.id)
+                self.jobs.join(session.job, session.rank, session.world_size, session.id,
+                               self._layout(session))
             except LpsyncError:
                 self.sessions.remove(session)
                 raise
@@ -365,6 +384,9 @@ class Service(pb_grpc.LpSyncServicer):
         reducing = op in (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER)
         reduce_op = parse_reduce_op(request.reduce_op or ReduceOp.SUM) if reducing else ""
         algorithm = request.algorithm
+        if algorithm == execute.DIRECT and session.local_world_size:
+            raise InvalidArgumentError("algorithm='direct' serves single-node jobs only; this "
+                                       "job spans nodes (use lp, ring, mst, be or the tuner)")
         if algorithm and algorithm != execute.DIRECT:
             if algorithm not in ALGORITHMS:
                 raise InvalidArgumentError(
@@ -395,6 +417,9 @@ class Service(pb_grpc.LpSyncServicer):
         with self._idle:
             self._running += 1
         try:
+            if job.layout is not None:
+                assert self.plane is not None
+                return multinode.run(job, pending, self.plane)
             return execute.run(job, pending)
         finally:
             with self._idle:

@@ -40,6 +40,7 @@ class Session:
     rank: int
     world_size: int
     pid: int
+    local_world_size: int = 0  # > 0: a multi-node job with this many ranks per node
     attached_at: float = field(default_factory=time.time)
     buffers: dict[int, Buffer] = field(default_factory=dict)
     # Typed views of the buffers by (handle, offset, dtype, count): planned once, reused.
@@ -63,16 +64,28 @@ class SessionTable:
         self._on_bytes = on_bytes or (lambda total: None)
 
     def create(self, job: str, rank: int, world_size: int, local_rank: int,
-               local_world_size: int, pid: int) -> Session:
+               local_world_size: int, pid: int, multinode: bool = False) -> Session:
+        """``multinode``: this daemon has peers, so a job may span nodes (node-major ranks,
+        LOCAL_WORLD_SIZE ranks on every node)."""
         if not job:
             raise InvalidArgumentError("attach needs a job name (LPSYNC_JOB)")
         if world_size < 1 or rank >= world_size:
             raise InvalidArgumentError(f"rank {rank} is not in a world of size {world_size}")
-        if local_world_size and (local_world_size != world_size or local_rank != rank):
+        spans = bool(local_world_size) and (local_world_size != world_size
+                                            or local_rank != rank)
+        if spans and not multinode:
             raise UnimplementedError(
                 f"job {job!r} spans several nodes (world size {world_size}, local world size "
-                f"{local_world_size}); this daemon serves single-node jobs only")
-        session = Session(secrets.token_hex(16), job, rank, world_size, pid)
+                f"{local_world_size}) but this daemon has no peers: start it with --peers, "
+                "--peers-dns or --peers-slurm")
+        if spans and (world_size % local_world_size or local_rank != rank % local_world_size):
+            raise InvalidArgumentError(
+                f"job {job!r}: rank {rank}, local rank {local_rank}, local world size "
+                f"{local_world_size}, world size {world_size} is not a node-major layout "
+                "(RANK = node_rank * LOCAL_WORLD_SIZE + LOCAL_RANK, the same "
+                "LOCAL_WORLD_SIZE on every node)")
+        session = Session(secrets.token_hex(16), job, rank, world_size, pid,
+                          local_world_size=local_world_size if spans else 0)
         with self._lock:
             self._sessions[session.id] = session
         return session

@@ -1,0 +1,158 @@
+"""Running one collective of a multi-node job: agree across nodes, then one pipeline.
+
+When every local rank of a sequence number has arrived (matching.py), this daemon:
+  1. takes the current peer mesh (peer_plane.py), waiting for it up to the deadline;
+  2. exchanges a summary with every other node of the job — its Spec and the peer
+     plane's link model — over control tags, and compares: any difference fails the
+     collective on every node alike with MismatchError (INVALID_ARGUMENT) naming the
+     fields, nodes and ranks (every node compares the same summaries, so all agree);
+  3. picks algorithm and chunks with the tuner from the slowest probed link of all nodes
+     (shared_nic=True: one NIC per node), or takes the forced ``algorithm=``; the inputs
+     are identical on every node, so every node builds the same schedule;
+  4. runs its own participants' share with LocalGroup over a node-major Placement: local
+     stage -> inter-node chain -> local stage is one chunk pipeline.
+A peer lost mid-way breaks the mesh and every waiting participant fails at once with
+UnavailableError. Invariant: message tags of collectives stay below 2**39 (bit 63 is the
+peer plane's control space): tag = job hash (7 bits) | sequence (12 bits) | step (20 bits).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from dataclasses import asdict
+
+import numpy as np
+
+from lpsync.algorithms import LinkModel, generate, select
+from lpsync.algorithms.tuner import chunks_for
+from lpsync.daemon.execute import BARRIER, GroupCache, _buffers, nccl_bytes
+from lpsync.daemon.matching import Job, Outcome, Pending, Spec
+from lpsync.daemon.peer_plane import SPEC, Link, PeerPlane, control_tag
+from lpsync.engine.group import LocalGroup
+from lpsync.engine.reduce import Reduction
+from lpsync.engine.routing import Placement
+from lpsync.errors import (
+    CollectiveTimeoutError,
+    InvalidArgumentError,
+    LpsyncError,
+    MismatchError,
+    UnavailableError,
+)
+from lpsync.types import Collective, ReduceOp, dtype_of
+
+_SUMMARY_BYTES = 4096
+_STEP_BITS, _SEQ_BITS, _JOB_BITS = 20, 12, 7
+_REDUCING = (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER)
+_FIELDS = ("op", "count", "dtype", "root", "reduce_op", "algorithm", "name")
+
+
+def job_hash(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+def tag_base(job: str, sequence: int) -> int:
+    return (((job_hash(job) & ((1 << _JOB_BITS) - 1)) << _SEQ_BITS
+             | (sequence & ((1 << _SEQ_BITS) - 1))) << _STEP_BITS)
+
+
+def run(job: Job, pending: Pending, plane: PeerPlane) -> Outcome:
+    """The Runner for multi-node jobs (servicer.py picks it when job.layout is set)."""
+    assert job.layout is not None
+    start = time.perf_counter()
+    spec = pending.spec
+    arrivals = [pending.arrivals[r] for r in job.local_ranks]
+    timeout = min(a.timeout for a in arrivals)
+    deadline = time.monotonic() + timeout
+    link = plane.link(deadline)
+    try:
+        model = _agree(job, pending, link, deadline)
+        if spec.op == BARRIER:
+            return Outcome(algorithm="exchange", chunks=1, seconds=time.perf_counter() - start)
+        algorithm, chunks = _run_pipeline(job, pending, link, model, deadline)
+    except LpsyncError as error:
+        if link.error is not None and not isinstance(error, MismatchError):
+            if isinstance(link.error, CollectiveTimeoutError):
+                raise type(link.error)(f"collective #{pending.sequence} of job {job.name!r} "
+                                       f"timed out across nodes: {link.error}") from None
+            raise UnavailableError(f"collective #{pending.sequence} of job {job.name!r} "
+                                   f"lost a peer node: {link.error}") from None
+        raise
+    return Outcome(algorithm=algorithm, chunks=chunks, seconds=time.perf_counter() - start)
+
+
+def _summary(job: Job, spec: Spec, link: Link) -> dict:
+    assert job.layout is not None and link.model is not None
+    ranks = job.local_ranks
+    return {"node": job.layout.node, "ranks": [ranks[0], ranks[-1]], "spec": asdict(spec),
+            "alpha": link.model.alpha, "beta": link.model.beta}
+
+
+def _agree(job: Job, pending: Pending, link: Link, deadline: float) -> LinkModel:
+    """Exchange summaries with every other node; MismatchError on any difference."""
+    assert job.layout is not None
+    mine = _summary(job, pending.spec, link)
+    raw = json.dumps(mine).encode()
+    if len(raw) > _SUMMARY_BYTES:
+        raise InvalidArgumentError(f"collective name too long ({len(raw)} bytes of summary)")
+    out = np.zeros(_SUMMARY_BYTES, np.uint8)
+    out[:len(raw)] = np.frombuffer(raw, np.uint8)
+    tag = control_tag(SPEC, (job_hash(job.name) << 32) | (pending.sequence & 0xFFFFFFFF))
+    others = [n for n in range(job.layout.nodes) if n != job.layout.node]
+    sends = [link.endpoint.send(n, tag, out) for n in others]
+    summaries = {job.layout.node: mine}
+    for n in others:
+        buf = np.zeros(_SUMMARY_BYTES, np.uint8)
+        link.endpoint.recv_into(n, tag, buf, deadline)
+        summaries[n] = json.loads(buf.tobytes().rstrip(b"\0"))
+    for request in sends:
+        request.wait(deadline)
+    nodes = sorted(summaries)
+    specs = {n: summaries[n]["spec"] for n in nodes}
+    fields = [f for f in _FIELDS if len({json.dumps(specs[n][f]) for n in nodes}) > 1]
+    if fields:
+        def who(n: int) -> str:
+            lo, hi = summaries[n]["ranks"]
+            return f"node {n} (ranks {lo}-{hi})"
+        detail = "; ".join(f"{f}: " + ", ".join(f"{who(n)}={specs[n][f]!r}" for n in nodes)
+                           for f in fields)
+        raise MismatchError(f"collective #{pending.sequence} of job {job.name!r}: nodes "
+                            f"disagree on {', '.join(fields)} ({detail})")
+    alpha = max(summaries[n]["alpha"] for n in nodes)
+    beta = max(summaries[n]["beta"] for n in nodes)
+    return LinkModel(alpha=alpha, beta=beta, shared_nic=True)
+
+
+def _run_pipeline(job: Job, pending: Pending, link: Link, model: LinkModel,
+                  deadline: float) -> tuple[str, int]:
+    assert job.layout is not None
+    spec, layout, p = pending.spec, job.layout, job.world_size
+    op, dtype = Collective(spec.op), dtype_of(spec.dtype)
+    arrivals = [pending.arrivals[r] for r in job.local_ranks]
+    buffers = [_buffers(op, a, p, spec.count) for a in arrivals]
+    reduction = Reduction(ReduceOp(spec.reduce_op), dtype, p) if op in _REDUCING else None
+    nbytes = nccl_bytes(op, spec.count, dtype.itemsize, p)
+    if spec.algorithm:
+        algorithm, chunks = spec.algorithm, chunks_for(spec.algorithm, p, nbytes, model)
+    else:
+        choice = select(op, nbytes, p, model)
+        algorithm, chunks = choice.algorithm, choice.chunks
+    if job.cache is None:
+        job.cache = GroupCache()
+    # The mesh generation is part of the key: a rebuilt mesh is another remote endpoint.
+    key = (spec, algorithm, chunks, link.generation,
+           tuple(arr.__array_interface__["data"][0] for pair in buffers for arr in pair),
+           tuple(h for a in arrivals for h in a.handles))
+
+    def build() -> LocalGroup:
+        schedule = generate(op, algorithm, p, spec.count, spec.root, chunks)
+        if schedule.tags.size and int(schedule.tags.max()) >= 1 << _STEP_BITS:
+            raise InvalidArgumentError(f"{algorithm} {op} of {spec.count} elements needs more "
+                                       f"than 2**{_STEP_BITS} messages per pair")
+        placement = Placement.node_major([layout.ranks_per_node] * layout.nodes, layout.node)
+        return LocalGroup(schedule, buffers, reduction, placement, link.endpoint)
+
+    group = job.cache.get(key, build)
+    group.run(max(0.0, deadline - time.monotonic()), tag_base(job.name, pending.sequence))
+    return algorithm, chunks

@@ -1,0 +1,72 @@
+"""Client bodies of the multi-node tests: node-major ranks, each on its node's daemon."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+from workers import check_cases
+
+import lpsync_client
+
+
+def _node_env(rank: int, per_node: int) -> None:
+    # As torchrun sets them: connect() reads LOCAL_RANK / LOCAL_WORLD_SIZE.
+    os.environ["LOCAL_RANK"] = str(rank % per_node)
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+
+
+def cases_on_nodes(rank: int, sockets: list[str], per_node: int, job: str, world: int,
+                   cases: list) -> list[str]:
+    _node_env(rank, per_node)
+    return check_cases(rank, sockets[rank // per_node], job, world, cases)
+
+
+def mismatch_on_nodes(rank: int, sockets: list[str], per_node: int, job: str,
+                      world: int) -> list[str]:
+    """Every node agrees inside itself; the last node asks for another count."""
+    _node_env(rank, per_node)
+    node = rank // per_node
+    last = world // per_node - 1
+    with lpsync_client.connect(sockets[node], job=job, rank=rank, world_size=world,
+                               timeout=20) as c:
+        x = c.zeros(8 if node != last else 6, "float32")
+        try:
+            c.allreduce(x)
+            return ["no error"]
+        except lpsync_client.InvalidArgumentError as error:
+            got = [type(error).__name__, str(error)]
+        y = c.zeros(4, "int32")
+        y[:] = rank
+        c.allreduce(y, algorithm="lp")  # the job still works afterwards
+        return [*got, str(int(y[0]))]
+
+
+def until_unavailable(rank: int, sockets: list[str], per_node: int, job: str, world: int,
+                      ready, timeout: float) -> list:
+    """Allreduce (forced LP, big enough to run a while) until one fails; report how."""
+    _node_env(rank, per_node)
+    with lpsync_client.connect(sockets[rank // per_node], job=job, rank=rank,
+                               world_size=world, timeout=timeout) as c:
+        x = c.zeros(4 << 20, "float32")
+        done = 0
+        while True:
+            try:
+                c.allreduce(x, algorithm="lp")
+            except lpsync_client.LpsyncError as error:
+                return [type(error).__name__, time.monotonic(), done, str(error)[:300]]
+            done += 1
+            if done == 2:
+                ready.set()
+
+
+def one_allreduce(rank: int, sockets: list[str], per_node: int, job: str, world: int) -> int:
+    _node_env(rank, per_node)
+    with lpsync_client.connect(sockets[rank // per_node], job=job, rank=rank,
+                               world_size=world, timeout=40) as c:
+        x = c.zeros(300_000, "int64")
+        x[:] = rank + 1
+        c.allreduce(x)
+        assert np.all(x == x[0])
+        return int(x[0])

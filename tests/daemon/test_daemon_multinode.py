@@ -1,0 +1,206 @@
+"""Multi-node jobs: three real daemons on loopback joined by the UCX peer plane, two real
+client processes on each, node-major ranks (RANK = node * 2 + LOCAL_RANK)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from harness import DaemonProcess, run_ranks, shm_segments
+from multinode_workers import cases_on_nodes, mismatch_on_nodes, one_allreduce, until_unavailable
+
+pytest.importorskip("ucxx")
+
+NODES, PER_NODE = 3, 2
+WORLD = NODES * PER_NODE
+SECRET = "multinode-test-secret"
+HEARTBEAT = 3.0
+
+
+def _free_ports(n: int) -> list[int]:
+    holders = [socket.socket() for _ in range(n)]
+    for s in holders:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in holders]
+    for s in holders:
+        s.close()
+    return ports
+
+
+class Cluster:
+    def __init__(self, tmp: Path, nodes: int, secrets: list[str] | None = None) -> None:
+        self.tmp, self.nodes = tmp, nodes
+        self.peers = ",".join(f"127.0.0.1:{p}" for p in _free_ports(nodes))
+        self.secrets = secrets or [SECRET] * nodes
+        self.daemons: list[DaemonProcess | None] = [None] * nodes
+        for node in range(nodes):
+            self.start(node)
+
+    def start(self, node: int) -> DaemonProcess:
+        where = self.tmp / f"node{node}"
+        where.mkdir(exist_ok=True)
+        self.daemons[node] = DaemonProcess(
+            where, "--peers", self.peers, "--node-rank", str(node),
+            "--heartbeat-timeout", str(HEARTBEAT), env={"LPSYNC_SECRET": self.secrets[node]})
+        return self.daemons[node]
+
+    @property
+    def sockets(self) -> list[str]:
+        return [d.socket for d in self.daemons if d is not None]
+
+    def log(self, node: int) -> str:
+        daemon = self.daemons[node]
+        return daemon.log.read_text() if daemon is not None else ""
+
+    def stop(self) -> None:
+        for daemon in self.daemons:
+            if daemon is not None:
+                with contextlib.suppress(Exception):
+                    daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("multinode"), NODES)
+    try:
+        yield c
+    finally:
+        c.stop()
+        for daemon in c.daemons:
+            if daemon is not None:
+                assert not shm_segments(daemon.pid)
+
+
+def _cases() -> list[tuple]:
+    cases = []
+    for op, root in (("allreduce", 0), ("broadcast", 4), ("reduce", 3), ("allgather", 0),
+                     ("reduce_scatter", 0)):
+        for dt, count in (("float32", 1000), ("int64", 0), ("float64", 70_001)):
+            cases.append((op, dt, "sum", count, True, None, root, True))
+        cases.append((op, "int32", "max", 37, False, None, root, True))
+    for algo, op in (("lp", "allreduce"), ("ring", "allreduce"), ("mst", "broadcast"),
+                     ("be", "reduce"), ("lp", "broadcast"), ("ring", "allgather"),
+                     ("be", "reduce_scatter")):
+        cases.append((op, "float32", "sum", 100_003, False, algo, 1, True))
+    cases.append(("allreduce", "bfloat16", "avg", 5_000, True, "lp", 0, True))
+    cases.append(("broadcast", "uint8", "sum", 9, True, None, 5, False))  # staged
+    return cases
+
+
+def test_every_op_across_three_nodes(cluster: Cluster) -> None:
+    results = run_ranks(WORLD, cases_on_nodes, cluster.sockets, PER_NODE, "mn-ops", WORLD,
+                        _cases(), timeout=100)
+    failures = [f for r in results for f in r if not f.startswith("digest:")]
+    assert not failures, "\n".join(failures[:30])
+    # Every participant got bitwise the same results where the op gives all the same.
+    assert all(r[-1].startswith("digest:") for r in results)
+
+
+def test_cross_node_mismatch_is_invalid_argument_everywhere(cluster: Cluster) -> None:
+    results = run_ranks(WORLD, mismatch_on_nodes, cluster.sockets, PER_NODE, "mn-mismatch",
+                        WORLD, timeout=60)
+    for rank, (kind, message, after) in enumerate(results):
+        assert kind == "MismatchError", (rank, kind, message)
+        assert "count" in message and "node 2 (ranks 4-5)" in message, message
+        assert after == str(sum(range(WORLD)))
+
+
+def test_a_killed_daemon_makes_the_others_unavailable_then_recovers(cluster: Cluster) -> None:
+    import multiprocessing as mp
+
+    ready = mp.get_context("spawn").Event()
+    box: dict[str, object] = {}
+
+    def clients() -> None:
+        try:
+            box["results"] = run_ranks(WORLD, until_unavailable, cluster.sockets, PER_NODE,
+                                       "mn-kill", WORLD, ready, 60.0, timeout=90)
+        except BaseException as error:  # reported below
+            box["error"] = error
+
+    runner = threading.Thread(target=clients)
+    runner.start()
+    assert ready.wait(60), "the collectives never got going"
+    victim = cluster.daemons[1]
+    assert victim is not None
+    killed_at = time.monotonic()
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(10)
+    runner.join(90)
+    assert not runner.is_alive()
+    assert "error" not in box, box.get("error")
+    results = box["results"]
+    for rank, (kind, at, _done, message) in enumerate(results):
+        if rank // PER_NODE == 1:
+            continue  # its daemon is gone: whatever the client saw
+        assert kind == "UnavailableError", (rank, kind, message)
+        assert at - killed_at < HEARTBEAT + 1.0, (rank, at - killed_at, message)
+    for node in (0, 2):
+        assert "peer mesh lost" in cluster.log(node)
+    # The victim's clients died with it; its leftover socket/shm are reclaimed on restart.
+    victim._log.close()
+    for path in (Path(victim.socket), Path(victim.socket + ".trigger")):
+        path.unlink(missing_ok=True)
+    cluster.start(1)
+    values = run_ranks(WORLD, one_allreduce, cluster.sockets, PER_NODE, "mn-after", WORLD,
+                       timeout=90)
+    assert values == [sum(range(1, WORLD + 1))] * WORLD
+
+
+def test_a_frozen_daemon_is_declared_gone_by_heartbeats(cluster: Cluster) -> None:
+    """SIGSTOP: no TCP reset, no UCX error — only the heartbeats can tell."""
+    import multiprocessing as mp
+
+    ready = mp.get_context("spawn").Event()
+    box: dict[str, object] = {}
+
+    def clients() -> None:
+        try:
+            box["results"] = run_ranks(WORLD, until_unavailable, cluster.sockets, PER_NODE,
+                                       "mn-freeze", WORLD, ready, 30.0, timeout=90)
+        except BaseException as error:  # reported below
+            box["error"] = error
+
+    runner = threading.Thread(target=clients)
+    runner.start()
+    assert ready.wait(60), "the collectives never got going"
+    frozen = cluster.daemons[2]
+    assert frozen is not None
+    stopped_at = time.monotonic()
+    frozen.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(HEARTBEAT + 2.0)
+    finally:
+        frozen.proc.send_signal(signal.SIGCONT)
+    runner.join(90)
+    assert not runner.is_alive()
+    assert "error" not in box, box.get("error")
+    for rank, (kind, at, _done, message) in enumerate(box["results"]):
+        if rank // PER_NODE == 2:
+            continue  # frozen with its daemon: it learns of the break when thawed
+        assert kind == "UnavailableError", (rank, kind, message)
+        assert at - stopped_at < HEARTBEAT + 1.5, (rank, at - stopped_at, message)
+    assert "sent no heartbeat" in cluster.log(0) + cluster.log(1)
+    values = run_ranks(WORLD, one_allreduce, cluster.sockets, PER_NODE, "mn-thawed", WORLD,
+                       timeout=90)
+    assert values == [sum(range(1, WORLD + 1))] * WORLD
+
+
+def test_a_peer_with_another_secret_is_refused(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, 2, secrets=[SECRET, "not-the-secret"])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if "refused" in c.log(0) and "Unauthenticated" in c.log(1):
+                break
+            time.sleep(0.2)
+        assert "refused" in c.log(0), c.log(0)[-3000:]
+        assert "Unauthenticated" in c.log(1), c.log(1)[-3000:]
+        assert "peer mesh up" not in c.log(0) + c.log(1)
+    finally:
+        c.stop()
