@@ -1,5 +1,6 @@
 # Two entry points for a fresh machine; both create or reuse .venv in the checkout.
-#   make demo   the main job: the simulator reproduces and checks the LP paper's claims
+#   make demo   the main job: the simulator checks the LP paper's claims, then a daemon
+#               and 4 client processes allreduce side by side with torch's gloo
 #   make test   ruff, then the test suite
 PYTHON ?= python3
 VENV := .venv
@@ -7,22 +8,24 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test bench clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml clients/python/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,torch]' -e clients/python
 	touch $@
 
 demo: $(BIN)/.installed
 	mkdir -p out
 	$(BIN)/lpsync claims --plot out/paper-claims.png
+	$(BIN)/lpsync bench --op allreduce --bytes 4,4KiB,1MiB,64MiB --procs 4 --compare gloo
 
 test: $(BIN)/.installed
-	$(BIN)/ruff check lpsync tests
+	$(BIN)/ruff check lpsync tests clients
 	$(BIN)/python -m pytest -q
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m lpsync.bench.executor --procs 4 --bytes 64MiB --algorithm lp,ring,be,mst
+	$(BIN)/lpsync bench --op allreduce --bytes 4:256MiB --procs 4 --compare gloo
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

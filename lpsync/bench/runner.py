@@ -21,8 +21,8 @@ from pathlib import Path
 
 from lpsync.algorithms.cost import busbw_factor
 from lpsync.bench import worker
-from lpsync.bench.sizes import human
 from lpsync.types import Collective
+from lpsync.units import format_size
 
 
 @dataclass
@@ -120,7 +120,7 @@ def run(options: Options) -> dict[str, list[Row]]:
                           [p for g in got for p in g[2][1]])
                 rows[engine].append(row)
                 done = sum(len(v) for v in rows.values())
-                print(f"[{done}/{expected}] {engine} {human(nbytes)}: "
+                print(f"[{done}/{expected}] {engine} {format_size(nbytes)}: "
                       f"{row.median() * 1e6:.1f} us", file=sys.stderr, flush=True)
     finally:
         for p in procs:
@@ -178,7 +178,7 @@ def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
             line += f" | {rows[engines[1]][i].median() / row.median():>6.2f}x"
         lines.append(line)
     pings = [p for r in rows["lpsync"] for p in r.pings]
-    algorithms = ", ".join(f"{human(r.nbytes)}: {r.algorithm}" for r in rows["lpsync"])
+    algorithms = ", ".join(f"{format_size(r.nbytes)}: {r.algorithm}" for r in rows["lpsync"])
     lines.append(f"# lpsync algorithm per size (the daemon's choice): {algorithms}")
     small = rows["lpsync"][0]
     if pings:

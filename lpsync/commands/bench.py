@@ -36,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lpsync.bench import runner
-    from lpsync.bench.sizes import parse_sizes
+    from lpsync.units import parse_sizes
 
     try:
         options = runner.Options(args.op, parse_sizes(args.bytes), args.procs, args.algorithm,
