@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import sys
 
 from lpsync.daemon import config as daemon_config
@@ -27,6 +29,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"lpsync daemon: {error}", file=sys.stderr)
         return 2
     logs.setup(config.log_level)
+    # `kill -USR1 <pid>` prints every thread's stack to stderr, and so does a fatal signal
+    # (a crash inside a native library): hangs and crashes are diagnosable from the log.
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return server.serve(config)
     except LpsyncError as error:

@@ -132,6 +132,10 @@ class Job:
         self._watcher, self._runner, self._record = watcher, runner, record
         self._dispatch = dispatch
         self.cache: object = None  # the executor's plan cache for this job (execute.py)
+        # Multi-node jobs: called (no lock held) when a collective fails on this node before
+        # it could run (a mismatch, a local rank missing or gone), so that the other nodes
+        # fail it too instead of waiting for this node (multinode.notify_failure).
+        self.on_local_failure: Callable[[Job, Pending, LpsyncError], None] | None = None
 
     # -- membership ---------------------------------------------------------------------
     def join(self, rank: int, world_size: int, session_id: str) -> None:
@@ -252,6 +256,8 @@ class Job:
     def _fail(self, pending: Pending, error: LpsyncError) -> None:
         if pending.timer is not None:
             pending.timer.cancel()
+        if self.on_local_failure is not None:  # a multi-node job: tell the other nodes
+            self.on_local_failure(self, pending, error)
         outcome = Outcome(error)
         self._record(self, pending, outcome)
         for arrival in pending.arrivals.values():

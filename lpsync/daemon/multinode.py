@@ -34,6 +34,7 @@ from lpsync.engine.group import LocalGroup
 from lpsync.engine.reduce import Reduction
 from lpsync.engine.routing import Placement
 from lpsync.errors import (
+    AbortedError,
     CollectiveTimeoutError,
     InvalidArgumentError,
     LpsyncError,
@@ -89,16 +90,54 @@ def _summary(job: Job, spec: Spec, link: Link) -> dict:
             "alpha": link.model.alpha, "beta": link.model.beta}
 
 
-def _agree(job: Job, pending: Pending, link: Link, deadline: float) -> LinkModel:
-    """Exchange summaries with every other node; MismatchError on any difference."""
-    assert job.layout is not None
-    mine = _summary(job, pending.spec, link)
-    raw = json.dumps(mine).encode()
+def _encode(summary: dict) -> np.ndarray:
+    raw = json.dumps(summary).encode()
     if len(raw) > _SUMMARY_BYTES:
         raise InvalidArgumentError(f"collective name too long ({len(raw)} bytes of summary)")
     out = np.zeros(_SUMMARY_BYTES, np.uint8)
     out[:len(raw)] = np.frombuffer(raw, np.uint8)
-    tag = control_tag(SPEC, (job_hash(job.name) << 32) | (pending.sequence & 0xFFFFFFFF))
+    return out
+
+
+def _spec_tag(job: Job, sequence: int) -> int:
+    return control_tag(SPEC, (job_hash(job.name) << 32) | (sequence & 0xFFFFFFFF))
+
+
+_ERRORS = {"INVALID_ARGUMENT": MismatchError, "DEADLINE_EXCEEDED": CollectiveTimeoutError,
+           "ABORTED": AbortedError}
+
+
+def notify_failure(job: Job, pending: Pending, error: LpsyncError, plane: PeerPlane) -> None:
+    """This node failed ``pending`` before running it: send the other nodes a summary that
+    carries the error in place of the Spec, so they fail it too instead of timing out (a
+    timeout would break the mesh). Best effort: without a mesh there is nothing to tell."""
+    if job.layout is None:
+        return
+    try:
+        link = plane.link(time.monotonic())
+    except LpsyncError:
+        return
+    lo, hi = job.local_ranks[0], job.local_ranks[-1]
+    message = f"node {job.layout.node} (ranks {lo}-{hi}): {error}"[:_SUMMARY_BYTES // 2]
+    out = _encode({"node": job.layout.node, "ranks": [lo, hi],
+                   "error": [error.code, message]})
+    tag = _spec_tag(job, pending.sequence)
+    deadline = time.monotonic() + 5.0
+    try:
+        for request in [link.endpoint.send(n, tag, out) for n in range(job.layout.nodes)
+                        if n != job.layout.node]:
+            request.wait(deadline)
+    except LpsyncError:
+        pass  # the mesh broke meanwhile: the other nodes learn of that instead
+
+
+def _agree(job: Job, pending: Pending, link: Link, deadline: float) -> LinkModel:
+    """Exchange summaries with every other node; MismatchError on any difference, the
+    other node's error when it failed this collective before running it."""
+    assert job.layout is not None
+    mine = _summary(job, pending.spec, link)
+    out = _encode(mine)
+    tag = _spec_tag(job, pending.sequence)
     others = [n for n in range(job.layout.nodes) if n != job.layout.node]
     sends = [link.endpoint.send(n, tag, out) for n in others]
     summaries = {job.layout.node: mine}
@@ -108,6 +147,12 @@ def _agree(job: Job, pending: Pending, link: Link, deadline: float) -> LinkModel
         summaries[n] = json.loads(buf.tobytes().rstrip(b"\0"))
     for request in sends:
         request.wait(deadline)
+    failed = [n for n in sorted(summaries) if "error" in summaries[n]]
+    if failed:
+        code, message = summaries[failed[0]]["error"]
+        raise _ERRORS.get(code, UnavailableError)(
+            f"collective #{pending.sequence} of job {job.name!r} failed on another node: "
+            f"{message}")
     nodes = sorted(summaries)
     specs = {n: summaries[n]["spec"] for n in nodes}
     fields = [f for f in _FIELDS if len({json.dumps(specs[n][f]) for n in nodes}) > 1]

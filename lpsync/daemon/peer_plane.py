@@ -148,7 +148,7 @@ class PeerPlane:
             self._changed.notify_all()
         if link is not None:
             link.broken.set()
-            link.ucx.close()
+            _close(link, bound=5.0)
         self._thread.join(2.0)  # a connect attempt in progress ends on its own timeout
 
     # -- the background thread ----------------------------------------------------------------
@@ -158,6 +158,7 @@ class PeerPlane:
             # A closed mesh's ucxx objects may sit in reference cycles; until they are
             # collected its accepted connections keep our listening port bound.
             gc.collect()
+            log.debug("node %d: connecting the peer mesh", self.rank)
             try:
                 endpoint = self._connect(self._ucx_options())
             except LpsyncError as error:
@@ -188,7 +189,7 @@ class PeerPlane:
                 LinkModel.from_bandwidth(alpha=50e-6, bandwidth=1.25e9)
         except LpsyncError as error:
             log.warning("node %d: probing the peer links failed: %s", self.rank, error)
-            link.ucx.close()
+            _close(link)
             return
         for worker in workers:
             worker.start()
@@ -209,7 +210,7 @@ class PeerPlane:
         self._metrics.peers_connected.set(0)
         if not self._stop.is_set():
             log.warning("node %d: peer mesh lost (%s); rebuilding it", self.rank, link.error)
-        link.ucx.close()
+        _close(link)
         for worker in workers:
             worker.join(self.options.heartbeat_timeout + 1.0)
 
@@ -286,6 +287,17 @@ class PeerPlane:
         alpha = max(a for a, _ in results.values()) if results else 50e-6
         bandwidth = min(b for _, b in results.values()) if results else 1.25e9
         return LinkModel.from_bandwidth(alpha=alpha, bandwidth=bandwidth, shared_nic=True)
+
+
+def _close(link: Link, bound: float = 15.0) -> None:
+    """Close a mesh generation without ever blocking the manager for good: ucxx's thread
+    joins have no timeout of their own, so the close runs on a helper thread."""
+    closer = threading.Thread(target=link.ucx.close, name="lpsync-peers-close", daemon=True)
+    closer.start()
+    closer.join(bound)
+    if closer.is_alive():
+        log.error("closing peer mesh generation %d takes over %.0f s; carrying on (its port "
+                  "may stay bound until it finishes)", link.generation, bound)
 
 
 def _ping_pong(endpoint: UcxEndpoint, peer: int, initiator: bool,

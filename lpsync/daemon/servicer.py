@@ -175,8 +175,12 @@ class Service(pb_grpc.LpSyncServicer):
                                            request.local_rank, request.local_world_size,
                                            request.pid, multinode=self.plane is not None)
             try:
-                self.jobs.join(session.job, session.rank, session.world_size, session.id,
-                               self._layout(session))
+                job = self.jobs.join(session.job, session.rank, session.world_size,
+                                     session.id, self._layout(session))
+                if job.layout is not None and self.plane is not None:
+                    plane = self.plane
+                    job.on_local_failure = lambda j, p, e: self._workers.submit(
+                        multinode.notify_failure, j, p, e, plane)
             except LpsyncError:
                 self.sessions.remove(session)
                 raise

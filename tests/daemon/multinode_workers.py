@@ -40,7 +40,17 @@ def mismatch_on_nodes(rank: int, sockets: list[str], per_node: int, job: str,
         y = c.zeros(4, "int32")
         y[:] = rank
         c.allreduce(y, algorithm="lp")  # the job still works afterwards
-        return [*got, str(int(y[0]))]
+        got.append(str(int(y[0])))
+        # Now a mismatch inside node 1: its daemon tells the others, nobody waits 20 s.
+        z = c.zeros(5 if rank == per_node else 8, "float32")
+        start = time.monotonic()
+        try:
+            c.allreduce(z)
+            got.append("no error")
+        except lpsync_client.LpsyncError as error:
+            got += [type(error).__name__, f"{time.monotonic() - start:.2f}"]
+        c.barrier()
+        return got
 
 
 def until_unavailable(rank: int, sockets: list[str], per_node: int, job: str, world: int,
