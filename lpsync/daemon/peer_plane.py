@@ -20,7 +20,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import threading
 import time
@@ -155,9 +154,10 @@ class PeerPlane:
     def _main(self) -> None:
         pause = 0.2
         while not self._stop.is_set():
-            # A closed mesh's ucxx objects may sit in reference cycles; until they are
-            # collected its accepted connections keep our listening port bound.
-            gc.collect()
+            # No gc.collect() here: collecting a closed mesh's ucxx objects from a cycle
+            # segfaulted (measured, faulthandler: "Garbage-collecting" in this loop). The
+            # endpoint frees them by reference counting instead (transport/ucx/endpoint.py
+            # releases the frames that held them), which also frees the listening port.
             log.debug("node %d: connecting the peer mesh", self.rank)
             try:
                 endpoint = self._connect(self._ucx_options())
