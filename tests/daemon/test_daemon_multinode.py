@@ -215,9 +215,8 @@ def _freeze_and_check(cluster: Cluster) -> None:
 
 RECOVERY_REASON = (
     "opt-in (LPSYNC_RECOVERY_TESTS=1): rebuilding the UCX mesh in-process after a loss "
-    "works (measured: mesh up ~4 s after the peer returns), but under CPU load a surviving "
-    "daemon sometimes dies while creating the new ucxx context (docs/multinode.md, known "
-    "problems); kept out of the default suite until that is fixed")
+    "works in most runs (mesh up ~4 s after the peer returns), but a surviving daemon "
+    "sometimes segfaults inside ucxx while reconnecting (docs/multinode.md, known problem)")
 
 
 @pytest.mark.skipif(os.environ.get("LPSYNC_RECOVERY_TESTS") != "1", reason=RECOVERY_REASON)
