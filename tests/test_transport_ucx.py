@@ -6,7 +6,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,19 +20,12 @@ from lpsync.types import Collective, ReduceOp
 
 pytest.importorskip("ucxx")
 
+from ports import free_ports
+
 SECRET = b"test cluster secret"
 SPAWN = multiprocessing.get_context("spawn")
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def peers_for(n: int, host: str = "127.0.0.1") -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 from harness import DaemonProcess, run_ranks, shm_segments
 from multinode_workers import cases_on_nodes, mismatch_on_nodes, one_allreduce, until_unavailable
+from ports import free_ports
 
 pytest.importorskip("ucxx")
 
@@ -23,20 +23,10 @@ SECRET = "multinode-test-secret"
 HEARTBEAT = 3.0
 
 
-def _free_ports(n: int) -> list[int]:
-    holders = [socket.socket() for _ in range(n)]
-    for s in holders:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in holders]
-    for s in holders:
-        s.close()
-    return ports
-
-
 class Cluster:
     def __init__(self, tmp: Path, nodes: int, secrets: list[str] | None = None) -> None:
         self.tmp, self.nodes = tmp, nodes
-        self.peers = ",".join(f"127.0.0.1:{p}" for p in _free_ports(nodes))
+        self.peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(nodes))
         self.secrets = secrets or [SECRET] * nodes
         self.daemons: list[DaemonProcess | None] = [None] * nodes
         for node in range(nodes):
