@@ -126,6 +126,12 @@ def test_three_processes_run_real_schedules_and_idle_quietly() -> None:
     run_cases(3, THREE)
 
 
+def settle_before_kill() -> None:
+    """A process killed while its queue feeder thread still holds the queue's shared
+    write lock (just after its last put) wedges every other writer: let it finish."""
+    time.sleep(0.5)
+
+
 def test_killed_peer_fails_the_survivors_promptly() -> None:
     """SIGKILL one of three mid-collective: the others raise within seconds, never hang."""
     cases = [Case("allreduce", "lp", 200_000, chunks=8)]
@@ -143,6 +149,7 @@ def test_killed_peer_fails_the_survivors_promptly() -> None:
 def test_peer_lost_while_idle_breaks_the_endpoint_at_once() -> None:
     with participants(2, [], modes=["notice_loss", "hang"]) as (queue, procs):
         collect(queue, {"connected"}, 2, 60)
+        settle_before_kill()
         os.kill(procs[1].pid, signal.SIGKILL)
         (noticed,) = collect(queue, {"noticed"}, 1, 20)
         (error,) = collect(queue, {"error"}, 1, 20)
