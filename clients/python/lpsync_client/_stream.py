@@ -10,28 +10,22 @@ forever. Closing the request side tells the daemon this client is gone.
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 
 import grpc
 
+from lpsync_client._pending import Hook, PendingRequests
 from lpsync_client._proto import lpsync_pb2 as pb
 from lpsync_client.errors import LpsyncError, UnavailableError, from_rpc_error
-
-Hook = Callable[[pb.SessionResponse], object]
 
 
 class SessionStream:
     def __init__(self, stub, session_id: str, metadata, open_timeout: float) -> None:
         self._requests: queue.SimpleQueue[pb.SessionRequest | None] = queue.SimpleQueue()
-        self._pending: dict[int, tuple[Future, Hook]] = {}
-        self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._closed = False
-        self._error: LpsyncError | None = None
+        self._pending = PendingRequests("session stream")
         self._call = stub.Session(self._iterate(), metadata=metadata)
         self._reader = threading.Thread(target=self._read, name="lpsync-client-stream",
                                         daemon=True)
@@ -42,22 +36,14 @@ class SessionStream:
 
     def submit(self, request: pb.SessionRequest, hook: Hook) -> Future:
         """Send ``request``; the Future gets ``hook(response)`` or the hook's exception."""
-        future: Future = Future()
-        with self._lock:
-            if self._closed:
-                raise self._error or UnavailableError("the session stream is closed")
-            rid = next(self._ids)
-            self._pending[rid] = (future, hook)
-        request.request_id = rid
-        self._requests.put(request)
-        return future
+        return self._pending.submit(request, hook, self._requests.put)
 
     def _iterate(self) -> Iterator[pb.SessionRequest]:
         while True:
             try:
                 request = self._requests.get(timeout=1.0)
             except queue.Empty:
-                if self._closed:
+                if self._pending.closed:
                     return
                 continue
             if request is None:
@@ -68,26 +54,12 @@ class SessionStream:
         error: LpsyncError = UnavailableError("the session stream ended")
         try:
             for response in self._call:
-                with self._lock:
-                    entry = self._pending.pop(response.request_id, None)
-                if entry is None:
-                    continue
-                future, hook = entry
-                try:
-                    future.set_result(hook(response))
-                except BaseException as failure:  # the hook's error belongs to the caller
-                    future.set_exception(failure)
+                self._pending.complete(response)
         except grpc.RpcError as rpc_error:
             if rpc_error.code() != grpc.StatusCode.CANCELLED:
                 error = from_rpc_error(rpc_error)
         finally:
-            with self._lock:
-                self._closed = True
-                self._error = error
-                pending = list(self._pending.values())
-                self._pending.clear()
-            for future, _ in pending:
-                future.set_exception(error)
+            self._pending.fail_all(error)
 
     def close(self, timeout: float = 5.0) -> None:
         """End the request side; the daemon then ends the session and the stream."""

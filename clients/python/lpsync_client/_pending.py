@@ -1,0 +1,71 @@
+"""The table of requests in flight on one session transport (gRPC stream or trigger
+socket): a request id per request, its Future completed from the response with that id,
+and every Future failed when the transport ends, so nothing waits forever."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from lpsync_client._proto import lpsync_pb2 as pb
+from lpsync_client.errors import LpsyncError, UnavailableError
+
+Hook = Callable[[pb.SessionResponse], object]
+
+
+class PendingRequests:
+    def __init__(self, what: str) -> None:
+        self._what = what  # names the transport in errors
+        self._pending: dict[int, tuple[Future, Hook]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._error: LpsyncError | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None
+
+    def submit(self, request: pb.SessionRequest, hook: Hook,
+               send: Callable[[pb.SessionRequest], None]) -> Future:
+        """Give ``request`` an id and ``send`` it; the Future gets ``hook(response)`` or
+        the hook's exception. ``send`` runs under the lock, so requests leave in id order
+        (the daemon numbers collectives in arrival order); its LpsyncError is raised here."""
+        future: Future = Future()
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            rid = next(self._ids)
+            request.request_id = rid
+            self._pending[rid] = (future, hook)
+            try:
+                send(request)
+            except BaseException:
+                del self._pending[rid]
+                raise
+        return future
+
+    def complete(self, response: pb.SessionResponse) -> None:
+        """Complete the Future of ``response.request_id`` (responses to requests that are no
+        longer pending are dropped)."""
+        with self._lock:
+            entry = self._pending.pop(response.request_id, None)
+        if entry is None:
+            return
+        future, hook = entry
+        try:
+            future.set_result(hook(response))
+        except BaseException as failure:  # the hook's error belongs to the caller
+            future.set_exception(failure)
+
+    def fail_all(self, error: LpsyncError | None = None) -> None:
+        """The transport ended: refuse new requests and fail every pending one."""
+        error = error or UnavailableError(f"the {self._what} closed")
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            pending = list(self._pending.values())
+            self._pending.clear()
+        for future, _ in pending:
+            future.set_exception(error)
