@@ -55,7 +55,7 @@ class Options:
     trigger: str = "auto"  # the path of collectives: socket, grpc (Session stream) or auto
 
 
-def _serving(socket: str) -> bool:
+def serving(socket: str) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -74,12 +74,12 @@ def run(options: Options) -> dict[str, list[Row]]:
     tmp = tempfile.mkdtemp(prefix="lpsync-bench-")
     daemon = None
     socket = options.socket
-    if socket is None or not _serving(socket):
+    if socket is None or not serving(socket):
         socket = socket or os.path.join(tmp, "lpsync.sock")
         daemon = subprocess.Popen([sys.executable, "-m", "lpsync.cli", "daemon", "--socket",
                                    socket, "--log-level", "WARNING"])
         deadline = time.monotonic() + 30
-        while not _serving(socket):
+        while not serving(socket):
             if daemon.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit("lpsync bench: the daemon did not start")
             time.sleep(0.05)
