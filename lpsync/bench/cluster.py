@@ -64,6 +64,7 @@ class ClusterOptions:
     iters: int = 5
     compare: str | None = None  # "gloo": torch.distributed on the same namespaces
     prefix: str = "lpbench"  # namespace names PREFIX-n<i>, PREFIX-sw
+    logs: str | None = None  # keep every daemon's and rank's log under logs/<N>nodes/
     collective_timeout: float = 600.0  # seconds, each collective (client and daemon)
     timeout: float = 3600.0  # seconds, one node count from cluster up to the last point
 
@@ -201,6 +202,9 @@ def _run_nodes(options: ClusterOptions, nodes: int, interrupts: _Interrupts) -> 
             _stop(started, daemons)
             down(spec.prefix)
             _reclaim(daemons)
+            if options.logs:
+                shutil.copytree(tmp, Path(options.logs) / f"{nodes}nodes", dirs_exist_ok=True,
+                                ignore=shutil.ignore_patterns("*.sock*"))
             shutil.rmtree(tmp, ignore_errors=True)
             progress(f"{nodes} nodes: torn down")
 
