@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -71,7 +72,14 @@ def serving(socket: str) -> bool:
 
 
 def run(options: Options) -> dict[str, list[Row]]:
-    tmp = tempfile.mkdtemp(prefix="lpsync-bench-")
+    tmp = tempfile.mkdtemp(prefix="lpsync-bench-")  # our daemon's socket, gloo's file store
+    try:
+        return _run(options, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(options: Options, tmp: str) -> dict[str, list[Row]]:
     daemon = None
     socket = options.socket
     if socket is None or not serving(socket):
