@@ -5,6 +5,7 @@ after a run and after Ctrl-C."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -12,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -142,10 +144,9 @@ def test_three_node_cluster_bench_end_to_end() -> None:
     assert _leftovers(name, pids) == []
 
 
-@needs_netns
-def test_ctrl_c_tears_everything_down() -> None:
-    pytest.importorskip("ucxx")
-    name = prefix("ci")
+def _interrupt_a_long_run(name: str, act) -> tuple[int, str, str]:
+    """Start a 2-node run that would take minutes, ``act()`` once its ranks are started;
+    the exit code, the stderr up to then and after."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "lpsync.cli", "bench", "--cluster", "--nodes", "2", "--link",
          "1gbit", "--op", "allreduce", "--algorithm", "lp", "--bytes", "64MiB",
@@ -154,17 +155,47 @@ def test_ctrl_c_tears_everything_down() -> None:
     lines = []
     try:
         assert proc.stderr is not None
-        for line in proc.stderr:  # interrupt once the ranks are running
+        for line in proc.stderr:
             lines.append(line)
             if "starting 2 ranks" in line:
                 break
         assert existing(name), "".join(lines)
-        proc.send_signal(signal.SIGINT)
+        act(proc)
         rest = proc.communicate(timeout=60)[1]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 130, "".join(lines) + rest
-    assert "torn down" in rest
-    assert _leftovers(name, _daemon_pids("".join(lines))) == []
+    return proc.returncode, "".join(lines), rest
+
+
+@needs_netns
+def test_ctrl_c_tears_everything_down() -> None:
+    pytest.importorskip("ucxx")
+    name = prefix("ci")
+    rc, before, after = _interrupt_a_long_run(name, lambda p: p.send_signal(signal.SIGINT))
+    assert rc == 130, before + after
+    assert "torn down" in after
+    assert _leftovers(name, _daemon_pids(before)) == []
+
+
+@needs_netns
+def test_a_failed_rank_tears_everything_down() -> None:
+    pytest.importorskip("ucxx")
+    name = prefix("cf")
+
+    def kill_rank_1(_: subprocess.Popen[str]) -> None:
+        for _attempt in range(100):  # the rank may still be importing
+            for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+                with contextlib.suppress(OSError):
+                    environ = Path(cmdline).with_name("environ").read_text().split("\0")
+                    if f'"job": "{name}-' in Path(cmdline).read_text() and "RANK=1" in environ:
+                        os.kill(int(cmdline.split("/")[2]), signal.SIGKILL)
+                        return
+            time.sleep(0.1)
+        raise AssertionError("rank 1 never showed up")
+
+    rc, before, after = _interrupt_a_long_run(name, kill_rank_1)
+    assert rc == 1, before + after
+    assert "rank 1 (node 1) failed with exit code -9" in after, after
+    assert _leftovers(name, _daemon_pids(before)) == []
