@@ -170,10 +170,11 @@ def _interrupt_a_long_run(name: str, act) -> tuple[int, str, str]:
 
 
 @needs_netns
-def test_ctrl_c_tears_everything_down() -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupted_run_tears_everything_down(sig: signal.Signals) -> None:
     pytest.importorskip("ucxx")
     name = prefix("ci")
-    rc, before, after = _interrupt_a_long_run(name, lambda p: p.send_signal(signal.SIGINT))
+    rc, before, after = _interrupt_a_long_run(name, lambda p: p.send_signal(sig))
     assert rc == 130, before + after
     assert "torn down" in after
     assert _leftovers(name, _daemon_pids(before)) == []
