@@ -1,7 +1,7 @@
 """``lpsync bench --cluster``: argument errors without root; with root, a real 3-node
 emulated cluster (3 daemons joined by UCX over shaped links, 2 client processes per node,
 gloo beside them) whose results are checked against numpy, and nothing left behind —
-after a run and after Ctrl-C."""
+after a run, a killed rank, Ctrl-C and SIGTERM."""
 
 from __future__ import annotations
 
