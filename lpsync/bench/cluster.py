@@ -186,25 +186,28 @@ def _run_nodes(options: ClusterOptions, nodes: int, interrupts: _Interrupts) -> 
     except ClusterError as error:
         raise ClusterError(f"cannot build the emulated cluster: {error}") from None
     tmp = Path(tempfile.mkdtemp(prefix=f"lpsync-bench-{options.prefix}-"))
-    started: list[subprocess.Popen[bytes]] = []  # every process, in start order
-    daemons: list[_Node] = []
+    daemons: list[_Node] = []  # filled as they start, so teardown sees every one
+    workers: list[subprocess.Popen[bytes]] = []
     try:
         progress(f"{nodes} nodes: cluster {spec.prefix!r} up "
                  f"({format_rate(spec.rate_bits)} full duplex per node)")
-        daemons = _start_daemons(spec, tmp, started)
+        _start_daemons(spec, tmp, daemons)
         pids = ", ".join(str(d.daemon.pid) for d in daemons)
         progress(f"{nodes} nodes: {nodes} daemons serving (pids {pids}); starting "
                  f"{nodes * options.procs_per_node} ranks")
-        workers = _start_workers(spec, options, daemons, tmp, started)
+        _start_workers(spec, options, daemons, tmp, workers)
         return _collect(options, nodes, workers, daemons, tmp)
     finally:
         with interrupts.deferred():
-            _stop(started, daemons)
+            _stop(workers, daemons)
             down(spec.prefix)
             _reclaim(daemons)
             if options.logs:
-                shutil.copytree(tmp, Path(options.logs) / f"{nodes}nodes", dirs_exist_ok=True,
-                                ignore=shutil.ignore_patterns("*.sock*"))
+                try:
+                    shutil.copytree(tmp, Path(options.logs) / f"{nodes}nodes",
+                                    dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock*"))
+                except OSError as error:
+                    progress(f"could not keep the logs in {options.logs}: {error}")
             shutil.rmtree(tmp, ignore_errors=True)
             progress(f"{nodes} nodes: torn down")
 
@@ -214,11 +217,9 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("LPSYNC_")}
 
 
-def _start_daemons(spec: ClusterSpec, tmp: Path,
-                   started: list[subprocess.Popen[bytes]]) -> list[_Node]:
+def _start_daemons(spec: ClusterSpec, tmp: Path, daemons: list[_Node]) -> None:
     peers = ",".join(f"{spec.address(i)}:{PEER_PORT}" for i in range(spec.nodes))
     env = {**_clean_env(), "LPSYNC_SECRET": secrets.token_hex(32), "LPSYNC_PEER_TLS": "tcp"}
-    daemons = []
     for node in range(spec.nodes):
         where = tmp / f"node{node}"
         where.mkdir()
@@ -229,7 +230,6 @@ def _start_daemons(spec: ClusterSpec, tmp: Path,
                                        "--peers", peers, "--log-level", "INFO"],
                           stdout=out, stderr=subprocess.STDOUT, env=env,
                           start_new_session=True)  # Ctrl-C reaches us; we stop them in order
-        started.append(proc)
         daemons.append(_Node(proc, socket, log))
     deadline = time.monotonic() + _START_TIMEOUT
     for node, d in enumerate(daemons):
@@ -237,15 +237,13 @@ def _start_daemons(spec: ClusterSpec, tmp: Path,
             if d.daemon.poll() is not None or time.monotonic() > deadline:
                 raise ClusterError(f"the daemon of node {node} did not start:\n{_tail(d.log)}")
             time.sleep(0.1)
-    return daemons
 
 
 def _start_workers(spec: ClusterSpec, options: ClusterOptions, daemons: list[_Node], tmp: Path,
-                   started: list[subprocess.Popen[bytes]]) -> list[subprocess.Popen[bytes]]:
+                   workers: list[subprocess.Popen[bytes]]) -> None:
     k = options.procs_per_node
     world = spec.nodes * k
     plan = json.dumps(options.plan(spec.nodes))
-    workers = []
     for rank in range(world):
         node = rank // k
         env = {**_clean_env(), "RANK": str(rank), "WORLD_SIZE": str(world),
@@ -258,9 +256,7 @@ def _start_workers(spec: ClusterSpec, options: ClusterOptions, daemons: list[_No
             proc = run_in(spec, node, [sys.executable, "-m", "lpsync.bench.cluster_worker",
                                        "--plan", plan],
                           stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True)
-        started.append(proc)
         workers.append(proc)
-    return workers
 
 
 def _collect(options: ClusterOptions, nodes: int, workers: list[subprocess.Popen[bytes]],
@@ -324,12 +320,10 @@ def _take(options: ClusterOptions, nodes: int, world: int,
                  sum(r["wrong"] for r in got.values()))
 
 
-def _stop(procs: list[subprocess.Popen[bytes]], daemons: list[_Node]) -> None:
+def _stop(workers: list[subprocess.Popen[bytes]], daemons: list[_Node]) -> None:
     """Ranks first, then the daemons with SIGTERM (they drain, say goodbye to their
     peers and unlink their shared memory); whatever outlives that is killed."""
-    daemon_procs = {id(d.daemon) for d in daemons}
-    ranks = [p for p in procs if id(p) not in daemon_procs]
-    for group, grace in ((ranks, 5.0), ([d.daemon for d in daemons], _STOP_TIMEOUT)):
+    for group, grace in ((workers, 5.0), ([d.daemon for d in daemons], _STOP_TIMEOUT)):
         for proc in group:
             if proc.poll() is None:
                 proc.terminate()
