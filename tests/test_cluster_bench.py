@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from test_cluster import needs_netns, prefix
 
-from lpsync.bench.cluster import ClusterOptions, Point, scaling, table
+from lpsync.bench.cluster import ClusterOptions
+from lpsync.bench.cluster_report import Point, scaling, table
 from lpsync.cli import main
 from lpsync.cluster import existing
 
@@ -78,14 +79,13 @@ def test_plan_skips_algorithms_an_op_lacks() -> None:
 
 
 def test_report_has_the_wire_limit_and_ratios() -> None:
-    options = ClusterOptions((2, 8), 10**9, ("broadcast",), ("lp", "be"), (64 << 20,))
     points = [Point("broadcast", a, a, n, 1, 10**9, 64 << 20, 16 << 20, [t, t * 1.1, t * 0.9])
               for n, a, t in ((2, "lp", 0.56), (2, "be", 0.6), (8, "lp", 0.75), (8, "be", 1.45))]
     wire = (64 << 20) / 1.25e8
     assert points[0].seconds == pytest.approx(0.56)
     assert points[0].to_json()["x_wire"] == pytest.approx(0.56 / wire)
     assert set(points[0].to_json()) >= KEYS
-    text = table(options, points)
+    text = table(points)
     assert "x wire" in text and f"{wire * 1e6:.1f}" in text
     assert "1.93x be" in text  # lp's time against be's at 8 nodes
     assert any("2 nodes 0.5600 s, 8 nodes 0.7500 s (1.34x)" in line for line in scaling(points))

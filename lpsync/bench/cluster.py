@@ -1,4 +1,5 @@
-"""``lpsync bench --cluster``: daemons and clients inside an emulated cluster.
+"""``lpsync bench --cluster``: daemons and clients inside an emulated cluster
+(the report: cluster_report.py).
 
 For each node count: set up (an emulated cluster, lpsync/cluster: namespaces, a
 tbf-shaped full-duplex NIC per node; one ``lpsync daemon`` per namespace with every
@@ -22,22 +23,20 @@ import secrets
 import selectors
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from lpsync.algorithms import algorithms_for
-from lpsync.algorithms.cost import busbw_factor
+from lpsync.bench.cluster_report import AUTO, Point, label
 from lpsync.bench.runner import serving
-from lpsync.bench.worker import DTYPE
 from lpsync.cluster import ClusterSpec, down, format_rate, netns, run_in, up
 from lpsync.errors import ClusterError, InvalidArgumentError
 from lpsync.memory.shm import PREFIX as SHM_PREFIX
@@ -45,7 +44,6 @@ from lpsync.types import Collective
 from lpsync.units import format_size
 
 OPS = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
-AUTO = "auto"  # the daemon's tuner picks; the point reports what it ran
 PEER_PORT = 13337  # every daemon listens on its own namespace's address
 GLOO_PORT = 29500  # torch.distributed's store on node 0
 _START_TIMEOUT = 60.0  # seconds for every daemon to serve its socket (8 imports, 2 cores)
@@ -116,48 +114,6 @@ class ClusterOptions:
         per_size = sum(len(self.algorithms_of(op)) + (self.compare is not None)
                        for op in self.ops)
         return per_size * len(self.sizes)
-
-
-@dataclass
-class Point:
-    op: str
-    algorithm: str  # as requested: lp, be, ..., auto, or gloo
-    ran: str  # what the daemon ran (the tuner's pick for auto)
-    nodes: int
-    procs_per_node: int
-    rate_bits: int
-    nbytes: int
-    count: int
-    times: list[float] = field(default_factory=list)  # per iteration, the slowest rank's
-    wrong: int = 0
-
-    @property
-    def ranks(self) -> int:
-        return self.nodes * self.procs_per_node
-
-    @property
-    def seconds(self) -> float:
-        return statistics.median(self.times)
-
-    @property
-    def wire_seconds(self) -> float:
-        return self.nbytes / (self.rate_bits / 8)
-
-    def algbw(self) -> float:
-        return self.nbytes / self.seconds / 1e9
-
-    def busbw(self) -> float:
-        return self.algbw() * busbw_factor(Collective(self.op), self.ranks)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"op": self.op, "algorithm": self.algorithm, "ran": self.ran,
-                "nodes": self.nodes, "procs_per_node": self.procs_per_node,
-                "ranks": self.ranks, "link": format_rate(self.rate_bits),
-                "rate_bits": self.rate_bits, "bytes": self.nbytes, "count": self.count,
-                "dtype": DTYPE, "seconds": self.seconds, "wire_seconds": self.wire_seconds,
-                "x_wire": self.seconds / self.wire_seconds, "algbw_gbps": self.algbw(),
-                "busbw_gbps": self.busbw(), "wrong": self.wrong,
-                "iterations": len(self.times), "times": self.times}
 
 
 def progress(message: str) -> None:
@@ -297,7 +253,7 @@ def _collect(options: ClusterOptions, nodes: int, workers: list[subprocess.Popen
                     if point is not None:
                         points.append(point)
                         progress(f"[{len(points)}/{expected}] {nodes} nodes {point.op} "
-                                 f"{_label(point)} {format_size(point.nbytes)}: "
+                                 f"{label(point)} {format_size(point.nbytes)}: "
                                  f"{point.seconds:.4f} s = {point.seconds / point.wire_seconds:.2f}"
                                  f"x wire, #wrong {point.wrong}")
     if len(points) != expected:
@@ -353,10 +309,6 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
-def _label(point: Point) -> str:
-    return f"auto:{point.ran}" if point.algorithm == AUTO else point.algorithm
-
-
 class _Interrupts:
     """SIGINT and SIGTERM raise KeyboardInterrupt, except during teardown: there they are
     noted and raised once it is over, so a second Ctrl-C cannot leave namespaces behind."""
@@ -393,70 +345,3 @@ class _Interrupts:
         if self._pending is not None:
             signum, self._pending = self._pending, None
             raise KeyboardInterrupt(f"signal {signum}")
-
-
-# --- report -------------------------------------------------------------------------------
-
-def table(options: ClusterOptions, points: list[Point]) -> str:
-    """nccl-tests' columns per (node count, op), with the wire limit and each time's ratio."""
-    lines: list[str] = []
-    for nodes in dict.fromkeys(p.nodes for p in points):
-        for op in options.ops:
-            rows = [p for p in points if p.nodes == nodes and p.op == op]
-            if rows:
-                lines += _block(options, nodes, op, rows)
-    return "\n".join(lines)
-
-
-def _block(options: ClusterOptions, nodes: int, op: str, rows: list[Point]) -> list[str]:
-    root = 0 if op in ("broadcast", "reduce") else -1
-    redop = "sum" if op in ("allreduce", "reduce", "reduce_scatter") else "none"
-    k = options.procs_per_node
-    lines = [f"# {op}: {nodes} nodes x {k} rank{'s' if k > 1 else ''} per node, "
-             f"{format_rate(options.rate_bits)} full-duplex NIC per node, {DTYPE}; time = median "
-             f"of {options.iters} iterations of the slowest rank; wire = bytes / link rate",
-             f"#{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} "
-             f"{'algorithm':>10} | {'time':>12} {'algbw':>7} {'busbw':>7} {'#wrong':>6} | "
-             f"{'wire':>12} {'x wire':>6}",
-             f"#{'(B)':>12} {'(elements)':>12} {'':>8} {'':>6} {'':>5} {'':>10} | "
-             f"{'(us)':>12} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} | {'(us)':>12} {'':>6}"]
-    for p in rows:
-        lines.append(f" {p.nbytes:>12} {p.count:>12} {DTYPE:>8} {redop:>6} {root:>5} "
-                     f"{_label(p):>10} | {p.seconds * 1e6:>12.1f} {p.algbw():>7.3f} "
-                     f"{p.busbw():>7.3f} {p.wrong:>6} | {p.wire_seconds * 1e6:>12.1f} "
-                     f"{p.seconds / p.wire_seconds:>6.2f}")
-    for nbytes in dict.fromkeys(p.nbytes for p in rows):
-        same = {p.algorithm: p for p in rows if p.nbytes == nbytes}
-        if "lp" in same and len(same) > 1:
-            lp = same.pop("lp")
-            faster = ", ".join(f"{p.seconds / lp.seconds:.2f}x {_label(p)}"
-                               for p in same.values())
-            lines.append(f"# {format_size(nbytes)}: lp's time against the others: {faster} "
-                         "(>1: lp is faster)")
-    return lines
-
-
-def scaling(points: list[Point]) -> list[str]:
-    """Each (op, algorithm, size) measured at several node counts: the time at the most
-    nodes against the fewest (LP's claim: independent of P)."""
-    lines = []
-    keys = dict.fromkeys((p.op, p.algorithm, p.nbytes) for p in points)
-    for op, algorithm, nbytes in keys:
-        same = sorted((p for p in points if (p.op, p.algorithm, p.nbytes) == (op, algorithm,
-                                                                             nbytes)),
-                      key=lambda p: p.nodes)
-        if len(same) > 1:
-            few, many = same[0], same[-1]
-            lines.append(f"# {op} {algorithm} {format_size(nbytes)}: {few.nodes} nodes "
-                         f"{few.seconds:.4f} s, {many.nodes} nodes {many.seconds:.4f} s "
-                         f"({many.seconds / few.seconds:.2f}x)")
-    return lines
-
-
-def emit(options: ClusterOptions, as_json: bool) -> Callable[[list[Point]], None]:
-    """What to do with each node count's points as they come: JSON lines or the table."""
-    def show(points: list[Point]) -> None:
-        text = "\n".join(json.dumps(p.to_json()) for p in points) if as_json else table(
-            options, points)
-        print(text, flush=True)
-    return show

@@ -113,7 +113,8 @@ def run_local(args: argparse.Namespace) -> int:
 
 def cluster_options(args: argparse.Namespace):
     """The --cluster options from the flags; InvalidArgumentError names the bad flag."""
-    from lpsync.bench.cluster import AUTO, ClusterOptions
+    from lpsync.bench.cluster import ClusterOptions
+    from lpsync.bench.cluster_report import AUTO
     from lpsync.cluster import parse_rate
     from lpsync.errors import InvalidArgumentError
     from lpsync.units import parse_ints, parse_sizes
@@ -139,17 +140,17 @@ def cluster_options(args: argparse.Namespace):
 
 
 def run_cluster(args: argparse.Namespace) -> int:
-    from lpsync.bench import cluster
+    from lpsync.bench import cluster, cluster_report
 
     options = cluster_options(args)
     for note in options.skipped():
         cluster.progress(f"skipped: {note}")
-    show = cluster.emit(options, args.json)
+    show = cluster_report.emit(args.json)
     everything = []
     for points in cluster.run(options):
         show(points)
         everything += points
-    if not args.json and (lines := cluster.scaling(everything)):
+    if not args.json and (lines := cluster_report.scaling(everything)):
         print("\n".join(["# scaling with the node count:", *lines]), flush=True)
     if wrong := sum(p.wrong for p in everything):
         cluster.progress(f"{wrong} wrong elements: results differ from numpy's")
