@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -55,7 +56,7 @@ class Options:
     trigger: str = "auto"  # the path of collectives: socket, grpc (Session stream) or auto
 
 
-def _serving(socket: str) -> bool:
+def serving(socket: str) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -71,15 +72,22 @@ def _serving(socket: str) -> bool:
 
 
 def run(options: Options) -> dict[str, list[Row]]:
-    tmp = tempfile.mkdtemp(prefix="lpsync-bench-")
+    tmp = tempfile.mkdtemp(prefix="lpsync-bench-")  # our daemon's socket, gloo's file store
+    try:
+        return _run(options, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(options: Options, tmp: str) -> dict[str, list[Row]]:
     daemon = None
     socket = options.socket
-    if socket is None or not _serving(socket):
+    if socket is None or not serving(socket):
         socket = socket or os.path.join(tmp, "lpsync.sock")
         daemon = subprocess.Popen([sys.executable, "-m", "lpsync.cli", "daemon", "--socket",
                                    socket, "--log-level", "WARNING"])
         deadline = time.monotonic() + 30
-        while not _serving(socket):
+        while not serving(socket):
             if daemon.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit("lpsync bench: the daemon did not start")
             time.sleep(0.05)

@@ -9,6 +9,7 @@ with known values, runs once more and counts wrong elements.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -20,7 +21,7 @@ def iterations(nbytes: int, forced: int) -> int:
     return forced or int(min(1000, max(10, (1 << 30) // max(nbytes, 1))))
 
 
-def _fill(op: str, buf: np.ndarray, rank: int, world: int, count: int) -> None:
+def fill(op: str, buf: np.ndarray, rank: int, world: int, count: int) -> None:
     if op == "allgather":
         buf[:] = -1
         buf[rank * count:(rank + 1) * count] = rank + 1
@@ -28,7 +29,7 @@ def _fill(op: str, buf: np.ndarray, rank: int, world: int, count: int) -> None:
         buf[:] = rank + 1
 
 
-def _wrong(op: str, buf: np.ndarray, rank: int, world: int, count: int, root: int) -> int:
+def count_wrong(op: str, buf: np.ndarray, rank: int, world: int, count: int, root: int) -> int:
     if op == "allreduce":
         want: np.ndarray | float = world * (world + 1) / 2
     elif op == "broadcast":
@@ -43,9 +44,22 @@ def _wrong(op: str, buf: np.ndarray, rank: int, world: int, count: int, root: in
     return int(np.count_nonzero(buf != want))
 
 
-def _count(op: str, nbytes: int, world: int) -> int:
+def element_count(op: str, nbytes: int, world: int) -> int:
     elements = max(1, nbytes // 4)
     return elements // world if op in ("allgather", "reduce_scatter") else elements
+
+
+def buffer_elements(op: str, world: int, count: int) -> int:
+    return count * world if op in ("allgather", "reduce_scatter") else count
+
+
+def lpsync_call(client, op: str, buf: np.ndarray, algorithm: str | None,
+                root: int = 0) -> Callable[[], object]:
+    """One blocking, in-place collective on ``buf``; ``algorithm`` None: the tuner picks."""
+    method = getattr(client, op)
+    if op in ("broadcast", "reduce"):
+        return lambda: method(buf, root=root, algorithm=algorithm)
+    return lambda: method(buf, algorithm=algorithm)
 
 
 def run(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int],
@@ -56,17 +70,13 @@ def run(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int],
     root = 0
     with lpsync_client.connect(socket, job=job, rank=rank, world_size=world,
                                timeout=600, trigger=trigger) as client:
-        call = getattr(client, op)
-        kwargs = {"algorithm": algorithm}
-        if op in ("broadcast", "reduce"):
-            kwargs["root"] = root
         for nbytes in sizes:
-            count = _count(op, nbytes, world)
-            buf = client.zeros(count * world if op in ("allgather", "reduce_scatter")
-                               else count, DTYPE)
+            count = element_count(op, nbytes, world)
+            buf = client.zeros(buffer_elements(op, world, count), DTYPE)
+            call = lpsync_call(client, op, buf, algorithm, root)
             n = iterations(nbytes, iters)
             for _ in range(warmup):
-                call(buf, **kwargs)
+                call()
             # Pings and collectives alternate in rounds, so both see the same machine
             # (the latency criterion compares their medians).
             pings: list[float] = []  # the gRPC Session stream's round trip, always
@@ -86,12 +96,12 @@ def run(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int],
                 client.barrier()
                 for _ in range(n // rounds):
                     t = time.perf_counter()
-                    call(buf, **kwargs)
+                    call()
                     times.append(time.perf_counter() - t)
-            _fill(op, buf, rank, world, count)
+            fill(op, buf, rank, world, count)
             client.barrier()
-            call(buf, **kwargs)
-            wrong = _wrong(op, buf, rank, world, count, root)
+            call()
+            wrong = count_wrong(op, buf, rank, world, count, root)
             recent = client.status().recent if rank == 0 else []
             mine = [r for r in recent if r.job == job]
             queue.put(("lpsync", rank, nbytes, count, times, wrong, (pings, trigger_pings),
@@ -115,13 +125,9 @@ def _gloo(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int
                             world_size=world)
     try:
         for nbytes in sizes:
-            count = _count(op, nbytes, world)
-            if op in ("allgather", "reduce_scatter"):
-                full = torch.zeros(count * world)
-                mine = full[rank * count:(rank + 1) * count]
-            else:
-                full = mine = torch.zeros(count)
-            call = _gloo_call(dist, op, full, mine)
+            count = element_count(op, nbytes, world)
+            full, mine = gloo_tensors(op, rank, world, count)
+            call = gloo_call(dist, op, full, mine)
             n = iterations(nbytes, iters)
             for _ in range(warmup):
                 call()
@@ -131,23 +137,38 @@ def _gloo(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int
                 t = time.perf_counter()
                 call()
                 times.append(time.perf_counter() - t)
-            arr = full.numpy()
-            _fill(op, arr, rank, world, count)
-            call = _gloo_call(dist, op, full, mine)  # its staged copies see the new values
-            dist.barrier()
-            call()
-            if op == "reduce_scatter":
-                wrong = int(np.count_nonzero(mine.numpy() != world * (world + 1) / 2))
-            elif op == "reduce" and rank != 0:
-                wrong = 0  # gloo leaves partial sums in non-root buffers (documented)
-            else:
-                wrong = _wrong(op, arr, rank, world, count, 0)
+            wrong = gloo_verify(dist, op, full, mine, rank, world, count)
             queue.put(("gloo", rank, nbytes, count, times, wrong, ([], []), "gloo"))
     finally:
         dist.destroy_process_group()
 
 
-def _gloo_call(dist, op: str, full, mine):
+def gloo_tensors(op: str, rank: int, world: int, count: int):
+    """(full, mine): the whole buffer and this rank's block, laid out as lpsync's."""
+    import torch
+
+    if op in ("allgather", "reduce_scatter"):
+        full = torch.zeros(count * world)
+        return full, full[rank * count:(rank + 1) * count]
+    full = torch.zeros(count)
+    return full, full
+
+
+def gloo_verify(dist, op: str, full, mine, rank: int, world: int, count: int) -> int:
+    """Fill known values, run ``op`` once more through gloo, count wrong elements."""
+    arr = full.numpy()
+    fill(op, arr, rank, world, count)
+    call = gloo_call(dist, op, full, mine)  # its staged copies see the new values
+    dist.barrier()
+    call()
+    if op == "reduce_scatter":
+        return int(np.count_nonzero(mine.numpy() != world * (world + 1) / 2))
+    if op == "reduce" and rank != 0:
+        return 0  # gloo leaves partial sums in non-root buffers (documented)
+    return count_wrong(op, arr, rank, world, count, 0)
+
+
+def gloo_call(dist, op: str, full, mine):
     """The torch.distributed call for ``op`` on a size's tensors (same layout as lpsync's)."""
     if op == "allreduce":
         return lambda: dist.all_reduce(full)

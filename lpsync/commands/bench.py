@@ -1,4 +1,5 @@
-"""``lpsync bench``: the nccl-tests table for a local daemon, optionally beside gloo."""
+"""``lpsync bench``: the nccl-tests table for a local daemon, or for daemons in an emulated
+cluster (--cluster), optionally beside gloo."""
 
 from __future__ import annotations
 
@@ -7,47 +8,151 @@ import sys
 
 from lpsync.errors import LpsyncError
 
+_OPS = ["allreduce", "broadcast", "reduce", "allgather", "reduce_scatter"]
+
+_DESCRIPTION = """\
+Measure collectives through lpsync daemons and print nccl-tests' table: size, count,
+type, redop, root, time, algbw, busbw (nccl-tests' formulas) and #wrong (elements that
+differ from numpy's answer after a final verified iteration). Progress goes to stderr.
+
+Local (default): starts a daemon (unless --socket names a running one) and --procs client
+processes on this machine.
+
+--cluster (root): for each node count in --nodes, builds an emulated cluster (network
+namespaces at 198.18.0.x, a tbf-shaped full-duplex NIC of --link per node), starts one
+daemon per namespace (peers = every node's address, UCX over TCP, a fresh random cluster
+secret) and --procs-per-node client processes per namespace (node-major ranks, as
+torchrun numbers them), runs every --op x --bytes x --algorithm, then tears everything
+down, also on failure and Ctrl-C. Besides the table it prints the wire limit (bytes /
+link rate: an ideal pipeline's time through one NIC) and each time's ratio to it.
+--json prints one object per line per point (op, algorithm, ran, nodes, bytes, seconds,
+wire_seconds, x_wire, ...). Time = median over iterations of the slowest rank; each timed
+iteration follows a barrier. Example (8 nodes: ~2 min):
+
+  lpsync bench --cluster --nodes 2,8 --link 1gbit --op broadcast --algorithm lp,be,mst \\
+      --bytes 64MiB --compare gloo
+"""
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "bench", help="measure collectives through a daemon (nccl-tests table)",
-        description="Starts a daemon (unless --socket names a running one) and N client "
-                    "processes, and prints size, count, type, redop, root, time, algbw, busbw "
-                    "and #wrong per size. Progress goes to stderr.")
+        "bench", help="measure collectives through daemons (nccl-tests table)",
+        description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", default="allreduce",
-                        choices=["allreduce", "broadcast", "reduce", "allgather",
-                                 "reduce_scatter"])
-    parser.add_argument("--bytes", default="4:256MiB",
-                        help="sizes: 64MiB, 4:256MiB (doubling) or a comma list")
-    parser.add_argument("--procs", type=int, default=2, help="client processes (ranks)")
-    parser.add_argument("--algorithm", help="force lp, ring, mst, be or direct")
-    parser.add_argument("--iters", type=int, default=0,
-                        help="timed iterations per size (default: by size, 10..1000)")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--compare", choices=["gloo"], help="also run torch.distributed gloo")
-    parser.add_argument("--socket", help="use the daemon on this socket if one is serving")
-    parser.add_argument("--trigger", choices=["auto", "grpc", "socket"], default="auto",
-                        help="send collectives on the daemon's trigger socket, on the gRPC "
-                             "Session stream, or auto (the client's default: the socket if "
-                             "offered)")
-    parser.add_argument("--json", action="store_true", help="print JSON")
+                        help=f"one of {', '.join(_OPS)}; with --cluster a comma list "
+                             "(default allreduce)")
+    parser.add_argument("--bytes",
+                        help="sizes: 64MiB, 4:256MiB (doubling) or a comma list (default "
+                             "4:256MiB; with --cluster 64MiB)")
+    parser.add_argument("--algorithm",
+                        help="force lp, ring, mst, be (or direct: local only); with --cluster a "
+                             "comma list, where auto is the tuner's pick (default: the tuner)")
+    parser.add_argument("--iters", type=int,
+                        help="timed iterations per point (default: by size, 10..1000; "
+                             "with --cluster 5)")
+    parser.add_argument("--warmup", type=int,
+                        help="untimed iterations first (default 5; with --cluster 1)")
+    parser.add_argument("--compare", choices=["gloo"],
+                        help="also run torch.distributed's gloo backend on the same sizes")
+    parser.add_argument("--json", action="store_true",
+                        help="print JSON (with --cluster: one object per line per point)")
+    local = parser.add_argument_group("local daemon")
+    local.add_argument("--procs", type=int, help="client processes (ranks; default 2)")
+    local.add_argument("--socket", help="use the daemon on this socket if one is serving")
+    local.add_argument("--trigger", choices=["auto", "grpc", "socket"],
+                       help="send collectives on the daemon's trigger socket, on the gRPC "
+                            "Session stream, or auto (the client's default: the socket if "
+                            "offered)")
+    cluster = parser.add_argument_group("emulated cluster (needs root)")
+    cluster.add_argument("--cluster", action="store_true",
+                         help="run daemons and clients inside an emulated cluster")
+    cluster.add_argument("--nodes", help="node counts, a comma list: 2,8 (each 2..254)")
+    cluster.add_argument("--link", help="every node's NIC rate, each direction, as tc writes "
+                                        "it: 1gbit, 100mbit")
+    cluster.add_argument("--procs-per-node", type=int, default=1,
+                         help="client processes per node (default 1)")
+    cluster.add_argument("--prefix", default="lpbench",
+                         help="namespace names PREFIX-n0.. (default lpbench); "
+                              "`lpsync cluster down --prefix P` removes a leftover")
+    cluster.add_argument("--logs", metavar="DIR",
+                         help="keep the daemons' and ranks' logs in DIR/<N>nodes/ (default: "
+                              "removed; the tail of a failed process's log is printed)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from lpsync.bench import runner
-    from lpsync.units import parse_sizes
-
     try:
-        options = runner.Options(args.op, parse_sizes(args.bytes), args.procs, args.algorithm,
-                                 args.iters, args.warmup, args.compare, args.socket,
-                                 trigger=args.trigger)
+        return run_cluster(args) if args.cluster else run_local(args)
     except LpsyncError as error:
         print(f"lpsync bench: {error}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(error, ValueError) else 1  # bad arguments vs. a failed run
+
+
+def run_local(args: argparse.Namespace) -> int:
+    from lpsync.bench import runner
+    from lpsync.errors import InvalidArgumentError
+    from lpsync.units import parse_sizes
+
+    given = [f"--{name.replace('_', '-')}" for name in ("nodes", "link", "procs_per_node")
+             if getattr(args, name) not in (None, 1)]
+    if given:
+        raise InvalidArgumentError(f"{', '.join(given)} need --cluster")
+    if args.op not in _OPS:
+        raise InvalidArgumentError(f"--op {args.op!r}: expected one of {', '.join(_OPS)} "
+                                   "(comma lists need --cluster)")
+    options = runner.Options(args.op, parse_sizes(args.bytes or "4:256MiB"),
+                             2 if args.procs is None else args.procs, args.algorithm,
+                             args.iters or 0, 5 if args.warmup is None else args.warmup,
+                             args.compare, args.socket, trigger=args.trigger or "auto")
     if options.procs < 1:
-        print("lpsync bench: --procs must be >= 1", file=sys.stderr)
-        return 2
+        raise InvalidArgumentError("--procs must be >= 1")
     rows = runner.run(options)
     print(runner.report(options, rows, args.json))
+    return 0
+
+
+def cluster_options(args: argparse.Namespace):
+    """The --cluster options from the flags; InvalidArgumentError names the bad flag."""
+    from lpsync.bench.cluster import ClusterOptions
+    from lpsync.bench.cluster_report import AUTO
+    from lpsync.cluster import parse_rate
+    from lpsync.errors import InvalidArgumentError
+    from lpsync.units import parse_ints, parse_sizes
+
+    local = [flag for flag, value in (("--procs", args.procs), ("--socket", args.socket),
+                                      ("--trigger", args.trigger)) if value is not None]
+    if local:
+        raise InvalidArgumentError(f"{', '.join(local)}: local-daemon flags; with --cluster use "
+                                   "--procs-per-node")
+    if not args.nodes or not args.link:
+        raise InvalidArgumentError("--cluster needs --nodes (e.g. 2,8) and --link (e.g. 1gbit)")
+
+    def items(text: str) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+
+    return ClusterOptions(
+        nodes=tuple(parse_ints(args.nodes, "--nodes")), rate_bits=parse_rate(args.link),
+        ops=items(args.op), algorithms=items(args.algorithm or AUTO),
+        sizes=tuple(parse_sizes(args.bytes or "64MiB")), procs_per_node=args.procs_per_node,
+        warmup=1 if args.warmup is None else args.warmup,
+        iters=5 if args.iters is None else args.iters, compare=args.compare,
+        prefix=args.prefix, logs=args.logs)
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    from lpsync.bench import cluster, cluster_report
+
+    options = cluster_options(args)
+    for note in options.skipped():
+        cluster.progress(f"skipped: {note}")
+    show = cluster_report.emit(args.json)
+    everything = []
+    for points in cluster.run(options):
+        show(points)
+        everything += points
+    if not args.json and (lines := cluster_report.scaling(everything)):
+        print("\n".join(["# scaling with the node count:", *lines]), flush=True)
+    if wrong := sum(p.wrong for p in everything):
+        cluster.progress(f"{wrong} wrong elements: results differ from numpy's")
+        return 1
     return 0

@@ -1,0 +1,347 @@
+"""``lpsync bench --cluster``: daemons and clients inside an emulated cluster
+(the report: cluster_report.py).
+
+For each node count: set up (an emulated cluster, lpsync/cluster: namespaces, a
+tbf-shaped full-duplex NIC per node; one ``lpsync daemon`` per namespace with every
+node's 198.18.0.x address in --peers, a fresh random secret and its own socket, since
+namespaces share the filesystem; K rank processes per node, cluster_worker.py), run
+(every op x size x algorithm, then gloo), verify (#wrong, in the workers) and tear
+down, always: on success, failure, Ctrl-C and SIGTERM. The daemons' peer plane runs
+UCX over TCP, so every byte between nodes crosses the shaped links.
+
+A point's time is the median over iterations of the slowest rank's time; the wire
+limit is bytes / link rate, the time an ideal pipeline needs to push the message
+through one NIC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from lpsync.algorithms import algorithms_for
+from lpsync.bench.cluster_report import AUTO, Point, label
+from lpsync.bench.runner import serving
+from lpsync.cluster import ClusterSpec, down, format_rate, netns, run_in, up
+from lpsync.errors import ClusterError, InvalidArgumentError
+from lpsync.memory.shm import PREFIX as SHM_PREFIX
+from lpsync.types import Collective
+from lpsync.units import format_size
+
+OPS = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
+PEER_PORT = 13337  # every daemon listens on its own namespace's address
+GLOO_PORT = 29500  # torch.distributed's store on node 0
+_START_TIMEOUT = 60.0  # seconds for every daemon to serve its socket (8 imports, 2 cores)
+_STOP_TIMEOUT = 20.0  # a daemon's SIGTERM drain (10 s) plus its peer-mesh goodbye (5 s)
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    nodes: tuple[int, ...]  # node counts; one emulated cluster each, in this order
+    rate_bits: int  # every node's NIC, each direction, bits per second
+    ops: tuple[str, ...]
+    algorithms: tuple[str, ...]  # lp, ring, mst, be, or auto (the tuner's pick)
+    sizes: tuple[int, ...]  # bytes, float32
+    procs_per_node: int = 1  # client ranks per node (node-major, as torchrun numbers them)
+    warmup: int = 1
+    iters: int = 5
+    compare: str | None = None  # "gloo": torch.distributed on the same namespaces
+    prefix: str = "lpbench"  # namespace names PREFIX-n<i>, PREFIX-sw
+    logs: str | None = None  # keep every daemon's and rank's log under logs/<N>nodes/
+    collective_timeout: float = 600.0  # seconds, each collective (client and daemon)
+    timeout: float = 3600.0  # seconds, one node count from cluster up to the last point
+
+    def __post_init__(self) -> None:
+        if not (self.nodes and self.ops and self.algorithms and self.sizes):
+            raise InvalidArgumentError("--nodes, --op, --algorithm and --bytes must not be empty")
+        for n in self.nodes:
+            if n < 2:
+                raise InvalidArgumentError(f"--nodes: a cluster needs 2 or more nodes, got {n}")
+            ClusterSpec(n, self.rate_bits, prefix=self.prefix)  # at most 254; the prefix
+        if self.procs_per_node < 1:
+            raise InvalidArgumentError("--procs-per-node must be >= 1")
+        if self.iters < 1 or self.warmup < 0:
+            raise InvalidArgumentError("--iters must be >= 1 and --warmup >= 0")
+        if unknown := [op for op in self.ops if op not in OPS]:
+            raise InvalidArgumentError(f"--op {','.join(unknown)}: expected some of "
+                                       f"{', '.join(OPS)}")
+        if unknown := [s for s in self.sizes if s < 4]:
+            raise InvalidArgumentError(f"--bytes: sizes must be >= 4 (one float32), got {unknown}")
+        if self.compare not in (None, "gloo"):
+            raise InvalidArgumentError(f"--compare {self.compare}: only gloo")
+        for algorithm in self.algorithms:
+            if not any(algorithm in self.offered(op) for op in self.ops):
+                offered = "; ".join(f"{op}: {', '.join(self.offered(op))}" for op in self.ops)
+                raise InvalidArgumentError(f"--algorithm {algorithm} runs none of the ops asked "
+                                           f"for ({offered})")
+
+    @staticmethod
+    def offered(op: str) -> list[str]:
+        return [*algorithms_for(Collective(op)), AUTO]
+
+    def algorithms_of(self, op: str) -> list[str]:
+        """The requested algorithms that have ``op`` (ring has no broadcast, for one)."""
+        return [a for a in self.algorithms if a in self.offered(op)]
+
+    def skipped(self) -> list[str]:
+        return [f"{a} has no {op}" for op in self.ops for a in self.algorithms
+                if a not in self.offered(op)]
+
+    def plan(self, nodes: int) -> dict[str, Any]:
+        """What every rank runs (cluster_worker.py --plan); the job name carries the prefix,
+        so every process of a run can be found by it."""
+        return {"job": f"{self.prefix}-{nodes}", "ops": list(self.ops),
+                "sizes": list(self.sizes), "warmup": self.warmup, "iters": self.iters,
+                "compare": self.compare, "timeout": self.collective_timeout,
+                "algorithms": {op: self.algorithms_of(op) for op in self.ops}}
+
+    def points_per_cluster(self) -> int:
+        per_size = sum(len(self.algorithms_of(op)) + (self.compare is not None)
+                       for op in self.ops)
+        return per_size * len(self.sizes)
+
+
+def progress(message: str) -> None:
+    print(f"lpsync bench --cluster: {message}", file=sys.stderr, flush=True)
+
+
+def run(options: ClusterOptions) -> Iterator[list[Point]]:
+    """Each node count's points, once its cluster is down again."""
+    netns.require_root()
+    with _Interrupts() as interrupts:
+        for nodes in options.nodes:
+            yield _run_nodes(options, nodes, interrupts)
+
+
+@dataclass
+class _Node:
+    daemon: subprocess.Popen[bytes]
+    socket: str
+    log: Path
+
+
+def _run_nodes(options: ClusterOptions, nodes: int, interrupts: _Interrupts) -> list[Point]:
+    spec = ClusterSpec(nodes, options.rate_bits, prefix=options.prefix)
+    try:
+        up(spec)  # removes what it made if it fails or is interrupted halfway
+    except ClusterError as error:
+        raise ClusterError(f"cannot build the emulated cluster: {error}") from None
+    tmp = Path(tempfile.mkdtemp(prefix=f"lpsync-bench-{options.prefix}-"))
+    daemons: list[_Node] = []  # filled as they start, so teardown sees every one
+    workers: list[subprocess.Popen[bytes]] = []
+    try:
+        progress(f"{nodes} nodes: cluster {spec.prefix!r} up "
+                 f"({format_rate(spec.rate_bits)} full duplex per node)")
+        _start_daemons(spec, tmp, daemons)
+        pids = ", ".join(str(d.daemon.pid) for d in daemons)
+        progress(f"{nodes} nodes: {nodes} daemons serving (pids {pids}); starting "
+                 f"{nodes * options.procs_per_node} ranks")
+        _start_workers(spec, options, daemons, tmp, workers)
+        return _collect(options, nodes, workers, daemons, tmp)
+    finally:
+        with interrupts.deferred():
+            _stop(workers, daemons)
+            down(spec.prefix)
+            _reclaim(daemons)
+            if options.logs:
+                try:
+                    shutil.copytree(tmp, Path(options.logs) / f"{nodes}nodes",
+                                    dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock*"))
+                except OSError as error:
+                    progress(f"could not keep the logs in {options.logs}: {error}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            progress(f"{nodes} nodes: torn down")
+
+
+def _clean_env() -> dict[str, str]:
+    # The user's LPSYNC_* settings (a socket, a peer source) must not reach our daemons.
+    return {k: v for k, v in os.environ.items() if not k.startswith("LPSYNC_")}
+
+
+def _start_daemons(spec: ClusterSpec, tmp: Path, daemons: list[_Node]) -> None:
+    peers = ",".join(f"{spec.address(i)}:{PEER_PORT}" for i in range(spec.nodes))
+    env = {**_clean_env(), "LPSYNC_SECRET": secrets.token_hex(32), "LPSYNC_PEER_TLS": "tcp"}
+    for node in range(spec.nodes):
+        where = tmp / f"node{node}"
+        where.mkdir()
+        socket, log = str(where / "lpsync.sock"), where / "daemon.log"
+        with open(log, "wb") as out:
+            proc = run_in(spec, node, [sys.executable, "-m", "lpsync.cli", "daemon",
+                                       "--socket", socket, "--node-rank", str(node),
+                                       "--peers", peers, "--log-level", "INFO"],
+                          stdout=out, stderr=subprocess.STDOUT, env=env,
+                          start_new_session=True)  # Ctrl-C reaches us; we stop them in order
+        daemons.append(_Node(proc, socket, log))
+    deadline = time.monotonic() + _START_TIMEOUT
+    for node, d in enumerate(daemons):
+        while not serving(d.socket):
+            if d.daemon.poll() is not None or time.monotonic() > deadline:
+                raise ClusterError(f"the daemon of node {node} did not start:\n{_tail(d.log)}")
+            time.sleep(0.1)
+
+
+def _start_workers(spec: ClusterSpec, options: ClusterOptions, daemons: list[_Node], tmp: Path,
+                   workers: list[subprocess.Popen[bytes]]) -> None:
+    k = options.procs_per_node
+    world = spec.nodes * k
+    plan = json.dumps(options.plan(spec.nodes))
+    for rank in range(world):
+        node = rank // k
+        env = {**_clean_env(), "RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_RANK": str(rank % k), "LOCAL_WORLD_SIZE": str(k),
+               "LPSYNC_SOCKET": daemons[node].socket,
+               # gloo: its store on node 0, its sockets on the shaped NIC
+               "MASTER_ADDR": spec.address(0), "MASTER_PORT": str(GLOO_PORT),
+               "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+        with open(tmp / f"rank{rank}.log", "wb") as err:
+            proc = run_in(spec, node, [sys.executable, "-m", "lpsync.bench.cluster_worker",
+                                       "--plan", plan],
+                          stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True)
+        workers.append(proc)
+
+
+def _collect(options: ClusterOptions, nodes: int, workers: list[subprocess.Popen[bytes]],
+             daemons: list[_Node], tmp: Path) -> list[Point]:
+    """Read every rank's JSON lines (blocking in select) until all have exited; a rank
+    or daemon that fails ends the run with its log."""
+    world = len(workers)
+    expected = options.points_per_cluster()
+    partial: dict[tuple[str, str, str, int], dict[int, dict[str, Any]]] = {}
+    points: list[Point] = []
+    pending = {rank: b"" for rank in range(world)}
+    deadline = time.monotonic() + options.timeout
+    with selectors.DefaultSelector() as selector:
+        for rank, proc in enumerate(workers):
+            assert proc.stdout is not None
+            selector.register(proc.stdout, selectors.EVENT_READ, rank)
+        while pending:
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{nodes} nodes: no result after {options.timeout:.0f} s")
+            for node, d in enumerate(daemons):
+                if d.daemon.poll() is not None:
+                    raise ClusterError(f"the daemon of node {node} exited with code "
+                                       f"{d.daemon.returncode}:\n{_tail(d.log)}")
+            for key, _ in selector.select(timeout=1.0):
+                rank = key.data
+                data = os.read(key.fd, 1 << 16)
+                if not data:
+                    selector.unregister(key.fileobj)
+                    del pending[rank]
+                    if (rc := workers[rank].wait(30)) != 0:
+                        raise ClusterError(f"rank {rank} (node {rank // options.procs_per_node})"
+                                           f" failed with exit code {rc}:\n"
+                                           f"{_tail(tmp / f'rank{rank}.log')}")
+                    continue
+                *lines, pending[rank] = (pending[rank] + data).split(b"\n")
+                for line in lines:
+                    point = _take(options, nodes, world, partial, json.loads(line))
+                    if point is not None:
+                        points.append(point)
+                        progress(f"[{len(points)}/{expected}] {nodes} nodes {point.op} "
+                                 f"{label(point)} {format_size(point.nbytes)}: "
+                                 f"{point.seconds:.4f} s = {point.seconds / point.wire_seconds:.2f}"
+                                 f"x wire, #wrong {point.wrong}")
+    if len(points) != expected:
+        raise ClusterError(f"{nodes} nodes: got {len(points)} of {expected} points")
+    return points
+
+
+def _take(options: ClusterOptions, nodes: int, world: int,
+          partial: dict[tuple[str, str, str, int], dict[int, dict[str, Any]]],
+          row: dict[str, Any]) -> Point | None:
+    key = (row["engine"], row["op"], row["algorithm"], row["bytes"])
+    got = partial.setdefault(key, {})
+    got[row["rank"]] = row
+    if len(got) < world:
+        return None
+    del partial[key]
+    return Point(row["op"], row["algorithm"], got[0]["ran"], nodes, options.procs_per_node,
+                 options.rate_bits, row["bytes"], row["count"],
+                 [max(t) for t in zip(*(r["times"] for r in got.values()), strict=True)],
+                 sum(r["wrong"] for r in got.values()))
+
+
+def _stop(workers: list[subprocess.Popen[bytes]], daemons: list[_Node]) -> None:
+    """Ranks first, then the daemons with SIGTERM (they drain, say goodbye to their
+    peers and unlink their shared memory); whatever outlives that is killed."""
+    for group, grace in ((workers, 5.0), ([d.daemon for d in daemons], _STOP_TIMEOUT)):
+        for proc in group:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + grace
+        for proc in group:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        for proc in group:
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def _reclaim(daemons: list[_Node]) -> None:
+    """Unlink what a daemon that had to be killed left in /dev/shm (named after its pid)."""
+    for d in daemons:
+        for path in Path("/dev/shm").glob(f"{SHM_PREFIX}{d.daemon.pid}-*"):
+            path.unlink(missing_ok=True)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class _Interrupts:
+    """SIGINT and SIGTERM raise KeyboardInterrupt, except during teardown: there they are
+    noted and raised once it is over, so a second Ctrl-C cannot leave namespaces behind."""
+
+    def __init__(self) -> None:
+        self._old: dict[int, Any] = {}
+        self._deferring = False
+        self._pending: int | None = None
+
+    def __enter__(self) -> _Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT,
+                                                                      signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._old.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._deferring:
+            self._pending = signum
+            progress("interrupted; tearing down first")
+            return
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._pending is not None:
+            signum, self._pending = self._pending, None
+            raise KeyboardInterrupt(f"signal {signum}")

@@ -1,0 +1,202 @@
+"""``lpsync bench --cluster``: argument errors without root; with root, a real 3-node
+emulated cluster (3 daemons joined by UCX over shaped links, 2 client processes per node,
+gloo beside them) whose results are checked against numpy, and nothing left behind —
+after a run, a killed rank, Ctrl-C and SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_cluster import needs_netns, prefix
+
+from lpsync.bench.cluster import ClusterOptions
+from lpsync.bench.cluster_report import Point, scaling, table
+from lpsync.cli import main
+from lpsync.cluster import existing
+
+ROOT = Path(__file__).resolve().parent.parent
+KEYS = {"op", "algorithm", "nodes", "bytes", "seconds", "wire_seconds"}
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--nodes", "1"], "2 or more nodes"),
+    (["--nodes", "2,x"], "--nodes must be a comma list"),
+    (["--nodes", "300"], "1..254"),
+    (["--nodes", ""], "--cluster needs --nodes"),
+    (["--link", "fast"], "cannot read link rate"),
+    (["--procs-per-node", "0"], "--procs-per-node must be >= 1"),
+    (["--op", "gather"], "--op gather"),
+    (["--op", "broadcast", "--algorithm", "ring"], "runs none of the ops"),
+    (["--algorithm", "direct"], "runs none of the ops"),
+    (["--iters", "0"], "--iters must be >= 1"),
+    (["--bytes", "2"], "sizes must be >= 4"),
+    (["--bytes", "lots"], "cannot read 'lots'"),
+    (["--procs", "4"], "--procs-per-node"),
+    (["--prefix", "Bad-Name"], "--prefix"),
+])
+def test_bad_cluster_arguments(flags: list[str], message: str,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    base = {"--nodes": "2,8", "--link": "1gbit", "--op": "broadcast", "--bytes": "64MiB"}
+    base.update(zip(flags[::2], flags[1::2], strict=True))
+    argv = ["bench", "--cluster"]
+    for flag, value in base.items():
+        argv += [flag, value] if value else []
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cluster_flags_need_cluster(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--nodes", "2", "--link", "1gbit"]) == 2
+    assert "need --cluster" in capsys.readouterr().err
+    assert main(["bench", "--op", "broadcast,reduce"]) == 2
+    assert "comma lists need --cluster" in capsys.readouterr().err
+
+
+def test_not_root_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["bench", "--cluster", "--nodes", "2", "--link", "1gbit"]) == 1
+    assert "need root" in capsys.readouterr().err
+
+
+def test_plan_skips_algorithms_an_op_lacks() -> None:
+    options = ClusterOptions((2,), 10**9, ("broadcast", "allreduce"), ("lp", "ring", "auto"),
+                             (1 << 20,), compare="gloo")
+    assert options.plan(2)["algorithms"] == {"broadcast": ["lp", "auto"],
+                                             "allreduce": ["lp", "ring", "auto"]}
+    assert options.skipped() == ["ring has no broadcast"]
+    assert options.points_per_cluster() == 2 + 3 + 2  # and one gloo row per op
+
+
+def test_report_has_the_wire_limit_and_ratios() -> None:
+    points = [Point("broadcast", a, a, n, 1, 10**9, 64 << 20, 16 << 20, [t, t * 1.1, t * 0.9])
+              for n, a, t in ((2, "lp", 0.56), (2, "be", 0.6), (8, "lp", 0.75), (8, "be", 1.45))]
+    wire = (64 << 20) / 1.25e8
+    assert points[0].seconds == pytest.approx(0.56)
+    assert points[0].to_json()["x_wire"] == pytest.approx(0.56 / wire)
+    assert set(points[0].to_json()) >= KEYS
+    text = table(points)
+    assert "x wire" in text and f"{wire * 1e6:.1f}" in text
+    assert "1.93x be" in text  # lp's time against be's at 8 nodes
+    assert any("2 nodes 0.5600 s, 8 nodes 0.7500 s (1.34x)" in line for line in scaling(points))
+
+
+def _leftovers(name: str, daemon_pids: list[int]) -> list[str]:
+    """Anything of run ``name`` still on the machine: namespaces, processes (found by the
+    prefix in their command line: the daemons' socket paths, the ranks' job name),
+    shared memory of its daemons, its temporary directory."""
+    found = [f"namespace {n}" for n in existing(name)]
+    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            text = Path(cmdline).read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if f"lpsync-bench-{name}-" in text or f'"job": "{name}-' in text:
+            found.append(f"process {cmdline.split('/')[2]}: {text[:120]}")
+    found += [f"shm {p}" for pid in daemon_pids for p in glob.glob(f"/dev/shm/lpsync-{pid}-*")]
+    found += glob.glob(f"/tmp/lpsync-bench-{name}-*")
+    return found
+
+
+def _daemon_pids(stderr: str) -> list[int]:
+    return [int(p) for group in re.findall(r"daemons serving \(pids ([0-9, ]+)\)", stderr)
+            for p in group.split(", ")]
+
+
+@needs_netns
+def test_three_node_cluster_bench_end_to_end() -> None:
+    pytest.importorskip("ucxx")
+    pytest.importorskip("torch")
+    name = prefix("cb")
+    done = subprocess.run(
+        [sys.executable, "-m", "lpsync.cli", "bench", "--cluster", "--nodes", "3", "--link",
+         "1gbit", "--procs-per-node", "2", "--op", "broadcast,reduce,allreduce",
+         "--algorithm", "lp,be,ring,auto", "--bytes", "256KiB,100004", "--iters", "2",
+         "--compare", "gloo", "--prefix", name, "--json"],
+        capture_output=True, text=True, timeout=150, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    points = [json.loads(line) for line in done.stdout.splitlines()]
+    expected = {(op, a, n) for op in ("broadcast", "reduce", "allreduce")
+                for a in ("lp", "be", "auto", "gloo") for n in (262144, 100004)}
+    expected |= {("allreduce", "ring", n) for n in (262144, 100004)}
+    assert {(p["op"], p["algorithm"], p["bytes"]) for p in points} == expected
+    assert "skipped: ring has no broadcast" in done.stderr
+    for p in points:
+        assert set(p) >= KEYS, p
+        assert p["wrong"] == 0, p
+        assert p["nodes"] == 3 and p["ranks"] == 6 and p["iterations"] == 2
+        assert 0 < p["seconds"] < 30 and p["wire_seconds"] == pytest.approx(p["bytes"] / 1.25e8)
+        # The daemon ran what was forced; auto reports the tuner's pick.
+        assert p["ran"] == p["algorithm"] or (p["algorithm"] == "auto"
+                                              and p["ran"] in ("lp", "ring", "be", "mst"))
+    pids = _daemon_pids(done.stderr)
+    assert len(pids) == 3
+    assert _leftovers(name, pids) == []
+
+
+def _interrupt_a_long_run(name: str, act) -> tuple[int, str, str]:
+    """Start a 2-node run that would take minutes, ``act()`` once its ranks are started;
+    the exit code, the stderr up to then and after."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lpsync.cli", "bench", "--cluster", "--nodes", "2", "--link",
+         "1gbit", "--op", "allreduce", "--algorithm", "lp", "--bytes", "64MiB",
+         "--iters", "1000", "--prefix", name],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    lines = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if "starting 2 ranks" in line:
+                break
+        assert existing(name), "".join(lines)
+        act(proc)
+        rest = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, "".join(lines), rest
+
+
+@needs_netns
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupted_run_tears_everything_down(sig: signal.Signals) -> None:
+    pytest.importorskip("ucxx")
+    name = prefix("ci")
+    rc, before, after = _interrupt_a_long_run(name, lambda p: p.send_signal(sig))
+    assert rc == 130, before + after
+    assert "torn down" in after
+    assert _leftovers(name, _daemon_pids(before)) == []
+
+
+@needs_netns
+def test_a_failed_rank_tears_everything_down() -> None:
+    pytest.importorskip("ucxx")
+    name = prefix("cf")
+
+    def kill_rank_1(_: subprocess.Popen[str]) -> None:
+        for _attempt in range(100):  # the rank may still be importing
+            for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+                with contextlib.suppress(OSError):
+                    environ = Path(cmdline).with_name("environ").read_text().split("\0")
+                    if f'"job": "{name}-' in Path(cmdline).read_text() and "RANK=1" in environ:
+                        os.kill(int(cmdline.split("/")[2]), signal.SIGKILL)
+                        return
+            time.sleep(0.1)
+        raise AssertionError("rank 1 never showed up")
+
+    rc, before, after = _interrupt_a_long_run(name, kill_rank_1)
+    assert rc == 1, before + after
+    assert "rank 1 (node 1) failed with exit code -9" in after, after
+    assert _leftovers(name, _daemon_pids(before)) == []
