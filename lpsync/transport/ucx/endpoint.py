@@ -159,6 +159,8 @@ class UcxEndpoint:
                 raise errors[0]
             with self._formed:
                 while len(self._conns) < self.size - 1 and self._broken is None:
+                    if not runtime.alive:
+                        raise UnavailableError("the UCX runtime was closed while connecting")
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         missing = [r for r in range(self.size)
@@ -167,7 +169,7 @@ class UcxEndpoint:
                             f"rank {self.rank}: ranks {missing} did not connect within "
                             f"{opts.connect_timeout:.0f} s (started? same --peers list? "
                             "a firewall?)")
-                    self._formed.wait(remaining)
+                    self._formed.wait(min(remaining, 0.5))
             self._check()
         finally:
             runtime.set_acceptor(None)
@@ -187,6 +189,8 @@ class UcxEndpoint:
         pause, last = 0.05, "no attempt"
         while True:
             remaining = deadline - time.monotonic()
+            if not self._runtime.alive:
+                raise UnavailableError("the UCX runtime was closed while connecting")
             if remaining <= 0:
                 raise CollectiveTimeoutError(f"rank {self.rank} could not reach rank {peer} at "
                                              f"{address} ({last})")
