@@ -33,7 +33,7 @@ import numpy as np
 from lpsync.algorithms import LinkModel
 from lpsync.daemon.metrics import Metrics
 from lpsync.daemon.peers import PeerSet
-from lpsync.engine.transport import Endpoint, SendRequest
+from lpsync.engine.transport import PostingEndpoint, RecvRequest, SendRequest
 from lpsync.errors import LpsyncError, UnavailableError
 from lpsync.transport.ucx import RuntimeOptions, UcxEndpoint, UcxOptions, UcxRuntime
 
@@ -75,6 +75,12 @@ class SharedEndpoint:
     def recv_into(self, peer: int, tag: int, out: np.ndarray, deadline: float) -> None:
         self._endpoint.recv_into(peer, tag, out, deadline)
 
+    def post_recv(self, peer: int, tag: int, out: np.ndarray) -> RecvRequest:
+        return self._endpoint.post_recv(peer, tag, out)
+
+    def abort(self, error: BaseException) -> None:
+        self._endpoint.abort(error)
+
     @contextlib.contextmanager
     def recv_borrow(self, peer: int, tag: int, nbytes: int,
                     deadline: float) -> Iterator[np.ndarray]:
@@ -94,7 +100,7 @@ class Link:
     def __init__(self, generation: int, endpoint: UcxEndpoint) -> None:
         self.generation = generation
         self.ucx = endpoint
-        self.endpoint: Endpoint = SharedEndpoint(endpoint)
+        self.endpoint: PostingEndpoint = SharedEndpoint(endpoint)
         self.model: LinkModel | None = None  # the slowest probed peer link
         self.broken = threading.Event()  # set once: the heartbeat threads then end
         self.last_heard: dict[int, float] = {}  # peer -> monotonic time of its last heartbeat

@@ -84,8 +84,9 @@ class _Conn:
         return (self.key + (tag & _MASK) * _MIX) & _MASK
 
 
-class _Send:
-    """A send in flight; done once UCX no longer needs the span."""
+class _InFlight:
+    """A send (done once UCX no longer needs the span) or a posted receive (done once
+    the message has landed)."""
 
     __slots__ = ("_owner", "_request", "_what")
 
@@ -345,10 +346,13 @@ class UcxEndpoint:
             # Closing cancels in-flight requests and tells the peers at once.
             self._runtime.progress.call(self._close_all)
 
-    def abort(self, error: LpsyncError) -> None:
+    def abort(self, error: BaseException) -> None:
         """Break the endpoint from outside (a heartbeat watchdog that declared a peer
-        gone): every wait raises ``error``, unless something broke it first."""
-        self._fail(error)
+        gone, a collective that failed with receives posted): every wait raises
+        ``error`` (an LpsyncError; anything else as UnavailableError), unless something
+        broke it first."""
+        self._fail(error if isinstance(error, LpsyncError)
+                   else UnavailableError(f"rank {self.rank}: aborted: {error!r}"))
 
     @property
     def error(self) -> LpsyncError | None:
@@ -428,13 +432,16 @@ class UcxEndpoint:
 
         return progress.submit(start, buf)
 
-    def send(self, peer: int, tag: int, data: np.ndarray) -> _Send:
+    def send(self, peer: int, tag: int, data: np.ndarray) -> _InFlight:
         request = self._post(self._conn(peer), tag, data, recv=False)
-        return _Send(self, request, f"send of message {tag} to rank {peer}")
+        return _InFlight(self, request, f"send of message {tag} to rank {peer}")
+
+    def post_recv(self, peer: int, tag: int, out: np.ndarray) -> _InFlight:
+        request = self._post(self._conn(peer), tag, out, recv=True)
+        return _InFlight(self, request, f"message {tag} from rank {peer}")
 
     def recv_into(self, peer: int, tag: int, out: np.ndarray, deadline: float) -> None:
-        request = self._post(self._conn(peer), tag, out, recv=True)
-        self._wait(request, deadline, f"message {tag} from rank {peer}")
+        self.post_recv(peer, tag, out).wait(deadline)
 
     @contextmanager
     def recv_borrow(self, peer: int, tag: int, nbytes: int, deadline: float) -> Iterator[np.ndarray]:
