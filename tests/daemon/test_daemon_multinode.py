@@ -213,7 +213,10 @@ def _freeze_and_check(cluster: Cluster) -> None:
     assert "sent no heartbeat" in cluster.log(0) + cluster.log(1)
 
 
-def test_after_a_killed_daemon_returns_the_next_collective_succeeds(tmp_path: Path) -> None:
+def test_recovery_after_a_killed_daemon_returns(tmp_path: Path) -> None:
+    """Kill node 1 mid-collective, restart it: the survivors rebuild their mesh on the UCX
+    runtime they keep for life (same worker, listener and port), and the next collective
+    of all six ranks succeeds."""
     c = Cluster(tmp_path, NODES)
     try:
         _kill_and_check(c, "rec-kill")
@@ -226,6 +229,8 @@ def test_after_a_killed_daemon_returns_the_next_collective_succeeds(tmp_path: Pa
         values = run_ranks(WORLD, one_allreduce, c.sockets, PER_NODE, "rec-after", WORLD,
                            timeout=90)
         assert values == [sum(range(1, WORLD + 1))] * WORLD
+        for node in (0, 2):
+            assert c.log(node).count("peer mesh up") >= 2, c.log(node)[-3000:]
     except BaseException:
         c.stop()
         raise
