@@ -158,6 +158,72 @@ def test_peer_lost_while_idle_breaks_the_endpoint_at_once() -> None:
     assert error[4] < 0.5, f"the receive took {error[4]:.2f} s to fail"
 
 
+def test_survivor_rebuilds_on_its_runtime_with_a_restarted_peer() -> None:
+    """Rank 0 keeps one UcxRuntime (context, listener, port) across generations: rank 1 is
+    SIGKILLed, rank 0 closes the broken endpoint, and the restarted rank 1 (whose dials are
+    dropped while rank 0 forms nothing) meets a new endpoint on the same runtime."""
+    cases = [Case("allreduce", "lp", 10_001, chunks=4, seed=31),
+             Case("broadcast", "lp", 1 << 18, root=1, chunks=4, seed=32)]
+    queue = SPAWN.Queue()
+    peers = peers_for(2)
+    procs = [SPAWN.Process(target=participant, args=(rank, peers, SECRET, cases, queue, mode),
+                           daemon=True) for rank, mode in ((0, "heal"), (1, "hang"))]
+    try:
+        for p in procs:
+            p.start()
+        collect(queue, {"connected"}, 2, 60)
+        settle_before_kill()
+        os.kill(procs[1].pid, signal.SIGKILL)
+        (broken,) = collect(queue, {"broken"}, 1, 30)
+        assert broken[2] is not None and "rank 1" in broken[2], broken
+        procs.append(SPAWN.Process(target=participant, args=(1, peers, SECRET, cases, queue),
+                                   daemon=True))
+        procs[-1].start()
+        (reconnected,) = collect(queue, {"reconnected"}, 1, 60)
+        results = collect(queue, {"result"}, 2 * len(cases), 60)
+        closed = collect(queue, {"closed"}, 2, 30)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    check_results(cases, 2, results)
+    assert reconnected[2] < 5.0, f"the rebuilt mesh took {reconnected[2]:.1f} s"
+    for _, rank, _, leaked in closed:
+        assert leaked == [], f"rank {rank} left threads running after close: {leaked}"
+
+
+def test_closing_the_runtime_stops_a_forming_mesh_and_leaves_no_thread() -> None:
+    """In process: an endpoint waiting on its runtime for a peer that never comes gives up
+    when the runtime is closed (a daemon stopping), not at its connect timeout; no thread
+    outlives the runtime."""
+    import threading
+
+    from lpsync.errors import UnavailableError
+    from lpsync.transport.addresses import parse_peers
+    from lpsync.transport.ucx import RuntimeOptions, UcxEndpoint, UcxOptions, UcxRuntime
+
+    def threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if not isinstance(t, threading._DummyThread)}
+
+    before = threads()
+    peers = tuple(parse_peers(peers_for(2)))
+    runtime = UcxRuntime(RuntimeOptions(peers[0].port, "tcp"))
+    try:
+        timer = threading.Timer(0.5, runtime.close)
+        timer.start()
+        start = time.monotonic()
+        with pytest.raises(UnavailableError, match="closed"):
+            UcxEndpoint.connect(UcxOptions(0, peers, SECRET, connect_timeout=20.0), runtime)
+        assert time.monotonic() - start < 3.0
+        timer.join()
+        with pytest.raises(UnavailableError, match="closed"):  # and stays closed
+            UcxEndpoint.connect(UcxOptions(0, peers, SECRET, connect_timeout=20.0), runtime)
+    finally:
+        runtime.close()
+    assert threads() - before == set()
+
+
 def test_wrong_secret_is_refused_and_logged() -> None:
     with participants(2, [], secrets=[SECRET, b"not the secret"],
                       connect_timeout=4.0) as (queue, _):

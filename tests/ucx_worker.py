@@ -57,7 +57,9 @@ def participant(rank: int, peers: str, secret: bytes, cases: list[Case], queue: 
     """mode: run (the cases), idle (report CPU seconds over 2 s idle after the cases),
     hang (connect, report, then sleep: the parent kills it), recv_timeout (a receive
     nobody sends: expect CollectiveTimeoutError), notice_loss (idle 3 s while the
-    parent kills rank 1, then receive from it)."""
+    parent kills rank 1, then receive from it), heal (on a runtime of its own, as a
+    daemon holds one: once the parent has killed rank 1, rebuild the mesh on the same
+    runtime with its replacement and run the cases)."""
     records = _Records()
     logging.getLogger("lpsync").addHandler(records)
     from lpsync.algorithms import generate
@@ -65,14 +67,17 @@ def participant(rank: int, peers: str, secret: bytes, cases: list[Case], queue: 
     from lpsync.engine.reduce import Reduction
     from lpsync.errors import LpsyncError
     from lpsync.transport.addresses import parse_peers
-    from lpsync.transport.ucx import UcxEndpoint, UcxOptions
+    from lpsync.transport.ucx import RuntimeOptions, UcxEndpoint, UcxOptions, UcxRuntime
     from lpsync.types import Collective, ReduceOp, dtype_of
 
     options = UcxOptions(rank, tuple(parse_peers(peers)), secret, tls=TCP,
                          connect_timeout=connect_timeout, close_timeout=5.0)
+    # heal: one runtime outlives the broken endpoint, as the daemon's peer manager holds it.
+    runtime = (UcxRuntime(RuntimeOptions(options.peers[rank].port, TCP)) if mode == "heal"
+               else None)
     start = time.monotonic()
     try:
-        endpoint = UcxEndpoint.connect(options)
+        endpoint = UcxEndpoint.connect(options, runtime)
     except LpsyncError as error:
         queue.put(("error", rank, type(error).__name__, str(error), time.monotonic() - start,
                    records.lines))
@@ -81,6 +86,17 @@ def participant(rank: int, peers: str, secret: bytes, cases: list[Case], queue: 
     try:
         if mode == "hang":
             time.sleep(120)
+        if mode == "heal":
+            give_up = time.monotonic() + 20
+            while endpoint.error is None and time.monotonic() < give_up:
+                time.sleep(0.05)
+            queue.put(("broken", rank, None if endpoint.error is None else str(endpoint.error)))
+            endpoint.close()
+            # Nothing forms for a while: the replacement's dials are dropped and retried.
+            time.sleep(2.0)
+            start = time.monotonic()
+            endpoint = UcxEndpoint.connect(options, runtime)
+            queue.put(("reconnected", rank, time.monotonic() - start))
         if mode == "notice_loss":
             # Idle while the parent kills rank 1; the close callback alone must have
             # broken the endpoint, so this receive fails at once, not at its deadline.
@@ -125,6 +141,8 @@ def participant(rank: int, peers: str, secret: bytes, cases: list[Case], queue: 
             queue.put(("idle", rank, (after.user - before.user) + (after.system - before.system)))
     finally:
         endpoint.close()
+        if runtime is not None:
+            runtime.close()
         # Python threads still alive besides ours and the queue's own feeder thread.
         # _DummyThread entries stand for foreign (C++) threads that once called into
         # Python; Python never forgets them, so they are not evidence of a leak.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import secrets
 import statistics
 import subprocess
@@ -60,6 +61,7 @@ def node_main(args: argparse.Namespace) -> int:
                 out = np.zeros(schedule.out_elements(), dtype)
                 plan = Plan(schedule, rank, (inp, out), Reduction(ReduceOp.SUM, dtype, p))
                 times = []
+                cpu_before = _cpu_seconds()
                 for _ in range(args.reps):
                     barrier.run(endpoint, time.monotonic() + 60, tag_base=(tag := tag + 1) << 32)
                     start = time.perf_counter()
@@ -69,9 +71,15 @@ def node_main(args: argparse.Namespace) -> int:
                         Collective.REDUCE: p * (p + 1) / 2 if rank == 0 else None}.get(op)
                 wrong = 0 if want is None else int(np.count_nonzero(out != want))
                 rows.append({"op": op_name, "algorithm": algorithm, "chunks": chunks,
-                             "times": times, "wrong": wrong})
+                             "times": times, "wrong": wrong,
+                             "cpu": (_cpu_seconds() - cpu_before) / args.reps})
     print(json.dumps({"rank": rank, "rows": rows}), flush=True)
     return 0
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def coordinate(args: argparse.Namespace) -> int:
@@ -103,13 +111,17 @@ def coordinate(args: argparse.Namespace) -> int:
             "op": row["op"], "algorithm": row["algorithm"], "nodes": args.nodes,
             "bytes": args.bytes, "chunks": row["chunks"], "seconds": seconds,
             "wire_seconds": wire, "x_wire": seconds / wire,
+            # CPU of all node processes per op (barrier included): against the host's
+            # cores x seconds, it says whether the run was CPU-bound.
+            "cpu_seconds": sum(r["rows"][index]["cpu"] for r in reports),
             "wrong": sum(r["rows"][index]["wrong"] for r in reports)}
         if args.json:
             print(json.dumps(result))
         else:
             print(f"{row['op']:<10} {row['algorithm']:<5} nodes={args.nodes} "
                   f"{format_size(args.bytes):>7} chunks={row['chunks']:<4} {seconds:8.3f} s  "
-                  f"wire {wire:.3f} s  x{seconds / wire:5.2f}  wrong={result['wrong']}")
+                  f"wire {wire:.3f} s  x{seconds / wire:5.2f}  cpu {result['cpu_seconds']:.2f} s  "
+                  f"wrong={result['wrong']}")
     return 0
 
 

@@ -1,10 +1,12 @@
 """The peer manager: this daemon's node-level UCX mesh over every daemon of the cluster.
 
-Lifecycle (one background thread, ``lpsync-peers``): connect the mesh (UcxEndpoint, rank
-= node rank; the daemon serves single-node jobs meanwhile), probe alpha/beta to every peer,
+Lifecycle (one background thread, ``lpsync-peers``): open the UCX runtime (worker and
+listener on this daemon's peer port, kept for the daemon's life), connect the mesh on it
+(UcxEndpoint, rank = node rank; the daemon serves single-node jobs meanwhile), probe alpha/beta to every peer,
 start heartbeats, then wait until the mesh breaks (a peer killed, cut off, silent for
 ``heartbeat_timeout``, or any transport error). A broken mesh is closed, logged and
-rebuilt in the background, retrying until the peers are back; collectives waiting for a
+rebuilt on the same runtime in the background (only connections are made anew),
+retrying until the peers are back; collectives waiting for a
 mesh wait (bounded by their own deadline) for the next one.
 
 Invariants:
@@ -23,7 +25,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,9 +33,9 @@ import numpy as np
 from lpsync.algorithms import LinkModel
 from lpsync.daemon.metrics import Metrics
 from lpsync.daemon.peers import PeerSet
-from lpsync.engine.transport import Endpoint, SendRequest
+from lpsync.engine.transport import PostingEndpoint, RecvRequest, SendRequest
 from lpsync.errors import LpsyncError, UnavailableError
-from lpsync.transport.ucx import UcxEndpoint, UcxOptions
+from lpsync.transport.ucx import RuntimeOptions, UcxEndpoint, UcxOptions, UcxRuntime
 
 log = logging.getLogger("lpsync.peers")
 
@@ -73,6 +75,12 @@ class SharedEndpoint:
     def recv_into(self, peer: int, tag: int, out: np.ndarray, deadline: float) -> None:
         self._endpoint.recv_into(peer, tag, out, deadline)
 
+    def post_recv(self, peer: int, tag: int, out: np.ndarray) -> RecvRequest:
+        return self._endpoint.post_recv(peer, tag, out)
+
+    def abort(self, error: BaseException) -> None:
+        self._endpoint.abort(error)
+
     @contextlib.contextmanager
     def recv_borrow(self, peer: int, tag: int, nbytes: int,
                     deadline: float) -> Iterator[np.ndarray]:
@@ -92,7 +100,7 @@ class Link:
     def __init__(self, generation: int, endpoint: UcxEndpoint) -> None:
         self.generation = generation
         self.ucx = endpoint
-        self.endpoint: Endpoint = SharedEndpoint(endpoint)
+        self.endpoint: PostingEndpoint = SharedEndpoint(endpoint)
         self.model: LinkModel | None = None  # the slowest probed peer link
         self.broken = threading.Event()  # set once: the heartbeat threads then end
         self.last_heard: dict[int, float] = {}  # peer -> monotonic time of its last heartbeat
@@ -107,11 +115,11 @@ class Link:
 
 
 class PeerPlane:
-    def __init__(self, options: PeerPlaneOptions, metrics: Metrics,
-                 connect: Callable[[UcxOptions], UcxEndpoint] = UcxEndpoint.connect) -> None:
+    def __init__(self, options: PeerPlaneOptions, metrics: Metrics) -> None:
         self.options = options
         self.rank, self.size = options.peers.node_rank, len(options.peers.peers)
-        self._metrics, self._connect = metrics, connect
+        self._metrics = metrics
+        self._runtime: UcxRuntime | None = None  # opened by the manager thread, kept
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._link: Link | None = None
@@ -148,19 +156,22 @@ class PeerPlane:
         if link is not None:
             link.broken.set()
             _close(link, bound=5.0)
-        self._thread.join(2.0)  # a connect attempt in progress ends on its own timeout
+        for _ in range(2):  # closing the runtime also ends a connect attempt in progress
+            if self._runtime is not None:
+                self._runtime.close()
+            self._thread.join(5.0)
+        self._runtime = None
 
     # -- the background thread ----------------------------------------------------------------
     def _main(self) -> None:
         pause = 0.2
         while not self._stop.is_set():
-            # No gc.collect() here: collecting a closed mesh's ucxx objects from a cycle
-            # segfaulted (measured, faulthandler: "Garbage-collecting" in this loop). The
-            # endpoint frees them by reference counting instead (transport/ucx/endpoint.py
-            # releases the frames that held them), which also frees the listening port.
             log.debug("node %d: connecting the peer mesh", self.rank)
             try:
-                endpoint = self._connect(self._ucx_options())
+                if self._runtime is None:
+                    self._runtime = UcxRuntime(RuntimeOptions(
+                        self.options.peers.peers[self.rank].port, self.options.tls))
+                endpoint = UcxEndpoint.connect(self._ucx_options(), self._runtime)
             except LpsyncError as error:
                 log.warning("node %d: peer mesh not up yet (%s: %s); retrying", self.rank,
                             type(error).__name__, error)

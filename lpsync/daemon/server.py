@@ -13,7 +13,6 @@ import hmac
 import logging
 import os
 import signal
-import sys
 from pathlib import Path
 
 import grpc
@@ -201,14 +200,4 @@ async def _serve(config: DaemonConfig) -> int:
 
 
 def serve(config: DaemonConfig) -> int:
-    rc = asyncio.run(_serve(config))
-    if config.peer_set() is not None:
-        # Everything is shut down and unlinked by now. ucxx's objects can segfault when the
-        # interpreter's final garbage collection destroys them (measured: "Fatal Python
-        # error: Segmentation fault ... Garbage-collecting" after "daemon stopped"), so a
-        # daemon that used the peer plane leaves without that teardown.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
-    return rc
+    return asyncio.run(_serve(config))

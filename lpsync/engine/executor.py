@@ -6,7 +6,12 @@ seen); ``run`` only moves and reduces. Invariants:
   * the participant owns IN, OUT and TMP for the duration of ``run``; IN is only read;
   * a send's span is not written until the send has completed (the transport may be
     reading it in place), so writes first wait for the overlapping sends in flight;
-  * every wait has the collective's deadline.
+  * every wait has the collective's deadline;
+  * on a transport that posts receives ahead (PostingEndpoint: the network), up to
+    ``RECV_WINDOW`` receives are posted before their turn, in program order, so a
+    message flows while earlier steps run. A receive into the participant's buffers is
+    posted only once no earlier pending step touches its span; a receive to reduce
+    lands in one of the window's staging slots. A failed run aborts such a transport.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ import numpy as np
 
 from lpsync.algorithms.schedule import Kind, Schedule
 from lpsync.engine.reduce import Reduction
-from lpsync.engine.transport import Endpoint, SendRequest
+from lpsync.engine.transport import Endpoint, PostingEndpoint, RecvRequest, SendRequest
 from lpsync.errors import InvalidArgumentError
 
 _SEND, _RECV, _RECV_REDUCE, _COPY = (int(k) for k in Kind)
+RECV_WINDOW = 4  # receives posted ahead: enough to keep a pipeline's next chunks flowing
+_LOOKAHEAD = 64  # steps scanned past the current one for receives to post
 
 
 def _address(view: np.ndarray) -> tuple[int, int]:
@@ -40,6 +47,11 @@ class _Step:
     hi: int
     src: np.ndarray | None  # RECV_REDUCE: the accumulator; COPY: the source
     final: bool
+    src_lo: int = 0  # byte addresses of src (0, 0 without one)
+    src_hi: int = 0
+
+    def touches(self, lo: int, hi: int) -> bool:
+        return (self.lo < hi and lo < self.hi) or (self.src_lo < hi and lo < self.src_hi)
 
 
 class Plan:
@@ -73,12 +85,17 @@ class Plan:
                 continue  # in place: the data is already there
             if kind == _RECV_REDUCE and reduction is None:
                 raise InvalidArgumentError(f"{schedule.op} needs a reduce op")
-            self._steps.append(_Step(kind, peer, tag, dst, a, b, source, bool(final)))
+            sa, sb = _address(source) if source is not None else (0, 0)
+            self._steps.append(_Step(kind, peer, tag, dst, a, b, source, bool(final), sa, sb))
+        chunk = max((s.dst.nbytes for s in self._steps if s.kind == _RECV_REDUCE), default=0)
+        self._staging = [np.empty(chunk, np.uint8) for _ in range(RECV_WINDOW)] if chunk else []
 
     def run(self, endpoint: Endpoint, deadline: float, tag_base: int = 0) -> None:
         """Run the program once; raises the transport's errors (timeouts, aborts)."""
+        if hasattr(endpoint, "post_recv"):
+            self._run_posting(endpoint, deadline, tag_base)  # type: ignore[arg-type]
+            return
         in_flight: list[tuple[int, int, SendRequest]] = []
-        reduction, dtype = self.reduction, self.dtype
         for step in self._steps:
             if step.kind == _SEND:
                 request = endpoint.send(step.peer, tag_base + step.tag, step.dst)
@@ -89,16 +106,89 @@ class Plan:
             if step.kind == _RECV:
                 endpoint.recv_into(step.peer, tag_base + step.tag, step.dst, deadline)
             elif step.kind == _RECV_REDUCE:
-                assert reduction is not None and step.src is not None
                 with endpoint.recv_borrow(step.peer, tag_base + step.tag, step.dst.nbytes,
                                           deadline) as raw:
-                    reduction.combine(step.src, raw.view(dtype), step.dst)
-                if step.final:
-                    reduction.finalize(step.dst)
+                    self._reduce(step, raw)
             else:
                 np.copyto(step.dst, step.src)
         for _, _, request in in_flight:
             request.wait(deadline)
+
+    def _reduce(self, step: _Step, raw: np.ndarray) -> None:
+        assert self.reduction is not None and step.src is not None
+        self.reduction.combine(step.src, raw.view(self.dtype), step.dst)
+        if step.final:
+            self.reduction.finalize(step.dst)
+
+    def _run_posting(self, endpoint: PostingEndpoint, deadline: float, tag_base: int) -> None:
+        steps = self._steps
+        in_flight: list[tuple[int, int, SendRequest]] = []
+        posted: dict[int, tuple[RecvRequest, int]] = {}  # step -> (request, staging slot)
+        free_slots = list(range(len(self._staging)))
+        scan = 0  # the next step to consider posting
+
+        def post_ahead(now: int) -> None:
+            nonlocal scan
+            scan = max(scan, now)
+            while len(posted) < RECV_WINDOW and scan < len(steps) and scan < now + _LOOKAHEAD:
+                step = steps[scan]
+                if step.kind == _RECV_REDUCE:
+                    slot = free_slots.pop()
+                    out = self._staging[slot][:step.dst.nbytes]
+                elif step.kind == _RECV:
+                    # Its span must be free: no pending step before it reads or writes
+                    # there, no send from there still in flight.
+                    if any(steps[k].touches(step.lo, step.hi) for k in range(now, scan)) or \
+                            any(lo < step.hi and step.lo < hi and not r.done()
+                                for lo, hi, r in in_flight):
+                        return
+                    slot, out = -1, step.dst
+                else:
+                    scan += 1
+                    continue
+                request = endpoint.post_recv(step.peer, tag_base + step.tag, out)
+                if request is None:  # received in turn (a local peer)
+                    if slot >= 0:
+                        free_slots.append(slot)
+                else:
+                    posted[scan] = (request, slot)
+                scan += 1
+
+        try:
+            for index, step in enumerate(steps):
+                post_ahead(index)
+                if step.kind == _SEND:
+                    request = endpoint.send(step.peer, tag_base + step.tag, step.dst)
+                    in_flight.append((step.lo, step.hi, request))
+                    continue
+                entry = posted.pop(index, None)
+                if in_flight and entry is None:
+                    _wait_overlapping(in_flight, step.lo, step.hi, deadline)
+                if step.kind == _RECV:
+                    if entry is None:
+                        endpoint.recv_into(step.peer, tag_base + step.tag, step.dst, deadline)
+                    else:
+                        entry[0].wait(deadline)
+                elif step.kind == _RECV_REDUCE:
+                    if in_flight and entry is not None:
+                        _wait_overlapping(in_flight, step.lo, step.hi, deadline)
+                    if entry is None:
+                        with endpoint.recv_borrow(step.peer, tag_base + step.tag,
+                                                  step.dst.nbytes, deadline) as raw:
+                            self._reduce(step, raw)
+                    else:
+                        request, slot = entry
+                        request.wait(deadline)
+                        self._reduce(step, self._staging[slot][:step.dst.nbytes])
+                        free_slots.append(slot)
+                else:
+                    np.copyto(step.dst, step.src)
+            for _, _, request in in_flight:
+                request.wait(deadline)
+        except BaseException as error:
+            if posted:  # receives still posted would land in these buffers later
+                endpoint.abort(error)
+            raise
 
 
 def _wait_overlapping(in_flight: list[tuple[int, int, SendRequest]], lo: int, hi: int,

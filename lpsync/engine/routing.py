@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lpsync.engine.transport import Endpoint, SendRequest
+from lpsync.engine.transport import Endpoint, RecvRequest, SendRequest
 from lpsync.errors import InvalidArgumentError
 
 # Folded tag: message tag (40 bits) | sender (12 bits) | receiver (12 bits) = 64 bits,
@@ -75,6 +75,19 @@ class RoutedEndpoint:
             self._local.recv_into(peer, tag, out, deadline)
         else:
             self._remote.recv_into(self._node_of[peer], fold(peer, self.rank, tag), out, deadline)
+
+    def post_recv(self, peer: int, tag: int, out: np.ndarray) -> RecvRequest | None:
+        """A message from another node is posted ahead when the node-level transport can;
+        a local one is taken in turn (the inproc fabric hands it over without a copy)."""
+        post = getattr(self._remote, "post_recv", None)
+        if self._is_local(peer) or post is None:
+            return None
+        return post(self._node_of[peer], fold(peer, self.rank, tag), out)  # type: ignore[no-any-return]
+
+    def abort(self, error: BaseException) -> None:
+        abort = getattr(self._remote, "abort", None)
+        if abort is not None:
+            abort(error)
 
     def recv_borrow(self, peer: int, tag: int, nbytes: int,
                     deadline: float) -> AbstractContextManager[np.ndarray]:

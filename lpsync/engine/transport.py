@@ -35,3 +35,22 @@ class Endpoint(Protocol):
                     deadline: float) -> AbstractContextManager[np.ndarray]:
         """Receive (peer, tag) and lend its bytes (a read-only uint8 array) for the
         duration of the with-block; zero-copy where the transport allows."""
+
+
+class RecvRequest(Protocol):
+    def wait(self, deadline: float) -> None:
+        """Block until the message has landed, or raise (CollectiveTimeoutError at ``deadline``)."""
+
+
+class PostingEndpoint(Endpoint, Protocol):
+    """An Endpoint that can also post receives ahead (a network transport: the message
+    then flows while the participant works on earlier steps, instead of waiting for the
+    receive). A Plan that posted receives and fails aborts the endpoint, so nothing lands
+    in its buffers afterwards."""
+
+    def post_recv(self, peer: int, tag: int, out: np.ndarray) -> RecvRequest | None:
+        """Start receiving (peer, tag) into ``out``; None when this peer's messages are
+        better received in turn (e.g. a local peer behind a routed endpoint)."""
+
+    def abort(self, error: BaseException) -> None:
+        """Break the endpoint: in-flight requests are cancelled, every wait raises."""

@@ -17,8 +17,8 @@ The server answers VERDICT so the client learns of a refusal before it sends dat
 Authentication proves membership only: the peer plane is not encrypted.
 
 Messages have fixed sizes, so any byte pipe can carry them: the state machines
-below do no I/O; ``client_handshake``/``server_handshake`` drive them over async
-send/recv callables (the UCX transport), ``*_socket`` over a blocking socket.
+below do no I/O; ``client_handshake``/``server_handshake`` drive them over blocking
+send/recv callables (the UCX transport's stream messages, ``*_socket``'s TCP socket).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lpsync.errors import CollectiveTimeoutError, ConfigError, UnauthenticatedError, UnavailableError
@@ -102,6 +102,9 @@ def _check_secret(secret: bytes) -> None:
 @dataclass(frozen=True)
 class AuthResult:
     peer_rank: int  # the rank the peer proved, bound into both MACs
+    # A key both ends derive from this connection's transcript (never sent): the UCX
+    # transport keys its per-connection message tags with it.
+    session: bytes = field(default=b"", repr=False, compare=False)
 
 
 class ClientHandshake:
@@ -111,7 +114,7 @@ class ClientHandshake:
         _check_secret(secret)
         self._secret, self.rank, self.expect_rank = secret, rank, expect_rank
         self._nonce = secrets.token_bytes(NONCE_BYTES)
-        self._server_rank = -1
+        self._server_rank, self._server_nonce = -1, b""
 
     def hello(self) -> bytes:
         return _HELLO.pack(MAGIC, VERSION, self.rank, self._nonce)
@@ -131,7 +134,7 @@ class ClientHandshake:
         if not hmac.compare_digest(want, mac_s):
             raise UnauthenticatedError(f"peer rank {server_rank} failed to prove the cluster "
                                        "secret (a different secret on that node?)")
-        self._server_rank = server_rank
+        self._server_rank, self._server_nonce = server_rank, nonce_s
         return _mac(self._secret, b"client", self._nonce, nonce_s, self.rank, server_rank)
 
     def on_verdict(self, message: bytes) -> AuthResult:
@@ -139,7 +142,9 @@ class ClientHandshake:
             raise UnauthenticatedError(
                 f"peer rank {self._server_rank} refused rank {self.rank}: a different cluster "
                 "secret, or it does not take this rank now (its log says which)")
-        return AuthResult(self._server_rank)
+        return AuthResult(self._server_rank, _mac(self._secret, b"session", self._nonce,
+                                                  self._server_nonce, self.rank,
+                                                  self._server_rank))
 
 
 class ServerHandshake:
@@ -168,7 +173,9 @@ class ServerHandshake:
         want = _mac(self._secret, b"client", self._client_nonce, self._nonce, self.client_rank,
                     self.rank)
         if len(message) == PROOF_SIZE and hmac.compare_digest(want, message):
-            return _ACCEPT, AuthResult(self.client_rank)
+            session = _mac(self._secret, b"session", self._client_nonce, self._nonce,
+                           self.client_rank, self.rank)
+            return _ACCEPT, AuthResult(self.client_rank, session)
         return _REFUSE, None
 
 
@@ -190,31 +197,32 @@ def _refuse_or_admit(verdict: bytes, result: AuthResult | None, client_rank: int
     return verdict, result
 
 
-Send = Callable[[bytes], Awaitable[None]]
-Recv = Callable[[int], Awaitable[bytes]]
+Send = Callable[[bytes], None]
+Recv = Callable[[int], bytes]  # exactly that many bytes, or raise
 
 
-async def client_handshake(send: Send, recv: Recv, secret: bytes, rank: int,
-                           expect_rank: int | None = None) -> AuthResult:
+def client_handshake(send: Send, recv: Recv, secret: bytes, rank: int,
+                     expect_rank: int | None = None) -> AuthResult:
+    """The dialling side over blocking ``send``/``recv`` (each bounded by the caller)."""
     hs = ClientHandshake(secret, rank, expect_rank)
-    await send(hs.hello())
-    await send(hs.on_challenge(await recv(CHALLENGE_SIZE)))
-    return hs.on_verdict(await recv(VERDICT_SIZE))
+    send(hs.hello())
+    send(hs.on_challenge(recv(CHALLENGE_SIZE)))
+    return hs.on_verdict(recv(VERDICT_SIZE))
 
 
-async def server_handshake(send: Send, recv: Recv, secret: bytes, rank: int,
-                           where: str = "?", admit: Admit | None = None) -> AuthResult:
+def server_handshake(send: Send, recv: Recv, secret: bytes, rank: int,
+                     where: str = "?", admit: Admit | None = None) -> AuthResult:
     """Authenticate a connecting peer; UnauthenticatedError (after logging) if it fails
     or ``admit`` turns its rank away."""
     hs = ServerHandshake(secret, rank)
     try:
-        await send(hs.on_hello(await recv(HELLO_SIZE)))
-        verdict, result = hs.on_proof(await recv(PROOF_SIZE))
+        send(hs.on_hello(recv(HELLO_SIZE)))
+        verdict, result = hs.on_proof(recv(PROOF_SIZE))
     except UnauthenticatedError as error:
         log.warning("refused peer at %s: %s", where, error)
         raise
     verdict, result = _refuse_or_admit(verdict, result, hs.client_rank, admit, where)
-    await send(verdict)
+    send(verdict)
     if result is None:
         raise UnauthenticatedError(f"refused peer at {where} claiming rank {hs.client_rank}")
     return result
@@ -255,28 +263,17 @@ def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
 def authenticate_client_socket(sock: socket.socket, secret: bytes, rank: int, timeout: float,
                                expect_rank: int | None = None) -> AuthResult:
     deadline = time.monotonic() + timeout
-    hs = ClientHandshake(secret, rank, expect_rank)
-    _send_all(sock, hs.hello(), deadline)
-    _send_all(sock, hs.on_challenge(_recv_exact(sock, CHALLENGE_SIZE, deadline)), deadline)
-    return hs.on_verdict(_recv_exact(sock, VERDICT_SIZE, deadline))
+    return client_handshake(lambda data: _send_all(sock, data, deadline),
+                            lambda size: _recv_exact(sock, size, deadline),
+                            secret, rank, expect_rank)
 
 
 def authenticate_server_socket(sock: socket.socket, secret: bytes, rank: int,
                                timeout: float, admit: Admit | None = None) -> AuthResult:
     deadline = time.monotonic() + timeout
-    where = _peer_name(sock)
-    hs = ServerHandshake(secret, rank)
-    try:
-        _send_all(sock, hs.on_hello(_recv_exact(sock, HELLO_SIZE, deadline)), deadline)
-        verdict, result = hs.on_proof(_recv_exact(sock, PROOF_SIZE, deadline))
-    except UnauthenticatedError as error:
-        log.warning("refused peer at %s: %s", where, error)
-        raise
-    verdict, result = _refuse_or_admit(verdict, result, hs.client_rank, admit, where)
-    _send_all(sock, verdict, deadline)
-    if result is None:
-        raise UnauthenticatedError(f"refused peer at {where} claiming rank {hs.client_rank}")
-    return result
+    return server_handshake(lambda data: _send_all(sock, data, deadline),
+                            lambda size: _recv_exact(sock, size, deadline),
+                            secret, rank, _peer_name(sock), admit)
 
 
 def _peer_name(sock: socket.socket) -> str:
