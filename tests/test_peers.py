@@ -89,3 +89,24 @@ def test_peer_settings_follow_flags_env_toml_precedence(tmp_path) -> None:
         parser.parse_args(["--peers", "a:1", "--peers-slurm"])
     with pytest.raises(InvalidArgumentError):
         daemon_config.load({"heartbeat_timeout": 0.5}, {})
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5, 8, 9, 16])
+def test_probe_order_covers_every_peer_and_runs_in_size_minus_one_rounds(size: int) -> None:
+    """Every node probes its peers one at a time, in its own order; play it out: in each
+    round every pair whose two nodes both want each other next probes. It must finish (no
+    node waits on a peer that waits on someone else forever) in the tournament's rounds."""
+    from lpsync.daemon.peer_plane import probe_order
+
+    pending = [list(probe_order(rank, size)) for rank in range(size)]
+    for rank, order in enumerate(pending):
+        assert sorted(order) == [p for p in range(size) if p != rank]
+    rounds = 0
+    while any(pending):
+        ready = [a for a in range(size) if pending[a] and pending[pending[a][0]]
+                 and pending[pending[a][0]][0] == a]
+        assert ready, f"deadlock after {rounds} rounds: {pending}"
+        for a in ready:
+            pending[a].pop(0)
+        rounds += 1
+    assert rounds <= size - 1 + size % 2

@@ -151,6 +151,21 @@ def test_select_follows_the_model() -> None:
         closed_form(C.ALLGATHER, choice.algorithm, 12, large, LINK))
 
 
+@pytest.mark.parametrize("p", [2, 3, 8, 16])
+@pytest.mark.parametrize("shared_nic", [False, True])
+def test_lp_allreduce_chunks_minimise_its_closed_form(p: int, shared_nic: bool) -> None:
+    """Allreduce's fill is 2P-3 steps (P-2 once a shared NIC binds), so even P=2 gets
+    chunks: the reduce and the broadcast back then overlap."""
+    link = LinkModel.from_bandwidth(alpha=LINK.alpha, bandwidth=1 / LINK.beta,
+                                    shared_nic=shared_nic)
+    nbytes = 64 << 20
+    k = lp_chunks(p, nbytes, link, op=C.ALLREDUCE)
+    times = {j: closed_form(C.ALLREDUCE, "lp", p, nbytes, link, j) for j in range(1, 4 * k)}
+    best = min(times.values())
+    assert k > 1
+    assert times[k] <= best * 1.02, (k, min(times, key=times.__getitem__))
+
+
 def test_select_is_the_minimum_over_candidates() -> None:
     for op in C:
         for nbytes in (8, 10**5, 10**8):
@@ -158,7 +173,7 @@ def test_select_is_the_minimum_over_candidates() -> None:
                 choice = select(op, nbytes, p, LINK)
                 assert choice.algorithm in algorithms_for(op)
                 for name in algorithms_for(op):
-                    k = lp_chunks(p, nbytes, LINK) if name == "lp" else 1
+                    k = lp_chunks(p, nbytes, LINK, op=op) if name == "lp" else 1
                     assert choice.seconds <= closed_form(op, name, p, nbytes, LINK, k)
 
 

@@ -51,14 +51,22 @@ SHARED_MEMORY_LINK = LinkModel(alpha=150e-6, beta=1 / 6e9, gamma=0.0, shared_nic
 
 
 def lp_chunks(participants: int, nbytes: int, link: LinkModel,
-              min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES) -> int:
-    """k* = sqrt((P-2) n (beta+gamma) / alpha), clamped to [1, n / min_chunk_bytes]."""
+              min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES, op: Collective | None = None) -> int:
+    """k* = sqrt(F n (beta+gamma) / alpha), clamped to [1, n / min_chunk_bytes]: F is the
+    pipeline's fill in steps, P-2 for broadcast and reduce; for allreduce 2P-3 (the
+    reduce fills P-1 links, the broadcast drains them back: 1 at P=2, where chunking
+    still overlaps the two directions), P-2 again once a shared NIC makes the middle
+    nodes the bottleneck (closed form of _lp_allreduce)."""
+    p = participants
+    fill = p - 2
+    if op is Collective.ALLREDUCE and not (link.shared_nic and p > 2):
+        fill = 2 * p - 3
     most = max(1, nbytes // max(1, min_chunk_bytes))
-    if participants <= 2 or nbytes == 0:
+    if fill <= 0 or nbytes == 0:
         return 1
     if link.alpha == 0:
         return most
-    k = math.sqrt((participants - 2) * nbytes * (link.beta + link.gamma) / link.alpha)
+    k = math.sqrt(fill * nbytes * (link.beta + link.gamma) / link.alpha)
     return int(min(most, max(1, round(k))))
 
 

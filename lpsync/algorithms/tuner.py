@@ -19,10 +19,10 @@ class Choice:
 
 
 def chunks_for(algorithm: str, participants: int, nbytes: int, link: LinkModel,
-               min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES) -> int:
+               min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES, op: Collective | None = None) -> int:
     if not ALGORITHMS[algorithm].pipelined:
         return 1
-    return lp_chunks(participants, nbytes, link, min_chunk_bytes)
+    return lp_chunks(participants, nbytes, link, min_chunk_bytes, op)
 
 
 def select(op: Collective, nbytes: int, participants: int, link: LinkModel,
@@ -39,7 +39,7 @@ def select(op: Collective, nbytes: int, participants: int, link: LinkModel,
         raise InvalidArgumentError(f"none of {names} offers {op}")
     best: Choice | None = None
     for name in offered:
-        k = chunks_for(name, participants, nbytes, link, min_chunk_bytes)
+        k = chunks_for(name, participants, nbytes, link, min_chunk_bytes, op)
         seconds = closed_form(op, name, participants, nbytes, link, k)
         if best is None or seconds < best.seconds:
             best = Choice(name, k, seconds)

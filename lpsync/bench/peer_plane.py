@@ -55,7 +55,7 @@ def node_main(args: argparse.Namespace) -> int:
         for op_name in args.op.split(","):
             op = Collective(op_name)
             for algorithm in args.algorithm.split(","):
-                chunks = args.chunks or chunks_for(algorithm, p, args.bytes, link)
+                chunks = args.chunks or chunks_for(algorithm, p, args.bytes, link, op=op)
                 schedule = generate(op, algorithm, p, count, 0, chunks)
                 inp = np.full(schedule.in_elements(), rank + 1, dtype)
                 out = np.zeros(schedule.out_elements(), dtype)

@@ -68,7 +68,7 @@ def _choose_chunks(mode: str, schedule_args: dict[str, Any], itemsize: int, link
                    nbytes: int, min_chunk: int) -> int:
     p = schedule_args["participants"]
     if mode == "auto":
-        return lp_chunks(p, nbytes, link, min_chunk)
+        return lp_chunks(p, nbytes, link, min_chunk, schedule_args["op"])
     if mode != "search":
         try:
             k = int(mode)
@@ -77,7 +77,7 @@ def _choose_chunks(mode: str, schedule_args: dict[str, Any], itemsize: int, link
         if k < 1:
             raise InvalidArgumentError("--chunks must be >= 1")
         return k
-    guess = lp_chunks(p, nbytes, link, min_chunk)
+    guess = lp_chunks(p, nbytes, link, min_chunk, schedule_args["op"])
     most = max(1, nbytes // max(1, min_chunk))
     candidates = sorted({max(1, min(most, round(guess * f))) for f in (0.25, 0.5, 1, 2, 4)})
     timed = [(simulate(generate(chunks=k, **schedule_args), itemsize, link).seconds, k)

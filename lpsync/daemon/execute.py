@@ -120,7 +120,7 @@ def run(job: Job, pending: Pending) -> Outcome:
         _direct(op, spec.root, buffers, reduction, spec.count)
         return Outcome(algorithm=DIRECT, chunks=1, seconds=time.perf_counter() - start)
     if algorithm:
-        chunks = chunks_for(algorithm, p, nbytes, LOCAL_LINK)
+        chunks = chunks_for(algorithm, p, nbytes, LOCAL_LINK, op=op)
     else:
         choice = select(op, nbytes, p, LOCAL_LINK)
         algorithm, chunks = choice.algorithm, choice.chunks

@@ -179,7 +179,7 @@ def _run_pipeline(job: Job, pending: Pending, link: Link, model: LinkModel,
     reduction = Reduction(ReduceOp(spec.reduce_op), dtype, p) if op in _REDUCING else None
     nbytes = nccl_bytes(op, spec.count, dtype.itemsize, p)
     if spec.algorithm:
-        algorithm, chunks = spec.algorithm, chunks_for(spec.algorithm, p, nbytes, model)
+        algorithm, chunks = spec.algorithm, chunks_for(spec.algorithm, p, nbytes, model, op=op)
     else:
         choice = select(op, nbytes, p, model)
         algorithm, chunks = choice.algorithm, choice.chunks
