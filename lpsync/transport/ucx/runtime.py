@@ -20,9 +20,13 @@ from lpsync.transport.ucx.progress import ProgressThread
 
 log = logging.getLogger("lpsync.ucx")
 
-# TCP segments of 64 KiB out and 512 KiB in instead of UCX's 8 KiB/64 KiB: measured, the
-# CPU per 375 KB message fell from ~300 us to ~150 us, about a plain socket's cost.
-_DEFAULT_CONFIG = (("TCP_TX_SEG_SIZE", "64k"), ("TCP_RX_SEG_SIZE", "512k"))
+# Measured on the emulated cluster (docs/multinode.md): TCP segments of 64 KiB out and
+# 512 KiB in instead of UCX's 8 KiB/64 KiB cut the CPU per 375 KB message from ~300 us to
+# ~150 us (a plain socket's cost); rendezvous by get_zcopy (the receiver pulls straight
+# into its buffer) took LP broadcast on 8 nodes from 1.28-1.32x the wire limit to
+# 1.20-1.21x, and ring allreduce on 2 nodes (both directions busy) from 2.09x to 1.07x.
+_DEFAULT_CONFIG = (("TCP_TX_SEG_SIZE", "64k"), ("TCP_RX_SEG_SIZE", "512k"),
+                   ("RNDV_SCHEME", "get_zcopy"))
 
 Acceptor = Callable[[Any], None]  # gets each accepted UCX endpoint, on the progress thread
 
