@@ -154,18 +154,3 @@ def test_a_receive_is_not_posted_over_a_span_still_to_be_sent() -> None:
             t.join(20)
         assert (outs[0] == 2).all() and (outs[1] == 1).all()
         assert endpoints[1].posted == 1  # rank 1 posts: nothing of its own is in the way
-
-
-def test_segmented_ring_allreduce_with_receives_posted_ahead(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    from lpsync.algorithms import ring
-
-    monkeypatch.setattr(ring, "RING_SEGMENT_ELEMENTS", 8)
-    rng = np.random.default_rng(7)
-    posted = 0
-    for p in (2, 3, 8):
-        for count in (100, 1003, 5000):
-            assert ring.ring_segments(p, count) > 1
-            for in_place in (False, True):
-                posted += run_posting(C.ALLREDUCE, "ring", p, 0, count, 1, in_place, rng)
-    assert posted > 0

@@ -348,24 +348,3 @@ def test_interpreter_catches_a_wrong_final_flag() -> None:
     ops["final"][:] = False
     with pytest.raises(AssertionError, match="not marked final"):
         Interpreter(dataclasses.replace(s, ops=ops), False).run()
-
-
-@pytest.mark.parametrize("p", [2, 3, 5, 8])
-def test_segmented_ring_allreduce(p: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Large ring allreduces are cut into staggered segments (each its own ring): with a
-    small segment size, every count still reduces correctly in and out of place, and the
-    links still carry 2(P-1)/P of the message."""
-    from lpsync.algorithms import ring
-
-    monkeypatch.setattr(ring, "RING_SEGMENT_ELEMENTS", 2)
-    for count in (0, 1, 7, 100, 1003):
-        s = generate(C.ALLREDUCE, "ring", p, count)
-        assert s.chunks == ring.ring_segments(p, count)
-        for in_place in (False, True):
-            interp = Interpreter(s, in_place)
-            interp.run()
-            interp.check_result()
-        if p > 1:
-            for sent in link_elements(s).values():
-                assert abs(sent - 2 * (p - 1) / p * count) <= 2 * s.chunks
-    assert generate(C.ALLREDUCE, "ring", p, 1003).chunks == min(8, 1003 // (2 * p))
