@@ -140,13 +140,15 @@ def participant(rank: int, peers: str, secret: bytes, cases: list[Case], queue: 
             after = os.times()
             queue.put(("idle", rank, (after.user - before.user) + (after.system - before.system)))
     finally:
+        closing = time.monotonic()
         endpoint.close()
         if runtime is not None:
             runtime.close()
+        closing = time.monotonic() - closing
         # Python threads still alive besides ours and the queue's own feeder thread.
         # _DummyThread entries stand for foreign (C++) threads that once called into
         # Python; Python never forgets them, so they are not evidence of a leak.
         leaked = [t.name for t in threading.enumerate()
                   if t is not threading.main_thread() and "Feeder" not in t.name
                   and not isinstance(t, threading._DummyThread)]
-        queue.put(("closed", rank, records.lines, leaked))
+        queue.put(("closed", rank, records.lines, leaked, closing))
