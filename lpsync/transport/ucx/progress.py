@@ -68,7 +68,11 @@ class ProgressThread:
 
     def __init__(self, config: dict[str, str], name: str) -> None:
         # Imported here: importing ucxx exports UCX variables into os.environ, which an
-        # import of lpsync must not do.
+        # import of lpsync must not do. ucxx's C++ layer prints every endpoint error to
+        # stdout ("Endpoint is not connected" for each dial a peer drops while its mesh is
+        # not forming): we report failures ourselves, so it prints fatal ones only unless
+        # UCXX_LOG_LEVEL says otherwise.
+        os.environ.setdefault("UCXX_LOG_LEVEL", "FATAL")
         import ucxx._lib.libucxx as ucx_api
         from ucxx._lib.arr import Array
 
