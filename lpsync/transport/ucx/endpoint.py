@@ -45,7 +45,7 @@ from lpsync.errors import (
     UnavailableError,
 )
 from lpsync.transport.addresses import PeerAddress
-from lpsync.transport.auth import client_handshake, server_handshake
+from lpsync.transport.auth import Recv, Send, client_handshake, server_handshake
 from lpsync.transport.ucx.progress import Request
 from lpsync.transport.ucx.runtime import RuntimeOptions, UcxRuntime
 
@@ -202,8 +202,10 @@ class UcxEndpoint:
                 try:
                     ep = progress.call(lambda: progress.api.UCXEndpoint.create(
                         progress.worker, host, address.port, True)).result(remaining)
-                    session = self._authenticate(ep, peer, deadline, client=True)
-                    self._register(peer, ep, session)
+                    send, recv = self._stream_io(ep, deadline)
+                    result = client_handshake(send, recv, self.options.secret, self.rank,
+                                              expect_rank=peer)
+                    self._register(peer, ep, result.session)
                     return
                 except UnauthenticatedError:
                     if ep is not None:
@@ -229,9 +231,11 @@ class UcxEndpoint:
         thread.start()
 
     def _accept(self, ep: Any) -> None:
-        deadline = time.monotonic() + self.options.handshake_timeout
+        send, recv = self._stream_io(ep, time.monotonic() + self.options.handshake_timeout)
+        where = f"listener :{self.options.peers[self.rank].port}"
         try:
-            session = self._authenticate(ep, None, deadline, client=False)
+            result = server_handshake(send, recv, self.options.secret, self.rank, where=where,
+                                      admit=self._admit)
         except Exception as error:
             if not isinstance(error, UnauthenticatedError):
                 # A peer holding another secret rejects our proof and hangs up here.
@@ -241,8 +245,7 @@ class UcxEndpoint:
                             type(error).__name__, error)
             self._close_ep(ep)
             return
-        rank, key = session
-        self._register(rank, ep, key)
+        self._register(result.peer_rank, ep, result.session)
 
     def _admit(self, rank: int) -> str | None:
         if not self.rank < rank < self.size:
@@ -252,9 +255,9 @@ class UcxEndpoint:
             return f"rank {rank} is already connected"
         return None
 
-    def _authenticate(self, ep: Any, peer: int | None, deadline: float, client: bool) -> Any:
-        """Run the handshake over UCX stream messages; client: the session key, server:
-        (peer rank, session key). Each message is bounded by the handshake timeout."""
+    def _stream_io(self, ep: Any, deadline: float) -> tuple[Send, Recv]:
+        """Blocking send/recv over ``ep``'s UCX stream for the handshake (lpsync.transport.
+        auth), every message bounded by ``deadline`` and the handshake timeout."""
         assert self._runtime is not None
         progress = self._runtime.progress
         limit = min(deadline, time.monotonic() + self.options.handshake_timeout)
@@ -275,12 +278,7 @@ class UcxEndpoint:
             finish(progress.submit(lambda: ep.stream_recv(progress.array(buf)), buf), "message")
             return buf.tobytes()
 
-        secret = self.options.secret
-        if client:
-            return client_handshake(send, recv, secret, self.rank, expect_rank=peer).session
-        where = f"listener :{self.options.peers[self.rank].port}"
-        result = server_handshake(send, recv, secret, self.rank, where=where, admit=self._admit)
-        return result.peer_rank, result.session
+        return send, recv
 
     def _register(self, rank: int, ep: Any, session: bytes) -> None:
         assert self._runtime is not None
