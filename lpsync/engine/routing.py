@@ -61,6 +61,7 @@ class RoutedEndpoint:
         self.rank, self.size = rank, len(placement.node_of)
         self._node_of, self._node = placement.node_of, placement.node
         self._local, self._remote = local, remote
+        self._post_remote = getattr(remote, "post_recv", None)  # a PostingEndpoint's, if any
 
     def _is_local(self, peer: int) -> bool:
         return self._node_of[peer] == self._node
@@ -79,8 +80,8 @@ class RoutedEndpoint:
     def post_recv(self, peer: int, tag: int, out: np.ndarray) -> RecvRequest | None:
         """A message from another node is posted ahead when the node-level transport can;
         a local one is taken in turn (the inproc fabric hands it over without a copy)."""
-        post = getattr(self._remote, "post_recv", None)
-        if self._is_local(peer) or post is None:
+        post = self._post_remote
+        if post is None or self._is_local(peer):
             return None
         return post(self._node_of[peer], fold(peer, self.rank, tag), out)  # type: ignore[no-any-return]
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness import DaemonProcess, run_ranks, shm_segments
@@ -130,31 +132,42 @@ def test_cross_node_mismatch_is_invalid_argument_everywhere(cluster: Cluster) ->
         assert float(seconds) < 5.0, (rank, seconds)
 
 
-def _kill_and_check(cluster: Cluster, job: str) -> None:
+def _fault_while_running(cluster: Cluster, job: str, hold: float,
+                         fault: Callable[[], None]) -> tuple[list[Any], float]:
+    """Every rank runs collectives until one fails; once they are going, ``fault()``
+    strikes. (Each rank's (kind, at, done, message), the monotonic time of the fault.)"""
     import multiprocessing as mp
 
     ready = mp.get_context("spawn").Event()
-    box: dict[str, object] = {}
+    box: dict[str, Any] = {}
 
     def clients() -> None:
         try:
             box["results"] = run_ranks(WORLD, until_unavailable, cluster.sockets, PER_NODE,
-                                       job, WORLD, ready, 60.0, timeout=90)
+                                       job, WORLD, ready, hold, timeout=90)
         except BaseException as error:  # reported below
             box["error"] = error
 
     runner = threading.Thread(target=clients)
     runner.start()
     assert ready.wait(60), "the collectives never got going"
-    victim = cluster.daemons[1]
-    assert victim is not None
-    killed_at = time.monotonic()
-    victim.proc.send_signal(signal.SIGKILL)
-    victim.proc.wait(10)
+    fault_at = time.monotonic()
+    fault()
     runner.join(90)
     assert not runner.is_alive()
     assert "error" not in box, box.get("error")
-    results = box["results"]
+    return box["results"], fault_at
+
+
+def _kill_and_check(cluster: Cluster, job: str) -> None:
+    victim = cluster.daemons[1]
+    assert victim is not None
+
+    def kill() -> None:
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(10)
+
+    results, killed_at = _fault_while_running(cluster, job, 60.0, kill)
     for rank, (kind, at, _done, message) in enumerate(results):
         if rank // PER_NODE == 1:
             continue  # its daemon is gone: whatever the client saw
@@ -179,33 +192,18 @@ def test_a_frozen_daemon_is_declared_gone_by_heartbeats(tmp_path: Path) -> None:
 
 
 def _freeze_and_check(cluster: Cluster) -> None:
-    import multiprocessing as mp
-
-    ready = mp.get_context("spawn").Event()
-    box: dict[str, object] = {}
-
-    def clients() -> None:
-        try:
-            box["results"] = run_ranks(WORLD, until_unavailable, cluster.sockets, PER_NODE,
-                                       "mn-freeze", WORLD, ready, 30.0, timeout=90)
-        except BaseException as error:  # reported below
-            box["error"] = error
-
-    runner = threading.Thread(target=clients)
-    runner.start()
-    assert ready.wait(60), "the collectives never got going"
     frozen = cluster.daemons[2]
     assert frozen is not None
-    stopped_at = time.monotonic()
-    frozen.proc.send_signal(signal.SIGSTOP)
-    try:
-        time.sleep(HEARTBEAT + 2.0)
-    finally:
-        frozen.proc.send_signal(signal.SIGCONT)
-    runner.join(90)
-    assert not runner.is_alive()
-    assert "error" not in box, box.get("error")
-    for rank, (kind, at, _done, message) in enumerate(box["results"]):
+
+    def freeze() -> None:
+        frozen.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(HEARTBEAT + 2.0)
+        finally:
+            frozen.proc.send_signal(signal.SIGCONT)
+
+    results, stopped_at = _fault_while_running(cluster, "mn-freeze", 30.0, freeze)
+    for rank, (kind, at, _done, message) in enumerate(results):
         if rank // PER_NODE == 2:
             continue  # frozen with its daemon: it learns of the break when thawed
         assert kind == "UnavailableError", (rank, kind, message)
