@@ -184,7 +184,6 @@ class UcxEndpoint:
 
     def _dial(self, peer: int, deadline: float) -> None:
         assert self._runtime is not None
-        progress = self._runtime.progress
         address = self.options.peers[peer]
         host = _resolve(address.host)
         pause, last = 0.05, "no attempt"
@@ -200,8 +199,7 @@ class UcxEndpoint:
             if _port_open(host, address.port, min(1.0, remaining)):
                 ep = None
                 try:
-                    ep = progress.call(lambda: progress.api.UCXEndpoint.create(
-                        progress.worker, host, address.port, True)).result(remaining)
+                    ep = self._create_ep(host, address.port, remaining)
                     send, recv = self._stream_io(ep, deadline)
                     result = client_handshake(send, recv, self.options.secret, self.rank,
                                               expect_rank=peer)
@@ -221,6 +219,21 @@ class UcxEndpoint:
                 last = "connection refused"
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(1.0, pause * 2)
+
+    def _create_ep(self, host: str, port: int, timeout: float) -> Any:
+        """A UCX endpoint to host:port, made on the progress thread. One that arrives after
+        we stopped waiting is closed there: a UCX endpoint left to the garbage collector
+        runs ucxx's blocking close in its destructor, on whatever thread drops it last."""
+        assert self._runtime is not None
+        progress = self._runtime.progress
+        future = progress.call(lambda: progress.api.UCXEndpoint.create(
+            progress.worker, host, port, True))
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.add_done_callback(
+                lambda done: done.exception() is None and done.result().close_blocking())
+            raise
 
     def _on_accept(self, ep: Any) -> None:
         # On the progress thread: authenticate on a thread of its own (it waits for messages).
