@@ -1,4 +1,5 @@
-"""``lpsync status``: sessions, buffers and recent collectives of a running daemon."""
+"""``lpsync status``: sessions, buffers, recent collectives and each job's flight recorder
+(what its unfinished collectives wait for, and its last collectives stage by stage)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--socket", help="daemon socket (env LPSYNC_SOCKET; default "
                                          f"{DEFAULT_SOCKET})")
     parser.add_argument("--recent", type=int, default=20, help="recent collectives to show")
+    parser.add_argument("--history", type=int, default=5, metavar="N",
+                        help="per job, the last N collectives of its flight recorder with "
+                             "each rank's arrival and each stage's time (0: all kept)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--token-file", help="bearer token, if the daemon wants one")
     parser.set_defaults(func=run)
 
 
-def fetch(socket: str, recent: int = 20, token: str = "", timeout: float = 5.0):
+def fetch(socket: str, recent: int = 20, token: str = "", timeout: float = 5.0,
+          history: int = 0):
     import grpc
 
     from lpsync._proto import lpsync_pb2 as pb
@@ -31,7 +36,8 @@ def fetch(socket: str, recent: int = 20, token: str = "", timeout: float = 5.0):
     metadata = [("authorization", f"Bearer {token}")] if token else None
     with grpc.insecure_channel(f"unix:{socket}") as channel:
         stub = pb_grpc.LpSyncStub(channel)
-        return stub.Status(pb.StatusRequest(recent=recent), timeout=timeout, metadata=metadata)
+        return stub.Status(pb.StatusRequest(recent=recent, history=history), timeout=timeout,
+                           metadata=metadata)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     socket = args.socket or os.environ.get("LPSYNC_SOCKET") or DEFAULT_SOCKET
     token = Path(args.token_file).read_text().strip() if args.token_file else ""
     try:
-        status = fetch(socket, args.recent, token)
+        status = fetch(socket, args.recent, token, history=args.history)
     except grpc.RpcError as error:
         print(f"lpsync status: cannot reach the daemon at {socket}: {error.details()}",
               file=sys.stderr)
@@ -69,4 +75,38 @@ def run(args: argparse.Namespace) -> int:
         when = time.strftime("%H:%M:%S", time.localtime(c.finished_at))
         print(f"  {c.job:<16} {c.sequence:>6} {c.op:<14} {c.dtype:<8} {c.count:>10} "
               f"{c.algorithm:<9} {c.seconds * 1e6:>8.1f}us  {c.code:<18} {when}")
+    print(f"\njobs ({len(status.jobs)})")
+    for job in status.jobs:
+        _print_job(job)
     return 0
+
+
+def ranges(ranks) -> str:
+    """0,1,2,3,5 -> '0-3, 5'."""
+    out: list[str] = []
+    for r in sorted(ranks):
+        if out and out[-1][1] == r - 1:
+            out[-1] = (out[-1][0], r)
+        else:
+            out.append((r, r))
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out) or "-"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}ms"
+
+
+def _print_job(job) -> None:
+    where = f"node {job.node} of {job.nodes}, " if job.nodes > 1 else ""
+    print(f"  {job.job}: world {job.world_size}, {where}attached ranks {ranges(job.attached)}")
+    for w in job.waiting:
+        flag = "  STALLED" if w.stalled else ""
+        nodes = f", nodes not heard from: {ranges(w.missing_nodes)}" if w.missing_nodes else ""
+        print(f"    waiting #{w.sequence} {w.op} {w.stage} for {w.waiting_seconds:.1f} s{flag}: "
+              f"missing ranks {ranges(w.missing_ranks)}{nodes} (arrived {ranges(w.arrived)})")
+    for r in job.history:
+        stages = ", ".join(f"{s.stage} {_ms(s.seconds)}" for s in r.stages)
+        arrivals = ", ".join(f"{a.rank}+{_ms(a.after_seconds)}" for a in r.arrivals)
+        error = f"  {r.message}" if r.message else ""
+        print(f"    #{r.sequence} {r.op} {r.dtype}x{r.count} {r.algorithm or '-'} {r.code} "
+              f"{_ms(r.total_seconds)} [{stages}] arrivals [{arrivals}]{error}")

@@ -37,6 +37,8 @@ class DaemonConfig:
     drain_seconds: float = 10.0  # SIGTERM waits this long for running collectives
     log_level: str = "INFO"
     workers: int = 4  # threads that run pipelined collectives off the gRPC event loop
+    flight_recorder: int = 32  # finished collectives `lpsync status` keeps per job
+    stall_seconds: float = 60.0  # a collective waiting this long logs who is missing
     trigger: bool = True  # offer the trigger socket <socket>.trigger (trigger.py)
     # Multi-node (peers.py, peer_plane.py). Exactly one peer source, or none (one node).
     node_rank: int = -1  # this daemon's index into the peer list; -1: derive it
@@ -63,6 +65,12 @@ class DaemonConfig:
                 "(cpu or cpu:N); CUDA devices come with a later issue")
         if self.timeout <= 0 or self.max_buffer_bytes <= 0 or self.max_session_bytes <= 0:
             raise InvalidArgumentError("timeout and byte limits must be positive")
+        if not 1 <= self.flight_recorder <= 100_000:
+            raise InvalidArgumentError(
+                f"flight_recorder must be 1..100000 collectives, got {self.flight_recorder}")
+        if not 0 < self.stall_seconds < float("inf"):
+            raise InvalidArgumentError(
+                f"stall_seconds must be a positive number of seconds, got {self.stall_seconds}")
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
             raise InvalidArgumentError("need 0 < heartbeat_interval < heartbeat_timeout")
 
@@ -133,6 +141,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     add("--max-buffer-bytes", type=int, help="largest single buffer")
     add("--max-session-bytes", type=int, help="bytes one session may hold")
     add("--log-level", help="DEBUG, INFO, WARNING, ERROR")
+    add("--flight-recorder", type=int, metavar="N",
+        help="finished collectives `lpsync status` shows per job (default 32)")
+    add("--stall-seconds", type=float, metavar="S",
+        help="warn (log and `lpsync status`) when a collective has waited S seconds for "
+             "missing ranks or nodes, before its timeout (default 60)")
     add("--trigger", action=argparse.BooleanOptionalAction, default=None,
         help="offer the trigger socket <socket>.trigger beside gRPC (default: on)")
     add("--node-rank", type=int,

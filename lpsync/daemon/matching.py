@@ -9,6 +9,9 @@ one runs it, in its own thread, then completes every participant. Failures:
   * the first arrival's timeout passes -> CollectiveTimeoutError naming the missing ranks;
   * a participant's session ends -> AbortedError to everyone waiting in the job, and
     every later collective of the job fails at once until that rank attaches again.
+The flight recorder: each Job keeps its last collectives (FlightRecord: arrival times,
+stage times, outcome) and knows what it still waits for (``waiting()``); a collective
+still waiting on ranks past the stall threshold logs a warning naming them, once.
 Lock order: Job.lock is taken alone; callbacks run with no lock held.
 """
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -89,10 +92,15 @@ class Arrival:
     out: np.ndarray | None  # None: in place
     handles: tuple[tuple[str, int], ...]  # (session id, handle) of the buffers, for caches
     done: Callable[[Outcome], None]
+    at: float = 0.0  # time.monotonic() of the arrival (set by Job.submit)
 
     @property
     def in_place(self) -> bool:
         return self.out is None and self.data is not None
+
+
+# Stages of a collective as the flight recorder names them.
+ARRIVING, QUEUED, AGREEING, RUNNING = "arriving", "queued", "agreeing", "running"
 
 
 @dataclass
@@ -101,6 +109,52 @@ class Pending:
     spec: Spec
     arrivals: dict[int, Arrival] = field(default_factory=dict)
     timer: Timer | None = None
+    stall_timer: Timer | None = None
+    opened: float = field(default_factory=time.monotonic)  # the first arrival
+    opened_wall: float = field(default_factory=time.time)
+    # Where it is now, and since when (monotonic); written by its one running thread.
+    stage: str = ARRIVING
+    stage_since: float = 0.0
+    stages: list[tuple[str, float]] = field(default_factory=list)  # finished: (name, seconds)
+    waiting_nodes: tuple[int, ...] = ()  # multi-node agreement: nodes not heard from yet
+    stalled: bool = False
+
+    def enter(self, stage: str, now: float | None = None) -> None:
+        """Close the current stage and open ``stage`` (the runner calls this)."""
+        now = time.monotonic() if now is None else now
+        self.stages.append((self.stage, now - (self.stage_since or self.opened)))
+        self.stage, self.stage_since = stage, now
+
+
+@dataclass(frozen=True)
+class FlightRecord:
+    """One finished collective as ``lpsync status`` shows it."""
+
+    sequence: int
+    spec: Spec
+    started_at: float  # unix time of the first arrival
+    arrivals: tuple[tuple[int, float], ...]  # (rank, seconds after the first arrival)
+    stages: tuple[tuple[str, float], ...]  # (stage, seconds), in order
+    seconds: float  # first arrival to outcome
+    algorithm: str
+    chunks: int
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A collective of a job that has not finished yet."""
+
+    sequence: int
+    op: str
+    stage: str
+    started_at: float  # unix time of the first arrival
+    seconds: float  # since the first arrival
+    arrived: tuple[int, ...]
+    missing_ranks: tuple[int, ...]  # local ranks not arrived, or the ranks of missing nodes
+    missing_nodes: tuple[int, ...]
+    stalled: bool
 
 
 # Runs a complete collective and returns each rank's outcome (execute.py).
@@ -116,7 +170,8 @@ def _inline(job: Job, pending: Pending, run: Callable[[], None]) -> None:
 class Job:
     def __init__(self, name: str, world_size: int, watcher: Watcher, runner: Runner,
                  record: Callable[[Job, Pending, Outcome], None],
-                 dispatch: Dispatch = _inline, layout: NodeLayout | None = None) -> None:
+                 dispatch: Dispatch = _inline, layout: NodeLayout | None = None,
+                 recorder: Recorder | None = None) -> None:
         self.name, self.world_size = name, world_size
         # A multi-node job: the ranks this daemon serves; its collectives run when these
         # arrived (multinode.py agrees with the other nodes before data moves).
@@ -128,6 +183,9 @@ class Job:
         self.sessions: dict[int, str] = {}  # rank -> session id
         self.gone: dict[int, str] = {}  # rank -> why it left
         self._pending: dict[int, Pending] = {}
+        self._active: dict[int, Pending] = {}  # complete, queued or running (under lock)
+        self.recorder = recorder or Recorder()
+        self.history: deque[FlightRecord] = deque(maxlen=self.recorder.size)
         self._failed: OrderedDict[int, LpsyncError] = OrderedDict()
         self._watcher, self._runner, self._record = watcher, runner, record
         self._dispatch = dispatch
@@ -179,6 +237,7 @@ class Job:
         ready = None
         error: LpsyncError | None = None
         failed_pending: Pending | None = None
+        arrival.at = time.monotonic()
         with self.lock:
             seq = arrival.sequence
             if seq in self._failed:
@@ -191,8 +250,12 @@ class Job:
             else:
                 pending = self._pending.get(seq)
                 if pending is None:
-                    pending = Pending(seq, arrival.spec)
+                    pending = Pending(seq, arrival.spec, opened=arrival.at)
                     self._pending[seq] = pending
+                    if self.recorder.stall_seconds < arrival.timeout:
+                        pending.stall_timer = self._watcher.at(
+                            pending.opened + self.recorder.stall_seconds,
+                            lambda p=pending: self._stall_check(p))
                 if arrival.rank in pending.arrivals:
                     error = InvalidArgumentError(
                         f"rank {arrival.rank} submitted collective #{seq} twice")
@@ -205,11 +268,12 @@ class Job:
                         failed_pending = pending
                     elif len(pending.arrivals) == len(self.local_ranks):
                         del self._pending[seq]
+                        self._active[seq] = pending
+                        pending.enter(QUEUED, arrival.at)
                         ready = pending
                     elif pending.timer is None:
                         pending.timer = self._watcher.at(
-                            time.monotonic() + arrival.timeout,
-                            lambda p=pending: self._expire(p))
+                            arrival.at + arrival.timeout, lambda p=pending: self._expire(p))
         if failed_pending is not None:
             assert error is not None
             self._fail(failed_pending, error)
@@ -219,6 +283,60 @@ class Job:
             if ready.timer is not None:
                 ready.timer.cancel()
             self._dispatch(self, ready, lambda: self._run(ready))
+
+    # -- the flight recorder ------------------------------------------------------------------
+    def _stall_check(self, pending: Pending) -> None:
+        """Past the stall threshold and not finished: warn once, naming who is missing."""
+        for waiting in self.waiting():
+            if waiting.sequence != pending.sequence or waiting.stage == RUNNING:
+                continue
+            pending.stalled = True
+            nodes = (f"; node(s) {', '.join(map(str, waiting.missing_nodes))} not heard from"
+                     if waiting.missing_nodes else "")
+            log.warning(
+                f"collective #{pending.sequence} ({pending.spec.op}) of job {self.name!r} has "
+                f"waited {waiting.seconds:.1f} s ({waiting.stage}): missing rank(s) "
+                f"{', '.join(map(str, waiting.missing_ranks)) or '-'}{nodes}",
+                extra={"job": self.name, "sequence": pending.sequence,
+                       "missing_ranks": list(waiting.missing_ranks),
+                       "missing_nodes": list(waiting.missing_nodes)})
+
+    def waiting(self) -> list[Waiting]:
+        """What this job's unfinished collectives wait for, oldest first."""
+        now, stall = time.monotonic(), self.recorder.stall_seconds
+        with self.lock:
+            pendings = [*self._pending.values(), *self._active.values()]
+        out = []
+        for p in sorted(pendings, key=lambda p: p.sequence):
+            arrived = tuple(sorted(p.arrivals))
+            missing_nodes = p.waiting_nodes if p.stage == AGREEING else ()
+            if p.stage == ARRIVING:
+                missing = tuple(r for r in self.local_ranks if r not in p.arrivals)
+            elif missing_nodes and self.layout is not None:
+                per = self.layout.ranks_per_node
+                missing = tuple(r for n in missing_nodes for r in range(n * per, (n + 1) * per))
+            else:
+                missing = ()
+            out.append(Waiting(p.sequence, p.spec.op, p.stage, p.opened_wall, now - p.opened,
+                               arrived, missing, missing_nodes,
+                               p.stalled or now - p.opened >= stall))
+        return out
+
+    def _finish(self, pending: Pending, outcome: Outcome) -> None:
+        """Keep ``pending``'s record in the flight recorder."""
+        now = time.monotonic()
+        pending.enter("", now)
+        error = outcome.error
+        record = FlightRecord(
+            pending.sequence, pending.spec, pending.opened_wall,
+            tuple((r, a.at - pending.opened) for r, a in sorted(pending.arrivals.items())),
+            tuple(pending.stages), now - pending.opened, outcome.algorithm, outcome.chunks,
+            "OK" if error is None else error.code, "" if error is None else str(error))
+        if pending.stall_timer is not None:
+            pending.stall_timer.cancel()
+        with self.lock:
+            self._active.pop(pending.sequence, None)
+            self.history.append(record)
 
     def _check(self, pending: Pending) -> MismatchError | None:
         ranks = sorted(pending.arrivals)
@@ -259,12 +377,15 @@ class Job:
         if self.on_local_failure is not None:  # a multi-node job: tell the other nodes
             self.on_local_failure(self, pending, error)
         outcome = Outcome(error)
+        self._finish(pending, outcome)
         self._record(self, pending, outcome)
         for arrival in pending.arrivals.values():
             arrival.done(Outcome(error, INTACT if arrival.in_place else UNSPECIFIED))
 
     def _run(self, pending: Pending) -> None:
         with self.run_lock:
+            # A multi-node collective first agrees with the other nodes (multinode.py).
+            pending.enter(RUNNING if self.layout is None else AGREEING)
             try:
                 outcome = self._runner(self, pending)
             except LpsyncError as error:
@@ -278,7 +399,17 @@ class Job:
                 state = PARTIAL if arrival.in_place else UNSPECIFIED
             arrival.done(Outcome(outcome.error, state, outcome.algorithm, outcome.chunks,
                                  outcome.seconds))
-        self._record(self, pending, outcome)  # after the replies: off the critical path
+        # After the replies: off the critical path.
+        self._finish(pending, outcome)
+        self._record(self, pending, outcome)
+
+
+@dataclass(frozen=True)
+class Recorder:
+    """Flight-recorder settings shared by every job of a daemon."""
+
+    size: int = 32  # finished collectives kept per job (--flight-recorder)
+    stall_seconds: float = 60.0  # warn when a collective waits this long (--stall-seconds)
 
 
 class Jobs:
@@ -286,11 +417,12 @@ class Jobs:
 
     def __init__(self, watcher: Watcher, runner: Runner,
                  record: Callable[[Job, Pending, Outcome], None],
-                 dispatch: Dispatch = _inline) -> None:
+                 dispatch: Dispatch = _inline, recorder: Recorder | None = None) -> None:
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
         self._watcher, self._runner, self._record = watcher, runner, record
         self._dispatch = dispatch
+        self._recorder = recorder or Recorder()
 
     def join(self, name: str, rank: int, world_size: int, session_id: str,
              layout: NodeLayout | None = None) -> Job:
@@ -298,7 +430,8 @@ class Jobs:
             job = self._jobs.get(name)
             if job is None:
                 job = self._jobs[name] = Job(name, world_size, self._watcher, self._runner,
-                                             self._record, self._dispatch, layout)
+                                             self._record, self._dispatch, layout,
+                                             self._recorder)
             elif job.layout != layout:
                 raise InvalidArgumentError(
                     f"job {name!r}: rank {rank} attached with another node layout "

@@ -28,7 +28,7 @@ import numpy as np
 from lpsync.algorithms import LinkModel, generate, select
 from lpsync.algorithms.tuner import chunks_for
 from lpsync.daemon.execute import BARRIER, GroupCache, _buffers, nccl_bytes
-from lpsync.daemon.matching import Job, Outcome, Pending, Spec
+from lpsync.daemon.matching import RUNNING, Job, Outcome, Pending, Spec
 from lpsync.daemon.peer_plane import SPEC, Link, PeerPlane, control_tag
 from lpsync.engine.group import LocalGroup
 from lpsync.engine.reduce import Reduction
@@ -69,6 +69,7 @@ def run(job: Job, pending: Pending, plane: PeerPlane) -> Outcome:
     link = plane.link(deadline)
     try:
         model = _agree(job, pending, link, deadline)
+        pending.enter(RUNNING)
         if spec.op == BARRIER:
             return Outcome(algorithm="exchange", chunks=1, seconds=time.perf_counter() - start)
         algorithm, chunks = _run_pipeline(job, pending, link, model, deadline)
@@ -141,10 +142,12 @@ def _agree(job: Job, pending: Pending, link: Link, deadline: float) -> LinkModel
     others = [n for n in range(job.layout.nodes) if n != job.layout.node]
     sends = [link.endpoint.send(n, tag, out) for n in others]
     summaries = {job.layout.node: mine}
-    for n in others:
+    pending.waiting_nodes = tuple(others)  # for `lpsync status` and the stall warning
+    for i, n in enumerate(others):
         buf = np.zeros(_SUMMARY_BYTES, np.uint8)
         link.endpoint.recv_into(n, tag, buf, deadline)
         summaries[n] = json.loads(buf.tobytes().rstrip(b"\0"))
+        pending.waiting_nodes = tuple(others[i + 1:])
     for request in sends:
         request.wait(deadline)
     failed = [n for n in sorted(summaries) if "error" in summaries[n]]

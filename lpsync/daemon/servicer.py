@@ -35,7 +35,16 @@ from lpsync._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync.algorithms import ALGORITHMS
 from lpsync.daemon import execute, multinode
 from lpsync.daemon.config import DaemonConfig
-from lpsync.daemon.matching import Arrival, Job, Jobs, NodeLayout, Outcome, Pending, Spec
+from lpsync.daemon.matching import (
+    Arrival,
+    Job,
+    Jobs,
+    NodeLayout,
+    Outcome,
+    Pending,
+    Recorder,
+    Spec,
+)
 from lpsync.daemon.metrics import Metrics
 from lpsync.daemon.peer_plane import PeerPlane
 from lpsync.daemon.sessions import Session, SessionTable
@@ -68,7 +77,8 @@ class Service(pb_grpc.LpSyncServicer):
         self.sessions = SessionTable(config.max_buffer_bytes, config.max_session_bytes,
                                      on_bytes=metrics.registered_bytes.set)
         self.watcher = Watcher()
-        self.jobs = Jobs(self.watcher, self._run, self._record, self._dispatch)
+        self.jobs = Jobs(self.watcher, self._run, self._record, self._dispatch,
+                         Recorder(config.flight_recorder, config.stall_seconds))
         # (job, seq, op, dtype, count, algorithm, seconds, code, unix time); made into
         # messages only when Status asks, to keep the collective path short.
         self.recent: deque[tuple] = deque(maxlen=_RECENT)
@@ -362,6 +372,8 @@ class Service(pb_grpc.LpSyncServicer):
         limit = request.recent or 20
         for entry in recent[-limit:]:
             response.recent.add(**dict(zip(_RECORD_FIELDS, entry, strict=True)))
+        for job in sorted(self.jobs.all(), key=lambda j: j.name):
+            _job_info(response.jobs.add(), job, request.history)
         return response
 
     # -- collectives -------------------------------------------------------------------------
@@ -448,6 +460,30 @@ class Service(pb_grpc.LpSyncServicer):
         self.metrics.collective_done(spec.op, outcome.algorithm, spec.dtype, nbytes,
                                      outcome.seconds, execute.bus_factor(spec.op,
                                                                          job.world_size))
+
+
+def _job_info(info: pb.JobInfo, job: Job, history: int) -> None:
+    """The flight recorder of one job: what it waits for, and its last collectives."""
+    layout = job.layout
+    info.job, info.world_size = job.name, job.world_size
+    info.nodes, info.node = (layout.nodes, layout.node) if layout is not None else (1, 0)
+    with job.lock:
+        info.attached.extend(sorted(job.sessions))
+        records = list(job.history)
+    for w in job.waiting():
+        info.waiting.add(sequence=w.sequence, op=w.op, stage=w.stage, started_at=w.started_at,
+                         waiting_seconds=w.seconds, arrived=w.arrived,
+                         missing_ranks=w.missing_ranks, missing_nodes=w.missing_nodes,
+                         stalled=w.stalled)
+    for r in records[-history if history else 0:]:
+        record = info.history.add(
+            sequence=r.sequence, op=r.spec.op, dtype=r.spec.dtype, count=r.spec.count,
+            algorithm=r.algorithm, chunks=r.chunks, code=r.code, message=r.message,
+            started_at=r.started_at, total_seconds=r.seconds)
+        for rank, after in r.arrivals:
+            record.arrivals.add(rank=rank, after_seconds=after)
+        for stage, seconds in r.stages:
+            record.stages.add(stage=stage, seconds=seconds)
 
 
 def _overlap(a, b) -> bool:

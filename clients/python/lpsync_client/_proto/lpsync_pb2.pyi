@@ -190,10 +190,12 @@ class SessionResponse(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., opened: _Optional[_Union[SessionOpen, _Mapping]] = ..., result: _Optional[_Union[CollectiveResult, _Mapping]] = ..., pong: _Optional[_Union[Ping, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ("recent",)
+    __slots__ = ("recent", "history")
     RECENT_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     recent: int
-    def __init__(self, recent: _Optional[int] = ...) -> None: ...
+    history: int
+    def __init__(self, recent: _Optional[int] = ..., history: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "job", "rank", "world_size", "pid", "buffers", "registered_bytes", "attached_seconds")
@@ -251,16 +253,102 @@ class CollectiveRecord(_message.Message):
     finished_at: float
     def __init__(self, job: _Optional[str] = ..., sequence: _Optional[int] = ..., op: _Optional[str] = ..., dtype: _Optional[str] = ..., count: _Optional[int] = ..., algorithm: _Optional[str] = ..., seconds: _Optional[float] = ..., code: _Optional[str] = ..., finished_at: _Optional[float] = ...) -> None: ...
 
+class RankArrival(_message.Message):
+    __slots__ = ("rank", "after_seconds")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    after_seconds: float
+    def __init__(self, rank: _Optional[int] = ..., after_seconds: _Optional[float] = ...) -> None: ...
+
+class StageTime(_message.Message):
+    __slots__ = ("stage", "seconds")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    seconds: float
+    def __init__(self, stage: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class FlightRecord(_message.Message):
+    __slots__ = ("sequence", "op", "dtype", "count", "algorithm", "chunks", "code", "message", "started_at", "total_seconds", "arrivals", "stages")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVALS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    op: str
+    dtype: str
+    count: int
+    algorithm: str
+    chunks: int
+    code: str
+    message: str
+    started_at: float
+    total_seconds: float
+    arrivals: _containers.RepeatedCompositeFieldContainer[RankArrival]
+    stages: _containers.RepeatedCompositeFieldContainer[StageTime]
+    def __init__(self, sequence: _Optional[int] = ..., op: _Optional[str] = ..., dtype: _Optional[str] = ..., count: _Optional[int] = ..., algorithm: _Optional[str] = ..., chunks: _Optional[int] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., started_at: _Optional[float] = ..., total_seconds: _Optional[float] = ..., arrivals: _Optional[_Iterable[_Union[RankArrival, _Mapping]]] = ..., stages: _Optional[_Iterable[_Union[StageTime, _Mapping]]] = ...) -> None: ...
+
+class WaitingCollective(_message.Message):
+    __slots__ = ("sequence", "op", "stage", "started_at", "waiting_seconds", "arrived", "missing_ranks", "missing_nodes", "stalled")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_NODES_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    op: str
+    stage: str
+    started_at: float
+    waiting_seconds: float
+    arrived: _containers.RepeatedScalarFieldContainer[int]
+    missing_ranks: _containers.RepeatedScalarFieldContainer[int]
+    missing_nodes: _containers.RepeatedScalarFieldContainer[int]
+    stalled: bool
+    def __init__(self, sequence: _Optional[int] = ..., op: _Optional[str] = ..., stage: _Optional[str] = ..., started_at: _Optional[float] = ..., waiting_seconds: _Optional[float] = ..., arrived: _Optional[_Iterable[int]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., missing_nodes: _Optional[_Iterable[int]] = ..., stalled: _Optional[bool] = ...) -> None: ...
+
+class JobInfo(_message.Message):
+    __slots__ = ("job", "world_size", "nodes", "node", "attached", "waiting", "history")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    world_size: int
+    nodes: int
+    node: int
+    attached: _containers.RepeatedScalarFieldContainer[int]
+    waiting: _containers.RepeatedCompositeFieldContainer[WaitingCollective]
+    history: _containers.RepeatedCompositeFieldContainer[FlightRecord]
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., nodes: _Optional[int] = ..., node: _Optional[int] = ..., attached: _Optional[_Iterable[int]] = ..., waiting: _Optional[_Iterable[_Union[WaitingCollective, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[FlightRecord, _Mapping]]] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "uptime_seconds", "sessions", "buffers", "recent")
+    __slots__ = ("version", "uptime_seconds", "sessions", "buffers", "recent", "jobs")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     RECENT_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_seconds: float
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     buffers: _containers.RepeatedCompositeFieldContainer[BufferInfo]
     recent: _containers.RepeatedCompositeFieldContainer[CollectiveRecord]
-    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ..., recent: _Optional[_Iterable[_Union[CollectiveRecord, _Mapping]]] = ...) -> None: ...
+    jobs: _containers.RepeatedCompositeFieldContainer[JobInfo]
+    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ..., recent: _Optional[_Iterable[_Union[CollectiveRecord, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...
