@@ -132,6 +132,10 @@ class Job:
         self._watcher, self._runner, self._record = watcher, runner, record
         self._dispatch = dispatch
         self.cache: object = None  # the executor's plan cache for this job (execute.py)
+        # For metrics (read at scrape time, never locked for it): collectives now running,
+        # and the unix time the job last completed one (its creation before that).
+        self.running = 0
+        self.last_progress = time.time()
         # Multi-node jobs: called (no lock held) when a collective fails on this node before
         # it could run (a mismatch, a local rank missing or gone), so that the other nodes
         # fail it too instead of waiting for this node (multinode.notify_failure).
@@ -263,7 +267,13 @@ class Job:
         for arrival in pending.arrivals.values():
             arrival.done(Outcome(error, INTACT if arrival.in_place else UNSPECIFIED))
 
+    def outstanding(self) -> int:
+        """Collectives waiting for local ranks or running (a racy read: for metrics)."""
+        return len(self._pending) + self.running
+
     def _run(self, pending: Pending) -> None:
+        with self.lock:
+            self.running += 1
         with self.run_lock:
             try:
                 outcome = self._runner(self, pending)
@@ -272,6 +282,10 @@ class Job:
             except Exception as error:  # a bug: report it rather than hang the participants
                 log.exception("collective failed unexpectedly")
                 outcome = Outcome(LpsyncError(f"internal error: {error!r}"))
+        with self.lock:
+            self.running -= 1
+            if outcome.error is None:
+                self.last_progress = time.time()
         for arrival in pending.arrivals.values():
             state = outcome.buffer_state
             if outcome.error is not None:

@@ -36,7 +36,7 @@ from lpsync.algorithms import ALGORITHMS
 from lpsync.daemon import execute, multinode
 from lpsync.daemon.config import DaemonConfig
 from lpsync.daemon.matching import Arrival, Job, Jobs, NodeLayout, Outcome, Pending, Spec
-from lpsync.daemon.metrics import Metrics
+from lpsync.daemon.metrics import JobState, Metrics
 from lpsync.daemon.peer_plane import PeerPlane
 from lpsync.daemon.sessions import Session, SessionTable
 from lpsync.daemon.watcher import Watcher
@@ -69,6 +69,11 @@ class Service(pb_grpc.LpSyncServicer):
                                      on_bytes=metrics.registered_bytes.set)
         self.watcher = Watcher()
         self.jobs = Jobs(self.watcher, self._run, self._record, self._dispatch)
+        metrics.session_bytes_limit.set(config.max_session_bytes)
+        metrics.buffer_bytes_limit.set(config.max_buffer_bytes)
+        metrics.watch(lambda: [JobState(j.name, j.outstanding(), j.last_progress)
+                               for j in self.jobs.all()],
+                      lambda: [s.nbytes for s in self.sessions.all()])
         # (job, seq, op, dtype, count, algorithm, seconds, code, unix time); made into
         # messages only when Status asks, to keep the collective path short.
         self.recent: deque[tuple] = deque(maxlen=_RECENT)
