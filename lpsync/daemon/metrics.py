@@ -49,11 +49,12 @@ class _TableCollector(Collector):
     def collect(self):
         pending = GaugeMetricFamily(
             "lpsync_job_pending_collectives",
-            "Collectives of the job waiting for ranks or running on this daemon", labels=["job"])
+            "Collectives of the job waiting for ranks or running on this daemon",
+            labels=["job_name"])
         progress = GaugeMetricFamily(
             "lpsync_job_last_progress_timestamp_seconds",
             "Unix time the job last completed a collective here (its attach time before that)",
-            labels=["job"])
+            labels=["job_name"])
         for job in self._jobs():
             pending.add_metric([job.name], job.pending)
             progress.add_metric([job.name], job.last_progress)
