@@ -162,8 +162,9 @@ def observed(tmp_path_factory) -> Iterator[dict]:
         prometheus = Prometheus(tmp, targets)
         _until("both daemons' peer meshes", lambda: len(prometheus.query(
             "lpsync_peers_connected == 1")) == 2, 60)
-        _until("two scrapes of the collectives' series (a rate needs two)", lambda: len(
-            prometheus.query("rate(lpsync_collective_seconds_count[1m])")) >= 2, 30)
+        # A rate needs two samples: wait for three scrapes of each daemon.
+        _until("three scrapes of both daemons", lambda: prometheus.query(
+            "count(count_over_time(lpsync_sessions[1m]) >= 3) == 2"), 30)
         scraped = [_get(f"http://{t}/metrics") for t in targets]
         yield {"prometheus": prometheus, "daemons": daemons, "targets": targets,
                "scraped": scraped}
