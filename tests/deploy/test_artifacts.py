@@ -12,7 +12,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import DEPLOY, ROOT, k8s_resources, tool
+from deploy_files import DEPLOY, ROOT, k8s_resources, tool
 from dockerfile_parse import DockerfileParser
 
 K8S_VERSION = "1.30.0"  # the oldest Kubernetes the manifests promise to work on

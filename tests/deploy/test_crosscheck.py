@@ -14,7 +14,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
-from conftest import DEPLOY, ROOT, compose, k8s_resource
+from deploy_files import DEPLOY, ROOT, compose, k8s_resource
 from dockerfile_parse import DockerfileParser
 
 from lpsync.cli import build_parser

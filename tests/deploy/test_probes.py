@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import deploy_files  # noqa: F401 - puts tests/daemon (harness) on sys.path
 from harness import ROOT, DaemonProcess
 
 from lpsync.daemon.metrics import _BUCKETS, size_class

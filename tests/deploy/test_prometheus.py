@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import DEPLOY, tool
+from deploy_files import DEPLOY, tool
 from harness import DaemonProcess, shm_segments
 from ports import free_ports
 from prometheus_client.parser import text_string_to_metric_families

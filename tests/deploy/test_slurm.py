@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DEPLOY
+from deploy_files import DEPLOY
 
 from lpsync.cli import build_parser
 from lpsync.daemon import config as daemon_config
