@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import re
 import subprocess
+import tomllib
 from pathlib import Path
 
 import kubernetes_validate
@@ -136,3 +138,30 @@ def test_dashboard_json_is_what_the_builder_makes() -> None:
         "deploy/grafana/dashboards/lpsync.json is stale: run python deploy/grafana/dashboard.py")
     ids = [p["id"] for p in builder.build()["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_dockerfile_extras_exist() -> None:
+    """The extras the images install (`.[cuda]`) are the project's own."""
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())
+                 ["project"]["optional-dependencies"])
+    used = {path.name: re.findall(r'"\.\[([a-z,]+)\]"', path.read_text())
+            for path in _dockerfiles()}
+    assert used["Dockerfile.cuda"] == ["cuda"]
+    for name, found in used.items():
+        for extra in found:
+            assert set(extra.split(",")) <= extras, f"{name}: unknown extra {extra}"
+
+
+def test_rules_wrap_into_a_prometheusrule_as_docs_say(tmp_path: Path) -> None:
+    """docs/deploy.md's shell line that turns the rules into the operator's PrometheusRule."""
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    line = next(block for block in re.findall(r"```\n(.*?)```", docs, re.S)
+                if "PrometheusRule" in block)
+    command = line.replace("| kubectl apply -f -", "").strip()
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT,
+                          timeout=30)
+    assert done.returncode == 0, done.stderr
+    resource = yaml.safe_load(done.stdout)
+    assert resource["kind"] == "PrometheusRule"
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "rules" / "lpsync.yml").read_text())
+    assert resource["spec"] == rules
