@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml clients/python/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,torch]' -e clients/python
+	$(BIN)/python -m pip install -q -e '.[test,torch,deploy]' -e clients/python
 	touch $@
 
 demo: $(BIN)/.installed

@@ -190,6 +190,9 @@ class Job:
         self._watcher, self._runner, self._record = watcher, runner, record
         self._dispatch = dispatch
         self.cache: object = None  # the executor's plan cache for this job (execute.py)
+        # For metrics (read at scrape time): the unix time the job last completed a
+        # collective (its creation before that).
+        self.last_progress = time.time()
         # Multi-node jobs: called (no lock held) when a collective fails on this node before
         # it could run (a mismatch, a local rank missing or gone), so that the other nodes
         # fail it too instead of waiting for this node (multinode.notify_failure).
@@ -337,6 +340,8 @@ class Job:
         with self.lock:
             self._active.pop(pending.sequence, None)
             self.history.append(record)
+            if error is None:
+                self.last_progress = time.time()
 
     def _check(self, pending: Pending) -> MismatchError | None:
         ranks = sorted(pending.arrivals)
@@ -381,6 +386,10 @@ class Job:
         self._record(self, pending, outcome)
         for arrival in pending.arrivals.values():
             arrival.done(Outcome(error, INTACT if arrival.in_place else UNSPECIFIED))
+
+    def outstanding(self) -> int:
+        """Collectives arriving, queued or running (a racy read: for metrics)."""
+        return len(self._pending) + len(self._active)
 
     def _run(self, pending: Pending) -> None:
         with self.run_lock:

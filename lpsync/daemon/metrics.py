@@ -1,14 +1,69 @@
 """Prometheus metrics of DESIGN.md, in a registry of the daemon's own (no hidden globals).
 
 Recorded once at the end of each collective (never per chunk) and on session and
-buffer changes.
+buffer changes; per-job and per-session figures are read from the daemon's own tables
+when Prometheus scrapes (``watch``), so they cost the collective path nothing.
+Label cardinality stays bounded: ``size`` is one of a few size classes, ``job`` exists
+only while the job is attached here, ``peer`` is one of the configured peers.
+The deploy/ alert rules and dashboard use these names (tests/deploy checks them).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import bisect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
-_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# 1-2.5-5 steps from 10 us to 1000 s: percentiles stay within a factor 2.5 of the truth
+# from a small-message barrier to a slow multi-GiB allreduce over a congested link.
+_BUCKETS = (*(float(f"{m}e{e}") for e in range(-5, 3) for m in (1, 2.5, 5)), 1000.0)
+
+# Message-size classes (nccl-tests bytes) of the latency histogram: powers of 16 from 4 KiB.
+_SIZE_BOUNDS = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20, 4 << 30)
+_SIZE_NAMES = ("<=4KiB", "<=64KiB", "<=1MiB", "<=16MiB", "<=256MiB", "<=4GiB", ">4GiB")
+
+
+def size_class(nbytes: int) -> str:
+    """The ``size`` label of a collective of ``nbytes`` bytes."""
+    return _SIZE_NAMES[bisect.bisect_left(_SIZE_BOUNDS, nbytes)]
+
+
+@dataclass(frozen=True)
+class JobState:
+    name: str
+    pending: int  # collectives some local rank issued that have not completed
+    last_progress: float  # unix time of the last completed collective (or of the attach)
+
+
+class _TableCollector(Collector):
+    """Series read from the daemon's tables at scrape time."""
+
+    def __init__(self, jobs: Callable[[], Iterable[JobState]],
+                 session_bytes: Callable[[], Iterable[int]]) -> None:
+        self._jobs, self._session_bytes = jobs, session_bytes
+
+    def collect(self):
+        pending = GaugeMetricFamily(
+            "lpsync_job_pending_collectives",
+            "Collectives of the job waiting for ranks or running on this daemon",
+            labels=["job_name"])
+        progress = GaugeMetricFamily(
+            "lpsync_job_last_progress_timestamp_seconds",
+            "Unix time the job last completed a collective here (its attach time before that)",
+            labels=["job_name"])
+        for job in self._jobs():
+            pending.add_metric([job.name], job.pending)
+            progress.add_metric([job.name], job.last_progress)
+        largest = GaugeMetricFamily(
+            "lpsync_session_registered_bytes_max",
+            "Bytes held in buffers by the session holding the most (limit: "
+            "lpsync_session_bytes_limit)")
+        largest.add_metric([], max(self._session_bytes(), default=0))
+        return [pending, progress, largest]
 
 
 class Metrics:
@@ -17,7 +72,7 @@ class Metrics:
         r = self.registry
         self.collective_seconds = Histogram(
             "lpsync_collective_seconds", "Collective time from last arrival to completion",
-            ["op", "algorithm", "dtype"], buckets=_BUCKETS, registry=r)
+            ["op", "algorithm", "dtype", "size"], buckets=_BUCKETS, registry=r)
         self.collective_bytes = Counter(
             "lpsync_collective_bytes", "Bytes of collectives completed (nccl-tests size)",
             ["op"], registry=r)
@@ -30,13 +85,30 @@ class Metrics:
         self.sessions = Gauge("lpsync_sessions", "Attached sessions", registry=r)
         self.registered_bytes = Gauge(
             "lpsync_registered_bytes", "Bytes in allocated and registered buffers", registry=r)
+        self.session_bytes_limit = Gauge(
+            "lpsync_session_bytes_limit", "Bytes one session may hold (--max-session-bytes)",
+            registry=r)
+        self.buffer_bytes_limit = Gauge(
+            "lpsync_buffer_bytes_limit", "Largest single buffer (--max-buffer-bytes)",
+            registry=r)
         self.peers_connected = Gauge(
             "lpsync_peers_connected", "Peer daemons this one is connected to",
+            registry=r)
+        self.peers_expected = Gauge(
+            "lpsync_peers_expected", "Peer daemons this one is configured with (0: one node)",
             registry=r)
         self.peer_link_bw = Gauge(
             "lpsync_peer_link_bytes_per_second", "Peer link bandwidth probed on connect",
             ["peer"], registry=r)
-        self._children: dict[tuple[str, str, str], tuple] = {}
+        self.peer_heartbeats = Counter(
+            "lpsync_peer_heartbeats", "Heartbeats received from each peer daemon",
+            ["peer"], registry=r)
+        self._children: dict[tuple[str, str, str, str], tuple] = {}
+
+    def watch(self, jobs: Callable[[], Iterable[JobState]],
+              session_bytes: Callable[[], Iterable[int]]) -> None:
+        """Export the per-job and per-session series, read from these callables at scrape."""
+        self.registry.register(_TableCollector(jobs, session_bytes))
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
@@ -44,7 +116,7 @@ class Metrics:
     def collective_done(self, op: str, algorithm: str, dtype: str, nbytes: int, seconds: float,
                         busbw_factor: float) -> None:
         # labels() costs more than the observation: keep the children per label set.
-        key = (op, algorithm, dtype)
+        key = (op, algorithm, dtype, size_class(nbytes))
         children = self._children.get(key)
         if children is None:
             children = self._children[key] = (self.collective_seconds.labels(*key),

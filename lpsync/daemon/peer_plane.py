@@ -122,6 +122,7 @@ class PeerPlane:
         self.options = options
         self.rank, self.size = options.peers.node_rank, len(options.peers.peers)
         self._metrics = metrics
+        metrics.peers_expected.set(self.size - 1)
         self._runtime: UcxRuntime | None = None  # opened by the manager thread, kept
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -249,6 +250,7 @@ class PeerPlane:
         # with UnavailableError.
         buf = np.zeros(1, np.uint8)
         count = 0
+        beats = self._metrics.peer_heartbeats.labels(str(self.options.peers.peers[peer]))
         while not link.broken.is_set():
             try:
                 link.ucx.recv_into(peer, control_tag(HEARTBEAT, count), buf,
@@ -257,6 +259,7 @@ class PeerPlane:
                 link.broken.set()
                 return
             link.last_heard[peer] = time.monotonic()
+            beats.inc()
             count += 1
 
     def _watch(self, link: Link) -> None:

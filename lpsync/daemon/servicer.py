@@ -45,7 +45,7 @@ from lpsync.daemon.matching import (
     Recorder,
     Spec,
 )
-from lpsync.daemon.metrics import Metrics
+from lpsync.daemon.metrics import JobState, Metrics
 from lpsync.daemon.peer_plane import PeerPlane
 from lpsync.daemon.sessions import Session, SessionTable
 from lpsync.daemon.watcher import Watcher
@@ -79,6 +79,11 @@ class Service(pb_grpc.LpSyncServicer):
         self.watcher = Watcher()
         self.jobs = Jobs(self.watcher, self._run, self._record, self._dispatch,
                          Recorder(config.flight_recorder, config.stall_seconds))
+        metrics.session_bytes_limit.set(config.max_session_bytes)
+        metrics.buffer_bytes_limit.set(config.max_buffer_bytes)
+        metrics.watch(lambda: [JobState(j.name, j.outstanding(), j.last_progress)
+                               for j in self.jobs.all()],
+                      lambda: [s.nbytes for s in self.sessions.all()])
         # (job, seq, op, dtype, count, algorithm, seconds, code, unix time); made into
         # messages only when Status asks, to keep the collective path short.
         self.recent: deque[tuple] = deque(maxlen=_RECENT)
