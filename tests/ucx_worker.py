@@ -60,6 +60,10 @@ def participant(rank: int, peers: str, secret: bytes, cases: list[Case], queue: 
     parent kills rank 1, then receive from it), heal (on a runtime of its own, as a
     daemon holds one: once the parent has killed rank 1, rebuild the mesh on the same
     runtime with its replacement and run the cases)."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's post-mortem
     records = _Records()
     logging.getLogger("lpsync").addHandler(records)
     from lpsync.algorithms import generate
