@@ -208,6 +208,8 @@ def test_survivor_rebuilds_on_its_runtime_with_a_restarted_peer() -> None:
             p.join(10)
             if p.is_alive():
                 dump_stacks(p.pid)
+            elif p.exitcode:
+                print(f"participant {p.pid} exited with {p.exitcode}")
             if p.is_alive():
                 p.kill()
     check_results(cases, 2, results)

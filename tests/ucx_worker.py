@@ -63,6 +63,7 @@ def participant(rank: int, peers: str, secret: bytes, cases: list[Case], queue: 
     import faulthandler
     import signal
 
+    faulthandler.enable(all_threads=True)  # a crash in native code leaves its stacks
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's post-mortem
     records = _Records()
     logging.getLogger("lpsync").addHandler(records)
