@@ -63,3 +63,35 @@ def allreduces(rank: int, sockets: list[str], per_node: int, job: str, world: in
             c.allreduce(x)
             ok.append(bool(np.all(x == sum(r * 100 + i for r in range(world)))))
     return ok
+
+
+def ucx_garbage(target_port: int, own_port: int, sizes: list[int]) -> list[str]:
+    """Speak UCX to a daemon's peer port but send random bytes where the handshake's hello
+    belongs, one connection per size; what each connection ended with."""
+    import time
+
+    from lpsync.transport.addresses import parse_peers
+    from lpsync.transport.ucx import RuntimeOptions, UcxEndpoint, UcxOptions, UcxRuntime
+
+    peers = tuple(parse_peers(f"127.0.0.1:{target_port},127.0.0.1:{own_port}"))
+    runtime = UcxRuntime(RuntimeOptions(own_port, "tcp"))
+    # The endpoint's own connection and stream helpers, minus the handshake.
+    endpoint = UcxEndpoint(UcxOptions(1, peers, b"unused", handshake_timeout=5.0))
+    endpoint._runtime = runtime
+    outcomes = []
+    try:
+        for size in sizes:
+            ep = endpoint._create_ep("127.0.0.1", target_port, 5.0)
+            send, recv = endpoint._stream_io(ep, time.monotonic() + 5.0)
+            try:
+                send(os.urandom(size))
+                recv(1)
+                outcomes.append("answered")
+            except Exception as error:
+                outcomes.append(type(error).__name__)
+            finally:
+                endpoint._close_ep(ep)
+    finally:
+        time.sleep(0.5)  # the closes posted above run first
+        runtime.close()
+    return outcomes

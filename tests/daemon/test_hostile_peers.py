@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from harness import DaemonProcess, run_ranks
 from ports import free_ports
-from security_workers import allreduces
+from security_workers import allreduces, ucx_garbage
 
 from lpsync.errors import UnauthenticatedError
 from lpsync.transport.auth import (
@@ -30,6 +30,13 @@ from lpsync.transport.auth import (
 pytest.importorskip("ucxx")
 
 SECRET = "hostile-test-secret"
+
+
+def _spawn(target, *args, timeout: float = 60.0):
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply_async(target, args).get(timeout)
 
 
 def _wait_for(d: DaemonProcess, text: str, timeout: float = 30.0) -> None:
@@ -71,6 +78,11 @@ def test_hostile_peers_are_refused_and_the_mesh_is_not_disturbed(tmp_path: Path)
                          "--node-rank", "1", secret="another-cluster-secret")
         _wait_for(node0, "refused")
         _garbage(ports[0], 20, held)  # while node 0's mesh is forming
+        # A UCX peer that sends garbage where the hello belongs, also while forming.
+        (own,) = free_ports(1)
+        outcomes = _spawn(ucx_garbage, ports[0], own, [41, 7, 300])
+        assert "answered" not in outcomes, outcomes
+        _wait_for(node0, "another protocol")
         node1 = start("node1", "--peers", peers, "--node-rank", "1")
         _wait_for(node0, "peer mesh up", 60)
         _wait_for(node1, "peer mesh up", 60)
