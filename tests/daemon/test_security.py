@@ -190,3 +190,17 @@ def test_the_cluster_secret_never_shows(tmp_path: Path) -> None:
     for text in texts + logs:
         for form in forms:
             assert form not in text, f"the secret ({form}) shows in:\n{text[:2000]}"
+
+
+def test_a_refused_trigger_connection_is_logged_with_its_peer(daemon) -> None:
+    from lpsync_client._trigger import TriggerStream
+
+    with pytest.raises(lpsync_client.NotFoundError):
+        TriggerStream(daemon.socket + ".trigger", "a-guessed-session-id", 5.0)
+    deadline = time.monotonic() + 10
+    while "refused a connection" not in (log := daemon.log.read_text()):
+        assert time.monotonic() < deadline, log[-2000:]
+        time.sleep(0.1)
+    line = next(x for x in log.splitlines() if "trigger socket: refused" in x)
+    assert f"pid {os.getpid()} uid {os.getuid()}" in line, line
+    assert "a-guessed-session-id" in line  # the NotFoundError names what was asked for
