@@ -161,19 +161,21 @@ class PeerPlane:
         naming the peers when there is none by then. Once a mesh has been lost, a
         collective waits at most ``heartbeat_timeout`` for its rebuild: a peer cut off
         or dead is UNAVAILABLE within that bound, not at the collective's own timeout."""
+        bound = time.monotonic() + self.options.heartbeat_timeout
         with self._changed:
-            if self._lost is not None:
-                deadline = min(deadline, time.monotonic() + self.options.heartbeat_timeout)
             while True:
                 link = self._link
                 if link is not None and link.error is None and link.model is not None:
                     return link
-                remaining = deadline - time.monotonic()
+                # Lost: said so by _serve, or broken and about to be (its watchdog ticks).
+                lost = self._lost or (link.failure() if link is not None and
+                                      link.error is not None else None)
+                remaining = (deadline if lost is None else min(deadline, bound)) - time.monotonic()
                 if remaining <= 0 or self._stop.is_set():
-                    if self._lost is not None:
+                    if lost is not None:
                         raise UnavailableError(
                             f"node {self.rank}: the peer mesh is down and rebuilding (lost: "
-                            f"{self._lost})")
+                            f"{lost})")
                     peers = ", ".join(f"{i}={p}" for i, p in enumerate(self.options.peers.peers)
                                       if i != self.rank)
                     raise UnavailableError(
@@ -254,6 +256,7 @@ class PeerPlane:
             if self._link is link:
                 self._link = None
             self._lost = failure
+            self._changed.notify_all()  # waiters now wait at most the heartbeat timeout
         self._metrics.peers_connected.set(0)
         if not self._stop.is_set():
             log.warning("node %d: peer mesh lost (%s); rebuilding it", self.rank, failure)

@@ -113,3 +113,16 @@ def through_partition(rank: int, sockets: list[str], per_node: int, job: str, wo
             c.allreduce(y)
             after.append(bool(np.all(y == sum(r * 10 + i for r in range(world)))))
         return [*got, after]
+
+
+def attempt(rank: int, sockets: list[str], per_node: int, job: str, world: int) -> list:
+    """One allreduce with a 60 s timeout: [error kind or "ok", seconds, message]."""
+    _node_env(rank, per_node)
+    with lpsync_client.connect(sockets[rank // per_node], job=job, rank=rank,
+                               world_size=world, timeout=60) as c:
+        start = time.monotonic()
+        try:
+            c.allreduce(c.zeros(8, "float32"))
+            return ["ok", time.monotonic() - start, ""]
+        except lpsync_client.LpsyncError as error:
+            return [type(error).__name__, time.monotonic() - start, str(error)[:500]]

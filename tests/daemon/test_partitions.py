@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from harness import DaemonProcess, run_ranks, shm_segments
-from multinode_workers import through_partition, until_unavailable
+from multinode_workers import attempt, through_partition, until_unavailable
 from security_workers import allreduces
 
 pytest.importorskip("ucxx")
@@ -168,6 +168,10 @@ def test_a_cut_while_data_moves_fails_every_rank_within_the_bound(net: NetCluste
         cut_at = time.monotonic()
         faults.cut(net.spec, CUT, "drop")
         runner.join(BOUND + 30)
+        # While node 1 is still cut off, a new job's collective fails within the heartbeat
+        # timeout, saying why, instead of waiting out its own 60 s for a mesh.
+        while_cut = run_ranks(WORLD, attempt, net.sockets, PER_NODE, "while-cut", WORLD,
+                              timeout=120)
     finally:
         faults.restore(net.spec, CUT, "drop")
         runner.join(120)
@@ -176,6 +180,12 @@ def test_a_cut_while_data_moves_fails_every_rank_within_the_bound(net: NetCluste
     for rank, (kind, at, done, message) in enumerate(box["results"]):
         assert kind == "UnavailableError", (rank, kind, message)
         assert at - cut_at < BOUND, (rank, round(at - cut_at, 2), done, message)
+    for rank, (kind, seconds, message) in enumerate(while_cut):
+        assert kind == "UnavailableError", (rank, kind, message)
+        assert seconds < BOUND, (rank, seconds, message)
+        assert "down and rebuilding" in message or "lost a peer" in message, message
+        if rank // PER_NODE != CUT:
+            assert "node 1" in message, (rank, message)
     net.wait_meshes(before, 120)
     # A node that finished the cut collective before the others failed it is one
     # collective ahead of them (docs/security.md, known limits): a new job starts even.
