@@ -95,9 +95,13 @@ class _Ep:
     def close(self) -> None:
         # On the progress thread.
         ucx, self.ucx = self.ucx, None
-        if ucx is not None:
+        if ucx is None:
+            return
+        try:
             ucx.remove_close_callback()
-            ucx.close_blocking()
+        except Exception as error:  # closing already: close it all the same
+            log.debug("removing a UCX close callback: %s", error)
+        ucx.close_blocking()
 
 
 class _Conn:
