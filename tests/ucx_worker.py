@@ -53,13 +53,21 @@ class _Records(logging.Handler):
 
 
 def participant(rank: int, peers: str, secret: bytes, cases: list[Case], queue: Queue[Any],
-                mode: str = "run", connect_timeout: float = 20.0, timeout: float = 20.0) -> None:
+                mode: str = "run", connect_timeout: float = 20.0, timeout: float = 20.0,
+                go: Any = None) -> None:
     """mode: run (the cases), idle (report CPU seconds over 2 s idle after the cases),
     hang (connect, report, then sleep: the parent kills it), recv_timeout (a receive
     nobody sends: expect CollectiveTimeoutError), notice_loss (idle 3 s while the
     parent kills rank 1, then receive from it), heal (on a runtime of its own, as a
     daemon holds one: once the parent has killed rank 1, rebuild the mesh on the same
-    runtime with its replacement and run the cases)."""
+    runtime with its replacement and run the cases). ``go``: an Event to wait for
+    before anything binds (a replacement started ahead of the kill of the rank it
+    replaces)."""
+    import faulthandler
+    import signal
+
+    faulthandler.enable(all_threads=True)  # a crash in native code leaves its stacks
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's post-mortem
     records = _Records()
     logging.getLogger("lpsync").addHandler(records)
     from lpsync.algorithms import generate
@@ -70,6 +78,8 @@ def participant(rank: int, peers: str, secret: bytes, cases: list[Case], queue: 
     from lpsync.transport.ucx import RuntimeOptions, UcxEndpoint, UcxOptions, UcxRuntime
     from lpsync.types import Collective, ReduceOp, dtype_of
 
+    if go is not None and not go.wait(120):  # started early: imports done, port not bound
+        return
     options = UcxOptions(rank, tuple(parse_peers(peers)), secret, tls=TCP,
                          connect_timeout=connect_timeout, close_timeout=5.0)
     # heal: one runtime outlives the broken endpoint, as the daemon's peer manager holds it.

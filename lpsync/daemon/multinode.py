@@ -79,7 +79,7 @@ def run(job: Job, pending: Pending, plane: PeerPlane) -> Outcome:
                 raise type(link.error)(f"collective #{pending.sequence} of job {job.name!r} "
                                        f"timed out across nodes: {link.error}") from None
             raise UnavailableError(f"collective #{pending.sequence} of job {job.name!r} "
-                                   f"lost a peer node: {link.error}") from None
+                                   f"lost a peer node: {link.failure()}") from None
         raise
     return Outcome(algorithm=algorithm, chunks=chunks, seconds=time.perf_counter() - start)
 

@@ -35,6 +35,7 @@ from lpsync.daemon.metrics import Metrics
 from lpsync.daemon.peers import PeerSet
 from lpsync.engine.transport import PostingEndpoint, RecvRequest, SendRequest
 from lpsync.errors import LpsyncError, UnavailableError
+from lpsync.transport.addresses import PeerAddress
 from lpsync.transport.ucx import RuntimeOptions, UcxEndpoint, UcxOptions, UcxRuntime
 
 log = logging.getLogger("lpsync.peers")
@@ -100,9 +101,11 @@ class SharedEndpoint:
 class Link:
     """One generation of the mesh: the shared endpoint and the probed link model."""
 
-    def __init__(self, generation: int, endpoint: UcxEndpoint) -> None:
+    def __init__(self, generation: int, endpoint: UcxEndpoint,
+                 peers: tuple[PeerAddress, ...] = (), heartbeat_interval: float = 1.0) -> None:
         self.generation = generation
         self.ucx = endpoint
+        self._peers, self._interval = peers, heartbeat_interval
         self.endpoint: PostingEndpoint = SharedEndpoint(endpoint)
         self.model: LinkModel | None = None  # the slowest probed peer link
         self.broken = threading.Event()  # set once: the heartbeat threads then end
@@ -114,7 +117,25 @@ class Link:
 
     def check(self) -> None:
         if self.ucx.error is not None:
-            raise UnavailableError(f"the peer plane broke: {self.ucx.error}")
+            raise UnavailableError(f"the peer plane broke: {self.failure()}")
+
+    def silent(self, now: float | None = None) -> list[int]:
+        """Peers not heard from for over two heartbeat intervals: the unreachable ones."""
+        now = time.monotonic() if now is None else now
+        return sorted(p for p, heard in list(self.last_heard.items())
+                      if now - heard > 2 * self._interval)
+
+    def failure(self) -> str:
+        """What broke this mesh, naming the peers that went silent: the first error may
+        come from a healthy peer that closed its side first (it lost the silent one too)."""
+        now = time.monotonic()
+        silent = self.silent(now)
+        text = str(self.ucx.error)
+        if silent:
+            names = ", ".join(f"node {p} ({self._peers[p]}, silent {now - self.last_heard[p]:.1f} s)"
+                              if p < len(self._peers) else f"node {p}" for p in silent)
+            text += f"; unreachable: {names}"
+        return text
 
 
 class PeerPlane:
@@ -129,6 +150,7 @@ class PeerPlane:
         self._link: Link | None = None
         self._stop = threading.Event()
         self._generation = 0
+        self._lost: str | None = None  # why the last mesh broke, until a new one is up
         self._thread = threading.Thread(target=self._main, name="lpsync-peers", daemon=True)
 
     def start(self) -> None:
@@ -137,14 +159,24 @@ class PeerPlane:
     # -- for collectives ----------------------------------------------------------------------
     def link(self, deadline: float) -> Link:
         """The current healthy mesh, waiting for one until ``deadline``; UnavailableError
-        naming the peers when there is none by then."""
+        naming the peers when there is none by then. Once a mesh has been lost, a
+        collective waits at most ``heartbeat_timeout`` for its rebuild: a peer cut off
+        or dead is UNAVAILABLE within that bound, not at the collective's own timeout."""
+        bound = time.monotonic() + self.options.heartbeat_timeout
         with self._changed:
             while True:
                 link = self._link
                 if link is not None and link.error is None and link.model is not None:
                     return link
-                remaining = deadline - time.monotonic()
+                # Lost: said so by _serve, or broken and about to be (its watchdog ticks).
+                lost = self._lost or (link.failure() if link is not None and
+                                      link.error is not None else None)
+                remaining = (deadline if lost is None else min(deadline, bound)) - time.monotonic()
                 if remaining <= 0 or self._stop.is_set():
+                    if lost is not None:
+                        raise UnavailableError(
+                            f"node {self.rank}: the peer mesh is down and rebuilding (lost: "
+                            f"{lost})")
                     peers = ", ".join(f"{i}={p}" for i, p in enumerate(self.options.peers.peers)
                                       if i != self.rank)
                     raise UnavailableError(
@@ -184,7 +216,8 @@ class PeerPlane:
                 continue
             pause = 0.2
             self._generation += 1
-            link = Link(self._generation, endpoint)
+            link = Link(self._generation, endpoint, self.options.peers.peers,
+                        self.options.heartbeat_interval)
             self._serve(link)
 
     def _ucx_options(self) -> UcxOptions:
@@ -209,7 +242,7 @@ class PeerPlane:
         for worker in workers:
             worker.start()
         with self._changed:
-            self._link = link
+            self._link, self._lost = link, None
             self._changed.notify_all()
         self._metrics.peers_connected.set(len(others))
         log.info("node %d: peer mesh up (generation %d, %d peers; alpha %.1f us, "
@@ -219,12 +252,15 @@ class PeerPlane:
         link.last_heard.update({p: now for p in others})
         self._watch(link)
         link.broken.set()
+        failure = link.failure()
         with self._changed:
             if self._link is link:
                 self._link = None
+            self._lost = failure
+            self._changed.notify_all()  # waiters now wait at most the heartbeat timeout
         self._metrics.peers_connected.set(0)
         if not self._stop.is_set():
-            log.warning("node %d: peer mesh lost (%s); rebuilding it", self.rank, link.error)
+            log.warning("node %d: peer mesh lost (%s); rebuilding it", self.rank, failure)
         _close(link)
         for worker in workers:
             worker.join(self.options.heartbeat_timeout + 1.0)

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import socket
+import struct
 import threading
 from pathlib import Path
 
@@ -111,6 +112,8 @@ class TriggerServer:
             if not session.stream_bound:
                 raise LpsyncError("open the gRPC Session stream first; it is the lifeline")
         except LpsyncError as error:
+            log.warning("trigger socket: refused a connection", extra={
+                "peer": _peer(conn), "error": f"{type(error).__name__}: {error}"})
             reply(pb.SessionResponse(request_id=first.request_id, result=pb.CollectiveResult(
                 code=error.code, message=str(error), error=type(error).__name__)))
             return None
@@ -126,3 +129,15 @@ class TriggerServer:
         for thread in self._threads:
             thread.join(timeout=5)
         self.path.unlink(missing_ok=True)
+
+
+def _peer(conn: socket.socket) -> str:
+    """Who is at the other end (SO_PEERCRED), for the log. Not a check: the socket's mode
+    already admits only the daemon's user and group, and inside the group the session id
+    (from an authenticated Attach) is the credential (docs/security.md)."""
+    try:
+        pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                           struct.calcsize("3i")))
+    except OSError:
+        return "?"
+    return f"pid {pid} uid {uid} gid {gid}"

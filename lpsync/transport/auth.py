@@ -280,5 +280,5 @@ def _peer_name(sock: socket.socket) -> str:
     try:
         host, port = sock.getpeername()[:2]
         return f"{host}:{port}"
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a Unix socket's peer has no host:port
         return "?"

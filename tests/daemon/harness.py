@@ -17,12 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class DaemonProcess:
-    def __init__(self, tmp: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp: Path, *extra: str, env: dict[str, str] | None = None,
+                 wrap: tuple[str, ...] = ()) -> None:
+        """``wrap``: a command prefix that execs the daemon (``ip netns exec NS``)."""
         self.socket = str(tmp / "lpsync.sock")
         self.log = tmp / f"daemon-{time.monotonic_ns()}.log"
         self._log = open(self.log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lpsync.cli", "daemon", "--socket", self.socket,
+            [*wrap, sys.executable, "-m", "lpsync.cli", "daemon", "--socket", self.socket,
              "--log-level", "DEBUG", *extra],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
             env={**os.environ, **(env or {})})

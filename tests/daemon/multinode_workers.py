@@ -80,3 +80,49 @@ def one_allreduce(rank: int, sockets: list[str], per_node: int, job: str, world:
         c.allreduce(x)
         assert np.all(x == x[0])
         return int(x[0])
+
+
+def through_partition(rank: int, sockets: list[str], per_node: int, job: str, world: int,
+                      cut_node: int, ready, cut_done, healed) -> list:
+    """One allreduce; then the next one while the parent cuts ``cut_node`` off (its own
+    ranks arrive only after the cut, so no node can finish it): report how it failed;
+    once the parent says the link is back, three more allreduces on the same client,
+    each checked against its expected sum."""
+    _node_env(rank, per_node)
+    node = rank // per_node
+    with lpsync_client.connect(sockets[node], job=job, rank=rank, world_size=world,
+                               timeout=60) as c:
+        x = c.zeros(1 << 16, "float32")
+        x[:] = rank + 1
+        c.allreduce(x)
+        assert np.all(x == world * (world + 1) / 2), x[:4]
+        if rank == 0:
+            ready.set()
+        if node == cut_node:
+            assert cut_done.wait(60), "the parent never cut the link"
+        try:
+            c.allreduce(x)
+            got: list = ["no error", time.monotonic(), ""]
+        except lpsync_client.LpsyncError as error:
+            got = [type(error).__name__, time.monotonic(), str(error)[:500]]
+        assert healed.wait(150), "the parent never reported the mesh healed"
+        after = []
+        for i in range(3):
+            y = c.zeros(1000 + i, "int64")
+            y[:] = rank * 10 + i
+            c.allreduce(y)
+            after.append(bool(np.all(y == sum(r * 10 + i for r in range(world)))))
+        return [*got, after]
+
+
+def attempt(rank: int, sockets: list[str], per_node: int, job: str, world: int) -> list:
+    """One allreduce with a 60 s timeout: [error kind or "ok", seconds, message]."""
+    _node_env(rank, per_node)
+    with lpsync_client.connect(sockets[rank // per_node], job=job, rank=rank,
+                               world_size=world, timeout=60) as c:
+        start = time.monotonic()
+        try:
+            c.allreduce(c.zeros(8, "float32"))
+            return ["ok", time.monotonic() - start, ""]
+        except lpsync_client.LpsyncError as error:
+            return [type(error).__name__, time.monotonic() - start, str(error)[:500]]

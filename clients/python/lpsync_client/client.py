@@ -157,8 +157,10 @@ class Client:
             self.trigger = "socket" if self._trigger is not None else "grpc"
         except grpc.FutureTimeoutError:
             self._channel.close()
-            raise from_status("UNAVAILABLE", f"no lpsync daemon answers at "
-                              f"{target or socket or DEFAULT_SOCKET} (is it running?)") from None
+            where = target or socket or DEFAULT_SOCKET
+            reason = None if target else _refusal(where)
+            raise from_status("UNAVAILABLE", f"no lpsync daemon answers at {where} "
+                              f"({reason or 'is it running?'})") from None
         except BaseException:
             self._channel.close()
             raise
@@ -504,6 +506,27 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _refusal(path: str) -> str | None:
+    """Why this process may not connect to the daemon's Unix socket, if the kernel says
+    so (the socket's mode 0660 admits its owner and group only)."""
+    import socket as sk
+
+    with sk.socket(sk.AF_UNIX, sk.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except PermissionError:
+            try:
+                st = os.stat(path)
+                owner = f"mode {st.st_mode & 0o777:o}, uid {st.st_uid}, gid {st.st_gid}"
+            except OSError:
+                owner = "its directory is not searchable"
+            return (f"permission denied for uid {os.getuid()} ({owner}): the daemon admits "
+                    "its own user and the socket's group")
+        except OSError:
+            return None
+    return None
 
 
 def connect(socket: str | None = None, *, job: str | None = None, rank: int | None = None,

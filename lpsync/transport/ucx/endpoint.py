@@ -69,12 +69,47 @@ class UcxOptions:
     ucx_config: tuple[tuple[str, str], ...] = ()  # further UCX options, e.g. (("RNDV_THRESH", "64K"),)
 
 
+class _Ep:
+    """Holds one ucxx endpoint so that only the progress thread ever drops it.
+
+    A ucxx endpoint whose last reference goes away runs ucxx's blocking close in its
+    destructor, on whatever thread drops it, with the GIL held: off the progress thread
+    that close progresses the worker beside our progress thread (which then cannot take
+    the GIL), and a process could hang in it (the rebuild test's replacement once did).
+    So threads that dial or accept hold this box, never the endpoint; ``ucx`` is set and
+    cleared on the progress thread only, and ``close`` (on that thread) drops the endpoint.
+    """
+
+    __slots__ = ("ucx",)
+
+    def __init__(self, ucx: Any) -> None:
+        self.ucx: Any = ucx
+
+    def get(self) -> Any:
+        """The endpoint, on the progress thread; UnavailableError once closed."""
+        ucx = self.ucx
+        if ucx is None:
+            raise UnavailableError("the connection is closed")
+        return ucx
+
+    def close(self) -> None:
+        # On the progress thread.
+        ucx, self.ucx = self.ucx, None
+        if ucx is None:
+            return
+        try:
+            ucx.remove_close_callback()
+        except Exception as error:  # closing already: close it all the same
+            log.debug("removing a UCX close callback: %s", error)
+        ucx.close_blocking()
+
+
 class _Conn:
     """One authenticated connection to a peer."""
 
     __slots__ = ("address", "departed", "ep", "goodbye", "key", "rank")
 
-    def __init__(self, rank: int, address: PeerAddress, ep: Any, session: bytes) -> None:
+    def __init__(self, rank: int, address: PeerAddress, ep: _Ep, session: bytes) -> None:
         self.rank, self.address, self.ep = rank, address, ep
         self.key = int.from_bytes(session[:8], "little")
         self.departed = False  # said goodbye: its connection closing is no failure
@@ -197,7 +232,7 @@ class UcxEndpoint:
             # UCX gives up on a port nobody listens on only after its whole connect
             # timeout; a plain TCP connect says "refused" at once, so wait for that first.
             if _port_open(host, address.port, min(1.0, remaining)):
-                ep = None
+                ep: _Ep | None = None
                 try:
                     ep = self._create_ep(host, address.port, remaining)
                     send, recv = self._stream_io(ep, deadline)
@@ -220,30 +255,32 @@ class UcxEndpoint:
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(1.0, pause * 2)
 
-    def _create_ep(self, host: str, port: int, timeout: float) -> Any:
-        """A UCX endpoint to host:port, made on the progress thread. One that arrives after
-        we stopped waiting is closed there: a UCX endpoint left to the garbage collector
-        runs ucxx's blocking close in its destructor, on whatever thread drops it last."""
+    def _create_ep(self, host: str, port: int, timeout: float) -> _Ep:
+        """A UCX endpoint to host:port, made on the progress thread and boxed there (_Ep).
+        One that arrives after we stopped waiting is closed on the progress thread too."""
         assert self._runtime is not None
         progress = self._runtime.progress
-        future = progress.call(lambda: progress.api.UCXEndpoint.create(
-            progress.worker, host, port, True))
+        future = progress.call(lambda: _Ep(progress.api.UCXEndpoint.create(
+            progress.worker, host, port, True)))
         try:
             return future.result(timeout)
         except TimeoutError:
+            # The callback may run here or on the progress thread: it only posts the close.
             future.add_done_callback(
-                lambda done: done.exception() is None and done.result().close_blocking())
+                lambda done: done.exception() is None and self._close_ep(done.result()))
             raise
 
-    def _on_accept(self, ep: Any) -> None:
-        # On the progress thread: authenticate on a thread of its own (it waits for messages).
+    def _on_accept(self, ucx: Any) -> None:
+        # On the progress thread: box the endpoint here (see _Ep) and authenticate on a
+        # thread of its own (it waits for messages).
+        ep = _Ep(ucx)
         thread = threading.Thread(target=self._accept, args=(ep,), daemon=True,
                                   name=f"lpsync-ucx-accept-r{self.rank}")
         with self._lock:
             self._handshakes.append(thread)
         thread.start()
 
-    def _accept(self, ep: Any) -> None:
+    def _accept(self, ep: _Ep) -> None:
         send, recv = self._stream_io(ep, time.monotonic() + self.options.handshake_timeout)
         where = f"listener :{self.options.peers[self.rank].port}"
         try:
@@ -268,7 +305,7 @@ class UcxEndpoint:
             return f"rank {rank} is already connected"
         return None
 
-    def _stream_io(self, ep: Any, deadline: float) -> tuple[Send, Recv]:
+    def _stream_io(self, ep: _Ep, deadline: float) -> tuple[Send, Recv]:
         """Blocking send/recv over ``ep``'s UCX stream for the handshake (lpsync.transport.
         auth), every message bounded by ``deadline`` and the handshake timeout."""
         assert self._runtime is not None
@@ -284,16 +321,16 @@ class UcxEndpoint:
 
         def send(data: bytes) -> None:
             buf = np.frombuffer(data, np.uint8).copy()
-            finish(progress.submit(lambda: ep.stream_send(progress.array(buf)), buf), "send")
+            finish(progress.submit(lambda: ep.get().stream_send(progress.array(buf)), buf), "send")
 
         def recv(size: int) -> bytes:
             buf = np.empty(size, np.uint8)
-            finish(progress.submit(lambda: ep.stream_recv(progress.array(buf)), buf), "message")
+            finish(progress.submit(lambda: ep.get().stream_recv(progress.array(buf)), buf), "message")
             return buf.tobytes()
 
         return send, recv
 
-    def _register(self, rank: int, ep: Any, session: bytes) -> None:
+    def _register(self, rank: int, ep: _Ep, session: bytes) -> None:
         assert self._runtime is not None
         conn = _Conn(rank, self.options.peers[rank], ep, session)
         progress = self._runtime.progress
@@ -308,10 +345,11 @@ class UcxEndpoint:
             self._close_ep(ep)
             return
         # The connection's next message from the peer is its goodbye (close()).
-        progress.call(lambda: ep.set_close_callback(self._on_close, cb_args=(conn,)))
+        progress.call(lambda: ep.get().set_close_callback(self._on_close, cb_args=(conn,)))
         bye = np.zeros(1, np.uint8)
         conn.goodbye = progress.submit(
-            lambda: ep.tag_recv(progress.array(bye), progress.api.UCXXTag(conn.tag(GOODBYE))),
+            lambda: ep.get().tag_recv(progress.array(bye),
+                                      progress.api.UCXXTag(conn.tag(GOODBYE))),
             bye, on_done=lambda request: self._on_goodbye(conn, request))
         log.debug("rank %d: connected to rank %d at %s", self.rank, rank, conn.address)
 
@@ -374,14 +412,11 @@ class UcxEndpoint:
     def _close_all(self) -> None:
         # On the progress thread.
         for conn in list(self._conns.values()):
-            if conn.ep is not None:
-                conn.ep.remove_close_callback()
-                conn.ep.close_blocking()
-                conn.ep = None
+            conn.ep.close()
 
-    def _close_ep(self, ep: Any) -> None:
+    def _close_ep(self, ep: _Ep) -> None:
         assert self._runtime is not None
-        self._runtime.progress.call(ep.close_blocking)
+        self._runtime.progress.call(ep.close)
 
     def _check(self) -> None:
         broken = self._broken
@@ -435,9 +470,7 @@ class UcxEndpoint:
         wire = progress.api.UCXXTag(conn.tag(tag))
 
         def start() -> Any:
-            ep = conn.ep
-            if ep is None:  # closed since: the endpoint broke
-                raise UnavailableError("the connection is closed")
+            ep = conn.ep.get()  # UnavailableError once closed: the endpoint broke
             array = progress.array(buf)
             return ep.tag_recv(array, wire) if recv else ep.tag_send(array, wire)
 
@@ -498,7 +531,7 @@ class UcxEndpoint:
             return
         assert self._runtime is not None
         bye = np.zeros(1, np.uint8)
-        sends = [self._post(conn, GOODBYE, bye, recv=False) for conn in conns if conn.ep]
+        sends = [self._post(conn, GOODBYE, bye, recv=False) for conn in conns if conn.ep.ucx is not None]
         deadline = time.monotonic() + self.options.close_timeout
         for request in sends:
             request.event().wait(max(0.0, deadline - time.monotonic()))
