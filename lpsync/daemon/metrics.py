@@ -36,7 +36,21 @@ class Metrics:
         self.peer_link_bw = Gauge(
             "lpsync_peer_link_bytes_per_second", "Peer link bandwidth probed on connect",
             ["peer"], registry=r)
+        self.device_registered_bytes = Gauge(
+            "lpsync_device_registered_bytes", "Bytes of device buffers registered, per device",
+            ["device"], registry=r)
         self._children: dict[tuple[str, str, str], tuple] = {}
+        self._devices: list = []
+
+    def describe_devices(self, kind: str, count: int) -> None:
+        """The devices of this daemon (``kind``:0..count-1), shown at 0 bytes until used."""
+        self._devices = [self.device_registered_bytes.labels(f"{kind}:{d}") for d in range(count)]
+        for child in self._devices:
+            child.set(0)
+
+    def device_bytes(self, per_device: list[int]) -> None:
+        for child, nbytes in zip(self._devices, per_device, strict=False):
+            child.set(nbytes)
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)

@@ -1,0 +1,208 @@
+"""Device buffers end to end on the emulated device: real daemons (--devices emulated:N),
+client processes registering emulated device arrays, results checked against numpy."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+
+import device_workers
+import numpy as np
+import pytest
+from collective_cases import REDUCING, assert_matches, make_inputs, reference
+from harness import DaemonProcess, run_ranks
+
+import lpsync_client
+from lpsync.types import DTYPES, Collective, ReduceOp
+from lpsync_client import emulated
+
+
+def _daemon(tmp_path: Path, devices: str) -> DaemonProcess:
+    return DaemonProcess(tmp_path, "--devices", devices)
+
+
+def _status(socket: str):
+    with lpsync_client.connect(socket, job="status", rank=0, world_size=1) as client:
+        return client.status()
+
+
+def _device_rows(socket: str) -> dict[int, object]:
+    return {d.index: d for d in _status(socket).devices}
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+@pytest.fixture
+def emu(tmp_path: Path):
+    proc = _daemon(tmp_path, "emulated:2")
+    try:
+        yield proc
+    finally:
+        proc.stop_and_check()
+
+
+def _cases(world: int, count: int) -> list[tuple]:
+    """Every op x dtype (x reduce op) x in/out of place, with every rank's input."""
+    rng = np.random.default_rng(10)
+    cases = []
+    for op in Collective:
+        reduce_ops = list(ReduceOp) if op in REDUCING else [ReduceOp.SUM]
+        for dtype in DTYPES:
+            for reduce_op in reduce_ops:
+                for in_place in (False, True):
+                    root = 1 if op in (Collective.BROADCAST, Collective.REDUCE) else 0
+                    inputs = make_inputs(op, world, count, DTYPES[dtype], reduce_op, rng)
+                    cases.append((op.value, dtype, reduce_op.value, in_place, root, count,
+                                  [x.tobytes() for x in inputs]))
+    return cases
+
+
+def test_every_op_dtype_in_and_out_of_place(emu):
+    """Three processes, two of them sharing device 0: every op, dtype and reduce op."""
+    world, count = 3, 67
+    cases = _cases(world, count)
+    results = run_ranks(world, device_workers.run_cases, emu.socket, world, [0, 1, 0], cases,
+                        timeout=240)
+    for index, (op, dtype, reduce_op, in_place, root, _, raw) in enumerate(cases):
+        dt = DTYPES[dtype]
+        inputs = [np.frombuffer(b, dt) for b in raw]
+        want = reference(Collective(op), ReduceOp(reduce_op), inputs, root, count)
+        for rank in range(world):
+            got, input_after = results[rank][index]
+            if op == "reduce" and in_place and rank != root:
+                assert input_after == raw[rank], "a non-root's reduce buffer was written"
+                continue
+            assert_matches(np.frombuffer(got, dt), want[rank],
+                           f"{op} {dtype} {reduce_op} in_place={in_place} rank {rank}")
+            if not in_place:
+                assert input_after == raw[rank], f"{op}: an out-of-place input was modified"
+    # Every registration was released: nothing stays open, every open was closed.
+    rows = _device_rows(emu.socket)
+    assert all(r.open_allocations == 0 and r.registered_bytes == 0 for r in rows.values())
+    assert all(r.ipc_opens == r.ipc_closes > 0 for r in rows.values())
+
+
+def test_collective_is_ordered_after_the_clients_stream(emu):
+    """The write sits 0.5 s on each client's stream; the allreduce must see it."""
+    results = run_ranks(4, device_workers.ordered_after_stream, emu.socket, 4, 0.5)
+    for values in results:
+        assert values == [10.0, 10.0, 10.0]
+
+
+def test_ipc_cache_opens_an_allocation_once(emu):
+    with lpsync_client.connect(emu.socket, job="cache", rank=0, world_size=1) as client:
+        alloc = emulated.Allocation(1 << 16, device=1)
+        a, b = alloc.array(0, 100, "float32"), alloc.array(4096, 100, "float32")
+        ha, hb = client.register(a), client.register(b)
+        row = _device_rows(emu.socket)[1]
+        assert (row.open_allocations, row.ipc_opens, row.registered_bytes) == (1, 1, 800)
+        a.set(np.arange(100))
+        client.allreduce(a)  # world of one: the data stays, through the device path
+        assert a.get().tolist() == list(range(100))
+        client.allreduce(a[10:20])  # inside a registration: no new one
+        assert _device_rows(emu.socket)[1].ipc_opens == 1
+        ha.release()
+        row = _device_rows(emu.socket)[1]
+        assert (row.open_allocations, row.ipc_closes) == (1, 0)
+        hb.release()
+        row = _device_rows(emu.socket)[1]
+        assert (row.open_allocations, row.ipc_closes, row.registered_bytes) == (0, 1, 0)
+        status = client.status()
+    assert status.devices[1].links == "NV X"
+
+
+def test_client_killed_while_registered_frees_everything(emu, tmp_path):
+    threads = _threads(emu.pid)
+    ctx = mp.get_context("spawn")
+    for attempt in range(2):
+        ready = tmp_path / f"ready{attempt}"
+        proc = ctx.Process(target=device_workers.register_and_sleep,
+                           args=(attempt, emu.socket, str(ready)))
+        proc.start()
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline and proc.is_alive(), "the client did not register"
+            time.sleep(0.05)
+        row = _device_rows(emu.socket)[1]
+        assert row.open_allocations == 1 and row.registered_bytes == 8000
+        proc.kill()
+        proc.join(10)
+        deadline = time.monotonic() + 5  # DESIGN.md: buffers freed within 2 s
+        while _device_rows(emu.socket)[1].open_allocations:
+            assert time.monotonic() < deadline, "the dead client's allocation stayed open"
+            time.sleep(0.05)
+        row = _device_rows(emu.socket)[1]
+        assert row.registered_bytes == 0 and row.ipc_opens == row.ipc_closes == attempt + 1
+        if attempt == 0:
+            threads = _threads(emu.pid)  # streams made by the first collective stay
+    assert _threads(emu.pid) == threads, "daemon threads leaked per client"
+    # The memfd of a dead client is gone with the last mapping: nothing in /dev/shm either
+    # (stop_and_check of the fixture).
+
+
+def test_device_buffer_errors(emu, tmp_path):
+    with lpsync_client.connect(emu.socket, job="errors", rank=0, world_size=1) as client:
+        good = emulated.zeros(10, "float32", device=0)
+        # A device the daemon does not have.
+        bad_device = emulated.zeros(10, "float32", device=5)
+        with pytest.raises(lpsync_client.InvalidArgumentError, match="device 5"):
+            client.register(bad_device)
+        # A handle that is not one.
+        from lpsync_client._proto import lpsync_pb2 as pb
+        for handle, error in ((b"nonsense", lpsync_client.InvalidArgumentError),
+                              (emulated.HANDLE.pack(emulated.MAGIC, 1, 999, 1, 40, 0),
+                               lpsync_client.NotFoundError)):
+            with pytest.raises(error):
+                client._call(client._stub.Register, pb.RegisterRequest(
+                    session_id=client.session_id, nbytes=40, device="emulated",
+                    ipc_handle=handle, allocation_bytes=40))
+        # A span beyond its allocation, a kind the daemon does not serve.
+        info = good.__lpsync_device__()
+        for kwargs, match in (({"nbytes": 80, "allocation_bytes": 40}, "does not fit"),
+                              ({"device": "cuda"}, "cannot be registered")):
+            request = {"session_id": client.session_id, "nbytes": 40, "device": "emulated",
+                       "ipc_handle": info.handle, "allocation_bytes": 40, **kwargs}
+            with pytest.raises(lpsync_client.InvalidArgumentError, match=match):
+                client._call(client._stub.Register, pb.RegisterRequest(**request))
+        # Host input with a device output.
+        with pytest.raises(lpsync_client.InvalidArgumentError, match="both"):
+            client.allreduce(client.zeros(10), out=good)
+        # The daemon keeps serving, and nothing stayed open.
+        client.allreduce(good)
+        client.release(good)
+    rows = _device_rows(emu.socket)
+    assert all(r.open_allocations == 0 for r in rows.values())
+
+
+def test_cpu_daemon_refuses_device_buffers(daemon):
+    with lpsync_client.connect(daemon.socket, job="cpu", rank=0, world_size=1) as client:
+        with pytest.raises(lpsync_client.InvalidArgumentError, match="--devices"):
+            client.register(emulated.zeros(4, "float32"))
+        assert not client.status().devices
+
+
+def test_bad_devices_flag_is_refused(tmp_path):
+    with pytest.raises(RuntimeError, match="emulated:N"):
+        _daemon(tmp_path, "gpu:7")
+
+
+def test_host_staged_topology_end_to_end(tmp_path):
+    """No peer access between devices 0 and 1: chunks go through host slots."""
+    proc = _daemon(tmp_path, "emulated:2,host=0-1")
+    try:
+        world, count = 2, 300_000
+        rng = np.random.default_rng(5)
+        inputs = make_inputs(Collective.ALLREDUCE, world, count, np.dtype(np.float32),
+                             ReduceOp.SUM, rng)
+        cases = [("allreduce", "float32", "sum", False, 0, count, [x.tobytes() for x in inputs])]
+        results = run_ranks(world, device_workers.run_cases, proc.socket, world, [0, 1], cases)
+        want = reference(Collective.ALLREDUCE, ReduceOp.SUM, inputs, 0, count)
+        for rank in range(world):
+            assert_matches(np.frombuffer(results[rank][0][0], np.float32), want[rank], "rank")
+        assert _status(proc.socket).devices[0].links == "X HOST"
+    finally:
+        proc.stop_and_check()
