@@ -68,6 +68,8 @@ class GroupCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._groups: OrderedDict[tuple, LocalGroup] = OrderedDict()
+        # Multi-node device collectives: host copies of device spans, by their addresses.
+        self.staging: dict[tuple, list] = {}
 
     def get(self, key: tuple, build):
         with self._lock:

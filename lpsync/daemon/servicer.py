@@ -464,7 +464,7 @@ class Service(pb_grpc.LpSyncServicer):
         try:
             if job.layout is not None:
                 assert self.plane is not None
-                return multinode.run(job, pending, self.plane)
+                return multinode.run(job, pending, self.plane, self.devices)
             return execute.run(job, pending, self.devices)
         finally:
             with self._idle:

@@ -228,6 +228,9 @@ class EmulatedKind:
     def read(self, span: Span) -> np.ndarray:
         return _view(span).view(span.dtype).copy()
 
+    def write(self, span: Span, data: np.ndarray) -> None:
+        np.copyto(_view(span), np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+
     # -- streams and events ------------------------------------------------------------------
     def stream(self, device: int) -> EmulatedStream:
         self._check(device)

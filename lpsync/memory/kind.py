@@ -163,7 +163,10 @@ class MemoryKind(Protocol):
         """Let every pair of ``devices`` with a peer link read each other's memory."""
 
     def read(self, span: Span) -> np.ndarray:
-        """A host copy of ``span`` (synchronous; tests and the bench's verification)."""
+        """A host copy of ``span`` (synchronous; host staging and the bench's verification)."""
+
+    def write(self, span: Span, data: np.ndarray) -> None:
+        """span = data (synchronous, ordered after every stream of the device)."""
 
     def close_kind(self) -> None:
         """End every stream and free what the kind holds (daemon shutdown)."""

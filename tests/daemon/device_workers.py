@@ -78,3 +78,11 @@ def register_and_sleep(rank: int, socket: str, ready_file: str) -> None:
 def kill_self_after_register(socket: str, ready_file: str) -> None:
     register_and_sleep(0, socket, ready_file)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_cases_on_nodes(rank: int, sockets: list[str], per_node: int, world: int,
+                       devices: list[int], cases: list[tuple]) -> list:
+    """run_cases for a multi-node job: node-major ranks, each on its node's daemon."""
+    os.environ["LOCAL_RANK"] = str(rank % per_node)
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    return run_cases(rank, sockets[rank // per_node], world, devices, cases)
