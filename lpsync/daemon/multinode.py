@@ -199,7 +199,7 @@ def _stage_in(job: Job, pending: Pending, devices: DeviceRegistry) -> list | Non
                     None if a.out is None else np.empty(a.out.count, a.out.dtype))
                    for a in arrivals]
         job.cache.staging[key] = staging
-    for a, (data, out) in zip(arrivals, staging, strict=True):
+    for a, (data, _) in zip(arrivals, staging, strict=True):
         np.copyto(data, devices.kind.read(a.data))
     return [replace(a, data=data, out=out) for a, (data, out) in zip(arrivals, staging,
                                                                        strict=True)]
@@ -209,10 +209,12 @@ def _stage_out(pending: Pending, staged: list, devices: DeviceRegistry) -> None:
     spec = pending.spec
     for host in staged:
         device = pending.arrivals[host.rank]
+        if spec.op == Collective.REDUCE and host.rank != spec.root:
+            continue  # a non-root's buffers of reduce are never written
         if device.out is not None:
             devices.kind.write(device.out, host.out)
-        elif not (spec.op == Collective.REDUCE and host.rank != spec.root):
-            devices.kind.write(device.data, host.data)  # a non-root's reduce buffer: untouched
+        else:
+            devices.kind.write(device.data, host.data)
 
 
 def _run_pipeline(job: Job, pending: Pending, link: Link, model: LinkModel,
