@@ -284,9 +284,9 @@ class EmulatedKind:
         rate = self.copy_bandwidth
 
         def copy() -> None:
+            if rate:  # the link's time first (blocks, does not spin): data lands at the end
+                time.sleep(dst.nbytes / rate)
             np.copyto(_view(dst), _view(src))
-            if rate:
-                time.sleep(dst.nbytes / rate)  # the link's time; blocks, does not spin
         stream.put(copy)
 
     def _check_reach(self, device: int, on: int) -> None:
