@@ -248,3 +248,31 @@ def test_device_buffers_across_two_nodes(tmp_path):
     finally:
         for daemon in daemons:
             daemon.stop_and_check()
+
+
+def test_status_and_metrics_show_devices(tmp_path):
+    import subprocess
+    import sys
+    import urllib.request
+
+    from ports import free_ports
+
+    port = free_ports(1)[0]
+    proc = DaemonProcess(tmp_path, "--devices", "emulated:3,islands=3", "--metrics-port",
+                         str(port))
+    try:
+        with lpsync_client.connect(proc.socket, job="seen", rank=0, world_size=1) as client:
+            x = emulated.zeros(256, "float64", device=2)
+            client.register(x)
+            text = subprocess.run([sys.executable, "-m", "lpsync.cli", "status", "--socket",
+                                   proc.socket], capture_output=True, text=True, check=True,
+                                  timeout=30).stdout
+            lines = [line.split() for line in text.splitlines()]
+            assert ["emulated:2", "2048", "B", "1", "1", "0", "PCIe", "PCIe", "X"] in lines
+            assert any(row[1:5] == ["2048", "B", "device", "emulated:2"] for row in lines)
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                             timeout=10).read().decode()
+            assert 'lpsync_device_registered_bytes{device="emulated:2"} 2048.0' in metrics
+            assert 'lpsync_device_registered_bytes{device="emulated:0"} 0.0' in metrics
+    finally:
+        proc.stop_and_check()
