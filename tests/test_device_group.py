@@ -3,6 +3,7 @@ against numpy, over devices with NVLink-, PCIe- and host-staged links and shared
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -22,8 +23,11 @@ from lpsync.algorithms import generate
 from lpsync.engine.device_group import DeviceContext, DeviceGroup
 from lpsync.engine.group import layout
 from lpsync.engine.reduce import Reduction
+from lpsync.errors import InvalidArgumentError
+from lpsync.memory import leaked_segments
 from lpsync.memory.devices import parse_devices
 from lpsync.memory.emulated import EmulatedKind
+from lpsync.memory.host import HostKind
 from lpsync.memory.kind import Span
 from lpsync.types import DTYPES, Collective, ReduceOp
 
@@ -39,7 +43,15 @@ def context():
     ctx.kind.close_kind()
 
 
-def _span(kind: EmulatedKind, device: int, data: np.ndarray, keep: list) -> Span:
+@pytest.fixture
+def host_context():
+    ctx = DeviceContext(HostKind())
+    yield ctx
+    ctx.close()
+    assert not leaked_segments(os.getpid()), "the staging pool left shared memory behind"
+
+
+def _span(kind, device: int, data: np.ndarray, keep: list) -> Span:
     memory = kind.allocate(device, max(data.nbytes, 1))
     keep.append(memory)
     memory.array[:data.nbytes] = data.view(np.uint8)
@@ -130,3 +142,32 @@ def test_staging_pool_reuses_memory(context):
         run_on_devices(context, C.ALLREDUCE, "lp", inputs, [0, 1, 3], ReduceOp.SUM, 0, 4, False)
     assert context.pool.allocated == first > 0
     assert context.pool.outstanding == 0
+
+
+@pytest.mark.parametrize(("op", "algorithm"), OPS_ALGS, ids=OPS_ALGS_IDS)
+@pytest.mark.parametrize("in_place", [False, True], ids=["out", "in"])
+def test_the_host_kind_runs_the_same_plans(host_context, op, algorithm, in_place):
+    """The host operations table (inline streams) under the same engine, 4 participants."""
+    rng = np.random.default_rng(2)
+    for root in roots_for(op, 4):
+        inputs = make_inputs(op, 4, 29, np.dtype(np.int32), ReduceOp.MAX, rng)
+        outs = run_on_devices(host_context, op, algorithm, inputs, [0] * 4, ReduceOp.MAX, root,
+                              3, in_place)
+        for r, (got, want) in enumerate(zip(outs, reference(op, ReduceOp.MAX, inputs, root, 29),
+                                            strict=True)):
+            if op is C.REDUCE and in_place and r != root:
+                continue
+            assert_matches(got, want, f"host {op}/{algorithm} rank {r}")
+    assert not host_context.pool.outstanding
+
+
+def test_host_kind_handles_open_by_name():
+    kind = HostKind()
+    memory = kind.allocate(0, 64)
+    memory.array[:] = 9
+    opened = kind.open(kind.export(memory), 0)
+    assert opened.array.tolist() == [9] * 64
+    kind.close(opened)
+    kind.free(memory)
+    with pytest.raises(InvalidArgumentError):
+        kind.open(b"nonsense", 0)
