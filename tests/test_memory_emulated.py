@@ -11,7 +11,12 @@ import numpy as np
 import pytest
 
 from lpsync.engine.reduce import Reduction
-from lpsync.errors import CollectiveTimeoutError, InvalidArgumentError, NotFoundError
+from lpsync.errors import (
+    CollectiveTimeoutError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+)
 from lpsync.memory.devices import parse_devices
 from lpsync.memory.emulated import EmulatedKind
 from lpsync.memory.kind import Span
@@ -78,9 +83,18 @@ def test_a_failed_operation_poisons_the_stream(kind):
     stream.put(lambda: ran.append(1))  # skipped: the stream is poisoned
     event = kind.event()
     kind.record(event, stream)
-    with pytest.raises(Exception, match="ZeroDivision"):
+    with pytest.raises(UnavailableError, match="ZeroDivision"):
         kind.synchronize(event, time.monotonic() + 5)
     assert not ran
+    again = kind.event()
+    kind.record(again, stream)
+    with pytest.raises(UnavailableError):  # sticky until recovered
+        kind.synchronize(again, time.monotonic() + 5)
+    kind.recover(stream)
+    stream.put(lambda: ran.append(2))
+    kind.record(again, stream)
+    kind.synchronize(again, time.monotonic() + 5)
+    assert ran == [2]
     kind.free(mem)
 
 

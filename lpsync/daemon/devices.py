@@ -24,7 +24,8 @@ class OpenAllocation:
     handle: bytes
     memory: object
     nbytes: int
-    refs: int = 0
+    refs: int = 0  # registrations on it
+    active: int = 0  # collectives whose streams may still touch it
 
 
 @dataclass(eq=False)
@@ -46,6 +47,7 @@ class DeviceRegistry:
         self.context = DeviceContext(kind)
         self._lock = threading.Lock()
         self._open: dict[tuple[int, bytes], OpenAllocation] = {}
+        self._by_memory: dict[int, OpenAllocation] = {}  # id(memory) -> its entry
         self.registered = [0] * kind.devices
 
     def register(self, kind: str, device: int, handle: bytes, offset: int, nbytes: int,
@@ -74,6 +76,7 @@ class DeviceRegistry:
                 entry = self._open.get(key)
                 if entry is None:
                     entry = self._open[key] = OpenAllocation(device, key[1], memory, size)
+                    self._by_memory[id(memory)] = entry
                     memory = None
                 entry.refs += 1
             if memory is not None:  # another registration opened it meanwhile
@@ -94,10 +97,34 @@ class DeviceRegistry:
     def _drop(self, entry: OpenAllocation) -> None:
         with self._lock:
             entry.refs -= 1
-            last = entry.refs == 0
-            if last:
+            last = entry.refs == 0 and entry.active == 0
+            if entry.refs == 0:  # no new registration finds it; closed once idle
                 self._open.pop((entry.device, entry.handle), None)
+            if last:
+                self._by_memory.pop(id(entry.memory), None)
         if last:
+            self.kind.close(entry.memory)
+
+    def use(self, memories: list) -> list[OpenAllocation]:
+        """Mark the allocations of ``memories`` busy: a release (or a client's death) while a
+        collective's streams still touch them defers their close to ``done`` — closing an
+        IPC mapping under a running kernel faults the daemon's whole CUDA context."""
+        with self._lock:
+            entries = list({id(e): e for m in memories
+                            if (e := self._by_memory.get(id(m))) is not None}.values())
+            for entry in entries:
+                entry.active += 1
+        return entries
+
+    def done(self, entries: list[OpenAllocation]) -> None:
+        closing = []
+        with self._lock:
+            for entry in entries:
+                entry.active -= 1
+                if entry.active == 0 and entry.refs == 0:
+                    self._by_memory.pop(id(entry.memory), None)
+                    closing.append(entry)
+        for entry in closing:
             self.kind.close(entry.memory)
 
     def open_allocations(self) -> list[int]:
@@ -115,8 +142,9 @@ class DeviceRegistry:
 
     def close(self) -> None:
         with self._lock:
-            entries = list(self._open.values())
+            entries = list(self._by_memory.values())
             self._open.clear()
+            self._by_memory.clear()
         for entry in entries:
             self.kind.close(entry.memory)
         self.context.close()

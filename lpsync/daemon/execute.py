@@ -185,8 +185,25 @@ def run_on_devices(job: Job, spec, arrivals: list[Arrival], buffers: list, reduc
         return DeviceGroup(devices.context, schedule, [buffers[r] for r in order], reduction)
 
     group = job.cache.get(key, build)
-    group.run(time.monotonic() + min(a.timeout for a in arrivals))
+    busy = devices.use([span.memory for pair in buffers for span in pair])
+    try:
+        group.run(time.monotonic() + min(a.timeout for a in arrivals))
+    except BaseException:
+        # The streams may still be running (a timeout): free the allocations only once
+        # they have drained, off this thread.
+        threading.Thread(target=_drain_then_done, args=(group, devices, busy), daemon=True,
+                         name="lpsync-device-drain").start()
+        raise
+    devices.done(busy)
     return Outcome(algorithm=algorithm, chunks=chunks, seconds=time.perf_counter() - start)
+
+
+def _drain_then_done(group: DeviceGroup, devices: DeviceRegistry, busy: list) -> None:
+    try:
+        group.drain()
+        group.recover()
+    finally:
+        devices.done(busy)
 
 
 def device_chain(op: Collective, root: int, devices: list[int], topology: Topology) -> list[int]:

@@ -23,7 +23,9 @@ operations precede the next one's on every stream and no two runs can wait on ea
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -255,6 +257,19 @@ class DeviceGroup:
                 function(*args)
         for event in self.finals:
             self.kind.synchronize(event, deadline)
+
+    def drain(self, patience: float = 3600.0) -> None:
+        """Wait for the streams to finish what a failed run left queued (errors ignored)."""
+        for event in self.finals:
+            with contextlib.suppress(Exception):  # the run already reported its failure
+                self.kind.synchronize(event, time.monotonic() + patience)
+
+    def recover(self) -> None:
+        """After ``drain``: clear the streams' errors where the kind can (emulated)."""
+        recover = getattr(self.kind, "recover", None)
+        if recover is not None:
+            for stream in self.streams:
+                recover(stream)
 
     def close(self) -> None:
         held, self._held = self._held, []

@@ -44,8 +44,8 @@ from lpsync.errors import (
     CollectiveTimeoutError,
     ConfigError,
     InvalidArgumentError,
-    LpsyncError,
     NotFoundError,
+    UnavailableError,
 )
 from lpsync.memory.kind import Link, Span, Topology
 from lpsync.types import ReduceOp
@@ -217,7 +217,7 @@ class CudaKind:
         except concurrent.futures.TimeoutError:
             raise CollectiveTimeoutError("the GPU streams did not finish in time") from None
         except runtime.CUDARuntimeError as error:
-            raise LpsyncError(f"a GPU operation failed: {error}") from None
+            raise UnavailableError(f"a GPU operation failed: {error}") from None
 
     # -- operations ----------------------------------------------------------------------------
     def copy_async(self, dst: Span, src: Span, stream: cupy.cuda.Stream) -> None:

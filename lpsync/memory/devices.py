@@ -5,7 +5,8 @@
   emulated:N[,OPT...]  N host-emulated devices (CI); OPT sets the topology, default all
                        NVLink-class: ``slow=0-2+1-3`` PCIe-class pairs, ``host=1-2`` pairs
                        without peer access (staged through host memory), ``islands=K``
-                       K NVLink islands of consecutive devices joined by PCIe.
+                       K NVLink islands of consecutive devices joined by PCIe; ``bw=B``
+                       slows every copy to B bytes/s (tests that need copies to take time).
 Parsing imports nothing; only ``open_kind`` for cuda imports cupy.
 """
 
@@ -24,6 +25,7 @@ class DeviceSpec:
     count: int = 0  # emulated: N
     indices: tuple[int, ...] = ()  # cuda: () means all
     topology: Topology | None = None  # emulated
+    copy_bandwidth: float = 0.0  # emulated: bytes/s of every copy, 0: memcpy speed
 
 
 def _pairs(text: str, n: int, what: str) -> list[tuple[int, int]]:
@@ -53,12 +55,17 @@ def parse_devices(spec: str) -> DeviceSpec:
     if not m or not 1 <= int(m[1]) <= 64:
         raise InvalidArgumentError(
             f"--devices {spec!r}: expected cpu, cuda:all, cuda:0,1,... or emulated:N (1..64) "
-            "with optional ,slow=A-B+..., ,host=A-B+..., ,islands=K")
+            "with optional ,slow=A-B+..., ,host=A-B+..., ,islands=K, ,bw=BYTES_PER_S")
     n = int(m[1])
     links = [[Link.SAME if a == b else Link.FAST for b in range(n)] for a in range(n)]
+    bandwidth = 0.0
     for option in filter(None, m[2].split(",")):
         key, value = option.split("=", 1)
-        if key == "islands":
+        if key == "bw":
+            if not value.isdigit() or int(value) < 1:
+                raise InvalidArgumentError(f"--devices: bw={value} must be bytes per second")
+            bandwidth = float(value)
+        elif key == "islands":
             k = int(value) if value.isdigit() else 0
             if not 1 <= k <= n:
                 raise InvalidArgumentError(f"--devices: islands={value} must be 1..{n}")
@@ -73,7 +80,8 @@ def parse_devices(spec: str) -> DeviceSpec:
         else:
             raise InvalidArgumentError(f"--devices: unknown emulated option {key!r}")
     return DeviceSpec("emulated", count=n,
-                      topology=Topology(tuple(tuple(row) for row in links)))
+                      topology=Topology(tuple(tuple(row) for row in links)),
+                      copy_bandwidth=bandwidth)
 
 
 def open_kind(spec: DeviceSpec) -> MemoryKind | None:
@@ -83,7 +91,7 @@ def open_kind(spec: DeviceSpec) -> MemoryKind | None:
     if spec.kind == "emulated":
         from lpsync.memory.emulated import EmulatedKind
 
-        return EmulatedKind(spec.count, spec.topology)
+        return EmulatedKind(spec.count, spec.topology, spec.copy_bandwidth)
     from lpsync.memory.cuda import CudaKind  # imports cupy: only here
 
     return CudaKind(spec.indices)

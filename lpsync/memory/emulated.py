@@ -9,7 +9,8 @@ What stands in for what:
     the memory stays valid until the opener closes it, whatever the exporter does;
   * a stream: one worker thread that runs queued operations in order (blocking on its
     queue, never polling); an operation that fails poisons the stream: later ones are
-    skipped and the error is raised by the next synchronize (CUDA's sticky errors);
+    skipped and the error is raised by every synchronize (CUDA's sticky errors) until
+    ``recover`` (the engine calls it once the failed run has drained);
   * an event: a record counter; ``wait`` captures the latest record at call time, so a
     wait enqueued before its record is a no-op exactly as cudaStreamWaitEvent's;
   * copies and reductions: numpy on the mapped bytes (lpsync.engine.reduce), GIL
@@ -32,7 +33,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lpsync.engine.reduce import Reduction
-from lpsync.errors import CollectiveTimeoutError, InvalidArgumentError, LpsyncError, NotFoundError
+from lpsync.errors import (
+    CollectiveTimeoutError,
+    InvalidArgumentError,
+    LpsyncError,
+    NotFoundError,
+    UnavailableError,
+)
 from lpsync.memory.kind import Span, Topology
 
 # The IPC handle: magic, exporter pid, fd in the exporter, inode, allocation bytes, device.
@@ -84,8 +91,7 @@ class EmulatedEvent:
     def _complete(self, generation: int, error: BaseException | None) -> None:
         with self._cond:
             self.completed = max(self.completed, generation)
-            if error is not None:
-                self.error = error
+            self.error = error  # the state of the latest record
             self._cond.notify_all()
 
     def wait_for(self, generation: int, deadline: float | None) -> None:
@@ -272,7 +278,7 @@ class EmulatedKind:
         event.wait_for(event.recorded, deadline)
         if event.error is not None:
             error, event.error = event.error, None
-            raise error if isinstance(error, LpsyncError) else LpsyncError(
+            raise error if isinstance(error, LpsyncError) else UnavailableError(
                 f"a device operation failed: {error!r}")
 
     # -- operations ----------------------------------------------------------------------------
@@ -314,6 +320,11 @@ class EmulatedKind:
             for b in devices:
                 if a != b and self.topology.peer_access(a, b):
                     self.peer_enabled.add((a, b))
+
+    def recover(self, stream: EmulatedStream) -> None:
+        """Clear a poisoned stream once what failed has drained (CUDA cannot: a sticky
+        error ends the context)."""
+        stream.error = None
 
     def close_kind(self) -> None:
         with self._lock:

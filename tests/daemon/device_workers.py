@@ -196,3 +196,21 @@ def frameworks_register(rank: int, socket: str) -> dict[str, list]:
         seen["status"] = [(d.index, d.open_allocations, d.ipc_opens) for d in
                           client.status().devices]
     return seen
+
+
+def slow_allreduce(rank: int, socket: str, world: int, job: str, ready_file: str) -> str:
+    """An allreduce over 8 MB on slow emulated links; rank 1 says when it has submitted."""
+    with _client(rank, socket, world, job) as client:
+        x = emulated.asarray(np.ones(2_000_000, np.float32), device=rank % 2)
+        client.register(x)
+        client.barrier()
+        future = client.allreduce_async(x, algorithm="lp")
+        if rank == 1:
+            with open(ready_file, "w") as f:
+                f.write("submitted")
+            time.sleep(60)  # killed here, its collective running on the daemon's streams
+        try:
+            future.result(timeout=120)
+            return "OK"
+        except lpsync_client.LpsyncError as error:
+            return type(error).__name__

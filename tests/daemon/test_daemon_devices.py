@@ -276,3 +276,44 @@ def test_status_and_metrics_show_devices(tmp_path):
             assert 'lpsync_device_registered_bytes{device="emulated:0"} 0.0' in metrics
     finally:
         proc.stop_and_check()
+
+
+def test_a_client_killed_mid_collective_is_closed_only_after_the_streams_drain(tmp_path):
+    """Closing an IPC mapping under running copies would fault a CUDA context; on the
+    emulated device it would poison the streams. The close waits for them; afterwards the
+    same devices serve a new job."""
+    proc = _daemon(tmp_path, "emulated:2,bw=10000000")  # 10 MB/s: 8 MB copies take ~1 s
+    try:
+        ctx = mp.get_context("spawn")
+        ready = tmp_path / "submitted"
+        ranks = [ctx.Process(target=device_workers.slow_allreduce,
+                             args=(r, proc.socket, 2, "slow", str(ready))) for r in range(2)]
+        for p in ranks:
+            p.start()
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline, "rank 1 did not submit"
+            time.sleep(0.02)
+        time.sleep(0.3)  # the collective is on the streams now
+        ranks[1].kill()
+        ranks[1].join(10)
+        ranks[0].join(60)
+        assert ranks[0].exitcode == 0
+        deadline = time.monotonic() + 30
+        while any(r.open_allocations for r in _device_rows(proc.socket).values()):
+            assert time.monotonic() < deadline, "allocations stayed open after the drain"
+            time.sleep(0.1)
+        rows = _device_rows(proc.socket)
+        assert all(r.ipc_opens == r.ipc_closes for r in rows.values())
+        # The streams are healthy: a new job on both devices is correct.
+        world, count = 2, 1000
+        rng = np.random.default_rng(4)
+        inputs = make_inputs(Collective.ALLREDUCE, world, count, np.dtype(np.float32),
+                             ReduceOp.SUM, rng)
+        cases = [("allreduce", "float32", "sum", True, 0, count, [x.tobytes() for x in inputs])]
+        results = run_ranks(world, device_workers.run_cases, proc.socket, world, [0, 1], cases)
+        want = reference(Collective.ALLREDUCE, ReduceOp.SUM, inputs, 0, count)
+        for rank in range(world):
+            assert_matches(np.frombuffer(results[rank][0][0], np.float32), want[rank], "after")
+    finally:
+        proc.stop_and_check()
