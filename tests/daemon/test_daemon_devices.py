@@ -62,15 +62,18 @@ def _cases(world: int, count: int) -> list[tuple]:
 
 
 def test_every_op_dtype_in_and_out_of_place(emu):
-    """Three processes, two of them sharing device 0: every op, dtype and reduce op."""
+    """Three processes, two of them sharing device 0: every op, dtype and reduce op (and
+    empty buffers)."""
     world, count = 3, 67
     cases = _cases(world, count)
+    for op in Collective:  # count 0: empty allocations register and run too
+        cases.append((op.value, "float32", "sum", False, 0, 0, [b""] * world))
     results = run_ranks(world, device_workers.run_cases, emu.socket, world, [0, 1, 0], cases,
                         timeout=240)
-    for index, (op, dtype, reduce_op, in_place, root, _, raw) in enumerate(cases):
+    for index, (op, dtype, reduce_op, in_place, root, n, raw) in enumerate(cases):
         dt = DTYPES[dtype]
         inputs = [np.frombuffer(b, dt) for b in raw]
-        want = reference(Collective(op), ReduceOp(reduce_op), inputs, root, count)
+        want = reference(Collective(op), ReduceOp(reduce_op), inputs, root, n)
         for rank in range(world):
             got, input_after = results[rank][index]
             if op == "reduce" and in_place and rank != root:
