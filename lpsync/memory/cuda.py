@@ -73,10 +73,10 @@ class CudaMemory:
 
 def _nan_aware(pick: str) -> str:
     # numpy's minimum/maximum propagate NaN; so do these (integers are never NaN).
-    return f"out = (a != a) ? a : ((b != b) ? b : ((a {pick} b) ? a : b))"
+    return f"c = (a != a) ? a : ((b != b) ? b : ((a {pick} b) ? a : b))"
 
 
-_EXPR = {ReduceOp.SUM: "out = a + b", ReduceOp.AVG: "out = a + b", ReduceOp.PROD: "out = a * b",
+_EXPR = {ReduceOp.SUM: "c = a + b", ReduceOp.AVG: "c = a + b", ReduceOp.PROD: "c = a * b",
          ReduceOp.MIN: _nan_aware("<"), ReduceOp.MAX: _nan_aware(">")}
 _BF16_EXPR = {ReduceOp.SUM: "x + y", ReduceOp.AVG: "x + y", ReduceOp.PROD: "x * y",
               ReduceOp.MIN: "(x != x) ? x : ((y != y) ? y : (x < y ? x : y))",
@@ -248,14 +248,15 @@ class CudaKind:
             module = cupy.RawModule(code=_BF16_SOURCE.replace("EXPR", _BF16_EXPR[op]))
             kernel = module.get_function(what)
         elif what == "combine":
-            kernel = cupy.ElementwiseKernel("T a, T b", "T out", _EXPR[op], f"lpsync_{op}")
+            kernel = cupy.ElementwiseKernel("T a, T b", "T c", _EXPR[op], f"lpsync_{op}")
         elif np.issubdtype(dtype, np.integer):  # numpy's floor division
             kernel = cupy.ElementwiseKernel(
                 "int64 n", "T x",
                 "long long v = x; long long q = v / n; if (v % n != 0 && v < 0) q -= 1; x = q;",
                 "lpsync_floordiv")
-        else:
-            kernel = cupy.ElementwiseKernel("int64 n", "T x", "x = (T)((double)x / n)",
+        else:  # in double, rounded once to the type (via float for half: no double ctor)
+            cast = "(T)(float)" if dtype == np.float16 else "(T)"
+            kernel = cupy.ElementwiseKernel("int64 n", "T x", f"x = {cast}((double)x / n)",
                                             "lpsync_divide")
         self._kernels[key] = kernel
         return kernel
