@@ -121,7 +121,8 @@ def _torch(t: object) -> DeviceOperand:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         event.synchronize()
+    plain = t.detach()  # type: ignore[attr-defined]  # (no interface on grad-requiring tensors)
     if t.dtype == torch.bfloat16:  # type: ignore[attr-defined]
         # No typestr for bfloat16: describe the same bytes as int16.
-        return _cai(t.view(torch.int16), sync, keep=t, dtype="bfloat16")
-    return _cai(t, sync)
+        return _cai(plain.view(torch.int16), sync, keep=t, dtype="bfloat16")
+    return _cai(plain, sync, keep=t)
