@@ -18,7 +18,7 @@ from lpsync.errors import (
     UnavailableError,
 )
 from lpsync.memory.devices import parse_devices
-from lpsync.memory.emulated import EmulatedKind
+from lpsync.memory.emulated import HANDLE, MAGIC, EmulatedKind
 from lpsync.memory.kind import Span
 from lpsync.types import ReduceOp
 from lpsync_client import emulated as client_emulated
@@ -163,3 +163,19 @@ def test_streams_end_with_the_kind():
     assert threading.active_count() == before + 3
     k.close_kind()
     assert threading.active_count() == before
+
+
+def test_a_handle_cannot_name_an_ordinary_file(kind, tmp_path):
+    """The daemon maps and writes what a handle names: only emulated device memory."""
+    import os
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"x" * 4096)
+    fd = os.open(victim, os.O_RDWR)
+    try:
+        handle = HANDLE.pack(MAGIC, os.getpid(), fd, os.fstat(fd).st_ino, 4096, 0)
+        with pytest.raises(InvalidArgumentError, match="emulated device memory"):
+            kind.open(handle, 0)
+    finally:
+        os.close(fd)
+    assert victim.read_bytes() == b"x" * 4096

@@ -46,6 +46,7 @@ from lpsync.memory.kind import Span, Topology
 # lpsync_client.emulated packs the same layout (the client does not import lpsync).
 HANDLE = struct.Struct("<4sIIQQI")
 MAGIC = b"LPEM"
+_MEMFD_PREFIX = "/memfd:lpsync-"  # memfd_create names: lpsync-emu<d>, lpsync-client-emu<d>
 
 
 @dataclass(eq=False)
@@ -207,8 +208,13 @@ class EmulatedKind:
             raise InvalidArgumentError("not an emulated-device IPC handle (bad magic)")
         if on != device:
             raise InvalidArgumentError(f"the allocation is on device {on}, not {device}")
+        path = f"/proc/{pid}/fd/{fd}"
         try:
-            opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+            # Only emulated device memory: a handle must never make the daemon map (and
+            # write) an arbitrary file another process has open.
+            if not os.readlink(path).startswith(_MEMFD_PREFIX):
+                raise InvalidArgumentError("the handle does not name emulated device memory")
+            opened = os.open(path, os.O_RDWR)
         except OSError as error:
             raise NotFoundError(f"cannot open the allocation of process {pid}: {error} "
                                 "(has it exited or freed the memory?)") from None
