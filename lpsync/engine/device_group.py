@@ -4,14 +4,16 @@ The node's participants' buffers are device Spans (lpsync.memory.kind); every op
 goes through the memory kind's table, so the same plan drives the emulated device in CI
 and cupy on a GPU. Plan once, run many: ``DeviceGroup`` turns every participant's
 program into one list of (function, arguments) calls when it is built; ``run`` replays
-the list and waits for the streams. Per message, with participant i on its own stream:
+the list and waits for the streams. Per message, with participant i on its own (main)
+stream and, if it reduces, a copy stream:
   * SEND   i records ``ready`` on its stream (everything that wrote the span is before it);
            without peer access it first copies the span to a pinned host slot (two per
            link, alternating: double-buffered) and records after that copy;
   * RECV   j waits for ``ready`` and pulls the span (peer copy) into its buffer;
-  * RECV_REDUCE  j pulls the chunk into its staging buffer (from the pool, on j's device)
-           and reduces it there, or reduces straight from the sender's span when both
-           share a device; then records ``consumed``;
+  * RECV_REDUCE  j's copy stream pulls the chunk into one of j's two staging buffers (from
+           the pool, on j's device; double-buffered) and records ``consumed``; j's main
+           stream waits for it and reduces there, so the next pull overlaps this reduction.
+           When both share a device, j reduces straight from the sender's span;
   * a write over a span whose send is not yet consumed first waits for ``consumed``
     (the executor's rule: a sent span is not written until the send completed); a host
     slot is reused only after the previous message through it was consumed.
@@ -37,6 +39,7 @@ from lpsync.memory.kind import MemoryKind, Span
 
 _SEND, _RECV, _RECV_REDUCE, _COPY = (int(k) for k in Kind)
 HOST_SLOTS = 2  # host staging buffers per link without peer access: double-buffered
+STAGING_SLOTS = 2  # device staging buffers per reducing participant: double-buffered
 
 
 class StagingPool:
@@ -91,13 +94,15 @@ class DeviceContext:
         self.pool = StagingPool(kind)
         self.enqueue_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._streams: dict[tuple[int, int], Any] = {}
+        self._streams: dict[tuple[int, int, str], Any] = {}
 
-    def stream(self, device: int, slot: int) -> Any:
+    def stream(self, device: int, slot: int, role: str = "main") -> Any:
+        """``role``: "main" runs a participant's program, "copy" its incoming pulls."""
+        key = (device, slot, role)
         with self._lock:
-            stream = self._streams.get((device, slot))
+            stream = self._streams.get(key)
             if stream is None:
-                stream = self._streams[(device, slot)] = self.kind.stream(device)
+                stream = self._streams[key] = self.kind.stream(device)
             return stream
 
     def close(self) -> None:
@@ -121,10 +126,13 @@ class DeviceGroup:
         kind = self.kind
         devices = [inp.device for inp, _ in buffers]
         kind.enable_peer_access(sorted(set(devices)))
+        programs = [schedule.program(r) for r in range(p)]
+        reduces = [any(step[0] == _RECV_REDUCE for step in prog) for prog in programs]
         slots: dict[int, int] = defaultdict(int)
-        self.streams = []
-        for d in devices:
+        self.streams, self.copy_streams = [], []
+        for d, pulls in zip(devices, reduces, strict=True):
             self.streams.append(context.stream(d, slots[d]))
+            self.copy_streams.append(context.stream(d, slots[d], "copy") if pulls else None)
             slots[d] += 1
         self._held: list[Any] = []  # pool memory, returned on close
         dtype = buffers[0][0].dtype
@@ -136,17 +144,23 @@ class DeviceGroup:
             else:
                 tmps.append(None)
         bufs = [(inp, out, tmp) for (inp, out), tmp in zip(buffers, tmps, strict=True)]
-        programs = [schedule.program(r) for r in range(p)]
         chunk = max((hi - lo for prog in programs for k, _, _, lo, hi, *_ in prog
                      if k in (_SEND, _RECV_REDUCE)), default=0) * dtype.itemsize
-        staging = [self._take(d, chunk) if any(step[0] == _RECV_REDUCE for step in prog)
-                   else None for d, prog in zip(devices, programs, strict=True)]
+        # Two staging buffers per reducing participant: the next chunk lands in one while
+        # the reduction reads the other.
+        staging = [[self._take(d, chunk) for _ in range(STAGING_SLOTS)] if pulls else None
+                   for d, pulls in zip(devices, reduces, strict=True)]
         host_slots: dict[tuple[int, int], list[Any]] = {}
         self.ops: list[tuple[Callable[..., None], tuple]] = []
-        self.finals = [kind.event() for _ in range(p)]
         self._compile(programs, bufs, devices, staging, host_slots, chunk, reduction)
-        for r in range(p):
-            self.ops.append((kind.record, (self.finals[r], self.streams[r])))
+        self.finals = []
+        for stream in self.all_streams():
+            event = kind.event()
+            self.ops.append((kind.record, (event, stream)))
+            self.finals.append(event)
+
+    def all_streams(self) -> list[Any]:
+        return self.streams + [s for s in self.copy_streams if s is not None]
 
     def _take(self, device: int, nbytes: int) -> Any:
         memory = self.context.pool.take(device, nbytes)
@@ -178,6 +192,29 @@ class DeviceGroup:
                 else:
                     still.append((lo, hi, key))
             unconsumed[r] = still
+
+        pulls = [0] * p
+        slot_free: list[list[Any]] = [[None] * STAGING_SLOTS for _ in range(p)]
+
+        def pull(r: int, key: tuple, acc: Span, dst: Span, data: Span, final: bool) -> None:
+            """The chunk comes over on r's copy stream into a staging slot, the reduction
+            runs on r's main stream: the next pull overlaps this reduction."""
+            slot = pulls[r] % STAGING_SLOTS
+            pulls[r] += 1
+            copier, event = self.copy_streams[r], ready[key][0]
+            incoming = Span(staging[r][slot], 0, dst.count, dst.dtype)
+            ops.append((kind.wait, (copier, event)))
+            if slot_free[r][slot] is not None:  # the reduction that read it last is done
+                ops.append((kind.wait, (copier, slot_free[r][slot])))
+            ops.append((kind.copy_async, (incoming, data, copier)))
+            landed = kind.event()  # also: the sender's span was read (consumed)
+            ops.append((kind.record, (landed, copier)))
+            consumed[key] = landed
+            ops.append((kind.wait, (streams[r], landed)))
+            ops.append((kind.reduce_async, (reduction, dst, acc, incoming, final, streams[r])))
+            free = kind.event()
+            ops.append((kind.record, (free, streams[r])))
+            slot_free[r][slot] = free
 
         def step(r: int) -> bool:
             kind_, peer, buf, lo, hi, src, src_lo, final, tag = programs[r][pc[r]]
@@ -214,16 +251,16 @@ class DeviceGroup:
                     return False
                 guard(r, dst)
                 event, data = ready[key]
+                if kind_ == _RECV_REDUCE and data.device != devices[r]:
+                    acc = bufs[r][src][src_lo:src_lo + hi - lo]
+                    pull(r, key, acc, dst, data, bool(final))
+                    return True
                 ops.append((kind.wait, (stream, event)))
                 if kind_ == _RECV:
                     ops.append((kind.copy_async, (dst, data, stream)))
-                else:
+                else:  # the sender shares this device: reduce straight from its span
                     acc = bufs[r][src][src_lo:src_lo + hi - lo]
-                    incoming = data
-                    if data.device != devices[r]:  # another device or host: pull it here
-                        incoming = Span(staging[r], 0, dst.count, dst.dtype)
-                        ops.append((kind.copy_async, (incoming, data, stream)))
-                    ops.append((kind.reduce_async, (reduction, dst, acc, incoming, bool(final),
+                    ops.append((kind.reduce_async, (reduction, dst, acc, data, bool(final),
                                                     stream)))
                 done = kind.event()
                 ops.append((kind.record, (done, stream)))
@@ -268,7 +305,7 @@ class DeviceGroup:
         """After ``drain``: clear the streams' errors where the kind can (emulated)."""
         recover = getattr(self.kind, "recover", None)
         if recover is not None:
-            for stream in self.streams:
+            for stream in self.all_streams():
                 recover(stream)
 
     def close(self) -> None:
