@@ -62,26 +62,38 @@ class AllocateRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("session_id", "nbytes", "device")
+    __slots__ = ("session_id", "nbytes", "device", "ipc_handle", "ipc_offset", "allocation_bytes", "device_index")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    IPC_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     nbytes: int
     device: str
-    def __init__(self, session_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    ipc_handle: bytes
+    ipc_offset: int
+    allocation_bytes: int
+    device_index: int
+    def __init__(self, session_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., device: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., ipc_offset: _Optional[int] = ..., allocation_bytes: _Optional[int] = ..., device_index: _Optional[int] = ...) -> None: ...
 
 class Buffer(_message.Message):
-    __slots__ = ("handle", "shm_name", "nbytes", "staged")
+    __slots__ = ("handle", "shm_name", "nbytes", "staged", "device", "device_index")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     STAGED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     handle: int
     shm_name: str
     nbytes: int
     staged: bool
-    def __init__(self, handle: _Optional[int] = ..., shm_name: _Optional[str] = ..., nbytes: _Optional[int] = ..., staged: _Optional[bool] = ...) -> None: ...
+    device: str
+    device_index: int
+    def __init__(self, handle: _Optional[int] = ..., shm_name: _Optional[str] = ..., nbytes: _Optional[int] = ..., staged: _Optional[bool] = ..., device: _Optional[str] = ..., device_index: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "handle")
@@ -218,18 +230,20 @@ class SessionInfo(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., buffers: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., attached_seconds: _Optional[float] = ...) -> None: ...
 
 class BufferInfo(_message.Message):
-    __slots__ = ("session_id", "handle", "shm_name", "nbytes", "staged")
+    __slots__ = ("session_id", "handle", "shm_name", "nbytes", "staged", "device")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     STAGED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     handle: int
     shm_name: str
     nbytes: int
     staged: bool
-    def __init__(self, session_id: _Optional[str] = ..., handle: _Optional[int] = ..., shm_name: _Optional[str] = ..., nbytes: _Optional[int] = ..., staged: _Optional[bool] = ...) -> None: ...
+    device: str
+    def __init__(self, session_id: _Optional[str] = ..., handle: _Optional[int] = ..., shm_name: _Optional[str] = ..., nbytes: _Optional[int] = ..., staged: _Optional[bool] = ..., device: _Optional[str] = ...) -> None: ...
 
 class CollectiveRecord(_message.Message):
     __slots__ = ("job", "sequence", "op", "dtype", "count", "algorithm", "seconds", "code", "finished_at")
@@ -338,17 +352,39 @@ class JobInfo(_message.Message):
     def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., nodes: _Optional[int] = ..., node: _Optional[int] = ..., attached: _Optional[_Iterable[int]] = ..., waiting: _Optional[_Iterable[_Union[WaitingCollective, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[FlightRecord, _Mapping]]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "uptime_seconds", "sessions", "buffers", "recent", "jobs")
+    __slots__ = ("version", "uptime_seconds", "sessions", "buffers", "recent", "jobs", "devices")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     RECENT_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_seconds: float
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     buffers: _containers.RepeatedCompositeFieldContainer[BufferInfo]
     recent: _containers.RepeatedCompositeFieldContainer[CollectiveRecord]
     jobs: _containers.RepeatedCompositeFieldContainer[JobInfo]
-    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ..., recent: _Optional[_Iterable[_Union[CollectiveRecord, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
+    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ..., recent: _Optional[_Iterable[_Union[CollectiveRecord, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ...) -> None: ...
+
+class DeviceInfo(_message.Message):
+    __slots__ = ("index", "kind", "name", "registered_bytes", "open_allocations", "ipc_opens", "ipc_closes", "links")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OPEN_ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    IPC_OPENS_FIELD_NUMBER: _ClassVar[int]
+    IPC_CLOSES_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    kind: str
+    name: str
+    registered_bytes: int
+    open_allocations: int
+    ipc_opens: int
+    ipc_closes: int
+    links: str
+    def __init__(self, index: _Optional[int] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., registered_bytes: _Optional[int] = ..., open_allocations: _Optional[int] = ..., ipc_opens: _Optional[int] = ..., ipc_closes: _Optional[int] = ..., links: _Optional[str] = ...) -> None: ...

@@ -54,6 +54,27 @@ class Options:
     socket: str | None = None
     timeout: float = 3600.0
     trigger: str = "auto"  # the path of collectives: socket, grpc (Session stream) or auto
+    memory: str = "host"  # where the ranks' buffers live: host, emulated, cuda
+    devices: str = ""  # the daemon's --devices ("" : to match --memory)
+
+    def device_flag(self) -> str:
+        if self.devices:
+            return self.devices
+        return {"host": "cpu", "emulated": f"emulated:{min(self.procs, 4)}",
+                "cuda": "cuda:all"}[self.memory]
+
+    def device_count(self) -> int:
+        """How many devices the ranks spread over (rank r on device r mod N)."""
+        flag = self.device_flag()
+        if flag.startswith("emulated:"):
+            return int(flag.split(":")[1].split(",")[0])
+        if flag.startswith("cuda:") and flag != "cuda:all":
+            return len(flag.split(":")[1].split(","))
+        if flag == "cuda:all":
+            import cupy
+
+            return cupy.cuda.runtime.getDeviceCount()
+        return 1
 
 
 def serving(socket: str) -> bool:
@@ -85,7 +106,8 @@ def _run(options: Options, tmp: str) -> dict[str, list[Row]]:
     if socket is None or not serving(socket):
         socket = socket or os.path.join(tmp, "lpsync.sock")
         daemon = subprocess.Popen([sys.executable, "-m", "lpsync.cli", "daemon", "--socket",
-                                   socket, "--log-level", "WARNING"])
+                                   socket, "--log-level", "WARNING",
+                                   "--devices", options.device_flag()])
         deadline = time.monotonic() + 30
         while not serving(socket):
             if daemon.poll() is not None or time.monotonic() > deadline:
@@ -96,7 +118,8 @@ def _run(options: Options, tmp: str) -> dict[str, list[Row]]:
     job = f"bench-{os.getpid()}"
     procs = [ctx.Process(target=worker.run, args=(
         r, options.procs, socket, job, options.op, options.sizes, options.algorithm,
-        options.iters, options.warmup, options.compare, queue, options.trigger))
+        options.iters, options.warmup, options.compare, queue, options.trigger,
+        options.memory, options.device_count()))
         for r in range(options.procs)]
     for p in procs:
         p.start()
@@ -160,6 +183,7 @@ def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
     if as_json:
         return json.dumps({
             "op": options.op, "procs": options.procs, "dtype": worker.DTYPE,
+            "memory": options.memory,
             "algorithm": options.algorithm or "auto", "trigger": options.trigger,
             "results": {e: [{"size": r.nbytes, "count": r.count, **metrics(r)} for r in rs]
                         for e, rs in rows.items()}}, indent=2)

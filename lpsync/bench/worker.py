@@ -62,9 +62,50 @@ def lpsync_call(client, op: str, buf: np.ndarray, algorithm: str | None,
     return lambda: method(buf, algorithm=algorithm)
 
 
+class Buffer:
+    """The benchmark's buffer in one memory kind: ``array`` is what collectives get,
+    ``load``/``store`` move numpy values in and out for the verify pass."""
+
+    def __init__(self, client, memory: str, elements: int, device: int) -> None:
+        self.memory = memory
+        if memory == "host":
+            self.array = client.zeros(elements, DTYPE)
+        elif memory == "emulated":
+            from lpsync_client import emulated
+
+            self.array = emulated.zeros(elements, DTYPE, device)
+        else:
+            import cupy
+
+            with cupy.cuda.Device(device):
+                self.array = cupy.zeros(elements, DTYPE)
+        if memory != "host":
+            self.registered = client.register(self.array)  # opened by the daemon once
+
+    def load(self) -> np.ndarray:
+        if self.memory == "host":
+            return self.array
+        if self.memory == "emulated":
+            return self.array.get()
+        import cupy
+
+        return cupy.asnumpy(self.array)
+
+    def store(self, values: np.ndarray) -> None:
+        if self.memory == "host":
+            return  # load() returned the buffer itself
+        if self.memory == "emulated":
+            self.array.set(values)
+        else:
+            self.array.set(values)  # cupy.ndarray.set: host to device
+
+    def release(self, client) -> None:
+        client.release(self.array if self.memory == "host" else self.registered)
+
+
 def run(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int],
         algorithm: str | None, iters: int, warmup: int, compare: str | None, queue,
-        trigger: str = "auto") -> None:
+        trigger: str = "auto", memory: str = "host", devices: int = 1) -> None:
     import lpsync_client
 
     root = 0
@@ -72,7 +113,8 @@ def run(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int],
                                timeout=600, trigger=trigger) as client:
         for nbytes in sizes:
             count = element_count(op, nbytes, world)
-            buf = client.zeros(buffer_elements(op, world, count), DTYPE)
+            buffer = Buffer(client, memory, buffer_elements(op, world, count), rank % devices)
+            buf = buffer.array
             call = lpsync_call(client, op, buf, algorithm, root)
             n = iterations(nbytes, iters)
             for _ in range(warmup):
@@ -98,16 +140,18 @@ def run(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int],
                     t = time.perf_counter()
                     call()
                     times.append(time.perf_counter() - t)
-            fill(op, buf, rank, world, count)
+            values = buffer.load()
+            fill(op, values, rank, world, count)
+            buffer.store(values)
             client.barrier()
             call()
-            wrong = count_wrong(op, buf, rank, world, count, root)
+            wrong = count_wrong(op, buffer.load(), rank, world, count, root)
             recent = client.status().recent if rank == 0 else []
             mine = [r for r in recent if r.job == job]
             queue.put(("lpsync", rank, nbytes, count, times, wrong, (pings, trigger_pings),
                        mine[-1].algorithm if mine else ""))
-            client.release(buf)
-            del buf
+            buffer.release(client)
+            del buf, buffer
     if compare == "gloo":
         _gloo(rank, world, socket, job, op, sizes, iters, warmup, queue)
 

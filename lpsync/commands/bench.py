@@ -59,6 +59,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     local = parser.add_argument_group("local daemon")
     local.add_argument("--procs", type=int, help="client processes (ranks; default 2)")
     local.add_argument("--socket", help="use the daemon on this socket if one is serving")
+    local.add_argument("--memory", choices=["host", "emulated", "cuda"],
+                       help="where the ranks' buffers live: host shared memory (default), "
+                            "emulated devices or GPUs (rank r on device r mod N; the daemon "
+                            "started with --devices to match)")
+    local.add_argument("--devices", help="the started daemon's --devices (default: to match "
+                                         "--memory: cpu, emulated:min(procs,4), cuda:all)")
     local.add_argument("--trigger", choices=["auto", "grpc", "socket"],
                        help="send collectives on the daemon's trigger socket, on the gRPC "
                             "Session stream, or auto (the client's default: the socket if "
@@ -103,11 +109,21 @@ def run_local(args: argparse.Namespace) -> int:
     options = runner.Options(args.op, parse_sizes(args.bytes or "4:256MiB"),
                              2 if args.procs is None else args.procs, args.algorithm,
                              args.iters or 0, 5 if args.warmup is None else args.warmup,
-                             args.compare, args.socket, trigger=args.trigger or "auto")
+                             args.compare, args.socket, trigger=args.trigger or "auto",
+                             memory=args.memory or "host", devices=args.devices or "")
     if options.procs < 1:
         raise InvalidArgumentError("--procs must be >= 1")
+    if options.memory != "host" and options.algorithm == "direct":
+        raise InvalidArgumentError("--algorithm direct serves host memory only")
     rows = runner.run(options)
+    if options.memory != "host" and not args.json:
+        print(f"# memory: {options.memory} (daemon --devices {options.device_flag()}, rank r on "
+              f"device r mod {options.device_count()})")
     print(runner.report(options, rows, args.json))
+    if options.memory == "cuda" and not args.json:
+        from lpsync.bench import ipc_copy
+
+        print(ipc_copy.report(ipc_copy.measure(max(options.sizes))))
     return 0
 
 
@@ -120,7 +136,8 @@ def cluster_options(args: argparse.Namespace):
     from lpsync.units import parse_ints, parse_sizes
 
     local = [flag for flag, value in (("--procs", args.procs), ("--socket", args.socket),
-                                      ("--trigger", args.trigger)) if value is not None]
+                                      ("--trigger", args.trigger), ("--memory", args.memory),
+                                      ("--devices", args.devices)) if value is not None]
     if local:
         raise InvalidArgumentError(f"{', '.join(local)}: local-daemon flags; with --cluster use "
                                    "--procs-per-node")

@@ -63,10 +63,17 @@ def run(args: argparse.Namespace) -> int:
     for s in status.sessions:
         print(f"  {s.job:<16} {s.rank:>4} {s.world_size:>5} {s.pid:>8} {s.buffers:>7} "
               f"{s.registered_bytes:>12}  {s.session_id[:12]}")
+    if status.devices:
+        print(f"\ndevices ({len(status.devices)})")
+        print(f"  {'device':<12} {'registered':>12} {'open allocs':>11} {'ipc opens':>9} "
+              f"{'closes':>6}  links")
+        for d in status.devices:
+            print(f"  {d.name:<12} {d.registered_bytes:>10} B {d.open_allocations:>11} "
+                  f"{d.ipc_opens:>9} {d.ipc_closes:>6}  {d.links}")
     print(f"\nbuffers ({len(status.buffers)})")
     for b in status.buffers:
-        kind = "registered" if b.staged else "allocated"
-        print(f"  {b.handle:>6} {b.nbytes:>12} B  {kind:<10} {b.shm_name}  "
+        kind = "device" if b.device else "registered" if b.staged else "allocated"
+        print(f"  {b.handle:>6} {b.nbytes:>12} B  {kind:<10} {b.device or b.shm_name}  "
               f"(session {b.session_id[:12]})")
     print(f"\nrecent collectives ({len(status.recent)})")
     print(f"  {'job':<16} {'seq':>6} {'op':<14} {'dtype':<8} {'count':>10} {'algorithm':<9} "

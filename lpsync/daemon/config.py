@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from lpsync.daemon.peers import PeerSet, discover
 from lpsync.errors import InvalidArgumentError
+from lpsync.memory.devices import parse_devices
 
 DEFAULT_SOCKET = "/run/lpsync/lpsync.sock"
 
@@ -29,7 +29,7 @@ class DaemonConfig:
     tls_key: str = ""
     token_file: str = ""  # the token clients send as "authorization: Bearer <token>"
     metrics_port: int = 0  # Prometheus exporter port; 0: off
-    devices: str = "cpu:0"  # only host memory in this issue
+    devices: str = "cpu:0"  # cpu | cuda:all | cuda:0,1 | emulated:N (lpsync.memory.devices)
     timeout: float = 300.0  # default collective timeout (seconds) when a request has none
     max_buffer_bytes: int = 1 << 34  # one Allocate/Register above this: RESOURCE_EXHAUSTED
     max_session_bytes: int = 1 << 35  # bytes one session may hold in buffers
@@ -59,10 +59,7 @@ class DaemonConfig:
             raise InvalidArgumentError(
                 "--listen needs --tls-cert, --tls-key and --token-file: the TCP listener "
                 "never runs without TLS and a token")
-        if not re.fullmatch(r"cpu(:\d+)?", self.devices):
-            raise InvalidArgumentError(
-                f"--devices {self.devices!r}: this version serves CPU shared memory only "
-                "(cpu or cpu:N); CUDA devices come with a later issue")
+        parse_devices(self.devices)  # raises InvalidArgumentError naming what is wrong
         if self.timeout <= 0 or self.max_buffer_bytes <= 0 or self.max_session_bytes <= 0:
             raise InvalidArgumentError("timeout and byte limits must be positive")
         if not 1 <= self.flight_recorder <= 100_000:
@@ -136,7 +133,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     add("--tls-key", help="PEM private key for --listen")
     add("--token-file", help="file holding the bearer token clients must send")
     add("--metrics-port", type=int, help="serve Prometheus metrics on this port")
-    add("--devices", help="cpu:N (CPU shared memory; the only kind in this version)")
+    add("--devices", help="cpu (host shared memory, default), cuda:all, cuda:0,1 (GPUs through "
+                          "cupy) or emulated:N[,slow=A-B+..][,host=A-B+..][,islands=K] "
+                          "(host-emulated devices for tests)")
     add("--timeout", type=float, help="default collective timeout in seconds")
     add("--max-buffer-bytes", type=int, help="largest single buffer")
     add("--max-session-bytes", type=int, help="bytes one session may hold")

@@ -24,11 +24,16 @@ from collections import OrderedDict
 import numpy as np
 
 from lpsync.algorithms import LinkModel, generate, select
+from lpsync.algorithms.chain_order import chain_order
 from lpsync.algorithms.cost import busbw_factor
 from lpsync.algorithms.tuner import chunks_for
+from lpsync.daemon.devices import DeviceRegistry
 from lpsync.daemon.matching import Arrival, Job, Outcome, Pending
+from lpsync.engine.device_group import DeviceGroup
 from lpsync.engine.group import LocalGroup, layout
 from lpsync.engine.reduce import Reduction
+from lpsync.errors import InvalidArgumentError
+from lpsync.memory.kind import Span, Topology
 from lpsync.types import Collective, ReduceOp, dtype_of
 
 # Measured (docs/benchmarks.md, 4 ranks on 2 cores): one thread reducing every view beats
@@ -37,6 +42,9 @@ DIRECT_MAX_BYTES = 2 * 1024 * 1024
 # Local memory as the tuner sees it: a thread hand-off per message, memcpy bandwidth,
 # and a link of its own between every pair of participants (no shared NIC).
 LOCAL_LINK = LinkModel.from_bandwidth(alpha=30e-6, bandwidth=8e9, shared_nic=False)
+# Device memory as the tuner sees it: a stream operation's launch and an NVLink-class
+# copy; every pair of devices has links of its own.
+DEVICE_LINK = LinkModel.from_bandwidth(alpha=10e-6, bandwidth=100e9, shared_nic=False)
 _CACHE_SIZE = 8
 BARRIER = "barrier"
 DIRECT = "direct"
@@ -60,8 +68,10 @@ class GroupCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._groups: OrderedDict[tuple, LocalGroup] = OrderedDict()
+        # Multi-node device collectives: host copies of device spans, by their addresses.
+        self.staging: dict[tuple, list] = {}
 
-    def get(self, key: tuple, build) -> LocalGroup:
+    def get(self, key: tuple, build):
         with self._lock:
             group = self._groups.get(key)
             if group is not None:
@@ -104,7 +114,7 @@ def is_direct(spec, participants: int) -> bool:
                                            participants) <= DIRECT_MAX_BYTES
 
 
-def run(job: Job, pending: Pending) -> Outcome:
+def run(job: Job, pending: Pending, devices: DeviceRegistry | None = None) -> Outcome:
     """The Runner of matching.py: run ``pending`` (all participants arrived, specs agree)."""
     spec = pending.spec
     arrivals = [pending.arrivals[r] for r in range(job.world_size)]
@@ -114,6 +124,13 @@ def run(job: Job, pending: Pending) -> Outcome:
     op, dtype, p = Collective(spec.op), dtype_of(spec.dtype), job.world_size
     buffers = [_buffers(op, a, p, spec.count) for a in arrivals]
     reduction = Reduction(ReduceOp(spec.reduce_op), dtype, p) if op in _REDUCING else None
+    on_device = [isinstance(a.data, Span) for a in arrivals]
+    if any(on_device):
+        if not all(on_device) or devices is None:
+            raise InvalidArgumentError(
+                "every participant of a collective must pass device buffers, or none: ranks "
+                f"{[r for r, d in enumerate(on_device) if not d]} passed host memory")
+        return run_on_devices(job, spec, arrivals, buffers, reduction, devices, start)
     nbytes = nccl_bytes(op, spec.count, dtype.itemsize, p)
     algorithm = spec.algorithm
     if algorithm == DIRECT or (not algorithm and (nbytes <= DIRECT_MAX_BYTES or p == 1)):
@@ -139,6 +156,65 @@ def run(job: Job, pending: Pending) -> Outcome:
     group = job.cache.get(key, build)
     group.run(min(a.timeout for a in arrivals))
     return Outcome(algorithm=algorithm, chunks=chunks, seconds=time.perf_counter() - start)
+
+
+def run_on_devices(job: Job, spec, arrivals: list[Arrival], buffers: list, reduction,
+                   devices: DeviceRegistry, start: float) -> Outcome:
+    """A collective over device spans: the chain ordered by topology, run on streams."""
+    op, p = Collective(spec.op), job.world_size
+    nbytes = nccl_bytes(op, spec.count, dtype_of(spec.dtype).itemsize, p)
+    algorithm = spec.algorithm
+    if algorithm == DIRECT:
+        raise InvalidArgumentError("algorithm='direct' serves host buffers; device buffers "
+                                   "run lp, ring, mst, be or the tuner's choice")
+    if algorithm:
+        chunks = chunks_for(algorithm, p, nbytes, DEVICE_LINK, op=op)
+    else:
+        choice = select(op, nbytes, p, DEVICE_LINK)
+        algorithm, chunks = choice.algorithm, choice.chunks
+    order = device_chain(op, spec.root, [inp.device for inp, _ in buffers],
+                         devices.kind.topology)
+    if job.cache is None:
+        job.cache = GroupCache()
+    key = (spec, algorithm, chunks, "device",
+           tuple((pair[0].lo, pair[1].lo) for pair in buffers),
+           tuple(h for a in arrivals for h in a.handles))
+
+    def build() -> DeviceGroup:
+        schedule = generate(op, algorithm, p, spec.count, order.index(spec.root), chunks)
+        return DeviceGroup(devices.context, schedule, [buffers[r] for r in order], reduction)
+
+    group = job.cache.get(key, build)
+    busy = devices.use([span.memory for pair in buffers for span in pair])
+    try:
+        group.run(time.monotonic() + min(a.timeout for a in arrivals))
+    except BaseException:
+        # The streams may still be running (a timeout): free the allocations only once
+        # they have drained, off this thread.
+        threading.Thread(target=_drain_then_done, args=(group, devices, busy), daemon=True,
+                         name="lpsync-device-drain").start()
+        raise
+    devices.done(busy)
+    return Outcome(algorithm=algorithm, chunks=chunks, seconds=time.perf_counter() - start)
+
+
+def _drain_then_done(group: DeviceGroup, devices: DeviceRegistry, busy: list) -> None:
+    try:
+        group.drain()
+        group.recover()
+    finally:
+        devices.done(busy)
+
+
+def device_chain(op: Collective, root: int, devices: list[int], topology: Topology) -> list[int]:
+    """Ranks in schedule order: for broadcast, reduce and allreduce the chain over the
+    devices with the fewest slow crossings (a broadcast's root heads it, a reduce's root
+    ends it); allgather and reduce_scatter keep rank order (their blocks are rank-indexed)."""
+    if op in (Collective.ALLGATHER, Collective.REDUCE_SCATTER):
+        return list(range(len(devices)))
+    links = [[int(x) for x in row] for row in topology.links]
+    return chain_order(devices, links, first=root if op is Collective.BROADCAST else None,
+                       last=root if op is Collective.REDUCE else None)
 
 
 def _buffers(op: Collective, arrival: Arrival, p: int, count: int) -> tuple[np.ndarray,

@@ -103,12 +103,26 @@ class Metrics:
         self.peer_heartbeats = Counter(
             "lpsync_peer_heartbeats", "Heartbeats received from each peer daemon",
             ["peer"], registry=r)
+        self.device_registered_bytes = Gauge(
+            "lpsync_device_registered_bytes", "Bytes of device buffers registered, per device",
+            ["device"], registry=r)
+        self._devices: list = []
         self._children: dict[tuple[str, str, str, str], tuple] = {}
 
     def watch(self, jobs: Callable[[], Iterable[JobState]],
               session_bytes: Callable[[], Iterable[int]]) -> None:
         """Export the per-job and per-session series, read from these callables at scrape."""
         self.registry.register(_TableCollector(jobs, session_bytes))
+
+    def describe_devices(self, kind: str, count: int) -> None:
+        """The devices of this daemon (``kind``:0..count-1), shown at 0 bytes until used."""
+        self._devices = [self.device_registered_bytes.labels(f"{kind}:{d}") for d in range(count)]
+        for child in self._devices:
+            child.set(0)
+
+    def device_bytes(self, per_device: list[int]) -> None:
+        for child, nbytes in zip(self._devices, per_device, strict=False):
+            child.set(nbytes)
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)

@@ -35,6 +35,7 @@ from lpsync._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync.algorithms import ALGORITHMS
 from lpsync.daemon import execute, multinode
 from lpsync.daemon.config import DaemonConfig
+from lpsync.daemon.devices import DeviceRegistry
 from lpsync.daemon.matching import (
     Arrival,
     Job,
@@ -55,6 +56,8 @@ from lpsync.errors import (
     NotFoundError,
     UnavailableError,
 )
+from lpsync.memory.devices import open_kind, parse_devices
+from lpsync.memory.kind import Span
 from lpsync.types import DTYPES, Collective, ReduceOp, dtype_of, parse_reduce_op
 
 log = logging.getLogger("lpsync.daemon")
@@ -74,8 +77,12 @@ class Service(pb_grpc.LpSyncServicer):
         self.config, self.metrics = config, metrics
         self.plane = plane  # the peer manager; None: a single-node daemon
         self.started = time.time()
+        kind = open_kind(parse_devices(config.devices))
+        self.devices = DeviceRegistry(kind) if kind is not None else None
         self.sessions = SessionTable(config.max_buffer_bytes, config.max_session_bytes,
-                                     on_bytes=metrics.registered_bytes.set)
+                                     on_bytes=self._bytes_changed, devices=self.devices)
+        if self.devices is not None:
+            metrics.describe_devices(self.devices.kind.name, self.devices.kind.devices)
         self.watcher = Watcher()
         self.jobs = Jobs(self.watcher, self._run, self._record, self._dispatch,
                          Recorder(config.flight_recorder, config.stall_seconds))
@@ -98,6 +105,11 @@ class Service(pb_grpc.LpSyncServicer):
         self._loop_thread = -1
         self._workers = ThreadPoolExecutor(max_workers=config.workers,
                                            thread_name_prefix="lpsync-run")
+
+    def _bytes_changed(self, total: int) -> None:
+        self.metrics.registered_bytes.set(total)
+        if self.devices is not None:
+            self.metrics.device_bytes(self.devices.registered)
 
     # -- lifecycle -------------------------------------------------------------------------
     def end_session(self, session: Session, reason: str) -> None:
@@ -130,6 +142,8 @@ class Service(pb_grpc.LpSyncServicer):
         for session in self.sessions.all():
             self.end_session(session, "daemon shutting down")
         self.sessions.close_all()
+        if self.devices is not None:
+            self.devices.close()
         self.watcher.stop()
         self._workers.shutdown(wait=False)
 
@@ -162,7 +176,8 @@ class Service(pb_grpc.LpSyncServicer):
         else off the event loop, on a worker thread, so other sessions keep being served."""
         # A multi-node collective waits on other nodes: never on the loop.
         if threading.get_ident() != self._loop_thread or (
-                job.layout is None and execute.is_direct(pending.spec, job.world_size)):
+                job.layout is None and execute.is_direct(pending.spec, job.world_size)
+                and not _on_device(pending)):
             run()
         else:
             self._workers.submit(run)
@@ -226,10 +241,24 @@ class Service(pb_grpc.LpSyncServicer):
 
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
                        ) -> pb.Buffer:
-        if request.device not in ("", "cpu"):
-            await _abort(context, InvalidArgumentError(
-                f"device {request.device!r} is not supported yet; register host memory"))
-        return await self._allocate(request.session_id, request.nbytes, True, context)
+        if request.device in ("", "cpu"):
+            return await self._allocate(request.session_id, request.nbytes, True, context)
+        try:
+            self._check_open()
+            if request.device not in ("cuda", "emulated"):
+                raise InvalidArgumentError(
+                    f"unknown device kind {request.device!r}; expected cpu, cuda or emulated")
+            session = self.sessions.get(request.session_id)
+            # Opening an IPC handle can take milliseconds on CUDA: off the event loop.
+            buffer = await asyncio.get_running_loop().run_in_executor(
+                self._workers, self.sessions.register_device, session, request.device,
+                request.device_index, request.ipc_handle, request.ipc_offset, request.nbytes,
+                request.allocation_bytes)
+        except LpsyncError as error:
+            await _abort(context, error)
+            raise AssertionError from error
+        return pb.Buffer(handle=buffer.handle, nbytes=buffer.nbytes, device=request.device,
+                         device_index=request.device_index)
 
     async def _allocate(self, session_id: str, nbytes: int, staged: bool,
                         context: grpc.aio.ServicerContext) -> pb.Buffer:
@@ -370,9 +399,21 @@ class Service(pb_grpc.LpSyncServicer):
                                   registered_bytes=s.nbytes,
                                   attached_seconds=now - s.attached_at)
             for b in list(s.buffers.values()):
-                response.buffers.add(session_id=s.id, handle=b.handle,
-                                     shm_name=b.segment.name, nbytes=b.segment.nbytes,
-                                     staged=b.staged)
+                response.buffers.add(
+                    session_id=s.id, handle=b.handle, nbytes=b.nbytes, staged=b.staged,
+                    shm_name=b.segment.name if b.segment is not None else "",
+                    device="" if b.device is None else
+                    f"{self.devices.kind.name}:{b.device.device}")
+        if self.devices is not None:
+            kind, registry = self.devices.kind, self.devices
+            opened = registry.open_allocations()
+            opens, closes = registry.counters()
+            rows = kind.topology.describe()
+            for d in range(kind.devices):
+                response.devices.add(index=d, kind=kind.name, name=f"{kind.name}:{d}",
+                                     registered_bytes=registry.registered[d],
+                                     open_allocations=opened[d], ipc_opens=opens[d],
+                                     ipc_closes=closes[d], links=rows[d])
         recent = list(self.recent)
         limit = request.recent or 20
         for entry in recent[-limit:]:
@@ -426,7 +467,7 @@ class Service(pb_grpc.LpSyncServicer):
         if not in_place:
             out = self.sessions.view(session, request.output.handle, request.output.offset,
                                      dtype, n_out)
-            if data.size and out.size and _overlap(data, out):
+            if _overlap(data, out) and data.size and out.size:
                 raise InvalidArgumentError(
                     "input and output overlap; pass no output for an in-place collective")
             handles.append((session.id, request.output.handle))
@@ -440,8 +481,8 @@ class Service(pb_grpc.LpSyncServicer):
         try:
             if job.layout is not None:
                 assert self.plane is not None
-                return multinode.run(job, pending, self.plane)
-            return execute.run(job, pending)
+                return multinode.run(job, pending, self.plane, self.devices)
+            return execute.run(job, pending, self.devices)
         finally:
             with self._idle:
                 self._running -= 1
@@ -491,7 +532,16 @@ def _job_info(info: pb.JobInfo, job: Job, history: int) -> None:
             record.stages.add(stage=stage, seconds=seconds)
 
 
+def _on_device(pending: Pending) -> bool:
+    """Device collectives wait on streams: never inline on the event loop."""
+    return any(isinstance(a.data, Span) for a in pending.arrivals.values())
+
+
 def _overlap(a, b) -> bool:
+    if isinstance(a, Span) != isinstance(b, Span):
+        raise InvalidArgumentError("input and output must both be host or both device buffers")
+    if isinstance(a, Span):
+        return a.memory is b.memory and a.lo < b.hi and b.lo < a.hi
     a0, b0 = a.__array_interface__["data"][0], b.__array_interface__["data"][0]
     return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
 

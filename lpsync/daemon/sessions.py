@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lpsync.daemon.devices import DeviceBuffer, DeviceRegistry
 from lpsync.errors import (
     InvalidArgumentError,
     NotFoundError,
@@ -24,13 +25,26 @@ from lpsync.errors import (
     UnimplementedError,
 )
 from lpsync.memory import SharedSegment
+from lpsync.memory.kind import Span
 
 
 @dataclass
 class Buffer:
     handle: int
-    segment: SharedSegment
+    segment: SharedSegment | None  # host memory; None for a device buffer
     staged: bool  # Register: the client copies its own memory in and out
+    device: DeviceBuffer | None = None  # a registered device span (devices.py)
+
+    @property
+    def nbytes(self) -> int:
+        return self.device.nbytes if self.device is not None else self.segment.nbytes
+
+    def free(self, devices: DeviceRegistry | None) -> None:
+        if self.segment is not None:
+            self.segment.unlink()
+            self.segment.close()
+        elif devices is not None and self.device is not None:
+            devices.release(self.device)
 
 
 @dataclass
@@ -55,8 +69,10 @@ class Session:
 
 class SessionTable:
     def __init__(self, max_buffer_bytes: int, max_session_bytes: int,
-                 on_bytes: Callable[[int], None] | None = None) -> None:
+                 on_bytes: Callable[[int], None] | None = None,
+                 devices: DeviceRegistry | None = None) -> None:
         self.max_buffer_bytes, self.max_session_bytes = max_buffer_bytes, max_session_bytes
+        self.devices = devices  # None: a cpu daemon
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._handles = itertools.count(1)
@@ -115,12 +131,11 @@ class SessionTable:
             session.nbytes = 0
             total = self._total
         for buffer in buffers:
-            buffer.segment.unlink()
-            buffer.segment.close()
+            buffer.free(self.devices)
         self._on_bytes(total)
         return buffers
 
-    def allocate(self, session: Session, nbytes: int, staged: bool) -> Buffer:
+    def _reserve(self, session: Session, nbytes: int) -> None:
         if nbytes < 0:
             raise InvalidArgumentError(f"buffer size must be >= 0 bytes, got {nbytes}")
         if nbytes > self.max_buffer_bytes:
@@ -132,14 +147,46 @@ class SessionTable:
                 raise ResourceExhaustedError(
                     f"session holds {session.nbytes} bytes; {nbytes} more exceeds the limit of "
                     f"{self.max_session_bytes} (--max-session-bytes); release buffers first")
-            session.nbytes += nbytes  # reserved before the (slow) segment creation
+            session.nbytes += nbytes
             self._total += nbytes
+
+    def _unreserve(self, session: Session, nbytes: int) -> None:
+        with self._lock:
+            session.nbytes -= nbytes
+            self._total -= nbytes
+
+    def register_device(self, session: Session, kind: str, device: int, handle: bytes,
+                        offset: int, nbytes: int, allocation_bytes: int) -> Buffer:
+        """A client's device span: opened (or found in the IPC cache) by the registry."""
+        if self.devices is None:
+            raise InvalidArgumentError(
+                f"this daemon serves host memory only; start it with --devices {kind}:... to "
+                "register device buffers")
+        self._reserve(session, nbytes)
+        try:
+            device_buffer = self.devices.register(kind, device, handle, offset, nbytes,
+                                                  allocation_bytes)
+        except BaseException:
+            self._unreserve(session, nbytes)
+            raise
+        buffer = Buffer(next(self._handles), None, False, device_buffer)
+        with self._lock:
+            closed = session.closed
+            if not closed:
+                session.buffers[buffer.handle] = buffer
+            total = self._total
+        if closed:  # ended while we opened it
+            buffer.free(self.devices)
+            raise NotFoundError(f"session {session.id} ended")
+        self._on_bytes(total)
+        return buffer
+
+    def allocate(self, session: Session, nbytes: int, staged: bool) -> Buffer:
+        self._reserve(session, nbytes)  # before the (slow) segment creation
         try:
             segment = SharedSegment.create(nbytes)
         except Exception:
-            with self._lock:
-                session.nbytes -= nbytes
-                self._total -= nbytes
+            self._unreserve(session, nbytes)
             raise
         buffer = Buffer(next(self._handles), segment, staged)
         with self._lock:
@@ -161,16 +208,16 @@ class SessionTable:
             if buffer is None:
                 raise NotFoundError(f"session has no buffer with handle {handle}")
             session.views = {k: v for k, v in session.views.items() if k[0] != handle}
-            session.nbytes -= buffer.segment.nbytes
-            self._total -= buffer.segment.nbytes
+            session.nbytes -= buffer.nbytes
+            self._total -= buffer.nbytes
             total = self._total
-        buffer.segment.unlink()
-        buffer.segment.close()
+        buffer.free(self.devices)
         self._on_bytes(total)
 
     def view(self, session: Session, handle: int, offset: int, dtype: np.dtype,
-             count: int) -> np.ndarray:
-        """``count`` elements of ``dtype`` at byte ``offset`` of one of the session's buffers."""
+             count: int) -> np.ndarray | Span:
+        """``count`` elements of ``dtype`` at byte ``offset`` of one of the session's buffers:
+        a numpy view of host memory, a Span of device memory."""
         key = (handle, offset, dtype, count)
         cached = session.views.get(key)
         if cached is not None:
@@ -180,13 +227,17 @@ class SessionTable:
         if buffer is None:
             raise NotFoundError(f"session has no buffer with handle {handle}")
         nbytes = count * dtype.itemsize
-        if offset < 0 or offset + nbytes > buffer.segment.nbytes:
+        if offset < 0 or offset + nbytes > buffer.nbytes:
             raise InvalidArgumentError(
                 f"{count} x {dtype} at offset {offset} does not fit buffer {handle} of "
-                f"{buffer.segment.nbytes} bytes")
+                f"{buffer.nbytes} bytes")
         if offset % dtype.itemsize:
             raise InvalidArgumentError(f"offset {offset} is not aligned to {dtype} elements")
-        view = buffer.segment.array[offset:offset + nbytes].view(dtype)
+        if buffer.device is not None:
+            d = buffer.device
+            view: np.ndarray | Span = Span(d.allocation.memory, d.offset + offset, count, dtype)
+        else:
+            view = buffer.segment.array[offset:offset + nbytes].view(dtype)
         with self._lock:
             if handle in session.buffers:  # not released meanwhile
                 if len(session.views) > 256:

@@ -239,10 +239,13 @@ def test_dlpack_object_is_staged(daemon) -> None:
         assert h.staging.tolist() == [0, 1, 2, 3, 4]
 
 
-def test_devices_other_than_cpu_are_refused() -> None:
-    with pytest.raises(InvalidArgumentError, match="CPU shared memory only"):
-        load({"devices": "cuda:all"}, {}, None)
-    assert load({"devices": "cpu:4"}, {}, None).devices == "cpu:4"
+def test_devices_setting_is_checked() -> None:
+    for bad in ("gpu:0", "cuda:", "cuda:0,0", "emulated:0", "emulated:2,host=0-2",
+                "emulated:2,fast=0-1"):
+        with pytest.raises(InvalidArgumentError, match="--devices"):
+            load({"devices": bad}, {}, None)
+    for good in ("cpu:4", "cpu", "cuda:all", "cuda:0,1", "emulated:3,slow=0-2,host=1-2"):
+        assert load({"devices": good}, {}, None).devices == good
 
 
 def test_no_trigger_socket_falls_back_to_grpc(tmp_path: Path) -> None:

@@ -141,12 +141,12 @@ def test_dashboard_json_is_what_the_builder_makes() -> None:
 
 
 def test_dockerfile_extras_exist() -> None:
-    """The extras the images install (`.[cuda]`) are the project's own."""
+    """The extras the images install (`.[cuda12]`) are the project's own."""
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())
                  ["project"]["optional-dependencies"])
-    used = {path.name: re.findall(r'"\.\[([a-z,]+)\]"', path.read_text())
+    used = {path.name: re.findall(r'"\.\[([a-z0-9,]+)\]"', path.read_text())
             for path in _dockerfiles()}
-    assert used["Dockerfile.cuda"] == ["cuda"]
+    assert used["Dockerfile.cuda"] == ["cuda12"]
     for name, found in used.items():
         for extra in found:
             assert set(extra.split(",")) <= extras, f"{name}: unknown extra {extra}"

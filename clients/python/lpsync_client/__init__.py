@@ -10,7 +10,7 @@ Blocking calls: allreduce, broadcast, reduce, allgather, reduce_scatter, barrier
 has an ``*_async`` twin returning a concurrent.futures.Future.
 """
 
-from lpsync_client.client import Client, Registered, connect
+from lpsync_client.client import Client, DeviceRegistered, Registered, connect
 from lpsync_client.errors import (
     AbortedError,
     AlreadyExistsError,
@@ -27,7 +27,7 @@ from lpsync_client.errors import (
 )
 
 __version__ = "0.1.0"
-__all__ = ["AbortedError", "AlreadyExistsError", "Client", "CollectiveTimeoutError",
+__all__ = ["AbortedError", "AlreadyExistsError", "Client", "CollectiveTimeoutError", "DeviceRegistered",
            "InvalidArgumentError", "LpsyncError", "MismatchError", "NotFoundError",
            "Registered", "ResourceExhaustedError", "TimeoutError", "UnauthenticatedError",
            "UnavailableError", "UnimplementedError", "connect"]

@@ -28,11 +28,13 @@ import grpc
 import numpy as np
 
 from lpsync_client._convert import as_numpy, numpy_dtype
+from lpsync_client._device import DeviceOperand, describe, is_device_array
 from lpsync_client._proto import lpsync_pb2 as pb
 from lpsync_client._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync_client._shm import Mapping
 from lpsync_client._stream import SessionStream
 from lpsync_client._trigger import TriggerStream
+from lpsync_client.emulated import DeviceArrayInfo
 from lpsync_client.errors import (
     CollectiveTimeoutError,
     InvalidArgumentError,
@@ -71,10 +73,38 @@ class Registered:
         self.client.release(self)
 
 
+class DeviceRegistered:
+    """A span of device memory the daemon has opened (through CUDA IPC, or the emulated
+    device's equivalent); collectives on it run on the daemon's streams, no copies. Holds
+    the user's array, so the allocation stays alive while registered. Made by
+    Client.register() (or on first use of an unregistered device array)."""
+
+    def __init__(self, client: Client, operand: DeviceOperand, handle: int) -> None:
+        self.client, self.handle, self.info = client, handle, operand.info
+        self.original, self.sync = operand.keep, operand.sync
+
+    @property
+    def size(self) -> int:
+        return self.info.count
+
+    def covers(self, info: DeviceArrayInfo) -> bool:
+        mine = self.info
+        return (mine.kind, mine.device, mine.handle) == (info.kind, info.device, info.handle) \
+            and mine.offset <= info.offset and info.offset + info.nbytes <= mine.offset + mine.nbytes
+
+    def release(self) -> None:
+        self.client.release(self)
+
+
+@dataclass
+class _Sized:
+    size: int
+
+
 @dataclass
 class _Operand:
     ref: pb.BufferRef
-    array: np.ndarray  # the 1-D typed view the daemon reads/writes (user's or staging)
+    array: np.ndarray | _Sized  # the 1-D typed view the daemon reads/writes; its size
     dtype: str
     copy_in: object = None  # (staging, source) pairs to copy before / after
     copy_out: object = None
@@ -121,6 +151,7 @@ class Client:
             self._channel = grpc.insecure_channel(f"unix:{socket or DEFAULT_SOCKET}")
         self._stub = pb_grpc.LpSyncStub(self._channel)
         self._segments: dict[int, _Segment] = {}
+        self._device: dict[int, DeviceRegistered] = {}  # device registrations by handle
         self._scratch: dict[int, list[_Segment]] = {}
         self._lock = threading.Lock()
         self._sequence = 0
@@ -205,20 +236,64 @@ class Client:
         array.fill(0)
         return array
 
-    def register(self, x: object) -> Registered:
+    def register(self, x: object) -> Registered | DeviceRegistered:
         """Stage ``x`` (numpy array, torch CPU tensor, __dlpack__ or buffer-protocol object)
         through shared memory; pass the result to collectives instead of ``x``.
+
+        Device memory (cupy, torch CUDA, JAX GPU, lpsync_client.emulated) is not staged: the
+        daemon opens the allocation through IPC and works on it in place; collectives then
+        take the array itself or the returned handle.
 
         >>> h = client.register(torch.zeros(10))
         >>> client.allreduce(h)          # h.original now holds the sum
         """
+        if is_device_array(x):
+            return self._register_device(describe(x))
         source, dtype = as_numpy(x)
         buffer = self._call(self._stub.Register, pb.RegisterRequest(
             session_id=self.session_id, nbytes=source.nbytes, device="cpu"))
         return Registered(self, source, dtype, self._map(buffer), x)
 
-    def release(self, x: np.ndarray | Registered) -> None:
+    def _register_device(self, operand: DeviceOperand) -> DeviceRegistered:
+        info = operand.info
+        buffer = self._call(self._stub.Register, pb.RegisterRequest(
+            session_id=self.session_id, nbytes=info.nbytes, device=info.kind,
+            device_index=info.device, ipc_handle=info.handle, ipc_offset=info.offset,
+            allocation_bytes=info.allocation_bytes))
+        registered = DeviceRegistered(self, operand, buffer.handle)
+        with self._lock:
+            self._device[buffer.handle] = registered
+        return registered
+
+    def _device_operand(self, x: object) -> _Operand:
+        if isinstance(x, DeviceRegistered):
+            x.sync()
+            return _Operand(pb.BufferRef(handle=x.handle), _Sized(x.info.count), x.info.dtype)
+        operand = describe(x)
+        info = operand.info
+        with self._lock:
+            found = next((r for r in self._device.values() if r.covers(info)), None)
+        if found is None:  # first use: registered for good (release(x) gives it back)
+            found = self._register_device(operand)
+        operand.sync()
+        return _Operand(pb.BufferRef(handle=found.handle, offset=info.offset - found.info.offset),
+                        _Sized(info.count), info.dtype)
+
+    def release(self, x: object) -> None:
         """Give a buffer from empty()/zeros()/register() back to the daemon."""
+        if isinstance(x, DeviceRegistered) or (not isinstance(x, Registered | np.ndarray)
+                                               and is_device_array(x)):
+            if not isinstance(x, DeviceRegistered):
+                info = describe(x).info
+                with self._lock:
+                    x = next((r for r in self._device.values() if r.covers(info)), None)
+                if x is None:
+                    raise InvalidArgumentError("this device array is not registered")
+            self._call(self._stub.Release, pb.ReleaseRequest(session_id=self.session_id,
+                                                             handle=x.handle))
+            with self._lock:
+                self._device.pop(x.handle, None)
+            return
         if isinstance(x, Registered):
             segment = x.segment
         else:
@@ -234,6 +309,8 @@ class Client:
         segment.mapping.close()
 
     def _operand(self, x: object, writes: bool) -> _Operand:
+        if isinstance(x, DeviceRegistered) or (type(x) is not np.ndarray and is_device_array(x)):
+            return self._device_operand(x)
         if isinstance(x, Registered):
             return _Operand(pb.BufferRef(handle=x.handle), x.staging.reshape(-1), x.dtype,
                             (x.staging, x.source), (x.staging, x.source) if writes else None)
@@ -318,7 +395,7 @@ class Client:
             self._recycle(operands)
             raise
         result = out if out is not None else x
-        if isinstance(result, Registered):
+        if isinstance(result, Registered | DeviceRegistered):
             result = result.original
 
         def complete(response: pb.SessionResponse) -> object:
@@ -497,6 +574,7 @@ class Client:
             segments = list(self._segments.values())
             self._segments.clear()
             self._scratch.clear()
+            self._device.clear()  # the daemon closed its mappings; the arrays are ours
         for segment in segments:
             segment.mapping.close()
         self._channel.close()

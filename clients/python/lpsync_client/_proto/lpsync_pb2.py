@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lpsync/v1/lpsync.proto\x12\tlpsync.v1\"y\n\rAttachRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x12\n\nlocal_rank\x18\x04 \x01(\r\x12\x18\n\x10local_world_size\x18\x05 \x01(\r\x12\x0b\n\x03pid\x18\x06 \x01(\r\"T\n\x0e\x41ttachResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x02 \x01(\t\x12\x16\n\x0etrigger_socket\x18\x03 \x01(\t\"#\n\rDetachRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x10\n\x0e\x44\x65tachResponse\"5\n\x0f\x41llocateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\"E\n\x0fRegisterRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\"J\n\x06\x42uffer\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x0e\n\x06staged\x18\x04 \x01(\x08\"4\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x04\"\x11\n\x0fReleaseResponse\"+\n\tBufferRef\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"\x81\x02\n\x11\x43ollectiveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\n\n\x02op\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05\x63ount\x18\x05 \x01(\x03\x12\x0c\n\x04root\x18\x06 \x01(\r\x12\x11\n\treduce_op\x18\x07 \x01(\t\x12\x11\n\talgorithm\x18\x08 \x01(\t\x12\x0f\n\x07timeout\x18\t \x01(\x01\x12#\n\x05input\x18\n \x01(\x0b\x32\x14.lpsync.v1.BufferRef\x12$\n\x06output\x18\x0b \x01(\x0b\x32\x14.lpsync.v1.BufferRef\x12\x0c\n\x04name\x18\x0c \x01(\t\"H\n\x12\x43ollectiveResponse\x12\x11\n\talgorithm\x18\x01 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"!\n\x0bSessionOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x06\n\x04Ping\"\xa9\x01\n\x0eSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12&\n\x04open\x18\x02 \x01(\x0b\x32\x16.lpsync.v1.SessionOpenH\x00\x12\x32\n\ncollective\x18\x03 \x01(\x0b\x32\x1c.lpsync.v1.CollectiveRequestH\x00\x12\x1f\n\x04ping\x18\x04 \x01(\x0b\x32\x0f.lpsync.v1.PingH\x00\x42\x06\n\x04\x62ody\"\x9f\x01\n\x10\x43ollectiveResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12,\n\x0c\x62uffer_state\x18\x03 \x01(\x0e\x32\x16.lpsync.v1.BufferState\x12/\n\x08response\x18\x04 \x01(\x0b\x32\x1d.lpsync.v1.CollectiveResponse\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"\xa7\x01\n\x0fSessionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12(\n\x06opened\x18\x02 \x01(\x0b\x32\x16.lpsync.v1.SessionOpenH\x00\x12-\n\x06result\x18\x03 \x01(\x0b\x32\x1b.lpsync.v1.CollectiveResultH\x00\x12\x1f\n\x04pong\x18\x04 \x01(\x0b\x32\x0f.lpsync.v1.PingH\x00\x42\x06\n\x04\x62ody\"0\n\rStatusRequest\x12\x0e\n\x06recent\x18\x01 \x01(\r\x12\x0f\n\x07history\x18\x02 \x01(\r\"\xa2\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x0f\n\x07\x62uffers\x18\x06 \x01(\r\x12\x18\n\x10registered_bytes\x18\x07 \x01(\x03\x12\x18\n\x10\x61ttached_seconds\x18\x08 \x01(\x01\"b\n\nBufferInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x04\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x0e\n\x06staged\x18\x05 \x01(\x08\"\xa2\x01\n\x10\x43ollectiveRecord\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\n\n\x02op\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05\x63ount\x18\x05 \x01(\x03\x12\x11\n\talgorithm\x18\x06 \x01(\t\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12\x0c\n\x04\x63ode\x18\x08 \x01(\t\x12\x13\n\x0b\x66inished_at\x18\t \x01(\x01\"2\n\x0bRankArrival\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x15\n\rafter_seconds\x18\x02 \x01(\x01\"+\n\tStageTime\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x87\x02\n\x0c\x46lightRecord\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\n\n\x02op\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\x12\x11\n\talgorithm\x18\x05 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x06 \x01(\r\x12\x0c\n\x04\x63ode\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12\x12\n\nstarted_at\x18\t \x01(\x01\x12\x15\n\rtotal_seconds\x18\n \x01(\x01\x12(\n\x08\x61rrivals\x18\x0b \x03(\x0b\x32\x16.lpsync.v1.RankArrival\x12$\n\x06stages\x18\x0c \x03(\x0b\x32\x14.lpsync.v1.StageTime\"\xbd\x01\n\x11WaitingCollective\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\n\n\x02op\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x12\n\nstarted_at\x18\x04 \x01(\x01\x12\x17\n\x0fwaiting_seconds\x18\x05 \x01(\x01\x12\x0f\n\x07\x61rrived\x18\x06 \x03(\r\x12\x15\n\rmissing_ranks\x18\x07 \x03(\r\x12\x15\n\rmissing_nodes\x18\x08 \x03(\r\x12\x0f\n\x07stalled\x18\t \x01(\x08\"\xb2\x01\n\x07JobInfo\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\r\n\x05nodes\x18\x03 \x01(\r\x12\x0c\n\x04node\x18\x04 \x01(\r\x12\x10\n\x08\x61ttached\x18\x05 \x03(\r\x12-\n\x07waiting\x18\x06 \x03(\x0b\x32\x1c.lpsync.v1.WaitingCollective\x12(\n\x07history\x18\x07 \x03(\x0b\x32\x17.lpsync.v1.FlightRecord\"\xda\x01\n\x0eStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x02 \x01(\x01\x12(\n\x08sessions\x18\x03 \x03(\x0b\x32\x16.lpsync.v1.SessionInfo\x12&\n\x07\x62uffers\x18\x04 \x03(\x0b\x32\x15.lpsync.v1.BufferInfo\x12+\n\x06recent\x18\x05 \x03(\x0b\x32\x1b.lpsync.v1.CollectiveRecord\x12 \n\x04jobs\x18\x06 \x03(\x0b\x32\x12.lpsync.v1.JobInfo*D\n\x0b\x42ufferState\x12\x1c\n\x18\x42UFFER_STATE_UNSPECIFIED\x10\x00\x12\n\n\x06INTACT\x10\x01\x12\x0b\n\x07PARTIAL\x10\x02\x32\x8e\x04\n\x06LpSync\x12=\n\x06\x41ttach\x12\x18.lpsync.v1.AttachRequest\x1a\x19.lpsync.v1.AttachResponse\x12=\n\x06\x44\x65tach\x12\x18.lpsync.v1.DetachRequest\x1a\x19.lpsync.v1.DetachResponse\x12\x39\n\x08\x41llocate\x12\x1a.lpsync.v1.AllocateRequest\x1a\x11.lpsync.v1.Buffer\x12\x39\n\x08Register\x12\x1a.lpsync.v1.RegisterRequest\x1a\x11.lpsync.v1.Buffer\x12@\n\x07Release\x12\x19.lpsync.v1.ReleaseRequest\x1a\x1a.lpsync.v1.ReleaseResponse\x12I\n\nCollective\x12\x1c.lpsync.v1.CollectiveRequest\x1a\x1d.lpsync.v1.CollectiveResponse\x12\x44\n\x07Session\x12\x19.lpsync.v1.SessionRequest\x1a\x1a.lpsync.v1.SessionResponse(\x01\x30\x01\x12=\n\x06Status\x12\x18.lpsync.v1.StatusRequest\x1a\x19.lpsync.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lpsync/v1/lpsync.proto\x12\tlpsync.v1\"y\n\rAttachRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x12\n\nlocal_rank\x18\x04 \x01(\r\x12\x18\n\x10local_world_size\x18\x05 \x01(\r\x12\x0b\n\x03pid\x18\x06 \x01(\r\"T\n\x0e\x41ttachResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x02 \x01(\t\x12\x16\n\x0etrigger_socket\x18\x03 \x01(\t\"#\n\rDetachRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x10\n\x0e\x44\x65tachResponse\"5\n\x0f\x41llocateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\"\x9d\x01\n\x0fRegisterRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x12\n\nipc_handle\x18\x04 \x01(\x0c\x12\x12\n\nipc_offset\x18\x05 \x01(\x03\x12\x18\n\x10\x61llocation_bytes\x18\x06 \x01(\x03\x12\x14\n\x0c\x64\x65vice_index\x18\x07 \x01(\r\"p\n\x06\x42uffer\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x0e\n\x06staged\x18\x04 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x14\n\x0c\x64\x65vice_index\x18\x06 \x01(\r\"4\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x04\"\x11\n\x0fReleaseResponse\"+\n\tBufferRef\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"\x81\x02\n\x11\x43ollectiveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\n\n\x02op\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05\x63ount\x18\x05 \x01(\x03\x12\x0c\n\x04root\x18\x06 \x01(\r\x12\x11\n\treduce_op\x18\x07 \x01(\t\x12\x11\n\talgorithm\x18\x08 \x01(\t\x12\x0f\n\x07timeout\x18\t \x01(\x01\x12#\n\x05input\x18\n \x01(\x0b\x32\x14.lpsync.v1.BufferRef\x12$\n\x06output\x18\x0b \x01(\x0b\x32\x14.lpsync.v1.BufferRef\x12\x0c\n\x04name\x18\x0c \x01(\t\"H\n\x12\x43ollectiveResponse\x12\x11\n\talgorithm\x18\x01 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"!\n\x0bSessionOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x06\n\x04Ping\"\xa9\x01\n\x0eSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12&\n\x04open\x18\x02 \x01(\x0b\x32\x16.lpsync.v1.SessionOpenH\x00\x12\x32\n\ncollective\x18\x03 \x01(\x0b\x32\x1c.lpsync.v1.CollectiveRequestH\x00\x12\x1f\n\x04ping\x18\x04 \x01(\x0b\x32\x0f.lpsync.v1.PingH\x00\x42\x06\n\x04\x62ody\"\x9f\x01\n\x10\x43ollectiveResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12,\n\x0c\x62uffer_state\x18\x03 \x01(\x0e\x32\x16.lpsync.v1.BufferState\x12/\n\x08response\x18\x04 \x01(\x0b\x32\x1d.lpsync.v1.CollectiveResponse\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"\xa7\x01\n\x0fSessionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12(\n\x06opened\x18\x02 \x01(\x0b\x32\x16.lpsync.v1.SessionOpenH\x00\x12-\n\x06result\x18\x03 \x01(\x0b\x32\x1b.lpsync.v1.CollectiveResultH\x00\x12\x1f\n\x04pong\x18\x04 \x01(\x0b\x32\x0f.lpsync.v1.PingH\x00\x42\x06\n\x04\x62ody\"0\n\rStatusRequest\x12\x0e\n\x06recent\x18\x01 \x01(\r\x12\x0f\n\x07history\x18\x02 \x01(\r\"\xa2\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x0f\n\x07\x62uffers\x18\x06 \x01(\r\x12\x18\n\x10registered_bytes\x18\x07 \x01(\x03\x12\x18\n\x10\x61ttached_seconds\x18\x08 \x01(\x01\"r\n\nBufferInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x04\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x0e\n\x06staged\x18\x05 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"\xa2\x01\n\x10\x43ollectiveRecord\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\n\n\x02op\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05\x63ount\x18\x05 \x01(\x03\x12\x11\n\talgorithm\x18\x06 \x01(\t\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12\x0c\n\x04\x63ode\x18\x08 \x01(\t\x12\x13\n\x0b\x66inished_at\x18\t \x01(\x01\"2\n\x0bRankArrival\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x15\n\rafter_seconds\x18\x02 \x01(\x01\"+\n\tStageTime\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x87\x02\n\x0c\x46lightRecord\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\n\n\x02op\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\x12\x11\n\talgorithm\x18\x05 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x06 \x01(\r\x12\x0c\n\x04\x63ode\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12\x12\n\nstarted_at\x18\t \x01(\x01\x12\x15\n\rtotal_seconds\x18\n \x01(\x01\x12(\n\x08\x61rrivals\x18\x0b \x03(\x0b\x32\x16.lpsync.v1.RankArrival\x12$\n\x06stages\x18\x0c \x03(\x0b\x32\x14.lpsync.v1.StageTime\"\xbd\x01\n\x11WaitingCollective\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\n\n\x02op\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x12\n\nstarted_at\x18\x04 \x01(\x01\x12\x17\n\x0fwaiting_seconds\x18\x05 \x01(\x01\x12\x0f\n\x07\x61rrived\x18\x06 \x03(\r\x12\x15\n\rmissing_ranks\x18\x07 \x03(\r\x12\x15\n\rmissing_nodes\x18\x08 \x03(\r\x12\x0f\n\x07stalled\x18\t \x01(\x08\"\xb2\x01\n\x07JobInfo\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\r\n\x05nodes\x18\x03 \x01(\r\x12\x0c\n\x04node\x18\x04 \x01(\r\x12\x10\n\x08\x61ttached\x18\x05 \x03(\r\x12-\n\x07waiting\x18\x06 \x03(\x0b\x32\x1c.lpsync.v1.WaitingCollective\x12(\n\x07history\x18\x07 \x03(\x0b\x32\x17.lpsync.v1.FlightRecord\"\x82\x02\n\x0eStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x02 \x01(\x01\x12(\n\x08sessions\x18\x03 \x03(\x0b\x32\x16.lpsync.v1.SessionInfo\x12&\n\x07\x62uffers\x18\x04 \x03(\x0b\x32\x15.lpsync.v1.BufferInfo\x12+\n\x06recent\x18\x05 \x03(\x0b\x32\x1b.lpsync.v1.CollectiveRecord\x12 \n\x04jobs\x18\x06 \x03(\x0b\x32\x12.lpsync.v1.JobInfo\x12&\n\x07\x64\x65vices\x18\x07 \x03(\x0b\x32\x15.lpsync.v1.DeviceInfo\"\xa1\x01\n\nDeviceInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x18\n\x10registered_bytes\x18\x04 \x01(\x03\x12\x18\n\x10open_allocations\x18\x05 \x01(\r\x12\x11\n\tipc_opens\x18\x06 \x01(\x04\x12\x12\n\nipc_closes\x18\x07 \x01(\x04\x12\r\n\x05links\x18\x08 \x01(\t*D\n\x0b\x42ufferState\x12\x1c\n\x18\x42UFFER_STATE_UNSPECIFIED\x10\x00\x12\n\n\x06INTACT\x10\x01\x12\x0b\n\x07PARTIAL\x10\x02\x32\x8e\x04\n\x06LpSync\x12=\n\x06\x41ttach\x12\x18.lpsync.v1.AttachRequest\x1a\x19.lpsync.v1.AttachResponse\x12=\n\x06\x44\x65tach\x12\x18.lpsync.v1.DetachRequest\x1a\x19.lpsync.v1.DetachResponse\x12\x39\n\x08\x41llocate\x12\x1a.lpsync.v1.AllocateRequest\x1a\x11.lpsync.v1.Buffer\x12\x39\n\x08Register\x12\x1a.lpsync.v1.RegisterRequest\x1a\x11.lpsync.v1.Buffer\x12@\n\x07Release\x12\x19.lpsync.v1.ReleaseRequest\x1a\x1a.lpsync.v1.ReleaseResponse\x12I\n\nCollective\x12\x1c.lpsync.v1.CollectiveRequest\x1a\x1d.lpsync.v1.CollectiveResponse\x12\x44\n\x07Session\x12\x19.lpsync.v1.SessionRequest\x1a\x1a.lpsync.v1.SessionResponse(\x01\x30\x01\x12=\n\x06Status\x12\x18.lpsync.v1.StatusRequest\x1a\x19.lpsync.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lpsync.v1.lpsync_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BUFFERSTATE']._serialized_start=2939
-  _globals['_BUFFERSTATE']._serialized_end=3007
+  _globals['_BUFFERSTATE']._serialized_start=3286
+  _globals['_BUFFERSTATE']._serialized_end=3354
   _globals['_ATTACHREQUEST']._serialized_start=37
   _globals['_ATTACHREQUEST']._serialized_end=158
   _globals['_ATTACHRESPONSE']._serialized_start=160
@@ -44,50 +44,52 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DETACHRESPONSE']._serialized_end=299
   _globals['_ALLOCATEREQUEST']._serialized_start=301
   _globals['_ALLOCATEREQUEST']._serialized_end=354
-  _globals['_REGISTERREQUEST']._serialized_start=356
-  _globals['_REGISTERREQUEST']._serialized_end=425
-  _globals['_BUFFER']._serialized_start=427
-  _globals['_BUFFER']._serialized_end=501
-  _globals['_RELEASEREQUEST']._serialized_start=503
-  _globals['_RELEASEREQUEST']._serialized_end=555
-  _globals['_RELEASERESPONSE']._serialized_start=557
-  _globals['_RELEASERESPONSE']._serialized_end=574
-  _globals['_BUFFERREF']._serialized_start=576
-  _globals['_BUFFERREF']._serialized_end=619
-  _globals['_COLLECTIVEREQUEST']._serialized_start=622
-  _globals['_COLLECTIVEREQUEST']._serialized_end=879
-  _globals['_COLLECTIVERESPONSE']._serialized_start=881
-  _globals['_COLLECTIVERESPONSE']._serialized_end=953
-  _globals['_SESSIONOPEN']._serialized_start=955
-  _globals['_SESSIONOPEN']._serialized_end=988
-  _globals['_PING']._serialized_start=990
-  _globals['_PING']._serialized_end=996
-  _globals['_SESSIONREQUEST']._serialized_start=999
-  _globals['_SESSIONREQUEST']._serialized_end=1168
-  _globals['_COLLECTIVERESULT']._serialized_start=1171
-  _globals['_COLLECTIVERESULT']._serialized_end=1330
-  _globals['_SESSIONRESPONSE']._serialized_start=1333
-  _globals['_SESSIONRESPONSE']._serialized_end=1500
-  _globals['_STATUSREQUEST']._serialized_start=1502
-  _globals['_STATUSREQUEST']._serialized_end=1550
-  _globals['_SESSIONINFO']._serialized_start=1553
-  _globals['_SESSIONINFO']._serialized_end=1715
-  _globals['_BUFFERINFO']._serialized_start=1717
-  _globals['_BUFFERINFO']._serialized_end=1815
-  _globals['_COLLECTIVERECORD']._serialized_start=1818
-  _globals['_COLLECTIVERECORD']._serialized_end=1980
-  _globals['_RANKARRIVAL']._serialized_start=1982
-  _globals['_RANKARRIVAL']._serialized_end=2032
-  _globals['_STAGETIME']._serialized_start=2034
-  _globals['_STAGETIME']._serialized_end=2077
-  _globals['_FLIGHTRECORD']._serialized_start=2080
-  _globals['_FLIGHTRECORD']._serialized_end=2343
-  _globals['_WAITINGCOLLECTIVE']._serialized_start=2346
-  _globals['_WAITINGCOLLECTIVE']._serialized_end=2535
-  _globals['_JOBINFO']._serialized_start=2538
-  _globals['_JOBINFO']._serialized_end=2716
-  _globals['_STATUSRESPONSE']._serialized_start=2719
-  _globals['_STATUSRESPONSE']._serialized_end=2937
-  _globals['_LPSYNC']._serialized_start=3010
-  _globals['_LPSYNC']._serialized_end=3536
+  _globals['_REGISTERREQUEST']._serialized_start=357
+  _globals['_REGISTERREQUEST']._serialized_end=514
+  _globals['_BUFFER']._serialized_start=516
+  _globals['_BUFFER']._serialized_end=628
+  _globals['_RELEASEREQUEST']._serialized_start=630
+  _globals['_RELEASEREQUEST']._serialized_end=682
+  _globals['_RELEASERESPONSE']._serialized_start=684
+  _globals['_RELEASERESPONSE']._serialized_end=701
+  _globals['_BUFFERREF']._serialized_start=703
+  _globals['_BUFFERREF']._serialized_end=746
+  _globals['_COLLECTIVEREQUEST']._serialized_start=749
+  _globals['_COLLECTIVEREQUEST']._serialized_end=1006
+  _globals['_COLLECTIVERESPONSE']._serialized_start=1008
+  _globals['_COLLECTIVERESPONSE']._serialized_end=1080
+  _globals['_SESSIONOPEN']._serialized_start=1082
+  _globals['_SESSIONOPEN']._serialized_end=1115
+  _globals['_PING']._serialized_start=1117
+  _globals['_PING']._serialized_end=1123
+  _globals['_SESSIONREQUEST']._serialized_start=1126
+  _globals['_SESSIONREQUEST']._serialized_end=1295
+  _globals['_COLLECTIVERESULT']._serialized_start=1298
+  _globals['_COLLECTIVERESULT']._serialized_end=1457
+  _globals['_SESSIONRESPONSE']._serialized_start=1460
+  _globals['_SESSIONRESPONSE']._serialized_end=1627
+  _globals['_STATUSREQUEST']._serialized_start=1629
+  _globals['_STATUSREQUEST']._serialized_end=1677
+  _globals['_SESSIONINFO']._serialized_start=1680
+  _globals['_SESSIONINFO']._serialized_end=1842
+  _globals['_BUFFERINFO']._serialized_start=1844
+  _globals['_BUFFERINFO']._serialized_end=1958
+  _globals['_COLLECTIVERECORD']._serialized_start=1961
+  _globals['_COLLECTIVERECORD']._serialized_end=2123
+  _globals['_RANKARRIVAL']._serialized_start=2125
+  _globals['_RANKARRIVAL']._serialized_end=2175
+  _globals['_STAGETIME']._serialized_start=2177
+  _globals['_STAGETIME']._serialized_end=2220
+  _globals['_FLIGHTRECORD']._serialized_start=2223
+  _globals['_FLIGHTRECORD']._serialized_end=2486
+  _globals['_WAITINGCOLLECTIVE']._serialized_start=2489
+  _globals['_WAITINGCOLLECTIVE']._serialized_end=2678
+  _globals['_JOBINFO']._serialized_start=2681
+  _globals['_JOBINFO']._serialized_end=2859
+  _globals['_STATUSRESPONSE']._serialized_start=2862
+  _globals['_STATUSRESPONSE']._serialized_end=3120
+  _globals['_DEVICEINFO']._serialized_start=3123
+  _globals['_DEVICEINFO']._serialized_end=3284
+  _globals['_LPSYNC']._serialized_start=3357
+  _globals['_LPSYNC']._serialized_end=3883
 # @@protoc_insertion_point(module_scope)

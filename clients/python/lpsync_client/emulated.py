@@ -1,0 +1,233 @@
+"""Emulated device arrays: what tests register in place of cupy arrays.
+
+A daemon started with ``--devices emulated:N`` serves N host-emulated devices
+(lpsync.memory.emulated). This module is the client's side of them, shaped like a GPU
+framework: an ``Allocation`` is device memory (a memfd, so nothing is left in /dev/shm
+if the process is killed) that may hold several arrays (as a caching allocator's segment
+does), an ``EmulatedArray`` is a typed 1-D span of one, and every device has a current
+``Stream`` — a worker thread that runs queued writes in order — that a collective is
+ordered after, as a cupy array's collective is ordered after cupy's current stream.
+
+    from lpsync_client import emulated
+    x = emulated.asarray(np.ones(1024, np.float32), device=1)
+    x.set_async(values, delay=0.2)     # queued on device 1's current stream
+    client.allreduce(x)                # waits for the write above, then reduces
+    x.get()                            # a numpy copy of the result
+
+The IPC handle is the exporter's (pid, fd, inode, size, device): the daemon opens
+/proc/<pid>/fd/<fd>, so it opens only while this process is alive, like a CUDA handle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import queue
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from lpsync_client._convert import dtype_name, numpy_dtype
+from lpsync_client.errors import InvalidArgumentError
+
+HANDLE = struct.Struct("<4sIIQQI")  # the layout lpsync.memory.emulated unpacks
+MAGIC = b"LPEM"
+
+
+class Allocation:
+    """``nbytes`` of device memory on ``device``; freed by ``free`` or when collected."""
+
+    def __init__(self, nbytes: int, device: int = 0) -> None:
+        if nbytes < 0:
+            raise InvalidArgumentError(f"cannot allocate {nbytes} bytes")
+        self.nbytes, self.device = nbytes, device
+        self._fd = os.memfd_create(f"lpsync-client-emu{device}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, nbytes)
+            self._mmap = mmap.mmap(self._fd, nbytes) if nbytes else None
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.bytes = (np.frombuffer(self._mmap, np.uint8, nbytes) if self._mmap is not None
+                      else np.empty(0, np.uint8))
+        self._inode = os.fstat(self._fd).st_ino
+
+    def ipc_handle(self) -> bytes:
+        if self._fd < 0:
+            raise InvalidArgumentError("the allocation was freed")
+        return HANDLE.pack(MAGIC, os.getpid(), self._fd, self._inode, self.nbytes, self.device)
+
+    def array(self, offset: int, count: int, dtype: str | np.dtype) -> EmulatedArray:
+        """A typed span of this allocation (a sub-allocation, as a caching allocator hands out)."""
+        return EmulatedArray(self, offset, count, dtype)
+
+    def free(self) -> None:
+        """Give the memory back; a daemon that opened it keeps its mapping until it closes it."""
+        self.bytes = np.empty(0, np.uint8)
+        if self._mmap is not None:
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
+            self._mmap = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.free()
+
+
+class Event:
+    def __init__(self) -> None:
+        self._done = threading.Event()
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        if not self._done.wait(timeout):
+            raise TimeoutError("the emulated stream did not reach the event in time")
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+
+class Stream:
+    """Queued operations run in order on a worker thread (blocking on its queue)."""
+
+    def __init__(self, device: int = 0) -> None:
+        self.device = device
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, daemon=True,
+                                        name=f"lpsync-client-emu-stream-{device}")
+        self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            op = self._queue.get()
+            if op is None:
+                return
+            op()
+
+    def enqueue(self, op: Callable[[], None]) -> None:
+        self._queue.put(op)
+
+    def record(self) -> Event:
+        event = Event()
+        self.enqueue(event._done.set)
+        return event
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        self.record().synchronize(timeout)
+
+
+_streams: dict[int, Stream] = {}
+_streams_lock = threading.Lock()
+
+
+def current_stream(device: int = 0) -> Stream:
+    """The device's current stream (one per device per process, made on first use)."""
+    with _streams_lock:
+        stream = _streams.get(device)
+        if stream is None:
+            stream = _streams[device] = Stream(device)
+        return stream
+
+
+@dataclass(frozen=True)
+class DeviceArrayInfo:
+    """What the client registers: lpsync_client._device reads this protocol."""
+
+    kind: str
+    device: int
+    handle: bytes
+    allocation_bytes: int
+    offset: int
+    nbytes: int
+    count: int
+    dtype: str
+
+
+class EmulatedArray:
+    """``count`` elements of ``dtype`` at ``offset`` of an Allocation (1-D, contiguous)."""
+
+    def __init__(self, allocation: Allocation, offset: int, count: int,
+                 dtype: str | np.dtype) -> None:
+        name = dtype if isinstance(dtype, str) else dtype_name(np.dtype(dtype))
+        self.dtype_name, self.dtype = name, numpy_dtype(name)
+        if offset < 0 or offset % self.dtype.itemsize or \
+                offset + count * self.dtype.itemsize > allocation.nbytes:
+            raise InvalidArgumentError(f"{count} x {name} at {offset} does not fit the allocation")
+        self.allocation, self.offset, self.size = allocation, offset, count
+        self.nbytes = count * self.dtype.itemsize
+
+    @property
+    def device(self) -> int:
+        return self.allocation.device
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.size,)
+
+    @property
+    def host(self) -> np.ndarray:
+        """The memory itself, without stream ordering (tests use it to look underneath)."""
+        return self.allocation.bytes[self.offset:self.offset + self.nbytes].view(self.dtype)
+
+    def __getitem__(self, item: slice) -> EmulatedArray:
+        start, stop, step = item.indices(self.size)
+        if step != 1:
+            raise InvalidArgumentError("emulated arrays slice contiguously")
+        return EmulatedArray(self.allocation, self.offset + start * self.dtype.itemsize,
+                             max(0, stop - start), self.dtype_name)
+
+    def get(self, timeout: float = 60.0) -> np.ndarray:
+        """A numpy copy, after the current stream's queued work (like cupy's .get())."""
+        current_stream(self.device).synchronize(timeout)
+        return self.host.copy()
+
+    def set(self, values: object, timeout: float = 60.0) -> None:
+        current_stream(self.device).synchronize(timeout)
+        self.host[...] = np.asarray(values).astype(self.dtype, copy=False).reshape(-1)
+
+    def set_async(self, values: object, delay: float = 0.0) -> None:
+        """Queue a write on the current stream; ``delay`` seconds of "kernel" before it."""
+        data = np.array(values, dtype=self.dtype).reshape(-1)
+
+        def write() -> None:
+            if delay:
+                time.sleep(delay)
+            self.host[...] = data
+        current_stream(self.device).enqueue(write)
+
+    def __lpsync_device__(self) -> DeviceArrayInfo:
+        return DeviceArrayInfo("emulated", self.device, self.allocation.ipc_handle(),
+                               self.allocation.nbytes, self.offset, self.nbytes, self.size,
+                               self.dtype_name)
+
+    def __lpsync_sync__(self) -> None:
+        """Order the device's current stream before a collective on this array."""
+        current_stream(self.device).synchronize()
+
+    def __repr__(self) -> str:
+        return f"EmulatedArray({self.size} x {self.dtype_name} on emulated:{self.device})"
+
+
+def empty(count: int, dtype: str | np.dtype = "float32", device: int = 0) -> EmulatedArray:
+    name = dtype if isinstance(dtype, str) else dtype_name(np.dtype(dtype))
+    return Allocation(count * numpy_dtype(name).itemsize, device).array(0, count, name)
+
+
+def zeros(count: int, dtype: str | np.dtype = "float32", device: int = 0) -> EmulatedArray:
+    array = empty(count, dtype, device)
+    array.host.fill(0)
+    return array
+
+
+def asarray(values: np.ndarray, device: int = 0, dtype: str | None = None) -> EmulatedArray:
+    source = np.asarray(values).reshape(-1)
+    array = empty(source.size, dtype or dtype_name(source.dtype), device)
+    array.host[...] = source
+    return array

@@ -1,0 +1,76 @@
+"""On a GPU: the IPC path's copy bandwidth against a plain device-to-device copy.
+
+Both copies run on one GPU through the cuda memory kind (lpsync.memory.cuda), on one
+stream, timed by events: the D2D copy reads memory this process allocated; the IPC copy
+reads an allocation another process exported (cudaIpcGetMemHandle) and this one opened
+(cudaIpcOpenMemHandle) — the daemon's path. Bandwidth counts the bytes once.
+NOT YET RUN ON A GPU (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import numpy as np
+
+ROUNDS = 20
+
+
+def _exporter(nbytes: int, device: int, conn) -> None:
+    from lpsync.memory.cuda import CudaKind
+
+    kind = CudaKind((device,))
+    memory = kind.allocate(device, nbytes)
+    conn.send(kind.export(memory))
+    conn.recv()  # keep the allocation alive until the parent is done
+    kind.free(memory)
+
+
+def _time_copies(kind, dst, src, stream) -> float:
+    kind.copy_async(dst, src, stream)  # warm-up
+    start, end = kind.event(), kind.event()
+    kind.record(start, stream)
+    for _ in range(ROUNDS):
+        kind.copy_async(dst, src, stream)
+    kind.record(end, stream)
+    kind.synchronize(end, time.monotonic() + 120)
+    import cupy
+
+    return cupy.cuda.get_elapsed_time(start, end) / 1e3 / ROUNDS  # needs timing events
+
+
+def measure(nbytes: int, device: int = 0) -> dict[str, float]:
+    import cupy
+
+    from lpsync.memory.cuda import CudaKind
+    from lpsync.memory.kind import Span
+
+    kind = CudaKind((device,))
+    kind.event = lambda: cupy.cuda.Event(block=True)  # timing events for this measurement
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_exporter, args=(nbytes, device, child))
+    proc.start()
+    try:
+        handle = parent.recv()
+        opened = kind.open(handle, device)
+        own, dst = kind.allocate(device, nbytes), kind.allocate(device, nbytes)
+        u8 = np.dtype(np.uint8)
+        stream = kind.stream(device)
+        d2d = _time_copies(kind, Span(dst, 0, nbytes, u8), Span(own, 0, nbytes, u8), stream)
+        ipc = _time_copies(kind, Span(dst, 0, nbytes, u8), Span(opened, 0, nbytes, u8), stream)
+        kind.close(opened)
+        kind.free(own)
+        kind.free(dst)
+    finally:
+        parent.send("done")
+        proc.join(30)
+    return {"bytes": nbytes, "d2d_gbps": nbytes / d2d / 1e9, "ipc_gbps": nbytes / ipc / 1e9,
+            "ipc_over_d2d": d2d / ipc}
+
+
+def report(result: dict[str, float]) -> str:
+    return (f"# copy bandwidth on one GPU, {result['bytes'] / 2**20:.0f} MiB: device-to-device "
+            f"{result['d2d_gbps']:.1f} GB/s, through CUDA IPC {result['ipc_gbps']:.1f} GB/s "
+            f"({100 * result['ipc_over_d2d']:.0f}% of D2D)")

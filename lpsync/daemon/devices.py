@@ -1,0 +1,151 @@
+"""The daemon's devices: the memory kind, the IPC cache of opened allocations, and the
+per-device accounting that Status and the metrics show.
+
+Ownership: a client owns its device allocations; the daemon opens each one once (keyed
+by device and IPC handle), shares the mapping between every registration on it, and
+closes it when the last registration on it is released or its session ends (a client
+that dies is seen through its Session stream, sessions.py). Lock order: SessionTable's
+lock is never held while this registry's is taken.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from lpsync.engine.device_group import DeviceContext
+from lpsync.errors import InvalidArgumentError
+from lpsync.memory.kind import MemoryKind
+
+
+@dataclass(eq=False)
+class OpenAllocation:
+    device: int
+    handle: bytes
+    memory: object
+    nbytes: int
+    refs: int = 0  # registrations on it
+    active: int = 0  # collectives whose streams may still touch it
+
+
+@dataclass(eq=False)
+class DeviceBuffer:
+    """One registration: ``nbytes`` at ``offset`` of an opened allocation."""
+
+    allocation: OpenAllocation
+    offset: int
+    nbytes: int
+
+    @property
+    def device(self) -> int:
+        return self.allocation.device
+
+
+class DeviceRegistry:
+    def __init__(self, kind: MemoryKind) -> None:
+        self.kind = kind
+        self.context = DeviceContext(kind)
+        self._lock = threading.Lock()
+        self._open: dict[tuple[int, bytes], OpenAllocation] = {}
+        self._by_memory: dict[int, OpenAllocation] = {}  # id(memory) -> its entry
+        self.registered = [0] * kind.devices
+
+    def register(self, kind: str, device: int, handle: bytes, offset: int, nbytes: int,
+                 allocation_bytes: int) -> DeviceBuffer:
+        if kind != self.kind.name:
+            raise InvalidArgumentError(
+                f"a {kind} buffer cannot be registered with a daemon serving {self.kind.name} "
+                f"devices (--devices)")
+        if not 0 <= device < self.kind.devices:
+            raise InvalidArgumentError(f"device {device} does not exist: this daemon has "
+                                       f"{self.kind.name} devices 0..{self.kind.devices - 1}")
+        if not handle:
+            raise InvalidArgumentError("a device buffer needs the IPC handle of its allocation")
+        if offset < 0 or nbytes < 0 or allocation_bytes < 0 or offset + nbytes > allocation_bytes:
+            raise InvalidArgumentError(
+                f"span {offset}+{nbytes} does not fit an allocation of {allocation_bytes} bytes")
+        key = (device, bytes(handle))
+        with self._lock:
+            entry = self._open.get(key)
+            if entry is not None:
+                entry.refs += 1
+        if entry is None:
+            memory = self.kind.open(bytes(handle), device)  # slow on CUDA: outside the lock
+            size = min(allocation_bytes, getattr(memory, "nbytes", allocation_bytes))
+            with self._lock:
+                entry = self._open.get(key)
+                if entry is None:
+                    entry = self._open[key] = OpenAllocation(device, key[1], memory, size)
+                    self._by_memory[id(memory)] = entry
+                    memory = None
+                entry.refs += 1
+            if memory is not None:  # another registration opened it meanwhile
+                self.kind.close(memory)
+        if offset + nbytes > entry.nbytes:
+            self._drop(entry)
+            raise InvalidArgumentError(
+                f"span {offset}+{nbytes} does not fit the allocation ({entry.nbytes} bytes)")
+        with self._lock:
+            self.registered[device] += nbytes
+        return DeviceBuffer(entry, offset, nbytes)
+
+    def release(self, buffer: DeviceBuffer) -> None:
+        with self._lock:
+            self.registered[buffer.device] -= buffer.nbytes
+        self._drop(buffer.allocation)
+
+    def _drop(self, entry: OpenAllocation) -> None:
+        with self._lock:
+            entry.refs -= 1
+            last = entry.refs == 0 and entry.active == 0
+            if entry.refs == 0:  # no new registration finds it; closed once idle
+                self._open.pop((entry.device, entry.handle), None)
+            if last:
+                self._by_memory.pop(id(entry.memory), None)
+        if last:
+            self.kind.close(entry.memory)
+
+    def use(self, memories: list) -> list[OpenAllocation]:
+        """Mark the allocations of ``memories`` busy: a release (or a client's death) while a
+        collective's streams still touch them defers their close to ``done`` — closing an
+        IPC mapping under a running kernel faults the daemon's whole CUDA context."""
+        with self._lock:
+            entries = list({id(e): e for m in memories
+                            if (e := self._by_memory.get(id(m))) is not None}.values())
+            for entry in entries:
+                entry.active += 1
+        return entries
+
+    def done(self, entries: list[OpenAllocation]) -> None:
+        closing = []
+        with self._lock:
+            for entry in entries:
+                entry.active -= 1
+                if entry.active == 0 and entry.refs == 0:
+                    self._by_memory.pop(id(entry.memory), None)
+                    closing.append(entry)
+        for entry in closing:
+            self.kind.close(entry.memory)
+
+    def open_allocations(self) -> list[int]:
+        counts = [0] * self.kind.devices
+        with self._lock:
+            for device, _ in self._open:
+                counts[device] += 1
+        return counts
+
+    def counters(self) -> tuple[list[int], list[int]]:
+        """Lifetime IPC opens and closes per device (kinds that count them)."""
+        n = self.kind.devices
+        return (list(getattr(self.kind, "opens", [0] * n)),
+                list(getattr(self.kind, "closes", [0] * n)))
+
+    def close(self) -> None:
+        with self._lock:
+            entries = list(self._by_memory.values())
+            self._open.clear()
+            self._by_memory.clear()
+        for entry in entries:
+            self.kind.close(entry.memory)
+        self.context.close()
+        self.kind.close_kind()

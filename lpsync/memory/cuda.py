@@ -1,0 +1,341 @@
+"""The CUDA memory kind: kind.py's operations table as a thin mapping onto cupy.
+
+Imported only for ``--devices cuda:...`` (lpsync[cuda12] / lpsync[cuda13] install cupy).
+NOT YET RUN ON A GPU: written and reviewed against the CUDA runtime and cupy documentation
+(docs/gpu.md lists each call and what it relies on). Device numbering is the CUDA ordinal
+as the daemon sees it; clients must see the same numbering (same CUDA_VISIBLE_DEVICES).
+
+  allocate / free          cupy.cuda.runtime.malloc / free (not cupy's pool: a staging
+                           buffer is ours for the daemon's lifetime)
+  allocate_host            cupy.cuda.runtime.hostAlloc (pinned: async D2H/H2D need it)
+  export                   runtime.ipcGetMemHandle(base) (64 bytes naming the allocation)
+  open / close             runtime.ipcOpenMemHandle(handle, cudaIpcMemLazyEnablePeerAccess)
+                           on the allocation's device / runtime.ipcCloseMemHandle; one open
+                           per allocation per process (the registry caches it): CUDA refuses
+                           a second open of the same handle in one context
+  stream                   cupy.cuda.Stream(non_blocking=True) on the device: never
+                           synchronises with the legacy default stream
+  event / record / wait    cupy.cuda.Event(block=True, disable_timing=True), Event.record(s),
+                           Stream.wait_event(e) (cudaStreamWaitEvent: the latest record)
+  synchronize              Event.synchronize() (blocking sync, no spinning) in a helper
+                           thread, so that the deadline holds
+  copy_async               runtime.memcpyPeerAsync across devices, memcpyAsync on one device
+                           or with pinned host memory
+  reduce_async             an ElementwiseKernel per (op, dtype); bfloat16 a RawKernel over
+                           its 16 bits (round-to-nearest-even, as ml_dtypes does), since
+                           cupy has no bfloat16 dtype
+  enable_peer_access       runtime.deviceEnablePeerAccess (cudaErrorPeerAccessAlreadyEnabled
+                           ignored)
+  topology                 nvidia-ml-py when installed: nvmlDeviceGetP2PStatus(NVLINK) ->
+                           FAST; else deviceCanAccessPeer -> SLOW; else HOST (staged)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from lpsync.engine.reduce import Reduction
+from lpsync.errors import (
+    CollectiveTimeoutError,
+    ConfigError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+)
+from lpsync.memory.kind import Link, Span, Topology
+from lpsync.types import ReduceOp
+
+try:
+    import cupy
+    from cupy.cuda import runtime
+except ImportError as error:  # pragma: no cover - depends on the install
+    raise ConfigError(
+        "--devices cuda needs cupy: pip install 'lpsync[cuda12]' (or lpsync[cuda13]) "
+        f"({error})") from None
+
+_H2D, _D2H, _D2D = 1, 2, 3  # cudaMemcpyKind
+_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
+_PEER_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
+
+
+@dataclass(eq=False)
+class CudaMemory:
+    device: int  # CUDA ordinal; -1 for pinned host memory
+    nbytes: int
+    address: int
+    how: str  # "malloc", "ipc", "host"
+
+
+def _nan_aware(pick: str) -> str:
+    # numpy's minimum/maximum propagate NaN; so do these (integers are never NaN).
+    return f"c = (a != a) ? a : ((b != b) ? b : ((a {pick} b) ? a : b))"
+
+
+_EXPR = {ReduceOp.SUM: "c = a + b", ReduceOp.AVG: "c = a + b", ReduceOp.PROD: "c = a * b",
+         ReduceOp.MIN: _nan_aware("<"), ReduceOp.MAX: _nan_aware(">")}
+_BF16_EXPR = {ReduceOp.SUM: "x + y", ReduceOp.AVG: "x + y", ReduceOp.PROD: "x * y",
+              ReduceOp.MIN: "(x != x) ? x : ((y != y) ? y : (x < y ? x : y))",
+              ReduceOp.MAX: "(x != x) ? x : ((y != y) ? y : (x > y ? x : y))"}
+_BF16_SOURCE = r"""
+__device__ __forceinline__ float bf2f(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
+__device__ __forceinline__ unsigned short f2bf(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+    return (unsigned short)(u >> 16);
+}
+extern "C" __global__ void combine(const unsigned short* a, const unsigned short* b,
+                                   unsigned short* out, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)blockDim.x * gridDim.x) {
+        float x = bf2f(a[i]), y = bf2f(b[i]);
+        out[i] = f2bf(EXPR);
+    }
+}
+extern "C" __global__ void divide(unsigned short* x, long long n, float d) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)blockDim.x * gridDim.x) {
+        x[i] = f2bf(bf2f(x[i]) / d);
+    }
+}
+"""
+
+
+class CudaKind:
+    name = "cuda"
+
+    def __init__(self, indices: Sequence[int] = ()) -> None:
+        count = runtime.getDeviceCount()
+        if count == 0:
+            raise ConfigError("--devices cuda: no CUDA device is visible")
+        allowed = tuple(indices) or tuple(range(count))
+        missing = [i for i in allowed if i >= count]
+        if missing:
+            raise ConfigError(f"--devices cuda: GPUs {missing} do not exist ({count} visible)")
+        self.devices, self.allowed = count, frozenset(allowed)
+        self.topology = _topology(count)
+        self._kernels: dict[tuple, object] = {}
+        self._lock = threading.Lock()
+        self._waiters = concurrent.futures.ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="lpsync-cuda-sync")
+        self.opens = [0] * count
+        self.closes = [0] * count
+
+    def _check(self, device: int) -> None:
+        if device not in self.allowed:
+            raise InvalidArgumentError(f"GPU {device} is not served by this daemon "
+                                       f"(--devices cuda:{','.join(map(str, sorted(self.allowed)))})")
+
+    # -- memory ------------------------------------------------------------------------------
+    def allocate(self, device: int, nbytes: int) -> CudaMemory:
+        self._check(device)
+        with cupy.cuda.Device(device):
+            return CudaMemory(device, nbytes, runtime.malloc(max(nbytes, 1)), "malloc")
+
+    def allocate_host(self, nbytes: int) -> CudaMemory:
+        return CudaMemory(-1, nbytes, runtime.hostAlloc(max(nbytes, 1), 0), "host")
+
+    def free(self, memory: CudaMemory) -> None:
+        if memory.how == "host":
+            runtime.freeHost(memory.address)
+        elif memory.how == "malloc":
+            with cupy.cuda.Device(memory.device):
+                runtime.free(memory.address)
+
+    def export(self, memory: CudaMemory) -> bytes:
+        with cupy.cuda.Device(memory.device):
+            return bytes(runtime.ipcGetMemHandle(memory.address))
+
+    def open(self, handle: bytes, device: int) -> CudaMemory:
+        self._check(device)
+        if len(handle) != 64:
+            raise InvalidArgumentError(f"a CUDA IPC handle has 64 bytes, not {len(handle)}")
+        try:
+            with cupy.cuda.Device(device):
+                address = runtime.ipcOpenMemHandle(handle, _LAZY_PEER)
+        except runtime.CUDARuntimeError as error:
+            raise NotFoundError(f"cannot open the CUDA IPC handle on GPU {device}: {error} "
+                                "(has its process exited or freed it?)") from None
+        with self._lock:
+            self.opens[device] += 1
+        # The size is the client's word (RegisterRequest.allocation_bytes): the registry
+        # bounds spans by it.
+        return CudaMemory(device, 1 << 62, address, "ipc")
+
+    def close(self, memory: CudaMemory) -> None:
+        if memory.how != "ipc":
+            return
+        with cupy.cuda.Device(memory.device):
+            runtime.ipcCloseMemHandle(memory.address)
+        with self._lock:
+            self.closes[memory.device] += 1
+
+    def read(self, span: Span) -> np.ndarray:
+        host = np.empty(span.nbytes, np.uint8)
+        with cupy.cuda.Device(span.device):
+            runtime.memcpy(host.ctypes.data, span.lo, span.nbytes, _D2H)
+        return host.view(span.dtype)
+
+    def write(self, span: Span, data: np.ndarray) -> None:
+        host = np.ascontiguousarray(data)
+        with cupy.cuda.Device(span.device):
+            runtime.memcpy(span.lo, host.ctypes.data, span.nbytes, _H2D)
+
+    # -- streams and events ------------------------------------------------------------------
+    def stream(self, device: int) -> cupy.cuda.Stream:
+        self._check(device)
+        with cupy.cuda.Device(device):
+            stream = cupy.cuda.Stream(non_blocking=True)
+        stream.lpsync_device = device
+        return stream
+
+    def destroy_stream(self, stream: cupy.cuda.Stream) -> None:
+        stream.synchronize()
+
+    def event(self) -> cupy.cuda.Event:
+        return cupy.cuda.Event(block=True, disable_timing=True)
+
+    def record(self, event: cupy.cuda.Event, stream: cupy.cuda.Stream) -> None:
+        with cupy.cuda.Device(stream.lpsync_device):
+            event.record(stream)
+
+    def wait(self, stream: cupy.cuda.Stream, event: cupy.cuda.Event) -> None:
+        with cupy.cuda.Device(stream.lpsync_device):
+            stream.wait_event(event)
+
+    def synchronize(self, event: cupy.cuda.Event, deadline: float) -> None:
+        import time
+
+        future = self._waiters.submit(event.synchronize)
+        try:
+            future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            raise CollectiveTimeoutError("the GPU streams did not finish in time") from None
+        except runtime.CUDARuntimeError as error:
+            raise UnavailableError(f"a GPU operation failed: {error}") from None
+
+    # -- operations ----------------------------------------------------------------------------
+    def copy_async(self, dst: Span, src: Span, stream: cupy.cuda.Stream) -> None:
+        n = dst.nbytes
+        if n != src.nbytes:
+            raise InvalidArgumentError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
+        if not n:
+            return
+        with cupy.cuda.Device(stream.lpsync_device):
+            if dst.device >= 0 and src.device >= 0 and dst.device != src.device:
+                runtime.memcpyPeerAsync(dst.lo, dst.device, src.lo, src.device, n, stream.ptr)
+            else:
+                kind = _D2D if dst.device >= 0 and src.device >= 0 else (
+                    _D2H if dst.device < 0 else _H2D)
+                runtime.memcpyAsync(dst.lo, src.lo, n, kind, stream.ptr)
+
+    def _array(self, span: Span, dtype: np.dtype) -> cupy.ndarray:
+        memory = cupy.cuda.UnownedMemory(span.lo, span.nbytes, None, span.device)
+        return cupy.ndarray((span.nbytes // dtype.itemsize,), dtype,
+                            cupy.cuda.MemoryPointer(memory, 0))
+
+    def _kernel(self, op: ReduceOp, dtype: np.dtype, what: str) -> object:
+        key = (op, dtype, what)
+        kernel = self._kernels.get(key)
+        if kernel is not None:
+            return kernel
+        if dtype.name == "bfloat16":
+            module = cupy.RawModule(code=_BF16_SOURCE.replace("EXPR", _BF16_EXPR[op]))
+            kernel = module.get_function(what)
+        elif what == "combine":
+            kernel = cupy.ElementwiseKernel("T a, T b", "T c", _EXPR[op], f"lpsync_{op}")
+        elif np.issubdtype(dtype, np.integer):  # numpy's floor division
+            kernel = cupy.ElementwiseKernel(
+                "int64 n", "T x",
+                "long long v = x; long long q = v / n; if (v % n != 0 && v < 0) q -= 1; x = q;",
+                "lpsync_floordiv")
+        else:  # in double, rounded once to the type (via float for half: no double ctor)
+            cast = "(T)(float)" if dtype == np.float16 else "(T)"
+            kernel = cupy.ElementwiseKernel("int64 n", "T x", f"x = {cast}((double)x / n)",
+                                            "lpsync_divide")
+        self._kernels[key] = kernel
+        return kernel
+
+    def reduce_async(self, reduction: Reduction, out: Span, acc: Span, incoming: Span,
+                     final: bool, stream: cupy.cuda.Stream) -> None:
+        dtype, n = reduction.dtype, out.count
+        if not n:
+            return
+        bf16 = dtype.name == "bfloat16"
+        view = np.dtype(np.uint16) if bf16 else dtype
+        arrays = [self._array(s, view) for s in (acc, incoming, out)]
+        divide = final and reduction.op is ReduceOp.AVG and reduction.participants > 1
+        with cupy.cuda.Device(stream.lpsync_device), stream:
+            if bf16:
+                grid = (min(4096, (n + 255) // 256),)
+                self._kernel(reduction.op, dtype, "combine")(grid, (256,), (*arrays, np.int64(n)))
+                if divide:
+                    self._kernel(reduction.op, dtype, "divide")(
+                        grid, (256,), (arrays[2], np.int64(n), np.float32(reduction.participants)))
+                return
+            self._kernel(reduction.op, dtype, "combine")(*arrays)
+            if divide:
+                self._kernel(reduction.op, dtype, "divide")(np.int64(reduction.participants),
+                                                            arrays[2])
+
+    def enable_peer_access(self, devices: Sequence[int]) -> None:
+        for a in devices:
+            for b in devices:
+                if a == b or not self.topology.peer_access(a, b):
+                    continue
+                with cupy.cuda.Device(a):
+                    try:
+                        runtime.deviceEnablePeerAccess(b)
+                    except runtime.CUDARuntimeError as error:
+                        if getattr(error, "status", None) != _PEER_ALREADY_ENABLED:
+                            raise
+
+    def close_kind(self) -> None:
+        self._waiters.shutdown(wait=False)
+
+
+def _topology(count: int) -> Topology:
+    nvlink = _nvlink_pairs(count)
+    links = []
+    for a in range(count):
+        row = []
+        for b in range(count):
+            if a == b:
+                row.append(Link.SAME)
+            elif (a, b) in nvlink:
+                row.append(Link.FAST)
+            elif runtime.deviceCanAccessPeer(a, b):
+                row.append(Link.SLOW)
+            else:
+                row.append(Link.HOST)
+        links.append(tuple(row))
+    return Topology(tuple(links))
+
+
+def _nvlink_pairs(count: int) -> set[tuple[int, int]]:
+    """CUDA ordinal pairs joined by NVLink, matched to NVML's devices by PCI bus id (the
+    two number GPUs differently unless CUDA_DEVICE_ORDER=PCI_BUS_ID)."""
+    try:
+        import pynvml
+    except ImportError:
+        return set()
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return set()
+    try:
+        handles = [pynvml.nvmlDeviceGetHandleByPciBusId(runtime.deviceGetPCIBusId(i))
+                   for i in range(count)]
+        return {(a, b) for a in range(count) for b in range(count) if a != b and
+                pynvml.nvmlDeviceGetP2PStatus(handles[a], handles[b],
+                                              pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
+                == pynvml.NVML_P2P_STATUS_OK}
+    except pynvml.NVMLError:
+        return set()
+    finally:
+        pynvml.nvmlShutdown()

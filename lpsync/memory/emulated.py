@@ -1,0 +1,340 @@
+"""The emulated device (``--devices emulated:N``): the CUDA contract of kind.py on the host.
+
+What stands in for what:
+  * device memory: a memfd (anonymous shared memory, never a /dev/shm name that a killed
+    process could leak) mapped into this process;
+  * an IPC handle: the exporter's (pid, fd, inode, size, device), packed as
+    lpsync_client.emulated packs it. Opening maps /proc/<pid>/fd/<fd> after checking the
+    inode, so, like cudaIpcOpenMemHandle, it works only while the exporter is alive, and
+    the memory stays valid until the opener closes it, whatever the exporter does;
+  * a stream: one worker thread that runs queued operations in order (blocking on its
+    queue, never polling); an operation that fails poisons the stream: later ones are
+    skipped and the error is raised by every synchronize (CUDA's sticky errors) until
+    ``recover`` (the engine calls it once the failed run has drained);
+  * an event: a record counter; ``wait`` captures the latest record at call time, so a
+    wait enqueued before its record is a no-op exactly as cudaStreamWaitEvent's;
+  * copies and reductions: numpy on the mapped bytes (lpsync.engine.reduce), GIL
+    released, so streams of different devices overlap.
+``opens``/``closes`` count IPC opens and closes per device for tests and status.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import queue
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lpsync.engine.reduce import Reduction
+from lpsync.errors import (
+    CollectiveTimeoutError,
+    InvalidArgumentError,
+    LpsyncError,
+    NotFoundError,
+    UnavailableError,
+)
+from lpsync.memory.kind import Span, Topology
+
+# The IPC handle: magic, exporter pid, fd in the exporter, inode, allocation bytes, device.
+# lpsync_client.emulated packs the same layout (the client does not import lpsync).
+HANDLE = struct.Struct("<4sIIQQI")
+MAGIC = b"LPEM"
+_MEMFD_PREFIX = "/memfd:lpsync-"  # memfd_create names: lpsync-emu<d>, lpsync-client-emu<d>
+
+
+@dataclass(eq=False)
+class EmulatedMemory:
+    device: int
+    nbytes: int
+    array: np.ndarray  # the bytes, uint8
+    address: int
+    _mmap: mmap.mmap | None
+    fd: int = -1  # kept open by allocations we made (so that they can be exported)
+    inode: int = 0
+    opened: bool = False
+
+    def release(self) -> None:
+        mapping, self._mmap = self._mmap, None
+        self.array = np.empty(0, np.uint8)
+        if mapping is not None:
+            with contextlib.suppress(BufferError):  # a view still held: GC unmaps it later
+                mapping.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _map(fd: int, nbytes: int) -> tuple[np.ndarray, mmap.mmap | None]:
+    if not nbytes:
+        return np.empty(0, np.uint8), None
+    mapping = mmap.mmap(fd, nbytes)
+    return np.frombuffer(mapping, np.uint8, nbytes), mapping
+
+
+def _view(span: Span) -> np.ndarray:
+    return span.memory.array[span.offset:span.offset + span.nbytes]
+
+
+class EmulatedEvent:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.recorded = 0  # records enqueued
+        self.completed = 0  # records whose stream reached them
+        self.error: BaseException | None = None
+
+    def _complete(self, generation: int, error: BaseException | None) -> None:
+        with self._cond:
+            self.completed = max(self.completed, generation)
+            self.error = error  # the state of the latest record
+            self._cond.notify_all()
+
+    def wait_for(self, generation: int, deadline: float | None) -> None:
+        with self._cond:
+            while self.completed < generation:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise CollectiveTimeoutError("a device stream did not finish in time")
+                self._cond.wait(left)
+
+
+_STOP = object()
+
+
+@dataclass(eq=False)
+class EmulatedStream:
+    device: int
+    _queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    error: BaseException | None = None
+    closed: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self._thread = threading.Thread(target=self._work, name=f"lpsync-emu-stream-{self.device}",
+                                        daemon=True)
+        self._thread.start()
+
+    def put(self, op: Callable[[], None] | Callable[[BaseException | None], None],
+            wants_error: bool = False) -> None:
+        self._queue.put((op, wants_error))
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()  # blocks: no polling
+            if item is _STOP:
+                return
+            op, wants_error = item
+            if wants_error:  # event records run even on a poisoned stream, carrying its error
+                op(self.error)
+                continue
+            if self.error is not None:
+                continue
+            try:
+                op()
+            except BaseException as error:
+                self.error = error
+
+    def stop(self) -> None:
+        self.closed.set()
+        self._queue.put(_STOP)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+
+class EmulatedKind:
+    name = "emulated"
+
+    def __init__(self, devices: int, topology: Topology | None = None,
+                 copy_bandwidth: float = 0.0) -> None:
+        """``copy_bandwidth`` (bytes/s, 0: as fast as memcpy) slows every copy down to a
+        link's rate, for tests that need copies to take time."""
+        if devices < 1:
+            raise InvalidArgumentError("an emulated device set needs at least one device")
+        self.devices = devices
+        self.topology = topology or Topology.uniform(devices)
+        if len(self.topology.links) != devices:
+            raise InvalidArgumentError("the topology does not match the device count")
+        self.copy_bandwidth = copy_bandwidth
+        self._lock = threading.Lock()
+        self.opens = [0] * devices
+        self.closes = [0] * devices
+        self._streams: set[EmulatedStream] = set()
+        self.peer_enabled: set[tuple[int, int]] = set()
+
+    # -- memory ------------------------------------------------------------------------------
+    def _check(self, device: int) -> None:
+        if not 0 <= device < self.devices:
+            raise InvalidArgumentError(
+                f"device {device} does not exist: this daemon has emulated devices 0..{self.devices - 1}")
+
+    def allocate(self, device: int, nbytes: int) -> EmulatedMemory:
+        self._check(device)
+        fd = os.memfd_create(f"lpsync-emu{device}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            array, mapping = _map(fd, nbytes)
+        except OSError as error:
+            os.close(fd)
+            raise LpsyncError(f"cannot allocate {nbytes} bytes of emulated memory: {error}") from error
+        address = array.__array_interface__["data"][0] if nbytes else 0
+        return EmulatedMemory(device, nbytes, array, address, mapping, fd, os.fstat(fd).st_ino)
+
+    def allocate_host(self, nbytes: int) -> EmulatedMemory:
+        array = np.empty(nbytes, np.uint8)
+        return EmulatedMemory(-1, nbytes, array, array.__array_interface__["data"][0], None)
+
+    def free(self, memory: EmulatedMemory) -> None:
+        memory.release()
+
+    def export(self, memory: EmulatedMemory) -> bytes:
+        if memory.fd < 0:
+            raise InvalidArgumentError("only an allocation made in this process can be exported")
+        return HANDLE.pack(MAGIC, os.getpid(), memory.fd, memory.inode, memory.nbytes,
+                           memory.device)
+
+    def open(self, handle: bytes, device: int) -> EmulatedMemory:
+        self._check(device)
+        try:
+            magic, pid, fd, inode, nbytes, on = HANDLE.unpack(handle)
+        except struct.error:
+            raise InvalidArgumentError(
+                f"not an emulated-device IPC handle ({len(handle)} bytes)") from None
+        if magic != MAGIC:
+            raise InvalidArgumentError("not an emulated-device IPC handle (bad magic)")
+        if on != device:
+            raise InvalidArgumentError(f"the allocation is on device {on}, not {device}")
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            # Only emulated device memory: a handle must never make the daemon map (and
+            # write) an arbitrary file another process has open.
+            if not os.readlink(path).startswith(_MEMFD_PREFIX):
+                raise InvalidArgumentError("the handle does not name emulated device memory")
+            opened = os.open(path, os.O_RDWR)
+        except OSError as error:
+            raise NotFoundError(f"cannot open the allocation of process {pid}: {error} "
+                                "(has it exited or freed the memory?)") from None
+        try:
+            st = os.fstat(opened)
+            if st.st_ino != inode or st.st_size < nbytes:
+                raise NotFoundError(f"process {pid} no longer holds that allocation")
+            array, mapping = _map(opened, nbytes)
+        finally:
+            os.close(opened)
+        with self._lock:
+            self.opens[device] += 1
+        address = array.__array_interface__["data"][0] if nbytes else 0
+        return EmulatedMemory(device, nbytes, array, address, mapping, opened=True)
+
+    def close(self, memory: EmulatedMemory) -> None:
+        if memory.opened:
+            memory.opened = False
+            with self._lock:
+                self.closes[memory.device] += 1
+            memory.release()
+
+    def read(self, span: Span) -> np.ndarray:
+        return _view(span).view(span.dtype).copy()
+
+    def write(self, span: Span, data: np.ndarray) -> None:
+        np.copyto(_view(span), np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+
+    # -- streams and events ------------------------------------------------------------------
+    def stream(self, device: int) -> EmulatedStream:
+        self._check(device)
+        stream = EmulatedStream(device)
+        with self._lock:
+            self._streams.add(stream)
+        return stream
+
+    def destroy_stream(self, stream: EmulatedStream) -> None:
+        with self._lock:
+            self._streams.discard(stream)
+        stream.stop()
+
+    def event(self) -> EmulatedEvent:
+        return EmulatedEvent()
+
+    def record(self, event: EmulatedEvent, stream: EmulatedStream) -> None:
+        with event._cond:
+            event.recorded += 1
+            generation = event.recorded
+        stream.put(lambda error: event._complete(generation, error), wants_error=True)
+
+    def wait(self, stream: EmulatedStream, event: EmulatedEvent) -> None:
+        generation = event.recorded
+        if generation == 0:
+            return  # never recorded: CUDA ignores the wait too
+
+        def waiter() -> None:
+            while True:  # wakes at least every second to notice a destroyed stream
+                try:
+                    event.wait_for(generation, time.monotonic() + 1.0)
+                    return
+                except CollectiveTimeoutError:
+                    if stream.closed.is_set():
+                        raise
+        stream.put(waiter)
+
+    def synchronize(self, event: EmulatedEvent, deadline: float) -> None:
+        event.wait_for(event.recorded, deadline)
+        if event.error is not None:
+            error, event.error = event.error, None
+            raise error if isinstance(error, LpsyncError) else UnavailableError(
+                f"a device operation failed: {error!r}")
+
+    # -- operations ----------------------------------------------------------------------------
+    def copy_async(self, dst: Span, src: Span, stream: EmulatedStream) -> None:
+        if dst.nbytes != src.nbytes:
+            raise InvalidArgumentError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
+        self._check_reach(src.device, stream.device)
+        self._check_reach(dst.device, stream.device)
+        rate = self.copy_bandwidth
+
+        def copy() -> None:
+            if rate:  # the link's time first (blocks, does not spin): data lands at the end
+                time.sleep(dst.nbytes / rate)
+            np.copyto(_view(dst), _view(src))
+        stream.put(copy)
+
+    def _check_reach(self, device: int, on: int) -> None:
+        """Like a peer copy without peer access, a copy between devices that cannot reach
+        each other fails (the engine stages those through host memory)."""
+        if device >= 0 and device != on and not self.topology.peer_access(device, on):
+            raise InvalidArgumentError(f"device {on} has no peer access to device {device}")
+
+    def reduce_async(self, reduction: Reduction, out: Span, acc: Span, incoming: Span,
+                     final: bool, stream: EmulatedStream) -> None:
+        for span in (out, acc, incoming):
+            if span.device != stream.device:
+                raise InvalidArgumentError("a reduction reads and writes its own device's memory")
+
+        def reduce() -> None:
+            target = _view(out).view(reduction.dtype)
+            reduction.combine(_view(acc).view(reduction.dtype),
+                              _view(incoming).view(reduction.dtype), target)
+            if final:
+                reduction.finalize(target)
+        stream.put(reduce)
+
+    def enable_peer_access(self, devices: Sequence[int]) -> None:
+        for a in devices:
+            for b in devices:
+                if a != b and self.topology.peer_access(a, b):
+                    self.peer_enabled.add((a, b))
+
+    def recover(self, stream: EmulatedStream) -> None:
+        """Clear a poisoned stream once what failed has drained (CUDA cannot: a sticky
+        error ends the context)."""
+        stream.error = None
+
+    def close_kind(self) -> None:
+        with self._lock:
+            streams = list(self._streams)
+            self._streams.clear()
+        for stream in streams:
+            stream.stop()

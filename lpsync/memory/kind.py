@@ -1,0 +1,172 @@
+"""The memory-kind operations table: what the engine may do with a kind of memory.
+
+One implementation per kind (STYLE.md #5, after UCC's ``ucc_mc_base.h``): ``emulated``
+(host-backed devices, what CI runs), ``cuda`` (a thin mapping onto cupy) and ``host``
+(shared memory, synchronous). The engine (lpsync.engine.device_group) plans a collective
+once as a list of calls into this table and replays it each run; it never learns which
+kind it drives.
+
+Semantics follow the CUDA runtime so that the emulation tests what CUDA will do:
+  * work enqueued on one stream runs in order; streams run concurrently;
+  * ``record(event, stream)`` marks the point after everything enqueued so far;
+    ``wait(stream, event)`` makes later work on ``stream`` wait for the *most recent
+    record enqueued before the call* (a wait on a never-recorded event is a no-op, as
+    cudaStreamWaitEvent's is) — so a plan must enqueue every record before its waits;
+  * an IPC handle names a whole allocation; it opens in another process (never in the
+    exporting one on CUDA) and stays valid until closed there, whatever the exporter does
+    with its own pointer meanwhile (cudaIpcOpenMemHandle / cudaIpcCloseMemHandle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Protocol
+
+import numpy as np
+
+from lpsync.engine.reduce import Reduction
+
+
+class Link(IntEnum):
+    """How two devices reach each other, cheapest first (the chain ordering's costs)."""
+
+    SAME = 0  # one device: a local copy
+    FAST = 1  # NVLink (or NVSwitch)
+    SLOW = 2  # PCIe peer-to-peer
+    HOST = 3  # no peer access: staged through pinned host memory
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``links[a][b]``: the Link between devices a and b (symmetric, SAME on the diagonal)."""
+
+    links: tuple[tuple[Link, ...], ...]
+
+    @classmethod
+    def uniform(cls, n: int, link: Link = Link.FAST) -> Topology:
+        return cls(tuple(tuple(Link.SAME if a == b else link for b in range(n)) for a in range(n)))
+
+    def link(self, a: int, b: int) -> Link:
+        return self.links[a][b]
+
+    def peer_access(self, a: int, b: int) -> bool:
+        return self.links[a][b] != Link.HOST
+
+    def describe(self) -> list[str]:
+        names = {Link.SAME: "X", Link.FAST: "NV", Link.SLOW: "PCIe", Link.HOST: "HOST"}
+        return [" ".join(names[x] for x in row) for row in self.links]
+
+
+class Memory(Protocol):
+    """One allocation (own or opened through IPC) on ``device``; ``address`` is where it
+    starts in this process (a host address for emulated/host, a device pointer for cuda)."""
+
+    device: int
+    nbytes: int
+    address: int
+
+
+@dataclass(frozen=True)
+class Span:
+    """``count`` elements of ``dtype`` at byte ``offset`` of ``memory``: what the engine moves.
+
+    Slicing gives sub-spans (so lpsync.engine.group.layout works on spans as on arrays).
+    """
+
+    memory: Any  # a Memory of the kind that made it
+    offset: int
+    count: int
+    dtype: np.dtype
+
+    @property
+    def device(self) -> int:
+        return self.memory.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.dtype.itemsize
+
+    @property
+    def size(self) -> int:
+        return self.count
+
+    @property
+    def lo(self) -> int:
+        return self.memory.address + self.offset
+
+    @property
+    def hi(self) -> int:
+        return self.lo + self.nbytes
+
+    def __getitem__(self, item: slice) -> Span:
+        start, stop, step = item.indices(self.count)
+        if step != 1:
+            raise ValueError("spans slice contiguously")
+        return Span(self.memory, self.offset + start * self.dtype.itemsize, max(0, stop - start),
+                    self.dtype)
+
+
+class MemoryKind(Protocol):
+    """The operations table. Every method may be called from any thread."""
+
+    name: str  # "emulated", "cuda", "host"
+    devices: int  # device count; indices 0..devices-1 are this daemon's devices
+    topology: Topology
+
+    def allocate(self, device: int, nbytes: int) -> Memory:
+        """Device memory owned by the caller (staging, TMP); freed by ``free``."""
+
+    def allocate_host(self, nbytes: int) -> Memory:
+        """Host memory the devices copy to and from asynchronously (pinned on CUDA)."""
+
+    def free(self, memory: Memory) -> None: ...
+
+    def export(self, memory: Memory) -> bytes:
+        """The IPC handle of ``memory`` (an allocation's base), for another process."""
+
+    def open(self, handle: bytes, device: int) -> Memory:
+        """Map an allocation exported by another process; InvalidArgumentError if the
+        handle is not one (or not on ``device``)."""
+
+    def close(self, memory: Memory) -> None:
+        """Unmap what ``open`` mapped; the exporter's allocation lives on."""
+
+    def stream(self, device: int) -> Any:
+        """A new stream on ``device``, dedicated to its caller; ``destroy_stream`` ends it."""
+
+    def destroy_stream(self, stream: Any) -> None: ...
+
+    def event(self) -> Any:
+        """A new event (no timing), reusable: recorded again on every run."""
+
+    def record(self, event: Any, stream: Any) -> None: ...
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """Later work on ``stream`` waits for ``event``'s latest record enqueued so far."""
+
+    def synchronize(self, event: Any, deadline: float) -> None:
+        """Block the host until ``event``'s latest record completed; raises
+        CollectiveTimeoutError at ``deadline`` (time.monotonic) and the stream's error if
+        an operation failed."""
+
+    def copy_async(self, dst: Span, src: Span, stream: Any) -> None:
+        """dst = src (same byte count), on ``stream``; peer copy across devices, D2H/H2D
+        with host memory."""
+
+    def reduce_async(self, reduction: Reduction, out: Span, acc: Span, incoming: Span,
+                     final: bool, stream: Any) -> None:
+        """out = acc (op) incoming, then (``final``) the avg division; on ``stream``'s device."""
+
+    def enable_peer_access(self, devices: Sequence[int]) -> None:
+        """Let every pair of ``devices`` with a peer link read each other's memory."""
+
+    def read(self, span: Span) -> np.ndarray:
+        """A host copy of ``span`` (synchronous; host staging and the bench's verification)."""
+
+    def write(self, span: Span, data: np.ndarray) -> None:
+        """span = data (synchronous, ordered after every stream of the device)."""
+
+    def close_kind(self) -> None:
+        """End every stream and free what the kind holds (daemon shutdown)."""

@@ -1,0 +1,216 @@
+"""Client processes for the device tests (spawned: importable top-level functions)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+
+import lpsync_client
+from lpsync_client import emulated
+from lpsync_client._convert import numpy_dtype
+
+
+def _client(rank: int, socket: str, world: int, job: str) -> lpsync_client.Client:
+    return lpsync_client.connect(socket, job=job, rank=rank, world_size=world, timeout=60)
+
+
+def to_device(values: np.ndarray, device: int, dtype: str, framework: str):
+    """``values`` as a device array of ``framework``: emulated, cupy or torch (CUDA)."""
+    if framework == "emulated":
+        return emulated.asarray(values, device, dtype)
+    if framework == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(device):
+            return cupy.asarray(values)
+    import torch
+
+    if dtype == "bfloat16":
+        bits = torch.from_numpy(values.view(np.int16).copy())
+        return bits.to(f"cuda:{device}").view(torch.bfloat16)
+    return torch.from_numpy(values.copy()).to(f"cuda:{device}")
+
+
+def to_host(array, framework: str) -> np.ndarray:
+    if framework == "emulated":
+        return array.get()
+    if framework == "cupy":
+        import cupy
+
+        return cupy.asnumpy(array)
+    import torch
+
+    if array.dtype == torch.bfloat16:
+        return array.view(torch.int16).cpu().numpy()
+    return array.cpu().numpy()
+
+
+def run_cases(rank: int, socket: str, world: int, devices: list[int], cases: list[tuple],
+              framework: str = "emulated") -> list:
+    """Each case: (op, dtype, reduce_op, in_place, root, count, inputs of every rank as bytes).
+    Returns, per case, this rank's output bytes and its input buffer's bytes afterwards.
+    ``framework`` makes the device arrays (bfloat16 goes through torch outside emulated)."""
+    results = []
+    with _client(rank, socket, world, "devices") as client:
+        device = devices[rank]
+        for op, dtype, reduce_op, in_place, root, count, inputs in cases:
+            dt = numpy_dtype(dtype)
+            make = "torch" if dtype == "bfloat16" and framework == "cupy" else framework
+            mine = np.frombuffer(inputs[rank], dt)
+            if in_place and op == "allgather":
+                buf = np.zeros(world * count, dt)
+                buf[rank * count:(rank + 1) * count] = mine
+                x, out = to_device(buf, device, dtype, make), None
+            else:
+                x = to_device(mine, device, dtype, make)
+                out = None
+                if not in_place:
+                    size = count * world if op == "allgather" else count
+                    out = to_device(np.zeros(size, dt), device, dtype, make)
+            kwargs = {"out": out}
+            if op in ("allreduce", "reduce", "reduce_scatter"):
+                kwargs["op"] = reduce_op
+            if op in ("broadcast", "reduce"):
+                kwargs["root"] = root
+            getattr(client, op)(x, **kwargs)
+            target = x if out is None else out
+            if in_place and op == "reduce_scatter":
+                target = x[rank * count:(rank + 1) * count]
+            results.append((to_host(target, make).tobytes(), to_host(x, make).tobytes()))
+            client.release(x)
+            if out is not None:
+                client.release(out)
+    return results
+
+
+def ordered_after_stream(rank: int, socket: str, world: int, delay: float) -> list[float]:
+    """A write queued on the current stream (after ``delay`` s) must be what is reduced."""
+    with _client(rank, socket, world, "ordering") as client:
+        x = emulated.zeros(1000, "float32", device=rank % 2)
+        client.register(x)
+        client.barrier()
+        x.set_async(np.full(1000, rank + 1.0, np.float32), delay=delay)
+        client.allreduce(x)
+        return x.get()[:3].tolist()
+
+
+def register_and_sleep(rank: int, socket: str, ready_file: str) -> None:
+    """Register device buffers, say so, then wait to be killed (SIGKILL: no cleanup)."""
+    client = lpsync_client.connect(socket, job=f"victim{rank}", rank=0, world_size=1)
+    alloc = emulated.Allocation(1 << 20, device=1)
+    client.register(alloc.array(0, 1000, "float32"))
+    client.register(alloc.array(8192, 1000, "float32"))
+    client.allreduce(alloc.array(0, 1000, "float32"))
+    with open(ready_file, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(60)
+
+
+def kill_self_after_register(socket: str, ready_file: str) -> None:
+    register_and_sleep(0, socket, ready_file)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_cases_on_nodes(rank: int, sockets: list[str], per_node: int, world: int,
+                       devices: list[int], cases: list[tuple]) -> list:
+    """run_cases for a multi-node job: node-major ranks, each on its node's daemon."""
+    os.environ["LOCAL_RANK"] = str(rank % per_node)
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    return run_cases(rank, sockets[rank // per_node], world, devices, cases)
+
+
+def cupy_register_and_sleep(rank: int, socket: str, ready_file: str) -> None:
+    """A cupy client that registers a sub-array, says so, and waits to be killed."""
+    import cupy
+
+    client = lpsync_client.connect(socket, job=f"gpu-victim{rank}", rank=0, world_size=1)
+    block = cupy.zeros(1 << 20, cupy.float32)
+    client.register(block[1024:2048])
+    client.allreduce(block[1024:2048])
+    with open(ready_file, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(60)
+
+
+def cupy_ordered_after_stream(rank: int, socket: str, world: int) -> list[float]:
+    """A slow kernel on a non-default current stream writes the values; the allreduce
+    issued right after (no synchronize by the caller) must reduce what it wrote."""
+    import cupy
+
+    slow_fill = cupy.RawKernel(r"""
+    extern "C" __global__ void slow_fill(float* x, long long n, float v, long long cycles) {
+        long long start = clock64();
+        while (clock64() - start < cycles) { }
+        for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+             i += (long long)blockDim.x * gridDim.x) x[i] = v;
+    }""", "slow_fill")
+    with _client(rank, socket, world, "gpu-ordering") as client:
+        x = cupy.zeros(1 << 16, cupy.float32)
+        client.register(x)
+        client.barrier()
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            slow_fill((64,), (256,), (x, np.int64(x.size), np.float32(rank + 1),
+                                      np.int64(300_000_000)))  # ~0.2 s of spinning
+            client.allreduce(x)
+            return cupy.asnumpy(x[:3]).tolist()
+
+
+def frameworks_register(rank: int, socket: str) -> dict[str, list]:
+    """cupy, torch and JAX arrays (whichever are installed with CUDA) registered and reduced
+    in a world of one; a sub-allocation of a torch caching-allocator block included."""
+    seen: dict[str, list] = {}
+    with lpsync_client.connect(socket, job="frameworks", rank=0, world_size=1) as client:
+        try:
+            import cupy
+
+            x = cupy.arange(100, dtype=cupy.float32)
+            client.allreduce(x, op="avg")
+            seen["cupy"] = cupy.asnumpy(x[:3]).tolist()
+        except ImportError:
+            pass
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                big = torch.arange(4096, dtype=torch.float32, device="cuda")
+                part = big[1000:1100]  # a sub-allocation: offset 4000 into the block
+                client.register(part)
+                client.allreduce(part)
+                seen["torch"] = part[:3].cpu().tolist()
+        except ImportError:
+            pass
+        try:
+            import jax
+            import jax.numpy as jnp
+
+            if jax.default_backend() == "gpu":
+                y = jnp.arange(10, dtype=jnp.float32) * 2
+                client.allreduce(y)  # in place on JAX's buffer: the daemon writes it
+                seen["jax"] = np.asarray(y)[:3].tolist()
+        except ImportError:
+            pass
+        seen["status"] = [(d.index, d.open_allocations, d.ipc_opens) for d in
+                          client.status().devices]
+    return seen
+
+
+def slow_allreduce(rank: int, socket: str, world: int, job: str, ready_file: str) -> str:
+    """An allreduce over 8 MB on slow emulated links; rank 1 says when it has submitted."""
+    with _client(rank, socket, world, job) as client:
+        x = emulated.asarray(np.ones(2_000_000, np.float32), device=rank % 2)
+        client.register(x)
+        client.barrier()
+        future = client.allreduce_async(x, algorithm="lp")
+        if rank == 1:
+            with open(ready_file, "w") as f:
+                f.write("submitted")
+            time.sleep(60)  # killed here, its collective running on the daemon's streams
+        try:
+            future.result(timeout=120)
+            return "OK"
+        except lpsync_client.LpsyncError as error:
+            return type(error).__name__

@@ -1,0 +1,117 @@
+"""Device buffers on a real GPU through CUDA IPC (marker ``gpu``; scripts/gpu_check.sh).
+
+Skipped, with the reason, where cupy or a GPU is missing. The same orchestration runs in
+CI on the emulated device (test_daemon_devices.py); these check the cupy mapping itself.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import device_workers
+import numpy as np
+import pytest
+from collective_cases import REDUCING, assert_matches, make_inputs, reference
+from harness import DaemonProcess, run_ranks
+
+import lpsync_client
+from lpsync.types import DTYPES, Collective, ReduceOp
+
+
+def _no_gpu() -> str:
+    try:
+        import cupy
+    except ImportError:
+        return "cupy is not installed (pip install 'lpsync[cuda12]')"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA device is visible"
+    except Exception as error:  # no driver, no device
+        return f"no usable CUDA device: {error}"
+    return ""
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_no_gpu()), reason=_no_gpu() or "-")]
+
+
+@pytest.fixture
+def gpu_daemon(tmp_path: Path):
+    proc = DaemonProcess(tmp_path, "--devices", "cuda:0")
+    try:
+        yield proc
+    finally:
+        proc.stop_and_check()
+
+
+def _rows(socket: str):
+    with lpsync_client.connect(socket, job="status", rank=0, world_size=1) as client:
+        return {d.index: d for d in client.status().devices}
+
+
+def test_every_op_dtype_through_cuda_ipc_with_processes_sharing_a_gpu(gpu_daemon):
+    world, count = 3, 4099
+    rng = np.random.default_rng(11)
+    cases = []
+    for op in Collective:
+        reduce_ops = list(ReduceOp) if op in REDUCING else [ReduceOp.SUM]
+        for dtype in DTYPES:
+            for reduce_op in reduce_ops:
+                for in_place in (False, True):
+                    root = 2 if op in (Collective.BROADCAST, Collective.REDUCE) else 0
+                    inputs = make_inputs(op, world, count, DTYPES[dtype], reduce_op, rng)
+                    cases.append((op.value, dtype, reduce_op.value, in_place, root, count,
+                                  [x.tobytes() for x in inputs]))
+    if "bfloat16" in DTYPES:
+        pytest.importorskip("torch")  # cupy has no bfloat16: those arrays come from torch
+    results = run_ranks(world, device_workers.run_cases, gpu_daemon.socket, world, [0, 0, 0],
+                        cases, "cupy", timeout=400)
+    for index, (op, dtype, reduce_op, in_place, root, _, raw) in enumerate(cases):
+        dt = DTYPES[dtype]
+        inputs = [np.frombuffer(b, dt) for b in raw]
+        want = reference(Collective(op), ReduceOp(reduce_op), inputs, root, count)
+        for rank in range(world):
+            got, after = results[rank][index]
+            if op == "reduce" and in_place and rank != root:
+                assert after == raw[rank]
+                continue
+            assert_matches(np.frombuffer(got, dt), want[rank],
+                           f"{op} {dtype} {reduce_op} in_place={in_place} rank {rank}")
+    row = _rows(gpu_daemon.socket)[0]
+    assert row.open_allocations == 0 and row.ipc_opens == row.ipc_closes > 0
+
+
+def test_collective_is_ordered_after_the_current_stream(gpu_daemon):
+    results = run_ranks(3, device_workers.cupy_ordered_after_stream, gpu_daemon.socket, 3)
+    assert all(values == [6.0, 6.0, 6.0] for values in results)
+
+
+def test_frameworks_register_device_memory(gpu_daemon):
+    (seen,) = run_ranks(1, device_workers.frameworks_register, gpu_daemon.socket)
+    if "cupy" in seen:
+        assert seen["cupy"] == [0.0, 1.0, 2.0]
+    if "torch" in seen:
+        assert seen["torch"] == [1000.0, 1001.0, 1002.0]
+    if "jax" in seen:
+        assert seen["jax"] == [0.0, 2.0, 4.0]
+    assert {"cupy", "torch", "jax"} & set(seen), "no CUDA framework installed"
+
+
+def test_a_killed_client_releases_its_ipc_mappings(gpu_daemon, tmp_path):
+    ctx = mp.get_context("spawn")
+    ready = tmp_path / "ready"
+    proc = ctx.Process(target=device_workers.cupy_register_and_sleep,
+                       args=(0, gpu_daemon.socket, str(ready)))
+    proc.start()
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert time.monotonic() < deadline and proc.is_alive()
+        time.sleep(0.05)
+    assert _rows(gpu_daemon.socket)[0].open_allocations == 1
+    proc.kill()
+    proc.join(10)
+    deadline = time.monotonic() + 5
+    while _rows(gpu_daemon.socket)[0].open_allocations:
+        assert time.monotonic() < deadline, "the killed client's allocation stayed open"
+        time.sleep(0.05)
