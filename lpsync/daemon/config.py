@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from lpsync.daemon.limits import MAX_TIMEOUT, Limits
 from lpsync.daemon.peers import PeerSet, discover
 from lpsync.errors import InvalidArgumentError
 
@@ -31,8 +32,16 @@ class DaemonConfig:
     metrics_port: int = 0  # Prometheus exporter port; 0: off
     devices: str = "cpu:0"  # only host memory in this issue
     timeout: float = 300.0  # default collective timeout (seconds) when a request has none
+    # Request bounds (limits.py checks every request against them; docs/reliability.md).
     max_buffer_bytes: int = 1 << 34  # one Allocate/Register above this: RESOURCE_EXHAUSTED
     max_session_bytes: int = 1 << 35  # bytes one session may hold in buffers
+    max_total_bytes: int = 1 << 36  # bytes all sessions of the daemon may hold together
+    max_session_buffers: int = 1024  # buffers one session may hold
+    max_world_size: int = 65536  # ranks of one job
+    max_sessions: int = 1024  # sessions attached at once
+    max_name_length: int = 256  # job and collective names (UTF-8 bytes)
+    max_pending: int = 4096  # collectives of one job waiting for participants at once
+    max_queued: int = 1024  # replies held for a Session stream whose client is not reading
     stream_grace: float = 30.0  # an attached session without a Session stream is dropped
     drain_seconds: float = 10.0  # SIGTERM waits this long for running collectives
     log_level: str = "INFO"
@@ -61,10 +70,15 @@ class DaemonConfig:
             raise InvalidArgumentError(
                 f"--devices {self.devices!r}: this version serves CPU shared memory only "
                 "(cpu or cpu:N); CUDA devices come with a later issue")
-        if self.timeout <= 0 or self.max_buffer_bytes <= 0 or self.max_session_bytes <= 0:
-            raise InvalidArgumentError("timeout and byte limits must be positive")
+        if not 0 < self.timeout <= MAX_TIMEOUT:
+            raise InvalidArgumentError(f"timeout must be between 0 and {MAX_TIMEOUT:g} s, "
+                                       f"got {self.timeout}")
+        self.limits().validate()
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
             raise InvalidArgumentError("need 0 < heartbeat_interval < heartbeat_timeout")
+
+    def limits(self) -> Limits:
+        return Limits(**{name: getattr(self, name) for name in Limits.__dataclass_fields__})
 
     def peer_set(self, environ: Mapping[str, str] | None = None) -> PeerSet | None:
         """Every daemon's peer address and this one's node rank; None: a single node."""
@@ -130,8 +144,25 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     add("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     add("--devices", help="cpu:N (CPU shared memory; the only kind in this version)")
     add("--timeout", type=float, help="default collective timeout in seconds")
-    add("--max-buffer-bytes", type=int, help="largest single buffer")
-    add("--max-session-bytes", type=int, help="bytes one session may hold")
+    limits = parser.add_argument_group(
+        "request limits", "Every request is checked against these before anything is sized "
+        "from it; beyond them a call fails with INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming "
+        "the field, the value and the limit (docs/reliability.md).")
+    lim = limits.add_argument
+    lim("--max-world-size", type=int, help="ranks of one job (default 65536)")
+    lim("--max-sessions", type=int, help="processes attached at once (default 1024)")
+    lim("--max-buffer-bytes", type=int, help="largest single buffer (default 16 GiB)")
+    lim("--max-session-bytes", type=int, help="bytes one session may hold (default 32 GiB)")
+    lim("--max-total-bytes", type=int,
+        help="bytes all sessions together may hold (default 64 GiB)")
+    lim("--max-session-buffers", type=int, help="buffers one session may hold (default 1024)")
+    lim("--max-name-length", type=int,
+        help="UTF-8 bytes of a job or collective name (default 256)")
+    lim("--max-pending", type=int,
+        help="collectives of one job waiting for participants at once (default 4096)")
+    lim("--max-queued", type=int,
+        help="replies held for a Session stream whose client stops reading; then the "
+             "daemon stops reading that stream's requests (default 1024)")
     add("--log-level", help="DEBUG, INFO, WARNING, ERROR")
     add("--trigger", action=argparse.BooleanOptionalAction, default=None,
         help="offer the trigger socket <socket>.trigger beside gRPC (default: on)")

@@ -31,6 +31,7 @@ from lpsync.errors import (
     InvalidArgumentError,
     LpsyncError,
     MismatchError,
+    ResourceExhaustedError,
 )
 
 log = logging.getLogger("lpsync.daemon")
@@ -116,13 +117,17 @@ def _inline(job: Job, pending: Pending, run: Callable[[], None]) -> None:
 class Job:
     def __init__(self, name: str, world_size: int, watcher: Watcher, runner: Runner,
                  record: Callable[[Job, Pending, Outcome], None],
-                 dispatch: Dispatch = _inline, layout: NodeLayout | None = None) -> None:
+                 dispatch: Dispatch = _inline, layout: NodeLayout | None = None,
+                 max_pending: int = 4096) -> None:
         self.name, self.world_size = name, world_size
         # A multi-node job: the ranks this daemon serves; its collectives run when these
         # arrived (multinode.py agrees with the other nodes before data moves).
         self.layout = layout
-        self.local_ranks = (tuple(layout.local_ranks) if layout is not None
-                            else tuple(range(world_size)))
+        # A range, never a materialized tuple: the world size is what a request claimed,
+        # and state must grow only with what attached (limits.py).
+        self.local_ranks: range = (layout.local_ranks if layout is not None
+                                   else range(world_size))
+        self.max_pending = max_pending
         self.lock = threading.Lock()
         self.run_lock = threading.Lock()  # one collective of a job runs at a time, in order
         self.sessions: dict[int, str] = {}  # rank -> session id
@@ -190,10 +195,17 @@ class Job:
                     "until they attach again")
             else:
                 pending = self._pending.get(seq)
-                if pending is None:
+                if pending is None and len(self._pending) >= self.max_pending:
+                    error = ResourceExhaustedError(
+                        f"job {self.name!r} has {len(self._pending)} collectives waiting for "
+                        f"participants, its limit (--max-pending {self.max_pending}); "
+                        f"collective #{seq} was refused")
+                elif pending is None:
                     pending = Pending(seq, arrival.spec)
                     self._pending[seq] = pending
-                if arrival.rank in pending.arrivals:
+                if pending is None:
+                    pass
+                elif arrival.rank in pending.arrivals:
                     error = InvalidArgumentError(
                         f"rank {arrival.rank} submitted collective #{seq} twice")
                 else:
@@ -286,7 +298,8 @@ class Jobs:
 
     def __init__(self, watcher: Watcher, runner: Runner,
                  record: Callable[[Job, Pending, Outcome], None],
-                 dispatch: Dispatch = _inline) -> None:
+                 dispatch: Dispatch = _inline, max_pending: int = 4096) -> None:
+        self.max_pending = max_pending
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
         self._watcher, self._runner, self._record = watcher, runner, record
@@ -298,12 +311,18 @@ class Jobs:
             job = self._jobs.get(name)
             if job is None:
                 job = self._jobs[name] = Job(name, world_size, self._watcher, self._runner,
-                                             self._record, self._dispatch, layout)
+                                             self._record, self._dispatch, layout,
+                                             self.max_pending)
             elif job.layout != layout:
                 raise InvalidArgumentError(
                     f"job {name!r}: rank {rank} attached with another node layout "
                     f"({layout}) than the job's ({job.layout})")
-            job.join(rank, world_size, session_id)
+            try:
+                job.join(rank, world_size, session_id)
+            except LpsyncError:
+                if not job.sessions:  # created for this attach: leave nothing behind
+                    del self._jobs[name]
+                raise
             return job
 
     def leave(self, name: str, rank: int, reason: str) -> None:
