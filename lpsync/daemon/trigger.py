@@ -13,6 +13,14 @@ the gRPC stream crosses several and HTTP/2 framing.
 
 Threads: one accept thread, one reader per connection. Every wait has a timeout (the
 sockets' 1 s timeouts), so stop() ends them all.
+
+Bounds (docs/reliability.md): at most ``max_sessions`` connections at once (more are
+answered RESOURCE_EXHAUSTED and closed); a connection must send its open packet within
+OPEN_TIMEOUT; a packet that is not a SessionRequest closes the connection. Before closing
+for a reason the daemon sends one last packet, a SessionResponse with request_id 0 and a
+CollectiveResult carrying the code and message: the client fails what it waits for with
+that error. Replies are sent without blocking: a client that does not read them until its
+socket buffer is full is disconnected (its gRPC Session stream, the lifeline, stays).
 """
 
 from __future__ import annotations
@@ -26,10 +34,29 @@ from pathlib import Path
 
 from lpsync._proto import lpsync_pb2 as pb
 from lpsync.daemon.servicer import Service
-from lpsync.errors import LpsyncError
+from lpsync.errors import InvalidArgumentError, LpsyncError, ResourceExhaustedError
 
 log = logging.getLogger("lpsync.daemon")
 MAX_PACKET = 1 << 16  # requests are a few hundred bytes
+OPEN_TIMEOUT = 10.0  # seconds a new connection may take to send open{session_id}
+
+
+class _Closed(Exception):
+    """This connection ends now (a reason was sent to the client, or it is gone)."""
+
+
+def _reason(error: LpsyncError, request_id: int = 0) -> pb.SessionResponse:
+    return pb.SessionResponse(request_id=request_id, result=pb.CollectiveResult(
+        code=error.code, message=str(error), error=type(error).__name__))
+
+
+def _parse(data: bytes) -> pb.SessionRequest:
+    try:
+        return pb.SessionRequest.FromString(data)
+    except Exception as error:  # DecodeError and friends: the bytes are not a request
+        raise InvalidArgumentError(
+            f"a {len(data)}-byte packet on the trigger socket is not a SessionRequest "
+            f"({error or 'malformed protobuf'}); closing this connection") from None
 
 
 class TriggerServer:
@@ -38,6 +65,7 @@ class TriggerServer:
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
+        self._slots = threading.BoundedSemaphore(service.limits.max_sessions)
 
     def start(self) -> None:
         self.path.unlink(missing_ok=True)  # our own socket's sibling: stale if present
@@ -64,23 +92,39 @@ class TriggerServer:
                 continue
             except OSError:
                 return  # closed by stop()
+            if not self._slots.acquire(blocking=False):
+                self._refuse(conn)
+                continue
             thread = threading.Thread(target=self._serve, args=(conn,),
                                       name="lpsync-trigger-conn", daemon=True)
             thread.start()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        error = ResourceExhaustedError(
+            "the trigger socket serves at most --max-sessions "
+            f"({self.service.limits.max_sessions}) connections at once")
+        with conn, contextlib.suppress(OSError):
+            conn.send(_reason(error).SerializeToString(), socket.MSG_DONTWAIT)
 
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(1.0)
         lock = threading.Lock()  # several completing threads may reply at once
 
         def reply(response: pb.SessionResponse) -> None:
+            # Never blocks: it may run on the gRPC event loop or a collective's thread.
             data = response.SerializeToString()
-            with lock, contextlib.suppress(OSError):  # the client is gone: its stream says so
-                conn.sendall(data)
+            with lock:
+                try:
+                    conn.send(data, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    log.warning("trigger client does not read its replies; disconnecting it")
+                    with contextlib.suppress(OSError):
+                        conn.shutdown(socket.SHUT_RDWR)  # wakes the reader, which closes
+                except OSError:
+                    pass  # the client is gone: its gRPC stream says so
 
         try:
             session = self._open(conn, reply)
-            if session is None:
-                return
             while not self._stop.is_set() and not session.ended:
                 try:
                     data = conn.recv(MAX_PACKET)
@@ -88,32 +132,45 @@ class TriggerServer:
                     continue
                 if not data:
                     return  # the client closed it
-                self.service.handle(session, pb.SessionRequest.FromString(data), reply)
-        except (OSError, ValueError) as error:  # ValueError: a packet that does not parse
+                self.service.handle(session, _parse(data), reply)
+        except _Closed:
+            pass
+        except LpsyncError as error:  # a malformed packet: say why, then close
+            log.info("trigger connection refused", extra={"reason": str(error)})
+            reply(_reason(error))
+        except OSError as error:
             log.debug("trigger connection closed", extra={"error": repr(error)})
         finally:
             conn.close()
+            self._slots.release()
 
     def _open(self, conn: socket.socket, reply):
-        while not self._stop.is_set():
+        waited = 0.0
+        while True:
+            if self._stop.is_set():
+                raise _Closed
             try:
                 data = conn.recv(MAX_PACKET)
                 break
             except TimeoutError:
-                continue
-        else:
-            return None
-        first = pb.SessionRequest.FromString(data) if data else pb.SessionRequest()
+                waited += conn.gettimeout() or 1.0
+                if waited >= OPEN_TIMEOUT:
+                    reply(_reason(InvalidArgumentError(
+                        f"no open{{session_id}} packet within {OPEN_TIMEOUT:g} s")))
+                    raise _Closed from None
+        if not data:
+            raise _Closed
+        first = _parse(data)
         try:
             if first.WhichOneof("body") != "open":
-                raise LpsyncError("the first packet must be open{session_id}")
+                raise InvalidArgumentError("the first packet must be open{session_id}")
             session = self.service.sessions.get(first.open.session_id)
             if not session.stream_bound:
-                raise LpsyncError("open the gRPC Session stream first; it is the lifeline")
+                raise InvalidArgumentError(
+                    "open the gRPC Session stream first; it is the lifeline")
         except LpsyncError as error:
-            reply(pb.SessionResponse(request_id=first.request_id, result=pb.CollectiveResult(
-                code=error.code, message=str(error), error=type(error).__name__)))
-            return None
+            reply(_reason(error, first.request_id))
+            raise _Closed from None
         reply(pb.SessionResponse(request_id=first.request_id, opened=first.open))
         return session
 
