@@ -129,7 +129,9 @@ class Job:
                                    else range(world_size))
         self.max_pending = max_pending
         self.lock = threading.Lock()
-        self.run_lock = threading.Lock()  # one collective of a job runs at a time, in order
+        # One collective of a job runs at a time, in order. Reentrant so that the event loop
+        # can take it without waiting (servicer._dispatch) and then run the collective.
+        self.run_lock = threading.RLock()
         self.sessions: dict[int, str] = {}  # rank -> session id
         self.gone: dict[int, str] = {}  # rank -> why it left
         self._pending: dict[int, Pending] = {}

@@ -144,10 +144,17 @@ class Service(pb_grpc.LpSyncServicer):
     def _dispatch(self, job: Job, pending: Pending, run: Callable[[], None]) -> None:
         """Where a complete collective runs: the direct path inline (it is short), anything
         else off the event loop, on a worker thread, so other sessions keep being served."""
-        # A multi-node collective waits on other nodes: never on the loop.
-        if threading.get_ident() != self._loop_thread or (
-                job.layout is None and execute.is_direct(pending.spec, job.world_size)):
+        if threading.get_ident() != self._loop_thread:
             run()
+            return
+        # On the loop only what is short and never waits: a small single-node collective
+        # whose job is not running another one (a multi-node one waits on other nodes).
+        if (job.layout is None and execute.is_inline(pending.spec, job.world_size)
+                and job.run_lock.acquire(blocking=False)):
+            try:
+                run()
+            finally:
+                job.run_lock.release()
         else:
             self._workers.submit(run)
 
