@@ -202,6 +202,9 @@ class Job:
                         f"job {self.name!r} has {len(self._pending)} collectives waiting for "
                         f"participants, its limit (--max-pending {self.max_pending}); "
                         f"collective #{seq} was refused")
+                    # The other ranks get the same answer for this sequence number, so the
+                    # job's numbering stays aligned.
+                    self._remember(seq, error)
                 elif pending is None:
                     pending = Pending(seq, arrival.spec)
                     self._pending[seq] = pending

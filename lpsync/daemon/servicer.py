@@ -335,6 +335,8 @@ class Service(pb_grpc.LpSyncServicer):
             async for request in requests:
                 self.handle(session, request, put)
                 if responses.qsize() >= self.limits.max_queued:
+                    log.debug("session stream paused: the client is not reading its replies",
+                              extra={"session": session.id, "held": responses.qsize()})
                     drained.clear()
                     await drained.wait()
         except (grpc.RpcError, asyncio.CancelledError):

@@ -19,8 +19,10 @@ answered RESOURCE_EXHAUSTED and closed); a connection must send its open packet 
 OPEN_TIMEOUT; a packet that is not a SessionRequest closes the connection. Before closing
 for a reason the daemon sends one last packet, a SessionResponse with request_id 0 and a
 CollectiveResult carrying the code and message: the client fails what it waits for with
-that error. Replies are sent without blocking: a client that does not read them until its
-socket buffer is full is disconnected (its gRPC Session stream, the lifeline, stays).
+that error. Replies are sent without blocking (they may come from the event loop): what the
+socket does not take waits in the connection's outbox; while max_queued replies wait, the
+client's requests are not read (back-pressure), so a client that stops reading blocks in its
+own sends, and the daemon holds at most max_queued + max_pending replies for it.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import socket
 import threading
+from collections import deque
 from pathlib import Path
 
 from lpsync._proto import lpsync_pb2 as pb
@@ -57,6 +61,66 @@ def _parse(data: bytes) -> pb.SessionRequest:
         raise InvalidArgumentError(
             f"a {len(data)}-byte packet on the trigger socket is not a SessionRequest "
             f"({error or 'malformed protobuf'}); closing this connection") from None
+
+
+class _Outbox:
+    """Replies of one connection. ``reply`` may run on any thread (the gRPC event loop
+    included), so it never blocks: it sends at once when the socket takes it, else queues
+    the reply and wakes the connection's reader, which sends the queue when the socket is
+    writable again."""
+
+    def __init__(self, conn: socket.socket, limit: int) -> None:
+        self.conn, self.limit = conn, limit
+        self.wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.broken = False
+        self._lock = threading.Lock()
+        self._queue: deque[bytes] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def reply(self, response: pb.SessionResponse) -> None:
+        data = response.SerializeToString()
+        with self._lock:
+            if self.broken:
+                return
+            if not self._queue and self._send(data):
+                return
+            if len(self._queue) >= self.limit:
+                log.warning("trigger client does not read its replies; disconnecting it",
+                            extra={"held": len(self._queue)})
+                self._break()
+                return
+            self._queue.append(data)
+        with contextlib.suppress(OSError):
+            os.eventfd_write(self.wake, 1)
+
+    def flush(self) -> None:
+        with self._lock:
+            while self._queue and not self.broken and self._send(self._queue[0]):
+                self._queue.popleft()
+
+    def _send(self, data: bytes) -> bool:
+        """False: the socket is full. Called with the lock held."""
+        try:
+            self.conn.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:  # the client is gone: its gRPC stream says so
+            self._break()
+        return True
+
+    def _break(self) -> None:
+        self.broken = True
+        self._queue.clear()
+        with contextlib.suppress(OSError):
+            self.conn.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with self._lock:
+            self.broken = True
+            self._queue.clear()
+        os.close(self.wake)
 
 
 class TriggerServer:
@@ -108,39 +172,42 @@ class TriggerServer:
 
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(1.0)
-        lock = threading.Lock()  # several completing threads may reply at once
-
-        def reply(response: pb.SessionResponse) -> None:
-            # Never blocks: it may run on the gRPC event loop or a collective's thread.
-            data = response.SerializeToString()
-            with lock:
-                try:
-                    conn.send(data, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    log.warning("trigger client does not read its replies; disconnecting it")
-                    with contextlib.suppress(OSError):
-                        conn.shutdown(socket.SHUT_RDWR)  # wakes the reader, which closes
-                except OSError:
-                    pass  # the client is gone: its gRPC stream says so
-
+        limits = self.service.limits
+        # Never more replies held than reads allowed plus every collective the job may
+        # have pending: a client can only exceed it by breaking the protocol.
+        out = _Outbox(conn, limits.max_queued + limits.max_pending)
         try:
-            session = self._open(conn, reply)
-            while not self._stop.is_set() and not session.ended:
-                try:
-                    data = conn.recv(MAX_PACKET)
-                except TimeoutError:
+            session = self._open(conn, out.reply)
+            # Non-blocking from here on (select waits): with a timeout set, Python would
+            # wait out the timeout on a full socket even for MSG_DONTWAIT.
+            conn.setblocking(False)
+            while not self._stop.is_set() and not session.ended and not out.broken:
+                # Back-pressure: while max_queued replies wait for the client, its requests
+                # are not read; they back up in its socket and its sends block.
+                reading = len(out) < limits.max_queued
+                readable, writable, _ = select.select(
+                    [conn, out.wake] if reading else [out.wake], [conn] if len(out) else [],
+                    [], 1.0)
+                if out.wake in readable:
+                    os.eventfd_read(out.wake)
+                if writable:
+                    out.flush()
+                if conn not in readable:
                     continue
+                data = conn.recv(MAX_PACKET)
                 if not data:
                     return  # the client closed it
-                self.service.handle(session, _parse(data), reply)
+                self.service.handle(session, _parse(data), out.reply)
         except _Closed:
             pass
         except LpsyncError as error:  # a malformed packet: say why, then close
             log.info("trigger connection refused", extra={"reason": str(error)})
-            reply(_reason(error))
+            out.reply(_reason(error))
+            out.flush()
         except OSError as error:
             log.debug("trigger connection closed", extra={"error": repr(error)})
         finally:
+            out.close()
             conn.close()
             self._slots.release()
 
