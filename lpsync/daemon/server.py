@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from lpsync._proto import lpsync_pb2 as pb
 from lpsync.daemon import decoding
@@ -96,9 +96,10 @@ class Daemon:
         decoding.add_service(self.server, self.service, pb.DESCRIPTOR.services_by_name["LpSync"])
         decoding.add_service(self.server, self.health,
                              health_pb2.DESCRIPTOR.services_by_name["Health"])
-        reflection.enable_server_reflection(
+        decoding.add_service(self.server, reflection.aio.ReflectionServicer(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), self.server)
+             reflection.SERVICE_NAME)),
+            reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"])
         reclaimed = reclaim_stale()
         if reclaimed:
             log.warning("unlinked shared memory of daemons that died",

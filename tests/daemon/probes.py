@@ -29,8 +29,9 @@ def raw_unary(channel: grpc.Channel, method: str, payload: bytes, timeout: float
 
 
 def raw_stream(channel: grpc.Channel, payloads: list[bytes], timeout: float = 5.0,
-               method: str = "Session") -> tuple[grpc.StatusCode, str, list[bytes]]:
-    call = channel.stream_stream(f"/{SERVICE.full_name}/{method}")
+               method: str = "Session", service: str = SERVICE.full_name
+               ) -> tuple[grpc.StatusCode, str, list[bytes]]:
+    call = channel.stream_stream(f"/{service}/{method}")
     replies: list[bytes] = []
     try:
         for reply in call(iter(payloads), timeout=timeout):

@@ -212,6 +212,10 @@ def test_undecodable_requests_are_invalid_argument_on_every_rpc(daemon) -> None:
         code, details = raw_unary(channel, "Check", GARBAGE["bad wire type"],
                                   service="grpc.health.v1.Health")
         assert code == S.INVALID_ARGUMENT and "HealthCheckRequest" in details
+        code, details, _ = raw_stream(channel, [GARBAGE["bad wire type"]],
+                                      method="ServerReflectionInfo",
+                                      service="grpc.reflection.v1alpha.ServerReflection")
+        assert code == S.INVALID_ARGUMENT and "ServerReflectionRequest" in details, details
         # A good open, then garbage: the stream ends INVALID_ARGUMENT and so does its session.
         stub = pb_grpc.LpSyncStub(channel)
         sid = stub.Attach(pb.AttachRequest(job="garbled", world_size=1)).session_id
