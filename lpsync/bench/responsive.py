@@ -8,8 +8,10 @@ Set up: a daemon of its own (Unix socket in a temporary directory). Each scenari
 (what a kubelet probe does) and calls Status (what ``lpsync status`` does) every 250 ms.
 Scenarios: idle; flood (``--flooders`` processes sending undecodable bytes, absurd Attach
 requests, NaN timeouts and garbage Session streams as fast as they can); big (2 ranks
-looping a ``--mib`` MiB float32 allreduce, results checked); stalled (rank 0 of a 2-rank job
-waits in an allreduce rank 1 never joins); all (the three at once). At the end of "all",
+looping a ``--mib`` MiB float32 allreduce, results checked); direct (the same with
+``algorithm="direct"``: one thread reduces it all, which must not be the event loop);
+stalled (rank 0 of a 2-rank job waits in an allreduce rank 1 never joins); all (flood, big
+and stalled at once). At the end of "all",
 SIGTERM: the time until the daemon has exited. Reported: median, p99 and max latency.
 """
 
@@ -29,7 +31,7 @@ from pathlib import Path
 
 from lpsync.bench.runner import serving
 
-SCENARIOS = ("idle", "flood", "big", "stalled", "all")
+SCENARIOS = ("idle", "flood", "big", "direct", "stalled", "all")
 
 
 @dataclass
@@ -87,17 +89,17 @@ def flood(socket: str, stop) -> None:
                     raise AssertionError(f"{method}: {error.code()} {error.details()}") from None
 
 
-def big(rank: int, socket: str, mib: int, stop, done) -> None:
+def big(rank: int, socket: str, mib: int, stop, done, algorithm: str | None = None) -> None:
     import lpsync_client
 
     count = mib * (1 << 20) // 4
     try:
-        with lpsync_client.connect(socket, job="big", rank=rank, world_size=2, timeout=300,
+        with lpsync_client.connect(socket, job=f"big-{algorithm}", rank=rank, world_size=2, timeout=300,
                                    trigger="grpc") as client:
             x = client.empty(count, "float32")
             while not stop.is_set():
                 x[:] = rank + 1
-                client.allreduce(x)
+                client.allreduce(x, algorithm=algorithm)
                 if not (x[0] == 3 and x[count // 2] == 3 and x[-1] == 3):
                     raise AssertionError("wrong allreduce result")
                 with done.get_lock():
@@ -182,8 +184,10 @@ def measure(scenarios: tuple[str, ...] = SCENARIOS, seconds: float = 5.0, floode
                 if name in ("flood", "all"):
                     procs += [ctx.Process(target=flood, args=(socket, stop))
                               for _ in range(flooders)]
-                if name in ("big", "all"):
-                    procs += [ctx.Process(target=big, args=(r, socket, mib, stop, done))
+                if name in ("big", "direct", "all"):
+                    algorithm = "direct" if name == "direct" else None
+                    procs += [ctx.Process(target=big, args=(r, socket, mib, stop, done,
+                                                            algorithm))
                               for r in range(2)]
                 if name in ("stalled", "all"):
                     procs.append(ctx.Process(target=stalled, args=(socket, stop)))
@@ -192,7 +196,7 @@ def measure(scenarios: tuple[str, ...] = SCENARIOS, seconds: float = 5.0, floode
                 # Let the load build up: the big job's first allreduce has finished.
                 time.sleep(min(2.0, seconds) if procs else 0.0)
                 warm = time.monotonic() + 120
-                while name in ("big", "all") and done.value < 2 and time.monotonic() < warm:
+                while name in ("big", "direct", "all") and done.value < 2 and time.monotonic() < warm:
                     time.sleep(0.1)
                 result = Result(name)
                 before = done.value

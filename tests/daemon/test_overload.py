@@ -224,3 +224,21 @@ def test_registering_until_the_limit(tmp_path: Path) -> None:
         assert len(shm_segments(d.pid)) == 0
     finally:
         d.stop_and_check()
+
+
+@pytest.mark.parametrize("trigger", ["grpc", "socket"])
+def test_a_cancelled_collective_does_not_break_the_client(daemon, trigger: str) -> None:
+    """The reply to a collective whose Future the caller cancelled used to raise in the
+    client's reader thread, which died: every later request of that client hung."""
+    with lpsync_client.connect(daemon.socket, job="cx", rank=0, world_size=2, timeout=30,
+                               trigger=trigger) as a, \
+            lpsync_client.connect(daemon.socket, job="cx", rank=1, world_size=2, timeout=30,
+                                  trigger=trigger) as b:
+        x, y = a.zeros(4), b.zeros(4)
+        first = a.allreduce_async(x)
+        assert first.cancel()
+        b.allreduce(y)  # completes the collective: its reply to rank 0 finds no taker
+        x[:], y[:] = 1, 2
+        second = a.allreduce_async(x)
+        b.allreduce(y)
+        assert second.result(timeout=10).tolist() == [3, 3, 3, 3]

@@ -21,3 +21,16 @@ def test_health_and_status_answer_under_load_and_sigterm_drains() -> None:
         assert r.status and s["status_max_ms"] < 5000, s
     assert results[-1].big_iterations >= 1  # the 256 MiB allreduce really ran (and checked)
     assert sigterm < DRAIN_SECONDS + 5, sigterm
+
+
+def test_a_forced_direct_256_mib_allreduce_stays_off_the_event_loop() -> None:
+    """algorithm="direct" on a big buffer is one long reduction: it used to run on the event
+    loop when the last rank arrived over gRPC, and every health check waited for it."""
+    (result,), _ = measure(("direct",), seconds=4.0, mib=256)
+    s = result.summary()
+    assert s["failures"] == 0 and result.big_iterations >= 1, s
+    assert s["health_median_ms"] < 100, s
+    # On the loop, every check that came during a reduction waited for it: a third of them
+    # took > 100 ms (measured before the fix); off the loop, next to none do.
+    slow = sum(t > 0.1 for t in result.health) / len(result.health)
+    assert slow < 0.1, (slow, s)
