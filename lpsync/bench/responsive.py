@@ -8,7 +8,8 @@ Set up: a daemon of its own (Unix socket in a temporary directory). Each scenari
 (what a kubelet probe does) and calls Status (what ``lpsync status`` does) every 250 ms.
 Scenarios: idle; flood (``--flooders`` processes sending undecodable bytes, absurd Attach
 requests, NaN timeouts and garbage Session streams as fast as they can); big (2 ranks
-looping a ``--mib`` MiB float32 allreduce, results checked); direct (the same with
+looping a ``--mib`` MiB float32 allreduce with a small one of the same job right behind it,
+results checked); direct (the same with
 ``algorithm="direct"``: one thread reduces it all, which must not be the event loop);
 stalled (rank 0 of a 2-rank job waits in an allreduce rank 1 never joins); all (flood, big
 and stalled at once). At the end of "all",
@@ -97,10 +98,16 @@ def big(rank: int, socket: str, mib: int, stop, done, algorithm: str | None = No
         with lpsync_client.connect(socket, job=f"big-{algorithm}", rank=rank, world_size=2, timeout=300,
                                    trigger="grpc") as client:
             x = client.empty(count, "float32")
+            small = client.zeros(16, "float32")
             while not stop.is_set():
                 x[:] = rank + 1
-                client.allreduce(x, algorithm=algorithm)
-                if not (x[0] == 3 and x[count // 2] == 3 and x[-1] == 3):
+                small[:] = rank + 1
+                pending = client.allreduce_async(x, algorithm=algorithm)
+                # A small one of the same job right behind it: it must wait on a worker for
+                # the big one, never on the event loop.
+                client.allreduce(small)
+                pending.result(timeout=300)
+                if not (x[0] == 3 and x[count // 2] == 3 and x[-1] == 3 and small[0] == 3):
                     raise AssertionError("wrong allreduce result")
                 with done.get_lock():
                     done.value += 1
