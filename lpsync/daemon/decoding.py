@@ -30,7 +30,7 @@ def undecodable(method: MethodDescriptor, size: int, error: Exception) -> Invali
 def decode(kind: type[Message], method: MethodDescriptor, raw: bytes) -> Message:
     try:
         return kind.FromString(raw)
-    except (DecodeError, RuntimeWarning, ValueError) as error:
+    except (DecodeError, ValueError) as error:
         raise undecodable(method, len(raw), error) from None
 
 

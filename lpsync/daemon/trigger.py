@@ -84,7 +84,7 @@ class _Outbox:
         with self._lock:
             if self.broken:
                 return
-            if not self._queue and self._send(data):
+            if (not self._queue and self._send(data)) or self.broken:
                 return
             if len(self._queue) >= self.limit:
                 log.warning("trigger client does not read its replies; disconnecting it",
@@ -101,13 +101,14 @@ class _Outbox:
                 self._queue.popleft()
 
     def _send(self, data: bytes) -> bool:
-        """False: the socket is full. Called with the lock held."""
+        """Whether it was sent (False: the socket is full, or broken). Lock held."""
         try:
             self.conn.send(data, socket.MSG_DONTWAIT)
         except BlockingIOError:
             return False
         except OSError:  # the client is gone: its gRPC stream says so
             self._break()
+            return False
         return True
 
     def _break(self) -> None:
