@@ -18,6 +18,7 @@ from pathlib import Path
 from lpsync.daemon.limits import MAX_TIMEOUT, Limits
 from lpsync.daemon.peers import PeerSet, discover
 from lpsync.errors import InvalidArgumentError
+from lpsync.units import format_size
 
 DEFAULT_SOCKET = "/run/lpsync/lpsync.sock"
 
@@ -132,6 +133,20 @@ def load(flags: Mapping[str, object], environ: Mapping[str, str],
     return config
 
 
+_LIMIT_FLAGS = (
+    ("--max-world-size", "ranks of one job"),
+    ("--max-sessions", "processes attached at once"),
+    ("--max-buffer-bytes", "largest single buffer"),
+    ("--max-session-bytes", "bytes one session may hold"),
+    ("--max-total-bytes", "bytes all sessions together may hold"),
+    ("--max-session-buffers", "buffers one session may hold"),
+    ("--max-name-length", "UTF-8 bytes of a job or collective name"),
+    ("--max-pending", "collectives of one job waiting for participants at once"),
+    ("--max-queued", "replies held for a client that stops reading them; then the daemon "
+                     "stops reading its requests"),
+)
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """The daemon's flags; defaults are None so that unset flags fall through to env/TOML."""
     add = parser.add_argument
@@ -147,22 +162,14 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     limits = parser.add_argument_group(
         "request limits", "Every request is checked against these before anything is sized "
         "from it; beyond them a call fails with INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming "
-        "the field, the value and the limit (docs/reliability.md).")
-    lim = limits.add_argument
-    lim("--max-world-size", type=int, help="ranks of one job (default 65536)")
-    lim("--max-sessions", type=int, help="processes attached at once (default 1024)")
-    lim("--max-buffer-bytes", type=int, help="largest single buffer (default 16 GiB)")
-    lim("--max-session-bytes", type=int, help="bytes one session may hold (default 32 GiB)")
-    lim("--max-total-bytes", type=int,
-        help="bytes all sessions together may hold (default 64 GiB)")
-    lim("--max-session-buffers", type=int, help="buffers one session may hold (default 1024)")
-    lim("--max-name-length", type=int,
-        help="UTF-8 bytes of a job or collective name (default 256)")
-    lim("--max-pending", type=int,
-        help="collectives of one job waiting for participants at once (default 4096)")
-    lim("--max-queued", type=int,
-        help="replies held for a Session stream whose client stops reading; then the "
-             "daemon stops reading that stream's requests (default 1024)")
+        "the field, the value and the limit (docs/reliability.md). Each is also LPSYNC_<NAME> "
+        "in the environment and <name> in the TOML file (--max-sessions: LPSYNC_MAX_SESSIONS, "
+        "max_sessions).")
+    for flag, what in _LIMIT_FLAGS:
+        name = flag[2:].replace("-", "_")
+        default = getattr(DaemonConfig, name)
+        shown = format_size(default) if name.endswith("_bytes") else default
+        limits.add_argument(flag, type=int, help=f"{what} (default {shown})")
     add("--log-level", help="DEBUG, INFO, WARNING, ERROR")
     add("--trigger", action=argparse.BooleanOptionalAction, default=None,
         help="offer the trigger socket <socket>.trigger beside gRPC (default: on)")

@@ -153,8 +153,10 @@ def test_every_request_field_is_checked(daemon, attached) -> None:
 
 
 def test_session_buffer_and_byte_limits(tmp_path: Path) -> None:
-    d = DaemonProcess(tmp_path, "--max-sessions", "3", "--max-total-bytes", str(1 << 20),
-                      "--max-session-buffers", "4", "--max-session-bytes", str(768 << 10))
+    # One limit from the environment (flags > env > TOML, like every setting).
+    d = DaemonProcess(tmp_path, "--max-total-bytes", str(1 << 20),
+                      "--max-session-buffers", "4", "--max-session-bytes", str(768 << 10),
+                      env={"LPSYNC_MAX_SESSIONS": "3"})
     try:
         with grpc.insecure_channel(f"unix:{d.socket}") as channel:
             stub = pb_grpc.LpSyncStub(channel)
