@@ -128,6 +128,7 @@ def _check_bounded(daemon: DaemonProcess, channel: grpc.Channel, pool: Pool, bas
     assert len(status.sessions) <= 64
 
 
+@pytest.mark.timeout(max(300, EXAMPLES // 10))  # ~10 ms a case here; the long run needs more
 @settings(max_examples=EXAMPLES, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                  HealthCheck.function_scoped_fixture])
