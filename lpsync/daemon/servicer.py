@@ -291,9 +291,15 @@ class Service(pb_grpc.LpSyncServicer):
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionResponse]:
         try:
             try:
-                first = await anext(request_iterator)
+                # A stream that never says which session it is would be held forever.
+                first = await asyncio.wait_for(anext(request_iterator),
+                                               self.config.stream_grace)
             except (StopAsyncIteration, grpc.RpcError, asyncio.CancelledError):
                 return
+            except TimeoutError:
+                raise InvalidArgumentError(
+                    f"no open{{session_id}} message within {self.config.stream_grace:g} s "
+                    "(stream_grace)") from None
             if first.WhichOneof("body") != "open":
                 raise InvalidArgumentError("the first message of a Session stream must be open")
             session = self.sessions.get(first.open.session_id)

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -292,3 +293,25 @@ def test_output_into_a_closed_pipe_ends_quietly(daemon) -> None:
             os.close(write)
         assert out.stderr == "", out.stderr
         assert out.returncode == 141, args
+
+
+def test_a_session_stream_that_never_opens_is_ended(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path, env={"LPSYNC_STREAM_GRACE": "1"})
+    try:
+        with grpc.insecure_channel(f"unix:{d.socket}") as channel:
+            silent = threading.Event()
+
+            def nothing():
+                silent.wait(30)  # sends no message at all
+                return
+                yield
+
+            start = time.monotonic()
+            code, details = _code(lambda: list(pb_grpc.LpSyncStub(channel).Session(
+                nothing(), timeout=20)))
+            silent.set()
+            assert code == S.INVALID_ARGUMENT and "open{session_id}" in details, details
+            assert 0.5 < time.monotonic() - start < 10
+            assert health_seconds(channel) < 1.0
+    finally:
+        d.stop_and_check()
