@@ -30,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from lpsync.bench.runner import _pct as percentile
 from lpsync.bench.runner import serving
 
 SCENARIOS = ("idle", "flood", "big", "direct", "stalled", "all")
@@ -54,10 +55,7 @@ class Result:
 
 
 def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round((len(ordered) - 1) * q / 100))]
+    return percentile(values, q) if values else 0.0
 
 
 # -- load generators (spawned processes; module level so that spawn can import them) ------

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from probes import FORBIDDEN, health_seconds, usage
 
 from lpsync._proto import lpsync_pb2 as pb
+from lpsync.bench.runner import _pct as percentile
 
 EXAMPLES = int(os.environ.get("LPSYNC_FUZZ_EXAMPLES", "300"))
 # Small limits, so that fuzzed sizes stay cheap and every limit is reached now and then.
@@ -45,17 +46,12 @@ def target(tmp_path_factory):
         yield daemon, channel, pool, usage(daemon.pid), stats
     finally:
         print(f"\nfuzz: {stats['cases']} cases; codes {sorted(stats['codes'].items())}; "
-              f"health p50 {_pct(stats['health'], 50) * 1e3:.1f} ms, "
+              f"health p50 {percentile(stats['health'] or [0.0], 50) * 1e3:.1f} ms, "
               f"max {max(stats['health'], default=0) * 1e3:.1f} ms; "
               f"usage at the end {usage(daemon.pid)}")
         pool.close()
         channel.close()
         daemon.stop_and_check()
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))] if ordered else 0.0
 
 
 def _unary(channel: grpc.Channel, pool: Pool, case: Unary) -> grpc.StatusCode:
