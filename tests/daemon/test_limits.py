@@ -315,3 +315,27 @@ def test_a_session_stream_that_never_opens_is_ended(tmp_path: Path) -> None:
             assert health_seconds(channel) < 1.0
     finally:
         d.stop_and_check()
+
+
+def test_shared_memory_the_kernel_refuses_is_resource_exhausted() -> None:
+    """Out of file descriptors (or /dev/shm space): RESOURCE_EXHAUSTED, not an OSError that
+    would reach gRPC as UNKNOWN."""
+    script = (
+        "import os, resource\n"
+        "from lpsync.errors import ResourceExhaustedError\n"
+        "from lpsync.memory import SharedSegment\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (32, 32))\n"
+        "fds = []\n"
+        "try:\n"
+        "    while True:\n"
+        "        fds.append(os.open('/dev/null', os.O_RDONLY))\n"
+        "except OSError:\n"
+        "    pass\n"
+        "try:\n"
+        "    SharedSegment.create(64)\n"
+        "except ResourceExhaustedError as error:\n"
+        "    print('RESOURCE_EXHAUSTED', error)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.stdout.startswith("RESOURCE_EXHAUSTED"), out.stdout + out.stderr
+    assert "Too many open files" in out.stdout
