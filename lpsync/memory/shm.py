@@ -49,6 +49,9 @@ class SharedSegment:
             mapping = None
             if nbytes:
                 os.ftruncate(fd, nbytes)
+                # Reserve the pages now: a sparse segment on a full /dev/shm would only fail
+                # at the first write, with SIGBUS, killing whoever writes (the daemon).
+                os.posix_fallocate(fd, 0, nbytes)
                 mapping = mmap.mmap(fd, nbytes)
         except OSError as error:
             os.close(fd)

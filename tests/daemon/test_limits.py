@@ -339,3 +339,18 @@ def test_shared_memory_the_kernel_refuses_is_resource_exhausted() -> None:
                          timeout=60, cwd=ROOT)
     assert out.stdout.startswith("RESOURCE_EXHAUSTED"), out.stdout + out.stderr
     assert "Too many open files" in out.stdout
+
+
+def test_a_full_dev_shm_is_resource_exhausted_not_sigbus(tmp_path: Path) -> None:
+    """Segments were sparse: on a full /dev/shm Allocate succeeded and the first write into
+    the buffer killed the writer (the daemon) with SIGBUS. Pages are reserved at creation."""
+    if os.geteuid() != 0 or not Path("/usr/bin/unshare").exists():
+        pytest.skip("needs root and unshare for a private, 4 MiB /dev/shm")
+    script = Path(__file__).parent / "shm_full.py"
+    out = subprocess.run(
+        ["/usr/bin/unshare", "-m", "--propagation", "private", "sh", "-c",
+         f"mount -t tmpfs -o size=4m tmpfs /dev/shm && exec {sys.executable} {script} "
+         f"{tmp_path}"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert "RESOURCE_EXHAUSTED" in out.stdout and "No space left" in out.stdout, \
+        out.stdout + out.stderr
+    assert "STOPPED CLEANLY" in out.stdout, out.stdout + out.stderr
