@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench fuzz clean
 
 $(BIN)/.installed: pyproject.toml clients/python/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ test: $(BIN)/.installed
 bench: $(BIN)/.installed
 	$(BIN)/python -m lpsync.bench.executor --procs 4 --bytes 64MiB --algorithm lp,ring,be,mst
 	$(BIN)/lpsync bench --op allreduce --bytes 4:256MiB --procs 4 --compare gloo
+	$(BIN)/python -m lpsync.bench.responsive --seconds 10
+
+# The long fuzz run of docs/reliability.md (the suite runs 300 cases).
+fuzz: $(BIN)/.installed
+	LPSYNC_FUZZ_EXAMPLES=10000 $(BIN)/python -m pytest -q -s tests/daemon/test_fuzz_control.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

@@ -14,9 +14,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from lpsync.daemon.limits import MAX_TIMEOUT, Limits
 from lpsync.daemon.peers import PeerSet, discover
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.devices import parse_devices
+from lpsync.units import format_size
 
 DEFAULT_SOCKET = "/run/lpsync/lpsync.sock"
 
@@ -31,8 +33,16 @@ class DaemonConfig:
     metrics_port: int = 0  # Prometheus exporter port; 0: off
     devices: str = "cpu:0"  # cpu | cuda:all | cuda:0,1 | emulated:N (lpsync.memory.devices)
     timeout: float = 300.0  # default collective timeout (seconds) when a request has none
+    # Request bounds (limits.py checks every request against them; docs/reliability.md).
     max_buffer_bytes: int = 1 << 34  # one Allocate/Register above this: RESOURCE_EXHAUSTED
     max_session_bytes: int = 1 << 35  # bytes one session may hold in buffers
+    max_total_bytes: int = 1 << 36  # bytes all sessions of the daemon may hold together
+    max_session_buffers: int = 1024  # buffers one session may hold
+    max_world_size: int = 65536  # ranks of one job
+    max_sessions: int = 1024  # sessions attached at once
+    max_name_length: int = 256  # job and collective names (UTF-8 bytes)
+    max_pending: int = 4096  # collectives of one job waiting for participants at once
+    max_queued: int = 1024  # replies held for a Session stream whose client is not reading
     stream_grace: float = 30.0  # an attached session without a Session stream is dropped
     drain_seconds: float = 10.0  # SIGTERM waits this long for running collectives
     log_level: str = "INFO"
@@ -60,8 +70,10 @@ class DaemonConfig:
                 "--listen needs --tls-cert, --tls-key and --token-file: the TCP listener "
                 "never runs without TLS and a token")
         parse_devices(self.devices)  # raises InvalidArgumentError naming what is wrong
-        if self.timeout <= 0 or self.max_buffer_bytes <= 0 or self.max_session_bytes <= 0:
-            raise InvalidArgumentError("timeout and byte limits must be positive")
+        if not 0 < self.timeout <= MAX_TIMEOUT:
+            raise InvalidArgumentError(f"timeout must be between 0 and {MAX_TIMEOUT:g} s, "
+                                       f"got {self.timeout}")
+        self.limits().validate()
         if not 1 <= self.flight_recorder <= 100_000:
             raise InvalidArgumentError(
                 f"flight_recorder must be 1..100000 collectives, got {self.flight_recorder}")
@@ -70,6 +82,9 @@ class DaemonConfig:
                 f"stall_seconds must be a positive number of seconds, got {self.stall_seconds}")
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
             raise InvalidArgumentError("need 0 < heartbeat_interval < heartbeat_timeout")
+
+    def limits(self) -> Limits:
+        return Limits(**{name: getattr(self, name) for name in Limits.__dataclass_fields__})
 
     def peer_set(self, environ: Mapping[str, str] | None = None) -> PeerSet | None:
         """Every daemon's peer address and this one's node rank; None: a single node."""
@@ -123,6 +138,20 @@ def load(flags: Mapping[str, object], environ: Mapping[str, str],
     return config
 
 
+_LIMIT_FLAGS = (
+    ("--max-world-size", "ranks of one job"),
+    ("--max-sessions", "processes attached at once"),
+    ("--max-buffer-bytes", "largest single buffer"),
+    ("--max-session-bytes", "bytes one session may hold"),
+    ("--max-total-bytes", "bytes all sessions together may hold"),
+    ("--max-session-buffers", "buffers one session may hold"),
+    ("--max-name-length", "UTF-8 bytes of a job or collective name"),
+    ("--max-pending", "collectives of one job waiting for participants at once"),
+    ("--max-queued", "replies held for a client that stops reading them; then the daemon "
+                     "stops reading its requests"),
+)
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """The daemon's flags; defaults are None so that unset flags fall through to env/TOML."""
     add = parser.add_argument
@@ -137,8 +166,17 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                           "cupy) or emulated:N[,slow=A-B+..][,host=A-B+..][,islands=K] "
                           "(host-emulated devices for tests)")
     add("--timeout", type=float, help="default collective timeout in seconds")
-    add("--max-buffer-bytes", type=int, help="largest single buffer")
-    add("--max-session-bytes", type=int, help="bytes one session may hold")
+    limits = parser.add_argument_group(
+        "request limits", "Every request is checked against these before anything is sized "
+        "from it; beyond them a call fails with INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming "
+        "the field, the value and the limit (docs/reliability.md). Each is also LPSYNC_<NAME> "
+        "in the environment and <name> in the TOML file (--max-sessions: LPSYNC_MAX_SESSIONS, "
+        "max_sessions).")
+    for flag, what in _LIMIT_FLAGS:
+        name = flag[2:].replace("-", "_")
+        default = getattr(DaemonConfig, name)
+        shown = format_size(default) if name.endswith("_bytes") else default
+        limits.add_argument(flag, type=int, help=f"{what} (default {shown})")
     add("--log-level", help="DEBUG, INFO, WARNING, ERROR")
     add("--flight-recorder", type=int, metavar="N",
         help="finished collectives `lpsync status` shows per job (default 32)")

@@ -17,6 +17,8 @@ from lpsync.engine.device_group import DeviceContext
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.kind import MemoryKind
 
+MAX_HANDLE_BYTES = 1024  # CUDA IPC handles are 64 bytes, emulated ones shorter
+
 
 @dataclass(eq=False)
 class OpenAllocation:
@@ -59,8 +61,10 @@ class DeviceRegistry:
         if not 0 <= device < self.kind.devices:
             raise InvalidArgumentError(f"device {device} does not exist: this daemon has "
                                        f"{self.kind.name} devices 0..{self.kind.devices - 1}")
-        if not handle:
-            raise InvalidArgumentError("a device buffer needs the IPC handle of its allocation")
+        if not handle or len(handle) > MAX_HANDLE_BYTES:
+            raise InvalidArgumentError(
+                f"ipc_handle of {len(handle)} bytes: a device buffer needs the IPC handle of its "
+                f"allocation (1..{MAX_HANDLE_BYTES} bytes; CUDA's is 64)")
         if offset < 0 or nbytes < 0 or allocation_bytes < 0 or offset + nbytes > allocation_bytes:
             raise InvalidArgumentError(
                 f"span {offset}+{nbytes} does not fit an allocation of {allocation_bytes} bytes")

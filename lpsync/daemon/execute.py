@@ -84,7 +84,7 @@ class GroupCache:
             while len(self._groups) > _CACHE_SIZE:
                 evicted.append(self._groups.popitem(last=False)[1])
         for old in evicted:
-            old.close()
+            old.close(wait=False)
         return group
 
     def forget(self, session_id: str, handle: int) -> None:
@@ -93,14 +93,14 @@ class GroupCache:
             stale = [k for k in self._groups if (session_id, handle) in k[-1]]
             groups = [self._groups.pop(k) for k in stale]
         for group in groups:
-            group.close()
+            group.close(wait=False)  # may run on the event loop: never wait for a schedule
 
     def close(self) -> None:
         with self._lock:
             groups = list(self._groups.values())
             self._groups.clear()
         for group in groups:
-            group.close()
+            group.close(wait=False)
 
 
 def is_direct(spec, participants: int) -> bool:
@@ -112,6 +112,17 @@ def is_direct(spec, participants: int) -> bool:
     itemsize = dtype_of(spec.dtype).itemsize
     return participants == 1 or nccl_bytes(spec.op, spec.count, itemsize,
                                            participants) <= DIRECT_MAX_BYTES
+
+
+def is_inline(spec, participants: int) -> bool:
+    """Whether the event loop may run this collective itself: the direct path and small
+    (``algorithm="direct"`` on a big buffer is direct but long: it goes to a worker)."""
+    if spec.op == BARRIER:
+        return True
+    if not is_direct(spec, participants):
+        return False
+    return nccl_bytes(spec.op, spec.count, dtype_of(spec.dtype).itemsize,
+                      participants) <= DIRECT_MAX_BYTES
 
 
 def run(job: Job, pending: Pending, devices: DeviceRegistry | None = None) -> Outcome:

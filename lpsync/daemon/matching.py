@@ -34,6 +34,7 @@ from lpsync.errors import (
     InvalidArgumentError,
     LpsyncError,
     MismatchError,
+    ResourceExhaustedError,
 )
 
 log = logging.getLogger("lpsync.daemon")
@@ -171,15 +172,20 @@ class Job:
     def __init__(self, name: str, world_size: int, watcher: Watcher, runner: Runner,
                  record: Callable[[Job, Pending, Outcome], None],
                  dispatch: Dispatch = _inline, layout: NodeLayout | None = None,
-                 recorder: Recorder | None = None) -> None:
+                 recorder: Recorder | None = None, max_pending: int = 4096) -> None:
         self.name, self.world_size = name, world_size
         # A multi-node job: the ranks this daemon serves; its collectives run when these
         # arrived (multinode.py agrees with the other nodes before data moves).
         self.layout = layout
-        self.local_ranks = (tuple(layout.local_ranks) if layout is not None
-                            else tuple(range(world_size)))
+        # A range, never a materialized tuple: the world size is what a request claimed,
+        # and state must grow only with what attached (limits.py).
+        self.local_ranks: range = (layout.local_ranks if layout is not None
+                                   else range(world_size))
+        self.max_pending = max_pending
         self.lock = threading.Lock()
-        self.run_lock = threading.Lock()  # one collective of a job runs at a time, in order
+        # One collective of a job runs at a time, in order. Reentrant so that the event loop
+        # can take it without waiting (servicer._dispatch) and then run the collective.
+        self.run_lock = threading.RLock()
         self.sessions: dict[int, str] = {}  # rank -> session id
         self.gone: dict[int, str] = {}  # rank -> why it left
         self._pending: dict[int, Pending] = {}
@@ -252,14 +258,24 @@ class Job:
                     "until they attach again")
             else:
                 pending = self._pending.get(seq)
-                if pending is None:
+                if pending is None and len(self._pending) >= self.max_pending:
+                    error = ResourceExhaustedError(
+                        f"job {self.name!r} has {len(self._pending)} collectives waiting for "
+                        f"participants, its limit (--max-pending {self.max_pending}); "
+                        f"collective #{seq} was refused")
+                    # The other ranks get the same answer for this sequence number, so the
+                    # job's numbering stays aligned.
+                    self._remember(seq, error)
+                elif pending is None:
                     pending = Pending(seq, arrival.spec, opened=arrival.at)
                     self._pending[seq] = pending
                     if self.recorder.stall_seconds < arrival.timeout:
                         pending.stall_timer = self._watcher.at(
                             pending.opened + self.recorder.stall_seconds,
                             lambda p=pending: self._stall_check(p))
-                if arrival.rank in pending.arrivals:
+                if pending is None:
+                    pass
+                elif arrival.rank in pending.arrivals:
                     error = InvalidArgumentError(
                         f"rank {arrival.rank} submitted collective #{seq} twice")
                 else:
@@ -426,7 +442,9 @@ class Jobs:
 
     def __init__(self, watcher: Watcher, runner: Runner,
                  record: Callable[[Job, Pending, Outcome], None],
-                 dispatch: Dispatch = _inline, recorder: Recorder | None = None) -> None:
+                 dispatch: Dispatch = _inline, recorder: Recorder | None = None,
+                 max_pending: int = 4096) -> None:
+        self.max_pending = max_pending
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
         self._watcher, self._runner, self._record = watcher, runner, record
@@ -440,12 +458,17 @@ class Jobs:
             if job is None:
                 job = self._jobs[name] = Job(name, world_size, self._watcher, self._runner,
                                              self._record, self._dispatch, layout,
-                                             self._recorder)
+                                             self._recorder, self.max_pending)
             elif job.layout != layout:
                 raise InvalidArgumentError(
                     f"job {name!r}: rank {rank} attached with another node layout "
                     f"({layout}) than the job's ({job.layout})")
-            job.join(rank, world_size, session_id)
+            try:
+                job.join(rank, world_size, session_id)
+            except LpsyncError:
+                if not job.sessions:  # created for this attach: leave nothing behind
+                    del self._jobs[name]
+                raise
             return job
 
     def leave(self, name: str, rank: int, reason: str) -> None:

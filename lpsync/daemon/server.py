@@ -16,11 +16,11 @@ import signal
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from lpsync._proto import lpsync_pb2 as pb
-from lpsync._proto import lpsync_pb2_grpc as pb_grpc
+from lpsync.daemon import decoding
 from lpsync.daemon.config import DaemonConfig
 from lpsync.daemon.metrics import Metrics
 from lpsync.daemon.peer_plane import PeerPlane, PeerPlaneOptions
@@ -92,11 +92,14 @@ class Daemon:
         self._stop = asyncio.Event()
         self.server = grpc.aio.server(interceptors=self._interceptors,
                                       options=[("grpc.max_receive_message_length", 16 << 20)])
-        pb_grpc.add_LpSyncServicer_to_server(self.service, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
+        # Requests are decoded inside the handlers: undecodable bytes are INVALID_ARGUMENT.
+        decoding.add_service(self.server, self.service, pb.DESCRIPTOR.services_by_name["LpSync"])
+        decoding.add_service(self.server, self.health,
+                             health_pb2.DESCRIPTOR.services_by_name["Health"])
+        decoding.add_service(self.server, reflection.aio.ReflectionServicer(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), self.server)
+             reflection.SERVICE_NAME)),
+            reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"])
         reclaimed = reclaim_stale()
         if reclaimed:
             log.warning("unlinked shared memory of daemons that died",

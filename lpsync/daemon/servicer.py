@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -33,7 +32,7 @@ from lpsync import __version__
 from lpsync._proto import lpsync_pb2 as pb
 from lpsync._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync.algorithms import ALGORITHMS
-from lpsync.daemon import execute, multinode
+from lpsync.daemon import execute, limits, multinode
 from lpsync.daemon.config import DaemonConfig
 from lpsync.daemon.devices import DeviceRegistry
 from lpsync.daemon.matching import (
@@ -58,14 +57,13 @@ from lpsync.errors import (
 )
 from lpsync.memory.devices import open_kind, parse_devices
 from lpsync.memory.kind import Span
-from lpsync.types import DTYPES, Collective, ReduceOp, dtype_of, parse_reduce_op
+from lpsync.types import DTYPES, Collective, ReduceOp, dtype_of
 
 log = logging.getLogger("lpsync.daemon")
 
-OPS = {c.value for c in Collective} | {execute.BARRIER}
+OPS = limits.OPS
 _STATE = {"INTACT": pb.INTACT, "PARTIAL": pb.PARTIAL, "": pb.BUFFER_STATE_UNSPECIFIED}
 _RECENT = 256
-_MAX_TIMEOUT = 7 * 86400.0
 _ITEMSIZE = {name: dt.itemsize for name, dt in DTYPES.items()}
 _RECORD_FIELDS = ("job", "sequence", "op", "dtype", "count", "algorithm", "seconds", "code",
                   "finished_at")
@@ -79,13 +77,15 @@ class Service(pb_grpc.LpSyncServicer):
         self.started = time.time()
         kind = open_kind(parse_devices(config.devices))
         self.devices = DeviceRegistry(kind) if kind is not None else None
-        self.sessions = SessionTable(config.max_buffer_bytes, config.max_session_bytes,
-                                     on_bytes=self._bytes_changed, devices=self.devices)
+        self.limits = config.limits()
+        self.sessions = SessionTable(self.limits, on_bytes=self._bytes_changed,
+                                     devices=self.devices)
         if self.devices is not None:
             metrics.describe_devices(self.devices.kind.name, self.devices.kind.devices)
         self.watcher = Watcher()
         self.jobs = Jobs(self.watcher, self._run, self._record, self._dispatch,
-                         Recorder(config.flight_recorder, config.stall_seconds))
+                         Recorder(config.flight_recorder, config.stall_seconds),
+                         max_pending=self.limits.max_pending)
         metrics.session_bytes_limit.set(config.max_session_bytes)
         metrics.buffer_bytes_limit.set(config.max_buffer_bytes)
         metrics.watch(lambda: [JobState(j.name, j.outstanding(), j.last_progress)
@@ -174,11 +174,18 @@ class Service(pb_grpc.LpSyncServicer):
     def _dispatch(self, job: Job, pending: Pending, run: Callable[[], None]) -> None:
         """Where a complete collective runs: the direct path inline (it is short), anything
         else off the event loop, on a worker thread, so other sessions keep being served."""
-        # A multi-node collective waits on other nodes: never on the loop.
-        if threading.get_ident() != self._loop_thread or (
-                job.layout is None and execute.is_direct(pending.spec, job.world_size)
-                and not _on_device(pending)):
+        if threading.get_ident() != self._loop_thread:
             run()
+            return
+        # On the loop only what is short and never waits: a small single-node host
+        # collective whose job is not running another one (a multi-node one waits on other
+        # nodes, a device one on streams).
+        if (job.layout is None and execute.is_inline(pending.spec, job.world_size)
+                and not _on_device(pending) and job.run_lock.acquire(blocking=False)):
+            try:
+                run()
+            finally:
+                job.run_lock.release()
         else:
             self._workers.submit(run)
 
@@ -201,12 +208,19 @@ class Service(pb_grpc.LpSyncServicer):
                      ) -> pb.AttachResponse:
         try:
             self._check_open()
+            # Every field is checked before anything is built from it (limits.py).
+            limits.check_attach(request.job, request.rank, request.world_size,
+                                request.local_rank, request.local_world_size, request.pid,
+                                self.limits)
             session = self.sessions.create(request.job, request.rank, request.world_size,
                                            request.local_rank, request.local_world_size,
                                            request.pid, multinode=self.plane is not None)
             try:
+                layout = self._layout(session)
+                limits.check_local_world(session.job, layout.ranks_per_node if layout
+                                         else session.world_size, self.limits)
                 job = self.jobs.join(session.job, session.rank, session.world_size,
-                                     session.id, self._layout(session))
+                                     session.id, layout)
                 if job.layout is not None and self.plane is not None:
                     plane = self.plane
                     job.on_local_failure = lambda j, p, e: self._workers.submit(
@@ -247,7 +261,8 @@ class Service(pb_grpc.LpSyncServicer):
             self._check_open()
             if request.device not in ("cuda", "emulated"):
                 raise InvalidArgumentError(
-                    f"unknown device kind {request.device!r}; expected cpu, cuda or emulated")
+                    f"unknown device kind {request.device[:limits.MAX_KEYWORD]!r}; expected "
+                    "cpu, cuda or emulated")
             session = self.sessions.get(request.session_id)
             # Opening an IPC handle can take milliseconds on CUDA: off the event loop.
             buffer = await asyncio.get_running_loop().run_in_executor(
@@ -265,7 +280,9 @@ class Service(pb_grpc.LpSyncServicer):
         try:
             self._check_open()
             session = self.sessions.get(session_id)
-            buffer = self.sessions.allocate(session, nbytes, staged)
+            # Off the event loop: reserving a big segment's pages takes a while (~0.3 s/GiB).
+            buffer = await asyncio.get_running_loop().run_in_executor(
+                None, self.sessions.allocate, session, nbytes, staged)
         except LpsyncError as error:
             await _abort(context, error)
             raise AssertionError from error
@@ -320,10 +337,16 @@ class Service(pb_grpc.LpSyncServicer):
     async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionResponse]:
         try:
-            first = await anext(request_iterator)
-        except (StopAsyncIteration, grpc.RpcError, asyncio.CancelledError):
-            return
-        try:
+            try:
+                # A stream that never says which session it is would be held forever.
+                first = await asyncio.wait_for(anext(request_iterator),
+                                               self.config.stream_grace)
+            except (StopAsyncIteration, grpc.RpcError, asyncio.CancelledError):
+                return
+            except TimeoutError:
+                raise InvalidArgumentError(
+                    f"no open{{session_id}} message within {self.config.stream_grace:g} s "
+                    "(stream_grace)") from None
             if first.WhichOneof("body") != "open":
                 raise InvalidArgumentError("the first message of a Session stream must be open")
             session = self.sessions.get(first.open.session_id)
@@ -337,23 +360,44 @@ class Service(pb_grpc.LpSyncServicer):
         put = self._putter(responses)
         session.on_close.append(lambda: put(None))
         context.add_done_callback(lambda _: self.end_session(session, "session stream closed"))
+        # Set when the replies drain below max_queued: the reader waits on it (back-pressure).
+        drained = asyncio.Event()
+        drained.set()
+        failure: list[LpsyncError] = []
         reader = asyncio.get_running_loop().create_task(
-            self._read_stream(request_iterator, session, put))
+            self._read_stream(request_iterator, session, put, responses, drained, failure))
         yield pb.SessionResponse(request_id=first.request_id, opened=first.open)
         try:
             # Ends with the None that end_session puts (detach, stream closed, shutdown).
             while (response := await responses.get()) is not None:
-                yield response
+                if responses.qsize() < self.limits.max_queued:
+                    drained.set()
+                yield response  # waits while the client does not read (HTTP/2 flow control)
         finally:
             reader.cancel()
+        if failure:  # a request that did not decode ends the stream with its reason
+            await _abort(context, failure[0])
 
     async def _read_stream(self, requests: AsyncIterator[pb.SessionRequest], session: Session,
-                           put: Callable[[object], None]) -> None:
+                           put: Callable[[object], None], responses: asyncio.Queue,
+                           drained: asyncio.Event, failure: list[LpsyncError]) -> None:
+        """Feeds ``handle``. A client that stops reading its replies is not read either once
+        max_queued replies wait for it, so its requests back up in HTTP/2 flow control and
+        the daemon holds at most max_queued replies plus its job's pending collectives."""
         try:
             async for request in requests:
                 self.handle(session, request, put)
+                if responses.qsize() >= self.limits.max_queued:
+                    log.debug("session stream paused: the client is not reading its replies",
+                              extra={"session": session.id, "held": responses.qsize()})
+                    drained.clear()
+                    await drained.wait()
         except (grpc.RpcError, asyncio.CancelledError):
             pass  # the client is gone; handled below
+        except LpsyncError as error:  # undecodable bytes (decoding.py)
+            failure.append(error)
+            log.info("session stream refused", extra={"session": session.id,
+                                                      "reason": str(error)})
         except Exception:
             log.exception("session reader failed", extra={"session": session.id})
         finally:
@@ -426,36 +470,23 @@ class Service(pb_grpc.LpSyncServicer):
     def _arrival(self, session: Session, request: pb.CollectiveRequest,
                  done: Callable[[Outcome], None]) -> Arrival:
         op, p = request.op, session.world_size
-        if op not in OPS:
-            raise InvalidArgumentError(
-                f"unknown collective {op!r}; expected one of {', '.join(sorted(OPS))}")
+        limits.check_collective(request, p, self.limits, ALGORITHMS)
         timeout = request.timeout or self.config.timeout
-        if not (0 < timeout <= _MAX_TIMEOUT and math.isfinite(timeout)):
-            raise InvalidArgumentError(f"timeout must be between 0 and {_MAX_TIMEOUT:g} "
-                                       f"seconds, got {request.timeout}")
         if op == execute.BARRIER:
             spec = Spec(op, "", 0, 0, "", "", request.name)
             return Arrival(session.rank, request.sequence, spec, timeout, None, None, (), done)
         dtype = dtype_of(request.dtype)
         count = request.count
-        if count < 0:
-            raise InvalidArgumentError(f"count must be >= 0, got {count}")
-        if op in (Collective.BROADCAST, Collective.REDUCE) and request.root >= p:
-            raise InvalidArgumentError(f"root {request.root} is not a rank of a world of {p}")
         root = request.root if op in (Collective.BROADCAST, Collective.REDUCE) else 0
         reducing = op in (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER)
-        reduce_op = parse_reduce_op(request.reduce_op or ReduceOp.SUM) if reducing else ""
+        reduce_op = (request.reduce_op or ReduceOp.SUM) if reducing else ""
         algorithm = request.algorithm
         if algorithm == execute.DIRECT and session.local_world_size:
             raise InvalidArgumentError("algorithm='direct' serves single-node jobs only; this "
                                        "job spans nodes (use lp, ring, mst, be or the tuner)")
-        if algorithm and algorithm != execute.DIRECT:
-            if algorithm not in ALGORITHMS:
-                raise InvalidArgumentError(
-                    f"unknown algorithm {algorithm!r}; expected one of "
-                    f"{', '.join([*ALGORITHMS, execute.DIRECT])}")
-            if Collective(op) not in ALGORITHMS[algorithm].generators:
-                raise InvalidArgumentError(f"algorithm {algorithm!r} has no {op}")
+        if (algorithm and algorithm != execute.DIRECT
+                and Collective(op) not in ALGORITHMS[algorithm].generators):
+            raise InvalidArgumentError(f"algorithm {algorithm!r} has no {op}")
         blocks = p if op in (Collective.ALLGATHER, Collective.REDUCE_SCATTER) else 1
         in_place = request.output.handle == 0
         n_in = count * (blocks if in_place or op == Collective.REDUCE_SCATTER else 1)

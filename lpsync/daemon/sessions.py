@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lpsync.daemon.devices import DeviceBuffer, DeviceRegistry
+from lpsync.daemon.limits import Limits, check_bytes, check_session_id
 from lpsync.errors import (
     InvalidArgumentError,
     NotFoundError,
@@ -60,6 +61,7 @@ class Session:
     # Typed views of the buffers by (handle, offset, dtype, count): planned once, reused.
     views: dict[tuple, np.ndarray] = field(default_factory=dict)
     nbytes: int = 0
+    reserved: int = 0  # buffers held or being created (bounded by max_session_buffers)
     # Called once when the session ends (closes its Session stream's response side).
     on_close: list[Callable[[], None]] = field(default_factory=list)
     stream_bound: bool = False
@@ -68,10 +70,9 @@ class Session:
 
 
 class SessionTable:
-    def __init__(self, max_buffer_bytes: int, max_session_bytes: int,
-                 on_bytes: Callable[[int], None] | None = None,
+    def __init__(self, limits: Limits, on_bytes: Callable[[int], None] | None = None,
                  devices: DeviceRegistry | None = None) -> None:
-        self.max_buffer_bytes, self.max_session_bytes = max_buffer_bytes, max_session_bytes
+        self.limits = limits
         self.devices = devices  # None: a cpu daemon
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
@@ -82,11 +83,7 @@ class SessionTable:
     def create(self, job: str, rank: int, world_size: int, local_rank: int,
                local_world_size: int, pid: int, multinode: bool = False) -> Session:
         """``multinode``: this daemon has peers, so a job may span nodes (node-major ranks,
-        LOCAL_WORLD_SIZE ranks on every node)."""
-        if not job:
-            raise InvalidArgumentError("attach needs a job name (LPSYNC_JOB)")
-        if world_size < 1 or rank >= world_size:
-            raise InvalidArgumentError(f"rank {rank} is not in a world of size {world_size}")
+        LOCAL_WORLD_SIZE ranks on every node). The fields were checked (limits.py)."""
         spans = bool(local_world_size) and (local_world_size != world_size
                                             or local_rank != rank)
         if spans and not multinode:
@@ -103,10 +100,15 @@ class SessionTable:
         session = Session(secrets.token_hex(16), job, rank, world_size, pid,
                           local_world_size=local_world_size if spans else 0)
         with self._lock:
+            if len(self._sessions) >= self.limits.max_sessions:
+                raise ResourceExhaustedError(
+                    f"the daemon holds {len(self._sessions)} sessions, its limit "
+                    f"(--max-sessions {self.limits.max_sessions}); detach idle clients first")
             self._sessions[session.id] = session
         return session
 
     def get(self, session_id: str) -> Session:
+        check_session_id(session_id)
         with self._lock:
             session = self._sessions.get(session_id)
         if session is None or session.closed:
@@ -128,7 +130,7 @@ class SessionTable:
             session.buffers.clear()
             session.views.clear()
             self._total -= session.nbytes
-            session.nbytes = 0
+            session.nbytes = session.reserved = 0
             total = self._total
         for buffer in buffers:
             buffer.free(self.devices)
@@ -136,24 +138,35 @@ class SessionTable:
         return buffers
 
     def _reserve(self, session: Session, nbytes: int) -> None:
-        if nbytes < 0:
-            raise InvalidArgumentError(f"buffer size must be >= 0 bytes, got {nbytes}")
-        if nbytes > self.max_buffer_bytes:
-            raise ResourceExhaustedError(
-                f"a {nbytes}-byte buffer exceeds the daemon's limit of {self.max_buffer_bytes} "
-                "bytes (--max-buffer-bytes)")
+        """Count a new buffer against every limit before it is created (so that concurrent
+        calls see it); _unreserve gives it back if creating it fails."""
+        check_bytes("nbytes", nbytes, self.limits)
+        limits = self.limits
         with self._lock:
-            if session.nbytes + nbytes > self.max_session_bytes:
+            if session.nbytes + nbytes > limits.max_session_bytes:
                 raise ResourceExhaustedError(
-                    f"session holds {session.nbytes} bytes; {nbytes} more exceeds the limit of "
-                    f"{self.max_session_bytes} (--max-session-bytes); release buffers first")
+                    f"nbytes {nbytes}: the session holds {session.nbytes} bytes and the limit "
+                    f"is {limits.max_session_bytes} (--max-session-bytes); release buffers "
+                    "first")
+            if self._total + nbytes > limits.max_total_bytes:
+                raise ResourceExhaustedError(
+                    f"nbytes {nbytes}: the daemon's sessions hold {self._total} bytes and the "
+                    f"limit is {limits.max_total_bytes} (--max-total-bytes)")
+            if session.reserved >= limits.max_session_buffers:
+                raise ResourceExhaustedError(
+                    f"the session holds {session.reserved} buffers, its limit "
+                    f"(--max-session-buffers {limits.max_session_buffers}); release some first")
+            # Reserved before the (slow) segment creation, so concurrent calls see them.
             session.nbytes += nbytes
+            session.reserved += 1
             self._total += nbytes
 
     def _unreserve(self, session: Session, nbytes: int) -> None:
         with self._lock:
-            session.nbytes -= nbytes
-            self._total -= nbytes
+            if not session.closed:  # remove() already gave back the whole session's
+                session.nbytes -= nbytes
+                session.reserved -= 1
+                self._total -= nbytes
 
     def register_device(self, session: Session, kind: str, device: int, handle: bytes,
                         offset: int, nbytes: int, allocation_bytes: int) -> Buffer:
@@ -190,7 +203,7 @@ class SessionTable:
             raise
         buffer = Buffer(next(self._handles), segment, staged)
         with self._lock:
-            if session.closed:  # ended while we created the segment
+            if session.closed:  # ended while we created the segment (remove() reset it)
                 closed = True
             else:
                 closed = False
@@ -198,6 +211,7 @@ class SessionTable:
             total = self._total
         if closed:
             segment.unlink()
+            segment.close()
             raise NotFoundError(f"session {session.id} ended")
         self._on_bytes(total)
         return buffer
@@ -209,6 +223,7 @@ class SessionTable:
                 raise NotFoundError(f"session has no buffer with handle {handle}")
             session.views = {k: v for k, v in session.views.items() if k[0] != handle}
             session.nbytes -= buffer.nbytes
+            session.reserved -= 1
             self._total -= buffer.nbytes
             total = self._total
         buffer.free(self.devices)

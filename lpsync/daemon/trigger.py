@@ -13,6 +13,16 @@ the gRPC stream crosses several and HTTP/2 framing.
 
 Threads: one accept thread, one reader per connection. Every wait has a timeout (the
 sockets' 1 s timeouts), so stop() ends them all.
+
+Bounds (docs/reliability.md): at most ``max_sessions`` connections at once (more are
+answered RESOURCE_EXHAUSTED and closed); a connection must send its open packet within
+OPEN_TIMEOUT; a packet that is not a SessionRequest closes the connection. Before closing
+for a reason the daemon sends one last packet, a SessionResponse with request_id 0 and a
+CollectiveResult carrying the code and message: the client fails what it waits for with
+that error. Replies are sent without blocking (they may come from the event loop): what the
+socket does not take waits in the connection's outbox; while max_queued replies wait, the
+client's requests are not read (back-pressure), so a client that stops reading blocks in its
+own sends, and the daemon holds at most max_queued + max_pending replies for it.
 """
 
 from __future__ import annotations
@@ -20,17 +30,99 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import socket
 import struct
 import threading
+from collections import deque
 from pathlib import Path
 
 from lpsync._proto import lpsync_pb2 as pb
 from lpsync.daemon.servicer import Service
-from lpsync.errors import LpsyncError
+from lpsync.errors import InvalidArgumentError, LpsyncError, ResourceExhaustedError
 
 log = logging.getLogger("lpsync.daemon")
 MAX_PACKET = 1 << 16  # requests are a few hundred bytes
+OPEN_TIMEOUT = 10.0  # seconds a new connection may take to send open{session_id}
+
+
+class _Closed(Exception):
+    """This connection ends now (a reason was sent to the client, or it is gone)."""
+
+
+def _reason(error: LpsyncError, request_id: int = 0) -> pb.SessionResponse:
+    return pb.SessionResponse(request_id=request_id, result=pb.CollectiveResult(
+        code=error.code, message=str(error), error=type(error).__name__))
+
+
+def _parse(data: bytes) -> pb.SessionRequest:
+    try:
+        return pb.SessionRequest.FromString(data)
+    except Exception as error:  # DecodeError and friends: the bytes are not a request
+        raise InvalidArgumentError(
+            f"a {len(data)}-byte packet on the trigger socket is not a SessionRequest "
+            f"({error or 'malformed protobuf'}); closing this connection") from None
+
+
+class _Outbox:
+    """Replies of one connection. ``reply`` may run on any thread (the gRPC event loop
+    included), so it never blocks: it sends at once when the socket takes it, else queues
+    the reply and wakes the connection's reader, which sends the queue when the socket is
+    writable again."""
+
+    def __init__(self, conn: socket.socket, limit: int) -> None:
+        self.conn, self.limit = conn, limit
+        self.wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.broken = False
+        self._lock = threading.Lock()
+        self._queue: deque[bytes] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def reply(self, response: pb.SessionResponse) -> None:
+        data = response.SerializeToString()
+        with self._lock:
+            if self.broken:
+                return
+            if (not self._queue and self._send(data)) or self.broken:
+                return
+            if len(self._queue) >= self.limit:
+                log.warning("trigger client does not read its replies; disconnecting it",
+                            extra={"held": len(self._queue)})
+                self._break()
+                return
+            self._queue.append(data)
+        with contextlib.suppress(OSError):
+            os.eventfd_write(self.wake, 1)
+
+    def flush(self) -> None:
+        with self._lock:
+            while self._queue and not self.broken and self._send(self._queue[0]):
+                self._queue.popleft()
+
+    def _send(self, data: bytes) -> bool:
+        """Whether it was sent (False: the socket is full, or broken). Lock held."""
+        try:
+            self.conn.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:  # the client is gone: its gRPC stream says so
+            self._break()
+            return False
+        return True
+
+    def _break(self) -> None:
+        self.broken = True
+        self._queue.clear()
+        with contextlib.suppress(OSError):
+            self.conn.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with self._lock:
+            self.broken = True
+            self._queue.clear()
+        os.close(self.wake)
 
 
 class TriggerServer:
@@ -39,6 +131,7 @@ class TriggerServer:
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
+        self._slots = threading.BoundedSemaphore(service.limits.max_sessions)
 
     def start(self) -> None:
         self.path.unlink(missing_ok=True)  # our own socket's sibling: stale if present
@@ -65,58 +158,90 @@ class TriggerServer:
                 continue
             except OSError:
                 return  # closed by stop()
+            if not self._slots.acquire(blocking=False):
+                self._refuse(conn)
+                continue
             thread = threading.Thread(target=self._serve, args=(conn,),
                                       name="lpsync-trigger-conn", daemon=True)
             thread.start()
 
+    def _refuse(self, conn: socket.socket) -> None:
+        error = ResourceExhaustedError(
+            "the trigger socket serves at most --max-sessions "
+            f"({self.service.limits.max_sessions}) connections at once")
+        with conn, contextlib.suppress(OSError):
+            conn.send(_reason(error).SerializeToString(), socket.MSG_DONTWAIT)
+
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(1.0)
-        lock = threading.Lock()  # several completing threads may reply at once
-
-        def reply(response: pb.SessionResponse) -> None:
-            data = response.SerializeToString()
-            with lock, contextlib.suppress(OSError):  # the client is gone: its stream says so
-                conn.sendall(data)
-
+        limits = self.service.limits
+        # Never more replies held than reads allowed plus every collective the job may
+        # have pending: a client can only exceed it by breaking the protocol.
+        out = _Outbox(conn, limits.max_queued + limits.max_pending)
         try:
-            session = self._open(conn, reply)
-            if session is None:
-                return
-            while not self._stop.is_set() and not session.ended:
-                try:
-                    data = conn.recv(MAX_PACKET)
-                except TimeoutError:
+            session = self._open(conn, out.reply)
+            # Non-blocking from here on (select waits): with a timeout set, Python would
+            # wait out the timeout on a full socket even for MSG_DONTWAIT.
+            conn.setblocking(False)
+            while not self._stop.is_set() and not session.ended and not out.broken:
+                # Back-pressure: while max_queued replies wait for the client, its requests
+                # are not read; they back up in its socket and its sends block.
+                reading = len(out) < limits.max_queued
+                readable, writable, _ = select.select(
+                    [conn, out.wake] if reading else [out.wake], [conn] if len(out) else [],
+                    [], 1.0)
+                if out.wake in readable:
+                    os.eventfd_read(out.wake)
+                if writable:
+                    out.flush()
+                if conn not in readable:
                     continue
+                data = conn.recv(MAX_PACKET)
                 if not data:
                     return  # the client closed it
-                self.service.handle(session, pb.SessionRequest.FromString(data), reply)
-        except (OSError, ValueError) as error:  # ValueError: a packet that does not parse
+                self.service.handle(session, _parse(data), out.reply)
+        except _Closed:
+            pass
+        except LpsyncError as error:  # a malformed packet: say why, then close
+            log.info("trigger connection refused", extra={"reason": str(error)})
+            out.reply(_reason(error))
+            out.flush()
+        except OSError as error:
             log.debug("trigger connection closed", extra={"error": repr(error)})
         finally:
+            out.close()
             conn.close()
+            self._slots.release()
 
     def _open(self, conn: socket.socket, reply):
-        while not self._stop.is_set():
+        waited = 0.0
+        while True:
+            if self._stop.is_set():
+                raise _Closed
             try:
                 data = conn.recv(MAX_PACKET)
                 break
             except TimeoutError:
-                continue
-        else:
-            return None
-        first = pb.SessionRequest.FromString(data) if data else pb.SessionRequest()
+                waited += conn.gettimeout() or 1.0
+                if waited >= OPEN_TIMEOUT:
+                    reply(_reason(InvalidArgumentError(
+                        f"no open{{session_id}} packet within {OPEN_TIMEOUT:g} s")))
+                    raise _Closed from None
+        if not data:
+            raise _Closed
+        first = _parse(data)
         try:
             if first.WhichOneof("body") != "open":
-                raise LpsyncError("the first packet must be open{session_id}")
+                raise InvalidArgumentError("the first packet must be open{session_id}")
             session = self.service.sessions.get(first.open.session_id)
             if not session.stream_bound:
-                raise LpsyncError("open the gRPC Session stream first; it is the lifeline")
+                raise InvalidArgumentError(
+                    "open the gRPC Session stream first; it is the lifeline")
         except LpsyncError as error:
             log.warning("trigger socket: refused a connection", extra={
                 "peer": _peer(conn), "error": f"{type(error).__name__}: {error}"})
-            reply(pb.SessionResponse(request_id=first.request_id, result=pb.CollectiveResult(
-                code=error.code, message=str(error), error=type(error).__name__)))
-            return None
+            reply(_reason(error, first.request_id))
+            raise _Closed from None
         reply(pb.SessionResponse(request_id=first.request_id, opened=first.open))
         return session
 

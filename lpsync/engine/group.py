@@ -98,8 +98,10 @@ class LocalGroup:
             first = next((e for e in errors if not isinstance(e, AbortedError)), errors[0])
             raise first
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def close(self, wait: bool = True) -> None:
+        """``wait=False``: the threads end on their own once a running schedule finishes
+        (the daemon's event loop must never wait for one)."""
+        self._pool.shutdown(wait=wait)
 
     def __enter__(self) -> LocalGroup:
         return self

@@ -39,12 +39,19 @@ class SharedSegment:
     def create(cls, nbytes: int, mode: int = 0o660) -> SharedSegment:
         name = f"{PREFIX}{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
         path = SHM_DIR / name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        except OSError as error:  # EMFILE, ENOSPC: a limit, not a bug
+            raise ResourceExhaustedError(
+                f"cannot create a {nbytes}-byte shared-memory segment: {error}") from error
         try:
             os.fchmod(fd, mode)  # the umask must not narrow who may attach
             mapping = None
             if nbytes:
                 os.ftruncate(fd, nbytes)
+                # Reserve the pages now: a sparse segment on a full /dev/shm would only fail
+                # at the first write, with SIGBUS, killing whoever writes (the daemon).
+                os.posix_fallocate(fd, 0, nbytes)
                 mapping = mmap.mmap(fd, nbytes)
         except OSError as error:
             os.close(fd)

@@ -54,6 +54,8 @@ class PendingRequests:
         if entry is None:
             return
         future, hook = entry
+        if not future.set_running_or_notify_cancel():
+            return  # the caller cancelled it: nobody wants the answer
         try:
             future.set_result(hook(response))
         except BaseException as failure:  # the hook's error belongs to the caller
@@ -68,4 +70,5 @@ class PendingRequests:
             pending = list(self._pending.values())
             self._pending.clear()
         for future, _ in pending:
-            future.set_exception(error)
+            if future.set_running_or_notify_cancel():  # not cancelled by its caller
+                future.set_exception(error)

@@ -63,7 +63,14 @@ class TriggerStream:
                     continue
                 if not data:
                     break
-                self._pending.complete(pb.SessionResponse.FromString(data))
+                response = pb.SessionResponse.FromString(data)
+                if response.request_id == 0 and response.WhichOneof("body") == "result":
+                    # The daemon's reason for closing this connection (a malformed packet,
+                    # a client that did not read its replies): every waiter gets it.
+                    r = response.result
+                    error = from_status(r.code or "UNAVAILABLE", r.message, r.error)
+                    break
+                self._pending.complete(response)
         except OSError as failure:
             error = UnavailableError(f"the trigger socket failed: {failure}")
         finally:
