@@ -308,7 +308,9 @@ class DeviceGroup:
             for stream in self.all_streams():
                 recover(stream)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Give the staging buffers back to the pool. Nothing to wait for (``wait`` is
+        LocalGroup's): the job's run lock means no run of this group is in flight."""
         held, self._held = self._held, []
         for memory in held:
             self.context.pool.give(memory)
