@@ -66,13 +66,13 @@ def test_distributed_optimizer_equals_per_tensor_allreduce(daemon: DaemonProcess
 def test_broadcast_parameters_and_optimizer_state(daemon: DaemonProcess) -> None:
     results = run_ranks(3, broadcasts, 3, daemon.socket, "bcast", timeout=90)
     root_params, root_state = results[1]
-    assert root_state["steps"] == [3.0] * 4 and root_state["lr"] == pytest.approx(0.02)
+    assert root_state["steps"] == [3.0] * 6 and root_state["lr"] == pytest.approx(0.02)
     for rank, (params, state) in enumerate(results):
         np.testing.assert_array_equal(params, root_params, err_msg=f"rank {rank}")
         assert state["lr"] == root_state["lr"] and state["steps"] == root_state["steps"]
         np.testing.assert_array_equal(state["exp_avg"], root_state["exp_avg"])
-    # BatchNorm's running statistics (buffers) came along: rank 0 started from its own.
-    assert not np.array_equal(results[0][0][:5], np.zeros(5))
+        if rank != 1:  # it started elsewhere: parameters and BatchNorm's running statistics
+            assert not np.allclose(state["before"], root_params)
 
 
 def test_killed_trainer_fails_the_others(daemon: DaemonProcess) -> None:
@@ -103,7 +103,7 @@ def test_killed_trainer_fails_the_others(daemon: DaemonProcess) -> None:
     assert set(reports) == {0, 1}
     for rank, text in reports.items():
         seconds = float(text.split("s ", 1)[0])
-        assert "aborted" in text.lower(), f"rank {rank}: {text}"
+        assert "AbortedError" in text and "rank 2" in text, f"rank {rank}: {text}"
         assert seconds < 40, f"rank {rank} took {seconds} s to fail: {text}"
 
 

@@ -150,10 +150,11 @@ def broadcasts(rank: int, world: int, socket: str, job: str) -> tuple[np.ndarray
                 opt.zero_grad()
                 m(torch.randn(4, 5)).sum().backward()
                 opt.step()
+        before = torch.cat([t.reshape(-1).double() for t in m.state_dict().values()]).numpy()
         lpt.broadcast_parameters(m.state_dict(), root=1, client=client)
         lpt.broadcast_optimizer_state(opt, root=1, client=client)
         state = opt.state_dict()
-        summary = {"lr": state["param_groups"][0]["lr"],
+        summary = {"before": before, "lr": state["param_groups"][0]["lr"],
                    "steps": [float(s["step"]) for s in state["state"].values()],
                    "exp_avg": np.concatenate([s["exp_avg"].reshape(-1).numpy()
                                               for s in state["state"].values()])}

@@ -88,13 +88,16 @@ def allreduce_hook(state: HookState,
     gradients = bucket.buffer()
     array, view = state.buffer(bucket.index(), gradients)
     view.copy_(host_view(gradients) if gradients.device.type != "cpu" else gradients)
-    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    # The outcome travels as a value and is raised in a then() callback: DDP's C++ side
+    # reads an exception put with Future.set_exception as a value ("Unable to cast").
+    outcome: torch.futures.Future = torch.futures.Future()
+    result = outcome.then(_unwrap)
     started = time.perf_counter()
     try:
         pending = state.client.allreduce_async(array, op=state.op, timeout=state.timeout,
                                                name=f"ddp/bucket{bucket.index()}")
     except BaseException as error:
-        result.set_exception(error)
+        outcome.set_result(error)
         return result
 
     def done(finished: ClientFuture) -> None:
@@ -105,9 +108,16 @@ def allreduce_hook(state: HookState,
             with torch.no_grad():
                 gradients.copy_(view)
             state._record(time.perf_counter() - started, gradients.numel() * gradients.element_size())
-            result.set_result(gradients)
+            outcome.set_result(gradients)
         except BaseException as error:
-            result.set_exception(error)
+            outcome.set_result(error)
 
     pending.add_done_callback(done)
     return result
+
+
+def _unwrap(outcome: torch.futures.Future) -> torch.Tensor:
+    value = outcome.value()
+    if isinstance(value, BaseException):
+        raise value
+    return value
