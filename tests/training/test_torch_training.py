@@ -3,6 +3,8 @@ processes through real daemons, against gloo, per-tensor allreduce and one proce
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import queue as queue_module
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +13,13 @@ import numpy as np
 import pytest
 from harness import DaemonProcess, run_ranks
 from ports import free_ports
-from trainers import broadcasts, ddp_gloo_and_lpsync, distributed_optimizer, killed_midway, \
-    single_process
+from trainers import (
+    broadcasts,
+    ddp_gloo_and_lpsync,
+    distributed_optimizer,
+    killed_midway,
+    single_process,
+)
 
 STEPS = 6
 TOL = 1e-5
@@ -78,9 +85,6 @@ def test_broadcast_parameters_and_optimizer_state(daemon: DaemonProcess) -> None
 def test_killed_trainer_fails_the_others(daemon: DaemonProcess) -> None:
     (port,) = free_ports(1)
     victim = 2
-    from harness import mp  # spawn context, as run_ranks
-    import queue as queue_module
-
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_report, args=(q, r, 3, daemon.socket, port, victim))
