@@ -94,7 +94,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="who averages the gradients (the process group is gloo either way)")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch", type=int, default=16, help="samples per rank and step")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--single", action="store_true",
                    help="one process training on the combined batch of --world ranks")
     p.add_argument("--world", type=int, default=1, help="with --single: the ranks to imitate")
