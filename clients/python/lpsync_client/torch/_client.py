@@ -1,43 +1,17 @@
-"""The process's client for the torch adapter: one attachment per process, made from the
-environment on first use unless the caller passes or sets one."""
+"""The torch adapter's client and host staging."""
 
 from __future__ import annotations
 
-import atexit
 import logging
-import threading
 
 import torch
 
-from lpsync_client.client import Client, connect
+from lpsync_client._default import default_client, resolve, set_default_client
+
+__all__ = ["default_client", "host_view", "resolve", "set_default_client"]
 
 _log = logging.getLogger("lpsync_client.torch")
-_lock = threading.Lock()
-_default: Client | None = None
 _warned_device = False
-
-
-def default_client() -> Client:
-    """The client every call without ``client=`` uses: ``lpsync_client.connect()`` from the
-    environment on first use (closed at exit)."""
-    global _default
-    with _lock:
-        if _default is None:
-            _default = connect()
-            atexit.register(_default.close)
-        return _default
-
-
-def set_default_client(client: Client | None) -> None:
-    """Use ``client`` for calls without ``client=`` (None: connect from the environment
-    again on next use). The caller keeps ownership: it is not closed at exit."""
-    global _default
-    with _lock:
-        _default = client
-
-
-def resolve(client: Client | None) -> Client:
-    return client if client is not None else default_client()
 
 
 def host_view(tensor: torch.Tensor) -> torch.Tensor:
