@@ -54,6 +54,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="untimed iterations first (default 5; with --cluster 1)")
     parser.add_argument("--compare", choices=["gloo"],
                         help="also run torch.distributed's gloo backend on the same sizes")
+    parser.add_argument("--model", metavar="NAME",
+                        help="replay one training step's gradient allreduces of a real network "
+                             "(alexnet, vgg16, resnet50, bert-base, gpt2): every parameter "
+                             "tensor, and DDP's 25 MiB buckets (local daemon only)")
     parser.add_argument("--json", action="store_true",
                         help="print JSON (with --cluster: one object per line per point)")
     local = parser.add_argument_group("local daemon")
@@ -82,10 +86,35 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.model:
+            return run_model(args)
         return run_cluster(args) if args.cluster else run_local(args)
     except LpsyncError as error:
         print(f"lpsync bench: {error}", file=sys.stderr)
         return 2 if isinstance(error, ValueError) else 1  # bad arguments vs. a failed run
+
+
+def run_model(args: argparse.Namespace) -> int:
+    from lpsync.bench import model_step
+    from lpsync.bench.models import tensors
+    from lpsync.errors import InvalidArgumentError
+
+    if args.cluster:
+        raise InvalidArgumentError("--model runs on a local daemon; --cluster is not supported "
+                                   "with it yet")
+    fixed = [flag for flag, value in (("--bytes", args.bytes), ("--algorithm", args.algorithm),
+                                      ("--trigger", args.trigger)) if value is not None]
+    if fixed or args.op != "allreduce":
+        raise InvalidArgumentError(f"{', '.join(fixed) or '--op'}: --model replays the model's "
+                                   "own allreduces (the tuner picks each message's algorithm)")
+    tensors(args.model)  # an unknown name fails before anything starts
+    options = model_step.ModelOptions(args.model, 2 if args.procs is None else args.procs,
+                                      args.iters or 5, 1 if args.warmup is None else args.warmup,
+                                      args.compare, args.socket)
+    if options.procs < 1 or options.iters < 1:
+        raise InvalidArgumentError("--procs and --iters must be >= 1")
+    print(model_step.report(options, model_step.run(options), args.json))
+    return 0
 
 
 def run_local(args: argparse.Namespace) -> int:
