@@ -93,19 +93,21 @@ def _attach(rank: int, world: int, sockets: list[str], per_node: int, job: str,
 
 
 def ddp_gloo_and_lpsync(rank: int, world: int, sockets: list[str], per_node: int, job: str,
-                        port: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
+                        port: int, steps: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Train with DDP over gloo, then with DDP and the lpsync hook (small buckets: several
-    per step, rebuilt after the first); both final parameter vectors."""
+    per step, rebuilt after the first); both final parameter vectors and how many bucket
+    buffers the hook replaced after DDP's rebuild."""
     client = _attach(rank, world, sockets, per_node, job, port)
     try:
         results = []
+        state = lpt.hook_state(client)
         for use_lpsync in (False, True):
             m = DDP(model(), bucket_cap_mb=0.01)
             if use_lpsync:
-                m.register_comm_hook(lpt.hook_state(client), lpt.allreduce_hook)
+                m.register_comm_hook(state, lpt.allreduce_hook)
             train(m, optimizer(m), rank, world, steps)
             results.append(flat(m.module))
-        return results[0], results[1]
+        return results[0], results[1], state.replaced
     finally:
         client.close()
         dist.destroy_process_group()

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lpsync_client.client import Client
-from lpsync_client.torch._client import host_view, resolve
+from lpsync_client.torch._client import note_device, resolve
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
            torch.bfloat16: "bfloat16"}
@@ -35,6 +35,7 @@ class HookState:
         self.comm_seconds = 0.0  # submit -> completion, summed over buckets (may overlap backward)
         self.collectives = 0
         self.bytes = 0
+        self.replaced = 0  # bucket buffers given back because DDP rebuilt its buckets
 
     def buffer(self, index: int, like: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
         """The shared-memory buffer of bucket ``index``, sized and typed like ``like``."""
@@ -43,6 +44,7 @@ class HookState:
             return held
         if held is not None:  # DDP rebuilt its buckets: this index now holds other gradients
             self.client.release(held[0])
+            self.replaced += 1
         if like.dtype == torch.bfloat16:
             array = self.client.empty(like.numel(), "bfloat16")  # torch sees its bits
             view = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
@@ -87,7 +89,8 @@ def allreduce_hook(state: HookState,
     the Future completes from the client's completion thread."""
     gradients = bucket.buffer()
     array, view = state.buffer(bucket.index(), gradients)
-    view.copy_(host_view(gradients) if gradients.device.type != "cpu" else gradients)
+    note_device(gradients)
+    view.copy_(gradients)  # from any device into shared memory; copied back on completion
     # The outcome travels as a value and is raised in a then() callback: DDP's C++ side
     # reads an exception put with Future.set_exception as a value ("Unable to cast").
     outcome: torch.futures.Future = torch.futures.Future()
