@@ -106,7 +106,8 @@ def _torchrun(options: DemoOptions, cluster: LocalCluster, tmp: Path,
                     [sys.executable, "-m", "torch.distributed.run", "--nnodes",
                      str(options.nodes), "--node-rank", str(node.rank), "--nproc-per-node",
                      str(options.per_node), "--master-addr", "127.0.0.1", "--master-port",
-                     str(port), *_trainer_args(options, tmp, backend), "--backend", backend],
+                     str(port), "--log-dir", str(log.with_suffix("")), "--redirects", "2",
+                     *_trainer_args(options, tmp, backend), "--backend", backend],
                     # rank 0 (node 0) prints the epochs to our stdout; the rest goes to logs
                     stdout=None if node.rank == 0 else err, stderr=err, env=env,
                     start_new_session=True), log))
@@ -152,7 +153,18 @@ def _wait(procs: list[tuple[subprocess.Popen[bytes], Path]], cluster: LocalClust
                 if time.monotonic() > deadline:
                     raise DemoError(f"{what} did not finish within {timeout:g} s") from None
         if rc != 0:
-            raise DemoError(f"{what} failed (exit {rc}):\n{tail(log)}")
+            raise DemoError(f"{what} failed (exit {rc}):\n{_trainer_errors(log)}")
+
+
+def _trainer_errors(log: Path) -> str:
+    """The trainers' own stderr (torchrun --log-dir: <log without .log>/<run>/attempt_N/
+    <local rank>/stderr.log), else the launcher's log."""
+    found = []
+    for err in sorted(log.with_suffix("").glob("**/stderr.log")):
+        text = tail(err, 15).strip()
+        if text:
+            found.append(f"-- {err.relative_to(log.parent)}:\n{text}")
+    return "\n".join(found) if found else tail(log)
 
 
 def _stop_group(proc: subprocess.Popen[bytes]) -> None:

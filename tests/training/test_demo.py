@@ -67,3 +67,14 @@ def test_demo_interrupted_cleans_up(tmp_path: Path) -> None:
             proc.wait(10)
     time.sleep(1)
     assert not _leftovers(_directory(log.read_text())), log.read_text()
+
+
+def test_demo_reports_a_failing_trainer(tmp_path: Path) -> None:
+    script = tmp_path / "broken.py"
+    script.write_text("import sys\nprint('trainer starting', file=sys.stderr)\nsys.exit(3)\n")
+    done = subprocess.run([*DEMO, "--script", str(script)], capture_output=True, text=True,
+                          timeout=200, cwd=ROOT)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "the lpsync training failed" in done.stderr and "trainer starting" in done.stderr, \
+        done.stderr
+    assert not _leftovers(_directory(done.stdout))
