@@ -55,3 +55,28 @@ def test_replay_resnet50_beside_gloo() -> None:
         assert r["wrong"] == {"lpsync": 0, "gloo": 0}
         assert r["lpsync_step_seconds"] > 0 and r["gloo_step_seconds"] > 0
         assert sum(r["algorithms"].values()) == r["messages"]
+
+
+def test_replay_across_two_daemons() -> None:
+    pytest.importorskip("ucxx")
+    done = subprocess.run([sys.executable, "-m", "lpsync.cli", "bench", "--model", "alexnet",
+                           "--local-nodes", "2", "--procs", "2", "--iters", "1", "--warmup",
+                           "0", "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["nodes"] == 2 and report["procs"] == 2
+    for r in report["results"]:
+        assert r["wrong"] == {"lpsync": 0}
+        assert sum(r["algorithms"].values()) == r["messages"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--local-nodes", "2"], "--local-nodes needs --model"),
+    (["--model", "gpt2", "--local-nodes", "2", "--procs", "3"], "must be a multiple"),
+    (["--model", "gpt2", "--bytes", "1MiB"], "--bytes: --model replays"),
+    (["--model", "gpt2", "--cluster"], "--cluster is not supported"),
+])
+def test_model_flags_are_checked(argv: list[str], message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "lpsync.cli", "bench", *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr

@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -40,6 +41,7 @@ class ModelOptions:
     warmup: int = 1
     compare: str | None = None
     socket: str | None = None  # a running daemon; else one is started
+    local_nodes: int = 1  # >1: that many daemons on this machine joined over UCX on loopback
     timeout: float = 1800.0
 
 
@@ -76,13 +78,16 @@ def _views(flat: np.ndarray, counts: list[int]) -> list[np.ndarray]:
     return out
 
 
-def worker(rank: int, world: int, socket: str, job: str, plan: dict[str, list[int]],
+def worker(rank: int, world: int, sockets: list[str], job: str, plan: dict[str, list[int]],
            iters: int, warmup: int, compare: str | None, queue) -> None:
     import lpsync_client
     from lpsync_client._proto import lpsync_pb2 as pb
 
     want = world * (world + 1) / 2
+    per_node = world // len(sockets)  # node-major ranks, as torchrun numbers them
+    socket = sockets[rank // per_node]
     with lpsync_client.connect(socket, job=job, rank=rank, world_size=world,
+                               local_rank=rank % per_node, local_world_size=per_node,
                                timeout=600) as client:
         flat = client.zeros(max(sum(c) for c in plan.values()), "float32")
         for mode, counts in plan.items():
@@ -156,10 +161,16 @@ def run(options: ModelOptions) -> list[ModeResult]:
     results = {mode: ModeResult(mode, counts) for mode, counts in plan.items()}
     tmp = tempfile.mkdtemp(prefix="lpsync-bench-model-")
     daemon = None
+    cluster = None
     procs: list = []
     try:
         socket = options.socket
-        if socket is None or not serving(socket):
+        if options.local_nodes > 1:
+            from lpsync.demo.local_cluster import LocalCluster
+
+            cluster = LocalCluster(Path(tmp), options.local_nodes)
+            sockets = [node.socket for node in cluster.nodes]
+        elif socket is None or not serving(socket):
             socket = socket or os.path.join(tmp, "lpsync.sock")
             daemon = subprocess.Popen([sys.executable, "-m", "lpsync.cli", "daemon", "--socket",
                                        socket, "--log-level", "WARNING"], start_new_session=True)
@@ -168,10 +179,12 @@ def run(options: ModelOptions) -> list[ModeResult]:
                 if daemon.poll() is not None or time.monotonic() > deadline:
                     raise LpsyncError("lpsync bench: the daemon did not start")
                 time.sleep(0.05)
+        if cluster is None:
+            sockets = [socket]
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         job = f"bench-model-{os.getpid()}"
-        procs = [ctx.Process(target=worker, args=(r, options.procs, socket, job, plan,
+        procs = [ctx.Process(target=worker, args=(r, options.procs, sockets, job, plan,
                                                   options.iters, options.warmup,
                                                   options.compare, queue))
                  for r in range(options.procs)]
@@ -209,6 +222,8 @@ def run(options: ModelOptions) -> list[ModeResult]:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        if cluster is not None:
+            cluster.stop()
         if daemon is not None:
             daemon.send_signal(signal.SIGTERM)
             try:
@@ -223,7 +238,8 @@ def report(options: ModelOptions, results: list[ModeResult], as_json: bool) -> s
     counts = models.sizes(options.model)
     if as_json:
         return json.dumps({
-            "model": options.model, "procs": options.procs, "tensors": len(counts),
+            "model": options.model, "procs": options.procs, "nodes": options.local_nodes,
+            "tensors": len(counts),
             "parameters": sum(counts), "dtype": "float32",
             "results": [{"mode": r.mode, "messages": len(r.messages), "bytes": r.nbytes,
                          "largest": 4 * max(r.messages), "smallest": 4 * min(r.messages),
@@ -234,7 +250,9 @@ def report(options: ModelOptions, results: list[ModeResult], as_json: bool) -> s
     engines = list(results[0].times)
     lines = [f"# lpsync bench --model {options.model}: {len(counts)} parameter tensors, "
              f"{sum(counts):,} parameters ({_size(4 * sum(counts))} of float32 "
-             f"gradients), {options.procs} processes, median of {options.iters} steps",
+             f"gradients), {options.procs} processes"
+             + (f" on {options.local_nodes} daemons (UCX over loopback)"
+                if options.local_nodes > 1 else "") + f", median of {options.iters} steps",
              f"#{'mode':>12} {'messages':>8} {'sizes':>19}"
              + "".join(f" | {e + ' step':>12} {'algbw':>7} {'#wrong':>6}" for e in engines)
              + (f" | {'speedup':>7}" if len(engines) > 1 else "") + " | lpsync algorithms",

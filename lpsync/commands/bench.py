@@ -58,6 +58,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="replay one training step's gradient allreduces of a real network "
                              "(alexnet, vgg16, resnet50, bert-base, gpt2): every parameter "
                              "tensor, and DDP's 25 MiB buckets (local daemon only)")
+    parser.add_argument("--local-nodes", type=int, metavar="N",
+                        help="with --model: N daemons on this machine joined over UCX on "
+                             "loopback (a fresh secret), --procs split among them")
     parser.add_argument("--json", action="store_true",
                         help="print JSON (with --cluster: one object per line per point)")
     local = parser.add_argument_group("local daemon")
@@ -108,11 +111,17 @@ def run_model(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"{', '.join(fixed) or '--op'}: --model replays the model's "
                                    "own allreduces (the tuner picks each message's algorithm)")
     tensors(args.model)  # an unknown name fails before anything starts
-    options = model_step.ModelOptions(args.model, 2 if args.procs is None else args.procs,
+    nodes = args.local_nodes or 1
+    options = model_step.ModelOptions(args.model, (2 * nodes) if args.procs is None else args.procs,
                                       args.iters or 5, 1 if args.warmup is None else args.warmup,
-                                      args.compare, args.socket)
-    if options.procs < 1 or options.iters < 1:
-        raise InvalidArgumentError("--procs and --iters must be >= 1")
+                                      args.compare, args.socket, nodes)
+    if options.procs < 1 or options.iters < 1 or nodes < 1:
+        raise InvalidArgumentError("--procs, --iters and --local-nodes must be >= 1")
+    if options.procs % nodes:
+        raise InvalidArgumentError(f"--procs {options.procs} must be a multiple of "
+                                   f"--local-nodes {nodes}")
+    if nodes > 1 and args.socket:
+        raise InvalidArgumentError("--local-nodes starts its own daemons: drop --socket")
     print(model_step.report(options, model_step.run(options), args.json))
     return 0
 
@@ -120,6 +129,9 @@ def run_model(args: argparse.Namespace) -> int:
 def run_local(args: argparse.Namespace) -> int:
     from lpsync.bench import runner
     from lpsync.errors import InvalidArgumentError
+
+    if args.local_nodes is not None:
+        raise InvalidArgumentError("--local-nodes needs --model")
     from lpsync.units import parse_sizes
 
     given = [f"--{name.replace('_', '-')}" for name in ("nodes", "link", "procs_per_node")
