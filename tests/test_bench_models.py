@@ -55,6 +55,9 @@ def test_replay_resnet50_beside_gloo() -> None:
         assert r["wrong"] == {"lpsync": 0, "gloo": 0}
         assert r["lpsync_step_seconds"] > 0 and r["gloo_step_seconds"] > 0
         assert sum(r["algorithms"].values()) == r["messages"]
+        assert sorted(m["bytes"] for m in r["per_message"]) == \
+            sorted(4 * n for n in (models.sizes("resnet50") if r["mode"] == "per-tensor"
+                                   else models.ddp_buckets(models.sizes("resnet50"))))
 
 
 def test_replay_across_two_daemons() -> None:

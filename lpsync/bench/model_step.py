@@ -52,6 +52,7 @@ class ModeResult:
     times: dict[str, list[float]] = field(default_factory=dict)  # engine -> per step, slowest rank
     wrong: dict[str, int] = field(default_factory=dict)
     algorithms: dict[str, int] = field(default_factory=dict)  # lpsync: algorithm -> messages
+    per_message: list[tuple[int, str]] = field(default_factory=list)  # (elements, algorithm)
 
     @property
     def nbytes(self) -> int:
@@ -109,12 +110,13 @@ def worker(rank: int, world: int, sockets: list[str], job: str, plan: dict[str, 
             client.barrier()
             step()
             wrong = sum(int(np.count_nonzero(v != want)) for v in views)
-            algorithms: Counter[str] = Counter()
+            per_message: list[tuple[int, str]] = []  # (elements, algorithm), by sequence
             if rank == 0:
                 recent = client._call(client._stub.Status, pb.StatusRequest(recent=256)).recent
-                mine = [r for r in recent if r.job == job and r.op == "allreduce"]
-                algorithms.update(r.algorithm for r in mine[-len(views):])
-            queue.put(("lpsync", mode, rank, times, wrong, dict(algorithms)))
+                mine = sorted((r for r in recent if r.job == job and r.op == "allreduce"),
+                              key=lambda r: r.sequence)[-len(views):]
+                per_message = [(r.count, r.algorithm) for r in mine]
+            queue.put(("lpsync", mode, rank, times, wrong, per_message))
         client.release(flat)
     if compare == "gloo":
         _gloo(rank, world, socket, job, plan, iters, warmup, queue)
@@ -199,7 +201,7 @@ def run(options: ModelOptions) -> list[ModeResult]:
             if time.monotonic() > deadline:
                 raise LpsyncError("lpsync bench: the model replay timed out")
             try:
-                engine, mode, _, times, wrong, algorithms = queue.get(timeout=1.0)
+                engine, mode, _, times, wrong, per_message = queue.get(timeout=1.0)
             except Exception:
                 if not any(p.is_alive() for p in procs):
                     raise LpsyncError("lpsync bench: rank processes stopped early") from None
@@ -207,8 +209,9 @@ def run(options: ModelOptions) -> list[ModeResult]:
             received += 1
             got.setdefault((engine, mode), []).append((times, wrong))
             r = results[mode]
-            if algorithms:
-                r.algorithms = algorithms
+            if per_message:
+                r.per_message = per_message
+                r.algorithms = dict(Counter(a for _, a in per_message))
             if len(got[(engine, mode)]) == options.procs:
                 ranks = got.pop((engine, mode))
                 r.times[engine] = [max(t) for t in zip(*[g[0] for g in ranks], strict=True)]
@@ -244,6 +247,8 @@ def report(options: ModelOptions, results: list[ModeResult], as_json: bool) -> s
             "results": [{"mode": r.mode, "messages": len(r.messages), "bytes": r.nbytes,
                          "largest": 4 * max(r.messages), "smallest": 4 * min(r.messages),
                          "algorithms": r.algorithms, "wrong": r.wrong,
+                         "per_message": [{"bytes": 4 * n, "algorithm": a}
+                                         for n, a in r.per_message],
                          **{f"{e}_step_seconds": statistics.median(t) for e, t in r.times.items()},
                          **{f"{e}_algbw_gbps": r.nbytes / statistics.median(t) / 1e9
                             for e, t in r.times.items()}} for r in results]}, indent=2)
