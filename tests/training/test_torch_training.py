@@ -15,6 +15,7 @@ from trainers import (
     broadcasts,
     ddp_gloo_and_lpsync,
     distributed_optimizer,
+    hook_does_not_block,
     killed_midway,
     single_process,
 )
@@ -58,6 +59,14 @@ def test_ddp_hook_across_two_daemons(tmp_path: Path) -> None:
     for rank, (gloo, lpsync, _) in enumerate(results):
         assert np.abs(lpsync - gloo).max() <= TOL, f"rank {rank}: lpsync vs gloo"
         assert np.abs(lpsync - reference).max() <= TOL, f"rank {rank}: lpsync vs one process"
+
+
+def test_hook_returns_before_the_collective_completes(daemon: DaemonProcess) -> None:
+    (port,) = free_ports(1)
+    (inside, backward), _ = run_ranks(2, hook_does_not_block, 2, daemon.socket, "overlap",
+                                      port, timeout=120)
+    assert backward > 1.5, "rank 0's backward should have waited for the late rank"
+    assert inside < 0.5, f"the hook blocked for {inside:.2f} s of the {backward:.2f} s"
 
 
 def test_distributed_optimizer_equals_per_tensor_allreduce(daemon: DaemonProcess) -> None:

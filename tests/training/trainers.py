@@ -185,3 +185,44 @@ def killed_midway(rank: int, world: int, socket: str, job: str, port: int,
     finally:
         client.close()
     return "no error"
+
+
+def hook_does_not_block(rank: int, world: int, socket: str, job: str,
+                        port: int) -> tuple[float, float]:
+    """Rank 1 starts its backward 2 s late. Rank 0's hook must hand each bucket over and
+    return at once (its collectives wait in the daemon while backward goes on); only the
+    end of rank 0's backward waits. Returns (seconds inside the hook, seconds of the
+    late step) on rank 0."""
+    client = _attach(rank, world, [socket], world, job, port)
+    try:
+        m = DDP(model(), bucket_cap_mb=0.01)
+        inside = [0.0]
+
+        def timed(state, bucket):  # no annotations: DDP checks them against its own
+            started = time.perf_counter()
+            try:
+                return lpt.allreduce_hook(state, bucket)
+            finally:
+                inside[0] += time.perf_counter() - started
+
+        m.register_comm_hook(lpt.hook_state(client), timed)
+        opt = optimizer(m)
+        x, y = data(world, 1)
+        step_seconds = 0.0
+        for step in range(3):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(m(x[rank * BATCH:(rank + 1) * BATCH]),
+                                               y[rank * BATCH:(rank + 1) * BATCH])
+            if step == 2:
+                inside[0] = 0.0
+                if rank == 1:
+                    time.sleep(2.0)
+            started = time.perf_counter()
+            loss.backward()
+            if step == 2:
+                step_seconds = time.perf_counter() - started
+            opt.step()
+        return inside[0], step_seconds
+    finally:
+        client.close()
+        dist.destroy_process_group()
