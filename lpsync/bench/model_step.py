@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,83 +80,102 @@ def _views(flat: np.ndarray, counts: list[int]) -> list[np.ndarray]:
     return out
 
 
-def worker(rank: int, world: int, sockets: list[str], job: str, plan: dict[str, list[int]],
-           iters: int, warmup: int, compare: str | None, queue) -> None:
-    import lpsync_client
+def lpsync_steps(client, rank: int, world: int, plan: dict[str, list[int]], iters: int,
+                 warmup: int) -> Iterator[tuple[str, list[float], int, list[tuple[int, str]]]]:
+    """Per mode: (mode, this rank's step times, wrong elements after a verified step,
+    rank 0's (elements, algorithm) per message in sequence order). One shared-memory buffer
+    holds every message."""
     from lpsync_client._proto import lpsync_pb2 as pb
 
     want = world * (world + 1) / 2
-    per_node = world // len(sockets)  # node-major ranks, as torchrun numbers them
-    socket = sockets[rank // per_node]
-    with lpsync_client.connect(socket, job=job, rank=rank, world_size=world,
-                               local_rank=rank % per_node, local_world_size=per_node,
-                               timeout=600) as client:
-        flat = client.zeros(max(sum(c) for c in plan.values()), "float32")
-        for mode, counts in plan.items():
-            views = _views(flat, counts)
+    flat = client.zeros(max(sum(c) for c in plan.values()), "float32")
+    for mode, counts in plan.items():
+        views = _views(flat, counts)
 
-            def step(views: list[np.ndarray] = views) -> None:
-                for future in [client.allreduce_async(v) for v in views]:
-                    client._wait(future, None)
+        def step(views: list[np.ndarray] = views) -> None:
+            for future in [client.allreduce_async(v) for v in views]:
+                client._wait(future, None)
 
-            for _ in range(warmup):
-                step()
-            times = []
-            for _ in range(iters):
-                client.barrier()
-                t = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t)
-            flat[:] = rank + 1
-            client.barrier()
+        for _ in range(warmup):
             step()
-            wrong = sum(int(np.count_nonzero(v != want)) for v in views)
-            per_message: list[tuple[int, str]] = []  # (elements, algorithm), by sequence
-            if rank == 0:
-                recent = client._call(client._stub.Status, pb.StatusRequest(recent=256)).recent
-                mine = sorted((r for r in recent if r.job == job and r.op == "allreduce"),
-                              key=lambda r: r.sequence)[-len(views):]
-                per_message = [(r.count, r.algorithm) for r in mine]
-            queue.put(("lpsync", mode, rank, times, wrong, per_message))
-        client.release(flat)
-    if compare == "gloo":
-        _gloo(rank, world, socket, job, plan, iters, warmup, queue)
+        times = []
+        for _ in range(iters):
+            client.barrier()
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        flat[:] = rank + 1
+        client.barrier()
+        step()
+        wrong = sum(int(np.count_nonzero(v != want)) for v in views)
+        per_message: list[tuple[int, str]] = []
+        if rank == 0:
+            recent = client._call(client._stub.Status, pb.StatusRequest(recent=256)).recent
+            mine = sorted((r for r in recent if r.job == client.job and r.op == "allreduce"),
+                          key=lambda r: r.sequence)[-len(views):]
+            per_message = [(r.count, r.algorithm) for r in mine]
+        yield mode, times, wrong, per_message
+    client.release(flat)
 
 
-def _gloo(rank: int, world: int, socket: str, job: str, plan: dict[str, list[int]],
-          iters: int, warmup: int, queue) -> None:
+def gloo_steps(rank: int, world: int, plan: dict[str, list[int]], iters: int,
+               warmup: int) -> Iterator[tuple[str, list[float], int]]:
+    """The same steps through torch.distributed's gloo (the process group is the caller's)."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    store = os.path.join(os.path.dirname(socket), f"{job}.gloo-store")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world)
     want = world * (world + 1) / 2
-    try:
-        flat = torch.zeros(max(sum(c) for c in plan.values()))
-        for mode, counts in plan.items():
-            views = list(torch.split(flat[:sum(counts)], counts))
+    flat = torch.zeros(max(sum(c) for c in plan.values()))
+    for mode, counts in plan.items():
+        views = list(torch.split(flat[:sum(counts)], counts))
 
-            def step(views: list = views) -> None:
-                for work in [dist.all_reduce(v, async_op=True) for v in views]:
-                    work.wait()
+        def step(views: list = views) -> None:
+            for work in [dist.all_reduce(v, async_op=True) for v in views]:
+                work.wait()
 
-            for _ in range(warmup):
-                step()
-            times = []
-            for _ in range(iters):
-                dist.barrier()
-                t = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t)
-            flat.fill_(rank + 1)
-            dist.barrier()
+        for _ in range(warmup):
             step()
-            wrong = sum(int((v != want).sum()) for v in views)
-            queue.put(("gloo", mode, rank, times, wrong, {}))
-    finally:
-        dist.destroy_process_group()
+        times = []
+        for _ in range(iters):
+            dist.barrier()
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        flat.fill_(rank + 1)
+        dist.barrier()
+        step()
+        yield mode, times, sum(int((v != want).sum()) for v in views)
+
+
+def summary(per_message: list[tuple[int, str]]) -> str:
+    """"lp x3, ring x2": the algorithms the daemon ran, counted per message."""
+    return ", ".join(f"{a} x{n}" for a, n in sorted(Counter(a for _, a in per_message).items()))
+
+
+def worker(rank: int, world: int, sockets: list[str], job: str, plan: dict[str, list[int]],
+           iters: int, warmup: int, compare: str | None, queue) -> None:
+    import lpsync_client
+
+    per_node = world // len(sockets)  # node-major ranks, as torchrun numbers them
+    with lpsync_client.connect(sockets[rank // per_node], job=job, rank=rank,
+                               world_size=world, local_rank=rank % per_node,
+                               local_world_size=per_node, timeout=600) as client:
+        for mode, times, wrong, per_message in lpsync_steps(client, rank, world, plan, iters,
+                                                            warmup):
+            queue.put(("lpsync", mode, rank, times, wrong, per_message))
+    if compare == "gloo":
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        store = os.path.join(os.path.dirname(sockets[0]), f"{job}.gloo-store")
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                world_size=world)
+        try:
+            for mode, times, wrong in gloo_steps(rank, world, plan, iters, warmup):
+                queue.put(("gloo", mode, rank, times, wrong, []))
+        finally:
+            dist.destroy_process_group()
 
 
 def run(options: ModelOptions) -> list[ModeResult]:
@@ -273,6 +293,6 @@ def report(options: ModelOptions, results: list[ModeResult], as_json: bool) -> s
         if len(engines) > 1:
             ratio = statistics.median(r.times[engines[1]]) / statistics.median(r.times["lpsync"])
             line += f" | {ratio:>6.2f}x"
-        line += " | " + ", ".join(f"{a} x{n}" for a, n in sorted(r.algorithms.items()))
+        line += " | " + summary(r.per_message)
         lines.append(line)
     return "\n".join(lines)
