@@ -8,8 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from test_cluster import needs_netns, prefix
 
 from lpsync.bench import models
+from lpsync.cluster import existing
 
 PUBLISHED = {"alexnet": (61_100_840, 16), "vgg16": (138_357_544, 32),
              "resnet50": (25_557_032, 161), "bert-base": (109_482_240, 199),
@@ -77,9 +79,33 @@ def test_replay_across_two_daemons() -> None:
     (["--local-nodes", "2"], "--local-nodes needs --model"),
     (["--model", "gpt2", "--local-nodes", "2", "--procs", "3"], "must be a multiple"),
     (["--model", "gpt2", "--bytes", "1MiB"], "--bytes: --model replays"),
-    (["--model", "gpt2", "--cluster"], "--cluster is not supported"),
+    (["--model", "gpt2", "--cluster", "--local-nodes", "2"], "pick one"),
+    (["--model", "gpt2", "--cluster", "--nodes", "2"], "--cluster needs --nodes"),
 ])
 def test_model_flags_are_checked(argv: list[str], message: str) -> None:
     done = subprocess.run([sys.executable, "-m", "lpsync.cli", "bench", *argv],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+@needs_netns
+def test_replay_on_the_emulated_cluster() -> None:
+    pytest.importorskip("ucxx")
+    pytest.importorskip("torch")
+    name = prefix("bm")
+    done = subprocess.run([sys.executable, "-m", "lpsync.cli", "bench", "--cluster", "--nodes",
+                           "2", "--link", "1gbit", "--model", "resnet50", "--iters", "1",
+                           "--warmup", "0", "--compare", "gloo", "--prefix", name, "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    points = [json.loads(line) for line in done.stdout.splitlines()]
+    assert {p["algorithm"] for p in points} == {"per-tensor", "ddp-buckets", "gloo per-tensor",
+                                                 "gloo ddp-buckets"}
+    for p in points:
+        assert p["wrong"] == 0 and p["nodes"] == 2, p
+        assert p["bytes"] == 4 * PUBLISHED["resnet50"][0]
+        # what the daemons ran, counted per message: 161 tensors, 5 buckets
+        if not p["algorithm"].startswith("gloo"):
+            counts = [int(part.rsplit(" x", 1)[1]) for part in p["ran"].split(", ")]
+            assert sum(counts) == (161 if p["algorithm"] == "per-tensor" else 5), p
+    assert not existing(name)

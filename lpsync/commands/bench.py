@@ -102,15 +102,14 @@ def run_model(args: argparse.Namespace) -> int:
     from lpsync.bench.models import tensors
     from lpsync.errors import InvalidArgumentError
 
-    if args.cluster:
-        raise InvalidArgumentError("--model runs on a local daemon; --cluster is not supported "
-                                   "with it yet")
     fixed = [flag for flag, value in (("--bytes", args.bytes), ("--algorithm", args.algorithm),
                                       ("--trigger", args.trigger)) if value is not None]
     if fixed or args.op != "allreduce":
         raise InvalidArgumentError(f"{', '.join(fixed) or '--op'}: --model replays the model's "
                                    "own allreduces (the tuner picks each message's algorithm)")
     tensors(args.model)  # an unknown name fails before anything starts
+    if args.cluster:
+        return run_model_cluster(args)
     nodes = args.local_nodes or 1
     options = model_step.ModelOptions(args.model, (2 * nodes) if args.procs is None else args.procs,
                                       args.iters or 5, 1 if args.warmup is None else args.warmup,
@@ -123,6 +122,32 @@ def run_model(args: argparse.Namespace) -> int:
     if nodes > 1 and args.socket:
         raise InvalidArgumentError("--local-nodes starts its own daemons: drop --socket")
     print(model_step.report(options, model_step.run(options), args.json))
+    return 0
+
+
+def run_model_cluster(args: argparse.Namespace) -> int:
+    """--model --cluster: the replay on the emulated cluster; the table's algorithm column
+    names the message mix, JSON's ``ran`` the algorithms the daemons ran."""
+    import dataclasses
+
+    from lpsync.bench import cluster, cluster_report
+    from lpsync.bench.model_step import messages
+    from lpsync.errors import InvalidArgumentError
+
+    if args.local_nodes is not None:
+        raise InvalidArgumentError("--local-nodes and --cluster: pick one")
+    step_bytes = 4 * sum(messages(args.model)["per-tensor"])
+    args.bytes = str(step_bytes)
+    options = dataclasses.replace(cluster_options(args), model=args.model)
+    args.bytes = None
+    show = cluster_report.emit(args.json)
+    wrong = 0
+    for points in cluster.run(options):
+        show(points)
+        wrong += sum(p.wrong for p in points)
+    if wrong:
+        cluster.progress(f"{wrong} wrong elements: results differ from numpy's")
+        return 1
     return 0
 
 
