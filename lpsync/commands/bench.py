@@ -31,6 +31,11 @@ iteration follows a barrier. Example (8 nodes: ~2 min):
 
   lpsync bench --cluster --nodes 2,8 --link 1gbit --op broadcast --algorithm lp,be,mst \\
       --bytes 64MiB --compare gloo
+
+--model NAME (alexnet, vgg16, resnet50, bert-base, gpt2) replays one training step's
+gradient allreduces of that network: every parameter tensor, then DDP's 25 MiB buckets,
+all of a step in flight at once; locally, across --local-nodes daemons on loopback, or
+with --cluster. Example: lpsync bench --model resnet50 --procs 4 --compare gloo
 """
 
 
