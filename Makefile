@@ -1,6 +1,6 @@
 # Two entry points for a fresh machine; both create or reuse .venv in the checkout.
-#   make demo   the main job: the simulator checks the LP paper's claims, then a daemon
-#               and 4 client processes allreduce side by side with torch's gloo
+#   make demo   the main job (lpsync demo): a two-node cluster on this machine trains a CNN
+#               on scikit-learn's digits through the DDP hook, beside one process and gloo
 #   make test   ruff, then the test suite
 PYTHON ?= python3
 VENV := .venv
@@ -15,9 +15,7 @@ $(BIN)/.installed: pyproject.toml clients/python/pyproject.toml
 	touch $@
 
 demo: $(BIN)/.installed
-	mkdir -p out
-	$(BIN)/lpsync claims --plot out/paper-claims.png
-	$(BIN)/lpsync bench --op allreduce --bytes 4,4KiB,1MiB,64MiB --procs 4 --compare gloo
+	$(BIN)/lpsync demo
 
 test: $(BIN)/.installed
 	$(BIN)/ruff check lpsync tests clients

@@ -63,6 +63,7 @@ class ClusterOptions:
     compare: str | None = None  # "gloo": torch.distributed on the same namespaces
     prefix: str = "lpbench"  # namespace names PREFIX-n<i>, PREFIX-sw
     logs: str | None = None  # keep every daemon's and rank's log under logs/<N>nodes/
+    model: str | None = None  # --model: replay this network's step instead of ops x sizes
     collective_timeout: float = 600.0  # seconds, each collective (client and daemon)
     timeout: float = 3600.0  # seconds, one node count from cluster up to the last point
 
@@ -105,12 +106,21 @@ class ClusterOptions:
     def plan(self, nodes: int) -> dict[str, Any]:
         """What every rank runs (cluster_worker.py --plan); the job name carries the prefix,
         so every process of a run can be found by it."""
-        return {"job": f"{self.prefix}-{nodes}", "ops": list(self.ops),
+        plan = {"job": f"{self.prefix}-{nodes}", "ops": list(self.ops),
                 "sizes": list(self.sizes), "warmup": self.warmup, "iters": self.iters,
                 "compare": self.compare, "timeout": self.collective_timeout,
                 "algorithms": {op: self.algorithms_of(op) for op in self.ops}}
+        if self.model:
+            from lpsync.bench.model_step import messages
+
+            plan["model"] = messages(self.model)
+        return plan
 
     def points_per_cluster(self) -> int:
+        if self.model:  # one point per message mix and engine
+            from lpsync.bench.model_step import MODES
+
+            return len(MODES) * (1 + (self.compare is not None))
         per_size = sum(len(self.algorithms_of(op)) + (self.compare is not None)
                        for op in self.ops)
         return per_size * len(self.sizes)

@@ -89,6 +89,36 @@ def _ran(client, op: str, count: int) -> str:
     return ""
 
 
+def run_model(args: argparse.Namespace, rank: int, world: int) -> None:
+    """--model: one point per message mix and engine; its algorithm is the mix ("gloo
+    <mix>" for gloo), its bytes the whole step's, ``ran`` the daemon's algorithms."""
+    import lpsync_client
+    from lpsync.bench.model_step import gloo_steps, lpsync_steps, summary
+
+    total = {mode: sum(counts) for mode, counts in args.model.items()}
+    with lpsync_client.connect(job=args.job, timeout=args.timeout) as client:
+        client.barrier()  # waits for the peer mesh; not timed
+        for mode, times, wrong, per_message in lpsync_steps(client, rank, world, args.model,
+                                                            args.iters, args.warmup):
+            _emit(engine="lpsync", op="allreduce", algorithm=mode, bytes=4 * total[mode],
+                  count=total[mode], rank=rank, times=times, wrong=wrong,
+                  ran=summary(per_message))
+    if args.compare == "gloo":
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
+        try:
+            for mode, times, wrong in gloo_steps(rank, world, args.model, args.iters,
+                                                 args.warmup):
+                _emit(engine="gloo", op="allreduce", algorithm=f"gloo {mode}",
+                      bytes=4 * total[mode], count=total[mode], rank=rank, times=times,
+                      wrong=wrong, ran="gloo")
+        finally:
+            dist.destroy_process_group()
+
+
 def run_gloo(args: argparse.Namespace, rank: int, world: int) -> None:
     import torch
     import torch.distributed as dist
@@ -118,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = json.loads(parser.parse_args(argv).plan)
     args = argparse.Namespace(**plan)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if getattr(args, "model", None):
+        run_model(args, rank, world)
+        return 0
     run_lpsync(args, rank, world)
     if args.compare == "gloo":
         run_gloo(args, rank, world)

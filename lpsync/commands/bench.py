@@ -31,6 +31,11 @@ iteration follows a barrier. Example (8 nodes: ~2 min):
 
   lpsync bench --cluster --nodes 2,8 --link 1gbit --op broadcast --algorithm lp,be,mst \\
       --bytes 64MiB --compare gloo
+
+--model NAME (alexnet, vgg16, resnet50, bert-base, gpt2) replays one training step's
+gradient allreduces of that network: every parameter tensor, then DDP's 25 MiB buckets,
+all of a step in flight at once; locally, across --local-nodes daemons on loopback, or
+with --cluster. Example: lpsync bench --model resnet50 --procs 4 --compare gloo
 """
 
 
@@ -54,6 +59,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="untimed iterations first (default 5; with --cluster 1)")
     parser.add_argument("--compare", choices=["gloo"],
                         help="also run torch.distributed's gloo backend on the same sizes")
+    parser.add_argument("--model", metavar="NAME",
+                        help="replay one training step's gradient allreduces of a real network "
+                             "(alexnet, vgg16, resnet50, bert-base, gpt2): every parameter "
+                             "tensor, and DDP's 25 MiB buckets (local daemon only)")
+    parser.add_argument("--local-nodes", type=int, metavar="N",
+                        help="with --model: N daemons on this machine joined over UCX on "
+                             "loopback (a fresh secret), --procs split among them")
     parser.add_argument("--json", action="store_true",
                         help="print JSON (with --cluster: one object per line per point)")
     local = parser.add_argument_group("local daemon")
@@ -88,15 +100,74 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.model:
+            return run_model(args)
         return run_cluster(args) if args.cluster else run_local(args)
     except LpsyncError as error:
         print(f"lpsync bench: {error}", file=sys.stderr)
         return 2 if isinstance(error, ValueError) else 1  # bad arguments vs. a failed run
 
 
+def run_model(args: argparse.Namespace) -> int:
+    from lpsync.bench import model_step
+    from lpsync.bench.models import tensors
+    from lpsync.errors import InvalidArgumentError
+
+    fixed = [flag for flag, value in (("--bytes", args.bytes), ("--algorithm", args.algorithm),
+                                      ("--trigger", args.trigger)) if value is not None]
+    if fixed or args.op != "allreduce":
+        raise InvalidArgumentError(f"{', '.join(fixed) or '--op'}: --model replays the model's "
+                                   "own allreduces (the tuner picks each message's algorithm)")
+    tensors(args.model)  # an unknown name fails before anything starts
+    if args.cluster:
+        return run_model_cluster(args)
+    nodes = args.local_nodes or 1
+    options = model_step.ModelOptions(args.model, (2 * nodes) if args.procs is None else args.procs,
+                                      args.iters or 5, 1 if args.warmup is None else args.warmup,
+                                      args.compare, args.socket, nodes)
+    if options.procs < 1 or options.iters < 1 or nodes < 1:
+        raise InvalidArgumentError("--procs, --iters and --local-nodes must be >= 1")
+    if options.procs % nodes:
+        raise InvalidArgumentError(f"--procs {options.procs} must be a multiple of "
+                                   f"--local-nodes {nodes}")
+    if nodes > 1 and args.socket:
+        raise InvalidArgumentError("--local-nodes starts its own daemons: drop --socket")
+    print(model_step.report(options, model_step.run(options), args.json))
+    return 0
+
+
+def run_model_cluster(args: argparse.Namespace) -> int:
+    """--model --cluster: the replay on the emulated cluster; the table's algorithm column
+    names the message mix, JSON's ``ran`` the algorithms the daemons ran."""
+    import dataclasses
+
+    from lpsync.bench import cluster, cluster_report
+    from lpsync.bench.model_step import messages
+    from lpsync.errors import InvalidArgumentError
+
+    if args.local_nodes is not None:
+        raise InvalidArgumentError("--local-nodes and --cluster: pick one")
+    step_bytes = 4 * sum(messages(args.model)["per-tensor"])
+    args.bytes = str(step_bytes)
+    options = dataclasses.replace(cluster_options(args), model=args.model)
+    args.bytes = None
+    show = cluster_report.emit(args.json)
+    wrong = 0
+    for points in cluster.run(options):
+        show(points)
+        wrong += sum(p.wrong for p in points)
+    if wrong:
+        cluster.progress(f"{wrong} wrong elements: results differ from numpy's")
+        return 1
+    return 0
+
+
 def run_local(args: argparse.Namespace) -> int:
     from lpsync.bench import runner
     from lpsync.errors import InvalidArgumentError
+
+    if args.local_nodes is not None:
+        raise InvalidArgumentError("--local-nodes needs --model")
     from lpsync.units import parse_sizes
 
     given = [f"--{name.replace('_', '-')}" for name in ("nodes", "link", "procs_per_node")

@@ -1,0 +1,216 @@
+"""Run the digits training three ways and compare: 4 trainers under torchrun with the
+lpsync DDP hook (2 per node, each node's trainers on their node's daemon), one process on
+the combined batch, and the same 4 trainers with DDP over gloo."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lpsync.demo.local_cluster import DemoError, LocalCluster, clean_env, free_ports, tail
+
+# float32 rounding over a few epochs: measured ~1e-5 at most; a real error is far larger
+EQUIVALENCE_BOUND = 1e-4
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    nodes: int = 2
+    per_node: int = 2  # trainers per node
+    epochs: int = 5
+    batch: int = 16  # samples per trainer and step
+    lr: float = 0.1
+    script: Path = SCRIPT  # the training script (runs under torchrun)
+    timeout: float = 600.0  # per training job
+    keep: Path | None = None  # copy the daemons' and trainers' logs here
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+class _Interrupted(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C: everything started is stopped on the way out."""
+
+
+def run(options: DemoOptions) -> int:
+    if not options.script.exists():
+        raise DemoError(f"the training script {options.script} is missing (pass --script)")
+    tmp = Path(tempfile.mkdtemp(prefix="lpsync-demo-"))
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    cluster: LocalCluster | None = None
+    try:
+        say(f"== starting {options.nodes} lpsync daemons (UCX over loopback, a fresh secret)")
+        cluster = LocalCluster(tmp, options.nodes)
+        for node in cluster.nodes:
+            say(f"   node {node.rank}: socket {node.socket}, metrics {node.metrics_url}")
+        world = options.nodes * options.per_node
+        say(f"== BSP-SGD on the digits: {world} trainers ({options.per_node} per node, "
+            f"torchrun), DDP with the lpsync comm hook")
+        lpsync = _torchrun(options, cluster, tmp, "lpsync")
+        say(f"== the same training in one process on the combined batch ({world} x "
+            f"{options.batch})")
+        single = _single(options, tmp, world)
+        say(f"== the same {world} trainers, DDP over gloo")
+        gloo = _torchrun(options, cluster, tmp, "gloo")
+        worst = _summary(lpsync, single, gloo, cluster)
+        if worst > EQUIVALENCE_BOUND:
+            say(f"FAILED: the parameters differ by {worst:.2e} > {EQUIVALENCE_BOUND:g} from the "
+                "one-process run")
+            return 1
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if cluster is not None:
+            cluster.stop()
+        if options.keep is not None:
+            shutil.copytree(tmp, options.keep, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("*.sock*", "*.secret"))
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise _Interrupted()
+
+
+def _trainer_args(options: DemoOptions, tmp: Path, tag: str) -> list[str]:
+    return [str(options.script), "--epochs", str(options.epochs), "--batch", str(options.batch),
+            "--lr", str(options.lr), "--save", str(tmp / f"{tag}.npy"),
+            "--report", str(tmp / f"{tag}.json")]
+
+
+def _torchrun(options: DemoOptions, cluster: LocalCluster, tmp: Path,
+              backend: str) -> dict[str, Any]:
+    (port,) = free_ports(1)
+    procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+    try:
+        for node in cluster.nodes:
+            env = {**clean_env(), "LPSYNC_SOCKET": node.socket, "LPSYNC_JOB": f"digits-{backend}",
+                   "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            log = tmp / f"{backend}-node{node.rank}.log"
+            with open(log, "wb") as err:
+                procs.append((subprocess.Popen(
+                    [sys.executable, "-m", "torch.distributed.run", "--nnodes",
+                     str(options.nodes), "--node-rank", str(node.rank), "--nproc-per-node",
+                     str(options.per_node), "--master-addr", "127.0.0.1", "--master-port",
+                     str(port), "--log-dir", str(log.with_suffix("")), "--redirects", "2",
+                     *_trainer_args(options, tmp, backend), "--backend", backend],
+                    # rank 0 (node 0) prints the epochs to our stdout; the rest goes to logs
+                    stdout=None if node.rank == 0 else err, stderr=err, env=env,
+                    start_new_session=True), log))
+        _wait(procs, cluster, options.timeout, f"the {backend} training")
+    finally:
+        for proc, _ in procs:
+            _stop_group(proc)
+    return _result(tmp, backend)
+
+
+def _single(options: DemoOptions, tmp: Path, world: int) -> dict[str, Any]:
+    log = tmp / "single.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, *_trainer_args(options, tmp, "single"),
+                                 "--single", "--world", str(world)],
+                                stderr=err, env={**clean_env(), "OMP_NUM_THREADS": "1"},
+                                start_new_session=True)
+    try:
+        _wait([(proc, log)], None, options.timeout, "the one-process training")
+    finally:
+        _stop_group(proc)
+    return _result(tmp, "single")
+
+
+def _wait(procs: list[tuple[subprocess.Popen[bytes], Path]], cluster: LocalCluster | None,
+          timeout: float, what: str) -> None:
+    """Block until every process has exited 0; the first failure (or a dead daemon) ends
+    the wait with the logs' tails."""
+    deadline = time.monotonic() + timeout
+    for proc, log in procs:
+        while True:
+            try:
+                rc = proc.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if cluster is not None:
+                    cluster.check()
+                failed = [(p, lg) for p, lg in procs if p.poll() not in (None, 0)]
+                if failed:
+                    proc, log = failed[0]
+                    rc = proc.returncode
+                    break
+                if time.monotonic() > deadline:
+                    raise DemoError(f"{what} did not finish within {timeout:g} s") from None
+        if rc != 0:
+            raise DemoError(f"{what} failed (exit {rc}):\n{_trainer_errors(log)}")
+
+
+def _trainer_errors(log: Path) -> str:
+    """The trainers' own stderr (torchrun --log-dir: <log without .log>/<run>/attempt_N/
+    <local rank>/stderr.log), else the launcher's log."""
+    found = []
+    for err in sorted(log.with_suffix("").glob("**/stderr.log")):
+        text = tail(err, 15).strip()
+        if text:
+            found.append(f"-- {err.relative_to(log.parent)}:\n{text}")
+    return "\n".join(found) if found else tail(log)
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a launcher and its trainers (their own session: one signal reaches them all)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    # Trainers outlive a launcher killed hard; the group is theirs alone.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _result(tmp: Path, tag: str) -> dict[str, Any]:
+    report = json.loads((tmp / f"{tag}.json").read_text())
+    report["params"] = np.load(tmp / f"{tag}.npy")
+    return report
+
+
+def _summary(lpsync: dict[str, Any], single: dict[str, Any], gloo: dict[str, Any],
+             cluster: LocalCluster) -> float:
+    """Print the comparison; returns the largest lpsync - one-process difference."""
+    n = lpsync["params"].size
+    to_single = float(np.abs(lpsync["params"] - single["params"]).max())
+    to_gloo = float(np.abs(lpsync["params"] - gloo["params"]).max())
+    gloo_single = float(np.abs(gloo["params"] - single["params"]).max())
+    say("")
+    say("== results")
+    say(f"RQ4, BSP-SGD's result kept: largest parameter difference over {n} parameters")
+    say(f"   lpsync x{lpsync['world']} vs one process: {to_single:.2e}   "
+        f"(gloo vs one process: {gloo_single:.2e}; lpsync vs gloo: {to_gloo:.2e})")
+    say("RQ3, step time (median per epoch; comm = the buckets' collectives in flight, "
+        "overlapping backward)")
+    say(f"   {'epoch':>5}  {'lpsync step':>11}  {'lpsync comm':>11}  {'gloo step':>9}  "
+        f"{'gloo comm':>9}  {'loss':>7}  {'accuracy':>8}")
+    for lp, gl in zip(lpsync["epochs"], gloo["epochs"], strict=True):
+        say(f"   {lp['epoch']:>5}  {lp['step_ms']:>8.2f} ms  {lp['comm_ms']:>8.2f} ms  "
+            f"{gl['step_ms']:>6.2f} ms  {gl['comm_ms']:>6.2f} ms  {lp['loss']:>7.4f}  "
+            f"{100 * lp['accuracy']:>7.1f}%")
+    first, last = lpsync["epochs"][0], lpsync["epochs"][-1]
+    say(f"converged: loss {first['loss']:.3f} -> {last['loss']:.3f}, test accuracy "
+        f"{100 * last['accuracy']:.1f}%")
+    say("metrics: " + ", ".join(node.metrics_url for node in cluster.nodes))
+    return to_single

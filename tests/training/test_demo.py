@@ -1,0 +1,80 @@
+"""``lpsync demo`` end to end (one epoch): two daemons, torchrun trainers, the one-process
+and gloo comparisons; and Ctrl-C in the middle of training leaves nothing behind."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ucxx")
+pytest.importorskip("sklearn")
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = [sys.executable, "-m", "lpsync.cli", "demo", "--epochs", "1"]
+
+
+def _leftovers(tmp: str) -> list[str]:
+    """Processes (daemons, launchers, trainers) whose command line names the demo's
+    directory, and the directory itself if it is still there."""
+    found = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    left = [line for line in found.splitlines() if tmp in line]
+    return left + ([tmp] if Path(tmp).exists() else [])
+
+
+def _directory(output: str) -> str:
+    match = re.search(r"socket (/\S+)/node0\.sock", output)
+    assert match, output
+    return match.group(1)
+
+
+def test_demo_trains_and_compares() -> None:
+    done = subprocess.run(DEMO, capture_output=True, text=True, timeout=400, cwd=ROOT,
+                          check=False)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "[lpsync x4] epoch 1" in out and "[gloo x4] epoch 1" in out and "[single]" in out
+    diff = float(re.search(r"lpsync x4 vs one process: (\S+)", out).group(1))
+    assert diff <= 1e-4, out
+    assert out.count("/metrics") >= 4, out  # each daemon's URL, at start and at the end
+    loss = float(re.search(r"\[lpsync x4\] epoch 1: loss (\S+)", out).group(1))
+    assert loss < 2.3, out  # below ln(10): it learns
+    time.sleep(1)
+    assert not _leftovers(_directory(out))
+
+
+def test_demo_interrupted_cleans_up(tmp_path: Path) -> None:
+    log = tmp_path / "demo.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(DEMO, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 120
+        while "DDP with the lpsync comm hook" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        time.sleep(2)  # the launchers are starting their trainers
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    time.sleep(1)
+    assert not _leftovers(_directory(log.read_text())), log.read_text()
+
+
+def test_demo_reports_a_failing_trainer(tmp_path: Path) -> None:
+    script = tmp_path / "broken.py"
+    script.write_text("import sys\nprint('trainer starting', file=sys.stderr)\nsys.exit(3)\n")
+    done = subprocess.run([*DEMO, "--script", str(script)], capture_output=True, text=True,
+                          timeout=200, cwd=ROOT)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "the lpsync training failed" in done.stderr and "trainer starting" in done.stderr, \
+        done.stderr
+    assert not _leftovers(_directory(done.stdout))
