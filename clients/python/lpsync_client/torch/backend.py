@@ -42,7 +42,10 @@ _OPS = {ReduceOp.SUM: "sum", ReduceOp.PRODUCT: "prod", ReduceOp.MIN: "min",
         ReduceOp.MAX: "max", ReduceOp.AVG: "avg"}
 _DTYPES = {torch.float16: np.float16, torch.bfloat16: None, torch.float32: np.float32,
            torch.float64: np.float64, torch.int8: np.int8, torch.int32: np.int32,
-           torch.int64: np.int64, torch.uint8: np.uint8}
+           torch.int64: np.int64, torch.uint8: np.uint8, torch.bool: np.uint8}
+# bool travels as uint8 0/1; its reductions are logical, as gloo's: sum and max are "or",
+# prod and min are "and".
+_BOOL_OPS = {"sum": "max", "max": "max", "prod": "min", "min": "min"}
 
 
 class UnsupportedOperationError(dist.DistBackendError, NotImplementedError):
@@ -62,6 +65,14 @@ def _check(t: torch.Tensor) -> None:
     if t.dtype not in _DTYPES:
         raise ValueError(f"the lpsync backend does not support dtype {t.dtype} (supported: "
                          f"{', '.join(str(d) for d in _DTYPES)})")
+
+
+def _op_for(dtype: torch.dtype, op: str) -> str:
+    if dtype != torch.bool:
+        return op
+    if op not in _BOOL_OPS:
+        raise ValueError(f"the lpsync backend does not support reduce op {op} on bool tensors")
+    return _BOOL_OPS[op]
 
 
 def _failure(op: str, error: BaseException) -> dist.DistBackendError:
@@ -184,10 +195,10 @@ class LpsyncWork(dist.Work):
         return True
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._future.done()  # set before _done: true once get_future() completes
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return self._future.done() and self._error is None
 
     def exception(self) -> BaseException | None:
         return self._error
@@ -257,6 +268,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         numel = sum(t.numel() for t in tensors)
         if numel == 0:
             return self._barrier_piece(work)
+        op = _op_for(tensors[0].dtype, op)
         staged = self._stage(tensors[0], numel)
         offset = 0
         for t in tensors:
@@ -300,6 +312,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                              f"{out.dtype} elements each")
         if n == 0:
             return self._barrier_piece(work)
+        op = _op_for(out.dtype, op)
         staged = self._stage(out, n * self.size())
         for i, t in enumerate(inputs):
             staged.block(i, n).view(t.shape).copy_(t)
@@ -318,6 +331,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                              f"{self.size()}")
         if t.numel() == 0:
             return self._barrier_piece(work)
+        op = _op_for(t.dtype, op) if kind == "reduce" else op
         staged = self._stage(t)
         sends = kind == "reduce" or self.rank() == root
         receives = (kind == "broadcast") != (self.rank() == root)
