@@ -238,14 +238,18 @@ def ddp_against_gloo(rank: int, world: int, sockets: list[str], per_node: int, p
 
 
 def fsdp_against_gloo(rank: int, world: int, sockets: list[str], per_node: int, port: int,
-                      steps: int = 10) -> float:
-    """FSDP2 (fully_shard) on a mesh over the lpsync group and on one over gloo; the
-    largest difference of the full parameters at the end."""
+                      steps: int = 10) -> tuple[float, int]:
+    """FSDP2 (fully_shard) on a mesh over the lpsync group and on one over gloo: the
+    largest difference of the full parameters at the end, and how many collectives the
+    lpsync run issued (FSDP's all-gathers and reduce-scatters)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     gloo = init(rank, world, sockets, per_node, port)
+    client = dist.group.WORLD.client  # lpsync's: its sequence counts the collectives issued
+    before = client._sequence
     results = []
+    issued = 0
     for group in (dist.group.WORLD, gloo):
         mesh = DeviceMesh.from_group(group, "cpu")
         model = _model(seed=0)
@@ -255,8 +259,9 @@ def fsdp_against_gloo(rank: int, world: int, sockets: list[str], per_node: int, 
         fully_shard(model, mesh=mesh)
         _train(model, rank, steps)
         results.append([p.full_tensor().detach() for p in model.parameters()])
+        issued = issued or client._sequence - before
     dist.destroy_process_group()
-    return max((p - q).abs().max().item() for p, q in zip(*results, strict=True))
+    return max((p - q).abs().max().item() for p, q in zip(*results, strict=True)), issued
 
 
 def killed_rank(rank: int, world: int, sockets: list[str], per_node: int, port: int

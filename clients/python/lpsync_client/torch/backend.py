@@ -231,9 +231,26 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         self._pool = _StagingPool(client, STAGING_BYTES)
         self._bound = 2 * timeout + 30  # the client's own bound on an unanswered collective
         self._closed = False
+        self._group_name = self._group_desc = ""
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
+
+    # torch's C++ ProcessGroup keeps the group's name and description in its backends, and
+    # a Python group has none: keep them here (DeviceMesh, FSDP2 and c10d's registry ask).
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
 
     def __repr__(self) -> str:
         return f"ProcessGroupLpsync(job={self.client.job!r}, rank={self.rank()}, size={self.size()})"
