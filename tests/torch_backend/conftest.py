@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "daemon"))
 
 pytest.importorskip("torch")
 
-from harness import DaemonProcess  # noqa: E402
+from harness import DaemonProcess
 
 
 @pytest.fixture

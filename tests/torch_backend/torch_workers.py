@@ -100,65 +100,70 @@ def ops_against_gloo(rank: int, world: int, sockets: list[str], per_node: int, p
 def _one_dtype(failures: list[str], both: Both, rank: int, world: int, dtype: torch.dtype,
                tag: str) -> None:
     for shape, layout in (((5, 7), "contiguous"), ((5, 7), "strided"), ((0,), "empty")):
-        base = _inputs(rank * 1000 + len(shape), dtype, shape)
-
-        def pair() -> tuple[torch.Tensor, torch.Tensor]:
-            # Only lpsync gets the strided view: gloo's result on it is not a reference.
-            a, b = base.clone(), base.clone()
-            return (_noncontiguous(a), b) if layout == "strided" else (a, b)
-
-        ops = [R.SUM, R.PRODUCT, R.MIN, R.MAX]
-        if dtype.is_floating_point:
-            ops.append(R.AVG)
-        for op in ops:
-            a, b = pair()
-            both(lambda group, async_op, op=op: dist.all_reduce(
-                a if group is None else b, op=op, group=group, async_op=async_op))
-            _same(failures, f"{tag} {layout} all_reduce {op}", a, b,
-                  exact=op != R.AVG)
-        a, b = pair()
-        root = world - 1
-        both(lambda group, async_op: dist.broadcast(
-            a if group is None else b, group_src=root, group=group, async_op=async_op))
-        _same(failures, f"{tag} {layout} broadcast", a, b)
-        a, b = pair()
-        untouched = a.clone()
-        both(lambda group, async_op: dist.reduce(
-            a if group is None else b, group_dst=1, op=R.MAX, group=group, async_op=async_op))
-        if rank == 1:  # only the root's result is defined
-            _same(failures, f"{tag} {layout} reduce", a, b)
-        else:  # lpsync leaves the other ranks' tensors as they were
-            _same(failures, f"{tag} {layout} reduce (non-root)", a, untouched)
-        a, b = pair()
-        outs = {k: [torch.full_like(a, 9) for _ in range(world)] for k in "ab"}
-        both(lambda group, async_op: dist.all_gather(
-            outs["a" if group is None else "b"], a if group is None else b, group=group,
-            async_op=async_op))
-        for i in range(world):
-            _same(failures, f"{tag} {layout} all_gather[{i}]", outs["a"][i], outs["b"][i])
-        flat = {k: torch.zeros((world * shape[0], *shape[1:]), dtype=dtype) for k in "ab"}
-        both(lambda group, async_op: dist.all_gather_single(
-            flat["a" if group is None else "b"], a if group is None else b, group=group,
-            async_op=async_op))
-        _same(failures, f"{tag} {layout} all_gather_single", flat["a"], flat["b"])
-        ins = [_inputs(rank * 7 + i, dtype, shape) for i in range(world)]
-        red = {k: torch.zeros(shape, dtype=dtype) for k in "ab"}
-        both(lambda group, async_op: dist.reduce_scatter(
-            red["a" if group is None else "b"], [t.clone() for t in ins], group=group,
-            async_op=async_op))
-        _same(failures, f"{tag} {layout} reduce_scatter", red["a"], red["b"])
-        whole = torch.cat(ins)
-        both(lambda group, async_op: dist.reduce_scatter_single(
-            red["a" if group is None else "b"], whole.clone(), op=R.MIN, group=group,
-            async_op=async_op))
-        _same(failures, f"{tag} {layout} reduce_scatter_single", red["a"], red["b"])
-        many = {k: [base.clone(), base.clone() * 2, base.clone()[:1]] for k in "ab"}
-        if dtype != torch.bool and dtype.itemsize > 1:  # doubling stays exact
-            both(lambda group, async_op: dist.all_reduce_coalesced(
-                many["a" if group is None else "b"], group=group, async_op=async_op))
-            for x, y in zip(many["a"], many["b"], strict=True):
-                _same(failures, f"{tag} {layout} all_reduce_coalesced", x, y)
+        _one_layout(failures, both, rank, world, dtype, tag, shape, layout)
     both(lambda group, async_op: dist.barrier(group=group, async_op=async_op))
+
+
+def _one_layout(failures: list[str], both: Both, rank: int, world: int, dtype: torch.dtype,
+                tag: str, shape: tuple[int, ...], layout: str) -> None:
+    base = _inputs(rank * 1000 + len(shape), dtype, shape)
+
+    def pair() -> tuple[torch.Tensor, torch.Tensor]:
+        # Only lpsync gets the strided view: gloo's result on it is not a reference.
+        a, b = base.clone(), base.clone()
+        return (_noncontiguous(a), b) if layout == "strided" else (a, b)
+
+    ops = [R.SUM, R.PRODUCT, R.MIN, R.MAX]
+    if dtype.is_floating_point:
+        ops.append(R.AVG)
+    for op in ops:
+        a, b = pair()
+        both(lambda group, async_op, op=op, a=a, b=b: dist.all_reduce(
+            a if group is None else b, op=op, group=group, async_op=async_op))
+        _same(failures, f"{tag} {layout} all_reduce {op}", a, b,
+              exact=op != R.AVG)
+    a, b = pair()
+    root = world - 1
+    both(lambda group, async_op: dist.broadcast(
+        a if group is None else b, group_src=root, group=group, async_op=async_op))
+    _same(failures, f"{tag} {layout} broadcast", a, b)
+    a, b = pair()
+    untouched = a.clone()
+    both(lambda group, async_op: dist.reduce(
+        a if group is None else b, group_dst=1, op=R.MAX, group=group, async_op=async_op))
+    if rank == 1:  # only the root's result is defined
+        _same(failures, f"{tag} {layout} reduce", a, b)
+    else:  # lpsync leaves the other ranks' tensors as they were
+        _same(failures, f"{tag} {layout} reduce (non-root)", a, untouched)
+    a, b = pair()
+    outs = {k: [torch.full_like(a, 9) for _ in range(world)] for k in "ab"}
+    both(lambda group, async_op: dist.all_gather(
+        outs["a" if group is None else "b"], a if group is None else b, group=group,
+        async_op=async_op))
+    for i in range(world):
+        _same(failures, f"{tag} {layout} all_gather[{i}]", outs["a"][i], outs["b"][i])
+    flat = {k: torch.zeros((world * shape[0], *shape[1:]), dtype=dtype) for k in "ab"}
+    both(lambda group, async_op: dist.all_gather_single(
+        flat["a" if group is None else "b"], a if group is None else b, group=group,
+        async_op=async_op))
+    _same(failures, f"{tag} {layout} all_gather_single", flat["a"], flat["b"])
+    ins = [_inputs(rank * 7 + i, dtype, shape) for i in range(world)]
+    red = {k: torch.zeros(shape, dtype=dtype) for k in "ab"}
+    both(lambda group, async_op: dist.reduce_scatter(
+        red["a" if group is None else "b"], [t.clone() for t in ins], group=group,
+        async_op=async_op))
+    _same(failures, f"{tag} {layout} reduce_scatter", red["a"], red["b"])
+    whole = torch.cat(ins)
+    both(lambda group, async_op: dist.reduce_scatter_single(
+        red["a" if group is None else "b"], whole.clone(), op=R.MIN, group=group,
+        async_op=async_op))
+    _same(failures, f"{tag} {layout} reduce_scatter_single", red["a"], red["b"])
+    many = {k: [base.clone(), base.clone() * 2, base.clone()[:1]] for k in "ab"}
+    if dtype != torch.bool and dtype.itemsize > 1:  # doubling stays exact
+        both(lambda group, async_op: dist.all_reduce_coalesced(
+            many["a" if group is None else "b"], group=group, async_op=async_op))
+        for x, y in zip(many["a"], many["b"], strict=True):
+            _same(failures, f"{tag} {layout} all_reduce_coalesced", x, y)
 
 
 def _float_inputs(failures: list[str], gloo: dist.ProcessGroup, rank: int, world: int
@@ -322,7 +327,9 @@ def errors(rank: int, world: int, sockets: list[str], per_node: int, port: int
         seen["mismatch"] = f"{type(error).__name__}: {error}"
     seen["mismatch seconds"] = f"{time.monotonic() - started:.2f}"
     # A rank that never arrives: the others' wait() fails at the group's timeout.
-    if rank != 0:
+    if rank == 0:
+        time.sleep(8.0 + 6.0)  # past the others' timeout: they must not see it leave
+    else:
         started = time.monotonic()
         try:
             dist.all_reduce(torch.ones(3), async_op=True).wait()

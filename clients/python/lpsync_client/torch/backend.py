@@ -17,6 +17,7 @@ what makes non-contiguous tensors and any device work: ``copy_`` does the stride
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import threading
@@ -108,10 +109,9 @@ class _StagingPool:
                 self._free_bytes -= old.nbytes
                 evicted.append(old)
         for old in evicted:
-            try:
+            # The session may be gone: then the daemon has freed it already.
+            with contextlib.suppress(LpsyncError):
                 self._client.release(old)
-            except LpsyncError:
-                pass  # the session is gone: the daemon has freed it already
 
 
 class _Staged:
@@ -154,7 +154,7 @@ class LpsyncWork(dist.Work):
             if error is None:
                 try:
                     finish()
-                except BaseException as failure:  # noqa: BLE001 - reported through the work
+                except BaseException as failure:
                     error = failure
             for s in staging:
                 pool.release(s.raw)
@@ -233,7 +233,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         self._closed = False
         self._group_name = self._group_desc = ""
 
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+    def getBackendName(self) -> str:
         return BACKEND
 
     # torch's C++ ProcessGroup keeps the group's name and description in its backends, and
