@@ -131,10 +131,10 @@ def _launch(args: argparse.Namespace, socket: str) -> dict[str, tuple[list[float
     deadline = time.monotonic() + args.timeout
     try:
         while any(len(v) < args.procs for v in got.values()):
-            if time.monotonic() > deadline or not any(p.is_alive() for p in procs) and queue.empty():
+            if time.monotonic() > deadline or (not any(p.is_alive() for p in procs) and queue.empty()):
                 raise SystemExit("ddp_step: rank processes stopped early")
             try:
-                variant, _rank_, times, same = queue.get(timeout=1.0)
+                variant, _, times, same = queue.get(timeout=1.0)
             except Exception:
                 continue
             got[variant].append((times, same))
