@@ -339,3 +339,18 @@ def errors(rank: int, world: int, sockets: list[str], per_node: int, port: int
         seen["timeout seconds"] = f"{time.monotonic() - started:.2f}"
     dist.destroy_process_group()
     return seen
+
+
+def uneven_group(rank: int, world: int, sockets: list[str], per_node: int, port: int
+                 ) -> str:
+    """new_group over ranks 0..world-2: on two nodes of two, an uneven layout (two ranks
+    on node 0, one on node 1) the daemons refuse; each member reports what it got."""
+    init(rank, world, sockets, per_node, port)
+    try:
+        dist.new_group(list(range(world - 1)))
+        outcome = "created"
+    except dist.DistBackendError as error:
+        outcome = f"DistBackendError: {error}"
+    dist.barrier()  # the default group is unaffected
+    dist.destroy_process_group()
+    return outcome
