@@ -26,10 +26,11 @@ def daemon(tmp_path: Path):
         proc.stop_and_check()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def two_nodes(tmp_path_factory):
     """Two daemons joined by the UCX peer plane (as tests/daemon/test_daemon_multinode.py
-    starts them); stopped afterwards, each required to exit cleanly."""
+    starts them), shared by this folder's tests (each job has its own name, and a killed
+    rank leaves the daemons serving); stopped at the end, each required to exit cleanly."""
     pytest.importorskip("ucxx")
     from test_daemon_multinode import Cluster
 
