@@ -24,7 +24,7 @@ import time
 
 from lpsync.bench.runner import serving
 
-VARIANTS = ("lpsync", "hook", "gloo")
+VARIANTS = ("lpsync", "hook", "gloo", "local")
 
 
 def _model(width: int, depth: int):
@@ -58,8 +58,11 @@ def _rank(rank: int, procs: int, socket: str, port: int, args: argparse.Namespac
         if variant == "hook" and not hasattr(lt, "allreduce_hook"):
             queue.put((variant, rank, None, True))
             continue
-        model = DDP(_model(args.width, args.depth), process_group=None if variant == "lpsync"
-                    else gloo)
+        if variant == "local":  # the same step without DDP: the compute alone
+            model = _model(args.width, args.depth)
+        else:
+            model = DDP(_model(args.width, args.depth),
+                        process_group=None if variant == "lpsync" else gloo)
         if variant == "hook":
             model.register_comm_hook(lt.hook_state(), lt.allreduce_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -75,7 +78,8 @@ def _rank(rank: int, procs: int, socket: str, port: int, args: argparse.Namespac
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         first = flat.clone()
         dist.broadcast(first, 0, group=gloo)
-        queue.put((variant, rank, times, bool(torch.equal(first, flat))))
+        same = variant == "local" or bool(torch.equal(first, flat))  # local ranks differ
+        queue.put((variant, rank, times, same))
     dist.destroy_process_group()
 
 
@@ -89,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help="comma-separated: lpsync (the backend), hook, gloo")
+                        help="comma-separated: lpsync (the backend), hook (gloo group + "
+                        "lpsync DDP hook), gloo, local (no DDP: the compute alone)")
     parser.add_argument("--socket", help="a running daemon's socket (default: start one)")
     parser.add_argument("--port", type=int, default=29611, help="the rendezvous port")
     parser.add_argument("--timeout", type=float, default=600.0)
@@ -164,7 +169,7 @@ def report(args: argparse.Namespace, results: dict[str, tuple[list[float] | None
              "| variant | median step (ms) | p90 (ms) | vs gloo | ranks agree |",
              "|---|---:|---:|---:|---|"]
     names = {"lpsync": "backend `lpsync` (no hook)", "hook": "gloo group + lpsync DDP hook",
-             "gloo": "gloo"}
+             "gloo": "gloo", "local": "no DDP (compute alone)"}
     for variant in args.variants:
         times, same = results[variant]
         if times is None:

@@ -119,7 +119,7 @@ class _Staged:
     takes (numpy, or a torch view for bfloat16, which numpy lacks)."""
 
     def __init__(self, pool: _StagingPool, dtype: torch.dtype, numel: int) -> None:
-        self.raw = pool.acquire(numel * torch.empty((), dtype=dtype).element_size())
+        self.raw = pool.acquire(numel * dtype.itemsize)
         self.flat = torch.from_numpy(self.raw).view(dtype)
         np_dtype = _DTYPES[dtype]
         self.operand = self.flat if np_dtype is None else self.raw.view(np_dtype)
@@ -531,10 +531,16 @@ def _node_layout(group_rank: int, global_ranks: Sequence[int]) -> tuple[int, int
     return mine.index(rank), len(mine)
 
 
+_incarnations: dict[str, int] = {}  # groups made per name in this process (see _job_name)
+
+
 def _job_name(store: dist.Store, group_rank: int, group_id: str, timeout: float) -> str:
     """Group rank 0 draws the group's job name; the others read it from the group's store
-    (torch prefixes the store per group). LPSYNC_JOB, if set, leads the name."""
-    key = "lpsync/job"
+    (torch prefixes the store per group). LPSYNC_JOB, if set, leads the name. A group
+    destroyed and made again under the same name on the same store gets a new key (every
+    rank counts the same incarnations), so no rank can read the previous name."""
+    _incarnations[group_id] = n = _incarnations.get(group_id, 0) + 1
+    key = f"lpsync/job/{n}"
     if group_rank == 0:
         base = os.environ.get("LPSYNC_JOB") or "torch"
         name = f"{base}.{secrets.token_hex(4)}.{group_id or 'default'}"
