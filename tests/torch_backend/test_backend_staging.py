@@ -76,3 +76,17 @@ def test_a_failed_collective_fails_wait_and_the_future(daemon) -> None:
             work.get_future().value()
     finally:
         c.close()
+
+
+def test_a_refused_submit_gives_the_staging_back(daemon) -> None:
+    """The client is closed under the group (its daemon session ended): the call raises
+    DistBackendError and its staging array is back in the pool, not lost."""
+    c = lpsync_client.connect(daemon.socket, job="staging-closed", rank=0, world_size=1)
+    pg = ProcessGroupLpsync(c, 0, 1, 30.0)
+    t = torch.ones(256)
+    pg.allreduce([t], _opts()).wait()  # the staging array is made, used and freed
+    assert pg._pool._free_bytes == t.nbytes
+    c.close()
+    with pytest.raises(dist.DistBackendError, match="lpsync all_reduce failed"):
+        pg.allreduce([t], _opts())
+    assert pg._pool._free_bytes == t.nbytes

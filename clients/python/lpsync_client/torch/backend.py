@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -279,6 +280,18 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         sequence numbers stay matched (and a mismatch is still reported)."""
         work.track(self.client.barrier_async(self._timeout), lambda: None, (), self._pool)
 
+    def _launch(self, work: LpsyncWork, staged: _Staged, fill: Callable[[], None],
+                start: Callable[[Any], Future], finish: Callable[[], None]) -> None:
+        """Copy in (``fill``), start the collective on the staging and let ``work`` track
+        it; the staging goes back to the pool if either step fails."""
+        try:
+            fill()
+            future = start(staged.operand)
+        except BaseException:
+            self._pool.release(staged.raw)
+            raise
+        work.track(future, finish, (staged,), self._pool)
+
     def _allreduce_piece(self, work: LpsyncWork, tensors: Sequence[torch.Tensor], op: str
                          ) -> None:
         """Allreduce ``tensors`` (same dtype) as one flat message: coalescing is one call."""
@@ -287,18 +300,23 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             return self._barrier_piece(work)
         op = _op_for(tensors[0].dtype, op)
         staged = self._stage(tensors[0], numel)
-        offset = 0
-        for t in tensors:
-            staged.flat[offset:offset + t.numel()].view(t.shape).copy_(t)
-            offset += t.numel()
+
+        def spans() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            at, out = 0, []
+            for t in tensors:
+                out.append((t, staged.flat[at:at + t.numel()].view(t.shape)))
+                at += t.numel()
+            return out
+
+        def fill() -> None:
+            for t, view in spans():
+                view.copy_(t)
 
         def finish() -> None:
-            at = 0
-            for t in tensors:
-                t.copy_(staged.flat[at:at + t.numel()].view(t.shape))
-                at += t.numel()
-        work.track(self.client.allreduce_async(staged.operand, op=op, timeout=self._timeout),
-                   finish, (staged,), self._pool)
+            for t, view in spans():
+                t.copy_(view)
+        self._launch(work, staged, fill, lambda x: self.client.allreduce_async(
+            x, op=op, timeout=self._timeout), finish)
 
     def _gather_piece(self, work: LpsyncWork, outputs: Sequence[torch.Tensor],
                       inp: torch.Tensor) -> None:
@@ -311,13 +329,13 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         if n == 0:
             return self._barrier_piece(work)
         staged = self._stage(inp, n * self.size())
-        staged.block(self.rank(), n).view(inp.shape).copy_(inp)
 
         def finish() -> None:
             for i, o in enumerate(outputs):
                 o.copy_(staged.block(i, n).view(o.shape))
-        work.track(self.client.allgather_async(staged.operand, timeout=self._timeout),
-                   finish, (staged,), self._pool)
+        self._launch(work, staged,
+                     lambda: staged.block(self.rank(), n).view(inp.shape).copy_(inp),
+                     lambda x: self.client.allgather_async(x, timeout=self._timeout), finish)
 
     def _scatter_piece(self, work: LpsyncWork, out: torch.Tensor,
                        inputs: Sequence[torch.Tensor], op: str) -> None:
@@ -331,14 +349,13 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             return self._barrier_piece(work)
         op = _op_for(out.dtype, op)
         staged = self._stage(out, n * self.size())
-        for i, t in enumerate(inputs):
-            staged.block(i, n).view(t.shape).copy_(t)
 
-        def finish() -> None:
-            out.copy_(staged.block(self.rank(), n).view(out.shape))
-        work.track(self.client.reduce_scatter_async(staged.operand, op=op,
-                                                    timeout=self._timeout),
-                   finish, (staged,), self._pool)
+        def fill() -> None:
+            for i, t in enumerate(inputs):
+                staged.block(i, n).view(t.shape).copy_(t)
+        self._launch(work, staged, fill, lambda x: self.client.reduce_scatter_async(
+            x, op=op, timeout=self._timeout),
+            lambda: out.copy_(staged.block(self.rank(), n).view(out.shape)))
 
     def _rooted_piece(self, work: LpsyncWork, kind: str, t: torch.Tensor, root: int,
                       op: str = "") -> None:
@@ -352,19 +369,14 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         staged = self._stage(t)
         sends = kind == "reduce" or self.rank() == root
         receives = (kind == "broadcast") != (self.rank() == root)
-        if sends:
-            staged.flat.view(t.shape).copy_(t)
-        if kind == "broadcast":
-            future = self.client.broadcast_async(staged.operand, root=root,
-                                                 timeout=self._timeout)
-        else:
-            future = self.client.reduce_async(staged.operand, root=root, op=op,
-                                              timeout=self._timeout)
 
-        def finish() -> None:
-            if receives:
-                t.copy_(staged.flat.view(t.shape))
-        work.track(future, finish, (staged,), self._pool)
+        def start(x: Any) -> Future:
+            if kind == "broadcast":
+                return self.client.broadcast_async(x, root=root, timeout=self._timeout)
+            return self.client.reduce_async(x, root=root, op=op, timeout=self._timeout)
+        self._launch(work, staged,
+                     lambda: staged.flat.view(t.shape).copy_(t) if sends else None, start,
+                     lambda: t.copy_(staged.flat.view(t.shape)) if receives else None)
 
     # -- collectives (torch's ProcessGroup method names) -------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> LpsyncWork:
