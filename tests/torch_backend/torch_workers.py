@@ -92,6 +92,7 @@ def ops_against_gloo(rank: int, world: int, sockets: list[str], per_node: int, p
         for dtype in DTYPES:
             _one_dtype(failures, both, rank, world, dtype, f"{mode} {dtype}")
     _float_inputs(failures, gloo, rank, world)
+    _coalesced(failures, gloo, rank, world)
     _subgroups(failures, rank, world)
     dist.destroy_process_group()
     return failures
@@ -179,6 +180,27 @@ def _float_inputs(failures: list[str], gloo: dist.ProcessGroup, rank: int, world
     dist.all_reduce(a, op=R.AVG)
     dist.all_reduce(b, op=R.AVG, group=gloo)
     _same(failures, "float32 randn all_reduce AVG", a, b, exact=False)
+
+
+def _coalesced(failures: list[str], gloo: dist.ProcessGroup, rank: int, world: int) -> None:
+    """torch's coalescing manager (what FSDP1 and DDP's bucketing helpers use): its
+    all_reduces go out as one allreduce_coalesced, its all_gather_into_tensors as one
+    all_gather_single_coalesced."""
+    results = []
+    for group in (None, gloo):
+        xs = [torch.full((n,), float(rank + n)) for n in (3, 5, 1)]
+        outs = [torch.zeros(world * n) for n in (3, 5, 1)]
+        with dist._coalescing_manager(group=group, async_ops=True) as cm:
+            for x in xs:
+                dist.all_reduce(x, group=group)
+        cm.wait()
+        with dist._coalescing_manager(group=group, async_ops=True) as cm:
+            for x, out in zip(xs, outs, strict=True):
+                dist.all_gather_into_tensor(out, x, group=group)
+        cm.wait()
+        results.append(xs + outs)
+    for x, y in zip(*results, strict=True):
+        _same(failures, "coalescing manager", x, y)
 
 
 def _subgroups(failures: list[str], rank: int, world: int) -> None:
