@@ -5,6 +5,7 @@ that never arrives, an operation lpsync does not offer, no daemon to attach to."
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -67,3 +68,47 @@ def test_no_daemon_is_an_error_at_init(tmp_path) -> None:
                           timeout=90, env=env)
     assert "error: lpsync: rank 0" in done.stdout, done.stdout + done.stderr
     assert "nobody.sock" in done.stdout and "no lpsync daemon answers" in done.stdout
+
+
+ELASTIC = """
+import os, torch, torch.distributed as dist
+import lpsync_client.torch
+dist.init_process_group("lpsync")
+attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), dist.get_rank()
+t = torch.ones(4)
+dist.all_reduce(t)
+if attempt == 0 and rank == 1:
+    os._exit(7)  # a crashed worker: torchrun restarts the group
+dist.all_reduce(t)
+print(f"attempt {attempt} rank {rank} ok {t.tolist()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_restarts_a_failed_group_on_lpsync(daemon, tmp_path) -> None:
+    """torchrun's elastic restart: a worker dies, the group is restarted, the second
+    attempt makes a fresh lpsync job (its own store prefix) and completes."""
+    script = tmp_path / "elastic.py"
+    script.write_text(textwrap.dedent(ELASTIC))
+    env = {**os.environ, "LPSYNC_SOCKET": daemon.socket,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients" / "python")])}
+    out = tmp_path / "torchrun.out"
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--max-restarts", "1", "--monitor-interval", "0.5",
+             "--master-port", str(free_ports(1)[0]), str(script)],
+            stdout=sink, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
+            start_new_session=True)  # its workers too are ended below if it hangs
+        try:
+            rc = proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            raise AssertionError(f"torchrun did not finish:\n{out.read_text()[-6000:]}\n"
+                                 f"daemon:\n{daemon.log.read_text()[-3000:]}") from None
+    done = subprocess.CompletedProcess(proc.args, rc, out.read_text(), "")
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    for rank in (0, 1):
+        assert f"attempt 1 rank {rank} ok [4.0, 4.0, 4.0, 4.0]" in done.stdout, done.stdout
+    assert "attempt 0 rank 1 ok" not in done.stdout

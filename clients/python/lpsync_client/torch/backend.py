@@ -548,11 +548,15 @@ _incarnations: dict[str, int] = {}  # groups made per name in this process (see 
 
 def _job_name(store: dist.Store, group_rank: int, group_id: str, timeout: float) -> str:
     """Group rank 0 draws the group's job name; the others read it from the group's store
-    (torch prefixes the store per group). LPSYNC_JOB, if set, leads the name. A group
-    destroyed and made again under the same name on the same store gets a new key (every
-    rank counts the same incarnations), so no rank can read the previous name."""
+    (torch prefixes the store per group). LPSYNC_JOB, if set, leads the name.
+
+    The store can outlive the ranks: torchrun's static rendezvous keeps one agent store
+    across elastic restarts, with no prefix per attempt. So the key names the attempt
+    (TORCHELASTIC_RESTART_COUNT, the same on every worker of an attempt) and, for a group
+    destroyed and made again in the same processes, the incarnation (every rank counts
+    the same): no rank can read a previous attempt's name."""
     _incarnations[group_id] = n = _incarnations.get(group_id, 0) + 1
-    key = f"lpsync/job/{n}"
+    key = f"lpsync/job/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{n}"
     if group_rank == 0:
         base = os.environ.get("LPSYNC_JOB") or "torch"
         name = f"{base}.{secrets.token_hex(4)}.{group_id or 'default'}"
