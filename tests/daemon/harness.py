@@ -84,8 +84,10 @@ def _entry(target, queue, rank, args):
         queue.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
 
 
-def run_ranks(world: int, target, *args, timeout: float = 90.0) -> list:
-    """Run ``target(rank, *args)`` in ``world`` spawned processes; their return values by rank.
+def run_ranks(world: int, target, *args, timeout: float = 90.0, dies: tuple[int, ...] = ()
+              ) -> list:
+    """Run ``target(rank, *args)`` in ``world`` spawned processes; their return values by rank
+    (None for the ranks in ``dies``, which are expected to kill themselves unreported).
 
     Raises AssertionError with the child's traceback if one fails, and kills stragglers.
     """
@@ -98,7 +100,7 @@ def run_ranks(world: int, target, *args, timeout: float = 90.0) -> list:
     errors = []
     deadline = time.monotonic() + timeout
     try:
-        while len(results) + len(errors) < world:
+        while len(results) + len(errors) < world - len(dies):
             rank, kind, value = queue.get(timeout=max(0.1, deadline - time.monotonic()))
             if kind == "ok":
                 results[rank] = value
@@ -111,4 +113,4 @@ def run_ranks(world: int, target, *args, timeout: float = 90.0) -> list:
                 p.kill()
                 p.join(5)
     assert not errors, "\n".join(errors)
-    return [results[r] for r in range(world)]
+    return [results.get(r) for r in range(world)]

@@ -1,9 +1,11 @@
-"""PyTorch integration: a DDP communication hook, Horovod-style calls and a fused-bucket
-DistributedOptimizer, all through the node's lpsync daemon.
+"""PyTorch on lpsync: the torch.distributed backend ``lpsync``, a DDP communication hook,
+Horovod-style calls and a fused-bucket DistributedOptimizer, all through the node's daemon.
 
-    import lpsync_client.torch as lpt
-    model = DistributedDataParallel(model)                       # any process group (gloo)
-    model.register_comm_hook(lpt.hook_state(), lpt.allreduce_hook)  # gradients go through lpsync
+    import lpsync_client.torch as lpt               # registers the backend "lpsync"
+    dist.init_process_group("lpsync")               # any torch.distributed code, unchanged
+
+    model = DistributedDataParallel(model)                          # or, on any process group:
+    model.register_comm_hook(lpt.hook_state(), lpt.allreduce_hook)  # gradients through lpsync
 
     opt = lpt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    model.named_parameters())       # or: no DDP at all
@@ -33,7 +35,11 @@ from lpsync_client.torch._ops import (
     broadcast_parameters,
 )
 from lpsync_client.torch._optimizer import DistributedOptimizer
+from lpsync_client.torch.backend import BACKEND, ProcessGroupLpsync, register
 
-__all__ = ["DistributedOptimizer", "HookState", "allreduce", "allreduce_", "allreduce_hook",
-           "broadcast", "broadcast_optimizer_state", "broadcast_parameters", "default_client",
-           "hook_state", "set_default_client"]
+register()
+
+__all__ = ["BACKEND", "DistributedOptimizer", "HookState", "ProcessGroupLpsync", "allreduce",
+           "allreduce_", "allreduce_hook", "broadcast", "broadcast_optimizer_state",
+           "broadcast_parameters", "default_client", "hook_state", "register",
+           "set_default_client"]

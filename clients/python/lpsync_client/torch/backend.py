@@ -1,0 +1,598 @@
+"""The torch.distributed backend ``lpsync``: a process group whose collectives run through
+the node's lpsync daemon, so that unchanged PyTorch code (DDP, FSDP, ``dist.*``) uses it.
+
+    import lpsync_client.torch                  # registers the backend "lpsync"
+    dist.init_process_group("lpsync")           # under torchrun; LPSYNC_SOCKET from env
+
+Each process group (the default one and every ``new_group``) is its own lpsync job,
+attached as (job, group rank, group size, local rank, local world size). The job name is
+the only thing the daemon cannot give: group rank 0 draws it and shares it through the
+group's rendezvous store, so concurrent runs and groups never collide.
+
+Tensors are staged through shared-memory arrays of the daemon (client.empty()), kept in
+a pool by size and reused across calls, so a tensor reduced every step (a DDP bucket)
+costs two memory copies and no registration after its first step. The staging copy is
+what makes non-contiguous tensors and any device work: ``copy_`` does the strides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+import lpsync_client
+from lpsync_client.client import Client
+from lpsync_client.errors import LpsyncError
+
+BACKEND = "lpsync"
+# Free staging bytes kept for reuse per process group (in-flight staging is never capped).
+STAGING_BYTES = int(os.environ.get("LPSYNC_TORCH_STAGING_BYTES", 1 << 30))
+
+_OPS = {ReduceOp.SUM: "sum", ReduceOp.PRODUCT: "prod", ReduceOp.MIN: "min",
+        ReduceOp.MAX: "max", ReduceOp.AVG: "avg"}
+_DTYPES = {torch.float16: np.float16, torch.bfloat16: None, torch.float32: np.float32,
+           torch.float64: np.float64, torch.int8: np.int8, torch.int32: np.int32,
+           torch.int64: np.int64, torch.uint8: np.uint8, torch.bool: np.uint8}
+# bool travels as uint8 0/1; its reductions are logical, as gloo's: sum and max are "or",
+# prod and min are "and".
+_BOOL_OPS = {"sum": "max", "max": "max", "prod": "min", "min": "min"}
+
+
+class UnsupportedOperationError(dist.DistBackendError, NotImplementedError):
+    """The lpsync backend does not offer this torch.distributed operation."""
+
+
+def _reduce_op(op: object) -> str:
+    kind = getattr(op, "op", op)  # a ReduceOp instance or its RedOpType
+    name = _OPS.get(kind)
+    if name is None:
+        raise ValueError(f"the lpsync backend does not support reduce op {kind} "
+                         "(supported: SUM, PRODUCT, MIN, MAX, AVG)")
+    return name
+
+
+def _check(t: torch.Tensor) -> None:
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"the lpsync backend does not support dtype {t.dtype} (supported: "
+                         f"{', '.join(str(d) for d in _DTYPES)})")
+
+
+def _op_for(dtype: torch.dtype, op: str) -> str:
+    if dtype != torch.bool:
+        return op
+    if op not in _BOOL_OPS:
+        raise ValueError(f"the lpsync backend does not support reduce op {op} on bool tensors")
+    return _BOOL_OPS[op]
+
+
+def _failure(op: str, error: BaseException) -> dist.DistBackendError:
+    return dist.DistBackendError(f"lpsync {op} failed: {error}")
+
+
+class _StagingPool:
+    """Shared-memory arrays of the group's daemon session, by exact byte size. An array is
+    owned by one collective from acquire() until release(); free ones are reused most
+    recently used first and released to the daemon beyond STAGING_BYTES."""
+
+    def __init__(self, client: Client, budget: int) -> None:
+        self._client, self._budget = client, budget
+        self._free: OrderedDict[int, np.ndarray] = OrderedDict()  # id -> array, LRU order
+        self._free_bytes = 0
+        self._lock = threading.Lock()
+
+    def acquire(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            for key in reversed(self._free):
+                if self._free[key].nbytes == nbytes:
+                    self._free_bytes -= nbytes
+                    return self._free.pop(key)
+        return self._client.empty(nbytes, "uint8")
+
+    def release(self, array: np.ndarray) -> None:
+        evicted = []
+        with self._lock:
+            self._free[id(array)] = array
+            self._free_bytes += array.nbytes
+            while self._free_bytes > self._budget and self._free:
+                _, old = self._free.popitem(last=False)
+                self._free_bytes -= old.nbytes
+                evicted.append(old)
+        for old in evicted:
+            # The session may be gone: then the daemon has freed it already.
+            with contextlib.suppress(LpsyncError):
+                self._client.release(old)
+
+
+class _Staged:
+    """One tensor's staging: a typed flat torch view of a pool array, and what the client
+    takes (numpy, or a torch view for bfloat16, which numpy lacks)."""
+
+    def __init__(self, pool: _StagingPool, dtype: torch.dtype, numel: int) -> None:
+        self.raw = pool.acquire(numel * dtype.itemsize)
+        self.flat = torch.from_numpy(self.raw).view(dtype)
+        np_dtype = _DTYPES[dtype]
+        self.operand = self.flat if np_dtype is None else self.raw.view(np_dtype)
+
+    def block(self, i: int, n: int) -> torch.Tensor:
+        return self.flat[i * n:(i + 1) * n]
+
+
+class LpsyncWork(dist.Work):
+    """The handle of one collective (or a coalesced set): ``wait()`` blocks and raises
+    DistBackendError with lpsync's message on failure; ``get_future()`` completes with the
+    output tensors (what DDP's reducer expects) or that error."""
+
+    def __init__(self, op: str, outputs: list[torch.Tensor], bound: float) -> None:
+        super().__init__()
+        self._op, self._outputs, self._bound = op, outputs, bound
+        self._future: torch.futures.Future = torch.futures.Future()
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._pending = 1  # released by seal(): no completion before every piece is in
+        self._error: dist.DistBackendError | None = None
+
+    def track(self, future: Future, finish: Callable[[], None],
+              staging: Sequence[_Staged], pool: _StagingPool) -> None:
+        """Complete this work when ``future`` (an lpsync collective) is done: on success run
+        ``finish`` (copies results out of staging), then give the staging back."""
+        with self._lock:
+            self._pending += 1
+
+        def done(f: Future) -> None:
+            error = f.exception()
+            if error is None:
+                try:
+                    finish()
+                except BaseException as failure:
+                    error = failure
+            for s in staging:
+                pool.release(s.raw)
+            self._piece_done(error)
+        future.add_done_callback(done)
+
+    def seal(self) -> LpsyncWork:
+        self._piece_done(None)
+        return self
+
+    def _piece_done(self, error: BaseException | None) -> None:
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = _failure(self._op, error)
+                self._error.__cause__ = error
+            self._pending -= 1
+            last = self._pending == 0
+        if not last:
+            return
+        # The future first: whoever wait() releases may read get_future().value() at once.
+        try:
+            if self._error is not None:
+                self._future.set_exception(self._error)
+            else:
+                self._future.set_result(self._outputs)
+        finally:
+            self._done.set()
+
+    # -- torch's Work interface --------------------------------------------------------------
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        seconds = timeout.total_seconds() if timeout else 0.0
+        if not self._done.wait(seconds if seconds > 0 else self._bound):
+            raise dist.DistBackendError(
+                f"lpsync {self._op} did not complete within "
+                f"{seconds if seconds > 0 else self._bound:g} s")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()  # set before _done: true once get_future() completes
+
+    def is_success(self) -> bool:
+        return self._future.done() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+def _unsupported(op: str, why: str = "") -> UnsupportedOperationError:
+    return UnsupportedOperationError(
+        f"the lpsync backend does not support {op}{why}; lpsync offers all_reduce, "
+        "broadcast, reduce, all_gather, reduce_scatter and barrier (create a gloo group "
+        f"with dist.new_group(backend='gloo') for {op})")
+
+
+class ProcessGroupLpsync(dist.ProcessGroup):
+    """A torch.distributed process group over one lpsync job (see the module docstring).
+    Made by torch through the registered creator, not by hand."""
+
+    def __init__(self, client: Client, rank: int, size: int, timeout: float) -> None:
+        super().__init__(rank, size)
+        self.client, self._timeout = client, timeout
+        self._pool = _StagingPool(client, STAGING_BYTES)
+        self._bound = 2 * timeout + 30  # the client's own bound on an unanswered collective
+        self._closed = False
+        self._group_name = self._group_desc = ""
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    # torch's C++ ProcessGroup keeps the group's name and description in its backends, and
+    # a Python group has none: keep them here (DeviceMesh, FSDP2 and c10d's registry ask).
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupLpsync(job={self.client.job!r}, rank={self.rank()}, size={self.size()})"
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _stage(self, t: torch.Tensor, numel: int | None = None) -> _Staged:
+        _check(t)
+        return _Staged(self._pool, t.dtype, t.numel() if numel is None else numel)
+
+    def _run(self, op: str, outputs: list[torch.Tensor],
+             pieces: Callable[[LpsyncWork], None]) -> LpsyncWork:
+        """Build a work and let ``pieces`` submit its collectives into it; errors raised
+        while submitting leave the work's earlier pieces to finish and release staging."""
+        if self._closed:
+            raise dist.DistBackendError(f"lpsync {op}: the process group was shut down")
+        work = LpsyncWork(op, outputs, self._bound)
+        try:
+            pieces(work)
+        except LpsyncError as error:
+            work.seal()
+            raise _failure(op, error) from error
+        return work.seal()
+
+    def _barrier_piece(self, work: LpsyncWork) -> None:
+        """Zero elements: nothing to move, but the ranks still meet, so that the job's
+        sequence numbers stay matched (and a mismatch is still reported)."""
+        work.track(self.client.barrier_async(self._timeout), lambda: None, (), self._pool)
+
+    def _launch(self, work: LpsyncWork, staged: _Staged, fill: Callable[[], None],
+                start: Callable[[Any], Future], finish: Callable[[], None]) -> None:
+        """Copy in (``fill``), start the collective on the staging and let ``work`` track
+        it; the staging goes back to the pool if either step fails."""
+        try:
+            fill()
+            future = start(staged.operand)
+        except BaseException:
+            self._pool.release(staged.raw)
+            raise
+        work.track(future, finish, (staged,), self._pool)
+
+    def _allreduce_piece(self, work: LpsyncWork, tensors: Sequence[torch.Tensor], op: str
+                         ) -> None:
+        """Allreduce ``tensors`` (same dtype) as one flat message: coalescing is one call."""
+        numel = sum(t.numel() for t in tensors)
+        if numel == 0:
+            return self._barrier_piece(work)
+        op = _op_for(tensors[0].dtype, op)
+        staged = self._stage(tensors[0], numel)
+
+        def spans() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            at, out = 0, []
+            for t in tensors:
+                out.append((t, staged.flat[at:at + t.numel()].view(t.shape)))
+                at += t.numel()
+            return out
+
+        def fill() -> None:
+            for t, view in spans():
+                view.copy_(t)
+
+        def finish() -> None:
+            for t, view in spans():
+                t.copy_(view)
+        self._launch(work, staged, fill, lambda x: self.client.allreduce_async(
+            x, op=op, timeout=self._timeout), finish)
+
+    def _gather_piece(self, work: LpsyncWork, outputs: Sequence[torch.Tensor],
+                      inp: torch.Tensor) -> None:
+        """Allgather ``inp`` into ``outputs`` (one tensor per rank, each inp.numel())."""
+        n = inp.numel()
+        if len(outputs) != self.size() or any(o.numel() != n or o.dtype != inp.dtype
+                                              for o in outputs):
+            raise ValueError(f"all_gather needs {self.size()} output tensors of {n} "
+                             f"{inp.dtype} elements each")
+        if n == 0:
+            return self._barrier_piece(work)
+        staged = self._stage(inp, n * self.size())
+
+        def finish() -> None:
+            for i, o in enumerate(outputs):
+                o.copy_(staged.block(i, n).view(o.shape))
+        self._launch(work, staged,
+                     lambda: staged.block(self.rank(), n).view(inp.shape).copy_(inp),
+                     lambda x: self.client.allgather_async(x, timeout=self._timeout), finish)
+
+    def _scatter_piece(self, work: LpsyncWork, out: torch.Tensor,
+                       inputs: Sequence[torch.Tensor], op: str) -> None:
+        """Reduce-scatter: rank r's ``out`` = reduction over ranks of their ``inputs[r]``."""
+        n = out.numel()
+        if len(inputs) != self.size() or any(i.numel() != n or i.dtype != out.dtype
+                                             for i in inputs):
+            raise ValueError(f"reduce_scatter needs {self.size()} input tensors of {n} "
+                             f"{out.dtype} elements each")
+        if n == 0:
+            return self._barrier_piece(work)
+        op = _op_for(out.dtype, op)
+        staged = self._stage(out, n * self.size())
+
+        def fill() -> None:
+            for i, t in enumerate(inputs):
+                staged.block(i, n).view(t.shape).copy_(t)
+        self._launch(work, staged, fill, lambda x: self.client.reduce_scatter_async(
+            x, op=op, timeout=self._timeout),
+            lambda: out.copy_(staged.block(self.rank(), n).view(out.shape)))
+
+    def _rooted_piece(self, work: LpsyncWork, kind: str, t: torch.Tensor, root: int,
+                      op: str = "") -> None:
+        """broadcast or reduce in place on ``t``; only the receiving ranks copy back."""
+        if not 0 <= root < self.size():
+            raise ValueError(f"{kind} root {root} is not a rank of this group of "
+                             f"{self.size()}")
+        if t.numel() == 0:
+            return self._barrier_piece(work)
+        op = _op_for(t.dtype, op) if kind == "reduce" else op
+        staged = self._stage(t)
+        sends = kind == "reduce" or self.rank() == root
+        receives = (kind == "broadcast") != (self.rank() == root)
+
+        def start(x: Any) -> Future:
+            if kind == "broadcast":
+                return self.client.broadcast_async(x, root=root, timeout=self._timeout)
+            return self.client.reduce_async(x, root=root, op=op, timeout=self._timeout)
+        self._launch(work, staged,
+                     lambda: staged.flat.view(t.shape).copy_(t) if sends else None, start,
+                     lambda: t.copy_(staged.flat.view(t.shape)) if receives else None)
+
+    # -- collectives (torch's ProcessGroup method names) -------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> LpsyncWork:
+        op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
+
+        def pieces(work: LpsyncWork) -> None:
+            for t in tensors:
+                self._allreduce_piece(work, [t], op)
+        return self._run("all_reduce", tensors, pieces)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> LpsyncWork:
+        op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
+
+        def pieces(work: LpsyncWork) -> None:
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for t in tensors:  # first-seen dtype order: the same on every rank
+                by_dtype.setdefault(t.dtype, []).append(t)
+            for group in by_dtype.values():
+                self._allreduce_piece(work, group, op)
+        return self._run("all_reduce_coalesced", tensors, pieces)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts=None) -> LpsyncWork:
+        root = opts.rootRank if opts is not None else 0
+
+        def pieces(work: LpsyncWork) -> None:
+            for t in tensors:
+                self._rooted_piece(work, "broadcast", t, root)
+        return self._run("broadcast", tensors, pieces)
+
+    def reduce(self, tensors: list[torch.Tensor], opts=None) -> LpsyncWork:
+        root = opts.rootRank if opts is not None else 0
+        op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
+
+        def pieces(work: LpsyncWork) -> None:
+            for t in tensors:
+                self._rooted_piece(work, "reduce", t, root, op)
+        return self._run("reduce", tensors, pieces)
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts=None) -> LpsyncWork:
+        def pieces(work: LpsyncWork) -> None:
+            for outs, inp in zip(output_lists, inputs, strict=True):
+                self._gather_piece(work, outs, inp)
+        return self._run("all_gather", [o for outs in output_lists for o in outs], pieces)
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
+                            inputs: list[torch.Tensor], opts=None) -> LpsyncWork:
+        return self.allgather(output_lists, inputs, opts)
+
+    def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor,
+                        opts=None) -> LpsyncWork:
+        return self.all_gather_single_coalesced([output], [inp], opts)
+
+    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor,
+                          opts=None) -> LpsyncWork:
+        return self.all_gather_single_coalesced([output], [inp], opts)
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
+                                    inputs: list[torch.Tensor], opts=None) -> LpsyncWork:
+        def pieces(work: LpsyncWork) -> None:
+            for out, inp in zip(outputs, inputs, strict=True):
+                if out.numel() != inp.numel() * self.size() or not out.is_contiguous():
+                    raise ValueError(
+                        f"all_gather_into_tensor needs a contiguous output of "
+                        f"{inp.numel() * self.size()} elements (world size x input), got "
+                        f"{out.numel()}")
+                self._gather_piece(work, list(out.reshape(-1).chunk(self.size()))
+                                   if inp.numel() else [out] * self.size(), inp)
+        return self._run("all_gather_into_tensor", outputs, pieces)
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts=None) -> LpsyncWork:
+        return self.all_gather_single_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter(self, outputs: list[torch.Tensor],
+                       input_lists: list[list[torch.Tensor]], opts=None) -> LpsyncWork:
+        op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
+
+        def pieces(work: LpsyncWork) -> None:
+            for out, inputs in zip(outputs, input_lists, strict=True):
+                self._scatter_piece(work, out, inputs, op)
+        return self._run("reduce_scatter", outputs, pieces)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor,
+                             opts=None) -> LpsyncWork:
+        return self.reduce_scatter_single_coalesced([output], [inp], opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor,
+                              opts=None) -> LpsyncWork:
+        return self.reduce_scatter_single_coalesced([output], [inp], opts)
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts=None) -> LpsyncWork:
+        op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
+
+        def pieces(work: LpsyncWork) -> None:
+            for out, inp in zip(outputs, inputs, strict=True):
+                if inp.numel() != out.numel() * self.size():
+                    raise ValueError(
+                        f"reduce_scatter_tensor needs an input of {out.numel() * self.size()}"
+                        f" elements (world size x output), got {inp.numel()}")
+                blocks = (list(inp.reshape(-1).chunk(self.size())) if out.numel()
+                          else [inp] * self.size())
+                self._scatter_piece(work, out, blocks, op)
+        return self._run("reduce_scatter_tensor", outputs, pieces)
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts=None) -> LpsyncWork:
+        return self.reduce_scatter_single_coalesced(outputs, inputs, opts)
+
+    def barrier(self, opts=None) -> LpsyncWork:
+        return self._run("barrier", [], self._barrier_piece)
+
+    # -- what lpsync does not offer: a clear error, never a hang -----------------------------
+    def send(self, *args, **kwargs):
+        raise _unsupported("send", " (point-to-point)")
+
+    def recv(self, *args, **kwargs):
+        raise _unsupported("recv", " (point-to-point)")
+
+    def recv_anysource(self, *args, **kwargs):
+        raise _unsupported("recv", " (point-to-point)")
+
+    def alltoall(self, *args, **kwargs):
+        raise _unsupported("all_to_all")
+
+    def alltoall_base(self, *args, **kwargs):
+        raise _unsupported("all_to_all_single")
+
+    def all_to_all_single(self, *args, **kwargs):
+        raise _unsupported("all_to_all_single")
+
+    def scatter(self, *args, **kwargs):
+        raise _unsupported("scatter")
+
+    def gather(self, *args, **kwargs):
+        raise _unsupported("gather")
+
+    def monitored_barrier(self, *args, **kwargs):
+        raise _unsupported("monitored_barrier")
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Detach from the daemon (destroy_process_group calls this); idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.client.close()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+def _node_layout(group_rank: int, global_ranks: Sequence[int]) -> tuple[int, int]:
+    """(local rank, local world size) of this process within its group, from torchrun's
+    node-major layout (global rank // LOCAL_WORLD_SIZE is the node): the daemon serves a
+    job's ranks on its node, and a group within one node is a single-node job."""
+    env = os.environ
+    rank = int(env.get("RANK", global_ranks[group_rank]))
+    per_node = int(env.get("LOCAL_WORLD_SIZE", 0) or 0)
+    if per_node <= 0:  # no torchrun layout: treat the whole group as one node
+        return group_rank, len(global_ranks)
+    node = rank // per_node
+    mine = [g for g in global_ranks if g // per_node == node]
+    return mine.index(rank), len(mine)
+
+
+_incarnations: dict[str, int] = {}  # groups made per name in this process (see _job_name)
+
+
+def _job_name(store: dist.Store, group_rank: int, group_id: str, timeout: float) -> str:
+    """Group rank 0 draws the group's job name; the others read it from the group's store
+    (torch prefixes the store per group). LPSYNC_JOB, if set, leads the name.
+
+    The store can outlive the ranks: torchrun's static rendezvous keeps one agent store
+    across elastic restarts, with no prefix per attempt. So the key names the attempt
+    (TORCHELASTIC_RESTART_COUNT, the same on every worker of an attempt) and, for a group
+    destroyed and made again in the same processes, the incarnation (every rank counts
+    the same): no rank can read a previous attempt's name."""
+    _incarnations[group_id] = n = _incarnations.get(group_id, 0) + 1
+    key = f"lpsync/job/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{n}"
+    if group_rank == 0:
+        base = os.environ.get("LPSYNC_JOB") or "torch"
+        name = f"{base}.{secrets.token_hex(4)}.{group_id or 'default'}"
+        store.set(key, name)
+        return name
+    store.wait([key], timedelta(seconds=timeout))
+    return store.get(key).decode()
+
+
+def _create(opts, backend_options=None) -> ProcessGroupLpsync:
+    """torch's creator (extended API): one lpsync job per process group."""
+    rank, size = opts.group_rank, opts.group_size
+    timeout = opts.timeout.total_seconds() if opts.timeout else 1800.0
+    global_ranks = list(opts.global_ranks_in_group) or list(range(size))
+    try:
+        job = _job_name(opts.store, rank, str(opts.group_id), min(timeout, 600.0))
+    except Exception as error:  # the store's own errors are already torch's kinds
+        raise dist.DistBackendError(
+            f"lpsync: could not agree on a job name through the rendezvous store: {error}"
+        ) from error
+    local_rank, local_size = _node_layout(rank, global_ranks)
+    try:
+        client = lpsync_client.connect(job=job, rank=rank, world_size=size,
+                                       local_rank=local_rank, local_world_size=local_size,
+                                       timeout=timeout)
+    except LpsyncError as error:
+        raise dist.DistBackendError(
+            f"lpsync: rank {rank} of group {opts.group_id!r} could not attach to its daemon "
+            f"(LPSYNC_SOCKET={os.environ.get('LPSYNC_SOCKET', lpsync_client.client.DEFAULT_SOCKET)}"
+            f"): {error}") from error
+    return ProcessGroupLpsync(client, rank, size, timeout)
+
+
+def register() -> None:
+    """Make ``init_process_group("lpsync")`` available (idempotent; importing
+    lpsync_client.torch calls it). CUDA tensors are staged through host memory."""
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True,
+                                      devices=["cpu", "cuda"])

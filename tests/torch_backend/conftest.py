@@ -1,0 +1,42 @@
+"""Fixtures of the torch backend tests: real daemons (one, or two joined over UCX on
+loopback) and real rank processes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "daemon"))
+
+pytest.importorskip("torch")
+
+from harness import DaemonProcess
+
+
+@pytest.fixture
+def daemon(tmp_path: Path):
+    """One daemon; stopped afterwards and checked for leaks (shared memory, sockets)."""
+    proc = DaemonProcess(tmp_path)
+    try:
+        yield proc
+    finally:
+        proc.stop_and_check()
+
+
+@pytest.fixture(scope="session")
+def two_nodes(tmp_path_factory):
+    """Two daemons joined by the UCX peer plane (as tests/daemon/test_daemon_multinode.py
+    starts them), shared by this folder's tests (each job has its own name, and a killed
+    rank leaves the daemons serving); stopped at the end, each required to exit cleanly."""
+    pytest.importorskip("ucxx")
+    from test_daemon_multinode import Cluster
+
+    cluster = Cluster(tmp_path_factory.mktemp("torch-two-nodes"), 2)
+    try:
+        yield cluster
+    finally:
+        unclean = cluster.stop()
+        assert not unclean, "\n".join(unclean)
