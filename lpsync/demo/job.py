@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from lpsync.demo.local_cluster import DemoError, LocalCluster, clean_env, free_ports, tail
+from lpsync.demo.local_cluster import DemoError, LocalCluster, clean_env, tail
+from lpsync.transport.ports import free_ports
 
 # float32 rounding over a few epochs: measured ~1e-5 at most; a real error is far larger
 EQUIVALENCE_BOUND = 1e-4

@@ -5,10 +5,8 @@ each with its socket, its peer port and its metrics port, sharing a fresh cluste
 from __future__ import annotations
 
 import os
-import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,30 +15,13 @@ from pathlib import Path
 
 from lpsync.bench.runner import serving
 from lpsync.errors import LpsyncError
+from lpsync.transport.ports import free_ports
 
 _START_TIMEOUT = 60.0
 
 
 class DemoError(LpsyncError):
     """The demo could not run (a daemon or trainer failed); the message says which."""
-
-
-def free_ports(n: int) -> list[int]:
-    """Ports below the kernel's ephemeral range (UCX's outgoing connections take ports from
-    that range and could steal one between our check and the daemon's bind)."""
-    pick = random.Random()
-    ports: list[int] = []
-    while len(ports) < n:
-        port = pick.randrange(20000, 32000)
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        if port not in ports:
-            ports.append(port)
-    return ports
 
 
 def clean_env() -> dict[str, str]:

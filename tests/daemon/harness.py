@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,3 +115,71 @@ def run_ranks(world: int, target, *args, timeout: float = 90.0, dies: tuple[int,
                 p.join(5)
     assert not errors, "\n".join(errors)
     return [results.get(r) for r in range(world)]
+
+
+class PeeredDaemons:
+    """``nodes`` daemons on loopback joined by the UCX peer plane (--peers, a shared
+    secret unless ``secrets`` gives one per node), each started with ``extra`` flags."""
+
+    def __init__(self, tmp: Path, nodes: int, *extra: str, secrets: list[str] | None = None
+                 ) -> None:
+        self.tmp, self.nodes, self.extra = tmp, nodes, extra
+        self.peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(nodes))
+        self.secrets = secrets or ["harness-cluster-secret"] * nodes
+        self.daemons: list[DaemonProcess | None] = [None] * nodes
+        for node in range(nodes):
+            self.start(node)
+
+    def start(self, node: int) -> DaemonProcess:
+        where = self.tmp / f"node{node}"
+        where.mkdir(exist_ok=True)
+        self.daemons[node] = DaemonProcess(
+            where, "--peers", self.peers, "--node-rank", str(node), *self.extra,
+            env={"LPSYNC_SECRET": self.secrets[node]})
+        return self.daemons[node]
+
+    @property
+    def sockets(self) -> list[str]:
+        return [d.socket for d in self.daemons if d is not None]
+
+    def log(self, node: int) -> str:
+        daemon = self.daemons[node]
+        return daemon.log.read_text() if daemon is not None else ""
+
+    def stop(self) -> list[str]:
+        """Stop every daemon; the failures of those that did not exit cleanly (0)."""
+        for daemon in self.daemons:  # every thread's stack into the logs, for post-mortems
+            if daemon is not None and daemon.proc.poll() is None:
+                daemon.proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        unclean = []
+        for node, daemon in enumerate(self.daemons):
+            if daemon is not None and daemon.proc.poll() == -signal.SIGKILL:
+                daemon.stop()  # a test killed it on purpose
+            elif daemon is not None:
+                try:
+                    rc = daemon.stop()
+                except Exception as error:
+                    rc = repr(error)
+                if rc != 0:
+                    unclean.append(f"node {node} exited with {rc}:\n{daemon.log.read_text()[-3000:]}")
+        _reclaim(self)
+        return unclean
+
+    def stop_and_check(self) -> None:
+        unclean = self.stop()
+        assert not unclean, "\n".join(unclean)
+
+
+def _reclaim(c: PeeredDaemons) -> None:
+    """Unlink what a daemon we killed left in /dev/shm; a daemon that stopped cleanly must
+    have left nothing."""
+    for daemon in c.daemons:
+        if daemon is None:
+            continue
+        left = shm_segments(daemon.pid)
+        if daemon.proc.returncode is not None and daemon.proc.returncode < 0:
+            for name in left:
+                Path("/dev/shm", name).unlink(missing_ok=True)
+        else:
+            assert not left, left

@@ -13,7 +13,7 @@ import device_workers
 import numpy as np
 import pytest
 from collective_cases import REDUCING, assert_matches, make_inputs, reference
-from harness import DaemonProcess, run_ranks
+from harness import DaemonProcess, PeeredDaemons, run_ranks
 
 import lpsync_client
 from lpsync.types import DTYPES, Collective, ReduceOp
@@ -224,17 +224,8 @@ def test_device_buffers_across_two_nodes(tmp_path):
     """Two daemons with emulated devices joined by the peer plane: device spans are staged
     through host memory across nodes; every op, in and out of place."""
     pytest.importorskip("ucxx")
-    from ports import free_ports
-
-    peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
-    daemons = []
+    daemons = PeeredDaemons(tmp_path, 2, "--devices", "emulated:2")
     try:
-        for node in range(2):
-            where = tmp_path / f"node{node}"
-            where.mkdir()
-            daemons.append(DaemonProcess(where, "--peers", peers, "--node-rank", str(node),
-                                         "--devices", "emulated:2",
-                                         env={"LPSYNC_SECRET": "device-test-secret"}))
         world, count = 4, 1001
         rng = np.random.default_rng(8)
         cases = []
@@ -245,7 +236,7 @@ def test_device_buffers_across_two_nodes(tmp_path):
                 cases.append((op.value, "float64", "sum", in_place, root, count,
                               [x.tobytes() for x in inputs]))
         results = run_ranks(world, device_workers.run_cases_on_nodes,
-                            [d.socket for d in daemons], 2, world, [0, 1, 1, 0], cases,
+                            daemons.sockets, 2, world, [0, 1, 1, 0], cases,
                             timeout=120)
         for index, (op, _, _, in_place, root, _, raw) in enumerate(cases):
             inputs = [np.frombuffer(b, np.float64) for b in raw]
@@ -258,8 +249,7 @@ def test_device_buffers_across_two_nodes(tmp_path):
                 assert_matches(np.frombuffer(got, np.float64), want[rank],
                                f"{op} in_place={in_place} rank {rank}")
     finally:
-        for daemon in daemons:
-            daemon.stop_and_check()
+        daemons.stop_and_check()
 
 
 def test_status_and_metrics_show_devices(tmp_path):

@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import DaemonProcess, run_ranks, shm_segments
+from harness import PeeredDaemons, run_ranks
 from multinode_workers import cases_on_nodes, mismatch_on_nodes, one_allreduce, until_unavailable
-from ports import free_ports
 
 pytest.importorskip("ucxx")
 
@@ -23,55 +22,15 @@ SECRET = "multinode-test-secret"
 HEARTBEAT = 3.0
 
 
-class Cluster:
-    def __init__(self, tmp: Path, nodes: int, secrets: list[str] | None = None) -> None:
-        self.tmp, self.nodes = tmp, nodes
-        self.peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(nodes))
-        self.secrets = secrets or [SECRET] * nodes
-        self.daemons: list[DaemonProcess | None] = [None] * nodes
-        for node in range(nodes):
-            self.start(node)
-
-    def start(self, node: int) -> DaemonProcess:
-        where = self.tmp / f"node{node}"
-        where.mkdir(exist_ok=True)
-        self.daemons[node] = DaemonProcess(
-            where, "--peers", self.peers, "--node-rank", str(node),
-            "--heartbeat-timeout", str(HEARTBEAT), env={"LPSYNC_SECRET": self.secrets[node]})
-        return self.daemons[node]
-
-    @property
-    def sockets(self) -> list[str]:
-        return [d.socket for d in self.daemons if d is not None]
-
-    def log(self, node: int) -> str:
-        daemon = self.daemons[node]
-        return daemon.log.read_text() if daemon is not None else ""
-
-    def stop(self) -> list[str]:
-        """Stop every daemon; the failures of those that did not exit cleanly (0)."""
-        for daemon in self.daemons:  # every thread's stack into the logs, for post-mortems
-            if daemon is not None and daemon.proc.poll() is None:
-                daemon.proc.send_signal(signal.SIGUSR1)
-        time.sleep(0.5)
-        unclean = []
-        for node, daemon in enumerate(self.daemons):
-            if daemon is not None and daemon.proc.poll() == -signal.SIGKILL:
-                daemon.stop()  # a test killed it on purpose
-            elif daemon is not None:
-                try:
-                    rc = daemon.stop()
-                except Exception as error:
-                    rc = repr(error)
-                if rc != 0:
-                    unclean.append(f"node {node} exited with {rc}:\n{daemon.log.read_text()[-3000:]}")
-        _reclaim(self)
-        return unclean
+def start_cluster(tmp: Path, nodes: int, secrets: list[str] | None = None) -> PeeredDaemons:
+    """This module's daemons: a short heartbeat timeout, so that faults show quickly."""
+    return PeeredDaemons(tmp, nodes, "--heartbeat-timeout", str(HEARTBEAT),
+                         secrets=secrets or [SECRET] * nodes)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("multinode"), NODES)
+    c = start_cluster(tmp_path_factory.mktemp("multinode"), NODES)
     try:
         yield c
     except BaseException:
@@ -79,20 +38,6 @@ def cluster(tmp_path_factory):
         raise
     # A daemon that used the peer plane shuts down cleanly, UCX included.
     assert not (unclean := c.stop()), "\n".join(unclean)
-
-
-def _reclaim(c: Cluster) -> None:
-    """Unlink what a daemon we killed left in /dev/shm; a daemon that stopped cleanly must
-    have left nothing."""
-    for daemon in c.daemons:
-        if daemon is None:
-            continue
-        left = shm_segments(daemon.pid)
-        if daemon.proc.returncode is not None and daemon.proc.returncode < 0:
-            for name in left:
-                Path("/dev/shm", name).unlink(missing_ok=True)
-        else:
-            assert not left, left
 
 
 def _cases() -> list[tuple]:
@@ -111,7 +56,7 @@ def _cases() -> list[tuple]:
     return cases
 
 
-def test_every_op_across_three_nodes(cluster: Cluster) -> None:
+def test_every_op_across_three_nodes(cluster: PeeredDaemons) -> None:
     results = run_ranks(WORLD, cases_on_nodes, cluster.sockets, PER_NODE, "mn-ops", WORLD,
                         _cases(), timeout=100)
     failures = [f for r in results for f in r if not f.startswith("digest:")]
@@ -120,7 +65,7 @@ def test_every_op_across_three_nodes(cluster: Cluster) -> None:
     assert all(r[-1].startswith("digest:") for r in results)
 
 
-def test_cross_node_mismatch_is_invalid_argument_everywhere(cluster: Cluster) -> None:
+def test_cross_node_mismatch_is_invalid_argument_everywhere(cluster: PeeredDaemons) -> None:
     results = run_ranks(WORLD, mismatch_on_nodes, cluster.sockets, PER_NODE, "mn-mismatch",
                         WORLD, timeout=60)
     for rank, (kind, message, after, local_kind, seconds) in enumerate(results):
@@ -132,7 +77,7 @@ def test_cross_node_mismatch_is_invalid_argument_everywhere(cluster: Cluster) ->
         assert float(seconds) < 5.0, (rank, seconds)
 
 
-def _fault_while_running(cluster: Cluster, job: str, hold: float,
+def _fault_while_running(cluster: PeeredDaemons, job: str, hold: float,
                          fault: Callable[[], None]) -> tuple[list[Any], float]:
     """Every rank runs collectives until one fails; once they are going, ``fault()``
     strikes. (Each rank's (kind, at, done, message), the monotonic time of the fault.)"""
@@ -159,7 +104,7 @@ def _fault_while_running(cluster: Cluster, job: str, hold: float,
     return box["results"], fault_at
 
 
-def _kill_and_check(cluster: Cluster, job: str) -> None:
+def _kill_and_check(cluster: PeeredDaemons, job: str) -> None:
     victim = cluster.daemons[1]
     assert victim is not None
 
@@ -177,21 +122,21 @@ def _kill_and_check(cluster: Cluster, job: str) -> None:
         assert "peer mesh lost" in cluster.log(node)
 
 
-def test_a_killed_daemon_makes_the_others_unavailable(cluster: Cluster) -> None:
+def test_a_killed_daemon_makes_the_others_unavailable(cluster: PeeredDaemons) -> None:
     # Last of the module's cluster tests: node 1 stays dead.
     _kill_and_check(cluster, "mn-kill")
 
 
 def test_a_frozen_daemon_is_declared_gone_by_heartbeats(tmp_path: Path) -> None:
     """SIGSTOP: no TCP reset, no UCX error — only the heartbeats can tell."""
-    cluster = Cluster(tmp_path, NODES)
+    cluster = start_cluster(tmp_path, NODES)
     try:
         _freeze_and_check(cluster)
     finally:
         cluster.stop()
 
 
-def _freeze_and_check(cluster: Cluster) -> None:
+def _freeze_and_check(cluster: PeeredDaemons) -> None:
     frozen = cluster.daemons[2]
     assert frozen is not None
 
@@ -215,7 +160,7 @@ def test_recovery_after_a_killed_daemon_returns(tmp_path: Path) -> None:
     """Kill node 1 mid-collective, restart it: the survivors rebuild their mesh on the UCX
     runtime they keep for life (same worker, listener and port), and the next collective
     of all six ranks succeeds."""
-    c = Cluster(tmp_path, NODES)
+    c = start_cluster(tmp_path, NODES)
     try:
         _kill_and_check(c, "rec-kill")
         victim = c.daemons[1]
@@ -243,7 +188,7 @@ def test_recovery_after_a_killed_daemon_returns(tmp_path: Path) -> None:
 
 
 def test_a_peer_with_another_secret_is_refused(tmp_path: Path) -> None:
-    c = Cluster(tmp_path, 2, secrets=[SECRET, "not-the-secret"])
+    c = start_cluster(tmp_path, 2, secrets=[SECRET, "not-the-secret"])
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

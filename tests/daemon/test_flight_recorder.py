@@ -12,8 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import ROOT, DaemonProcess
-from ports import free_ports
+from harness import ROOT, DaemonProcess, PeeredDaemons
 
 import lpsync_client
 
@@ -134,15 +133,9 @@ def test_flight_recorder_size_is_checked_at_start(tmp_path: Path, value: str) ->
 
 def test_multinode_status_names_the_node_not_heard_from(tmp_path: Path) -> None:
     pytest.importorskip("ucxx")
-    peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
-    daemons = []
+    cluster = PeeredDaemons(tmp_path, 2, "--stall-seconds", str(STALL))
+    daemons = cluster.daemons
     try:
-        for node in range(2):
-            where = tmp_path / f"node{node}"
-            where.mkdir()
-            daemons.append(DaemonProcess(where, "--peers", peers, "--node-rank", str(node),
-                                         "--stall-seconds", str(STALL),
-                                         env={"LPSYNC_SECRET": "flight-recorder-secret"}))
         clients = [lpsync_client.connect(daemons[n].socket, job="mn", rank=n, world_size=2,
                                          local_rank=0, local_world_size=1, timeout=60)
                    for n in range(2)]
@@ -172,5 +165,4 @@ def test_multinode_status_names_the_node_not_heard_from(tmp_path: Path) -> None:
         for c in clients:
             c.close()
     finally:
-        for d in daemons:
-            d.stop_and_check()
+        cluster.stop_and_check()

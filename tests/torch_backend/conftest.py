@@ -32,9 +32,9 @@ def two_nodes(tmp_path_factory):
     starts them), shared by this folder's tests (each job has its own name, and a killed
     rank leaves the daemons serving); stopped at the end, each required to exit cleanly."""
     pytest.importorskip("ucxx")
-    from test_daemon_multinode import Cluster
+    from harness import PeeredDaemons
 
-    cluster = Cluster(tmp_path_factory.mktemp("torch-two-nodes"), 2)
+    cluster = PeeredDaemons(tmp_path_factory.mktemp("torch-two-nodes"), 2)
     try:
         yield cluster
     finally:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import DaemonProcess, run_ranks
+from harness import DaemonProcess, PeeredDaemons, run_ranks
 from ports import free_ports
 from trainers import (
     broadcasts,
@@ -41,20 +41,13 @@ def test_ddp_hook_equals_gloo_and_one_process(daemon: DaemonProcess, world: int)
 
 def test_ddp_hook_across_two_daemons(tmp_path: Path) -> None:
     pytest.importorskip("ucxx")
-    peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
-    daemons = []
+    daemons = PeeredDaemons(tmp_path, 2)
     try:
-        for node in range(2):
-            where = tmp_path / f"node{node}"
-            where.mkdir()
-            daemons.append(DaemonProcess(where, "--peers", peers, "--node-rank", str(node),
-                                         env={"LPSYNC_SECRET": "training-test-secret"}))
         (port,) = free_ports(1)
-        results = run_ranks(4, ddp_gloo_and_lpsync, 4, [d.socket for d in daemons], 2,
+        results = run_ranks(4, ddp_gloo_and_lpsync, 4, daemons.sockets, 2,
                             "ddp-2nodes", port, STEPS, timeout=150)
     finally:
-        for d in daemons:
-            d.stop_and_check()
+        daemons.stop_and_check()
     reference = single_process(4, STEPS)
     for rank, (gloo, lpsync, _) in enumerate(results):
         assert np.abs(lpsync - gloo).max() <= TOL, f"rank {rank}: lpsync vs gloo"
