@@ -9,21 +9,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "daemon"))
 
 pytest.importorskip("torch")
-
-from harness import DaemonProcess
-
-
-@pytest.fixture
-def daemon(tmp_path: Path):
-    """One daemon; stopped afterwards and checked for leaks (shared memory, sockets)."""
-    proc = DaemonProcess(tmp_path)
-    try:
-        yield proc
-    finally:
-        proc.stop_and_check()
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Fixtures for the daemon's integration tests: real daemons, real client processes."""
+"""Fixtures shared by every test folder: a real daemon (tests/daemon/harness.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "daemon"))  # harness, workers: import by name
 
 from harness import DaemonProcess
 
