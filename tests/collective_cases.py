@@ -71,6 +71,23 @@ def make_inputs(op: Collective, p: int, count: int, dtype: np.dtype, reduce_op: 
     return inputs
 
 
+def every_case(world: int, count: int, root: int, seed: int) -> list[tuple]:
+    """Every op x dtype (x reduce op) x in/out of place as picklable tuples for rank
+    processes: (op, dtype, reduce_op, in_place, root, count, every rank's input bytes)."""
+    rng = np.random.default_rng(seed)
+    cases = []
+    for op in Collective:
+        reduce_ops = list(ReduceOp) if op in REDUCING else [ReduceOp.SUM]
+        op_root = root if op in (C.BROADCAST, C.REDUCE) else 0
+        for dtype in DTYPES:
+            for reduce_op in reduce_ops:
+                for in_place in (False, True):
+                    inputs = make_inputs(op, world, count, DTYPES[dtype], reduce_op, rng)
+                    cases.append((op.value, dtype, reduce_op.value, in_place, op_root, count,
+                                  [x.tobytes() for x in inputs]))
+    return cases
+
+
 def _reduce_exact(stack: np.ndarray, reduce_op: ReduceOp, p: int) -> np.ndarray:
     """The reduction of the rows of ``stack`` in its own dtype (integers wrap)."""
     dtype = stack.dtype

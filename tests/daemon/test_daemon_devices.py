@@ -12,7 +12,7 @@ from pathlib import Path
 import device_workers
 import numpy as np
 import pytest
-from collective_cases import REDUCING, assert_matches, make_inputs, reference
+from collective_cases import assert_matches, every_case, make_inputs, reference
 from harness import DaemonProcess, PeeredDaemons, run_ranks
 
 import lpsync_client
@@ -51,27 +51,11 @@ def emu(tmp_path: Path):
         proc.stop_and_check()
 
 
-def _cases(world: int, count: int) -> list[tuple]:
-    """Every op x dtype (x reduce op) x in/out of place, with every rank's input."""
-    rng = np.random.default_rng(10)
-    cases = []
-    for op in Collective:
-        reduce_ops = list(ReduceOp) if op in REDUCING else [ReduceOp.SUM]
-        for dtype in DTYPES:
-            for reduce_op in reduce_ops:
-                for in_place in (False, True):
-                    root = 1 if op in (Collective.BROADCAST, Collective.REDUCE) else 0
-                    inputs = make_inputs(op, world, count, DTYPES[dtype], reduce_op, rng)
-                    cases.append((op.value, dtype, reduce_op.value, in_place, root, count,
-                                  [x.tobytes() for x in inputs]))
-    return cases
-
-
 def test_every_op_dtype_in_and_out_of_place(emu):
     """Three processes, two of them sharing device 0: every op, dtype and reduce op (and
     empty buffers)."""
     world, count = 3, 67
-    cases = _cases(world, count)
+    cases = every_case(world, count, root=1, seed=10)
     for op in Collective:  # count 0: empty allocations register and run too
         cases.append((op.value, "float32", "sum", False, 0, 0, [b""] * world))
     results = run_ranks(world, device_workers.run_cases, emu.socket, world, [0, 1, 0], cases,

@@ -13,7 +13,7 @@ from pathlib import Path
 import device_workers
 import numpy as np
 import pytest
-from collective_cases import REDUCING, assert_matches, make_inputs, reference
+from collective_cases import assert_matches, every_case, reference
 from harness import DaemonProcess, run_ranks
 
 import lpsync_client
@@ -52,17 +52,7 @@ def _rows(socket: str):
 
 def test_every_op_dtype_through_cuda_ipc_with_processes_sharing_a_gpu(gpu_daemon):
     world, count = 3, 4099
-    rng = np.random.default_rng(11)
-    cases = []
-    for op in Collective:
-        reduce_ops = list(ReduceOp) if op in REDUCING else [ReduceOp.SUM]
-        for dtype in DTYPES:
-            for reduce_op in reduce_ops:
-                for in_place in (False, True):
-                    root = 2 if op in (Collective.BROADCAST, Collective.REDUCE) else 0
-                    inputs = make_inputs(op, world, count, DTYPES[dtype], reduce_op, rng)
-                    cases.append((op.value, dtype, reduce_op.value, in_place, root, count,
-                                  [x.tobytes() for x in inputs]))
+    cases = every_case(world, count, root=2, seed=11)
     if "bfloat16" in DTYPES:
         pytest.importorskip("torch")  # cupy has no bfloat16: those arrays come from torch
     results = run_ranks(world, device_workers.run_cases, gpu_daemon.socket, world, [0, 0, 0],
