@@ -80,7 +80,13 @@ def message(descriptor: Descriptor, depth: int = 0) -> st.SearchStrategy[dict]:
         else:
             value = _scalar(f)
         if f.is_repeated:
-            value = st.lists(value, max_size=4) | value.map(lambda v: [v] * 5000)
+            short = st.lists(value, max_size=4)
+            # 5000-long lists at the top level only, of numbers or of empty messages and
+            # strings: long lists nested in long lists, or of 100 000-character strings,
+            # multiply into gigabytes in the test process itself.
+            filler = {F.TYPE_MESSAGE: st.just({}), F.TYPE_STRING: st.just(""),
+                      F.TYPE_BYTES: st.just(b"")}.get(f.type, value)
+            value = short | filler.map(lambda v: [v] * 5000) if depth == 0 else short
         fields[f.name] = value
     return st.fixed_dictionaries({}, optional=fields)
 
