@@ -12,7 +12,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from ports import free_ports
+
+from lpsync.transport.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 

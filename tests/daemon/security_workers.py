@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -17,8 +18,15 @@ def as_user(uid: int, gid: int, groups: list[int], sock: str, trigger: str,
     attach over gRPC, connect to the trigger socket, open a buffer's shared memory.
     Each outcome is "ok" or what refused it."""
     # Everything this body needs is imported before the privileges go: the interpreter's
-    # own files may not be readable by the other user.
+    # own files (the checkout, its .venv) may not be readable by the other user. grpc
+    # imports its channel modules on first use: make one channel, and fail one wait on it.
+    import grpc
+
     import lpsync_client.client
+
+    with (grpc.insecure_channel("unix:/nonexistent/lpsync-warm-up.sock") as channel,
+          contextlib.suppress(grpc.FutureTimeoutError)):
+        grpc.channel_ready_future(channel).result(timeout=0.01)
 
     os.setgroups(groups)
     os.setgid(gid)
