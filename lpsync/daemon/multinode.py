@@ -2,10 +2,11 @@
 
 When every local rank of a sequence number has arrived (matching.py), this daemon:
   1. takes the current peer mesh (peer_plane.py), waiting for it up to the deadline;
-  2. exchanges a summary with every other node of the job — its Spec and the peer
-     plane's link model — over control tags, and compares: any difference fails the
-     collective on every node alike with MismatchError (INVALID_ARGUMENT) naming the
-     fields, nodes and ranks (every node compares the same summaries, so all agree);
+  2. agrees with every other node of the job (agreement.py: summaries of Spec and link
+     model up a tree, node 0's verdict down): any difference fails the collective on
+     every node alike with MismatchError (INVALID_ARGUMENT) naming the fields, nodes and
+     ranks; a small collective's data rides the same messages and is done there
+     (small.py);
   3. picks algorithm and chunks with the tuner from the slowest probed link of all nodes
      (shared_nic=True: one NIC per node), or takes the forced ``algorithm=``; the inputs
      are identical on every node, so every node builds the same schedule;
@@ -18,24 +19,25 @@ peer plane's control space): tag = job hash (7 bits) | sequence (12 bits) | step
 
 from __future__ import annotations
 
-import json
+import contextlib
 import time
-import zlib
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import numpy as np
 
 from lpsync.algorithms import LinkModel, generate, select
 from lpsync.algorithms.tuner import chunks_for
+from lpsync.daemon import agreement
+from lpsync.daemon.agreement import job_hash
 from lpsync.daemon.devices import DeviceRegistry
 from lpsync.daemon.execute import BARRIER, GroupCache, _buffers, nccl_bytes
-from lpsync.daemon.matching import RUNNING, Job, Outcome, Pending, Spec
-from lpsync.daemon.peer_plane import SPEC, Link, PeerPlane, control_tag
+from lpsync.daemon.matching import RUNNING, Job, Outcome, Pending
+from lpsync.daemon.peer_plane import Link, PeerPlane
+from lpsync.daemon.small import SmallCollective, rides
 from lpsync.engine.group import LocalGroup
 from lpsync.engine.reduce import Reduction
 from lpsync.engine.routing import Placement
 from lpsync.errors import (
-    AbortedError,
     CollectiveTimeoutError,
     InvalidArgumentError,
     LpsyncError,
@@ -45,14 +47,9 @@ from lpsync.errors import (
 from lpsync.memory.kind import Span
 from lpsync.types import Collective, ReduceOp, dtype_of
 
-_SUMMARY_BYTES = 4096
+_NOTIFY_TIMEOUT = 5.0  # seconds a failed node waits at least for its part in the agreement
 _STEP_BITS, _SEQ_BITS, _JOB_BITS = 20, 12, 7
 _REDUCING = (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER)
-_FIELDS = ("op", "count", "dtype", "root", "reduce_op", "algorithm", "name")
-
-
-def job_hash(name: str) -> int:
-    return zlib.crc32(name.encode())
 
 
 def tag_base(job: str, sequence: int) -> int:
@@ -76,7 +73,19 @@ def run(job: Job, pending: Pending, plane: PeerPlane,
     deadline = time.monotonic() + timeout
     link = plane.link(deadline)
     try:
-        model = _agree(job, pending, link, deadline)
+        mine = agreement.summary(job, spec, link)
+        if rides(spec, job.world_size):
+            staged = _stage_in(job, pending, devices) if devices is not None else None
+            small = SmallCollective(spec, job.world_size, staged or arrivals)
+            verdict = agreement.agree(job, pending, link, deadline, mine, small)
+            pending.enter(RUNNING)
+            assert verdict.result is not None
+            small.write(verdict.result)
+            if staged is not None:
+                _stage_out(pending, staged, devices)
+            shape = "exchange" if job.layout.nodes <= agreement.EXCHANGE_MAX_NODES else "tree"
+            return Outcome(algorithm=shape, chunks=1, seconds=time.perf_counter() - start)
+        model = agreement.agree(job, pending, link, deadline, mine).model
         pending.enter(RUNNING)
         if spec.op == BARRIER:
             return Outcome(algorithm="exchange", chunks=1, seconds=time.perf_counter() - start)
@@ -95,92 +104,24 @@ def run(job: Job, pending: Pending, plane: PeerPlane,
     return Outcome(algorithm=algorithm, chunks=chunks, seconds=time.perf_counter() - start)
 
 
-def _summary(job: Job, spec: Spec, link: Link) -> dict:
-    assert job.layout is not None and link.model is not None
-    ranks = job.local_ranks
-    return {"node": job.layout.node, "ranks": [ranks[0], ranks[-1]], "spec": asdict(spec),
-            "alpha": link.model.alpha, "beta": link.model.beta}
-
-
-def _encode(summary: dict) -> np.ndarray:
-    raw = json.dumps(summary).encode()
-    if len(raw) > _SUMMARY_BYTES:
-        raise InvalidArgumentError(f"collective name too long ({len(raw)} bytes of summary)")
-    out = np.zeros(_SUMMARY_BYTES, np.uint8)
-    out[:len(raw)] = np.frombuffer(raw, np.uint8)
-    return out
-
-
-def _spec_tag(job: Job, sequence: int) -> int:
-    return control_tag(SPEC, (job_hash(job.name) << 32) | (sequence & 0xFFFFFFFF))
-
-
-_ERRORS = {"INVALID_ARGUMENT": MismatchError, "DEADLINE_EXCEEDED": CollectiveTimeoutError,
-           "ABORTED": AbortedError}
-
-
 def notify_failure(job: Job, pending: Pending, error: LpsyncError, plane: PeerPlane) -> None:
-    """This node failed ``pending`` before running it: send the other nodes a summary that
-    carries the error in place of the Spec, so they fail it too instead of timing out (a
-    timeout would break the mesh). Best effort: without a mesh there is nothing to tell."""
+    """This node failed ``pending`` before running it: take this node's part in the
+    agreement with a summary that carries the error in place of the Spec, so that the
+    other nodes fail it too instead of timing out (a timeout would break the mesh).
+    Best effort: without a mesh there is nothing to tell."""
     if job.layout is None:
         return
     try:
         link = plane.link(time.monotonic())
     except LpsyncError:
         return
-    lo, hi = job.local_ranks[0], job.local_ranks[-1]
-    message = f"node {job.layout.node} (ranks {lo}-{hi}): {error}"[:_SUMMARY_BYTES // 2]
-    out = _encode({"node": job.layout.node, "ranks": [lo, hi],
-                   "error": [error.code, message]})
-    tag = _spec_tag(job, pending.sequence)
-    deadline = time.monotonic() + 5.0
-    try:
-        for request in [link.endpoint.send(n, tag, out) for n in range(job.layout.nodes)
-                        if n != job.layout.node]:
-            request.wait(deadline)
-    except LpsyncError:
-        pass  # the mesh broke meanwhile: the other nodes learn of that instead
-
-
-def _agree(job: Job, pending: Pending, link: Link, deadline: float) -> LinkModel:
-    """Exchange summaries with every other node; MismatchError on any difference, the
-    other node's error when it failed this collective before running it."""
-    assert job.layout is not None
-    mine = _summary(job, pending.spec, link)
-    out = _encode(mine)
-    tag = _spec_tag(job, pending.sequence)
-    others = [n for n in range(job.layout.nodes) if n != job.layout.node]
-    sends = [link.endpoint.send(n, tag, out) for n in others]
-    summaries = {job.layout.node: mine}
-    pending.waiting_nodes = tuple(others)  # for `lpsync status` and the stall warning
-    for i, n in enumerate(others):
-        buf = np.zeros(_SUMMARY_BYTES, np.uint8)
-        link.endpoint.recv_into(n, tag, buf, deadline)
-        summaries[n] = json.loads(buf.tobytes().rstrip(b"\0"))
-        pending.waiting_nodes = tuple(others[i + 1:])
-    for request in sends:
-        request.wait(deadline)
-    failed = [n for n in sorted(summaries) if "error" in summaries[n]]
-    if failed:
-        code, message = summaries[failed[0]]["error"]
-        raise _ERRORS.get(code, UnavailableError)(
-            f"collective #{pending.sequence} of job {job.name!r} failed on another node: "
-            f"{message}")
-    nodes = sorted(summaries)
-    specs = {n: summaries[n]["spec"] for n in nodes}
-    fields = [f for f in _FIELDS if len({json.dumps(specs[n][f]) for n in nodes}) > 1]
-    if fields:
-        def who(n: int) -> str:
-            lo, hi = summaries[n]["ranks"]
-            return f"node {n} (ranks {lo}-{hi})"
-        detail = "; ".join(f"{f}: " + ", ".join(f"{who(n)}={specs[n][f]!r}" for n in nodes)
-                           for f in fields)
-        raise MismatchError(f"collective #{pending.sequence} of job {job.name!r}: nodes "
-                            f"disagree on {', '.join(fields)} ({detail})")
-    alpha = max(summaries[n]["alpha"] for n in nodes)
-    beta = max(summaries[n]["beta"] for n in nodes)
-    return LinkModel(alpha=alpha, beta=beta, shared_nic=True)
+    # The other nodes wait for this node as long as their own timeouts allow.
+    timeout = min((a.timeout for a in pending.arrivals.values()), default=_NOTIFY_TIMEOUT)
+    deadline = time.monotonic() + max(_NOTIFY_TIMEOUT, timeout)
+    # The verdict names this error (or an earlier node's), or the mesh broke: either way
+    # this node's participants already have their error.
+    with contextlib.suppress(LpsyncError):
+        agreement.agree(job, pending, link, deadline, agreement.failure_summary(job, error))
 
 
 def _stage_in(job: Job, pending: Pending, devices: DeviceRegistry) -> list | None:

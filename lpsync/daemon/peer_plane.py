@@ -42,7 +42,7 @@ log = logging.getLogger("lpsync.peers")
 
 CONTROL = 1 << 63
 _KIND_SHIFT = 56
-HEARTBEAT, PROBE, SPEC = 1, 2, 3
+HEARTBEAT, PROBE, SPEC, VERDICT = 1, 2, 3, 4  # SPEC/VERDICT: agreement.py, up/down
 # (bytes, round trips; the best one counts). Small round trips are cheap, and a daemon
 # that has just started shares its cores with the others starting: best of 3 measured
 # alpha at 0.5-2.9 ms on links whose quiet round trip is a few hundred us.

@@ -1,0 +1,106 @@
+"""Small multi-node collectives: their data rides the agreement's messages (agreement.py).
+
+A collective of at most SMALL_MAX_BYTES (nccl-tests' size) needs no schedule of its own:
+each node folds its local ranks' inputs into one part, the parts travel up the
+agreement's tree with the summaries (folded at every hop), node 0 finishes the result
+and it travels down with the verdict. One message per tree edge each way, where agreement
+then a schedule would pay twice the hops; measured on 8 emulated nodes (docs/benchmarks.md).
+
+Parts are folded in node order, own part first (a subtree of the binomial tree is a
+contiguous run of nodes whose children come in ascending order), so allgather blocks
+land in rank order; every node takes node 0's one result, so all get the same bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lpsync.daemon.execute import BARRIER, _buffers, nccl_bytes
+from lpsync.daemon.matching import Arrival, Spec
+from lpsync.engine.reduce import Reduction
+from lpsync.types import Collective, ReduceOp, dtype_of
+
+# Up to this size the data rides the agreement (a 64 KiB broadcast on 8 nodes: see
+# docs/benchmarks.md); the same constant on every node, so all decide alike.
+SMALL_MAX_BYTES = 64 * 1024
+_REDUCING = (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER)
+
+
+def rides(spec: Spec, world_size: int) -> bool:
+    """Whether this collective's data rides the agreement: small, and no algorithm forced
+    (a forced one runs as asked). Decided from the spec alone, so nodes that agree on the
+    spec decide alike."""
+    if spec.op == BARRIER or spec.algorithm:
+        return False
+    return nccl_bytes(spec.op, spec.count, dtype_of(spec.dtype).itemsize,
+                      world_size) <= SMALL_MAX_BYTES
+
+
+class SmallCollective:
+    """One node's side of a riding collective: its part, folding, and writing results.
+
+    ``arrivals`` are this node's participants (host arrays: device buffers are staged
+    first), in rank order."""
+
+    def __init__(self, spec: Spec, world_size: int, arrivals: list[Arrival]) -> None:
+        self.op, self.root, self.count = Collective(spec.op), spec.root, spec.count
+        self.dtype = dtype_of(spec.dtype)
+        self.ranks = [a.rank for a in arrivals]
+        self.buffers = [_buffers(self.op, a, world_size, spec.count) for a in arrivals]
+        self.reduction = (Reduction(ReduceOp(spec.reduce_op), self.dtype, world_size)
+                          if self.op in _REDUCING else None)
+
+    def part(self) -> np.ndarray:
+        """This node's contribution: its ranks' inputs reduced (reducing ops), laid end to
+        end (allgather), or the root's input (broadcast; empty on other nodes)."""
+        inputs = [inp for inp, _ in self.buffers]
+        if self.op is Collective.BROADCAST:
+            if self.root in self.ranks:
+                return inputs[self.ranks.index(self.root)]
+            return np.empty(0, self.dtype)
+        if self.op is Collective.ALLGATHER:
+            return np.concatenate(inputs)
+        part = inputs[0].copy()
+        for inp in inputs[1:]:
+            self.reduction.combine(part, inp, part)
+        return part
+
+    def fold(self, acc: np.ndarray, part: np.ndarray) -> np.ndarray:
+        """``acc`` (the nodes before) with ``part`` (the next nodes) folded in; acc may be
+        reused as the result."""
+        if self.op is Collective.BROADCAST:
+            return acc if acc.size else part
+        if self.op is Collective.ALLGATHER:
+            return np.concatenate((acc, part))
+        if part.shape != acc.shape:
+            raise ValueError(f"a part of {part.size} elements where {acc.size} were expected")
+        if not acc.flags.writeable or any(np.shares_memory(acc, inp) for inp, _ in self.buffers):
+            acc = acc.copy()  # never reduce into a participant's input
+        self.reduction.combine(acc, part, acc)
+        return acc
+
+    def finish(self, acc: np.ndarray) -> np.ndarray:
+        """The result from every node's folded parts (node 0 in the tree, every node in
+        an exchange)."""
+        if self.reduction is not None:
+            acc = acc.copy() if any(np.shares_memory(acc, inp) for inp, _ in self.buffers) else acc
+            self.reduction.finalize(acc)
+        return acc
+
+    def expected(self, world_size: int) -> int:
+        """The result's element count."""
+        if self.op in (Collective.ALLGATHER, Collective.REDUCE_SCATTER):
+            return self.count * world_size
+        return self.count
+
+    def write(self, result: np.ndarray) -> None:
+        """Each local participant's output from the result (a non-root's buffer of reduce
+        is never written)."""
+        for rank, (_, out) in zip(self.ranks, self.buffers, strict=True):
+            if self.op is Collective.REDUCE:
+                if rank == self.root:
+                    np.copyto(out, result)
+            elif self.op is Collective.REDUCE_SCATTER:
+                np.copyto(out, result[rank * self.count:(rank + 1) * self.count])
+            elif not np.shares_memory(out, result):
+                np.copyto(out, result)

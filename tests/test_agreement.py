@@ -1,0 +1,75 @@
+"""The agreement's pure parts: the binomial tree, the message frame and the judge.
+(The protocol itself runs across real daemons: tests/daemon/test_daemon_multinode.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lpsync.daemon.agreement import children, decode, encode, judge, parent, subtree
+
+
+@pytest.mark.parametrize("nodes", [*range(1, 18), 31, 32, 33, 100])
+def test_tree_covers_every_node_once_with_contiguous_subtrees(nodes: int) -> None:
+    seen = {0}
+    for node in range(nodes):
+        kids = children(node, nodes)
+        assert kids == sorted(kids)
+        for kid in kids:
+            assert parent(kid) == node
+            seen.add(kid)
+        # A subtree is the node then its children's subtrees, end to end.
+        end = node + 1
+        for kid in kids:
+            assert kid == end
+            end += subtree(kid, nodes)
+        assert end == node + subtree(node, nodes)
+    assert seen == set(range(nodes))
+    assert subtree(0, nodes) == nodes
+    depth = max((node.bit_count() for node in range(nodes)), default=0)
+    assert depth <= max(1, (nodes - 1).bit_length())  # hops from node 0: ceil(log2 P)
+
+
+def test_frame_round_trips_header_and_payload() -> None:
+    payload = np.arange(7, dtype=np.float64)
+    message = encode({"summaries": [{"node": 3}]}, payload)
+    buf = np.zeros(message.nbytes + 100, np.uint8)  # a receive buffer larger than the message
+    buf[:message.nbytes] = message
+    header, data = decode(buf)
+    assert header == {"summaries": [{"node": 3}]}
+    np.testing.assert_array_equal(data.view(np.float64), payload)
+    header, data = decode(encode({"verdict": {}}))
+    assert header == {"verdict": {}} and data.size == 0
+
+
+def test_a_frame_longer_than_its_buffer_is_refused() -> None:
+    message = encode({"x": 1}, np.zeros(10, np.uint8))
+    with pytest.raises(ValueError):
+        decode(message[:-3])
+
+
+def _summary(node: int, **spec) -> dict:
+    base = {"op": "allreduce", "dtype": "float32", "count": 4, "root": 0, "reduce_op": "sum",
+            "algorithm": "", "name": ""}
+    return {"node": node, "ranks": [2 * node, 2 * node + 1], "spec": {**base, **spec},
+            "alpha": 1e-4 * (node + 1), "beta": 1e-8 / (node + 1)}
+
+
+def test_judge_takes_the_slowest_link_when_all_agree() -> None:
+    verdict = judge([_summary(n) for n in (2, 0, 1)], 5, "job")
+    assert verdict == {"alpha": pytest.approx(3e-4), "beta": pytest.approx(1e-8)}
+
+
+def test_judge_names_fields_nodes_and_ranks_of_a_mismatch() -> None:
+    verdict = judge([_summary(0), _summary(1, count=8), _summary(2, dtype="int32")], 7, "j")
+    code, message = verdict["error"]
+    assert code == "INVALID_ARGUMENT"
+    assert "count, dtype" in message and "#7" in message
+    assert "node 1 (ranks 2-3)=8" in message and "node 2 (ranks 4-5)='int32'" in message
+
+
+def test_judge_reports_the_lowest_failed_node() -> None:
+    failed = [_summary(0), {"node": 2, "ranks": [4, 5], "error": ["ABORTED", "two"]},
+              {"node": 1, "ranks": [2, 3], "error": ["DEADLINE_EXCEEDED", "one"]}]
+    code, message = judge(failed, 1, "j")["error"]
+    assert code == "DEADLINE_EXCEEDED" and message.endswith("one")
