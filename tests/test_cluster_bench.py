@@ -115,6 +115,10 @@ def test_cpu_per_gb_and_the_fixed_cost_of_the_median_iteration() -> None:
     assert fixed.stages["agreeing"] == pytest.approx(5e-4)
     assert fixed.daemon == pytest.approx(sum(fixed.stages.values()))
     assert fixed.client == pytest.approx(1.8e-3 - fixed.daemon)
+    # Over all iterations, each stage's median in the daemon that took longest.
+    assert fixed.medians == pytest.approx({"arriving": 0.0, "queued": 2e-5, "agreeing": 4e-4,
+                                           "running": 6e-4})
+    assert fixed.summary() == "arriving 0, queued 30, agreeing 500, running 600, client 670 us"
     row = p.to_json()
     assert row["cpu_s_per_gb"] == pytest.approx(p.cpu_per_gb())
     assert row["fixed_cost"]["stages"]["running"] == pytest.approx(6e-4)
@@ -238,11 +242,13 @@ def test_three_node_cluster_bench_end_to_end() -> None:
         # The daemon ran what was forced; auto reports the tuner's pick.
         assert p["ran"] == p["algorithm"] or (p["algorithm"] == "auto"
                                               and p["ran"] in ("lp", "ring", "be", "mst"))
-        # CPU: every rank's, and for lpsync every daemon's, over messages that dwarf the
-        # barriers; at most what 2 iterations' wall time on every core could hold (+ the
-        # barriers' own time, generously).
+        # CPU: every rank's, and for lpsync every daemon's; at most what 2 iterations' wall
+        # time on every core could hold (+ the barriers' own time, generously). lpsync's
+        # calls cost clearly more than its barriers; gloo's 100 KB broadcast can cost less
+        # than the noise of 3 gloo barriers on a loaded box (then 0, never negative).
         assert p["cpu"]["rank"] > 0 and (p["cpu"]["daemon"] > 0) == (p["algorithm"] != "gloo")
-        assert 0 < p["cpu_seconds"] < (os.cpu_count() or 1) * (sum(p["times"]) + 2.0)
+        assert 0 <= p["cpu_seconds"] < (os.cpu_count() or 1) * (sum(p["times"]) + 2.0)
+        assert p["cpu_seconds"] > 0 or p["algorithm"] == "gloo"
         assert p["cpu_s_per_gb"] == pytest.approx(p["cpu_seconds"] / (2 * p["bytes"] / 1e9))
         fixed = p["fixed_cost"]
         if p["algorithm"] == "gloo":
@@ -255,6 +261,8 @@ def test_three_node_cluster_bench_end_to_end() -> None:
         assert all(0 <= s < 30 for s in fixed["stages"].values()), fixed
         assert sum(fixed["stages"].values()) == pytest.approx(fixed["daemon_seconds"])
         assert fixed["seconds"] in p["times"] and 0 <= fixed["node"] < 3
+        assert list(fixed["stage_medians"]) == list(fixed["stages"])
+        assert all(0 <= s < 30 for s in fixed["stage_medians"].values()), fixed
         assert 0 < fixed["daemon_seconds"] <= fixed["seconds"] + 1e-3  # reply before record
     pids = _daemon_pids(done.stderr)
     assert len(pids) == 3

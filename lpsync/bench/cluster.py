@@ -304,8 +304,11 @@ def _take(options: ClusterOptions, nodes: int, world: int,
 
 
 def _cpu_text(point: Point) -> str:
+    """The progress line's CPU per GB and, for lpsync, where the median iteration went."""
     per_gb = point.cpu_per_gb()
-    return "cpu -" if per_gb is None else f"cpu {per_gb:.4g} s/GB"
+    text = "cpu -" if per_gb is None else f"cpu {per_gb:.4g} s/GB"
+    fixed = point.fixed_cost()
+    return text if fixed is None else f"{text} ({fixed.summary()})"
 
 
 def _stop(workers: list[subprocess.Popen[bytes]], daemons: list[_Node]) -> None:

@@ -32,10 +32,17 @@ class FixedCost:
     stages: dict[str, float]  # stage -> seconds, in that daemon
     daemon: float  # its first local arrival to outcome (= the sum of the stages)
     client: float  # seconds - daemon: the request's way in and the reply's way out
+    # each stage's median over all iterations, in each iteration's longest daemon
+    medians: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """One line: the stages and the client's share, in microseconds."""
+        parts = [f"{name} {t * 1e6:.0f}" for name, t in self.stages.items()]
+        return f"{', '.join(parts)}, client {self.client * 1e6:.0f} us"
 
     def to_json(self) -> dict[str, Any]:
         return {"iteration": self.iteration, "seconds": self.seconds, "node": self.node,
-                "stages": self.stages,
+                "stages": self.stages, "stage_medians": self.medians,
                 "daemon_seconds": self.daemon, "client_seconds": self.client}
 
 
@@ -95,13 +102,17 @@ class Point:
         n = len(self.times)
         if not self.records or any(len(r) != n for r in self.records.values()) or not n:
             return None
+        longest = [max((r[j] for r in self.records.values()), key=lambda rec: rec["total"])
+                   for j in range(n)]
         i = sorted(range(n), key=self.times.__getitem__)[(n - 1) // 2]
         node = max(self.records, key=lambda m: self.records[m][i]["total"])
         record = self.records[node][i]
         stages = {s: record["stages"][s] for s in STAGES if s in record["stages"]}
         stages |= {s: t for s, t in record["stages"].items() if s not in stages}
+        medians = {s: statistics.median(rec["stages"].get(s, 0.0) for rec in longest)
+                   for s in stages}
         return FixedCost(i, self.times[i], node, stages, record["total"],
-                         self.times[i] - record["total"])
+                         self.times[i] - record["total"], medians)
 
     def to_json(self) -> dict[str, Any]:
         fixed = self.fixed_cost()
