@@ -20,9 +20,12 @@ import pytest
 from test_cluster import needs_netns, prefix
 
 from lpsync.bench.cluster import ClusterOptions
-from lpsync.bench.cluster_report import Point, scaling, table
+from lpsync.bench.cluster_report import STAGES, Point, emit, scaling, table
+from lpsync.bench.cluster_worker import measure
+from lpsync.bench.cpu import CpuMeter, cpu_seconds
 from lpsync.cli import main
 from lpsync.cluster import existing
+from lpsync.errors import LpsyncError
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = {"op", "algorithm", "nodes", "bytes", "seconds", "wire_seconds"}
@@ -91,6 +94,106 @@ def test_report_has_the_wire_limit_and_ratios() -> None:
     assert any("2 nodes 0.5600 s, 8 nodes 0.7500 s (1.34x)" in line for line in scaling(points))
 
 
+def _record(sequence: int, **stages: float) -> dict:
+    return {"sequence": sequence, "total": sum(stages.values()), "stages": stages}
+
+
+def test_cpu_per_gb_and_the_fixed_cost_of_the_median_iteration() -> None:
+    # 3 iterations; node 1's daemon took longest in each. The median iteration is #2.
+    records = {0: [_record(7, arriving=0.0, queued=1e-5, agreeing=2e-4, running=3e-4)] * 3,
+               1: [_record(7, arriving=0.0, queued=2e-5, agreeing=3e-4, running=5e-4),
+                   _record(9, arriving=1e-5, queued=2e-5, agreeing=4e-4, running=9e-4),
+                   _record(11, arriving=0.0, queued=3e-5, agreeing=5e-4, running=6e-4)]}
+    cpu = {"rank": 0.05, "daemon": 0.03, "rank_barriers": 0.01, "daemon_barriers": 0.01}
+    p = Point("broadcast", "lp", "lp", 2, 1, 10**9, 1 << 20, 1 << 18, [1.5e-3, 2e-3, 1.8e-3],
+              0, cpu, records)
+    assert p.cpu_seconds() == pytest.approx(0.06)
+    assert p.cpu_per_gb() == pytest.approx(0.06 / (3 * (1 << 20) / 1e9))
+    fixed = p.fixed_cost()
+    assert fixed is not None and fixed.iteration == 2 and fixed.node == 1
+    assert list(fixed.stages) == list(STAGES)
+    assert fixed.stages["agreeing"] == pytest.approx(5e-4)
+    assert fixed.daemon == pytest.approx(sum(fixed.stages.values()))
+    assert fixed.client == pytest.approx(1.8e-3 - fixed.daemon)
+    # Over all iterations, each stage's median in the daemon that took longest.
+    assert fixed.medians == pytest.approx({"arriving": 0.0, "queued": 2e-5, "agreeing": 4e-4,
+                                           "running": 6e-4})
+    assert fixed.summary() == "arriving 0, queued 30, agreeing 500, running 600, client 670 us"
+    row = p.to_json()
+    assert row["cpu_s_per_gb"] == pytest.approx(p.cpu_per_gb())
+    assert row["fixed_cost"]["stages"]["running"] == pytest.approx(6e-4)
+    text = table([p])
+    assert f"{p.cpu_per_gb():.4g}" in text and "(s/GB)" in text
+    assert "fixed cost of the median iteration" in text
+    assert re.search(r"1048576 +lp +1 \| +1800\.0 \| +0\.0 +30\.0 +500\.0 +600\.0 \| +670\.0",
+                     text), text
+    # A missing record (or gloo, which has none) gives no fixed cost rather than a wrong one.
+    assert Point("broadcast", "lp", "lp", 2, 1, 10**9, 4, 1, [1.0, 2.0], 0, cpu,
+                 {0: records[0][:2], 1: records[1][:1]}).fixed_cost() is None
+    # The barriers alone cost more than the loop (tiny messages, noise): 0, never negative.
+    noisy = dict(cpu, rank_barriers=0.2)
+    assert Point("allreduce", "lp", "lp", 2, 1, 10**9, 4, 1, [1.0], 0, noisy).cpu_seconds() == 0
+
+
+def test_flat_in_p_column_against_the_fewest_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    def point(nodes: int, seconds: float) -> Point:
+        return Point("reduce", "lp", "lp", nodes, 1, 2 * 10**8, 64 << 20, 16 << 20, [seconds])
+
+    show = emit(as_json=False)
+    show([point(2, 2.8)])
+    assert "vs 2n" not in capsys.readouterr().out  # nothing to compare with yet
+    show([point(4, 2.94)])
+    out = capsys.readouterr().out
+    assert "vs 2n" in out and re.search(r" 1\.05$", out.splitlines()[3]), out
+    show = emit(as_json=True)
+    show([point(2, 2.8)])
+    assert "x_vs_nodes" not in json.loads(capsys.readouterr().out)
+    show([point(16, 3.08)])
+    row = json.loads(capsys.readouterr().out)
+    assert row["vs_nodes"] == 2 and row["x_vs_nodes"] == pytest.approx(1.1)
+    lines = scaling([point(2, 2.8), point(4, 2.94), point(16, 3.08)])
+    assert lines == ["# reduce lp 64MiB: 2 nodes 2.8000 s, 4 nodes 2.9400 s (1.05x), "
+                     "16 nodes 3.0800 s (1.10x)"]
+
+
+def _burn(seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_measure_counts_the_calls_cpu_apart_from_the_barriers() -> None:
+    # The call burns 20 ms of CPU, each barrier 5 ms: over 4 iterations the loop holds
+    # 80 + 25 ms and the barriers alone 25 ms.
+    got = measure(lambda: _burn(0.02), lambda: _burn(0.005), warmup=1, iters=4)
+    assert len(got.times) == 4 and all(t >= 0.019 for t in got.times)
+    assert got.cpu["rank"] == pytest.approx(0.105, abs=0.015)
+    assert got.cpu["rank"] - got.cpu["rank_barriers"] == pytest.approx(0.08, abs=0.015)
+    assert got.cpu["daemon"] == 0 == got.cpu["daemon_barriers"]  # no daemon pid
+    assert got.window[0] < got.window[1]
+
+
+def test_cpu_meter_reads_another_process_and_fails_once_it_is_gone() -> None:
+    code = "import time\ne = time.process_time() + 0.3\nwhile time.process_time() < e: pass\n" \
+           "print(time.process_time(), flush=True)\ninput()"
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        own = float(child.stdout.readline())  # what the child counted itself
+        seen = CpuMeter(child.pid).read()[1]
+        assert own <= seen < own + 0.1  # + its exit path so far; blocked in input() now
+        assert cpu_seconds(os.getpid()) > 0
+        child.stdin.close()
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    with pytest.raises(LpsyncError, match=f"CPU time of process {child.pid}"):
+        cpu_seconds(child.pid)
+
+
 def _leftovers(name: str, daemon_pids: list[int]) -> list[str]:
     """Anything of run ``name`` still on the machine: namespaces, processes (found by the
     prefix in their command line: the daemons' socket paths, the ranks' job name),
@@ -139,6 +242,28 @@ def test_three_node_cluster_bench_end_to_end() -> None:
         # The daemon ran what was forced; auto reports the tuner's pick.
         assert p["ran"] == p["algorithm"] or (p["algorithm"] == "auto"
                                               and p["ran"] in ("lp", "ring", "be", "mst"))
+        # CPU: every rank's, and for lpsync every daemon's; at most what 2 iterations' wall
+        # time on every core could hold (+ the barriers' own time, generously). lpsync's
+        # calls cost clearly more than its barriers; gloo's 100 KB broadcast can cost less
+        # than the noise of 3 gloo barriers on a loaded box (then 0, never negative).
+        assert p["cpu"]["rank"] > 0 and (p["cpu"]["daemon"] > 0) == (p["algorithm"] != "gloo")
+        assert 0 <= p["cpu_seconds"] < (os.cpu_count() or 1) * (sum(p["times"]) + 2.0)
+        assert p["cpu_seconds"] > 0 or p["algorithm"] == "gloo"
+        assert p["cpu_s_per_gb"] == pytest.approx(p["cpu_seconds"] / (2 * p["bytes"] / 1e9))
+        fixed = p["fixed_cost"]
+        if p["algorithm"] == "gloo":
+            assert fixed is None
+            continue
+        # One flight record per node and iteration: the stages of a cross-node collective,
+        # each plausible, summing to the daemon's total, within the iteration's time.
+        assert fixed is not None, p
+        assert list(fixed["stages"]) == ["arriving", "queued", "agreeing", "running"]
+        assert all(0 <= s < 30 for s in fixed["stages"].values()), fixed
+        assert sum(fixed["stages"].values()) == pytest.approx(fixed["daemon_seconds"])
+        assert fixed["seconds"] in p["times"] and 0 <= fixed["node"] < 3
+        assert list(fixed["stage_medians"]) == list(fixed["stages"])
+        assert all(0 <= s < 30 for s in fixed["stage_medians"].values()), fixed
+        assert 0 < fixed["daemon_seconds"] <= fixed["seconds"] + 1e-3  # reply before record
     pids = _daemon_pids(done.stderr)
     assert len(pids) == 3
     assert _leftovers(name, pids) == []

@@ -110,3 +110,35 @@ def test_probe_order_covers_every_peer_and_runs_in_size_minus_one_rounds(size: i
             pending[a].pop(0)
         rounds += 1
     assert rounds <= size - 1 + size % 2
+
+
+def test_each_probe_pair_has_connect_timeout_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probing takes one round per peer, one after another: on many nodes or slow links
+    the rounds together outlast connect_timeout though no pair does (16 nodes at 200 Mbit/s
+    failed the mesh again and again). Each pair must get the whole bound; a pair that
+    overruns it still fails."""
+    import time
+    from types import SimpleNamespace
+
+    from lpsync.daemon import peer_plane
+    from lpsync.errors import CollectiveTimeoutError
+
+    pair_seconds = 0.25
+
+    def ping_pong(endpoint, peer: int, initiator: bool, deadline: float) -> tuple[float, float]:
+        if time.monotonic() + pair_seconds > deadline:
+            raise CollectiveTimeoutError(f"probe of peer {peer} past its deadline")
+        time.sleep(pair_seconds)  # the pair's round trips, well inside its own bound
+        return 1e-4, 1e8
+
+    monkeypatch.setattr(peer_plane, "_ping_pong", ping_pong)
+    gauge = SimpleNamespace(labels=lambda *_: SimpleNamespace(set=lambda _: None))
+    plane = SimpleNamespace(rank=0, size=5, _metrics=SimpleNamespace(peer_link_bw=gauge),
+                            options=SimpleNamespace(connect_timeout=0.5,
+                                                    peers=SimpleNamespace(peers=list(range(5)))))
+    link = SimpleNamespace(ucx=None)
+    model = peer_plane.PeerPlane._probe(plane, link, [1, 2, 3, 4])  # 4 rounds: 1 s in all
+    assert model.alpha == pytest.approx(1e-4)
+    pair_seconds = 0.6  # one pair slower than connect_timeout
+    with pytest.raises(CollectiveTimeoutError, match="past its deadline"):
+        peer_plane.PeerPlane._probe(plane, link, [1, 2, 3, 4])

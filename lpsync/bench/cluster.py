@@ -11,7 +11,9 @@ UCX over TCP, so every byte between nodes crosses the shaped links.
 
 A point's time is the median over iterations of the slowest rank's time; the wire
 limit is bytes / link rate, the time an ideal pipeline needs to push the message
-through one NIC.
+through one NIC. Its CPU is the sum over every rank and daemon of what each measured
+(cluster_worker.py), its fixed cost the daemons' flight records of its iterations
+(cluster_report.py).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ OPS = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
 PEER_PORT = 13337  # every daemon listens on its own namespace's address
 GLOO_PORT = 29500  # torch.distributed's store on node 0
 _START_TIMEOUT = 60.0  # seconds for every daemon to serve its socket (8 imports, 2 cores)
+_START_PER_NODE = 6.0  # more per node past 8: 16 daemons importing ucxx on 2 cores take ~1 min
 _STOP_TIMEOUT = 20.0  # a daemon's SIGTERM drain (10 s) plus its peer-mesh goodbye (5 s)
 
 
@@ -103,10 +106,12 @@ class ClusterOptions:
         return [f"{a} has no {op}" for op in self.ops for a in self.algorithms
                 if a not in self.offered(op)]
 
-    def plan(self, nodes: int) -> dict[str, Any]:
+    def plan(self, nodes: int, daemon_pids: list[int] | None = None) -> dict[str, Any]:
         """What every rank runs (cluster_worker.py --plan); the job name carries the prefix,
-        so every process of a run can be found by it."""
+        so every process of a run can be found by it. Local rank 0 of node n reads the CPU
+        time of ``daemon_pids[n]``."""
         plan = {"job": f"{self.prefix}-{nodes}", "ops": list(self.ops),
+                "daemon_pids": list(daemon_pids or []),
                 "sizes": list(self.sizes), "warmup": self.warmup, "iters": self.iters,
                 "compare": self.compare, "timeout": self.collective_timeout,
                 "algorithms": {op: self.algorithms_of(op) for op in self.ops}}
@@ -115,6 +120,11 @@ class ClusterOptions:
 
             plan["model"] = messages(self.model)
         return plan
+
+    def flight_recorder(self) -> int:
+        """Records each daemon keeps per job: a point's warmups, its timed calls with the
+        barrier before each, the barriers alone and the verify pass, with room to spare."""
+        return 3 * self.iters + self.warmup + 64
 
     def points_per_cluster(self) -> int:
         if self.model:  # one point per message mix and engine
@@ -157,7 +167,7 @@ def _run_nodes(options: ClusterOptions, nodes: int, interrupts: _Interrupts) -> 
     try:
         progress(f"{nodes} nodes: cluster {spec.prefix!r} up "
                  f"({format_rate(spec.rate_bits)} full duplex per node)")
-        _start_daemons(spec, tmp, daemons)
+        _start_daemons(spec, options, tmp, daemons)
         pids = ", ".join(str(d.daemon.pid) for d in daemons)
         progress(f"{nodes} nodes: {nodes} daemons serving (pids {pids}); starting "
                  f"{nodes * options.procs_per_node} ranks")
@@ -183,7 +193,8 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("LPSYNC_")}
 
 
-def _start_daemons(spec: ClusterSpec, tmp: Path, daemons: list[_Node]) -> None:
+def _start_daemons(spec: ClusterSpec, options: ClusterOptions, tmp: Path,
+                   daemons: list[_Node]) -> None:
     peers = ",".join(f"{spec.address(i)}:{PEER_PORT}" for i in range(spec.nodes))
     env = {**_clean_env(), "LPSYNC_SECRET": secrets.token_hex(32), "LPSYNC_PEER_TLS": "tcp"}
     for node in range(spec.nodes):
@@ -193,11 +204,12 @@ def _start_daemons(spec: ClusterSpec, tmp: Path, daemons: list[_Node]) -> None:
         with open(log, "wb") as out:
             proc = run_in(spec, node, [sys.executable, "-m", "lpsync.cli", "daemon",
                                        "--socket", socket, "--node-rank", str(node),
-                                       "--peers", peers, "--log-level", "INFO"],
+                                       "--peers", peers, "--log-level", "INFO",
+                                       "--flight-recorder", str(options.flight_recorder())],
                           stdout=out, stderr=subprocess.STDOUT, env=env,
                           start_new_session=True)  # Ctrl-C reaches us; we stop them in order
         daemons.append(_Node(proc, socket, log))
-    deadline = time.monotonic() + _START_TIMEOUT
+    deadline = time.monotonic() + _START_TIMEOUT + _START_PER_NODE * max(0, spec.nodes - 8)
     for node, d in enumerate(daemons):
         while not serving(d.socket):
             if d.daemon.poll() is not None or time.monotonic() > deadline:
@@ -209,7 +221,8 @@ def _start_workers(spec: ClusterSpec, options: ClusterOptions, daemons: list[_No
                    workers: list[subprocess.Popen[bytes]]) -> None:
     k = options.procs_per_node
     world = spec.nodes * k
-    plan = json.dumps(options.plan(spec.nodes))
+    # `ip netns exec` execs the command: each Popen's pid is its daemon's.
+    plan = json.dumps(options.plan(spec.nodes, [d.daemon.pid for d in daemons]))
     for rank in range(world):
         node = rank // k
         env = {**_clean_env(), "RANK": str(rank), "WORLD_SIZE": str(world),
@@ -265,7 +278,7 @@ def _collect(options: ClusterOptions, nodes: int, workers: list[subprocess.Popen
                         progress(f"[{len(points)}/{expected}] {nodes} nodes {point.op} "
                                  f"{label(point)} {format_size(point.nbytes)}: "
                                  f"{point.seconds:.4f} s = {point.seconds / point.wire_seconds:.2f}"
-                                 f"x wire, #wrong {point.wrong}")
+                                 f"x wire, {_cpu_text(point)}, #wrong {point.wrong}")
     if len(points) != expected:
         raise ClusterError(f"{nodes} nodes: got {len(points)} of {expected} points")
     return points
@@ -280,10 +293,22 @@ def _take(options: ClusterOptions, nodes: int, world: int,
     if len(got) < world:
         return None
     del partial[key]
+    cpu = None
+    if all("cpu" in r for r in got.values()):  # --model's rows carry none
+        cpu = {part: sum(r["cpu"][part] for r in got.values()) for part in row["cpu"]}
+    records = {r["node"]: r["records"] for r in got.values() if r.get("node") is not None}
     return Point(row["op"], row["algorithm"], got[0]["ran"], nodes, options.procs_per_node,
                  options.rate_bits, row["bytes"], row["count"],
                  [max(t) for t in zip(*(r["times"] for r in got.values()), strict=True)],
-                 sum(r["wrong"] for r in got.values()))
+                 sum(r["wrong"] for r in got.values()), cpu, records)
+
+
+def _cpu_text(point: Point) -> str:
+    """The progress line's CPU per GB and, for lpsync, where the median iteration went."""
+    per_gb = point.cpu_per_gb()
+    text = "cpu -" if per_gb is None else f"cpu {per_gb:.4g} s/GB"
+    fixed = point.fixed_cost()
+    return text if fixed is None else f"{text} ({fixed.summary()})"
 
 
 def _stop(workers: list[subprocess.Popen[bytes]], daemons: list[_Node]) -> None:

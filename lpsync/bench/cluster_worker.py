@@ -11,6 +11,12 @@ barriers.
 Each timed iteration is preceded by a barrier, so it measures one collective on its
 own (a pipelined op's ranks finish at different moments; back to back, the next
 iteration's start would absorb that skew).
+
+CPU: every rank reads its own process's CPU seconds (all threads), and local rank 0 of
+each node its daemon's (its pid from the plan), around the timed loop; then around as many
+barriers alone, whose CPU the coordinator subtracts (cpu.py, docs/benchmarks.md). Local
+rank 0 also sends its daemon's flight records of the timed iterations (stage times: the
+fixed cost of a collective).
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
+from lpsync.bench.cpu import CpuMeter
 from lpsync.bench.worker import (
     DTYPE,
     buffer_elements,
@@ -37,26 +46,54 @@ from lpsync.bench.worker import (
 ROOT = 0  # of broadcast and reduce
 
 
+@dataclass
+class Measured:
+    times: list[float]  # seconds, per timed iteration
+    window: tuple[float, float]  # unix times around the timed loop (for flight records)
+    cpu: dict[str, float]  # CPU seconds: rank/daemon, over the loop and over barriers alone
+
+
 def measure(call: Callable[[], object], barrier: Callable[[], object], warmup: int,
-            iters: int) -> list[float]:
+            iters: int, meter: CpuMeter | None = None) -> Measured:
+    """``iters`` timed calls, each after a barrier, and one barrier closing the loop (a
+    call's last work on other ranks' behalf may spill into the barrier after it); then the
+    same ``iters + 1`` barriers alone, so that the loop's CPU minus theirs is the calls'."""
+    meter = meter or CpuMeter()
     for _ in range(warmup):
         call()
     times = []
+    c0, w0 = meter.read(), time.time()
     for _ in range(iters):
         barrier()
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
-    return times
+    barrier()
+    w1, c1 = time.time(), meter.read()
+    for _ in range(iters + 1):
+        barrier()
+    c2 = meter.read()
+    cpu = {"rank": c1[0] - c0[0], "daemon": c1[1] - c0[1],
+           "rank_barriers": c2[0] - c1[0], "daemon_barriers": c2[1] - c1[1]}
+    return Measured(times, (w0, w1), cpu)
 
 
 def _emit(**point: object) -> None:
     print(json.dumps(point), flush=True)
 
 
+def _meter(args: argparse.Namespace, rank: int) -> tuple[CpuMeter, int | None]:
+    """This rank's meter, with its daemon's CPU on local rank 0 of each node; the node."""
+    if os.environ.get("LOCAL_RANK", "0") != "0" or not getattr(args, "daemon_pids", None):
+        return CpuMeter(), None
+    node = rank // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return CpuMeter(args.daemon_pids[node]), node
+
+
 def run_lpsync(args: argparse.Namespace, rank: int, world: int) -> None:
     import lpsync_client
 
+    meter, node = _meter(args, rank)
     with lpsync_client.connect(job=args.job, timeout=args.timeout) as client:
         client.barrier()  # waits for the peer mesh; not timed
         for op in args.ops:
@@ -66,16 +103,36 @@ def run_lpsync(args: argparse.Namespace, rank: int, world: int) -> None:
                 for algorithm in args.algorithms[op]:
                     forced = None if algorithm == "auto" else algorithm
                     call = lpsync_call(client, op, buf, forced, ROOT)
-                    times = measure(call, client.barrier, args.warmup, args.iters)
+                    got = measure(call, client.barrier, args.warmup, args.iters, meter)
+                    records = (flight_records(client, op, got.window)
+                               if node is not None else [])
                     fill(op, buf, rank, world, count)
                     client.barrier()
                     call()
                     wrong = count_wrong(op, buf, rank, world, count, ROOT)
                     _emit(engine="lpsync", op=op, algorithm=algorithm, bytes=nbytes,
-                          count=count, rank=rank, times=times, wrong=wrong,
+                          count=count, rank=rank, times=got.times, wrong=wrong, cpu=got.cpu,
+                          node=node, records=records,
                           ran=_ran(client, op, count) if rank == 0 else "")
                 client.release(buf)
                 del buf
+
+
+def flight_records(client, op: str, window: tuple[float, float]) -> list[dict[str, Any]]:
+    """This node's daemon's records of the timed iterations (those of ``op`` that started
+    inside ``window``: the warmups started before it, the barriers are another op),
+    oldest first: each one's sequence, total and stage times. Every one has finished: the
+    loop ends with a barrier after the last."""
+    job = client.job
+    out = []
+    for info in client.status().jobs:
+        if info.job != job:
+            continue
+        for r in info.history:
+            if r.op == op and r.code == "OK" and window[0] <= r.started_at <= window[1]:
+                out.append({"sequence": r.sequence, "total": r.total_seconds,
+                            "stages": {s.stage: s.seconds for s in r.stages}})
+    return sorted(out, key=lambda r: r["sequence"])
 
 
 def _ran(client, op: str, count: int) -> str:
@@ -130,11 +187,11 @@ def run_gloo(args: argparse.Namespace, rank: int, world: int) -> None:
             for nbytes in args.sizes:
                 count = element_count(op, nbytes, world)
                 full, mine = gloo_tensors(op, rank, world, count)
-                times = measure(gloo_call(dist, op, full, mine), dist.barrier, args.warmup,
-                                args.iters)
+                got = measure(gloo_call(dist, op, full, mine), dist.barrier, args.warmup,
+                              args.iters)
                 wrong = gloo_verify(dist, op, full, mine, rank, world, count)
                 _emit(engine="gloo", op=op, algorithm="gloo", bytes=nbytes, count=count,
-                      rank=rank, times=times, wrong=wrong, ran="gloo")
+                      rank=rank, times=got.times, wrong=wrong, cpu=got.cpu, ran="gloo")
     finally:
         dist.destroy_process_group()
 

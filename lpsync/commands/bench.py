@@ -24,13 +24,22 @@ daemon per namespace (peers = every node's address, UCX over TCP, a fresh random
 secret) and --procs-per-node client processes per namespace (node-major ranks, as
 torchrun numbers them), runs every --op x --bytes x --algorithm, then tears everything
 down, also on failure and Ctrl-C. Besides the table it prints the wire limit (bytes /
-link rate: an ideal pipeline's time through one NIC) and each time's ratio to it.
---json prints one object per line per point (op, algorithm, ran, nodes, bytes, seconds,
-wire_seconds, x_wire, ...). Time = median over iterations of the slowest rank; each timed
-iteration follows a barrier. Example (8 nodes: ~2 min):
+link rate: an ideal pipeline's time through one NIC) and each time's ratio to it; cpu:
+the CPU seconds every node process (ranks; daemons for lpsync) spent on the timed
+collectives per GB of message (nbytes x iters; the barriers' CPU measured alone and
+subtracted); under each op, the fixed cost of every lpsync point: its median iteration
+split into the daemon's stages (arriving, queued, agreeing across nodes, running) and the
+client's share; with several node counts, "vs Nn": each time / the same point's on the
+fewest nodes. --json prints one object per line per point (op, algorithm, ran, nodes,
+bytes, seconds, wire_seconds, x_wire, cpu_s_per_gb, fixed_cost, x_vs_nodes, ...). Time =
+median over iterations of the slowest rank; each timed iteration follows a barrier.
+Example (8 nodes: ~2 min):
 
   lpsync bench --cluster --nodes 2,8 --link 1gbit --op broadcast --algorithm lp,be,mst \\
       --bytes 64MiB --compare gloo
+
+Flat in P, 2 to 16 nodes (~5 min): lpsync bench --cluster --nodes 2,4,8,16 \\
+      --link 200mbit --op broadcast,reduce --algorithm lp --bytes 64MiB
 
 --model NAME (alexnet, vgg16, resnet50, bert-base, gpt2) replays one training step's
 gradient allreduces of that network: every parameter tensor, then DDP's 25 MiB buckets,

@@ -320,10 +320,13 @@ class PeerPlane:
         alpha = half the small round trip, beta from the large one. One peer at a time, in
         the rounds of a round-robin tournament that every node derives alike: each node
         is in one pair per round, so no two probes share a NIC (probing all pairs at once
-        measured the probes' own congestion: alpha of 7-39 ms on 1 Gbit/s links)."""
+        measured the probes' own congestion: alpha of 7-39 ms on 1 Gbit/s links). Each
+        pair gets connect_timeout of its own: the rounds add up with the node count (16
+        nodes at 200 Mbit/s: 15 rounds of about 1 s), and a shared deadline failed the
+        probe, and so the mesh, again and again."""
         results: dict[int, tuple[float, float]] = {}
-        deadline = time.monotonic() + self.options.connect_timeout
         for peer in probe_order(self.rank, self.size):
+            deadline = time.monotonic() + self.options.connect_timeout
             results[peer] = _ping_pong(link.ucx, peer, self.rank < peer, deadline)
         for peer, (_, bandwidth) in results.items():
             self._metrics.peer_link_bw.labels(str(self.options.peers.peers[peer])).set(bandwidth)
