@@ -3,31 +3,41 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
-from lpsync.daemon.agreement import children, decode, encode, judge, parent, subtree
+from lpsync.daemon.agreement import Tree, decode, encode, judge
 
 
+def _depth(tree: Tree, node: int) -> int:
+    return 0 if node == 0 else 1 + _depth(tree, tree.parent(node))
+
+
+@pytest.mark.parametrize("radix", [2, 3, 4, 1000])
 @pytest.mark.parametrize("nodes", [*range(1, 18), 31, 32, 33, 100])
-def test_tree_covers_every_node_once_with_contiguous_subtrees(nodes: int) -> None:
+def test_tree_covers_every_node_once_with_contiguous_subtrees(nodes: int, radix: int) -> None:
+    tree = Tree(nodes, radix)
     seen = {0}
     for node in range(nodes):
-        kids = children(node, nodes)
+        kids = tree.children(node)
         assert kids == sorted(kids)
+        assert len(kids) <= (radix - 1) * max(1, math.ceil(math.log(max(nodes, 2), radix)))
         for kid in kids:
-            assert parent(kid) == node
+            assert tree.parent(kid) == node
             seen.add(kid)
         # A subtree is the node then its children's subtrees, end to end.
         end = node + 1
         for kid in kids:
             assert kid == end
-            end += subtree(kid, nodes)
-        assert end == node + subtree(node, nodes)
+            end += tree.subtree(kid)
+        assert end == node + tree.subtree(node)
     assert seen == set(range(nodes))
-    assert subtree(0, nodes) == nodes
-    depth = max((node.bit_count() for node in range(nodes)), default=0)
-    assert depth <= max(1, (nodes - 1).bit_length())  # hops from node 0: ceil(log2 P)
+    # Hops from node 0: at most ceil(log_radix P); a flat tree is one hop deep.
+    depth = max(_depth(tree, node) for node in range(nodes))
+    assert depth <= math.ceil(math.log(max(nodes, 2), radix) - 1e-9)
+    assert depth == (nodes > 1) if radix >= nodes else depth >= 1 or nodes == 1
 
 
 def test_frame_round_trips_header_and_payload() -> None:

@@ -22,7 +22,10 @@ fails that node's part as a mismatch instead of breaking the mesh.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import struct
 import zlib
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -44,11 +47,17 @@ from lpsync.errors import (
 
 SUMMARY_BYTES = 4096  # one node's summary, JSON (a collective's name is most of it)
 _VERDICT_BYTES = 4096
-_FRAME = 8
+_LENGTHS = struct.Struct("<II")  # the frame: header bytes, payload bytes
+_FRAME = _LENGTHS.size
 _FIELDS = ("op", "count", "dtype", "root", "reduce_op", "algorithm", "name")
 _ERRORS = {"INVALID_ARGUMENT": MismatchError, "DEADLINE_EXCEEDED": CollectiveTimeoutError,
            "ABORTED": AbortedError}
 EXCHANGE_MAX_NODES = 2  # up to this many nodes, every node sends to every other
+# The tree's fan-out: flat up to 8 nodes (2 hops), then 8-nomial. On the 2-core emulated
+# cluster binomial and flat cost the same (CPU-bound: the messages are the same 2(P-1));
+# where cores are plenty, fewer hops win. LPSYNC_AGREEMENT_RADIX (tests, tuning) must be
+# the same on every node: a node that waits on another parent hangs until its timeout.
+TREE_RADIX = max(2, int(os.environ.get("LPSYNC_AGREEMENT_RADIX", "8")))
 
 
 @dataclass(frozen=True)
@@ -63,33 +72,47 @@ def job_hash(name: str) -> int:
 
 # -- the tree ------------------------------------------------------------------------------
 
-def parent(node: int) -> int:
-    """Node ``node``'s parent in the binomial tree rooted at node 0 (node > 0)."""
-    return node & (node - 1)
+@dataclass(frozen=True)
+class Tree:
+    """A k-nomial tree over nodes 0..nodes-1 rooted at node 0 (radix 2: binomial; radix >=
+    nodes: flat, node 0 the parent of all). A node's subtree is a contiguous run of nodes
+    that starts with it; its children come in ascending order, each subtree after the
+    previous one (so allgather blocks fold in rank order)."""
 
+    nodes: int
+    radix: int = 2
 
-def children(node: int, nodes: int) -> list[int]:
-    """Ascending; child c's subtree is the contiguous nodes c .. c + subtree(c) - 1."""
-    low = node & -node if node else 1 << max(0, (nodes - 1).bit_length())
-    out, step = [], 1
-    while step < low and node + step < nodes:
-        out.append(node + step)
-        step <<= 1
-    return out
+    def _place(self, node: int) -> int:
+        """The place value of ``node``'s lowest nonzero base-radix digit (node > 0)."""
+        place = 1
+        while node % (place * self.radix) == 0:
+            place *= self.radix
+        return place
 
+    def parent(self, node: int) -> int:
+        place = self._place(node)
+        return node - (node // place % self.radix) * place
 
-def subtree(node: int, nodes: int) -> int:
-    low = node & -node if node else nodes
-    return min(low, nodes - node)
+    def subtree(self, node: int) -> int:
+        return self.nodes if node == 0 else min(self._place(node), self.nodes - node)
+
+    def children(self, node: int) -> list[int]:
+        out, place = [], 1
+        while place < self.subtree(node) and node + place < self.nodes:
+            out.extend(node + j * place for j in range(1, self.radix)
+                       if node + j * place < self.nodes)
+            place *= self.radix
+        return out
 
 
 # -- messages ------------------------------------------------------------------------------
 
-def encode(header: dict[str, Any], payload: np.ndarray | None = None) -> np.ndarray:
-    raw = json.dumps(header).encode()
+def encode(header: dict[str, Any] | bytes, payload: np.ndarray | None = None) -> np.ndarray:
+    """A message: ``header`` as JSON (or already serialized) and the payload's bytes."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
     data = b"" if payload is None else np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
     out = np.empty(_FRAME + len(raw) + len(data), np.uint8)
-    out[:_FRAME] = np.frombuffer(np.array([len(raw), len(data)], "<u4").tobytes(), np.uint8)
+    _LENGTHS.pack_into(out, 0, len(raw), len(data))
     out[_FRAME:_FRAME + len(raw)] = np.frombuffer(raw, np.uint8)
     if len(data):
         out[_FRAME + len(raw):] = data
@@ -98,29 +121,50 @@ def encode(header: dict[str, Any], payload: np.ndarray | None = None) -> np.ndar
 
 def decode(buf: np.ndarray) -> tuple[dict[str, Any], np.ndarray]:
     """(header, payload bytes) of a received message."""
-    head, size = (int(x) for x in buf[:_FRAME].view("<u4"))
+    head, size = _LENGTHS.unpack_from(buf)
     if _FRAME + head + size > buf.nbytes:
         raise ValueError("a message shorter than its frame says")
     header = json.loads(buf[_FRAME:_FRAME + head].tobytes())
     return header, buf[_FRAME + head:_FRAME + head + size]
 
 
-def summary(job: Job, spec: Spec, link: Link) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Summary:
+    """One node's summary (read-only) and the header of a message that carries it alone
+    (what a node without children sends), serialized once."""
+
+    fields: dict[str, Any]
+    alone: bytes
+
+    @classmethod
+    def of(cls, fields: dict[str, Any]) -> Summary:
+        return cls(fields, json.dumps({"summaries": [fields]}).encode())
+
+
+def summary(job: Job, spec: Spec, link: Link) -> Summary:
+    """This node's summary of ``spec`` (cached: a job repeats its collectives)."""
     assert job.layout is not None and link.model is not None
     ranks = job.local_ranks
-    mine = {"node": job.layout.node, "ranks": [ranks[0], ranks[-1]], "spec": asdict(spec),
-            "alpha": link.model.alpha, "beta": link.model.beta}
-    if len(json.dumps(mine)) > SUMMARY_BYTES:
+    return _summary(spec, job.layout.node, ranks[0], ranks[-1], link.model.alpha,
+                    link.model.beta)
+
+
+@functools.lru_cache(maxsize=256)
+def _summary(spec: Spec, node: int, lo: int, hi: int, alpha: float, beta: float) -> Summary:
+    mine = Summary.of({"node": node, "ranks": [lo, hi], "spec": asdict(spec), "alpha": alpha,
+                       "beta": beta})
+    if len(mine.alone) > SUMMARY_BYTES:
         raise InvalidArgumentError(f"collective name too long ({len(spec.name)} characters)")
     return mine
 
 
-def failure_summary(job: Job, error: LpsyncError) -> dict[str, Any]:
+def failure_summary(job: Job, error: LpsyncError) -> Summary:
     """A summary that carries the error that failed the collective on this node."""
     assert job.layout is not None
     lo, hi = job.local_ranks[0], job.local_ranks[-1]
     message = f"node {job.layout.node} (ranks {lo}-{hi}): {error}"[:SUMMARY_BYTES // 2]
-    return {"node": job.layout.node, "ranks": [lo, hi], "error": [error.code, message]}
+    return Summary.of({"node": job.layout.node, "ranks": [lo, hi],
+                       "error": [error.code, message]})
 
 
 def _tags(job_hash: int, sequence: int) -> tuple[int, int]:
@@ -140,7 +184,9 @@ def judge(summaries: list[dict[str, Any]], sequence: int, job: str) -> dict[str,
         return {"error": [code, f"collective #{sequence} of job {job!r} failed on another "
                                 f"node: {message}"]}
     specs = {n: by_node[n]["spec"] for n in nodes}
-    fields = [f for f in _FIELDS if len({json.dumps(specs[n][f]) for n in nodes}) > 1]
+    first = specs[nodes[0]]
+    same = all(spec == first for spec in specs.values())
+    fields = [] if same else [f for f in _FIELDS if len({json.dumps(specs[n][f]) for n in nodes}) > 1]
     if fields:
         def who(n: int) -> str:
             lo, hi = by_node[n]["ranks"]
@@ -170,7 +216,7 @@ def _same_data(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> bool:
 
 # -- the protocol --------------------------------------------------------------------------
 
-def agree(job: Job, pending: Pending, link: Link, deadline: float, mine: dict[str, Any],
+def agree(job: Job, pending: Pending, link: Link, deadline: float, mine: Summary,
           small: SmallCollective | None = None) -> Verdict:
     """Run this node's side of the agreement; raises the verdict's error on every node
     alike. ``mine`` is this node's summary (summary() or failure_summary());
@@ -178,7 +224,7 @@ def agree(job: Job, pending: Pending, link: Link, deadline: float, mine: dict[st
     assert job.layout is not None
     nodes = job.layout.nodes
     up, down = _tags(job_hash(job.name), pending.sequence)
-    part = small.part() if small is not None and "error" not in mine else None
+    part = small.part() if small is not None and "error" not in mine.fields else None
     if nodes <= EXCHANGE_MAX_NODES:
         return _exchange(job, pending, link, deadline, mine, small, part, up)
     return _tree(job, pending, link, deadline, mine, small, part, up, down)
@@ -203,19 +249,19 @@ class _Incoming:
                     "allows (the nodes run different collectives)")
         except ValueError as error:
             return f"node {self.peer} sent an unreadable agreement message ({error})"
-        return header, payload, self.buf[:_FRAME + int(self.buf[:_FRAME].view("<u4").sum())]
+        return header, payload, self.buf[:_FRAME + sum(_LENGTHS.unpack_from(self.buf))]
 
 
-def _exchange(job: Job, pending: Pending, link: Link, deadline: float, mine: dict[str, Any],
+def _exchange(job: Job, pending: Pending, link: Link, deadline: float, mine: Summary,
               small: SmallCollective | None, part: np.ndarray | None, tag: int) -> Verdict:
     assert job.layout is not None
     nodes, node = job.layout.nodes, job.layout.node
-    out = encode({"summaries": [mine]}, part)
+    out = encode(mine.alone, part)
     others = [n for n in range(nodes) if n != node]
     incoming = [_Incoming(link, n, tag, SUMMARY_BYTES + _FRAME + SMALL_MAX_BYTES)
                 for n in others]
     sends = [link.endpoint.send(n, tag, out) for n in others]
-    summaries, parts = [mine], {node: part}
+    summaries, parts = [mine.fields], {node: part}
     pending.waiting_nodes = tuple(others)  # for `lpsync status` and the stall warning
     for i, (n, message) in enumerate(zip(others, incoming, strict=True)):
         got = message.take(deadline)
@@ -242,18 +288,19 @@ def _as(small: SmallCollective, part: np.ndarray) -> np.ndarray:
     return part if part.dtype == small.dtype else part.view(small.dtype)
 
 
-def _tree(job: Job, pending: Pending, link: Link, deadline: float, mine: dict[str, Any],
+def _tree(job: Job, pending: Pending, link: Link, deadline: float, mine: Summary,
           small: SmallCollective | None, part: np.ndarray | None, up: int, down: int
           ) -> Verdict:
     assert job.layout is not None
     nodes, node = job.layout.nodes, job.layout.node
-    kids = children(node, nodes)
-    incoming = [_Incoming(link, kid, up, SUMMARY_BYTES * subtree(kid, nodes) + _FRAME
+    tree = Tree(nodes, TREE_RADIX)
+    kids = tree.children(node)
+    incoming = [_Incoming(link, kid, up, SUMMARY_BYTES * tree.subtree(kid) + _FRAME
                           + SMALL_MAX_BYTES) for kid in kids]
-    verdict_in = (_Incoming(link, parent(node), down, _VERDICT_BYTES + _FRAME + SMALL_MAX_BYTES)
-                  if node else None)
-    summaries, acc = [mine], part
-    pending.waiting_nodes = tuple(range(node + 1, node + subtree(node, nodes)))
+    verdict_in = (_Incoming(link, tree.parent(node), down,
+                            _VERDICT_BYTES + _FRAME + SMALL_MAX_BYTES) if node else None)
+    summaries, acc = [mine.fields], part
+    pending.waiting_nodes = tuple(range(node + 1, node + tree.subtree(node)))
     for kid, message in zip(kids, incoming, strict=True):
         got = message.take(deadline)
         if isinstance(got, str):
@@ -267,9 +314,8 @@ def _tree(job: Job, pending: Pending, link: Link, deadline: float, mine: dict[st
         if acc is not None:
             assert small is not None
             # Another collective's data cannot be folded: the verdict will be a mismatch.
-            acc = small.fold(acc, _as(small, payload)) if _same_data(mine, theirs) else None
-        pending.waiting_nodes = tuple(range(kid + subtree(kid, nodes),
-                                            node + subtree(node, nodes)))
+            acc = small.fold(acc, _as(small, payload)) if _same_data(mine.fields, theirs) else None
+        pending.waiting_nodes = tuple(range(kid + tree.subtree(kid), node + tree.subtree(node)))
     if node == 0:
         verdict = judge(summaries, pending.sequence, job.name)
         result = None
@@ -278,7 +324,8 @@ def _tree(job: Job, pending: Pending, link: Link, deadline: float, mine: dict[st
             result = small.finish(acc)
         message = encode({"verdict": verdict}, result)
     else:
-        sent = link.endpoint.send(parent(node), up, encode({"summaries": summaries}, acc))
+        header = mine.alone if not kids else {"summaries": summaries}
+        sent = link.endpoint.send(tree.parent(node), up, encode(header, acc))
         pending.waiting_nodes = (0,)
         assert verdict_in is not None
         got = verdict_in.take(deadline)

@@ -200,3 +200,31 @@ def test_a_peer_with_another_secret_is_refused(tmp_path: Path) -> None:
         assert "peer mesh up" not in c.log(0) + c.log(1)
     finally:
         c.stop()
+
+
+def test_a_deeper_agreement_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five nodes, one rank each, a binomial agreement tree (node 3 under 2, node 4's
+    subtree folded last): small collectives fold their data at every hop and come back
+    in rank order; a mismatch on the deepest node reaches all; big ones still run."""
+    monkeypatch.setenv("LPSYNC_AGREEMENT_RADIX", "2")  # the daemons inherit it
+    nodes = 5
+    cluster = start_cluster(tmp_path, nodes)
+    try:
+        cases = [(op, dt, rop, count, in_place, None, root, True)
+                 for op, root in (("allreduce", 0), ("broadcast", 3), ("reduce", 4),
+                                  ("allgather", 0), ("reduce_scatter", 0))
+                 for dt, rop, count, in_place in (("float32", "sum", 1000, True),
+                                                  ("int64", "max", 7, False),
+                                                  ("float64", "avg", 300_000, True))
+                 if not (rop == "avg" and op not in ("allreduce", "reduce", "reduce_scatter"))]
+        results = run_ranks(nodes, cases_on_nodes, cluster.sockets, 1, "mn-tree", nodes, cases,
+                            timeout=120)
+        failures = [f for r in results for f in r if not f.startswith("digest:")]
+        assert not failures, "\n".join(failures[:30])
+        results = run_ranks(nodes, mismatch_on_nodes, cluster.sockets, 1, "mn-tree-mismatch",
+                            nodes, timeout=60)
+        for rank, got in enumerate(results):
+            assert got[0] == "MismatchError" and "node 4 (ranks 4-4)" in got[1], (rank, got)
+            assert got[2] == str(sum(range(nodes)))
+    finally:
+        assert not (unclean := cluster.stop()), "\n".join(unclean)
