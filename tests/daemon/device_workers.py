@@ -214,3 +214,11 @@ def slow_allreduce(rank: int, socket: str, world: int, job: str, ready_file: str
             return "OK"
         except lpsync_client.LpsyncError as error:
             return type(error).__name__
+
+
+def slow_allreduce_on_nodes(rank: int, sockets: list[str], per_node: int, world: int, job: str,
+                            ready_file: str) -> str:
+    """slow_allreduce for a multi-node job: node-major ranks, each on its node's daemon."""
+    os.environ["LOCAL_RANK"] = str(rank % per_node)
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    return slow_allreduce(rank, sockets[rank // per_node], world, job, ready_file)
