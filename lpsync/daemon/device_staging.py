@@ -60,8 +60,8 @@ class Staged:
         self.mirrors.acquire()
         started: list[ChunkStager] = []
         try:
-            for stager in stagers:
-                stager.start(deadline)  # type: ignore[union-attr]
+            for stager, a in zip(stagers, self.device_arrivals, strict=True):
+                stager.start(deadline, a.ready)  # type: ignore[union-attr]
                 started.append(stager)  # type: ignore[arg-type]
             group.run(timeout, tag_base)
             for stager in started:

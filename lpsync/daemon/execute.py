@@ -225,7 +225,8 @@ def run_on_devices(job: Job, spec, arrivals: list[Arrival], buffers: list, reduc
     group = job.cache.get(key, build)
     busy = devices.use([span.memory for pair in buffers for span in pair])
     try:
-        group.run(time.monotonic() + min(a.timeout for a in arrivals))
+        group.run(time.monotonic() + min(a.timeout for a in arrivals),
+                  [arrivals[r].ready for r in order])
     except BaseException:
         # The streams may still be running (a timeout): free the allocations only once
         # they have drained, off this thread.

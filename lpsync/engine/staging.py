@@ -206,10 +206,13 @@ class ChunkStager:
         return found
 
     # -- one run -----------------------------------------------------------------------------
-    def start(self, deadline: float) -> None:
-        """Enqueue every chunk's device-to-host copy (first use first)."""
+    def start(self, deadline: float, ready: Any = None) -> None:
+        """Enqueue every chunk's device-to-host copy (first use first), after ``ready``
+        (the client's interprocess event) when given."""
         self._deadline, self._waited = deadline, -1
         kind, stream = self.kind, self.stream
+        if ready is not None:
+            kind.wait(stream, ready)
         for (host, device), event in zip(self.loads, self.events, strict=True):
             kind.copy_async(host, device, stream)
             kind.record(event, stream)

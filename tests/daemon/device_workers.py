@@ -222,3 +222,31 @@ def slow_allreduce_on_nodes(rank: int, sockets: list[str], per_node: int, world:
     os.environ["LOCAL_RANK"] = str(rank % per_node)
     os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
     return slow_allreduce(rank, sockets[rank // per_node], world, job, ready_file)
+
+
+def ordered_without_host_wait(rank: int, socket: str, world: int, delay: float,
+                              per_node: int = 0) -> dict:
+    """A slow write queued on the current stream, then an async allreduce: the request
+    leaves before that write ran (the client's interprocess event had not completed, so
+    nothing waited for it on the host), the daemon's streams wait for it, and work queued
+    on the stream after the result sees the reduced values."""
+    if per_node:
+        os.environ["LOCAL_RANK"] = str(rank % per_node)
+        os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+        socket = socket[rank // per_node] if isinstance(socket, list) else socket
+    with _client(rank, socket, world, f"no-host-wait{per_node}") as client:
+        x = emulated.zeros(1000, "float32", device=rank % 2)
+        client.register(x)
+        client.barrier()
+        event = emulated.ready_event(x.device)
+        x.set_async(np.full(1000, rank + 1.0, np.float32), delay=delay)
+        start = time.monotonic()
+        future = client.allreduce_async(x)
+        submitted = time.monotonic() - start
+        pending_at_submit = event.completed < event.recorded
+        future.result(timeout=60)
+        seen: list[float] = []
+        stream = emulated.current_stream(x.device)
+        stream.enqueue(lambda: seen.extend(x.host[:3].tolist()))  # later work on the stream
+        stream.synchronize(30)
+        return {"submitted": submitted, "pending_at_submit": pending_at_submit, "seen": seen}

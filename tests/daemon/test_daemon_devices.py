@@ -86,6 +86,16 @@ def test_collective_is_ordered_after_the_clients_stream(emu):
         assert values == [10.0, 10.0, 10.0]
 
 
+def test_the_client_does_not_wait_on_the_host_for_its_stream(emu):
+    """The request carries an interprocess event: the daemon's streams wait for the 1 s
+    write still queued on each client's stream, the client does not."""
+    results = run_ranks(2, device_workers.ordered_without_host_wait, emu.socket, 2, 1.0)
+    for r in results:
+        assert r["pending_at_submit"], "the client's event had completed before it submitted"
+        assert r["submitted"] < 0.5, f"submitting took {r['submitted']:.2f} s"
+        assert r["seen"] == [3.0, 3.0, 3.0]
+
+
 def test_ipc_cache_opens_an_allocation_once(emu):
     with lpsync_client.connect(emu.socket, job="cache", rank=0, world_size=1) as client:
         alloc = emulated.Allocation(1 << 16, device=1)
@@ -238,6 +248,11 @@ def test_device_buffers_across_two_nodes(tmp_path):
                     continue
                 assert_matches(np.frombuffer(got, DTYPES[dtype]), want[rank],
                                f"{op} {dtype} {reduce_op} in_place={in_place} rank {rank}")
+        # Across nodes too, the staging streams wait on the clients' interprocess events.
+        for r in run_ranks(2, device_workers.ordered_without_host_wait, daemons.sockets, 2,
+                           1.0, 1):
+            assert r["pending_at_submit"] and r["submitted"] < 0.5
+            assert r["seen"] == [3.0, 3.0, 3.0]
     finally:
         daemons.stop_and_check()
 

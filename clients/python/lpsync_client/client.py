@@ -81,7 +81,7 @@ class DeviceRegistered:
 
     def __init__(self, client: Client, operand: DeviceOperand, handle: int) -> None:
         self.client, self.handle, self.info = client, handle, operand.info
-        self.original, self.sync = operand.keep, operand.sync
+        self.original, self.sync, self.operand = operand.keep, operand.sync, operand
 
     @property
     def size(self) -> int:
@@ -109,6 +109,22 @@ class _Operand:
     copy_in: object = None  # (staging, source) pairs to copy before / after
     copy_out: object = None
     scratch: _Segment | None = None
+    device: DeviceOperand | None = None  # a device array: its stream is ordered in _submit
+
+
+def _order_streams(request: pb.CollectiveRequest, operands: list[_Operand]) -> None:
+    """Device buffers: the input's current stream is ordered by an interprocess event the
+    daemon's streams wait on (no host wait); an output on another device (or without IPC
+    events) waits on the host."""
+    first = operands[0].device
+    assert first is not None
+    request.ready_event = first.order()
+    for other in operands[1:]:
+        d = other.device
+        if d is not None and not (request.ready_event and d.ready is not None
+                                  and d.info.kind == first.info.kind
+                                  and d.info.device == first.info.device):
+            d.sync()
 
 
 def _span(a: np.ndarray) -> tuple:
@@ -267,17 +283,16 @@ class Client:
 
     def _device_operand(self, x: object) -> _Operand:
         if isinstance(x, DeviceRegistered):
-            x.sync()
-            return _Operand(pb.BufferRef(handle=x.handle), _Sized(x.info.count), x.info.dtype)
+            return _Operand(pb.BufferRef(handle=x.handle), _Sized(x.info.count), x.info.dtype,
+                            device=x.operand)
         operand = describe(x)
         info = operand.info
         with self._lock:
             found = next((r for r in self._device.values() if r.covers(info)), None)
         if found is None:  # first use: registered for good (release(x) gives it back)
             found = self._register_device(operand)
-        operand.sync()
         return _Operand(pb.BufferRef(handle=found.handle, offset=info.offset - found.info.offset),
-                        _Sized(info.count), info.dtype)
+                        _Sized(info.count), info.dtype, device=operand)
 
     def release(self, x: object) -> None:
         """Give a buffer from empty()/zeros()/register() back to the daemon."""
@@ -391,6 +406,8 @@ class Client:
                 if operand.copy_in is not None:
                     staging, source = operand.copy_in
                     np.copyto(staging, source)
+            if operands and operands[0].device is not None:
+                _order_streams(request, operands)
         except BaseException:
             self._recycle(operands)
             raise
