@@ -137,3 +137,30 @@ def test_a_weak_registration_cannot_be_passed_by_handle(emu):
             client.allreduce(registered)
         client.allreduce(x)  # the array itself finds the registration
         assert client.device_registrations() == 1
+
+
+class _Unreferenceable:
+    """A device array type without weak references (as some C-extension arrays are)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: emulated.EmulatedArray) -> None:
+        self.array = array
+
+    def __lpsync_device__(self):
+        return self.array.__lpsync_device__()
+
+    def __lpsync_sync__(self) -> None:
+        self.array.__lpsync_sync__()
+
+    def __lpsync_ready__(self) -> bytes:
+        return self.array.__lpsync_ready__()
+
+
+def test_an_array_without_weak_references_is_released_after_its_collective(emu):
+    def body(client, r):
+        x = emulated.asarray(np.full(100, r + 1.0, np.float32), device=r)
+        _adapt.allreduce_arrays(client, [_Unreferenceable(x)], "sum")
+        return x.get()[0], client.device_registrations()
+
+    assert _two_ranks(emu.socket, "unref", body) == [(3.0, 0), (3.0, 0)]

@@ -250,3 +250,40 @@ def ordered_without_host_wait(rank: int, socket: str, world: int, delay: float,
         stream.enqueue(lambda: seen.extend(x.host[:3].tolist()))  # later work on the stream
         stream.synchronize(30)
         return {"submitted": submitted, "pending_at_submit": pending_at_submit, "seen": seen}
+
+
+def gpu_adapters(rank: int, socket: str, world: int) -> dict:
+    """The framework adapters on the device path: torch (allreduce_ and the ProcessGroup's
+    allreduce through lpsync_client.torch ops), cupy and, where JAX sees a GPU, jax; each
+    result against the sum of (rank + 1), and the registrations that the path made."""
+    import cupy
+    import torch
+
+    import lpsync_client.cupy as lpc
+    from lpsync_client.torch import _ops
+
+    out: dict = {}
+    with _client(rank, socket, world, "gpu-adapters") as client:
+        t = torch.full((1 << 16,), rank + 1.0, device="cuda")
+        _ops.allreduce_(t, op="sum", client=client)
+        out["torch"] = t[:3].tolist()
+        b = torch.full((4099,), rank + 1.0, device="cuda", dtype=torch.bfloat16)
+        _ops.allreduce_(b, op="sum", client=client)
+        out["torch_bf16"] = b[:3].float().tolist()
+        tree = {"w": cupy.full(1000, rank + 1.0, cupy.float32),
+                "b": [cupy.full(7, rank + 1, cupy.int64)]}
+        lpc.allreduce(tree, op="sum", client=client)
+        out["cupy"] = [float(tree["w"][0]), int(tree["b"][0][0])]
+        out["registrations"] = client.device_registrations()
+        try:
+            import jax
+            import jax.numpy as jnp
+
+            import lpsync_client.jax as lpj
+            gpu = [d for d in jax.devices() if d.platform == "gpu"]
+        except Exception:
+            gpu = []
+        if gpu:
+            x = jax.device_put(jnp.full(500, rank + 1.0, jnp.float32), gpu[0])
+            out["jax"] = [float(v) for v in lpj.allreduce({"x": x}, op="sum", client=client)["x"][:3]]
+    return out

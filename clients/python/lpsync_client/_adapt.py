@@ -14,13 +14,15 @@ adapter stages it through host memory as before. On the device path:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 
 from lpsync_client._device import is_device_array
-from lpsync_client.client import Client
+from lpsync_client.client import Client, DeviceRegistered
+from lpsync_client.errors import LpsyncError
 
 _served: weakref.WeakKeyDictionary[Client, frozenset[str]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -50,16 +52,21 @@ def on_device_path(client: Client, x: object) -> bool:
     return kind is not None and kind in served_kinds(client)
 
 
-def ensure_registered(client: Client, x: object) -> None:
-    """Register ``x``'s span unless a registration covers it already (hold=False)."""
+def ensure_registered(client: Client, x: object) -> DeviceRegistered | None:
+    """Register ``x``'s span unless a registration covers it already (hold=False). Returns
+    a registration the caller must release after its collective: one that had to hold the
+    array (not weakly referenceable), which would otherwise live as long as the client."""
     from lpsync_client._device import describe
 
     client._reap()
     info = describe(x).info
     with client._lock:
         covered = any(r.covers(info) for r in client._device.values())
-    if not covered:
-        client.register(x, hold=False)
+    if covered:
+        return None
+    registered = client.register(x, hold=False)
+    assert isinstance(registered, DeviceRegistered)
+    return registered if registered.original is not None else None
 
 
 def allreduce_arrays(client: Client, arrays: Sequence[object], op: str, *, name: str = "",
@@ -67,9 +74,17 @@ def allreduce_arrays(client: Client, arrays: Sequence[object], op: str, *, name:
     """Reduce every device array in place, one collective each (all submitted, then
     awaited: the daemon pipelines them)."""
     futures: list[Future] = []
-    for i, a in enumerate(arrays):
-        ensure_registered(client, a)
-        futures.append(client.allreduce_async(a, op=op, timeout=timeout,
-                                              name=f"{name}/{i}" if name else ""))
-    for future in futures:
-        client._wait(future, timeout)
+    held = []
+    try:
+        for i, a in enumerate(arrays):
+            made = ensure_registered(client, a)
+            if made is not None:
+                held.append(made)
+            futures.append(client.allreduce_async(a, op=op, timeout=timeout,
+                                                  name=f"{name}/{i}" if name else ""))
+        for future in futures:
+            client._wait(future, timeout)
+    finally:
+        for registered in held:
+            with contextlib.suppress(LpsyncError):
+                client.release(registered)
