@@ -250,3 +250,33 @@ def test_interval_helpers_against_a_byte_map() -> None:
         seen[lo:hi] = True
         assert all(a < b for a, b in covered)
         assert all(covered[i][1] < covered[i + 1][0] for i in range(len(covered) - 1))
+
+
+def test_mirrors_are_kept_per_buffer_set_and_freed_once_idle() -> None:
+    """GroupCache keeps the mirrors of the last 8 buffer sets of a job; eviction, a released
+    buffer (forget) and the job's end close them; a run in progress defers the free."""
+    from lpsync.daemon.execute import GroupCache
+
+    freed: list[int] = []
+
+    class Kind(EmulatedKind):
+        def free(self, memory) -> None:
+            freed.append(memory.nbytes)
+            super().free(memory)
+
+    kind = Kind(1)
+    span = Span(kind.allocate(0, 64), 0, 16, np.dtype(np.float32))
+    cache = GroupCache()
+    made = [cache.mirrors(((i,), (("s", i),)), lambda: HostMirrors(kind, [span, None]))
+            for i in range(9)]
+    assert len({m.serial for m in made}) == 9
+    assert freed == [64]  # the oldest was evicted
+    assert cache.mirrors(((8,), (("s", 8),)), lambda: None) is made[8]  # reused
+    made[5].acquire()  # a run is using it
+    cache.forget("s", 5)
+    assert freed == [64] and made[5].mirrors  # deferred
+    made[5].release()
+    assert freed == [64, 64] and not made[5].mirrors
+    cache.close()
+    assert len(freed) == 9
+    kind.free(span.memory)

@@ -202,6 +202,7 @@ def _run_pipeline(job: Job, pending: Pending, link: Link, model: LinkModel,
     # The mesh generation is part of the key: a rebuilt mesh is another remote endpoint.
     key = (spec, algorithm, chunks, link.generation,
            tuple(arr.__array_interface__["data"][0] for pair in buffers for arr in pair),
+           staged.mirrors.serial if staged is not None else 0,  # plans bound to these mirrors
            tuple(h for a in arrivals for h in a.handles))
 
     def build() -> LocalGroup:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ from lpsync.engine.executor import Plan
 from lpsync.memory.kind import MemoryKind, Span
 
 _BYTE = np.dtype(np.uint8)
+_serials = itertools.count(1)
 
 
 @dataclass(eq=False)
@@ -68,6 +70,9 @@ class HostMirrors:
 
     def __init__(self, kind: MemoryKind, spans: Sequence[Span | None]) -> None:
         self.kind = kind
+        # Unique for the process's lifetime (addresses are not: freed host memory comes
+        # back): plans bound to these mirrors are cached under it.
+        self.serial = next(_serials)
         self.mirrors: list[Mirror | None] = []
         self._lock = threading.Lock()
         self._busy = 0
