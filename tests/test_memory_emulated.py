@@ -179,3 +179,86 @@ def test_a_handle_cannot_name_an_ordinary_file(kind, tmp_path):
     finally:
         os.close(fd)
     assert victim.read_bytes() == b"x" * 4096
+
+
+def _event_exporter(conn) -> None:
+    """Another process: an interprocess event recorded on a stream held by a gate."""
+    from lpsync_client import emulated as ce
+
+    event, stream, gate = ce.IpcEvent(), ce.Stream(0), threading.Event()
+    stream.enqueue(lambda: gate.wait(30))
+    event.record(stream)  # completes once the gate opens
+    conn.send(event.handle)
+    conn.recv()
+    gate.set()
+    stream.synchronize(10)
+    event.record(stream)  # completes at once: a record the daemon's wait came before
+    conn.send("recorded again")
+    conn.recv()
+
+
+def test_an_interprocess_event_orders_the_daemon_stream_after_the_client_stream(kind):
+    """cudaIpcOpenEventHandle + cudaStreamWaitEvent's stand-in: the daemon's stream waits
+    (asleep in a futex) for the client's latest record made before the wait;
+    closing the event (the client's session ended) releases a stream still waiting."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_event_exporter, args=(child,))
+    proc.start()
+    try:
+        handle = parent.recv()
+        event = kind.open_event(handle, 0)
+        stream, after = kind.stream(0), kind.event()
+        ran = threading.Event()
+        kind.wait(stream, event)
+        stream.put(ran.set)
+        kind.record(after, stream)
+        time.sleep(0.3)
+        assert not ran.is_set(), "the stream did not wait for the client's record"
+        parent.send("open the gate")
+        kind.synchronize(after, time.monotonic() + 10)
+        assert ran.is_set()
+        assert parent.recv() == "recorded again"
+        kind.wait(stream, event)  # generation 2, completed already: no wait
+        kind.record(after, stream)
+        kind.synchronize(after, time.monotonic() + 10)
+        # A wait on a record that never completes is released by close_event, with an error.
+        fake = client_emulated.IpcEvent()
+        stuck = kind.open_event(fake.handle, 1)
+        fake._words[0] = 5  # a record "made" whose completion never comes
+        s1, done = kind.stream(1), kind.event()
+        kind.wait(s1, stuck)
+        kind.record(done, s1)
+        with pytest.raises(CollectiveTimeoutError):
+            kind.synchronize(done, time.monotonic() + 0.3)
+        kind.close_event(stuck)
+        with pytest.raises(UnavailableError, match="client's event was closed"):
+            kind.synchronize(done, time.monotonic() + 5)
+        parent.send("exit")
+        proc.join(10)
+        with pytest.raises(NotFoundError):  # the exporter is gone
+            kind.open_event(handle, 0)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+def test_event_handles_are_checked(kind, tmp_path):
+    import os
+
+    with pytest.raises(InvalidArgumentError, match="event handle"):
+        kind.open_event(b"short", 0)
+    with pytest.raises(InvalidArgumentError, match="bad magic"):
+        kind.open_event(HANDLE.pack(MAGIC, 1, 2, 3, 4, 0)[:20], 0)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"x" * 8)
+    fd = os.open(victim, os.O_RDWR)
+    try:
+        from lpsync.memory.emulated import EVENT_HANDLE, EVENT_MAGIC
+
+        with pytest.raises(InvalidArgumentError, match="does not name"):
+            kind.open_event(EVENT_HANDLE.pack(EVENT_MAGIC, os.getpid(), fd,
+                                              os.fstat(fd).st_ino), 0)
+    finally:
+        os.close(fd)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
@@ -68,8 +69,26 @@ class GroupCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._groups: OrderedDict[tuple, LocalGroup] = OrderedDict()
-        # Multi-node device collectives: host copies of device spans, by their addresses.
-        self.staging: dict[tuple, list] = {}
+        # Multi-node device collectives: host mirrors of device spans (device_staging.py),
+        # keyed by the spans' addresses and, last, their handles (so ``forget`` finds them).
+        self.staging: OrderedDict[tuple, Any] = OrderedDict()
+
+    def mirrors(self, key: tuple, make):
+        """The mirrors under ``key``, made on first use; the least recently used beyond
+        _CACHE_SIZE are closed (they free themselves once no run uses them)."""
+        with self._lock:
+            found = self.staging.get(key)
+            if found is not None:
+                self.staging.move_to_end(key)
+                return found
+        made = make()
+        with self._lock:
+            self.staging[key] = made
+            evicted = [self.staging.popitem(last=False)[1]
+                       for _ in range(len(self.staging) - _CACHE_SIZE)]
+        for old in evicted:
+            old.close()
+        return made
 
     def get(self, key: tuple, build):
         with self._lock:
@@ -92,15 +111,23 @@ class GroupCache:
         with self._lock:
             stale = [k for k in self._groups if (session_id, handle) in k[-1]]
             groups = [self._groups.pop(k) for k in stale]
+            mirrors = [self.staging.pop(k) for k in list(self.staging)
+                       if (session_id, handle) in k[-1]]
         for group in groups:
             group.close(wait=False)  # may run on the event loop: never wait for a schedule
+        for mirror in mirrors:
+            mirror.close()  # frees once the run using it ended
 
     def close(self) -> None:
         with self._lock:
             groups = list(self._groups.values())
             self._groups.clear()
+            mirrors = list(self.staging.values())
+            self.staging.clear()
         for group in groups:
             group.close(wait=False)
+        for mirror in mirrors:
+            mirror.close()
 
 
 def is_direct(spec, participants: int) -> bool:
@@ -198,7 +225,8 @@ def run_on_devices(job: Job, spec, arrivals: list[Arrival], buffers: list, reduc
     group = job.cache.get(key, build)
     busy = devices.use([span.memory for pair in buffers for span in pair])
     try:
-        group.run(time.monotonic() + min(a.timeout for a in arrivals))
+        group.run(time.monotonic() + min(a.timeout for a in arrivals),
+                  [arrivals[r].ready for r in order])
     except BaseException:
         # The streams may still be running (a timeout): free the allocations only once
         # they have drained, off this thread.

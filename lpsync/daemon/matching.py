@@ -23,6 +23,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -94,6 +95,7 @@ class Arrival:
     handles: tuple[tuple[str, int], ...]  # (session id, handle) of the buffers, for caches
     done: Callable[[Outcome], None]
     at: float = 0.0  # time.monotonic() of the arrival (set by Job.submit)
+    ready: Any = None  # device buffers: the client's opened event the streams wait on first
 
     @property
     def in_place(self) -> bool:

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import replace
-
-import numpy as np
 
 from lpsync.algorithms import LinkModel, generate, select
 from lpsync.algorithms.tuner import chunks_for
 from lpsync.daemon import agreement
 from lpsync.daemon.agreement import job_hash
+from lpsync.daemon.device_staging import Staged, stage, whole
 from lpsync.daemon.devices import DeviceRegistry
 from lpsync.daemon.execute import BARRIER, GroupCache, _buffers, nccl_bytes
 from lpsync.daemon.matching import RUNNING, Job, Outcome, Pending
@@ -44,7 +42,6 @@ from lpsync.errors import (
     MismatchError,
     UnavailableError,
 )
-from lpsync.memory.kind import Span
 from lpsync.types import Collective, ReduceOp, dtype_of
 
 _NOTIFY_TIMEOUT = 5.0  # seconds a failed node waits at least for its part in the agreement
@@ -61,9 +58,8 @@ def run(job: Job, pending: Pending, plane: PeerPlane,
         devices: DeviceRegistry | None = None) -> Outcome:
     """The Runner for multi-node jobs (servicer.py picks it when job.layout is set).
 
-    Device buffers cross nodes through host staging: every local participant's device
-    span is copied to a host array kept for these buffers, the pipeline runs over those,
-    and the results are copied back (the whole buffer, not yet chunk by chunk).
+    Device buffers cross nodes through host mirrors filled and drained chunk by chunk
+    while the pipeline runs (device_staging.py).
     """
     assert job.layout is not None
     start = time.perf_counter()
@@ -75,24 +71,24 @@ def run(job: Job, pending: Pending, plane: PeerPlane,
     try:
         mine = agreement.summary(job, spec, link)
         if rides(spec, job.world_size):
-            staged = _stage_in(job, pending, devices) if devices is not None else None
-            small = SmallCollective(spec, job.world_size, staged or arrivals)
-            verdict = agreement.agree(job, pending, link, deadline, mine, small)
-            pending.enter(RUNNING)
-            assert verdict.result is not None
-            small.write(verdict.result)
-            if staged is not None:
-                _stage_out(pending, staged, devices)
+            staging = (whole(pending, arrivals, devices, deadline) if devices is not None
+                       else contextlib.nullcontext(arrivals))
+            with staging as hosts:
+                small = SmallCollective(spec, job.world_size, hosts)
+                verdict = agreement.agree(job, pending, link, deadline, mine, small)
+                pending.enter(RUNNING)
+                assert verdict.result is not None
+                small.write(verdict.result)
             shape = "exchange" if job.layout.nodes <= agreement.EXCHANGE_MAX_NODES else "tree"
             return Outcome(algorithm=shape, chunks=1, seconds=time.perf_counter() - start)
         model = agreement.agree(job, pending, link, deadline, mine).model
         pending.enter(RUNNING)
         if spec.op == BARRIER:
             return Outcome(algorithm="exchange", chunks=1, seconds=time.perf_counter() - start)
-        staged = _stage_in(job, pending, devices) if devices is not None else None
+        if job.cache is None:
+            job.cache = GroupCache()
+        staged = stage(job, pending, devices, job.cache) if devices is not None else None
         algorithm, chunks = _run_pipeline(job, pending, link, model, deadline, staged)
-        if staged is not None:
-            _stage_out(pending, staged, devices)
     except LpsyncError as error:
         if link.error is not None and not isinstance(error, MismatchError):
             if isinstance(link.error, CollectiveTimeoutError):
@@ -124,49 +120,13 @@ def notify_failure(job: Job, pending: Pending, error: LpsyncError, plane: PeerPl
         agreement.agree(job, pending, link, deadline, agreement.failure_summary(job, error))
 
 
-def _stage_in(job: Job, pending: Pending, devices: DeviceRegistry) -> list | None:
-    """Host copies of the local participants' device spans (None: host buffers)."""
-    arrivals = [pending.arrivals[r] for r in job.local_ranks]
-    on_device = [isinstance(a.data, Span) for a in arrivals]
-    if not any(on_device):
-        return None
-    if not all(on_device):
-        raise InvalidArgumentError("every participant of a collective must pass device "
-                                   "buffers, or none")
-    if job.cache is None:
-        job.cache = GroupCache()
-    key = tuple((a.data.lo, a.data.nbytes, a.out.lo if a.out is not None else 0)
-                for a in arrivals)
-    staging = job.cache.staging.get(key)
-    if staging is None:  # kept, so that the pipeline's plan (keyed by address) is reused
-        staging = [(np.empty(a.data.count, a.data.dtype),
-                    None if a.out is None else np.empty(a.out.count, a.out.dtype))
-                   for a in arrivals]
-        job.cache.staging[key] = staging
-    for a, (data, _) in zip(arrivals, staging, strict=True):
-        np.copyto(data, devices.kind.read(a.data))
-    return [replace(a, data=data, out=out) for a, (data, out) in zip(arrivals, staging,
-                                                                       strict=True)]
-
-
-def _stage_out(pending: Pending, staged: list, devices: DeviceRegistry) -> None:
-    spec = pending.spec
-    for host in staged:
-        device = pending.arrivals[host.rank]
-        if spec.op == Collective.REDUCE and host.rank != spec.root:
-            continue  # a non-root's buffers of reduce are never written
-        if device.out is not None:
-            devices.kind.write(device.out, host.out)
-        else:
-            devices.kind.write(device.data, host.data)
-
-
 def _run_pipeline(job: Job, pending: Pending, link: Link, model: LinkModel,
-                  deadline: float, staged: list | None = None) -> tuple[str, int]:
+                  deadline: float, staged: Staged | None = None) -> tuple[str, int]:
     assert job.layout is not None
     spec, layout, p = pending.spec, job.layout, job.world_size
     op, dtype = Collective(spec.op), dtype_of(spec.dtype)
-    arrivals = staged if staged is not None else [pending.arrivals[r] for r in job.local_ranks]
+    arrivals = (staged.arrivals if staged is not None
+                else [pending.arrivals[r] for r in job.local_ranks])
     buffers = [_buffers(op, a, p, spec.count) for a in arrivals]
     reduction = Reduction(ReduceOp(spec.reduce_op), dtype, p) if op in _REDUCING else None
     nbytes = nccl_bytes(op, spec.count, dtype.itemsize, p)
@@ -180,6 +140,7 @@ def _run_pipeline(job: Job, pending: Pending, link: Link, model: LinkModel,
     # The mesh generation is part of the key: a rebuilt mesh is another remote endpoint.
     key = (spec, algorithm, chunks, link.generation,
            tuple(arr.__array_interface__["data"][0] for pair in buffers for arr in pair),
+           staged.mirrors.serial if staged is not None else 0,  # plans bound to these mirrors
            tuple(h for a in arrivals for h in a.handles))
 
     def build() -> LocalGroup:
@@ -188,8 +149,15 @@ def _run_pipeline(job: Job, pending: Pending, link: Link, model: LinkModel,
             raise InvalidArgumentError(f"{algorithm} {op} of {spec.count} elements needs more "
                                        f"than 2**{_STEP_BITS} messages per pair")
         placement = Placement.node_major([layout.ranks_per_node] * layout.nodes, layout.node)
-        return LocalGroup(schedule, buffers, reduction, placement, link.endpoint)
+        group = LocalGroup(schedule, buffers, reduction, placement, link.endpoint)
+        if staged is not None:
+            staged.attach(group)
+        return group
 
     group = job.cache.get(key, build)
-    group.run(max(0.0, deadline - time.monotonic()), tag_base(job.name, pending.sequence))
+    timeout, tags = max(0.0, deadline - time.monotonic()), tag_base(job.name, pending.sequence)
+    if staged is None:
+        group.run(timeout, tags)
+    else:
+        staged.run(group, deadline, timeout, tags)
     return algorithm, chunks

@@ -503,8 +503,13 @@ class Service(pb_grpc.LpSyncServicer):
                     "input and output overlap; pass no output for an in-place collective")
             handles.append((session.id, request.output.handle))
         spec = Spec(op, request.dtype, count, root, reduce_op, algorithm, request.name)
+        ready = None
+        if request.ready_event:
+            if not isinstance(data, Span):
+                raise InvalidArgumentError("a ready event goes with device buffers only")
+            ready = self.sessions.ready_event(session, data.device, request.ready_event)
         return Arrival(session.rank, request.sequence, spec, timeout, data, out, tuple(handles),
-                       done)
+                       done, ready=ready)
 
     def _run(self, job: Job, pending: Pending) -> Outcome:
         with self._idle:

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -58,6 +59,8 @@ class Session:
     local_world_size: int = 0  # > 0: a multi-node job with this many ranks per node
     attached_at: float = field(default_factory=time.time)
     buffers: dict[int, Buffer] = field(default_factory=dict)
+    # Interprocess events the client's collectives wait on, opened once: (device, handle).
+    events: dict[tuple[int, bytes], Any] = field(default_factory=dict)
     # Typed views of the buffers by (handle, offset, dtype, count): planned once, reused.
     views: dict[tuple, np.ndarray] = field(default_factory=dict)
     nbytes: int = 0
@@ -128,14 +131,39 @@ class SessionTable:
             self._sessions.pop(session.id, None)
             buffers = list(session.buffers.values())
             session.buffers.clear()
+            events = list(session.events.values())
+            session.events.clear()
             session.views.clear()
             self._total -= session.nbytes
             session.nbytes = session.reserved = 0
             total = self._total
         for buffer in buffers:
             buffer.free(self.devices)
+        if self.devices is not None:
+            for event in events:  # a stream still waiting on one gives up (kind.close_event)
+                self.devices.kind.close_event(event)
         self._on_bytes(total)
         return buffers
+
+    def ready_event(self, session: Session, device: int, handle: bytes) -> Any:
+        """The client's interprocess event ``handle``, opened on ``device`` on first use and
+        kept until the session ends (CUDA: one open per handle per process)."""
+        key = (device, handle)
+        with self._lock:
+            event = session.events.get(key)
+        if event is not None:
+            return event
+        if self.devices is None:
+            raise InvalidArgumentError("this daemon serves host memory only: no device events")
+        event = self.devices.kind.open_event(handle, device)
+        with self._lock:
+            closed, full = session.closed, len(session.events) >= 64
+            if not closed and not full:
+                return session.events.setdefault(key, event)
+        self.devices.kind.close_event(event)
+        if closed:
+            raise NotFoundError("the session ended")
+        raise InvalidArgumentError("more than 64 distinct ready events in one session")
 
     def _reserve(self, session: Session, nbytes: int) -> None:
         """Count a new buffer against every limit before it is created (so that concurrent

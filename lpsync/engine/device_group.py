@@ -287,9 +287,17 @@ class DeviceGroup:
                 raise ScheduleError(f"{self.schedule.algorithm} {self.schedule.op}: the schedule "
                                     "cannot be ordered onto streams (a send is never matched)")
 
-    def run(self, deadline: float) -> None:
-        """Replay the plan; returns once every participant's stream has finished it."""
+    def run(self, deadline: float, ready: Sequence[Any] = ()) -> None:
+        """Replay the plan; returns once every participant's stream has finished it.
+        ``ready``: per participant (schedule order) an event its streams wait on first (the
+        client's interprocess event: its own stream's work on the buffers), or None."""
+        kind = self.kind
         with self.context.enqueue_lock:
+            for i, event in enumerate(ready):
+                if event is not None:
+                    kind.wait(self.streams[i], event)
+                    if self.copy_streams[i] is not None:
+                        kind.wait(self.copy_streams[i], event)
             for function, args in self.ops:
                 function(*args)
         for event in self.finals:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -89,6 +90,21 @@ class Plan:
             self._steps.append(_Step(kind, peer, tag, dst, a, b, source, bool(final), sa, sb))
         chunk = max((s.dst.nbytes for s in self._steps if s.kind == _RECV_REDUCE), default=0)
         self._staging = [np.empty(chunk, np.uint8) for _ in range(RECV_WINDOW)] if chunk else []
+        # Called around each step (lpsync.engine.staging: device spans across nodes):
+        # ready(i) before step i touches its spans or posts its receive, done(i) after it.
+        self.hooks: StepHooks | None = None
+
+    def accesses(self) -> list[tuple[list[tuple[int, int]], tuple[int, int] | None]]:
+        """Per step (the indices ``hooks`` get): the byte ranges it reads, the one it writes."""
+        out: list[tuple[list[tuple[int, int]], tuple[int, int] | None]] = []
+        for s in self._steps:
+            if s.kind == _SEND:
+                out.append(([(s.lo, s.hi)], None))
+            elif s.kind == _RECV:
+                out.append(([], (s.lo, s.hi)))
+            else:
+                out.append(([(s.src_lo, s.src_hi)], (s.lo, s.hi)))
+        return out
 
     def run(self, endpoint: Endpoint, deadline: float, tag_base: int = 0) -> None:
         """Run the program once; raises the transport's errors (timeouts, aborts)."""
@@ -96,7 +112,10 @@ class Plan:
             self._run_posting(endpoint, deadline, tag_base)  # type: ignore[arg-type]
             return
         in_flight: list[tuple[int, int, SendRequest]] = []
-        for step in self._steps:
+        hooks = self.hooks
+        for index, step in enumerate(self._steps):
+            if hooks is not None:
+                hooks.ready(index)
             if step.kind == _SEND:
                 request = endpoint.send(step.peer, tag_base + step.tag, step.dst)
                 in_flight.append((step.lo, step.hi, request))
@@ -111,6 +130,8 @@ class Plan:
                     self._reduce(step, raw)
             else:
                 np.copyto(step.dst, step.src)
+            if hooks is not None:
+                hooks.done(index)
         for _, _, request in in_flight:
             request.wait(deadline)
 
@@ -126,6 +147,7 @@ class Plan:
         posted: dict[int, tuple[RecvRequest, int]] = {}  # step -> (request, staging slot)
         free_slots = list(range(len(self._staging)))
         scan = 0  # the next step to consider posting
+        hooks = self.hooks
 
         def post_ahead(now: int) -> None:
             nonlocal scan
@@ -143,6 +165,8 @@ class Plan:
                                 for lo, hi, r in in_flight):
                         return
                     slot, out = -1, step.dst
+                    if hooks is not None:
+                        hooks.ready(scan)
                 else:
                     scan += 1
                     continue
@@ -156,6 +180,8 @@ class Plan:
 
         try:
             for index, step in enumerate(steps):
+                if hooks is not None:
+                    hooks.ready(index)
                 post_ahead(index)
                 if step.kind == _SEND:
                     request = endpoint.send(step.peer, tag_base + step.tag, step.dst)
@@ -183,12 +209,20 @@ class Plan:
                         free_slots.append(slot)
                 else:
                     np.copyto(step.dst, step.src)
+                if hooks is not None:
+                    hooks.done(index)
             for _, _, request in in_flight:
                 request.wait(deadline)
         except BaseException as error:
             if posted:  # receives still posted would land in these buffers later
                 endpoint.abort(error)
             raise
+
+
+class StepHooks(Protocol):
+    def ready(self, index: int) -> None: ...
+
+    def done(self, index: int) -> None: ...
 
 
 def _wait_overlapping(in_flight: list[tuple[int, int, SendRequest]], lo: int, hi: int,

@@ -17,6 +17,10 @@ as the daemon sees it; clients must see the same numbering (same CUDA_VISIBLE_DE
                            synchronises with the legacy default stream
   event / record / wait    cupy.cuda.Event(block=True, disable_timing=True), Event.record(s),
                            Stream.wait_event(e) (cudaStreamWaitEvent: the latest record)
+  open_event / close_event runtime.ipcOpenEventHandle(handle) on the event's device (a
+                           client's Event(interprocess=True, disable_timing=True)) /
+                           runtime.eventDestroy; ``wait`` on it is
+                           runtime.streamWaitEvent(stream, event, 0)
   synchronize              Event.synchronize() (blocking sync, no spinning) in a helper
                            thread, so that the deadline holds
   copy_async               runtime.memcpyPeerAsync across devices, memcpyAsync on one device
@@ -69,6 +73,14 @@ class CudaMemory:
     nbytes: int
     address: int
     how: str  # "malloc", "ipc", "host"
+
+
+@dataclass(eq=False)
+class CudaIpcEvent:
+    """An event opened from another process's cudaIpcGetEventHandle."""
+
+    device: int
+    pointer: int  # cudaEvent_t in this process
 
 
 def _nan_aware(pick: str) -> str:
@@ -200,13 +212,31 @@ class CudaKind:
     def event(self) -> cupy.cuda.Event:
         return cupy.cuda.Event(block=True, disable_timing=True)
 
+    def open_event(self, handle: bytes, device: int) -> CudaIpcEvent:
+        self._check(device)
+        if len(handle) != 64:
+            raise InvalidArgumentError(f"a CUDA IPC event handle has 64 bytes, not {len(handle)}")
+        try:
+            with cupy.cuda.Device(device):
+                return CudaIpcEvent(device, runtime.ipcOpenEventHandle(handle))
+        except runtime.CUDARuntimeError as error:
+            raise NotFoundError(f"cannot open the client's CUDA IPC event on GPU {device}: "
+                                f"{error} (made with interprocess=True? has it exited?)") from None
+
+    def close_event(self, event: CudaIpcEvent) -> None:
+        with cupy.cuda.Device(event.device):
+            runtime.eventDestroy(event.pointer)  # pending waits on it still complete
+
     def record(self, event: cupy.cuda.Event, stream: cupy.cuda.Stream) -> None:
         with cupy.cuda.Device(stream.lpsync_device):
             event.record(stream)
 
-    def wait(self, stream: cupy.cuda.Stream, event: cupy.cuda.Event) -> None:
+    def wait(self, stream: cupy.cuda.Stream, event: cupy.cuda.Event | CudaIpcEvent) -> None:
         with cupy.cuda.Device(stream.lpsync_device):
-            stream.wait_event(event)
+            if isinstance(event, CudaIpcEvent):
+                runtime.streamWaitEvent(stream.ptr, event.pointer, 0)
+            else:
+                stream.wait_event(event)
 
     def synchronize(self, event: cupy.cuda.Event, deadline: float) -> None:
         import time

@@ -40,6 +40,7 @@ from lpsync.errors import (
     NotFoundError,
     UnavailableError,
 )
+from lpsync.memory import futex
 from lpsync.memory.kind import Span, Topology
 
 # The IPC handle: magic, exporter pid, fd in the exporter, inode, allocation bytes, device.
@@ -47,6 +48,12 @@ from lpsync.memory.kind import Span, Topology
 HANDLE = struct.Struct("<4sIIQQI")
 MAGIC = b"LPEM"
 _MEMFD_PREFIX = "/memfd:lpsync-"  # memfd_create names: lpsync-emu<d>, lpsync-client-emu<d>
+# An interprocess event's handle: magic, exporter pid, fd, inode of its 8-byte record
+# (u32 records enqueued, u32 records completed: the futex word), as the client packs it.
+EVENT_HANDLE = struct.Struct("<4sIIQ")
+EVENT_MAGIC = b"LPEV"
+_EVENT_PREFIX = "/memfd:lpsync-event"
+_EVENT_BYTES = 8
 
 
 @dataclass(eq=False)
@@ -102,6 +109,32 @@ class EmulatedEvent:
                 if left is not None and left <= 0:
                     raise CollectiveTimeoutError("a device stream did not finish in time")
                 self._cond.wait(left)
+
+
+class EmulatedIpcEvent:
+    """An event another process exports (cudaIpcOpenEventHandle's stand-in): its shared
+    record of (records enqueued, records completed); waits sleep on the completed word."""
+
+    def __init__(self, words: np.ndarray, mapping: mmap.mmap) -> None:
+        self._words, self._mapping = words, mapping  # the mapping lives as long as this
+        self.address = words.__array_interface__["data"][0]
+        self.closed = False
+
+    def recorded(self) -> int:
+        return int(self._words[0])
+
+    def reached(self, generation: int) -> bool:
+        return (int(self._words[1]) - generation) & 0xFFFFFFFF < 0x80000000
+
+    def wait_for(self, generation: int, timeout: float) -> None:
+        """Until ``generation`` completed, or at most ``timeout`` s (callers re-check)."""
+        completed = int(self._words[1])
+        if (completed - generation) & 0xFFFFFFFF >= 0x80000000:
+            futex.wait(self.address + 4, completed, timeout)
+
+    def close(self) -> None:
+        self.closed = True
+        futex.wake(self.address + 4)  # a stream waiting on it notices and gives up
 
 
 _STOP = object()
@@ -265,7 +298,38 @@ class EmulatedKind:
             generation = event.recorded
         stream.put(lambda error: event._complete(generation, error), wants_error=True)
 
-    def wait(self, stream: EmulatedStream, event: EmulatedEvent) -> None:
+    def open_event(self, handle: bytes, device: int) -> EmulatedIpcEvent:
+        self._check(device)
+        try:
+            magic, pid, fd, inode = EVENT_HANDLE.unpack(handle)
+        except struct.error:
+            raise InvalidArgumentError(
+                f"not an emulated-device event handle ({len(handle)} bytes)") from None
+        if magic != EVENT_MAGIC:
+            raise InvalidArgumentError("not an emulated-device event handle (bad magic)")
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            if not os.readlink(path).startswith(_EVENT_PREFIX):
+                raise InvalidArgumentError("the handle does not name an emulated-device event")
+            opened = os.open(path, os.O_RDWR)
+        except OSError as error:
+            raise NotFoundError(f"cannot open the event of process {pid}: {error} "
+                                "(has it exited?)") from None
+        try:
+            if os.fstat(opened).st_ino != inode:
+                raise NotFoundError(f"process {pid} no longer holds that event")
+            mapping = mmap.mmap(opened, _EVENT_BYTES)
+        finally:
+            os.close(opened)
+        return EmulatedIpcEvent(np.frombuffer(mapping, np.uint32, 2), mapping)
+
+    def close_event(self, event: EmulatedIpcEvent) -> None:
+        event.close()
+
+    def wait(self, stream: EmulatedStream, event: EmulatedEvent | EmulatedIpcEvent) -> None:
+        if isinstance(event, EmulatedIpcEvent):
+            self._wait_ipc(stream, event)
+            return
         generation = event.recorded
         if generation == 0:
             return  # never recorded: CUDA ignores the wait too
@@ -278,6 +342,19 @@ class EmulatedKind:
                 except CollectiveTimeoutError:
                     if stream.closed.is_set():
                         raise
+        stream.put(waiter)
+
+    def _wait_ipc(self, stream: EmulatedStream, event: EmulatedIpcEvent) -> None:
+        generation = event.recorded()  # the latest record made so far, as cudaStreamWaitEvent
+        if generation == 0:
+            return
+
+        def waiter() -> None:
+            while not event.reached(generation):  # sleeps in the kernel, 1 s at a time
+                if event.closed or stream.closed.is_set():
+                    raise UnavailableError("the client's event was closed before it completed "
+                                           "(the client has gone)")
+                event.wait_for(generation, 1.0)
         stream.put(waiter)
 
     def synchronize(self, event: EmulatedEvent, deadline: float) -> None:

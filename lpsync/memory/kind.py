@@ -141,6 +141,13 @@ class MemoryKind(Protocol):
     def event(self) -> Any:
         """A new event (no timing), reusable: recorded again on every run."""
 
+    def open_event(self, handle: bytes, device: int) -> Any:
+        """Open an event another process exported (cudaIpcOpenEventHandle); ``wait`` takes
+        it like an own event. InvalidArgumentError/NotFoundError for a bad or dead handle."""
+
+    def close_event(self, event: Any) -> None:
+        """Release an opened event; a stream still waiting on it is released too."""
+
     def record(self, event: Any, stream: Any) -> None: ...
 
     def wait(self, stream: Any, event: Any) -> None:

@@ -214,3 +214,76 @@ def slow_allreduce(rank: int, socket: str, world: int, job: str, ready_file: str
             return "OK"
         except lpsync_client.LpsyncError as error:
             return type(error).__name__
+
+
+def slow_allreduce_on_nodes(rank: int, sockets: list[str], per_node: int, world: int, job: str,
+                            ready_file: str) -> str:
+    """slow_allreduce for a multi-node job: node-major ranks, each on its node's daemon."""
+    os.environ["LOCAL_RANK"] = str(rank % per_node)
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    return slow_allreduce(rank, sockets[rank // per_node], world, job, ready_file)
+
+
+def ordered_without_host_wait(rank: int, socket: str, world: int, delay: float,
+                              per_node: int = 0) -> dict:
+    """A slow write queued on the current stream, then an async allreduce: the request
+    leaves before that write ran (the client's interprocess event had not completed, so
+    nothing waited for it on the host), the daemon's streams wait for it, and work queued
+    on the stream after the result sees the reduced values."""
+    if per_node:
+        os.environ["LOCAL_RANK"] = str(rank % per_node)
+        os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+        socket = socket[rank // per_node] if isinstance(socket, list) else socket
+    with _client(rank, socket, world, f"no-host-wait{per_node}") as client:
+        x = emulated.zeros(1000, "float32", device=rank % 2)
+        client.register(x)
+        client.barrier()
+        event = emulated.ready_event(x.device)
+        x.set_async(np.full(1000, rank + 1.0, np.float32), delay=delay)
+        start = time.monotonic()
+        future = client.allreduce_async(x)
+        submitted = time.monotonic() - start
+        pending_at_submit = event.completed < event.recorded
+        future.result(timeout=60)
+        seen: list[float] = []
+        stream = emulated.current_stream(x.device)
+        stream.enqueue(lambda: seen.extend(x.host[:3].tolist()))  # later work on the stream
+        stream.synchronize(30)
+        return {"submitted": submitted, "pending_at_submit": pending_at_submit, "seen": seen}
+
+
+def gpu_adapters(rank: int, socket: str, world: int) -> dict:
+    """The framework adapters on the device path: torch (allreduce_ and the ProcessGroup's
+    allreduce through lpsync_client.torch ops), cupy and, where JAX sees a GPU, jax; each
+    result against the sum of (rank + 1), and the registrations that the path made."""
+    import cupy
+    import torch
+
+    import lpsync_client.cupy as lpc
+    from lpsync_client.torch import _ops
+
+    out: dict = {}
+    with _client(rank, socket, world, "gpu-adapters") as client:
+        t = torch.full((1 << 16,), rank + 1.0, device="cuda")
+        _ops.allreduce_(t, op="sum", client=client)
+        out["torch"] = t[:3].tolist()
+        b = torch.full((4099,), rank + 1.0, device="cuda", dtype=torch.bfloat16)
+        _ops.allreduce_(b, op="sum", client=client)
+        out["torch_bf16"] = b[:3].float().tolist()
+        tree = {"w": cupy.full(1000, rank + 1.0, cupy.float32),
+                "b": [cupy.full(7, rank + 1, cupy.int64)]}
+        lpc.allreduce(tree, op="sum", client=client)
+        out["cupy"] = [float(tree["w"][0]), int(tree["b"][0][0])]
+        out["registrations"] = client.device_registrations()
+        try:
+            import jax
+            import jax.numpy as jnp
+
+            import lpsync_client.jax as lpj
+            gpu = [d for d in jax.devices() if d.platform == "gpu"]
+        except Exception:
+            gpu = []
+        if gpu:
+            x = jax.device_put(jnp.full(500, rank + 1.0, jnp.float32), gpu[0])
+            out["jax"] = [float(v) for v in lpj.allreduce({"x": x}, op="sum", client=client)["x"][:3]]
+    return out

@@ -86,6 +86,16 @@ def test_collective_is_ordered_after_the_clients_stream(emu):
         assert values == [10.0, 10.0, 10.0]
 
 
+def test_the_client_does_not_wait_on_the_host_for_its_stream(emu):
+    """The request carries an interprocess event: the daemon's streams wait for the 1 s
+    write still queued on each client's stream, the client does not."""
+    results = run_ranks(2, device_workers.ordered_without_host_wait, emu.socket, 2, 1.0)
+    for r in results:
+        assert r["pending_at_submit"], "the client's event had completed before it submitted"
+        assert r["submitted"] < 0.5, f"submitting took {r['submitted']:.2f} s"
+        assert r["seen"] == [3.0, 3.0, 3.0]
+
+
 def test_ipc_cache_opens_an_allocation_once(emu):
     with lpsync_client.connect(emu.socket, job="cache", rank=0, world_size=1) as client:
         alloc = emulated.Allocation(1 << 16, device=1)
@@ -212,26 +222,91 @@ def test_device_buffers_across_two_nodes(tmp_path):
     try:
         world, count = 4, 1001
         rng = np.random.default_rng(8)
+        # Several dtypes and reduce ops, rotating over the cases (one daemon pair for all).
+        kinds = [("float64", "sum"), ("float32", "max"), ("int32", "sum"), ("bfloat16", "avg"),
+                 ("float16", "min"), ("int64", "prod")]
         cases = []
         for op in Collective:
             for in_place in (False, True):
+                dtype, reduce_op = kinds[len(cases) % len(kinds)]
+                if op not in (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER):
+                    reduce_op = "sum"
                 root = 3 if op in (Collective.BROADCAST, Collective.REDUCE) else 0
-                inputs = make_inputs(op, world, count, np.dtype(np.float64), ReduceOp.SUM, rng)
-                cases.append((op.value, "float64", "sum", in_place, root, count,
+                inputs = make_inputs(op, world, count, DTYPES[dtype], ReduceOp(reduce_op), rng)
+                cases.append((op.value, dtype, reduce_op, in_place, root, count,
                               [x.tobytes() for x in inputs]))
         results = run_ranks(world, device_workers.run_cases_on_nodes,
                             daemons.sockets, 2, world, [0, 1, 1, 0], cases,
                             timeout=120)
-        for index, (op, _, _, in_place, root, _, raw) in enumerate(cases):
-            inputs = [np.frombuffer(b, np.float64) for b in raw]
-            want = reference(Collective(op), ReduceOp.SUM, inputs, root, count)
+        for index, (op, dtype, reduce_op, in_place, root, _, raw) in enumerate(cases):
+            inputs = [np.frombuffer(b, DTYPES[dtype]) for b in raw]
+            want = reference(Collective(op), ReduceOp(reduce_op), inputs, root, count)
             for rank in range(world):
                 got, after = results[rank][index]
                 if op == "reduce" and in_place and rank != root:
                     assert after == raw[rank]
                     continue
-                assert_matches(np.frombuffer(got, np.float64), want[rank],
-                               f"{op} in_place={in_place} rank {rank}")
+                assert_matches(np.frombuffer(got, DTYPES[dtype]), want[rank],
+                               f"{op} {dtype} {reduce_op} in_place={in_place} rank {rank}")
+        # Across nodes too, the staging streams wait on the clients' interprocess events.
+        for r in run_ranks(2, device_workers.ordered_without_host_wait, daemons.sockets, 2,
+                           1.0, 1):
+            assert r["pending_at_submit"] and r["submitted"] < 0.5
+            assert r["seen"] == [3.0, 3.0, 3.0]
+    finally:
+        daemons.stop_and_check()
+
+
+def test_a_client_killed_mid_cross_node_collective_leaks_nothing(tmp_path):
+    """Rank 1 (node 1) dies while its 8 MB are being staged chunk by chunk on slow
+    emulated copies: both daemons close every IPC mapping once their staging streams
+    drained, keep no extra threads, and serve a correct collective afterwards."""
+    pytest.importorskip("ucxx")
+    daemons = PeeredDaemons(tmp_path, 2, "--devices", "emulated:2,bw=10000000")
+    try:
+        world, count = 2, 1000
+        rng = np.random.default_rng(5)
+
+        def allreduce_is_correct(what: str) -> None:
+            inputs = make_inputs(Collective.ALLREDUCE, world, count, np.dtype(np.float32),
+                                 ReduceOp.SUM, rng)
+            cases = [("allreduce", "float32", "sum", True, 0, count, [x.tobytes() for x in inputs])]
+            results = run_ranks(world, device_workers.run_cases_on_nodes, daemons.sockets, 1,
+                                world, [0, 1], cases, timeout=120)
+            want = reference(Collective.ALLREDUCE, ReduceOp.SUM, inputs, 0, count)
+            for rank in range(world):
+                assert_matches(np.frombuffer(results[rank][0][0], np.float32), want[rank], what)
+
+        allreduce_is_correct("before")  # makes the staging streams, which stay
+        pids = [d.pid for d in daemons.daemons]
+        threads = [_threads(pid) for pid in pids]
+        ctx = mp.get_context("spawn")
+        ready = tmp_path / "submitted"
+        ranks = [ctx.Process(target=device_workers.slow_allreduce_on_nodes,
+                             args=(r, daemons.sockets, 1, world, "slow-x", str(ready)))
+                 for r in range(world)]
+        for p in ranks:
+            p.start()
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline, "rank 1 did not submit"
+            time.sleep(0.02)
+        time.sleep(0.3)  # chunks are on the staging streams now (8 MB at 10 MB/s)
+        ranks[1].kill()
+        ranks[1].join(10)
+        ranks[0].join(120)
+        assert ranks[0].exitcode == 0
+        deadline = time.monotonic() + 60
+        for socket in daemons.sockets:
+            while any(r.open_allocations for r in _device_rows(socket).values()):
+                assert time.monotonic() < deadline, "allocations stayed open after the drain"
+                time.sleep(0.1)
+            assert all(r.ipc_opens == r.ipc_closes for r in _device_rows(socket).values())
+        for pid, (total, streams) in zip(pids, threads, strict=True):
+            now_total, now_streams = _threads(pid)
+            assert now_streams == streams, "stream threads leaked"
+            assert now_total <= total + 4, "daemon threads leaked"
+        allreduce_is_correct("after")
     finally:
         daemons.stop_and_check()
 

@@ -88,6 +88,22 @@ def test_frameworks_register_device_memory(gpu_daemon):
     assert {"cupy", "torch", "jax"} & set(seen), "no CUDA framework installed"
 
 
+def test_framework_adapters_take_the_device_path(gpu_daemon):
+    """torch, cupy (and jax with a GPU) adapters reduce CUDA memory in place through IPC:
+    registrations exist, so nothing was staged through host memory."""
+    pytest.importorskip("torch")
+    world = 2
+    results = run_ranks(world, device_workers.gpu_adapters, gpu_daemon.socket, world, timeout=300)
+    for r in results:
+        assert r["torch"] == [3.0, 3.0, 3.0] and r["torch_bf16"] == [3.0, 3.0, 3.0]
+        assert r["cupy"] == [3.0, 3]
+        assert r["registrations"] >= 3
+        if "jax" in r:
+            assert r["jax"] == [3.0, 3.0, 3.0]
+    row = _rows(gpu_daemon.socket)[0]
+    assert row.open_allocations == 0 and row.ipc_opens == row.ipc_closes > 0
+
+
 def test_a_killed_client_releases_its_ipc_mappings(gpu_daemon, tmp_path):
     ctx = mp.get_context("spawn")
     ready = tmp_path / "ready"

@@ -8,12 +8,17 @@ cupy and JAX need no common library). Recognised:
   * ``__lpsync_device__`` (lpsync_client.emulated arrays, the CI stand-in);
   * ``__cuda_array_interface__`` (cupy, torch CUDA tensors, numba, JAX GPU arrays);
   * ``__dlpack__`` with ``__dlpack_device__()`` on CUDA (kDLCUDA = 2, kDLCUDAManaged = 13).
-Before a collective the array's current stream is ordered first (``sync``): an event
-recorded on it is waited for, never a device-wide synchronize.
+Before a collective the array's current stream is ordered first: where the framework has
+interprocess events (cupy, torch, the emulated arrays) ``ready`` records one on the
+current stream and returns its IPC handle, which the request carries and the daemon's
+streams wait on (cudaIpcGetEventHandle / cudaStreamWaitEvent: the client does not block);
+otherwise (JAX, other __cuda_array_interface__ or __dlpack__ arrays) ``sync`` waits on the
+host for the array's stream, never a device-wide synchronize.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,8 +35,17 @@ _TYPESTR = {"<f2": "float16", "<f4": "float32", "<f8": "float64", "|i1": "int8",
 @dataclass
 class DeviceOperand:
     info: DeviceArrayInfo
-    sync: Callable[[], None]  # orders the array's current stream before the collective
+    sync: Callable[[], None]  # orders the array's current stream before the collective (host)
     keep: object  # the user's array: holds the allocation alive while registered
+    ready: Callable[[], bytes] | None = None  # records an interprocess event: its handle
+
+    def order(self) -> bytes:
+        """Order the current stream before the collective: the event handle the daemon
+        waits on, or b"" after a host wait where the framework has no IPC events."""
+        if self.ready is not None:
+            return self.ready()
+        self.sync()
+        return b""
 
 
 def is_device_array(x: object) -> bool:
@@ -48,12 +62,16 @@ def is_device_array(x: object) -> bool:
 
 def describe(x: object) -> DeviceOperand:
     if hasattr(x, "__lpsync_device__"):
-        return DeviceOperand(x.__lpsync_device__(), x.__lpsync_sync__, x)  # type: ignore[attr-defined]
+        return DeviceOperand(x.__lpsync_device__(), x.__lpsync_sync__, x,  # type: ignore[attr-defined]
+                             getattr(x, "__lpsync_ready__", None))
     module = type(x).__module__
     if module.startswith("torch"):
         return _torch(x)
     if hasattr(x, "__cuda_array_interface__"):
-        return _cai(x, _stream_sync_for(x))
+        operand = _cai(x, _stream_sync_for(x))
+        if type(x).__module__.startswith("cupy"):
+            operand.ready = _cupy_ready(operand.info.device)
+        return operand
     try:
         import cupy
     except ImportError:
@@ -73,6 +91,55 @@ def _stream_sync_for(x: object) -> Callable[[], None]:
             event.synchronize()
         return sync
     return _block(x)
+
+
+_events: dict[tuple[str, int], tuple[object, bytes]] = {}  # (framework, device) -> event, handle
+_events_lock = threading.Lock()
+
+
+def _cached_event(framework: str, device: int, make: Callable[[], tuple[object, bytes]]
+                  ) -> tuple[object, bytes]:
+    with _events_lock:
+        entry = _events.get((framework, device))
+        if entry is None:
+            entry = _events[(framework, device)] = make()
+        return entry
+
+
+def _cupy_ready(device: int) -> Callable[[], bytes]:
+    """Record cupy's interprocess event of ``device`` on the current stream (cudaEventRecord
+    on an event made with cudaEventInterprocess | cudaEventDisableTiming)."""
+    import cupy
+
+    def make() -> tuple[object, bytes]:
+        event = cupy.cuda.Event(block=True, disable_timing=True, interprocess=True)
+        return event, bytes(cupy.cuda.runtime.ipcGetEventHandle(event.ptr))
+
+    def ready() -> bytes:
+        with cupy.cuda.Device(device):
+            event, handle = _cached_event("cupy", device, make)
+            event.record(cupy.cuda.get_current_stream())  # type: ignore[attr-defined]
+            return handle
+    return ready
+
+
+def _torch_ready(device: object) -> Callable[[], bytes]:
+    """The same with torch's current stream and torch.cuda.Event(interprocess=True); torch
+    creates the event at its first record, so the handle is taken after it."""
+    import torch
+
+    def ready() -> bytes:
+        stream = torch.cuda.current_stream(device)
+        with _events_lock:
+            entry = _events.get(("torch", stream.device_index))
+            if entry is None:
+                event = torch.cuda.Event(enable_timing=False, blocking=True, interprocess=True)
+                event.record(stream)
+                entry = _events[("torch", stream.device_index)] = (event, bytes(event.ipc_handle()))
+                return entry[1]
+        entry[0].record(stream)  # type: ignore[attr-defined]
+        return entry[1]
+    return ready
 
 
 def _block(x: object) -> Callable[[], None]:
@@ -124,5 +191,8 @@ def _torch(t: object) -> DeviceOperand:
     plain = t.detach()  # type: ignore[attr-defined]  # (no interface on grad-requiring tensors)
     if t.dtype == torch.bfloat16:  # type: ignore[attr-defined]
         # No typestr for bfloat16: describe the same bytes as int16.
-        return _cai(plain.view(torch.int16), sync, keep=t, dtype="bfloat16")
-    return _cai(plain, sync, keep=t)
+        operand = _cai(plain.view(torch.int16), sync, keep=t, dtype="bfloat16")
+    else:
+        operand = _cai(plain, sync, keep=t)
+    operand.ready = _torch_ready(device)
+    return operand

@@ -19,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import queue
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -79,9 +81,14 @@ class DeviceRegistered:
     the user's array, so the allocation stays alive while registered. Made by
     Client.register() (or on first use of an unregistered device array)."""
 
-    def __init__(self, client: Client, operand: DeviceOperand, handle: int) -> None:
+    def __init__(self, client: Client, operand: DeviceOperand, handle: int,
+                 hold: bool = True) -> None:
         self.client, self.handle, self.info = client, handle, operand.info
-        self.original, self.sync = operand.keep, operand.sync
+        # hold=False (the framework adapters): the array is not kept alive; a finalizer
+        # releases this registration once it is collected (Client.register).
+        self.operand: DeviceOperand | None = operand if hold else None
+        self.original = operand.keep if hold else None
+        self.sync = operand.sync if hold else None  # (a bound method would hold the array)
 
     @property
     def size(self) -> int:
@@ -109,6 +116,29 @@ class _Operand:
     copy_in: object = None  # (staging, source) pairs to copy before / after
     copy_out: object = None
     scratch: _Segment | None = None
+    device: DeviceOperand | None = None  # a device array: its stream is ordered in _submit
+
+
+def _release_later(client_ref: weakref.ref, handle: int) -> None:
+    """A hold=False registration's array was collected: queue its release (Client._reap)."""
+    client = client_ref()
+    if client is not None:
+        client._dead.put(handle)
+
+
+def _order_streams(request: pb.CollectiveRequest, operands: list[_Operand]) -> None:
+    """Device buffers: the input's current stream is ordered by an interprocess event the
+    daemon's streams wait on (no host wait); an output on another device (or without IPC
+    events) waits on the host."""
+    first = operands[0].device
+    assert first is not None
+    request.ready_event = first.order()
+    for other in operands[1:]:
+        d = other.device
+        if d is not None and not (request.ready_event and d.ready is not None
+                                  and d.info.kind == first.info.kind
+                                  and d.info.device == first.info.device):
+            d.sync()
 
 
 def _span(a: np.ndarray) -> tuple:
@@ -152,6 +182,9 @@ class Client:
         self._stub = pb_grpc.LpSyncStub(self._channel)
         self._segments: dict[int, _Segment] = {}
         self._device: dict[int, DeviceRegistered] = {}  # device registrations by handle
+        # Handles of hold=False registrations whose array died (a finalizer may run inside
+        # any locked region of this thread: a queue, not self._lock).
+        self._dead: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._scratch: dict[int, list[_Segment]] = {}
         self._lock = threading.Lock()
         self._sequence = 0
@@ -236,7 +269,7 @@ class Client:
         array.fill(0)
         return array
 
-    def register(self, x: object) -> Registered | DeviceRegistered:
+    def register(self, x: object, *, hold: bool = True) -> Registered | DeviceRegistered:
         """Stage ``x`` (numpy array, torch CPU tensor, __dlpack__ or buffer-protocol object)
         through shared memory; pass the result to collectives instead of ``x``.
 
@@ -248,36 +281,67 @@ class Client:
         >>> client.allreduce(h)          # h.original now holds the sum
         """
         if is_device_array(x):
-            return self._register_device(describe(x))
+            self._reap()
+            operand = describe(x)
+            registered = self._register_device(operand, hold)
+            if not hold:
+                try:
+                    weakref.finalize(x, _release_later, weakref.ref(self), registered.handle)
+                except TypeError:  # not weakly referenceable: released with the client
+                    registered.operand, registered.original = operand, x
+            return registered
         source, dtype = as_numpy(x)
         buffer = self._call(self._stub.Register, pb.RegisterRequest(
             session_id=self.session_id, nbytes=source.nbytes, device="cpu"))
         return Registered(self, source, dtype, self._map(buffer), x)
 
-    def _register_device(self, operand: DeviceOperand) -> DeviceRegistered:
+    def _reap(self) -> None:
+        """Release the registrations whose arrays were collected (queued by finalizers,
+        which must not call the daemon from whatever thread the GC runs in)."""
+        dead = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                dead.append(self._dead.get_nowait())
+        for handle in dead:
+            with self._lock:
+                registered = self._device.pop(handle, None)
+            if registered is not None and not self._closed:
+                with contextlib.suppress(LpsyncError):
+                    self._call(self._stub.Release, pb.ReleaseRequest(session_id=self.session_id,
+                                                                     handle=handle))
+
+    def device_registrations(self) -> int:
+        """Device spans registered now (after releasing those of collected arrays)."""
+        self._reap()
+        with self._lock:
+            return len(self._device)
+
+    def _register_device(self, operand: DeviceOperand, hold: bool = True) -> DeviceRegistered:
         info = operand.info
         buffer = self._call(self._stub.Register, pb.RegisterRequest(
             session_id=self.session_id, nbytes=info.nbytes, device=info.kind,
             device_index=info.device, ipc_handle=info.handle, ipc_offset=info.offset,
             allocation_bytes=info.allocation_bytes))
-        registered = DeviceRegistered(self, operand, buffer.handle)
+        registered = DeviceRegistered(self, operand, buffer.handle, hold)
         with self._lock:
             self._device[buffer.handle] = registered
         return registered
 
     def _device_operand(self, x: object) -> _Operand:
         if isinstance(x, DeviceRegistered):
-            x.sync()
-            return _Operand(pb.BufferRef(handle=x.handle), _Sized(x.info.count), x.info.dtype)
+            if x.operand is None:
+                raise InvalidArgumentError("this registration does not hold its array "
+                                           "(register(hold=False)): pass the array itself")
+            return _Operand(pb.BufferRef(handle=x.handle), _Sized(x.info.count), x.info.dtype,
+                            device=x.operand)
         operand = describe(x)
         info = operand.info
         with self._lock:
             found = next((r for r in self._device.values() if r.covers(info)), None)
         if found is None:  # first use: registered for good (release(x) gives it back)
             found = self._register_device(operand)
-        operand.sync()
         return _Operand(pb.BufferRef(handle=found.handle, offset=info.offset - found.info.offset),
-                        _Sized(info.count), info.dtype)
+                        _Sized(info.count), info.dtype, device=operand)
 
     def release(self, x: object) -> None:
         """Give a buffer from empty()/zeros()/register() back to the daemon."""
@@ -391,6 +455,8 @@ class Client:
                 if operand.copy_in is not None:
                     staging, source = operand.copy_in
                     np.copyto(staging, source)
+            if operands and operands[0].device is not None:
+                _order_streams(request, operands)
         except BaseException:
             self._recycle(operands)
             raise

@@ -4,10 +4,12 @@ through the node's lpsync daemon, in place.
     import lpsync_client.cupy as lpc
     lpc.allreduce(grads, op="avg")          # every cupy array in grads now holds the average
 
-This version stages device arrays through host memory (one fused buffer per dtype: one
-collective per dtype, not per array); the collective runs after the current stream's work
-on the arrays (we synchronize the stream before reading them). The client attaches from
-the environment unless ``client=`` is given.
+When the daemon serves cuda (``--devices cuda:...``), each contiguous array is reduced
+on the daemon's GPU streams through CUDA IPC, in place: registered once per allocation
+span (released when the array is collected), ordered after cupy's current stream by an
+interprocess event (no host wait), returned once the daemon finished. Otherwise arrays are
+staged through host memory (one fused buffer per dtype) after a synchronize of the
+current stream. The client attaches from the environment unless ``client=`` is given.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess by 
                       "pip install 'lpsync-client[cupy]' (or the cupy-cuda12x / cupy-cuda13x "
                       "wheel for your CUDA)") from error
 
-from lpsync_client import _fused
+from lpsync_client import _adapt, _fused
 from lpsync_client._default import default_client, resolve, set_default_client
 from lpsync_client.client import Client
 
@@ -47,9 +49,13 @@ def allreduce(tree: Any, op: str = "avg", *, client: Client | None = None, name:
     for a in arrays:
         if not isinstance(a, cupy.ndarray):
             raise TypeError(f"lpsync_client.cupy.allreduce takes cupy arrays, got {type(a)}")
+    client = resolve(client)
+    if arrays and all(a.flags.c_contiguous and _adapt.on_device_path(client, a) for a in arrays):
+        _adapt.allreduce_arrays(client, arrays, op, name=name or "cupy", timeout=timeout)
+        return tree
     cupy.cuda.get_current_stream().synchronize()  # the arrays' pending writes first
     hosts = [cupy.asnumpy(a) for a in arrays]
-    reduced = _fused.allreduce(resolve(client), hosts, op, name=name or "cupy", timeout=timeout)
+    reduced = _fused.allreduce(client, hosts, op, name=name or "cupy", timeout=timeout)
     for a, result in zip(arrays, reduced, strict=True):
         a.set(result)
     return tree

@@ -32,11 +32,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lpsync_client import _futex
 from lpsync_client._convert import dtype_name, numpy_dtype
 from lpsync_client.errors import InvalidArgumentError
 
 HANDLE = struct.Struct("<4sIIQQI")  # the layout lpsync.memory.emulated unpacks
 MAGIC = b"LPEM"
+EVENT_HANDLE = struct.Struct("<4sIIQ")  # an interprocess event's (lpsync.memory.emulated)
+EVENT_MAGIC = b"LPEV"
 
 
 class Allocation:
@@ -92,6 +95,55 @@ class Event:
 
     def query(self) -> bool:
         return self._done.is_set()
+
+
+class IpcEvent:
+    """An interprocess event, as cupy's Event(interprocess=True): its handle opens in the
+    daemon, whose streams then wait for the latest record made before their wait.
+
+    The record is 8 bytes of a memfd: u32 records made, u32 records completed. ``record``
+    counts one up and queues on the stream the store of its number into the completed
+    word plus a futex wake, so a waiter in another process sleeps until then (no polling).
+    """
+
+    def __init__(self) -> None:
+        self._fd = os.memfd_create("lpsync-event", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, 8)
+        self._mmap = mmap.mmap(self._fd, 8)
+        self._words = np.frombuffer(self._mmap, np.uint32, 2)
+        self._inode = os.fstat(self._fd).st_ino
+        self._lock = threading.Lock()
+        self.handle = EVENT_HANDLE.pack(EVENT_MAGIC, os.getpid(), self._fd, self._inode)
+
+    def record(self, stream: Stream) -> None:
+        with self._lock:
+            self._words[0] += 1
+            generation = int(self._words[0])
+        stream.enqueue(lambda: self._complete(generation))
+
+    def _complete(self, generation: int) -> None:
+        self._words[1] = generation
+        _futex.wake(self._words.__array_interface__["data"][0] + 4)
+
+    @property
+    def recorded(self) -> int:
+        return int(self._words[0])
+
+    @property
+    def completed(self) -> int:
+        return int(self._words[1])
+
+
+_ready_events: dict[int, IpcEvent] = {}
+
+
+def ready_event(device: int = 0) -> IpcEvent:
+    """The process's interprocess event of ``device`` (one, recorded before every collective)."""
+    with _streams_lock:
+        event = _ready_events.get(device)
+        if event is None:
+            event = _ready_events[device] = IpcEvent()
+        return event
 
 
 class Stream:
@@ -208,8 +260,15 @@ class EmulatedArray:
                                self.dtype_name)
 
     def __lpsync_sync__(self) -> None:
-        """Order the device's current stream before a collective on this array."""
+        """Order the device's current stream before a collective on this array (host wait)."""
         current_stream(self.device).synchronize()
+
+    def __lpsync_ready__(self) -> bytes:
+        """Record the device's interprocess event on its current stream; its handle, for the
+        daemon's streams to wait on (no host wait)."""
+        event = ready_event(self.device)
+        event.record(current_stream(self.device))
+        return event.handle
 
     def __repr__(self) -> str:
         return f"EmulatedArray({self.size} x {self.dtype_name} on emulated:{self.device})"

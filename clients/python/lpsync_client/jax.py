@@ -6,9 +6,13 @@ steps and outside ``jit`` (a collective is a side effect).
     grads = lpj.pmean(grads)                       # the average over every rank
     params = jax.tree_util.tree_map(lambda p, g: p - lr * g, params, grads)
 
-Leaves are read through DLPack (zero copy on CPU), packed into one shared-memory buffer
-per dtype (one collective per dtype, not per leaf) and returned as new arrays on the
-leaves' devices. The client attaches from the environment (RANK, WORLD_SIZE, LPSYNC_SOCKET,
+Leaves on a GPU, when the daemon serves cuda, take the device path: each is copied on
+its GPU into a fresh buffer (JAX arrays are immutable; the copy is ours to write), which
+the daemon reduces in place through CUDA IPC (registered per allocation span, released
+when the copy is collected; ordered after XLA's work by ``block_until_ready``); the copies
+are the results. Other leaves are read through DLPack (zero copy on CPU), packed into one
+shared-memory buffer per dtype (one collective per dtype, not per leaf) and returned as
+new arrays on the leaves' devices. The client attaches from the environment (RANK, WORLD_SIZE, LPSYNC_SOCKET,
 LPSYNC_JOB...) unless ``client=`` is given.
 """
 
@@ -25,9 +29,11 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess by 
 
 import numpy as np
 
-from lpsync_client import _fused
+from lpsync_client import _adapt, _fused
 from lpsync_client._default import default_client, resolve, set_default_client
 from lpsync_client.client import Client
+
+_DEVICE_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int32", "int64", "uint8"})
 
 __all__ = ["allreduce", "default_client", "pmean", "psum", "set_default_client"]
 
@@ -51,15 +57,37 @@ def allreduce(tree: Any, op: str = "avg", *, client: Client | None = None, name:
     >>> total = lpj.allreduce({"w": jnp.ones(3)}, op="sum")
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    hosts = [_host(leaf) for leaf in leaves]
-    reduced = _fused.allreduce(resolve(client), hosts, op, name=name or "jax", timeout=timeout)
-    out = []
-    for leaf, result in zip(leaves, reduced, strict=True):
+    client = resolve(client)
+    # Every rank flattens the same tree on the same kind of devices: the split agrees.
+    on_gpu = [i for i, leaf in enumerate(leaves) if _gpu_leaf(client, leaf)]
+    out: list[Any] = [None] * len(leaves)
+    if on_gpu:
+        copies = [jnp.array(leaves[i], copy=True) for i in on_gpu]
+        _adapt.allreduce_arrays(client, copies, op, name=f"{name or 'jax'}/gpu", timeout=timeout)
+        for i, result in zip(on_gpu, copies, strict=True):
+            out[i] = result
+    rest = [i for i in range(len(leaves)) if out[i] is None]
+    reduced = _fused.allreduce(client, [_host(leaves[i]) for i in rest], op,
+                               name=name or "jax", timeout=timeout) if rest else []
+    for i, result in zip(rest, reduced, strict=True):
+        leaf = leaves[i]
         if isinstance(leaf, jax.Array):
-            out.append(jax.device_put(jnp.asarray(result), leaf.sharding))
+            out[i] = jax.device_put(jnp.asarray(result), leaf.sharding)
         else:
-            out.append(jnp.asarray(result))
+            out[i] = jnp.asarray(result)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _gpu_leaf(client: Client, leaf: Any) -> bool:
+    """A single-device GPU array of a dtype the daemon knows, on a daemon serving cuda."""
+    if not isinstance(leaf, jax.Array) or not leaf.is_fully_addressable:
+        return False
+    devices = leaf.devices()
+    if len(devices) != 1 or next(iter(devices)).platform != "gpu" or leaf.size == 0:
+        return False
+    if leaf.dtype.name not in _DEVICE_DTYPES:  # no __cuda_array_interface__ typestr (bfloat16)
+        return False
+    return "cuda" in _adapt.served_kinds(client)
 
 
 def pmean(tree: Any, *, client: Client | None = None, timeout: float | None = None) -> Any:

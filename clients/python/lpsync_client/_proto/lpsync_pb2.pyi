@@ -116,7 +116,7 @@ class BufferRef(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class CollectiveRequest(_message.Message):
-    __slots__ = ("session_id", "sequence", "op", "dtype", "count", "root", "reduce_op", "algorithm", "timeout", "input", "output", "name")
+    __slots__ = ("session_id", "sequence", "op", "dtype", "count", "root", "reduce_op", "algorithm", "timeout", "input", "output", "name", "ready_event")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class CollectiveRequest(_message.Message):
     INPUT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     sequence: int
     op: str
@@ -141,7 +142,8 @@ class CollectiveRequest(_message.Message):
     input: BufferRef
     output: BufferRef
     name: str
-    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., op: _Optional[str] = ..., dtype: _Optional[str] = ..., count: _Optional[int] = ..., root: _Optional[int] = ..., reduce_op: _Optional[str] = ..., algorithm: _Optional[str] = ..., timeout: _Optional[float] = ..., input: _Optional[_Union[BufferRef, _Mapping]] = ..., output: _Optional[_Union[BufferRef, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
+    ready_event: bytes
+    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., op: _Optional[str] = ..., dtype: _Optional[str] = ..., count: _Optional[int] = ..., root: _Optional[int] = ..., reduce_op: _Optional[str] = ..., algorithm: _Optional[str] = ..., timeout: _Optional[float] = ..., input: _Optional[_Union[BufferRef, _Mapping]] = ..., output: _Optional[_Union[BufferRef, _Mapping]] = ..., name: _Optional[str] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
 
 class CollectiveResponse(_message.Message):
     __slots__ = ("algorithm", "chunks", "seconds")

@@ -19,13 +19,14 @@ def note_device(tensor: torch.Tensor) -> None:
     global _warned_device
     if tensor.device.type != "cpu" and not _warned_device:
         _warned_device = True
-        _log.warning("lpsync: %s tensors are staged through host memory (slow path until "
-                     "the daemon maps device memory)", tensor.device.type)
+        _log.warning("lpsync: %s tensors are staged through host memory here (the daemon "
+                     "serves no such devices, or this call has no device path yet)",
+                     tensor.device.type)
 
 
 def host_view(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor for ``tensor``: itself when it already is one, else a staged
-    copy (a slow path for CUDA tensors until the daemon maps device memory: logged once)."""
+    copy (the slow path of CUDA tensors off the device path: logged once)."""
     if tensor.device.type != "cpu":
         note_device(tensor)
         return tensor.detach().to("cpu").contiguous()

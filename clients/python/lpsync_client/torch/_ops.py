@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
+from lpsync_client import _adapt
 from lpsync_client.client import Client
 from lpsync_client.errors import InvalidArgumentError
 from lpsync_client.torch._client import host_view, resolve
@@ -30,9 +31,15 @@ def allreduce(tensor: torch.Tensor, op: str = "avg", *, client: Client | None = 
 
 def allreduce_(tensor: torch.Tensor, op: str = "avg", *, client: Client | None = None,
                name: str = "", timeout: float | None = None) -> torch.Tensor:
-    """Reduce ``tensor`` over every rank in place; returns it."""
+    """Reduce ``tensor`` over every rank in place; returns it. A CUDA tensor runs on the
+    daemon's GPU streams when it serves cuda (ordered after the current stream)."""
+    client = resolve(client)
+    if _on_device(client, tensor):
+        _adapt.ensure_registered(client, tensor)
+        client.allreduce(tensor.detach(), op=op, name=name, timeout=timeout)
+        return tensor
     host = host_view(tensor)
-    resolve(client).allreduce(host, op=op, name=name, timeout=timeout)
+    client.allreduce(host, op=op, name=name, timeout=timeout)
     _write_back(tensor, host)
     return tensor
 
@@ -40,11 +47,24 @@ def allreduce_(tensor: torch.Tensor, op: str = "avg", *, client: Client | None =
 def broadcast(tensor: torch.Tensor, root: int = 0, *, client: Client | None = None,
               name: str = "", timeout: float | None = None) -> torch.Tensor:
     """Overwrite ``tensor`` with root's (in place, every rank); returns it."""
+    client = resolve(client)
+    if _on_device(client, tensor):
+        bits = tensor.detach()
+        bits = bits.view(_AS_BITS[bits.dtype]) if bits.dtype in _AS_BITS else bits
+        _adapt.ensure_registered(client, bits)
+        client.broadcast(bits, root=root, name=name, timeout=timeout)
+        return tensor
     host = host_view(tensor)
     bits = host.view(_AS_BITS[host.dtype]) if host.dtype in _AS_BITS else host
-    resolve(client).broadcast(bits, root=root, name=name, timeout=timeout)
+    client.broadcast(bits, root=root, name=name, timeout=timeout)
     _write_back(tensor, host)
     return tensor
+
+
+def _on_device(client: Client, tensor: torch.Tensor) -> bool:
+    """The device path: a contiguous CUDA tensor, a daemon serving cuda."""
+    return (tensor.device.type == "cuda" and tensor.is_contiguous()
+            and _adapt.on_device_path(client, tensor))
 
 
 def _write_back(tensor: torch.Tensor, host: torch.Tensor) -> None:

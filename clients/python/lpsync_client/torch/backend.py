@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 import lpsync_client
+from lpsync_client import _adapt
 from lpsync_client.client import Client
 from lpsync_client.errors import LpsyncError
 
@@ -275,6 +276,13 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             raise _failure(op, error) from error
         return work.seal()
 
+    def _on_device(self, t: torch.Tensor) -> bool:
+        """The device path (docs/gpu.md): a contiguous CUDA tensor of a dtype the daemon
+        reduces, on a daemon serving cuda; the collective then runs on the tensor itself,
+        after the current stream (interprocess event), done when the daemon finished."""
+        return (t.device.type == "cuda" and t.dtype != torch.bool and t.is_contiguous()
+                and _adapt.on_device_path(self.client, t))
+
     def _barrier_piece(self, work: LpsyncWork) -> None:
         """Zero elements: nothing to move, but the ranks still meet, so that the job's
         sequence numbers stay matched (and a mismatch is still reported)."""
@@ -299,6 +307,13 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         if numel == 0:
             return self._barrier_piece(work)
         op = _op_for(tensors[0].dtype, op)
+        if len(tensors) == 1 and self._on_device(tensors[0]):
+            _check(tensors[0])
+            t = tensors[0].detach()
+            _adapt.ensure_registered(self.client, tensors[0])  # the lasting object, not t
+            work.track(self.client.allreduce_async(t, op=op, timeout=self._timeout),
+                       lambda: None, (), self._pool)
+            return None
         staged = self._stage(tensors[0], numel)
 
         def spans() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -366,6 +381,13 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         if t.numel() == 0:
             return self._barrier_piece(work)
         op = _op_for(t.dtype, op) if kind == "reduce" else op
+        _check(t)
+        if kind == "broadcast" and self._on_device(t):
+            plain = t.detach()
+            _adapt.ensure_registered(self.client, t)
+            work.track(self.client.broadcast_async(plain, root=root, timeout=self._timeout),
+                       lambda: None, (), self._pool)
+            return None
         staged = self._stage(t)
         sends = kind == "reduce" or self.rank() == root
         receives = (kind == "broadcast") != (self.rank() == root)
