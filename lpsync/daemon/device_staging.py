@@ -111,7 +111,7 @@ def whole(pending: Pending, arrivals: list[Arrival], devices: DeviceRegistry,
     """A small collective's participants on host copies of their device spans (whole:
     small collectives only, agreement.py carries their data), written back on success.
     Yields ``arrivals`` unchanged for host buffers. Each client's ready event is waited
-    for on the host first (the copies are synchronous)."""
+    for first (the copies are synchronous)."""
     on_device = [isinstance(a.data, Span) for a in arrivals]
     if not any(on_device):
         yield arrivals
@@ -124,8 +124,11 @@ def whole(pending: Pending, arrivals: list[Arrival], devices: DeviceRegistry,
                         if span is not None])
     try:
         for a in arrivals:
-            if a.ready is not None:
-                kind.synchronize(a.ready, deadline)
+            if a.ready is not None:  # the host waits for the client's stream, via one of ours
+                stream, done = devices.context.stream(a.data.device, 0, "stage"), kind.event()
+                kind.wait(stream, a.ready)
+                kind.record(done, stream)
+                kind.synchronize(done, deadline)
         hosts = [replace(a, data=kind.read(a.data),
                          out=None if a.out is None else kind.read(a.out)) for a in arrivals]
         yield hosts
