@@ -40,6 +40,16 @@ def select(op: Collective, nbytes: int, participants: int, link: LinkModel,
     emulated cluster: for a 64 MiB allreduce on 8 nodes the model put BE 1% ahead of
     ring on latency terms alone; BE ran 1.23-1.35x slower than ring.)
     """
+    predicted = predictions(op, nbytes, participants, link, candidates, min_chunk_bytes)
+    fastest = min(choice.seconds for choice in predicted)
+    return next(c for c in predicted if c.seconds <= fastest * (1 + TIE_MARGIN))
+
+
+def predictions(op: Collective, nbytes: int, participants: int, link: LinkModel,
+                candidates: Iterable[str] | None = None,
+                min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES) -> list[Choice]:
+    """Every candidate that offers ``op`` with its chunk count and predicted time, in
+    registry order (lp, ring, mst, be)."""
     names = list(candidates) if candidates is not None else algorithms_for(op)
     offered = [n for n in names if n in ALGORITHMS and op in ALGORITHMS[n].generators]
     if not offered:
@@ -49,5 +59,4 @@ def select(op: Collective, nbytes: int, participants: int, link: LinkModel,
     for name in sorted(offered, key=order.index):
         k = chunks_for(name, participants, nbytes, link, min_chunk_bytes, op)
         predicted.append(Choice(name, k, closed_form(op, name, participants, nbytes, link, k)))
-    fastest = min(choice.seconds for choice in predicted)
-    return next(c for c in predicted if c.seconds <= fastest * (1 + TIE_MARGIN))
+    return predicted

@@ -64,6 +64,10 @@ TREE_RADIX = max(2, int(os.environ.get("LPSYNC_AGREEMENT_RADIX", "8")))
 class Verdict:
     model: LinkModel
     result: np.ndarray | None  # a small collective's result (small.py); None otherwise
+    use: tuple[str, int] | None = None  # node 0's (algorithm, chunks), learning.py
+    trial: bool = False  # node 0 times this run
+    # (node, sequence, seconds) of earlier trials, where the summaries were judged
+    reports: tuple[tuple[int, int, float], ...] = ()
 
 
 def job_hash(name: str) -> int:
@@ -141,18 +145,21 @@ class Summary:
         return cls(fields, json.dumps({"summaries": [fields]}).encode())
 
 
-def summary(job: Job, spec: Spec, link: Link) -> Summary:
-    """This node's summary of ``spec`` (cached: a job repeats its collectives)."""
+def summary(job: Job, spec: Spec, link: Link,
+            extras: tuple[tuple[str, Any], ...] = ()) -> Summary:
+    """This node's summary of ``spec`` (cached: a job repeats its collectives); ``extras``
+    are learning.py's fields ("use", "trial", "last"), hashable."""
     assert job.layout is not None and link.model is not None
     ranks = job.local_ranks
     return _summary(spec, job.layout.node, ranks[0], ranks[-1], link.model.alpha,
-                    link.model.beta)
+                    link.model.beta, extras)
 
 
 @functools.lru_cache(maxsize=256)
-def _summary(spec: Spec, node: int, lo: int, hi: int, alpha: float, beta: float) -> Summary:
+def _summary(spec: Spec, node: int, lo: int, hi: int, alpha: float, beta: float,
+             extras: tuple[tuple[str, Any], ...]) -> Summary:
     mine = Summary.of({"node": node, "ranks": [lo, hi], "spec": asdict(spec), "alpha": alpha,
-                       "beta": beta})
+                       "beta": beta, **dict(extras)})
     if len(mine.alone) > SUMMARY_BYTES:
         raise InvalidArgumentError(f"collective name too long ({len(spec.name)} characters)")
     return mine
@@ -196,16 +203,28 @@ def judge(summaries: list[dict[str, Any]], sequence: int, job: str) -> dict[str,
         message = (f"collective #{sequence} of job {job!r}: nodes disagree on "
                    f"{', '.join(fields)} ({detail})")
         return {"error": ["INVALID_ARGUMENT", message[:_VERDICT_BYTES - 100]]}
-    return {"alpha": max(by_node[n]["alpha"] for n in nodes),
-            "beta": max(by_node[n]["beta"] for n in nodes)}
+    verdict = {"alpha": max(by_node[n]["alpha"] for n in nodes),
+               "beta": max(by_node[n]["beta"] for n in nodes)}
+    first = by_node[nodes[0]]
+    if "use" in first:  # node 0 decides the schedule for all (learning.py)
+        verdict["use"], verdict["trial"] = first["use"], first.get("trial", False)
+    return verdict
 
 
-def _apply(verdict: dict[str, Any], result: np.ndarray | None) -> Verdict:
+def reports(summaries: list[dict[str, Any]]) -> tuple[tuple[int, int, float], ...]:
+    """Every (node, sequence, seconds) of an earlier trial the summaries carry."""
+    return tuple((s["node"], *s["last"]) for s in summaries if "last" in s)
+
+
+def _apply(verdict: dict[str, Any], result: np.ndarray | None,
+           summaries: list[dict[str, Any]] | None = None) -> Verdict:
     if "error" in verdict:
         code, message = verdict["error"]
         raise _ERRORS.get(code, UnavailableError)(message)
+    use = verdict.get("use")
     return Verdict(LinkModel(alpha=verdict["alpha"], beta=verdict["beta"], shared_nic=True),
-                   result)
+                   result, None if use is None else (str(use[0]), int(use[1])),
+                   bool(verdict.get("trial", False)), reports(summaries or []))
 
 
 def _same_data(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> bool:
@@ -281,7 +300,7 @@ def _exchange(job: Job, pending: Pending, link: Link, deadline: float, mine: Sum
         for n in range(1, nodes):
             acc = small.fold(acc, _as(small, parts[n]))
         result = small.finish(acc)
-    return _apply(verdict, result)
+    return _apply(verdict, result, summaries)
 
 
 def _as(small: SmallCollective, part: np.ndarray) -> np.ndarray:
@@ -341,4 +360,4 @@ def _tree(job: Job, pending: Pending, link: Link, deadline: float, mine: Summary
     for request in [link.endpoint.send(kid, down, message) for kid in kids]:
         request.wait(deadline)
     pending.waiting_nodes = ()
-    return _apply(verdict, result)
+    return _apply(verdict, result, summaries if node == 0 else None)

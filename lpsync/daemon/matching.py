@@ -198,6 +198,7 @@ class Job:
         self._watcher, self._runner, self._record = watcher, runner, record
         self._dispatch = dispatch
         self.cache: object = None  # the executor's plan cache for this job (execute.py)
+        self.learner: object = None  # multi-node: what node 0 learned of schedules (learning.py)
         # For metrics (read at scrape time): the unix time the job last completed a
         # collective (its creation before that).
         self.last_progress = time.time()

@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Any
 
 from lpsync.algorithms import LinkModel, generate, select
-from lpsync.algorithms.tuner import chunks_for
+from lpsync.algorithms.tuner import chunks_for, predictions
 from lpsync.daemon import agreement
 from lpsync.daemon.agreement import job_hash
 from lpsync.daemon.device_staging import Staged, stage, whole
 from lpsync.daemon.devices import DeviceRegistry
 from lpsync.daemon.execute import BARRIER, GroupCache, _buffers, nccl_bytes
-from lpsync.daemon.matching import RUNNING, Job, Outcome, Pending
+from lpsync.daemon.learning import Key, Learner
+from lpsync.daemon.matching import RUNNING, Job, Outcome, Pending, Spec
 from lpsync.daemon.peer_plane import Link, PeerPlane
 from lpsync.daemon.small import SmallCollective, rides
 from lpsync.engine.group import LocalGroup
@@ -68,28 +70,48 @@ def run(job: Job, pending: Pending, plane: PeerPlane,
     timeout = min(a.timeout for a in arrivals)
     deadline = time.monotonic() + timeout
     link = plane.link(deadline)
+    learner, key, trial = _learner(job), _key(spec, job.world_size), None
     try:
-        mine = agreement.summary(job, spec, link)
+        extras: list[tuple[str, Any]] = []
+        if (last := learner.take_last()) is not None:
+            extras.append(("last", last))  # a trial's time for node 0 (learning.py)
+        if job.layout.node == 0 and _learns(spec, job.world_size):
+            assert link.model is not None
+            choice, is_trial = learner.choose(key, predictions(
+                Collective(spec.op), key[1], job.world_size, link.model))
+            extras += [("use", (choice.algorithm, choice.chunks)), ("trial", is_trial)]
+            if is_trial:
+                trial = choice.algorithm
+                learner.issued(pending.sequence, key, choice.algorithm)
+        mine = agreement.summary(job, spec, link, tuple(extras))
         if rides(spec, job.world_size):
             staging = (whole(pending, arrivals, devices, deadline) if devices is not None
                        else contextlib.nullcontext(arrivals))
             with staging as hosts:
                 small = SmallCollective(spec, job.world_size, hosts)
                 verdict = agreement.agree(job, pending, link, deadline, mine, small)
+                _learn(learner, verdict)
                 pending.enter(RUNNING)
                 assert verdict.result is not None
                 small.write(verdict.result)
             shape = "exchange" if job.layout.nodes <= agreement.EXCHANGE_MAX_NODES else "tree"
             return Outcome(algorithm=shape, chunks=1, seconds=time.perf_counter() - start)
-        model = agreement.agree(job, pending, link, deadline, mine).model
+        verdict = agreement.agree(job, pending, link, deadline, mine)
+        _learn(learner, verdict)
         pending.enter(RUNNING)
         if spec.op == BARRIER:
             return Outcome(algorithm="exchange", chunks=1, seconds=time.perf_counter() - start)
         if job.cache is None:
             job.cache = GroupCache()
         staged = stage(job, pending, devices, job.cache) if devices is not None else None
-        algorithm, chunks = _run_pipeline(job, pending, link, model, deadline, staged)
+        began = time.perf_counter()
+        algorithm, chunks = _run_pipeline(job, pending, link, verdict.model, deadline, staged,
+                                          None if spec.algorithm else verdict.use)
+        if verdict.trial:
+            learner.ran(pending.sequence, time.perf_counter() - began)
     except LpsyncError as error:
+        if trial is not None:
+            learner.abandon(pending.sequence)
         if link.error is not None and not isinstance(error, MismatchError):
             if isinstance(link.error, CollectiveTimeoutError):
                 raise type(link.error)(f"collective #{pending.sequence} of job {job.name!r} "
@@ -120,8 +142,35 @@ def notify_failure(job: Job, pending: Pending, error: LpsyncError, plane: PeerPl
         agreement.agree(job, pending, link, deadline, agreement.failure_summary(job, error))
 
 
+def _learner(job: Job) -> Learner:
+    assert job.layout is not None
+    if job.learner is None:
+        job.learner = Learner(job.layout.nodes)
+    assert isinstance(job.learner, Learner)
+    return job.learner
+
+
+def _learn(learner: Learner, verdict: agreement.Verdict) -> None:
+    """Node 0: the trial times the other nodes reported in their summaries."""
+    for node, sequence, seconds in verdict.reports:
+        learner.report(node, sequence, seconds)
+
+
+def _key(spec: Spec, world_size: int) -> Key:
+    if spec.op == BARRIER:
+        return (spec.op, 0)
+    return (spec.op, nccl_bytes(spec.op, spec.count, dtype_of(spec.dtype).itemsize, world_size))
+
+
+def _learns(spec: Spec, world_size: int) -> bool:
+    """Node 0 picks (and times) the schedule: a pipelined collective, algorithm not forced."""
+    return spec.op != BARRIER and not spec.algorithm and not rides(spec, world_size)
+
+
 def _run_pipeline(job: Job, pending: Pending, link: Link, model: LinkModel,
-                  deadline: float, staged: Staged | None = None) -> tuple[str, int]:
+                  deadline: float, staged: Staged | None = None,
+                  use: tuple[str, int] | None = None) -> tuple[str, int]:
+    """Run this node's share; ``use``: node 0's (algorithm, chunks), else the tuner's."""
     assert job.layout is not None
     spec, layout, p = pending.spec, job.layout, job.world_size
     op, dtype = Collective(spec.op), dtype_of(spec.dtype)
@@ -132,6 +181,8 @@ def _run_pipeline(job: Job, pending: Pending, link: Link, model: LinkModel,
     nbytes = nccl_bytes(op, spec.count, dtype.itemsize, p)
     if spec.algorithm:
         algorithm, chunks = spec.algorithm, chunks_for(spec.algorithm, p, nbytes, model, op=op)
+    elif use is not None:
+        algorithm, chunks = use
     else:
         choice = select(op, nbytes, p, model)
         algorithm, chunks = choice.algorithm, choice.chunks

@@ -126,3 +126,23 @@ def attempt(rank: int, sockets: list[str], per_node: int, job: str, world: int) 
             return ["ok", time.monotonic() - start, ""]
         except lpsync_client.LpsyncError as error:
             return [type(error).__name__, time.monotonic() - start, str(error)[:500]]
+
+
+def learning_allreduces(rank: int, sockets: list[str], per_node: int, job: str, world: int,
+                        calls: int) -> list[str]:
+    """``calls`` allreduces of 1.2 MB (past the agreement's riding size, so a schedule
+    runs and node 0 learns which), each checked; then the algorithm this node's daemon
+    ran for each call, in sequence order."""
+    _node_env(rank, per_node)
+    with lpsync_client.connect(sockets[rank // per_node], job=job, rank=rank,
+                               world_size=world, timeout=60) as c:
+        x = c.zeros(300_000, "float32")
+        for call in range(calls):
+            x[:] = rank + call
+            c.allreduce(x)
+            want = sum(range(world)) + world * call
+            assert np.all(x == want), (call, x[:3], want)
+        c.barrier()
+        records = sorted((r.sequence, r.algorithm) for r in c.status().recent
+                         if r.job == job and r.op == "allreduce")
+        return [algorithm for _, algorithm in records]

@@ -12,7 +12,13 @@ from typing import Any
 
 import pytest
 from harness import PeeredDaemons, run_ranks
-from multinode_workers import cases_on_nodes, mismatch_on_nodes, one_allreduce, until_unavailable
+from multinode_workers import (
+    cases_on_nodes,
+    learning_allreduces,
+    mismatch_on_nodes,
+    one_allreduce,
+    until_unavailable,
+)
 
 pytest.importorskip("ucxx")
 
@@ -75,6 +81,23 @@ def test_cross_node_mismatch_is_invalid_argument_everywhere(cluster: PeeredDaemo
         # A mismatch inside node 1 reaches every node at once, not at the 20 s timeout.
         assert local_kind == "MismatchError", (rank, local_kind)
         assert float(seconds) < 5.0, (rank, seconds)
+
+
+def test_node_0_learns_the_schedule_and_every_node_follows(cluster: PeeredDaemons) -> None:
+    """On the job's first calls of a size node 0 tries the tuner's shortlist (each twice),
+    timed across nodes; then every node runs the one node 0 keeps. Every node ran the
+    same algorithm for every call, and every result is right (checked in the workers)."""
+    from lpsync.daemon.learning import TRIALS
+
+    calls = 14
+    results = run_ranks(WORLD, learning_allreduces, cluster.sockets, PER_NODE, "mn-learn",
+                        WORLD, calls, timeout=120)
+    assert all(r == results[0] for r in results), results
+    ran = results[0]
+    assert len(ran) == calls, ran
+    settled = 4 * TRIALS + 1  # at most 4 candidates, each timed once the next call reports
+    assert len(set(ran[settled:])) == 1, ran
+    assert set(ran) <= {"lp", "ring", "mst", "be"}, ran
 
 
 def _fault_while_running(cluster: PeeredDaemons, job: str, hold: float,

@@ -1,0 +1,120 @@
+"""A tuner that learns: node 0 times the close candidates on a job's first calls of a size.
+
+The link model alone mispredicts on real links (on 8 emulated nodes at 256 KiB it picks
+BE for broadcast, 15.4 ms, where MST takes 9.6: docs/benchmarks.md). So for a multi-node
+collective whose algorithm is not forced, the tuner's answer is a shortlist: every
+candidate the model predicts within SHORTLIST x of the fastest. Node 0 decides for every
+node: its agreement summary says which candidate to run ("use", with its chunk count) and
+whether that run is a trial; the verdict carries node 0's word to all (agreement.py), so
+every node builds the same schedule. Each node reports how long its share of a trial took
+in its summary of the job's next collective ("last"); node 0 counts the slowest node's
+time. Once every shortlisted candidate has TRIALS timed runs, node 0 keeps the one with
+the lowest median for that (op, bytes) of the job, and says so in every later summary.
+
+State lives with the job (one Learner per job and node), so a job's later calls of a
+size pay no trials; a restarted job learns again.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from dataclasses import dataclass, field
+
+from lpsync.algorithms.tuner import Choice
+
+TRIALS = 2  # timed runs per shortlisted candidate
+SHORTLIST = 2.0  # candidates predicted within this factor of the fastest are tried
+
+Key = tuple[str, int]  # (op, nccl-tests bytes)
+
+
+@dataclass
+class _Size:
+    shortlist: list[Choice]
+    issued: dict[str, int] = field(default_factory=dict)  # trials handed out per algorithm
+    times: dict[str, list[float]] = field(default_factory=dict)  # measured, per algorithm
+    best: Choice | None = None
+
+
+class Learner:
+    """One job's learning on one node: node 0 chooses (``choose``, ``issued``, ``report``),
+    every node keeps the time of its latest trial to report (``ran``, ``take_last``)."""
+
+    def __init__(self, nodes: int) -> None:
+        self.nodes = nodes
+        self._lock = threading.Lock()
+        self._sizes: dict[Key, _Size] = {}
+        # node 0: sequence -> (key, algorithm, {node: seconds}) of trials not yet timed by all
+        self._pending: dict[int, tuple[Key, str, dict[int, float]]] = {}
+        self._last: tuple[int, float] | None = None  # this node's latest trial: (seq, s)
+
+    # -- node 0 --------------------------------------------------------------------------
+    def choose(self, key: Key, predicted: list[Choice]) -> tuple[Choice, bool]:
+        """What to run for ``key`` and whether it is a trial. ``predicted``: the model's
+        candidates (tuner.predictions), used the first time ``key`` is seen."""
+        with self._lock:
+            size = self._sizes.get(key)
+            if size is None:
+                fastest = min(c.seconds for c in predicted)
+                shortlist = [c for c in predicted if c.seconds <= fastest * SHORTLIST]
+                size = self._sizes[key] = _Size(shortlist)
+                if len(shortlist) == 1:
+                    size.best = shortlist[0]
+            if size.best is not None:
+                return size.best, False
+            fewest = min(size.shortlist, key=lambda c: size.issued.get(c.algorithm, 0))
+            if size.issued.get(fewest.algorithm, 0) < TRIALS:
+                size.issued[fewest.algorithm] = size.issued.get(fewest.algorithm, 0) + 1
+                return fewest, True
+            # Every trial handed out, some not timed yet: the model's pick meanwhile.
+            return min(size.shortlist, key=lambda c: c.seconds), False
+
+    def issued(self, sequence: int, key: Key, algorithm: str) -> None:
+        """Node 0 ran (or is running) trial ``sequence`` of ``algorithm``."""
+        with self._lock:
+            self._pending[sequence] = (key, algorithm, {})
+            while len(self._pending) > 64:  # trials whose reports never came (failures)
+                self._pending.pop(next(iter(self._pending)))
+
+    def abandon(self, sequence: int) -> None:
+        """Trial ``sequence`` failed before it could be timed: hand it out again."""
+        with self._lock:
+            entry = self._pending.pop(sequence, None)
+            if entry is not None:
+                size = self._sizes[entry[0]]
+                size.issued[entry[1]] -= 1
+
+    def report(self, node: int, sequence: int, seconds: float) -> None:
+        """``node`` took ``seconds`` for its share of trial ``sequence`` (node 0 reports
+        its own too); once every node has, the slowest time counts."""
+        with self._lock:
+            entry = self._pending.get(sequence)
+            if entry is None:
+                return
+            key, algorithm, got = entry
+            got[node] = seconds
+            if len(got) < self.nodes:
+                return
+            del self._pending[sequence]
+            size = self._sizes[key]
+            size.times.setdefault(algorithm, []).append(max(got.values()))
+            if all(len(size.times.get(c.algorithm, ())) >= TRIALS for c in size.shortlist):
+                size.best = min(size.shortlist,
+                                key=lambda c: statistics.median(size.times[c.algorithm]))
+
+    def learned(self, key: Key) -> Choice | None:
+        with self._lock:
+            size = self._sizes.get(key)
+            return None if size is None else size.best
+
+    # -- every node ----------------------------------------------------------------------
+    def ran(self, sequence: int, seconds: float) -> None:
+        """This node ran trial ``sequence`` in ``seconds``: reported with the next summary."""
+        with self._lock:
+            self._last = (sequence, seconds)
+
+    def take_last(self) -> tuple[int, float] | None:
+        with self._lock:
+            last, self._last = self._last, None
+            return last

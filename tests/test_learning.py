@@ -1,0 +1,77 @@
+"""Node 0's learning tuner (lpsync/daemon/learning.py), driven as multinode.py drives it.
+(Across real daemons: tests/daemon/test_daemon_multinode.py.)"""
+
+from __future__ import annotations
+
+from lpsync.algorithms.tuner import Choice
+from lpsync.daemon.learning import SHORTLIST, TRIALS, Learner
+
+KEY = ("broadcast", 1 << 18)
+PREDICTED = [Choice("lp", 8, 0.010), Choice("mst", 1, 0.012), Choice("be", 1, 0.009),
+             Choice("slow", 1, 0.009 * SHORTLIST * 1.01)]
+MEASURED = {"lp": 0.0115, "mst": 0.0096, "be": 0.0154}  # the model's order is wrong
+
+
+def _run(learner: Learner, nodes: int, calls: int) -> list[tuple[str, bool]]:
+    """``calls`` collectives of KEY: node 0 chooses, every node times its share and
+    reports it with the next summary (node n takes MEASURED + n ms)."""
+    seen, last = [], None
+    for sequence in range(calls):
+        if last is not None:
+            for node in range(nodes):
+                learner.report(node, last, MEASURED[seen[-1][0]] + node * 1e-3)
+            last = None
+        choice, trial = learner.choose(KEY, PREDICTED)
+        seen.append((choice.algorithm, trial))
+        if trial:
+            learner.issued(sequence, KEY, choice.algorithm)
+            last = sequence
+    return seen
+
+
+def test_tries_the_shortlist_then_keeps_the_fastest_measured() -> None:
+    learner = Learner(nodes=3)
+    seen = _run(learner, 3, 3 * TRIALS + 5)
+    trials = [a for a, trial in seen if trial]
+    assert sorted(trials) == sorted(["lp", "mst", "be"] * TRIALS)  # "slow" not shortlisted
+    assert all(not trial for _, trial in seen[3 * TRIALS:])
+    assert [a for a, _ in seen[3 * TRIALS + 1:]] == ["mst"] * 4  # measured, not predicted
+    assert learner.learned(KEY) == PREDICTED[1]
+
+
+def test_the_slowest_node_counts() -> None:
+    learner = Learner(nodes=2)
+    learner.choose(KEY, PREDICTED)
+    learner.issued(7, KEY, "be")
+    learner.report(0, 7, 0.001)
+    assert learner._pending  # node 1 has not reported yet
+    learner.report(1, 7, 0.005)
+    assert learner._sizes[KEY].times["be"] == [0.005]
+
+
+def test_a_failed_trial_is_handed_out_again_and_unknown_reports_are_ignored() -> None:
+    learner = Learner(nodes=2)
+    first, trial = learner.choose(KEY, PREDICTED)
+    assert trial
+    learner.issued(1, KEY, first.algorithm)
+    learner.abandon(1)
+    learner.report(0, 1, 0.1)  # too late: ignored
+    assert learner._sizes[KEY].issued[first.algorithm] == 0
+    again, trial = learner.choose(KEY, PREDICTED)
+    assert trial and again == first
+
+
+def test_one_candidate_in_reach_is_taken_without_trials() -> None:
+    learner = Learner(nodes=4)
+    choice, trial = learner.choose(("allreduce", 4 << 20), [Choice("ring", 1, 1.0),
+                                                            Choice("mst", 1, 9.0)])
+    assert (choice.algorithm, trial) == ("ring", False)
+
+
+def test_every_node_reports_its_latest_trial_once() -> None:
+    learner = Learner(nodes=2)
+    assert learner.take_last() is None
+    learner.ran(4, 0.25)
+    learner.ran(5, 0.5)
+    assert learner.take_last() == (5, 0.5)
+    assert learner.take_last() is None
