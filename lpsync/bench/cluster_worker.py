@@ -42,8 +42,10 @@ from lpsync.bench.worker import (
     gloo_verify,
     lpsync_call,
 )
+from lpsync.daemon.learning import TRIALS
 
 ROOT = 0  # of broadcast and reduce
+LEARNING_CALLS = 4 * TRIALS + 1  # at most 4 candidates, each timed once the next call reports
 
 
 @dataclass
@@ -103,7 +105,10 @@ def run_lpsync(args: argparse.Namespace, rank: int, world: int) -> None:
                 for algorithm in args.algorithms[op]:
                     forced = None if algorithm == "auto" else algorithm
                     call = lpsync_call(client, op, buf, forced, ROOT)
-                    got = measure(call, client.barrier, args.warmup, args.iters, meter)
+                    # auto: the daemons' first calls of a size are node 0's trials
+                    # (lpsync/daemon/learning.py); time what it keeps, not the trials.
+                    warmup = args.warmup + (LEARNING_CALLS if forced is None else 0)
+                    got = measure(call, client.barrier, warmup, args.iters, meter)
                     records = (flight_records(client, op, got.window)
                                if node is not None else [])
                     fill(op, buf, rank, world, count)
