@@ -4,7 +4,14 @@
 from __future__ import annotations
 
 from lpsync.algorithms.tuner import Choice
-from lpsync.daemon.learning import SHORTLIST, TRIALS, Learner
+from lpsync.daemon.learning import (
+    MAX_CANDIDATES,
+    MIN_VARIANT_CHUNK,
+    SHORTLIST,
+    TRIALS,
+    Learner,
+    candidates,
+)
 
 KEY = ("broadcast", 1 << 18)
 PREDICTED = [Choice("lp", 8, 0.010), Choice("mst", 1, 0.012), Choice("be", 1, 0.009),
@@ -24,7 +31,7 @@ def _run(learner: Learner, nodes: int, calls: int) -> list[tuple[str, bool]]:
         choice, trial = learner.choose(KEY, PREDICTED)
         seen.append((choice.algorithm, trial))
         if trial:
-            learner.issued(sequence, KEY, choice.algorithm)
+            learner.issued(sequence, KEY, choice)
             last = sequence
     return seen
 
@@ -34,6 +41,7 @@ def test_tries_the_shortlist_then_keeps_the_fastest_measured() -> None:
     seen = _run(learner, 3, 3 * TRIALS + 5)
     trials = [a for a, trial in seen if trial]
     assert sorted(trials) == sorted(["lp", "mst", "be"] * TRIALS)  # "slow" not shortlisted
+    assert [a for a, _ in seen[:3]] == ["be", "lp", "mst"]  # predicted fastest first
     assert all(not trial for _, trial in seen[3 * TRIALS:])
     assert [a for a, _ in seen[3 * TRIALS + 1:]] == ["mst"] * 4  # measured, not predicted
     assert learner.learned(KEY) == PREDICTED[1]
@@ -42,21 +50,21 @@ def test_tries_the_shortlist_then_keeps_the_fastest_measured() -> None:
 def test_the_slowest_node_counts() -> None:
     learner = Learner(nodes=2)
     learner.choose(KEY, PREDICTED)
-    learner.issued(7, KEY, "be")
+    learner.issued(7, KEY, PREDICTED[2])
     learner.report(0, 7, 0.001)
     assert learner._pending  # node 1 has not reported yet
     learner.report(1, 7, 0.005)
-    assert learner._sizes[KEY].times["be"] == [0.005]
+    assert learner._sizes[KEY].times[("be", 1)] == [0.005]
 
 
 def test_a_failed_trial_is_handed_out_again_and_unknown_reports_are_ignored() -> None:
     learner = Learner(nodes=2)
     first, trial = learner.choose(KEY, PREDICTED)
     assert trial
-    learner.issued(1, KEY, first.algorithm)
+    learner.issued(1, KEY, first)
     learner.abandon(1)
     learner.report(0, 1, 0.1)  # too late: ignored
-    assert learner._sizes[KEY].issued[first.algorithm] == 0
+    assert learner._sizes[KEY].issued[(first.algorithm, first.chunks)] == 0
     again, trial = learner.choose(KEY, PREDICTED)
     assert trial and again == first
 
@@ -75,3 +83,19 @@ def test_every_node_reports_its_latest_trial_once() -> None:
     learner.ran(5, 0.5)
     assert learner.take_last() == (5, 0.5)
     assert learner.take_last() is None
+
+
+def test_pipelined_candidates_come_with_half_and_twice_their_chunks() -> None:
+    from lpsync.algorithms import LinkModel
+    from lpsync.types import Collective
+
+    link = LinkModel.from_bandwidth(alpha=100e-6, bandwidth=125e6, shared_nic=True)
+    found = candidates(Collective.BROADCAST, 64 << 20, 8, link)
+    lp = sorted(c.chunks for c in found if c.algorithm == "lp")
+    assert len(lp) == 3 and lp[0] == lp[1] // 2 and lp[2] == 2 * lp[1]
+    assert [c.chunks for c in found if c.algorithm == "mst"] == [1]  # not pipelined
+    assert all((64 << 20) // c.chunks >= MIN_VARIANT_CHUNK for c in found)
+    # The shortlist stays bounded whatever the model offers.
+    learner = Learner(nodes=8)
+    learner.choose(("broadcast", 64 << 20), found)
+    assert len(learner._sizes[("broadcast", 64 << 20)].shortlist) <= MAX_CANDIDATES

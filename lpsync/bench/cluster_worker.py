@@ -42,10 +42,11 @@ from lpsync.bench.worker import (
     gloo_verify,
     lpsync_call,
 )
-from lpsync.daemon.learning import TRIALS
+from lpsync.daemon.learning import MAX_CANDIDATES, TRIALS
 
 ROOT = 0  # of broadcast and reduce
-LEARNING_CALLS = 4 * TRIALS + 1  # at most 4 candidates, each timed once the next call reports
+# Node 0's trials, each timed once the next call reports: learning.py
+LEARNING_CALLS = MAX_CANDIDATES * TRIALS + 1
 
 
 @dataclass

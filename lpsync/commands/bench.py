@@ -65,7 +65,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="timed iterations per point (default: by size, 10..1000; "
                              "with --cluster 5)")
     parser.add_argument("--warmup", type=int,
-                        help="untimed iterations first (default 5; with --cluster 1, and 9 "
+                        help="untimed iterations first (default 5; with --cluster 1, and 13 "
                              "more for auto: node 0's trials of a size's first calls)")
     parser.add_argument("--compare", choices=["gloo"],
                         help="also run torch.distributed's gloo backend on the same sizes")

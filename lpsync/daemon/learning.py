@@ -3,7 +3,8 @@
 The link model alone mispredicts on real links (on 8 emulated nodes at 256 KiB it picks
 BE for broadcast, 15.4 ms, where MST takes 9.6: docs/benchmarks.md). So for a multi-node
 collective whose algorithm is not forced, the tuner's answer is a shortlist: every
-candidate the model predicts within SHORTLIST x of the fastest. Node 0 decides for every
+candidate the model predicts within SHORTLIST x of the fastest (a pipelined one also with
+half and twice its chunk count: the model leaves per-message CPU out). Node 0 decides for every
 node: its agreement summary says which candidate to run ("use", with its chunk count) and
 whether that run is a trial; the verdict carries node 0's word to all (agreement.py), so
 every node builds the same schedule. Each node reports how long its share of a trial took
@@ -21,20 +22,46 @@ import statistics
 import threading
 from dataclasses import dataclass, field
 
-from lpsync.algorithms.tuner import Choice
+from lpsync.algorithms import LinkModel
+from lpsync.algorithms.cost import closed_form
+from lpsync.algorithms.registry import ALGORITHMS
+from lpsync.algorithms.tuner import Choice, predictions
+from lpsync.types import Collective
 
 TRIALS = 2  # timed runs per shortlisted candidate
 SHORTLIST = 2.0  # candidates predicted within this factor of the fastest are tried
+MIN_VARIANT_CHUNK = 32 * 1024  # bytes: no chunk count variant cuts finer than this
+MAX_CANDIDATES = 6  # trials per size stay bounded: TRIALS * MAX_CANDIDATES calls at most
 
 Key = tuple[str, int]  # (op, nccl-tests bytes)
+Pick = tuple[str, int]  # (algorithm, chunks)
+
+
+def candidates(op: Collective, nbytes: int, participants: int, link: LinkModel) -> list[Choice]:
+    """The model's candidates, and for a pipelined one also half and twice its chunk count:
+    per-message CPU, which the model leaves out, moves the best count (docs/benchmarks.md)."""
+    out = []
+    for choice in predictions(op, nbytes, participants, link):
+        out.append(choice)
+        if not ALGORITHMS[choice.algorithm].pipelined:
+            continue
+        for chunks in (choice.chunks // 2, choice.chunks * 2):
+            if chunks >= 1 and chunks != choice.chunks and nbytes // chunks >= MIN_VARIANT_CHUNK:
+                out.append(Choice(choice.algorithm, chunks, closed_form(
+                    op, choice.algorithm, participants, nbytes, link, chunks)))
+    return out
 
 
 @dataclass
 class _Size:
     shortlist: list[Choice]
-    issued: dict[str, int] = field(default_factory=dict)  # trials handed out per algorithm
-    times: dict[str, list[float]] = field(default_factory=dict)  # measured, per algorithm
+    issued: dict[Pick, int] = field(default_factory=dict)  # trials handed out per candidate
+    times: dict[Pick, list[float]] = field(default_factory=dict)  # measured, per candidate
     best: Choice | None = None
+
+
+def _pick(choice: Choice) -> Pick:
+    return (choice.algorithm, choice.chunks)
 
 
 class Learner:
@@ -45,8 +72,8 @@ class Learner:
         self.nodes = nodes
         self._lock = threading.Lock()
         self._sizes: dict[Key, _Size] = {}
-        # node 0: sequence -> (key, algorithm, {node: seconds}) of trials not yet timed by all
-        self._pending: dict[int, tuple[Key, str, dict[int, float]]] = {}
+        # node 0: sequence -> (key, candidate, {node: seconds}) of trials not yet timed by all
+        self._pending: dict[int, tuple[Key, Pick, dict[int, float]]] = {}
         self._last: tuple[int, float] | None = None  # this node's latest trial: (seq, s)
 
     # -- node 0 --------------------------------------------------------------------------
@@ -57,23 +84,24 @@ class Learner:
             size = self._sizes.get(key)
             if size is None:
                 fastest = min(c.seconds for c in predicted)
-                shortlist = [c for c in predicted if c.seconds <= fastest * SHORTLIST]
+                shortlist = sorted((c for c in predicted if c.seconds <= fastest * SHORTLIST),
+                                   key=lambda c: c.seconds)[:MAX_CANDIDATES]
                 size = self._sizes[key] = _Size(shortlist)
                 if len(shortlist) == 1:
                     size.best = shortlist[0]
             if size.best is not None:
                 return size.best, False
-            fewest = min(size.shortlist, key=lambda c: size.issued.get(c.algorithm, 0))
-            if size.issued.get(fewest.algorithm, 0) < TRIALS:
-                size.issued[fewest.algorithm] = size.issued.get(fewest.algorithm, 0) + 1
+            fewest = min(size.shortlist, key=lambda c: size.issued.get(_pick(c), 0))
+            if size.issued.get(_pick(fewest), 0) < TRIALS:
+                size.issued[_pick(fewest)] = size.issued.get(_pick(fewest), 0) + 1
                 return fewest, True
             # Every trial handed out, some not timed yet: the model's pick meanwhile.
             return min(size.shortlist, key=lambda c: c.seconds), False
 
-    def issued(self, sequence: int, key: Key, algorithm: str) -> None:
-        """Node 0 ran (or is running) trial ``sequence`` of ``algorithm``."""
+    def issued(self, sequence: int, key: Key, choice: Choice) -> None:
+        """Node 0 runs trial ``sequence`` of ``choice``."""
         with self._lock:
-            self._pending[sequence] = (key, algorithm, {})
+            self._pending[sequence] = (key, _pick(choice), {})
             while len(self._pending) > 64:  # trials whose reports never came (failures)
                 self._pending.pop(next(iter(self._pending)))
 
@@ -92,16 +120,16 @@ class Learner:
             entry = self._pending.get(sequence)
             if entry is None:
                 return
-            key, algorithm, got = entry
+            key, pick, got = entry
             got[node] = seconds
             if len(got) < self.nodes:
                 return
             del self._pending[sequence]
             size = self._sizes[key]
-            size.times.setdefault(algorithm, []).append(max(got.values()))
-            if all(len(size.times.get(c.algorithm, ())) >= TRIALS for c in size.shortlist):
+            size.times.setdefault(pick, []).append(max(got.values()))
+            if all(len(size.times.get(_pick(c), ())) >= TRIALS for c in size.shortlist):
                 size.best = min(size.shortlist,
-                                key=lambda c: statistics.median(size.times[c.algorithm]))
+                                key=lambda c: statistics.median(size.times[_pick(c)]))
 
     def learned(self, key: Key) -> Choice | None:
         with self._lock:

@@ -24,13 +24,13 @@ import time
 from typing import Any
 
 from lpsync.algorithms import LinkModel, generate, select
-from lpsync.algorithms.tuner import chunks_for, predictions
+from lpsync.algorithms.tuner import chunks_for
 from lpsync.daemon import agreement
 from lpsync.daemon.agreement import job_hash
 from lpsync.daemon.device_staging import Staged, stage, whole
 from lpsync.daemon.devices import DeviceRegistry
 from lpsync.daemon.execute import BARRIER, GroupCache, _buffers, nccl_bytes
-from lpsync.daemon.learning import Key, Learner
+from lpsync.daemon.learning import Key, Learner, candidates
 from lpsync.daemon.matching import RUNNING, Job, Outcome, Pending, Spec
 from lpsync.daemon.peer_plane import Link, PeerPlane
 from lpsync.daemon.small import SmallCollective, rides
@@ -77,12 +77,12 @@ def run(job: Job, pending: Pending, plane: PeerPlane,
             extras.append(("last", last))  # a trial's time for node 0 (learning.py)
         if job.layout.node == 0 and _learns(spec, job.world_size):
             assert link.model is not None
-            choice, is_trial = learner.choose(key, predictions(
+            choice, is_trial = learner.choose(key, candidates(
                 Collective(spec.op), key[1], job.world_size, link.model))
             extras += [("use", (choice.algorithm, choice.chunks)), ("trial", is_trial)]
             if is_trial:
                 trial = choice.algorithm
-                learner.issued(pending.sequence, key, choice.algorithm)
+                learner.issued(pending.sequence, key, choice)
         mine = agreement.summary(job, spec, link, tuple(extras))
         if rides(spec, job.world_size):
             staging = (whole(pending, arrivals, devices, deadline) if devices is not None

@@ -87,15 +87,15 @@ def test_node_0_learns_the_schedule_and_every_node_follows(cluster: PeeredDaemon
     """On the job's first calls of a size node 0 tries the tuner's shortlist (each twice),
     timed across nodes; then every node runs the one node 0 keeps. Every node ran the
     same algorithm for every call, and every result is right (checked in the workers)."""
-    from lpsync.daemon.learning import TRIALS
+    from lpsync.daemon.learning import MAX_CANDIDATES, TRIALS
 
-    calls = 14
+    calls = 16
     results = run_ranks(WORLD, learning_allreduces, cluster.sockets, PER_NODE, "mn-learn",
                         WORLD, calls, timeout=120)
     assert all(r == results[0] for r in results), results
     ran = results[0]
     assert len(ran) == calls, ran
-    settled = 4 * TRIALS + 1  # at most 4 candidates, each timed once the next call reports
+    settled = MAX_CANDIDATES * TRIALS + 1  # each trial timed once the next call reports
     assert len(set(ran[settled:])) == 1, ran
     assert set(ran) <= {"lp", "ring", "mst", "be"}, ran
 
