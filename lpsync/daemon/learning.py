@@ -138,9 +138,11 @@ class Learner:
 
     # -- every node ----------------------------------------------------------------------
     def ran(self, sequence: int, seconds: float) -> None:
-        """This node ran trial ``sequence`` in ``seconds``: reported with the next summary."""
+        """This node ran trial ``sequence`` in ``seconds``: reported with the next summary
+        (a report sent twice counts once). A later trial's time replaces an unsent one."""
         with self._lock:
-            self._last = (sequence, seconds)
+            if self._last is None or self._last[0] <= sequence:
+                self._last = (sequence, seconds)
 
     def take_last(self) -> tuple[int, float] | None:
         with self._lock:

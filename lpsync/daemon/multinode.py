@@ -71,9 +71,10 @@ def run(job: Job, pending: Pending, plane: PeerPlane,
     deadline = time.monotonic() + timeout
     link = plane.link(deadline)
     learner, key, trial = _learner(job), _key(spec, job.world_size), None
+    last = learner.take_last()
     try:
         extras: list[tuple[str, Any]] = []
-        if (last := learner.take_last()) is not None:
+        if last is not None:
             extras.append(("last", last))  # a trial's time for node 0 (learning.py)
         if job.layout.node == 0 and _learns(spec, job.world_size):
             assert link.model is not None
@@ -112,6 +113,8 @@ def run(job: Job, pending: Pending, plane: PeerPlane,
     except LpsyncError as error:
         if trial is not None:
             learner.abandon(pending.sequence)
+        if last is not None:
+            learner.ran(*last)  # node 0 may not have it: it goes again with the next one
         if link.error is not None and not isinstance(error, MismatchError):
             if isinstance(link.error, CollectiveTimeoutError):
                 raise type(link.error)(f"collective #{pending.sequence} of job {job.name!r} "
