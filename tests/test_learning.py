@@ -28,7 +28,7 @@ def _run(learner: Learner, nodes: int, calls: int) -> list[tuple[str, bool]]:
             for node in range(nodes):
                 learner.report(node, last, MEASURED[seen[-1][0]] + node * 1e-3)
             last = None
-        choice, trial = learner.choose(KEY, PREDICTED)
+        choice, trial = learner.choose(KEY, lambda: PREDICTED)
         seen.append((choice.algorithm, trial))
         if trial:
             learner.issued(sequence, KEY, choice)
@@ -49,7 +49,7 @@ def test_tries_the_shortlist_then_keeps_the_fastest_measured() -> None:
 
 def test_the_slowest_node_counts() -> None:
     learner = Learner(nodes=2)
-    learner.choose(KEY, PREDICTED)
+    learner.choose(KEY, lambda: PREDICTED)
     learner.issued(7, KEY, PREDICTED[2])
     learner.report(0, 7, 0.001)
     assert learner._pending  # node 1 has not reported yet
@@ -59,20 +59,20 @@ def test_the_slowest_node_counts() -> None:
 
 def test_a_failed_trial_is_handed_out_again_and_unknown_reports_are_ignored() -> None:
     learner = Learner(nodes=2)
-    first, trial = learner.choose(KEY, PREDICTED)
+    first, trial = learner.choose(KEY, lambda: PREDICTED)
     assert trial
     learner.issued(1, KEY, first)
     learner.abandon(1)
     learner.report(0, 1, 0.1)  # too late: ignored
     assert learner._sizes[KEY].issued[(first.algorithm, first.chunks)] == 0
-    again, trial = learner.choose(KEY, PREDICTED)
+    again, trial = learner.choose(KEY, lambda: PREDICTED)
     assert trial and again == first
 
 
 def test_one_candidate_in_reach_is_taken_without_trials() -> None:
     learner = Learner(nodes=4)
-    choice, trial = learner.choose(("allreduce", 4 << 20), [Choice("ring", 1, 1.0),
-                                                            Choice("mst", 1, 9.0)])
+    choice, trial = learner.choose(("allreduce", 4 << 20), lambda: [Choice("ring", 1, 1.0),
+                                                                    Choice("mst", 1, 9.0)])
     assert (choice.algorithm, trial) == ("ring", False)
 
 
@@ -97,5 +97,5 @@ def test_pipelined_candidates_come_with_half_and_twice_their_chunks() -> None:
     assert all((64 << 20) // c.chunks >= MIN_VARIANT_CHUNK for c in found)
     # The shortlist stays bounded whatever the model offers.
     learner = Learner(nodes=8)
-    learner.choose(("broadcast", 64 << 20), found)
+    learner.choose(("broadcast", 64 << 20), lambda: found)
     assert len(learner._sizes[("broadcast", 64 << 20)].shortlist) <= MAX_CANDIDATES

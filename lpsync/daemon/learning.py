@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import statistics
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lpsync.algorithms import LinkModel
@@ -77,12 +78,13 @@ class Learner:
         self._last: tuple[int, float] | None = None  # this node's latest trial: (seq, s)
 
     # -- node 0 --------------------------------------------------------------------------
-    def choose(self, key: Key, predicted: list[Choice]) -> tuple[Choice, bool]:
-        """What to run for ``key`` and whether it is a trial. ``predicted``: the model's
-        candidates (tuner.predictions), used the first time ``key`` is seen."""
+    def choose(self, key: Key, predict: Callable[[], list[Choice]]) -> tuple[Choice, bool]:
+        """What to run for ``key`` and whether it is a trial. ``predict()``: the model's
+        candidates (``candidates``), asked the first time ``key`` is seen."""
         with self._lock:
             size = self._sizes.get(key)
             if size is None:
+                predicted = predict()
                 fastest = min(c.seconds for c in predicted)
                 shortlist = sorted((c for c in predicted if c.seconds <= fastest * SHORTLIST),
                                    key=lambda c: c.seconds)[:MAX_CANDIDATES]

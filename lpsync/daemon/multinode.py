@@ -78,8 +78,9 @@ def run(job: Job, pending: Pending, plane: PeerPlane,
             extras.append(("last", last))  # a trial's time for node 0 (learning.py)
         if job.layout.node == 0 and _learns(spec, job.world_size):
             assert link.model is not None
-            choice, is_trial = learner.choose(key, candidates(
-                Collective(spec.op), key[1], job.world_size, link.model))
+            model = link.model
+            choice, is_trial = learner.choose(key, lambda: candidates(
+                Collective(spec.op), key[1], job.world_size, model))
             extras += [("use", (choice.algorithm, choice.chunks)), ("trial", is_trial)]
             if is_trial:
                 trial = choice.algorithm
