@@ -87,12 +87,6 @@ class SmallCollective:
             self.reduction.finalize(acc)
         return acc
 
-    def expected(self, world_size: int) -> int:
-        """The result's element count."""
-        if self.op in (Collective.ALLGATHER, Collective.REDUCE_SCATTER):
-            return self.count * world_size
-        return self.count
-
     def write(self, result: np.ndarray) -> None:
         """Each local participant's output from the result (a non-root's buffer of reduce
         is never written)."""
