@@ -184,6 +184,36 @@ def test_device_buffer_errors(emu, tmp_path):
     assert all(r.open_allocations == 0 for r in rows.values())
 
 
+def test_bad_ready_events_are_refused(emu, monkeypatch):
+    """A collective's ready_event that is not an event handle, or names an event no process
+    holds: INVALID_ARGUMENT / NOT_FOUND for that call, nothing kept open, the daemon serves on."""
+    import lpsync_client.client as client_module
+
+    with lpsync_client.connect(emu.socket, job="bad-events", rank=0, world_size=1) as client:
+        x = emulated.zeros(10, "float32", device=0)
+        client.register(x)
+        order = client_module._order_streams
+        for handle, error, match in (
+                (b"x" * 100, lpsync_client.InvalidArgumentError, "event handle"),
+                (emulated.EVENT_HANDLE.pack(b"LPXX", os.getpid(), 3, 1),
+                 lpsync_client.InvalidArgumentError, "bad magic"),
+                (emulated.EVENT_HANDLE.pack(emulated.EVENT_MAGIC, 2**31, 3, 1),
+                 lpsync_client.NotFoundError, "exited")):
+            def garbage(request, operands, handle=handle):
+                order(request, operands)
+                request.ready_event = handle
+
+            monkeypatch.setattr(client_module, "_order_streams", garbage)
+            with pytest.raises(error, match=match):
+                client.allreduce(x)
+        monkeypatch.setattr(client_module, "_order_streams", order)
+        x.host[:] = 2.0
+        client.allreduce(x)  # world of one: unchanged, and the daemon still serves
+        assert x.host.tolist() == [2.0] * 10
+        client.release(x)
+    assert all(r.open_allocations == 0 for r in _device_rows(emu.socket).values())
+
+
 def test_cpu_daemon_refuses_device_buffers(daemon):
     with lpsync_client.connect(daemon.socket, job="cpu", rank=0, world_size=1) as client:
         with pytest.raises(lpsync_client.InvalidArgumentError, match="--devices"):
