@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from lpsync.algorithms import LinkModel
-from lpsync.daemon.matching import Job, Pending, Spec
+from lpsync.daemon.matching import SPEC_FIELDS, Job, Pending, Spec
 from lpsync.daemon.peer_plane import SPEC, VERDICT, Link, control_tag
 from lpsync.daemon.small import SMALL_MAX_BYTES, SmallCollective
 from lpsync.errors import (
@@ -49,7 +49,6 @@ SUMMARY_BYTES = 4096  # one node's summary, JSON (a collective's name is most of
 _VERDICT_BYTES = 4096
 _LENGTHS = struct.Struct("<II")  # the frame: header bytes, payload bytes
 _FRAME = _LENGTHS.size
-_FIELDS = ("op", "count", "dtype", "root", "reduce_op", "algorithm", "name")
 _ERRORS = {"INVALID_ARGUMENT": MismatchError, "DEADLINE_EXCEEDED": CollectiveTimeoutError,
            "ABORTED": AbortedError}
 EXCHANGE_MAX_NODES = 2  # up to this many nodes, every node sends to every other
@@ -193,7 +192,7 @@ def judge(summaries: list[dict[str, Any]], sequence: int, job: str) -> dict[str,
     specs = {n: by_node[n]["spec"] for n in nodes}
     first = specs[nodes[0]]
     same = all(spec == first for spec in specs.values())
-    fields = [] if same else [f for f in _FIELDS if len({json.dumps(specs[n][f]) for n in nodes}) > 1]
+    fields = [] if same else [f for f in SPEC_FIELDS if len({json.dumps(specs[n][f]) for n in nodes}) > 1]
     if fields:
         def who(n: int) -> str:
             lo, hi = by_node[n]["ranks"]

@@ -71,8 +71,11 @@ class Spec:
     name: str
 
     def differences(self, other: Spec) -> list[str]:
-        return [f for f in ("op", "count", "dtype", "root", "reduce_op", "algorithm", "name")
-                if getattr(self, f) != getattr(other, f)]
+        return [f for f in SPEC_FIELDS if getattr(self, f) != getattr(other, f)]
+
+
+# The fields participants must agree on, in the order errors name them.
+SPEC_FIELDS = ("op", "count", "dtype", "root", "reduce_op", "algorithm", "name")
 
 
 @dataclass

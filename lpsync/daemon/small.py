@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lpsync.daemon.execute import BARRIER, _buffers, nccl_bytes
+from lpsync.daemon.execute import _REDUCING, BARRIER, _buffers, nccl_bytes
 from lpsync.daemon.matching import Arrival, Spec
 from lpsync.engine.reduce import Reduction
 from lpsync.types import Collective, ReduceOp, dtype_of
@@ -23,7 +23,6 @@ from lpsync.types import Collective, ReduceOp, dtype_of
 # Up to this size the data rides the agreement (a 64 KiB broadcast on 8 nodes: see
 # docs/benchmarks.md); the same constant on every node, so all decide alike.
 SMALL_MAX_BYTES = 64 * 1024
-_REDUCING = (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER)
 
 
 def rides(spec: Spec, world_size: int) -> bool:

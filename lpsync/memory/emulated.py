@@ -85,6 +85,20 @@ def _map(fd: int, nbytes: int) -> tuple[np.ndarray, mmap.mmap | None]:
     return np.frombuffer(mapping, np.uint8, nbytes), mapping
 
 
+def _open_foreign(pid: int, fd: int, prefix: str, names: str, thing: str, hint: str) -> int:
+    """Open file descriptor ``fd`` of process ``pid`` (what an IPC handle names) read-write,
+    only if it is one of ours (its name starts with ``prefix``): a handle must never make
+    the daemon map, and write, an arbitrary file another process has open."""
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        if not os.readlink(path).startswith(prefix):
+            raise InvalidArgumentError(f"the handle does not name {names}")
+        return os.open(path, os.O_RDWR)
+    except OSError as error:
+        raise NotFoundError(f"cannot open the {thing} of process {pid}: {error} "
+                            f"({hint})") from None
+
+
 def _view(span: Span) -> np.ndarray:
     return span.memory.array[span.offset:span.offset + span.nbytes]
 
@@ -241,16 +255,8 @@ class EmulatedKind:
             raise InvalidArgumentError("not an emulated-device IPC handle (bad magic)")
         if on != device:
             raise InvalidArgumentError(f"the allocation is on device {on}, not {device}")
-        path = f"/proc/{pid}/fd/{fd}"
-        try:
-            # Only emulated device memory: a handle must never make the daemon map (and
-            # write) an arbitrary file another process has open.
-            if not os.readlink(path).startswith(_MEMFD_PREFIX):
-                raise InvalidArgumentError("the handle does not name emulated device memory")
-            opened = os.open(path, os.O_RDWR)
-        except OSError as error:
-            raise NotFoundError(f"cannot open the allocation of process {pid}: {error} "
-                                "(has it exited or freed the memory?)") from None
+        opened = _open_foreign(pid, fd, _MEMFD_PREFIX, "emulated device memory", "allocation",
+                               "has it exited or freed the memory?")
         try:
             st = os.fstat(opened)
             if st.st_ino != inode or st.st_size < nbytes:
@@ -307,14 +313,8 @@ class EmulatedKind:
                 f"not an emulated-device event handle ({len(handle)} bytes)") from None
         if magic != EVENT_MAGIC:
             raise InvalidArgumentError("not an emulated-device event handle (bad magic)")
-        path = f"/proc/{pid}/fd/{fd}"
-        try:
-            if not os.readlink(path).startswith(_EVENT_PREFIX):
-                raise InvalidArgumentError("the handle does not name an emulated-device event")
-            opened = os.open(path, os.O_RDWR)
-        except OSError as error:
-            raise NotFoundError(f"cannot open the event of process {pid}: {error} "
-                                "(has it exited?)") from None
+        opened = _open_foreign(pid, fd, _EVENT_PREFIX, "an emulated-device event", "event",
+                               "has it exited?")
         try:
             if os.fstat(opened).st_ino != inode:
                 raise NotFoundError(f"process {pid} no longer holds that event")
