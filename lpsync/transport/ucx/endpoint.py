@@ -1,9 +1,7 @@
 """The Endpoint of lpsync.engine.transport over UCX (ucxx), one per participant.
 
-Mesh: participant ``rank`` listens on the port of its own entry in ``peers`` (through
-its UcxRuntime) and dials every lower rank, so every pair shares exactly one UCX
-endpoint. Each connection is authenticated (lpsync.transport.auth) over UCX stream
-messages before it carries anything else; the handshake also gives both ends a session
+The mesh and its failure model are lpsync.transport.mesh's. Each connection is
+authenticated over UCX stream messages; the handshake also gives both ends a session
 key. Messages use UCX tag matching, which is per worker, not per connection: the wire
 tag is the caller's tag mixed with the connection's session key (a bijection per
 connection), so (peer, tag) pairs of different connections never meet, and a refused
@@ -13,12 +11,7 @@ Threads: every UCX call runs on the runtime's progress thread (progress.py); sen
 recv_into hand it a closure and wait on a threading.Event with a deadline. Several
 threads may use one endpoint at once (the daemon's participants and heartbeats).
 
-Failure model: the endpoint is a communicator. A timeout, a peer lost (its UCX endpoint
-errors or closes without saying goodbye) or any transport error *breaks* it: every wait,
-now and later, raises that error, and all connections are closed — which cancels the
-in-flight UCX requests (nothing writes into a caller's buffer afterwards) and makes the
-other participants fail promptly too. Recovery is a new UcxEndpoint (on the same
-runtime). ``close`` is collective like MPI_Finalize: each side says goodbye and waits
+``close`` is collective like MPI_Finalize: each side says goodbye and waits
 (bounded) for the others' goodbyes before closing connections, so an eager message
 still in flight is never lost to an early close.
 """
@@ -26,44 +19,35 @@ still in flight is never lost to an early close.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from lpsync.errors import (
-    CollectiveTimeoutError,
-    ConfigError,
-    InvalidArgumentError,
-    LpsyncError,
-    UnauthenticatedError,
-    UnavailableError,
-)
+from lpsync.errors import ConfigError, UnauthenticatedError, UnavailableError
 from lpsync.transport.addresses import PeerAddress
 from lpsync.transport.auth import Recv, Send, client_handshake, server_handshake
-from lpsync.transport.ucx.progress import Request
+from lpsync.transport.mesh import (
+    GOODBYE,
+    InFlight,
+    MeshEndpoint,
+    MeshOptions,
+    Request,
+    bytes_view,
+    port_open,
+)
 from lpsync.transport.ucx.runtime import RuntimeOptions, UcxRuntime
 
 log = logging.getLogger("lpsync.ucx")
 
 _MASK = (1 << 64) - 1
 _MIX = 0x9E3779B97F4A7C15  # odd: tag -> key + tag * _MIX is a bijection mod 2**64
-GOODBYE = _MASK  # a control tag no caller uses (peer_plane's kinds stop far below 127)
 
 
 @dataclass(frozen=True)
-class UcxOptions:
-    rank: int  # this participant's index into peers
-    peers: tuple[PeerAddress, ...]  # every participant's listen address, in rank order
-    secret: bytes = field(repr=False)  # the cluster secret (lpsync.transport.auth.load_secret)
-    connect_timeout: float = 30.0  # the whole mesh must be up within this many seconds
-    handshake_timeout: float = 5.0  # one connection: UCX wire-up plus authentication
-    close_timeout: float = 5.0  # how long close() waits for the other participants' goodbyes
+class UcxOptions(MeshOptions):
     # The next two only shape a runtime the endpoint makes itself (connect without one):
     tls: str | None = None  # UCX_TLS ("tcp" forces TCP); None: env/UCX default
     ucx_config: tuple[tuple[str, str], ...] = ()  # further UCX options, e.g. (("RNDV_THRESH", "64K"),)
@@ -119,39 +103,17 @@ class _Conn:
         return (self.key + (tag & _MASK) * _MIX) & _MASK
 
 
-class _InFlight:
-    """A send (done once UCX no longer needs the span) or a posted receive (done once
-    the message has landed)."""
-
-    __slots__ = ("_owner", "_request", "_what")
-
-    def __init__(self, owner: UcxEndpoint, request: Request, what: str) -> None:
-        self._owner, self._request, self._what = owner, request, what
-
-    def done(self) -> bool:
-        return self._request.done
-
-    def wait(self, deadline: float) -> None:
-        self._owner._wait(self._request, deadline, self._what)
-
-
-class UcxEndpoint:
+class UcxEndpoint(MeshEndpoint):
     """One participant's connections to every other; build with ``UcxEndpoint.connect``."""
+
+    options: UcxOptions
 
     def __init__(self, options: UcxOptions) -> None:
         if not 0 <= options.rank < len(options.peers):
             raise ConfigError(f"rank {options.rank} is not an index into {len(options.peers)} peers")
-        self.options = options
-        self.rank, self.size = options.rank, len(options.peers)
+        super().__init__(options)
         self._conns: dict[int, _Conn] = {}
-        self._lock = threading.Lock()
-        self._formed = threading.Condition(self._lock)
         self._handshakes: list[threading.Thread] = []
-        self._waiters: set[threading.Event] = set()
-        self._broken: LpsyncError | None = None
-        self._closing = False
-        self._closed = False
-        self._staging = np.empty(0, np.uint8)
         self._runtime: UcxRuntime | None = None
         self._owns_runtime = False
 
@@ -183,77 +145,30 @@ class UcxEndpoint:
         self._runtime = runtime
         runtime.set_acceptor(self._on_accept)
         try:
-            errors: list[BaseException] = []
-            dialers = [threading.Thread(target=self._dial_guarded, args=(peer, deadline, errors),
-                                        name=f"lpsync-ucx-dial-{peer}", daemon=True)
-                       for peer in range(self.rank)]
-            for thread in dialers:
-                thread.start()
-            for thread in dialers:
-                thread.join(max(0.0, deadline - time.monotonic()) + opts.handshake_timeout)
-            if errors:
-                raise errors[0]
-            with self._formed:
-                while len(self._conns) < self.size - 1 and self._broken is None:
-                    if not runtime.alive:
-                        raise UnavailableError("the UCX runtime was closed while connecting")
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        missing = [r for r in range(self.size)
-                                   if r != self.rank and r not in self._conns]
-                        raise CollectiveTimeoutError(
-                            f"rank {self.rank}: ranks {missing} did not connect within "
-                            f"{opts.connect_timeout:.0f} s (started? same --peers list? "
-                            "a firewall?)")
-                    self._formed.wait(min(remaining, 0.5))
-            self._check()
+            self._form(deadline, self._alive, lambda: len(self._conns))
         finally:
             runtime.set_acceptor(None)
             self._join_handshakes(deadline)
 
-    def _dial_guarded(self, peer: int, deadline: float, errors: list[BaseException]) -> None:
-        try:
-            self._dial(peer, deadline)
-        except BaseException as error:
-            errors.append(error)
+    def _alive(self) -> bool:
+        return self._runtime is not None and self._runtime.alive
 
-    def _dial(self, peer: int, deadline: float) -> None:
-        assert self._runtime is not None
-        address = self.options.peers[peer]
-        host = _resolve(address.host)
-        pause, last = 0.05, "no attempt"
-        while True:
-            remaining = deadline - time.monotonic()
-            if not self._runtime.alive:
-                raise UnavailableError("the UCX runtime was closed while connecting")
-            if remaining <= 0:
-                raise CollectiveTimeoutError(f"rank {self.rank} could not reach rank {peer} at "
-                                             f"{address} ({last})")
-            # UCX gives up on a port nobody listens on only after its whole connect
-            # timeout; a plain TCP connect says "refused" at once, so wait for that first.
-            if _port_open(host, address.port, min(1.0, remaining)):
-                ep: _Ep | None = None
-                try:
-                    ep = self._create_ep(host, address.port, remaining)
-                    send, recv = self._stream_io(ep, deadline)
-                    result = client_handshake(send, recv, self.options.secret, self.rank,
-                                              expect_rank=peer)
-                    self._register(peer, ep, result.session)
-                    return
-                except UnauthenticatedError:
-                    if ep is not None:
-                        self._close_ep(ep)
-                    raise
-                except Exception as error:
-                    if ep is not None:
-                        self._close_ep(ep)
-                    # Not listening yet, or no mesh forming there yet (it closes us before
-                    # the verdict): retry until the deadline. A refusal stays final.
-                    last = f"{type(error).__name__}: {error}"
-            else:
-                last = "connection refused"
-            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-            pause = min(1.0, pause * 2)
+    def _connect(self, peer: int, host: str, port: int, remaining: float, deadline: float) -> None:
+        # UCX gives up on a port nobody listens on only after its whole connect timeout;
+        # a plain TCP connect says "refused" at once, so wait for that first.
+        if not port_open(host, port, min(1.0, remaining)):
+            raise ConnectionRefusedError
+        ep: _Ep | None = None
+        try:
+            ep = self._create_ep(host, port, remaining)
+            send, recv = self._stream_io(ep, deadline)
+            result = client_handshake(send, recv, self.options.secret, self.rank,
+                                      expect_rank=peer)
+            self._register(peer, ep, result.session)
+        except BaseException:
+            if ep is not None:
+                self._close_ep(ep)
+            raise
 
     def _create_ep(self, host: str, port: int, timeout: float) -> _Ep:
         """A UCX endpoint to host:port, made on the progress thread and boxed there (_Ep).
@@ -296,14 +211,6 @@ class UcxEndpoint:
             self._close_ep(ep)
             return
         self._register(result.peer_rank, ep, result.session)
-
-    def _admit(self, rank: int) -> str | None:
-        if not self.rank < rank < self.size:
-            return (f"rank {rank} should not dial rank {self.rank} (higher ranks dial lower "
-                    f"ones; {self.size} participants)")
-        if rank in self._conns:
-            return f"rank {rank} is already connected"
-        return None
 
     def _stream_io(self, ep: _Ep, deadline: float) -> tuple[Send, Recv]:
         """Blocking send/recv over ``ep``'s UCX stream for the handshake (lpsync.transport.
@@ -373,41 +280,14 @@ class UcxEndpoint:
         self._runtime.progress.after_progress(lambda: self._judge_close(conn))
 
     def _judge_close(self, conn: _Conn) -> None:
-        if self._closing or conn.departed:
-            return
-        self._fail(UnavailableError(f"peer rank {conn.rank} at {conn.address} is gone: its "
-                                    "connection failed or closed mid-collective"))
+        if not conn.departed:
+            self._peer_gone(conn.rank, conn.address)
 
     # -- failure -------------------------------------------------------------------------
 
-    def _fail(self, error: LpsyncError) -> None:
-        """Break the endpoint with ``error`` (the first one wins) and wake every waiter."""
-        with self._formed:
-            if self._broken is not None:
-                return
-            self._broken = error
-            waiters = list(self._waiters)
-            self._formed.notify_all()
-        for event in waiters:
-            event.set()
-        log.warning("rank %d: %s", self.rank, error)
-        if not self._closing and self._runtime is not None:
-            # Closing cancels in-flight requests and tells the peers at once.
+    def _close_connections(self) -> None:
+        if self._runtime is not None:
             self._runtime.progress.call(self._close_all)
-
-    def abort(self, error: BaseException) -> None:
-        """Break the endpoint from outside (a heartbeat watchdog that declared a peer
-        gone, a collective that failed with receives posted): every wait raises
-        ``error`` (an LpsyncError; anything else as UnavailableError), unless something
-        broke it first."""
-        self._fail(error if isinstance(error, LpsyncError)
-                   else UnavailableError(f"rank {self.rank}: aborted: {error!r}"))
-
-    @property
-    def error(self) -> LpsyncError | None:
-        """What broke this endpoint (a lost peer, a timeout), or None while it is healthy;
-        set as soon as UCX reports a peer gone, even when nothing was waiting on it."""
-        return self._broken
 
     def _close_all(self) -> None:
         # On the progress thread.
@@ -418,55 +298,12 @@ class UcxEndpoint:
         assert self._runtime is not None
         self._runtime.progress.call(ep.close)
 
-    def _check(self) -> None:
-        broken = self._broken
-        if broken is not None:
-            # A fresh instance per raise: one shared exception would pile up tracebacks.
-            raise type(broken)(*broken.args)
-        if self._closed:
-            raise UnavailableError(f"rank {self.rank}'s UCX endpoint is closed")
-
-    def _conn(self, peer: int) -> _Conn:
-        self._check()
-        try:
-            return self._conns[peer]
-        except KeyError:
-            raise InvalidArgumentError(f"rank {self.rank} has no peer rank {peer} "
-                                       f"({self.size} participants)") from None
-
-    def _wait(self, request: Request, deadline: float, what: str) -> None:
-        """Wait for ``request`` until ``deadline``; waking early when the endpoint breaks."""
-        if not request.done:
-            event = request.event()
-            with self._lock:
-                self._waiters.add(event)
-            try:
-                while not request.done:
-                    self._check()
-                    remaining = deadline - time.monotonic()
-                    if (remaining <= 0 or not event.wait(remaining)) and not request.done:
-                        self._fail(CollectiveTimeoutError(
-                            f"rank {self.rank} timed out waiting for {what}"))
-                        self._check()
-            finally:
-                with self._lock:
-                    self._waiters.discard(event)
-        error = request.error
-        if error is None:
-            return
-        self._check()  # cancelled because the endpoint broke: report why it broke
-        if type(error).__name__ in ("UCXMessageTruncatedError", "UCXMsgTruncated"):
-            raise InvalidArgumentError(f"{what}: the message is larger than the receive "
-                                       "buffer (mismatched counts across participants?)")
-        self._fail(UnavailableError(f"{what} failed: {type(error).__name__}: {error}"))
-        self._check()
-
     # -- the Endpoint interface ----------------------------------------------------------
 
     def _post(self, conn: _Conn, tag: int, data: np.ndarray, recv: bool) -> Request:
         assert self._runtime is not None
         progress = self._runtime.progress
-        buf = _bytes_view(data)
+        buf = bytes_view(data)
         wire = progress.api.UCXXTag(conn.tag(tag))
 
         def start() -> Any:
@@ -476,27 +313,13 @@ class UcxEndpoint:
 
         return progress.submit(start, buf)
 
-    def send(self, peer: int, tag: int, data: np.ndarray) -> _InFlight:
+    def send(self, peer: int, tag: int, data: np.ndarray) -> InFlight:
         request = self._post(self._conn(peer), tag, data, recv=False)
-        return _InFlight(self, request, f"send of message {tag} to rank {peer}")
+        return InFlight(self, request, f"send of message {tag} to rank {peer}")
 
-    def post_recv(self, peer: int, tag: int, out: np.ndarray) -> _InFlight:
+    def post_recv(self, peer: int, tag: int, out: np.ndarray) -> InFlight:
         request = self._post(self._conn(peer), tag, out, recv=True)
-        return _InFlight(self, request, f"message {tag} from rank {peer}")
-
-    def recv_into(self, peer: int, tag: int, out: np.ndarray, deadline: float) -> None:
-        self.post_recv(peer, tag, out).wait(deadline)
-
-    @contextmanager
-    def recv_borrow(self, peer: int, tag: int, nbytes: int, deadline: float) -> Iterator[np.ndarray]:
-        # One staging buffer, reused: the executor holds at most one borrow at a time.
-        if self._staging.nbytes < nbytes:
-            self._staging = np.empty(nbytes, np.uint8)
-        view = self._staging[:nbytes]
-        self.recv_into(peer, tag, view, deadline)
-        lent = view.view()
-        lent.flags.writeable = False
-        yield lent
+        return InFlight(self, request, f"message {tag} from rank {peer}")
 
     # -- teardown ------------------------------------------------------------------------
 
@@ -535,43 +358,5 @@ class UcxEndpoint:
         deadline = time.monotonic() + self.options.close_timeout
         for request in sends:
             request.event().wait(max(0.0, deadline - time.monotonic()))
-        late = 0
-        for conn in conns:
-            goodbye = conn.goodbye
-            if goodbye is not None and not goodbye.event().wait(
-                    max(0.0, deadline - time.monotonic())):
-                late += 1
-        if late:
-            log.warning("rank %d: no goodbye from %d peer(s) within %.0f s; closing anyway",
-                        self.rank, late, self.options.close_timeout)
-
-    def __enter__(self) -> UcxEndpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _bytes_view(data: np.ndarray) -> np.ndarray:
-    if not data.flags.c_contiguous:
-        raise InvalidArgumentError("UCX sends and receives contiguous spans only")
-    return data.reshape(-1).view(np.uint8)
-
-
-def _port_open(host: str, port: int, timeout: float) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def _resolve(host: str) -> str:
-    """UCX wants a numeric address; resolve names (IPv4 first) here."""
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except socket.gaierror as error:
-        raise ConfigError(f"cannot resolve peer host {host!r}: {error}") from None
-    infos.sort(key=lambda info: info[0] != socket.AF_INET)
-    return str(infos[0][4][0])
-
+        self._late_goodbyes([conn.goodbye.event() for conn in conns if conn.goodbye is not None],
+                            deadline)

@@ -25,42 +25,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from lpsync.transport.mesh import Request
+
 log = logging.getLogger("lpsync.ucx")
 
 T = TypeVar("T")
 _IDLE_WAKE_S = 1.0  # a safety net only: every event that matters wakes the thread
-
-
-class Request:
-    """A UCX operation handed to the progress thread; ``event`` is set once it finished."""
-
-    __slots__ = ("_event", "done", "error", "keep", "on_done", "ucx")
-
-    def __init__(self) -> None:
-        self.ucx: Any = None
-        self.keep: Any = None  # the buffer UCX reads or writes: alive until the request ends
-        self.done = False
-        self.error: BaseException | None = None
-        self.on_done: Callable[[Request], None] | None = None  # runs on the progress thread
-        self._event: threading.Event | None = None
-
-    def event(self) -> threading.Event:
-        """An event set when the request finishes (made on first use: most sends are
-        checked with ``done`` and never waited for)."""
-        event = self._event
-        if event is None:
-            event = threading.Event()
-            self._event = event
-            if self.done:  # finished before anyone waited
-                event.set()
-        return event
-
-    def _finish(self, error: BaseException | None) -> None:
-        self.error, self.done, self.keep = error, True, None
-        if self._event is not None:
-            self._event.set()
-        if self.on_done is not None:
-            self.on_done(self)
 
 
 class ProgressThread:
@@ -126,11 +96,11 @@ class ProgressThread:
             try:
                 request.ucx = start()
             except BaseException as error:
-                request._finish(error)
+                request.finish(error)
                 return
             self._in_flight.append(request)
 
-        self._post(run, request._finish)
+        self._post(run, request.finish)
         return request
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -200,7 +170,7 @@ class ProgressThread:
             except Exception as failure:
                 error = failure
             request.ucx = None  # drop the UCX request now, on this thread
-            request._finish(error)
+            request.finish(error)
         self._in_flight = still
 
     def _teardown(self) -> None:
@@ -211,7 +181,7 @@ class ProgressThread:
             self._calls.popleft()[1](stopped)
         for request in self._in_flight:
             request.ucx = None
-            request._finish(stopped)
+            request.finish(stopped)
         self._in_flight.clear()
         self._epoll.close()
         os.close(self._wake)

@@ -1,0 +1,339 @@
+"""What every peer-plane transport shares: the mesh of authenticated connections, its
+failure model and its requests. Backends (ucx, tcp) supply how a connection is made,
+authenticated, fed and closed.
+
+Mesh: participant ``rank`` accepts on its own entry of ``peers`` (through a runtime that
+outlives the mesh) and dials every lower rank, so every pair shares one connection,
+authenticated (lpsync.transport.auth) before it carries anything else.
+
+Failure model: the endpoint is a communicator. A timeout, a peer lost (its connection
+fails or closes without a goodbye) or any transport error *breaks* it: every wait, now
+and later, raises that error, and all connections are closed, which cancels what is in
+flight (nothing writes into a caller's buffer afterwards) and makes the other
+participants fail promptly too. Recovery is a new endpoint on the same runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+import numpy as np
+
+from lpsync.errors import (
+    CollectiveTimeoutError,
+    ConfigError,
+    InvalidArgumentError,
+    LpsyncError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from lpsync.transport.addresses import PeerAddress
+
+log = logging.getLogger("lpsync.mesh")
+
+GOODBYE = (1 << 64) - 1  # a control tag no caller uses (peer_plane's kinds stop below 127)
+
+
+@dataclass(frozen=True)
+class MeshOptions:
+    rank: int  # this participant's index into peers
+    peers: tuple[PeerAddress, ...]  # every participant's listen address, in rank order
+    secret: bytes = field(repr=False)  # the cluster secret (lpsync.transport.auth.load_secret)
+    connect_timeout: float = 30.0  # the whole mesh must be up within this many seconds
+    handshake_timeout: float = 5.0  # one connection: wire-up plus authentication
+    close_timeout: float = 5.0  # how long close() waits for the other participants' goodbyes
+
+
+class Request:
+    """One send or receive in flight; ``event`` is set once it finished."""
+
+    __slots__ = ("_event", "done", "error", "keep", "nbytes", "on_done", "ucx")
+
+    def __init__(self) -> None:
+        self.ucx: Any = None  # the UCX backend's own request
+        self.keep: Any = None  # the buffer being read or written: alive until the request ends
+        self.nbytes = 0  # a receive: the bytes that landed
+        self.done = False
+        self.error: BaseException | None = None
+        self.on_done: Callable[[Request], None] | None = None
+        self._event: threading.Event | None = None
+
+    def event(self) -> threading.Event:
+        """An event set when the request finishes (made on first use: most sends are
+        checked with ``done`` and never waited for)."""
+        event = self._event
+        if event is None:
+            event = threading.Event()
+            self._event = event
+            if self.done:  # finished before anyone waited
+                event.set()
+        return event
+
+    def finish(self, error: BaseException | None) -> None:
+        self.error, self.done, self.keep = error, True, None
+        if self._event is not None:
+            self._event.set()
+        if self.on_done is not None:
+            self.on_done(self)
+
+
+class InFlight:
+    """What send and post_recv return: a send (done once the span may be written again)
+    or a posted receive (done once the message has landed)."""
+
+    __slots__ = ("_owner", "_request", "_what")
+
+    def __init__(self, owner: MeshEndpoint, request: Request, what: str) -> None:
+        self._owner, self._request, self._what = owner, request, what
+
+    def done(self) -> bool:
+        return self._request.done
+
+    def wait(self, deadline: float) -> None:
+        self._owner._wait(self._request, deadline, self._what)
+
+
+class MeshEndpoint:
+    """The transport-neutral half of an endpoint: forming the mesh, breaking it, waiting."""
+
+    def __init__(self, options: MeshOptions) -> None:
+        self.options = options
+        self.rank, self.size = options.rank, len(options.peers)
+        self._lock = threading.Lock()
+        self._formed = threading.Condition(self._lock)
+        self._waiters: set[threading.Event] = set()
+        self._broken: LpsyncError | None = None
+        self._closing = False
+        self._closed = False
+        self._conns: dict[int, Any] = {}  # peer rank -> the backend's connection
+        self._staging = np.empty(0, np.uint8)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    # -- forming -------------------------------------------------------------------------
+
+    def _form(self, deadline: float, alive: Callable[[], bool],
+              connected: Callable[[], int]) -> None:
+        """Dial the lower ranks (each on a thread of its own) and wait until every
+        connection is up: CollectiveTimeoutError naming the missing ranks at ``deadline``."""
+        errors: list[BaseException] = []
+        dialers = [threading.Thread(target=self._dial_guarded, args=(peer, deadline, errors),
+                                    name=f"lpsync-dial-{peer}", daemon=True)
+                   for peer in range(self.rank)]
+        for thread in dialers:
+            thread.start()
+        for thread in dialers:
+            thread.join(max(0.0, deadline - time.monotonic()) + self.options.handshake_timeout)
+        if errors:
+            raise errors[0]
+        with self._formed:
+            while connected() < self.size - 1 and self._broken is None:
+                if not alive():
+                    raise UnavailableError("the transport runtime was closed while connecting")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = self._missing()
+                    raise CollectiveTimeoutError(
+                        f"rank {self.rank}: ranks {missing} did not connect within "
+                        f"{self.options.connect_timeout:.0f} s (started? same --peers list? "
+                        "a firewall?)")
+                self._formed.wait(min(remaining, 0.5))
+        self._check()
+
+    def _missing(self) -> list[int]:
+        return [r for r in range(self.size) if r != self.rank and r not in self._conns]
+
+    def _dial_guarded(self, peer: int, deadline: float, errors: list[BaseException]) -> None:
+        try:
+            self._dial(peer, deadline)
+        except BaseException as error:
+            errors.append(error)
+
+    def _dial(self, peer: int, deadline: float) -> None:
+        """Dial ``peer`` until ``_connect`` succeeds or the deadline passes; a refusal
+        (UnauthenticatedError) is final, anything else is retried."""
+        address = self.options.peers[peer]
+        host = resolve(address.host)
+        pause, last = 0.05, "no attempt"
+        while True:
+            remaining = deadline - time.monotonic()
+            if not self._alive():
+                raise UnavailableError("the transport runtime was closed while connecting")
+            if remaining <= 0:
+                raise CollectiveTimeoutError(f"rank {self.rank} could not reach rank {peer} at "
+                                             f"{address} ({last})")
+            try:
+                self._connect(peer, host, address.port, remaining, deadline)
+                return
+            except UnauthenticatedError:
+                raise
+            except ConnectionRefusedError:
+                last = "connection refused"
+            except Exception as error:
+                # Not listening yet, or no mesh forming there yet (it closes us before the
+                # verdict): retry until the deadline.
+                last = f"{type(error).__name__}: {error}"
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(1.0, pause * 2)
+
+    def _alive(self) -> bool:
+        raise NotImplementedError
+
+    def _connect(self, peer: int, host: str, port: int, remaining: float, deadline: float) -> None:
+        """Make, authenticate and register one connection to ``peer``; raise to retry."""
+        raise NotImplementedError
+
+    def _admit(self, rank: int) -> str | None:
+        if not self.rank < rank < self.size:
+            return (f"rank {rank} should not dial rank {self.rank} (higher ranks dial lower "
+                    f"ones; {self.size} participants)")
+        if rank not in self._missing():
+            return f"rank {rank} is already connected"
+        return None
+
+    # -- failure -------------------------------------------------------------------------
+
+    def _fail(self, error: LpsyncError) -> None:
+        """Break the endpoint with ``error`` (the first one wins) and wake every waiter."""
+        with self._formed:
+            if self._broken is not None:
+                return
+            self._broken = error
+            waiters = list(self._waiters)
+            self._formed.notify_all()
+        for event in waiters:
+            event.set()
+        log.warning("rank %d: %s", self.rank, error)
+        if not self._closing:
+            self._close_connections()  # cancels in-flight requests and tells the peers at once
+
+    def _close_connections(self) -> None:
+        raise NotImplementedError
+
+    def abort(self, error: BaseException) -> None:
+        """Break the endpoint from outside (a heartbeat watchdog that declared a peer
+        gone, a collective that failed with receives posted): every wait raises
+        ``error`` (an LpsyncError; anything else as UnavailableError), unless something
+        broke it first."""
+        self._fail(error if isinstance(error, LpsyncError)
+                   else UnavailableError(f"rank {self.rank}: aborted: {error!r}"))
+
+    @property
+    def error(self) -> LpsyncError | None:
+        """What broke this endpoint (a lost peer, a timeout), or None while it is healthy;
+        set as soon as a peer is reported gone, even when nothing was waiting on it."""
+        return self._broken
+
+    def _check(self) -> None:
+        broken = self._broken
+        if broken is not None:
+            # A fresh instance per raise: one shared exception would pile up tracebacks.
+            raise type(broken)(*broken.args)
+        if self._closed:
+            raise UnavailableError(f"rank {self.rank}'s endpoint is closed")
+
+    def _conn(self, peer: int) -> Any:
+        self._check()
+        try:
+            return self._conns[peer]
+        except KeyError:
+            raise InvalidArgumentError(f"rank {self.rank} has no peer rank {peer} "
+                                       f"({self.size} participants)") from None
+
+    def _peer_gone(self, rank: int, address: PeerAddress) -> None:
+        """A connection closed: a failure unless its peer said goodbye or we are closing."""
+        if not self._closing:
+            self._fail(UnavailableError(f"peer rank {rank} at {address} is gone: its "
+                                        "connection failed or closed mid-collective"))
+
+    def _wait(self, request: Request, deadline: float, what: str) -> None:
+        """Wait for ``request`` until ``deadline``; waking early when the endpoint breaks."""
+        if not request.done:
+            event = request.event()
+            with self._lock:
+                self._waiters.add(event)
+            try:
+                while not request.done:
+                    self._check()
+                    remaining = deadline - time.monotonic()
+                    if (remaining <= 0 or not event.wait(remaining)) and not request.done:
+                        self._fail(CollectiveTimeoutError(
+                            f"rank {self.rank} timed out waiting for {what}"))
+                        self._check()
+            finally:
+                with self._lock:
+                    self._waiters.discard(event)
+        error = request.error
+        if error is None:
+            return
+        self._check()  # cancelled because the endpoint broke: report why it broke
+        if isinstance(error, InvalidArgumentError) or type(error).__name__ in (
+                "UCXMessageTruncatedError", "UCXMsgTruncated"):
+            raise InvalidArgumentError(f"{what}: the message is larger than the receive "
+                                       "buffer (mismatched counts across participants?)")
+        self._fail(UnavailableError(f"{what} failed: {type(error).__name__}: {error}"))
+        self._check()
+
+    # -- receiving, for every backend ---------------------------------------------------------
+
+    def post_recv(self, peer: int, tag: int, out: np.ndarray) -> InFlight:
+        raise NotImplementedError
+
+    def recv_into(self, peer: int, tag: int, out: np.ndarray, deadline: float) -> None:
+        self.post_recv(peer, tag, out).wait(deadline)
+
+    @contextmanager
+    def recv_borrow(self, peer: int, tag: int, nbytes: int, deadline: float) -> Iterator[np.ndarray]:
+        # One staging buffer, reused: the executor holds at most one borrow at a time.
+        if self._staging.nbytes < nbytes:
+            self._staging = np.empty(nbytes, np.uint8)
+        view = self._staging[:nbytes]
+        self.recv_into(peer, tag, view, deadline)
+        lent = view.view()
+        lent.flags.writeable = False
+        yield lent
+
+    def _late_goodbyes(self, goodbyes: list[threading.Event], deadline: float) -> None:
+        late = sum(not event.wait(max(0.0, deadline - time.monotonic())) for event in goodbyes)
+        if late:
+            log.warning("rank %d: no goodbye from %d peer(s) within %.0f s; closing anyway",
+                        self.rank, late, self.options.close_timeout)
+
+
+def bytes_view(data: np.ndarray) -> np.ndarray:
+    """``data`` as flat bytes; InvalidArgumentError unless it is contiguous."""
+    if not data.flags.c_contiguous:
+        raise InvalidArgumentError("transports send and receive contiguous spans only")
+    return data.reshape(-1).view(np.uint8)
+
+
+def port_open(host: str, port: int, timeout: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def resolve(host: str) -> str:
+    """A numeric address for ``host`` (IPv4 first): UCX wants one, and it is resolved once."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise ConfigError(f"cannot resolve peer host {host!r}: {error}") from None
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)
+    return str(infos[0][4][0])
