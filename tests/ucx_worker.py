@@ -54,7 +54,7 @@ class _Records(logging.Handler):
 
 def participant(rank: int, peers: str, secret: bytes, cases: list[Case], queue: Queue[Any],
                 mode: str = "run", connect_timeout: float = 20.0, timeout: float = 20.0,
-                go: Any = None) -> None:
+                go: Any = None, transport: str = "ucx") -> None:
     """mode: run (the cases), idle (report CPU seconds over 2 s idle after the cases),
     hang (connect, report, then sleep: the parent kills it), recv_timeout (a receive
     nobody sends: expect CollectiveTimeoutError), notice_loss (idle 3 s while the
@@ -74,20 +74,21 @@ def participant(rank: int, peers: str, secret: bytes, cases: list[Case], queue: 
     from lpsync.engine.executor import Plan
     from lpsync.engine.reduce import Reduction
     from lpsync.errors import LpsyncError
+    from lpsync.transport import backends
     from lpsync.transport.addresses import parse_peers
-    from lpsync.transport.ucx import RuntimeOptions, UcxEndpoint, UcxOptions, UcxRuntime
+    from lpsync.transport.mesh import MeshOptions
     from lpsync.types import Collective, ReduceOp, dtype_of
 
     if go is not None and not go.wait(120):  # started early: imports done, port not bound
         return
-    options = UcxOptions(rank, tuple(parse_peers(peers)), secret, tls=TCP,
-                         connect_timeout=connect_timeout, close_timeout=5.0)
+    options = MeshOptions(rank, tuple(parse_peers(peers)), secret,
+                          connect_timeout=connect_timeout, close_timeout=5.0)
     # heal: one runtime outlives the broken endpoint, as the daemon's peer manager holds it.
-    runtime = (UcxRuntime(RuntimeOptions(options.peers[rank].port, TCP)) if mode == "heal"
-               else None)
+    runtime = (backends.open_runtime(transport, options.peers[rank].port, TCP)
+               if mode == "heal" else None)
     start = time.monotonic()
     try:
-        endpoint = UcxEndpoint.connect(options, runtime)
+        endpoint = backends.connect(transport, options, runtime, TCP)
     except LpsyncError as error:
         queue.put(("error", rank, type(error).__name__, str(error), time.monotonic() - start,
                    records.lines))
@@ -105,7 +106,7 @@ def participant(rank: int, peers: str, secret: bytes, cases: list[Case], queue: 
             # Nothing forms for a while: the replacement's dials are dropped and retried.
             time.sleep(2.0)
             start = time.monotonic()
-            endpoint = UcxEndpoint.connect(options, runtime)
+            endpoint = backends.connect(transport, options, runtime, TCP)
             queue.put(("reconnected", rank, time.monotonic() - start))
         if mode == "notice_loss":
             # Idle while the parent kills rank 1; the close callback alone must have

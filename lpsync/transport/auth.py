@@ -230,7 +230,8 @@ def server_handshake(send: Send, recv: Recv, secret: bytes, rank: int,
 
 # Blocking sockets: the same exchange, every read bounded by the deadline.
 
-def _recv_exact(sock: socket.socket, size: int, deadline: float) -> bytes:
+def _recv_exact(sock: socket.socket, size: int, deadline: float,
+                hangup: type[Exception] = UnauthenticatedError) -> bytes:
     chunks, need = [], size
     while need:
         remaining = deadline - time.monotonic()
@@ -244,7 +245,7 @@ def _recv_exact(sock: socket.socket, size: int, deadline: float) -> bytes:
         except OSError as error:
             raise UnavailableError(f"connection lost during authentication: {error}") from None
         if not chunk:
-            raise UnauthenticatedError("peer closed the connection during authentication")
+            raise hangup("peer closed the connection during authentication")
         chunks.append(chunk)
         need -= len(chunk)
     return b"".join(chunks)
@@ -263,8 +264,10 @@ def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
 def authenticate_client_socket(sock: socket.socket, secret: bytes, rank: int, timeout: float,
                                expect_rank: int | None = None) -> AuthResult:
     deadline = time.monotonic() + timeout
+    # A server hanging up is no refusal (that comes as a verdict): a listener with no
+    # mesh forming drops dials this way, and the dialling side retries.
     return client_handshake(lambda data: _send_all(sock, data, deadline),
-                            lambda size: _recv_exact(sock, size, deadline),
+                            lambda size: _recv_exact(sock, size, deadline, UnavailableError),
                             secret, rank, expect_rank)
 
 

@@ -290,6 +290,9 @@ class MeshEndpoint:
 
     # -- receiving, for every backend ---------------------------------------------------------
 
+    def send(self, peer: int, tag: int, data: np.ndarray) -> InFlight:
+        raise NotImplementedError
+
     def post_recv(self, peer: int, tag: int, out: np.ndarray) -> InFlight:
         raise NotImplementedError
 

@@ -1,5 +1,6 @@
-"""The UCX Endpoint between real processes on loopback, UCX forced onto TCP: real
-schedules with Plan.run against numpy, a killed peer, a wrong secret, timeouts, idle CPU."""
+"""Both peer transports (UCX forced onto TCP, and plain TCP sockets) between real
+processes on loopback: real schedules with Plan.run against numpy, a killed peer, a
+wrong secret, timeouts, idle CPU, a rebuild on the same runtime."""
 
 from __future__ import annotations
 
@@ -35,14 +36,15 @@ def peers_for(n: int, host: str = "127.0.0.1") -> str:
 
 
 @contextmanager
-def participants(n: int, cases: list[Case], secrets: list[bytes] | None = None,
+def participants(n: int, cases: list[Case], transport: str, secrets: list[bytes] | None = None,
                  modes: list[str] | None = None, **kwargs: Any) -> Iterator[tuple[Any, list[Any]]]:
     """Start n spawned participants; always reaped (killed if still alive) on the way out."""
     queue = SPAWN.Queue()
     peers = peers_for(n)
     procs = [SPAWN.Process(target=participant, daemon=True,
                            args=(r, peers, (secrets or [SECRET] * n)[r], cases, queue,
-                                 (modes or ["run"] * n)[r]), kwargs=kwargs)
+                                 (modes or ["run"] * n)[r]),
+                           kwargs={"transport": transport, **kwargs})
              for r in range(n)]
     for p in procs:
         p.start()
@@ -94,10 +96,15 @@ def check_results(cases: list[Case], n: int, results: list[tuple[Any, ...]]) -> 
             assert_matches(outs[rank, index], want[rank], f"{case} rank {rank}")
 
 
-def run_cases(n: int, cases: list[Case]) -> None:
+@pytest.fixture(params=["ucx", "tcp"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def run_cases(n: int, cases: list[Case], transport: str) -> None:
     """Run ``cases`` on n processes, check them against numpy and check that every rank
     holds the same bits; then each idles 2 s: blocking progress must not spin."""
-    with participants(n, cases, modes=["idle"] * n) as (queue, _):
+    with participants(n, cases, transport, modes=["idle"] * n) as (queue, _):
         results = collect(queue, {"result"}, n * len(cases), 90)
         idle = collect(queue, {"idle"}, n, 30)
         closed = collect(queue, {"closed"}, n, 30)
@@ -136,12 +143,12 @@ THREE = [
 ]
 
 
-def test_two_processes_run_real_schedules_and_idle_quietly() -> None:
-    run_cases(2, TWO)
+def test_two_processes_run_real_schedules_and_idle_quietly(transport: str) -> None:
+    run_cases(2, TWO, transport)
 
 
-def test_three_processes_run_real_schedules_and_idle_quietly() -> None:
-    run_cases(3, THREE)
+def test_three_processes_run_real_schedules_and_idle_quietly(transport: str) -> None:
+    run_cases(3, THREE, transport)
 
 
 def dump_stacks(pid: int) -> None:
@@ -164,10 +171,10 @@ def settle_before_kill() -> None:
     time.sleep(0.5)
 
 
-def test_killed_peer_fails_the_survivors_promptly() -> None:
+def test_killed_peer_fails_the_survivors_promptly(transport: str) -> None:
     """SIGKILL one of three mid-collective: the others raise within seconds, never hang."""
     cases = [Case("allreduce", "lp", 200_000, chunks=8)]
-    with participants(3, cases, modes=["run", "run", "hang"], timeout=30.0) as (queue, procs):
+    with participants(3, cases, transport, modes=["run", "run", "hang"], timeout=30.0) as (queue, procs):
         collect(queue, {"connected"}, 3, 60)
         time.sleep(0.5)  # ranks 0 and 1 are now blocked inside the collective
         killed = time.monotonic()
@@ -178,8 +185,8 @@ def test_killed_peer_fails_the_survivors_promptly() -> None:
     assert latency < 5.0, f"survivors took {latency:.1f} s to fail"
 
 
-def test_peer_lost_while_idle_breaks_the_endpoint_at_once() -> None:
-    with participants(2, [], modes=["notice_loss", "hang"]) as (queue, procs):
+def test_peer_lost_while_idle_breaks_the_endpoint_at_once(transport: str) -> None:
+    with participants(2, [], transport, modes=["notice_loss", "hang"]) as (queue, procs):
         collect(queue, {"connected"}, 2, 60)
         settle_before_kill()
         os.kill(procs[1].pid, signal.SIGKILL)
@@ -190,7 +197,7 @@ def test_peer_lost_while_idle_breaks_the_endpoint_at_once() -> None:
     assert error[4] < 0.5, f"the receive took {error[4]:.2f} s to fail"
 
 
-def test_survivor_rebuilds_on_its_runtime_with_a_restarted_peer() -> None:
+def test_survivor_rebuilds_on_its_runtime_with_a_restarted_peer(transport: str) -> None:
     """Rank 0 keeps one UcxRuntime (context, listener, port) across generations: rank 1 is
     SIGKILLed, rank 0 closes the broken endpoint, and the restarted rank 1 (whose dials are
     dropped while rank 0 forms nothing) meets a new endpoint on the same runtime."""
@@ -199,12 +206,13 @@ def test_survivor_rebuilds_on_its_runtime_with_a_restarted_peer() -> None:
     queue = SPAWN.Queue()
     peers = peers_for(2)
     procs = [SPAWN.Process(target=participant, args=(rank, peers, SECRET, cases, queue, mode),
-                           daemon=True) for rank, mode in ((0, "heal"), (1, "hang"))]
+                           kwargs={"transport": transport}, daemon=True)
+             for rank, mode in ((0, "heal"), (1, "hang"))]
     # The replacement starts now and waits: the rebuild is timed without its start-up
     # (spawning and importing took 10-19 s with a CPU hog on the one core).
     go = SPAWN.Event()
     procs.append(SPAWN.Process(target=participant, args=(1, peers, SECRET, cases, queue),
-                               kwargs={"go": go}, daemon=True))
+                               kwargs={"go": go, "transport": transport}, daemon=True))
     try:
         for p in procs:
             p.start()
@@ -237,39 +245,41 @@ def test_survivor_rebuilds_on_its_runtime_with_a_restarted_peer() -> None:
         assert seconds < 40.0, (rank, seconds, lines[-20:])
 
 
-def test_closing_the_runtime_stops_a_forming_mesh_and_leaves_no_thread() -> None:
+def test_closing_the_runtime_stops_a_forming_mesh_and_leaves_no_thread(transport: str) -> None:
     """In process: an endpoint waiting on its runtime for a peer that never comes gives up
     when the runtime is closed (a daemon stopping), not at its connect timeout; no thread
     outlives the runtime."""
     import threading
 
     from lpsync.errors import UnavailableError
+    from lpsync.transport import backends
     from lpsync.transport.addresses import parse_peers
-    from lpsync.transport.ucx import RuntimeOptions, UcxEndpoint, UcxOptions, UcxRuntime
+    from lpsync.transport.mesh import MeshOptions
 
     def threads() -> set[threading.Thread]:
         return {t for t in threading.enumerate() if not isinstance(t, threading._DummyThread)}
 
     before = threads()
     peers = tuple(parse_peers(peers_for(2)))
-    runtime = UcxRuntime(RuntimeOptions(peers[0].port, "tcp"))
+    runtime = backends.open_runtime(transport, peers[0].port, "tcp")
+    options = MeshOptions(0, peers, SECRET, connect_timeout=20.0)
     try:
         timer = threading.Timer(0.5, runtime.close)
         timer.start()
         start = time.monotonic()
         with pytest.raises(UnavailableError, match="closed"):
-            UcxEndpoint.connect(UcxOptions(0, peers, SECRET, connect_timeout=20.0), runtime)
+            backends.connect(transport, options, runtime)
         assert time.monotonic() - start < 3.0
         timer.join()
         with pytest.raises(UnavailableError, match="closed"):  # and stays closed
-            UcxEndpoint.connect(UcxOptions(0, peers, SECRET, connect_timeout=20.0), runtime)
+            backends.connect(transport, options, runtime)
     finally:
         runtime.close()
     assert threads() - before == set()
 
 
-def test_wrong_secret_is_refused_and_logged() -> None:
-    with participants(2, [], secrets=[SECRET, b"not the secret"],
+def test_wrong_secret_is_refused_and_logged(transport: str) -> None:
+    with participants(2, [], transport, secrets=[SECRET, b"not the secret"],
                       connect_timeout=4.0) as (queue, _):
         errors = collect(queue, {"error"}, 2, 30)
     by_rank = {e[1]: e for e in errors}
@@ -280,8 +290,8 @@ def test_wrong_secret_is_refused_and_logged() -> None:
     assert any("refused" in line for line in by_rank[0][5]), by_rank[0][5]
 
 
-def test_receive_without_sender_times_out_at_its_deadline() -> None:
-    with participants(2, [], modes=["recv_timeout", "recv_timeout"]) as (queue, _):
+def test_receive_without_sender_times_out_at_its_deadline(transport: str) -> None:
+    with participants(2, [], transport, modes=["recv_timeout", "recv_timeout"]) as (queue, _):
         errors = collect(queue, {"error"}, 2, 30)
     for _, rank, kind, message, seconds, _ in errors:
         # Either it timed out itself, or the other rank's timeout aborted it first.
@@ -290,19 +300,20 @@ def test_receive_without_sender_times_out_at_its_deadline() -> None:
     assert any(e[2] == "CollectiveTimeoutError" and e[4] > 0.9 for e in errors), errors
 
 
-def test_single_participant_and_bad_rank_in_process() -> None:
+def test_single_participant_and_bad_rank_in_process(transport: str) -> None:
     """P = 1 needs no peer (the local schedule still runs); a rank outside the list is refused."""
     from lpsync.algorithms import generate
     from lpsync.engine.executor import Plan
     from lpsync.engine.reduce import Reduction
     from lpsync.errors import ConfigError
+    from lpsync.transport import backends
     from lpsync.transport.addresses import parse_peers
-    from lpsync.transport.ucx import UcxEndpoint, UcxOptions
+    from lpsync.transport.mesh import MeshOptions
 
     peers = tuple(parse_peers(peers_for(1)))
     with pytest.raises(ConfigError):
-        UcxEndpoint(UcxOptions(1, peers, SECRET))
-    with UcxEndpoint.connect(UcxOptions(0, peers, SECRET, tls="tcp")) as endpoint:
+        backends.connect(transport, MeshOptions(1, peers, SECRET))
+    with backends.connect(transport, MeshOptions(0, peers, SECRET), tls="tcp") as endpoint:
         x = np.arange(10, dtype=np.float32)
         out = np.zeros_like(x)
         schedule = generate(Collective.ALLREDUCE, "lp", 1, 10)

@@ -1,0 +1,392 @@
+"""The Endpoint of lpsync.engine.transport over plain TCP sockets, one per participant.
+
+The mesh and its failure model are lpsync.transport.mesh's; each connection is one TCP
+socket, authenticated (lpsync.transport.auth) before it carries anything else, with
+TCP_NODELAY (a 4-byte collective must not wait for Nagle).
+
+Wire format: every message is a 16-byte header (tag, bytes; little-endian u64) and its
+bytes. One connection per peer pair and nothing but authenticated peers on it, so tags
+need no mixing (the UCX backend mixes them because its tag matching is per worker).
+
+Why a second backend: the UCX one hands every send and receive to its progress thread
+and back (two thread hand-offs per message on each side); here a send is one
+``sendmsg`` on the caller's thread when the socket has room (a writer thread per
+connection takes over only when it has not), and each connection's reader thread
+receives straight into the buffer a receive was posted with (one hand-off, none for the
+bytes). Messages that arrive before their receive is posted wait in memory, per tag, in
+order. On the emulated cluster that halves the hand-offs of a small collective and takes
+the progress thread out of large ones (docs/multinode.md, "Peer transports").
+
+``close`` is collective, as in the UCX backend: a goodbye frame follows everything sent
+on each connection, and each side waits (bounded) for the others' before hanging up.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+
+from lpsync.errors import ConfigError, InvalidArgumentError, UnauthenticatedError, UnavailableError
+from lpsync.transport.addresses import PeerAddress
+from lpsync.transport.auth import authenticate_client_socket, authenticate_server_socket
+from lpsync.transport.mesh import GOODBYE, InFlight, MeshEndpoint, MeshOptions, Request, bytes_view
+from lpsync.transport.tcp.runtime import TcpRuntime
+
+log = logging.getLogger("lpsync.tcp")
+
+_HEADER = struct.Struct("<QQ")  # tag, message bytes
+_NO_BYTES = np.zeros(0, np.uint8)
+_DRAIN = 1 << 20  # bytes read at a time when discarding a message too large for its receive
+
+
+class _Conn:
+    """One authenticated socket to a peer, its reader and writer threads, and its queues."""
+
+    def __init__(self, rank: int, address: PeerAddress, sock: socket.socket) -> None:
+        self.rank, self.address, self.sock = rank, address, sock
+        self.departed = False  # said goodbye: its connection closing is no failure
+        self.goodbye = threading.Event()
+        self.lock = threading.Lock()  # guards posted and unexpected
+        self.posted: dict[int, collections.deque[Request]] = {}
+        self.unexpected: dict[int, collections.deque[np.ndarray]] = {}
+        self.out_lock = threading.Lock()
+        self.out_ready = threading.Condition(self.out_lock)
+        self.outbox: collections.deque[tuple[list[memoryview], Request]] = collections.deque()
+        self.stopped = False
+        self.reader: threading.Thread | None = None
+        self.writer: threading.Thread | None = None
+
+    def take_posted(self, tag: int) -> Request | None:
+        with self.lock:
+            return self.take_posted_locked(tag)
+
+    def take_posted_locked(self, tag: int) -> Request | None:
+        queue = self.posted.get(tag)
+        if not queue:
+            return None
+        request = queue.popleft()
+        if not queue:
+            del self.posted[tag]
+        return request
+
+    def stop(self) -> None:
+        """Wake both threads: the writer's wait, and any blocking socket call."""
+        with self.out_lock:
+            self.stopped = True
+            self.out_ready.notify_all()
+        with contextlib.suppress(OSError):  # already shut down
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def orphans(self) -> list[Request]:
+        """Every request still queued (once both threads are gone)."""
+        with self.lock, self.out_lock:
+            left = [r for queue in self.posted.values() for r in queue]
+            left += [r for _, r in self.outbox]
+            self.posted.clear()
+            self.outbox.clear()
+        return left
+
+
+class TcpEndpoint(MeshEndpoint):
+    """One participant's sockets to every other; build with ``TcpEndpoint.connect``."""
+
+    def __init__(self, options: MeshOptions) -> None:
+        if not 0 <= options.rank < len(options.peers):
+            raise ConfigError(f"rank {options.rank} is not an index into {len(options.peers)} peers")
+        super().__init__(options)
+        self._conns: dict[int, _Conn] = {}
+        self._handshakes: list[threading.Thread] = []
+        self._runtime: TcpRuntime | None = None
+        self._owns_runtime = False
+
+    # -- setup ---------------------------------------------------------------------------
+
+    @classmethod
+    def connect(cls, options: MeshOptions, runtime: TcpRuntime | None = None) -> TcpEndpoint:
+        """Dial the lower ranks, accept the higher ones, authenticate all. Without
+        ``runtime`` the endpoint listens on its entry's port itself and stops with its
+        close. Raises CollectiveTimeoutError naming the missing ranks, UnauthenticatedError
+        on a refusal."""
+        endpoint = cls(options)
+        try:
+            endpoint._start(runtime)
+        except BaseException:
+            endpoint.close()
+            raise
+        return endpoint
+
+    def _start(self, runtime: TcpRuntime | None) -> None:
+        deadline = time.monotonic() + self.options.connect_timeout
+        if runtime is None:
+            runtime = TcpRuntime(self.options.peers[self.rank].port)
+            self._owns_runtime = True
+        if not runtime.alive:
+            raise UnavailableError("the TCP runtime is closed")
+        self._runtime = runtime
+        runtime.set_acceptor(self._on_accept)
+        try:
+            self._form(deadline, self._alive, lambda: len(self._conns))
+        finally:
+            runtime.set_acceptor(None)
+            self._join_handshakes(deadline)
+
+    def _alive(self) -> bool:
+        return self._runtime is not None and self._runtime.alive
+
+    def _connect(self, peer: int, host: str, port: int, remaining: float, deadline: float) -> None:
+        timeout = min(remaining, self.options.handshake_timeout)
+        sock = socket.create_connection((host, port), timeout=timeout)
+        try:
+            authenticate_client_socket(sock, self.options.secret, self.rank, timeout,
+                                       expect_rank=peer)
+            self._register(peer, sock)
+        except BaseException:
+            sock.close()
+            raise
+
+    def _on_accept(self, sock: socket.socket) -> None:
+        # On the runtime's accept thread: authenticate on a thread of its own.
+        thread = threading.Thread(target=self._accept, args=(sock,), daemon=True,
+                                  name=f"lpsync-tcp-accept-r{self.rank}")
+        with self._lock:
+            self._handshakes.append(thread)
+        thread.start()
+
+    def _accept(self, sock: socket.socket) -> None:
+        try:
+            result = authenticate_server_socket(sock, self.options.secret, self.rank,
+                                                self.options.handshake_timeout, admit=self._admit)
+        except Exception as error:
+            if not isinstance(error, UnauthenticatedError):
+                log.warning("rank %d: refused a connection at :%d: it left authentication "
+                            "unfinished (%s: %s); a peer with another secret does that",
+                            self.rank, self.options.peers[self.rank].port,
+                            type(error).__name__, error)
+            sock.close()
+            return
+        self._register(result.peer_rank, sock)
+
+    def _register(self, rank: int, sock: socket.socket) -> None:
+        sock.settimeout(None)  # blocking from now on: failures come from stop(), not timeouts
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = _Conn(rank, self.options.peers[rank], sock)
+        with self._formed:
+            duplicate = rank in self._conns or self._closed
+            if not duplicate:
+                self._conns[rank] = conn
+                self._formed.notify_all()
+        if duplicate:
+            sock.close()
+            return
+        conn.reader = threading.Thread(target=self._read, args=(conn,), daemon=True,
+                                       name=f"lpsync-tcp-r{self.rank}-from-{rank}")
+        conn.writer = threading.Thread(target=self._write, args=(conn,), daemon=True,
+                                       name=f"lpsync-tcp-r{self.rank}-to-{rank}")
+        conn.reader.start()
+        conn.writer.start()
+        log.debug("rank %d: connected to rank %d at %s", self.rank, rank, conn.address)
+
+    def _join_handshakes(self, deadline: float) -> None:
+        with self._lock:
+            threads, self._handshakes = self._handshakes, []
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()) + self.options.handshake_timeout)
+
+    # -- the connection threads ------------------------------------------------------------
+
+    def _read(self, conn: _Conn) -> None:
+        """Receive every message of ``conn`` into its posted receive, or keep it until one
+        is posted; on EOF or error, a peer that said no goodbye is gone."""
+        header = bytearray(_HEADER.size)
+        try:
+            while _read_exactly(conn.sock, memoryview(header)):
+                tag, nbytes = _HEADER.unpack(header)
+                if tag == GOODBYE:
+                    conn.departed = True
+                    conn.goodbye.set()
+                    continue
+                request = conn.take_posted(tag)
+                if request is None:
+                    data = np.empty(nbytes, np.uint8)
+                    if not _read_exactly(conn.sock, memoryview(data)):
+                        break
+                    self._keep(conn, tag, data)
+                elif nbytes > request.keep.nbytes:
+                    if not _discard(conn.sock, nbytes):
+                        break
+                    request.finish(InvalidArgumentError("message larger than its receive"))
+                elif _read_exactly(conn.sock, memoryview(request.keep)[:nbytes]):
+                    request.nbytes = nbytes
+                    request.finish(None)
+                else:
+                    break
+        except OSError as error:
+            log.debug("rank %d: reading from rank %d: %s", self.rank, conn.rank, error)
+        if not conn.departed:
+            self._peer_gone(conn.rank, conn.address)
+        conn.stop()
+        if conn.writer is not None:
+            conn.writer.join()
+        gone = UnavailableError(f"the connection to rank {conn.rank} is closed")
+        for request in conn.orphans():
+            request.finish(gone)
+        conn.sock.close()
+
+    def _keep(self, conn: _Conn, tag: int, data: np.ndarray) -> None:
+        """A message that came before its receive: hand it to a receive posted while it
+        was being read, else keep it for the next post_recv of its tag."""
+        request = conn.take_posted(tag)
+        if request is None:
+            with conn.lock:
+                request = conn.take_posted_locked(tag)
+                if request is None:
+                    conn.unexpected.setdefault(tag, collections.deque()).append(data)
+                    return
+        _deliver(request, data)
+
+    def _write(self, conn: _Conn) -> None:
+        """Send what ``send`` could not put into the socket at once, in order."""
+        while True:
+            with conn.out_lock:
+                while not conn.outbox and not conn.stopped:
+                    conn.out_ready.wait()
+                if conn.stopped:
+                    return
+                pieces, request = conn.outbox[0]  # stays queued: later sends go behind it
+            try:
+                for piece in pieces:
+                    conn.sock.sendall(piece)
+            except OSError as error:
+                log.debug("rank %d: sending to rank %d: %s", self.rank, conn.rank, error)
+                conn.stop()  # the reader reports the loss (or the goodbye that preceded it)
+                return
+            with conn.out_lock:
+                conn.outbox.popleft()
+            request.finish(None)
+
+    # -- the Endpoint interface ----------------------------------------------------------
+
+    def _enqueue(self, conn: _Conn, tag: int, buf: np.ndarray) -> Request:
+        request = Request()
+        header = _HEADER.pack(tag, buf.nbytes)
+        with conn.out_lock:
+            if conn.stopped:
+                request.finish(UnavailableError(f"the connection to rank {conn.rank} is closed"))
+                return request
+            sent = 0
+            if not conn.outbox:
+                try:
+                    sent = conn.sock.sendmsg([header, buf], [], socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as error:
+                    request.finish(UnavailableError(f"sending to rank {conn.rank}: {error}"))
+                    return request
+                if sent == len(header) + buf.nbytes:
+                    request.finish(None)
+                    return request
+            request.keep = buf
+            conn.outbox.append((_rest([memoryview(header), memoryview(buf)], sent), request))
+            conn.out_ready.notify()
+        return request
+
+    def send(self, peer: int, tag: int, data: np.ndarray) -> InFlight:
+        request = self._enqueue(self._conn(peer), tag, bytes_view(data))
+        return InFlight(self, request, f"send of message {tag} to rank {peer}")
+
+    def post_recv(self, peer: int, tag: int, out: np.ndarray) -> InFlight:
+        conn = self._conn(peer)
+        request = Request()
+        request.keep = bytes_view(out)
+        with conn.lock:
+            kept = conn.unexpected.get(tag)
+            data = kept.popleft() if kept else None
+            if kept is not None and not kept:
+                del conn.unexpected[tag]
+            if data is None:
+                conn.posted.setdefault(tag, collections.deque()).append(request)
+        if data is not None:
+            _deliver(request, data)
+        return InFlight(self, request, f"message {tag} from rank {peer}")
+
+    # -- failure and teardown ------------------------------------------------------------
+
+    def _close_connections(self) -> None:
+        for conn in list(self._conns.values()):
+            conn.stop()
+
+    def close(self) -> None:
+        """Say goodbye, wait (bounded) for the others' goodbyes, close every connection,
+        and the listener if this endpoint made it. Idempotent; never raises for a broken
+        endpoint."""
+        if self._closed:
+            return
+        with self._formed:
+            self._closed = True
+            conns = list(self._conns.values())
+        self._join_handshakes(time.monotonic())
+        if self._broken is None and conns:
+            deadline = time.monotonic() + self.options.close_timeout
+            sends = [self._enqueue(conn, GOODBYE, _NO_BYTES) for conn in conns]
+            for request in sends:
+                request.event().wait(max(0.0, deadline - time.monotonic()))
+            self._late_goodbyes([conn.goodbye for conn in conns], deadline)
+        self._closing = True
+        self._close_connections()
+        me = threading.current_thread()
+        for conn in conns:
+            if conn.reader is not None and conn.reader is not me:
+                conn.reader.join(5.0)
+        if self._owns_runtime and self._runtime is not None:
+            self._runtime.close()
+        self._conns.clear()
+
+
+def _read_exactly(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``sock``; False at end of stream."""
+    got, need = 0, len(view)
+    while got < need:
+        n = sock.recv_into(view[got:], need - got, socket.MSG_WAITALL)
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+def _discard(sock: socket.socket, nbytes: int) -> bool:
+    scratch = memoryview(bytearray(min(nbytes, _DRAIN)))
+    while nbytes:
+        step = min(nbytes, len(scratch))
+        if not _read_exactly(sock, scratch[:step]):
+            return False
+        nbytes -= step
+    return True
+
+
+def _deliver(request: Request, data: np.ndarray) -> None:
+    out = request.keep
+    if data.nbytes > out.nbytes:
+        request.finish(InvalidArgumentError("message larger than its receive"))
+        return
+    out[:data.nbytes] = data
+    request.nbytes = data.nbytes
+    request.finish(None)
+
+
+def _rest(pieces: list[memoryview], sent: int) -> list[memoryview]:
+    """What is left of ``pieces`` once their first ``sent`` bytes went out."""
+    rest = []
+    for piece in pieces:
+        if sent >= len(piece):
+            sent -= len(piece)
+            continue
+        rest.append(piece[sent:])
+        sent = 0
+    return rest

@@ -1,0 +1,115 @@
+"""What only the TCP backend has to get right, in process over loopback: messages that
+arrive before their receive, per-tag order, sends larger than the socket buffers (the
+writer thread), many threads sending at once, short messages into larger receives and a
+message too large for its receive. The shared behaviour (real schedules, killed peers,
+secrets, rebuilds) is in test_peer_transports.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from ports import free_ports
+
+from lpsync.errors import InvalidArgumentError
+from lpsync.transport.addresses import PeerAddress
+from lpsync.transport.mesh import MeshOptions
+from lpsync.transport.tcp import TcpEndpoint
+
+SECRET = b"tcp test secret"
+
+
+def _threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("lpsync-tcp")}
+
+
+@contextmanager
+def pair() -> Iterator[tuple[TcpEndpoint, TcpEndpoint]]:
+    """Two connected endpoints in this process; afterwards no lpsync-tcp thread is left."""
+    peers = tuple(PeerAddress("127.0.0.1", port) for port in free_ports(2))
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(TcpEndpoint.connect, MeshOptions(r, peers, SECRET,
+                                                                connect_timeout=20.0))
+                   for r in range(2)]
+        a, b = (f.result() for f in futures)
+    try:
+        yield a, b
+    finally:
+        with ThreadPoolExecutor(2) as pool:  # close is collective: both at once
+            list(pool.map(lambda e: e.close(), (a, b)))
+    assert _threads() == set()
+
+
+def test_messages_sent_before_their_receive_arrive_whole_and_in_order() -> None:
+    rng = np.random.default_rng(1)
+    messages = [rng.integers(0, 255, size, dtype=np.uint8) for size in (0, 1, 7, 100_000, 3)]
+    with pair() as (a, b):
+        sends = [a.send(1, 42, m) for m in messages]  # same tag: order must hold
+        deadline = time.monotonic() + 10
+        for request in sends:
+            request.wait(deadline)
+        time.sleep(0.2)  # all of them now wait unexpected on b's side
+        for m in messages:
+            out = np.full(m.size, 0xEE, np.uint8)
+            b.recv_into(0, 42, out, deadline)
+            np.testing.assert_array_equal(out, m)
+
+
+def test_large_messages_both_ways_at_once_go_through_the_writer_threads() -> None:
+    """64 MiB each way, both sending before either receives: far beyond the socket
+    buffers, so the sends queue for the writer threads while the readers drain."""
+    rng = np.random.default_rng(2)
+    big = [rng.integers(0, 255, 64 << 20, dtype=np.uint8) for _ in range(2)]
+    with pair() as (a, b):
+        deadline = time.monotonic() + 60
+        outs = [np.empty(64 << 20, np.uint8) for _ in range(2)]
+        sent = [a.send(1, 5, big[0]), b.send(0, 5, big[1])]
+        assert not all(s.done() for s in sent)  # at least one waits for the writer thread
+        posted = [b.post_recv(0, 5, outs[1]), a.post_recv(1, 5, outs[0])]
+        for request in sent + posted:
+            request.wait(deadline)
+        np.testing.assert_array_equal(outs[1], big[0])
+        np.testing.assert_array_equal(outs[0], big[1])
+
+
+def test_many_threads_sending_on_one_connection_keep_frames_whole() -> None:
+    with pair() as (a, b):
+        deadline = time.monotonic() + 30
+
+        def sender(t: int) -> None:
+            for i in range(50):
+                a.send(1, t * 1000 + i, np.full(1000 + t, t, np.int32)).wait(deadline)
+
+        threads = [threading.Thread(target=sender, args=(t,)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        for t in range(4):
+            for i in range(50):
+                out = np.empty(1000 + t, np.int32)
+                b.recv_into(0, t * 1000 + i, out, deadline)
+                assert (out == t).all()
+        for thread in threads:
+            thread.join()
+
+
+def test_a_shorter_message_lands_and_a_longer_one_is_refused_without_breaking() -> None:
+    with pair() as (a, b):
+        deadline = time.monotonic() + 10
+        out = np.zeros(16, np.uint8)
+        request = b.post_recv(0, 1, out)
+        a.send(1, 1, np.arange(4, dtype=np.uint8)).wait(deadline)
+        request.wait(deadline)
+        assert out[:4].tolist() == [0, 1, 2, 3] and not out[4:].any()
+        a.send(1, 2, np.arange(32, dtype=np.uint8)).wait(deadline)
+        with pytest.raises(InvalidArgumentError, match="larger than the receive buffer"):
+            b.recv_into(0, 2, np.zeros(8, np.uint8), deadline)
+        # the excess was read off the wire: the next message is intact
+        a.send(1, 3, np.full(5, 9, np.uint8)).wait(deadline)
+        nine = np.zeros(5, np.uint8)
+        b.recv_into(0, 3, nine, deadline)
+        assert (nine == 9).all() and a.error is None and b.error is None
