@@ -7,7 +7,8 @@ node's 198.18.0.x address in --peers, a fresh random secret and its own socket, 
 namespaces share the filesystem; K rank processes per node, cluster_worker.py), run
 (every op x size x algorithm, then gloo), verify (#wrong, in the workers) and tear
 down, always: on success, failure, Ctrl-C and SIGTERM. The daemons' peer plane runs
-UCX over TCP, so every byte between nodes crosses the shaped links.
+UCX over TCP (or plain TCP, --peer-transport; several: each on a fresh cluster in
+turn), so every byte between nodes crosses the shaped links.
 
 A point's time is the median over iterations of the slowest rank's time; the wire
 limit is bytes / link rate, the time an ideal pipeline needs to push the message
@@ -31,7 +32,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -42,6 +43,7 @@ from lpsync.bench.runner import serving
 from lpsync.cluster import ClusterSpec, down, format_rate, netns, run_in, up
 from lpsync.errors import ClusterError, InvalidArgumentError
 from lpsync.memory.shm import PREFIX as SHM_PREFIX
+from lpsync.transport.backends import check as check_transport
 from lpsync.types import Collective
 from lpsync.units import format_size
 
@@ -67,6 +69,7 @@ class ClusterOptions:
     prefix: str = "lpbench"  # namespace names PREFIX-n<i>, PREFIX-sw
     logs: str | None = None  # keep every daemon's and rank's log under logs/<N>nodes/
     model: str | None = None  # --model: replay this network's step instead of ops x sizes
+    transports: tuple[str, ...] = ("ucx",)  # the daemons' peer transport; each in turn
     collective_timeout: float = 600.0  # seconds, each collective (client and daemon)
     timeout: float = 3600.0  # seconds, one node count from cluster up to the last point
 
@@ -86,6 +89,10 @@ class ClusterOptions:
                                        f"{', '.join(OPS)}")
         if unknown := [s for s in self.sizes if s < 4]:
             raise InvalidArgumentError(f"--bytes: sizes must be >= 4 (one float32), got {unknown}")
+        for transport in self.transports:
+            check_transport(transport)
+        if not self.transports:
+            raise InvalidArgumentError("--peer-transport must not be empty")
         if self.compare not in (None, "gloo"):
             raise InvalidArgumentError(f"--compare {self.compare}: only gloo")
         for algorithm in self.algorithms:
@@ -141,11 +148,16 @@ def progress(message: str) -> None:
 
 
 def run(options: ClusterOptions) -> Iterator[list[Point]]:
-    """Each node count's points, once its cluster is down again."""
+    """Each node count's points, once its cluster is down again: every transport's in
+    turn, each on a fresh cluster (gloo, if compared, runs with the first)."""
     netns.require_root()
     with _Interrupts() as interrupts:
         for nodes in options.nodes:
-            yield _run_nodes(options, nodes, interrupts)
+            points = []
+            for i, transport in enumerate(options.transports):
+                points += _run_nodes(replace(options, compare=options.compare if i == 0
+                                             else None), nodes, interrupts, transport)
+            yield points
 
 
 @dataclass
@@ -155,7 +167,8 @@ class _Node:
     log: Path
 
 
-def _run_nodes(options: ClusterOptions, nodes: int, interrupts: _Interrupts) -> list[Point]:
+def _run_nodes(options: ClusterOptions, nodes: int, interrupts: _Interrupts,
+               transport: str) -> list[Point]:
     spec = ClusterSpec(nodes, options.rate_bits, prefix=options.prefix)
     try:
         up(spec)  # removes what it made if it fails or is interrupted halfway
@@ -166,21 +179,27 @@ def _run_nodes(options: ClusterOptions, nodes: int, interrupts: _Interrupts) -> 
     workers: list[subprocess.Popen[bytes]] = []
     try:
         progress(f"{nodes} nodes: cluster {spec.prefix!r} up "
-                 f"({format_rate(spec.rate_bits)} full duplex per node)")
-        _start_daemons(spec, options, tmp, daemons)
+                 f"({format_rate(spec.rate_bits)} full duplex per node; peer transport "
+                 f"{transport})")
+        _start_daemons(spec, options, tmp, daemons, transport)
         pids = ", ".join(str(d.daemon.pid) for d in daemons)
         progress(f"{nodes} nodes: {nodes} daemons serving (pids {pids}); starting "
                  f"{nodes * options.procs_per_node} ranks")
         _start_workers(spec, options, daemons, tmp, workers)
-        return _collect(options, nodes, workers, daemons, tmp)
+        points = _collect(options, nodes, workers, daemons, tmp)
+        for point in points:
+            if point.algorithm != "gloo" and not point.algorithm.startswith("gloo "):
+                point.transport = transport
+        return points
     finally:
         with interrupts.deferred():
             _stop(workers, daemons)
             down(spec.prefix)
             _reclaim(daemons)
             if options.logs:
+                where = f"{nodes}nodes" + ("" if transport == "ucx" else f"-{transport}")
                 try:
-                    shutil.copytree(tmp, Path(options.logs) / f"{nodes}nodes",
+                    shutil.copytree(tmp, Path(options.logs) / where,
                                     dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock*"))
                 except OSError as error:
                     progress(f"could not keep the logs in {options.logs}: {error}")
@@ -194,9 +213,10 @@ def _clean_env() -> dict[str, str]:
 
 
 def _start_daemons(spec: ClusterSpec, options: ClusterOptions, tmp: Path,
-                   daemons: list[_Node]) -> None:
+                   daemons: list[_Node], transport: str = "ucx") -> None:
     peers = ",".join(f"{spec.address(i)}:{PEER_PORT}" for i in range(spec.nodes))
-    env = {**_clean_env(), "LPSYNC_SECRET": secrets.token_hex(32), "LPSYNC_PEER_TLS": "tcp"}
+    env = {**_clean_env(), "LPSYNC_SECRET": secrets.token_hex(32), "LPSYNC_PEER_TLS": "tcp",
+           "LPSYNC_PEER_TRANSPORT": transport}
     for node in range(spec.nodes):
         where = tmp / f"node{node}"
         where.mkdir()

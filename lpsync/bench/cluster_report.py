@@ -63,6 +63,7 @@ class Point:
     cpu: dict[str, float] | None = None
     # node -> its daemon's flight records of the timed iterations, oldest first
     records: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    transport: str = "ucx"  # the daemons' peer transport (gloo's points keep the default)
 
     @property
     def ranks(self) -> int:
@@ -117,6 +118,7 @@ class Point:
     def to_json(self) -> dict[str, Any]:
         fixed = self.fixed_cost()
         return {"op": self.op, "algorithm": self.algorithm, "ran": self.ran,
+                "transport": self.transport,
                 "nodes": self.nodes, "procs_per_node": self.procs_per_node,
                 "ranks": self.ranks, "link": format_rate(self.rate_bits),
                 "rate_bits": self.rate_bits, "bytes": self.nbytes, "count": self.count,
@@ -129,14 +131,17 @@ class Point:
 
 
 def label(point: Point) -> str:
-    return f"auto:{point.ran}" if point.algorithm == AUTO else point.algorithm
+    """The algorithm column: auto shows its pick; a transport other than UCX is named."""
+    text = f"auto:{point.ran}" if point.algorithm == AUTO else point.algorithm
+    return text if point.transport == "ucx" else f"{text}@{point.transport}"
 
 
 Key = tuple[str, str, int]  # (op, algorithm as requested, bytes)
 
 
 def key(point: Point) -> Key:
-    return point.op, point.algorithm, point.nbytes
+    algorithm = point.algorithm if point.transport == "ucx" else f"{point.algorithm}@{point.transport}"
+    return point.op, algorithm, point.nbytes
 
 
 def table(points: list[Point], fewest: dict[Key, Point] | None = None) -> str:
@@ -169,20 +174,20 @@ def _block(rows: list[Point], fewest: dict[Key, Point]) -> list[str]:
              "node process per GB of message; wire = bytes / link rate"
              + ("; vs Nn = time / the same point's on N nodes" if base else ""),
              f"#{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} "
-             f"{'algorithm':>10} | {'time':>12} {'cpu':>8} {'algbw':>7} {'busbw':>7} "
+             f"{'algorithm':>13} | {'time':>12} {'cpu':>8} {'algbw':>7} {'busbw':>7} "
              f"{'#wrong':>6} | {'wire':>12} {'x wire':>6}" + (f" {vs:>6}" if base else ""),
-             f"#{'(B)':>12} {'(elements)':>12} {'':>8} {'':>6} {'':>5} {'':>10} | "
+             f"#{'(B)':>12} {'(elements)':>12} {'':>8} {'':>6} {'':>5} {'':>13} | "
              f"{'(us)':>12} {'(s/GB)':>8} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} | "
              f"{'(us)':>12} {'':>6}" + (f" {'':>6}" if base else "")]
     for p in rows:
         ratio = p.seconds / base[key(p)].seconds if key(p) in base else None
         lines.append(f" {p.nbytes:>12} {p.count:>12} {DTYPE:>8} {redop:>6} {root:>5} "
-                     f"{label(p):>10} | {p.seconds * 1e6:>12.1f} {_fmt(p.cpu_per_gb(), '.4g', 8)} "
+                     f"{label(p):>13} | {p.seconds * 1e6:>12.1f} {_fmt(p.cpu_per_gb(), '.4g', 8)} "
                      f"{p.algbw():>7.3f} {p.busbw():>7.3f} {p.wrong:>6} | "
                      f"{p.wire_seconds * 1e6:>12.1f} {p.seconds / p.wire_seconds:>6.2f}"
                      + (f" {_fmt(ratio, '.2f', 6)}" if base else ""))
     for nbytes in dict.fromkeys(p.nbytes for p in rows):
-        same = {p.algorithm: p for p in rows if p.nbytes == nbytes}
+        same = {key(p)[1]: p for p in rows if p.nbytes == nbytes}
         if "lp" in same and len(same) > 1:
             lp = same.pop("lp")
             faster = ", ".join(f"{p.seconds / lp.seconds:.2f}x {label(p)}"
@@ -202,12 +207,12 @@ def fixed_cost_lines(rows: list[Point]) -> list[str]:
              "arriving = first to last local rank, queued = dispatch, agreeing = the cross-node "
              "summary exchange and waiting for the other nodes, running = the schedule and the "
              "replies' hand-off; client = time - the daemon's total (request in, reply out)",
-             f"#{'size':>12} {'algorithm':>10} {'node':>4} | {'time':>10} | "
+             f"#{'size':>12} {'algorithm':>13} {'node':>4} | {'time':>10} | "
              + " ".join(f"{n:>10}" for n in names) + f" | {'client':>10}",
-             f"#{'(B)':>12} {'':>10} {'':>4} | {'(us)':>10} | " + " ".join(f"{'(us)':>10}" for _ in names)
+             f"#{'(B)':>12} {'':>13} {'':>4} | {'(us)':>10} | " + " ".join(f"{'(us)':>10}" for _ in names)
              + f" | {'(us)':>10}"]
     for p, f in costs:
-        lines.append(f" {p.nbytes:>12} {label(p):>10} {f.node:>4} | {f.seconds * 1e6:>10.1f} | "
+        lines.append(f" {p.nbytes:>12} {label(p):>13} {f.node:>4} | {f.seconds * 1e6:>10.1f} | "
                      + " ".join(f"{f.stages.get(n, 0.0) * 1e6:>10.1f}" for n in names)
                      + f" | {f.client * 1e6:>10.1f}")
     return lines

@@ -102,6 +102,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     cluster.add_argument("--prefix", default="lpbench",
                          help="namespace names PREFIX-n0.. (default lpbench); "
                               "`lpsync cluster down --prefix P` removes a leftover")
+    cluster.add_argument("--peer-transport", metavar="T,...",
+                         help="the daemons' transport between nodes: ucx (default), tcp, or "
+                              "ucx,tcp to run every lpsync point on each in turn, on the same "
+                              "emulated cluster (tcp points are labelled @tcp)")
     cluster.add_argument("--logs", metavar="DIR",
                          help="keep the daemons' and ranks' logs in DIR/<N>nodes/ (default: "
                               "removed; the tail of a failed process's log is printed)")
@@ -234,7 +238,7 @@ def cluster_options(args: argparse.Namespace):
         sizes=tuple(parse_sizes(args.bytes or "64MiB")), procs_per_node=args.procs_per_node,
         warmup=1 if args.warmup is None else args.warmup,
         iters=5 if args.iters is None else args.iters, compare=args.compare,
-        prefix=args.prefix, logs=args.logs)
+        prefix=args.prefix, logs=args.logs, transports=items(args.peer_transport or "ucx"))
 
 
 def run_cluster(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from lpsync.daemon.limits import MAX_TIMEOUT, Limits
 from lpsync.daemon.peers import PeerSet, discover
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.devices import parse_devices
+from lpsync.transport.backends import TRANSPORTS
 from lpsync.units import format_size
 
 DEFAULT_SOCKET = "/run/lpsync/lpsync.sock"
@@ -60,6 +61,7 @@ class DaemonConfig:
     heartbeat_interval: float = 1.0  # seconds between heartbeats to each peer
     heartbeat_timeout: float = 5.0  # a peer silent this long is declared gone
     peer_tls: str = "tcp"  # UCX_TLS of the peer plane; "" lets UCX choose
+    peer_transport: str = "ucx"  # the peer plane's transport: ucx or tcp (lpsync.transport.backends)
 
     def token(self) -> str:
         return Path(self.token_file).read_text().strip() if self.token_file else ""
@@ -82,6 +84,9 @@ class DaemonConfig:
                 f"stall_seconds must be a positive number of seconds, got {self.stall_seconds}")
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
             raise InvalidArgumentError("need 0 < heartbeat_interval < heartbeat_timeout")
+        if self.peer_transport not in TRANSPORTS:
+            raise InvalidArgumentError(f"peer_transport must be one of {', '.join(TRANSPORTS)}, "
+                                       f"got {self.peer_transport!r}")
 
     def limits(self) -> Limits:
         return Limits(**{name: getattr(self, name) for name in Limits.__dataclass_fields__})
@@ -196,6 +201,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                        help="peers from SLURM_JOB_NODELIST, node rank from SLURM_NODEID")
     add("--peer-port", type=int, help="peer port with --peers-slurm (default 13337)")
     add("--secret-file", help="file holding the cluster secret (else env LPSYNC_SECRET)")
+    add("--peer-transport", choices=TRANSPORTS,
+        help="the transport between daemons: ucx (default) or tcp (plain sockets: less CPU "
+             "per message on TCP networks; docs/multinode.md). Every daemon of a cluster "
+             "must use the same")
     add("--heartbeat-timeout", type=float,
         help="seconds of silence before a peer daemon is declared gone (default 5)")
 

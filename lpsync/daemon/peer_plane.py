@@ -1,8 +1,9 @@
-"""The peer manager: this daemon's node-level UCX mesh over every daemon of the cluster.
+"""The peer manager: this daemon's node-level mesh over every daemon of the cluster.
 
-Lifecycle (one background thread, ``lpsync-peers``): open the UCX runtime (worker and
-listener on this daemon's peer port, kept for the daemon's life), connect the mesh on it
-(UcxEndpoint, rank = node rank; the daemon serves single-node jobs meanwhile), probe alpha/beta to every peer,
+Lifecycle (one background thread, ``lpsync-peers``): open the transport's runtime (UCX
+by default, or plain TCP: lpsync.transport.backends; listener on this daemon's peer
+port, kept for the daemon's life), connect the mesh on it (rank = node rank; the daemon
+serves single-node jobs meanwhile), probe alpha/beta to every peer,
 start heartbeats, then wait until the mesh breaks (a peer killed, cut off, silent for
 ``heartbeat_timeout``, or any transport error). A broken mesh is closed, logged and
 rebuilt on the same runtime in the background (only connections are made anew),
@@ -14,9 +15,9 @@ Invariants:
     communicator) and collectives that used it fail with UnavailableError;
   * control messages (heartbeats, probes, spec exchange) use tags with bit 63 set; the
     collectives' folded tags never set it (multinode.py keeps their tag < 2**39);
-  * several local participant threads use one Link at once: UcxEndpoint's send and
-    recv_into hand work to its loop thread and are safe from any thread; only its
-    recv_borrow staging buffer is shared, so SharedEndpoint gives each thread its own.
+  * several local participant threads use one Link at once: the endpoints' send and
+    recv_into are safe from any thread; only their recv_borrow staging buffer is
+    shared, so SharedEndpoint gives each thread its own.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from lpsync.daemon.metrics import Metrics
 from lpsync.daemon.peers import PeerSet
 from lpsync.engine.transport import PostingEndpoint, RecvRequest, SendRequest
 from lpsync.errors import LpsyncError, UnavailableError
+from lpsync.transport import backends
 from lpsync.transport.addresses import PeerAddress
-from lpsync.transport.ucx import RuntimeOptions, UcxEndpoint, UcxOptions, UcxRuntime
+from lpsync.transport.mesh import MeshEndpoint, MeshOptions
 
 log = logging.getLogger("lpsync.peers")
 
@@ -62,13 +64,14 @@ class PeerPlaneOptions:
     heartbeat_timeout: float = 5.0  # a peer silent this long breaks the mesh
     connect_timeout: float = 20.0  # one attempt to build the mesh; then retry
     tls: str | None = "tcp"  # UCX_TLS of the peer plane; None: UCX chooses
+    transport: str = "ucx"  # lpsync.transport.backends.TRANSPORTS
     probe: bool = True  # measure alpha/beta to every peer after connecting
 
 
 class SharedEndpoint:
-    """A UcxEndpoint used by several threads: recv_borrow stages per thread."""
+    """An endpoint used by several threads: recv_borrow stages per thread."""
 
-    def __init__(self, endpoint: UcxEndpoint) -> None:
+    def __init__(self, endpoint: MeshEndpoint) -> None:
         self._endpoint = endpoint
         self.rank, self.size = endpoint.rank, endpoint.size
         self._local = threading.local()
@@ -101,10 +104,10 @@ class SharedEndpoint:
 class Link:
     """One generation of the mesh: the shared endpoint and the probed link model."""
 
-    def __init__(self, generation: int, endpoint: UcxEndpoint,
+    def __init__(self, generation: int, endpoint: MeshEndpoint,
                  peers: tuple[PeerAddress, ...] = (), heartbeat_interval: float = 1.0) -> None:
         self.generation = generation
-        self.ucx = endpoint
+        self.mesh = endpoint
         self._peers, self._interval = peers, heartbeat_interval
         self.endpoint: PostingEndpoint = SharedEndpoint(endpoint)
         self.model: LinkModel | None = None  # the slowest probed peer link
@@ -113,10 +116,10 @@ class Link:
 
     @property
     def error(self) -> LpsyncError | None:
-        return self.ucx.error
+        return self.mesh.error
 
     def check(self) -> None:
-        if self.ucx.error is not None:
+        if self.mesh.error is not None:
             raise UnavailableError(f"the peer plane broke: {self.failure()}")
 
     def silent(self, now: float | None = None) -> list[int]:
@@ -130,7 +133,7 @@ class Link:
         come from a healthy peer that closed its side first (it lost the silent one too)."""
         now = time.monotonic()
         silent = self.silent(now)
-        text = str(self.ucx.error)
+        text = str(self.mesh.error)
         if silent:
             names = ", ".join(f"node {p} ({self._peers[p]}, silent {now - self.last_heard[p]:.1f} s)"
                               if p < len(self._peers) else f"node {p}" for p in silent)
@@ -144,7 +147,7 @@ class PeerPlane:
         self.rank, self.size = options.peers.node_rank, len(options.peers.peers)
         self._metrics = metrics
         metrics.peers_expected.set(self.size - 1)
-        self._runtime: UcxRuntime | None = None  # opened by the manager thread, kept
+        self._runtime: backends.Runtime | None = None  # opened by the manager thread, kept
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._link: Link | None = None
@@ -205,9 +208,11 @@ class PeerPlane:
             log.debug("node %d: connecting the peer mesh", self.rank)
             try:
                 if self._runtime is None:
-                    self._runtime = UcxRuntime(RuntimeOptions(
-                        self.options.peers.peers[self.rank].port, self.options.tls))
-                endpoint = UcxEndpoint.connect(self._ucx_options(), self._runtime)
+                    self._runtime = backends.open_runtime(
+                        self.options.transport, self.options.peers.peers[self.rank].port,
+                        self.options.tls)
+                endpoint = backends.connect(self.options.transport, self._mesh_options(),
+                                            self._runtime, self.options.tls)
             except LpsyncError as error:
                 log.warning("node %d: peer mesh not up yet (%s: %s); retrying", self.rank,
                             type(error).__name__, error)
@@ -220,10 +225,10 @@ class PeerPlane:
                         self.options.heartbeat_interval)
             self._serve(link)
 
-    def _ucx_options(self) -> UcxOptions:
+    def _mesh_options(self) -> MeshOptions:
         o = self.options
-        return UcxOptions(rank=self.rank, peers=o.peers.peers, secret=o.secret,
-                          connect_timeout=o.connect_timeout, close_timeout=1.0, tls=o.tls)
+        return MeshOptions(rank=self.rank, peers=o.peers.peers, secret=o.secret,
+                           connect_timeout=o.connect_timeout, close_timeout=1.0)
 
     def _serve(self, link: Link) -> None:
         """Probe, publish, heartbeat until the link breaks; then close it."""
@@ -270,7 +275,7 @@ class PeerPlane:
         count = 0
         while not link.broken.wait(self.options.heartbeat_interval):
             try:
-                requests = [link.ucx.send(p, control_tag(HEARTBEAT, count), beat)
+                requests = [link.mesh.send(p, control_tag(HEARTBEAT, count), beat)
                             for p in others]
                 deadline = time.monotonic() + self.options.heartbeat_timeout
                 for request in requests:
@@ -289,7 +294,7 @@ class PeerPlane:
         beats = self._metrics.peer_heartbeats.labels(str(self.options.peers.peers[peer]))
         while not link.broken.is_set():
             try:
-                link.ucx.recv_into(peer, control_tag(HEARTBEAT, count), buf,
+                link.mesh.recv_into(peer, control_tag(HEARTBEAT, count), buf,
                                    time.monotonic() + 10 * self.options.heartbeat_timeout)
             except LpsyncError:
                 link.broken.set()
@@ -312,7 +317,7 @@ class PeerPlane:
                         f"peer node {peer} ({self.options.peers.peers[peer]}) sent no "
                         f"heartbeat for {now - heard:.1f} s (limit {timeout:g} s): declared gone")
                     log.warning("node %d: %s", self.rank, error)
-                    link.ucx.abort(error)
+                    link.mesh.abort(error)
                     return
 
     def _probe(self, link: Link, others: list[int]) -> LinkModel:
@@ -327,7 +332,7 @@ class PeerPlane:
         results: dict[int, tuple[float, float]] = {}
         for peer in probe_order(self.rank, self.size):
             deadline = time.monotonic() + self.options.connect_timeout
-            results[peer] = _ping_pong(link.ucx, peer, self.rank < peer, deadline)
+            results[peer] = _ping_pong(link.mesh, peer, self.rank < peer, deadline)
         for peer, (_, bandwidth) in results.items():
             self._metrics.peer_link_bw.labels(str(self.options.peers.peers[peer])).set(bandwidth)
         alpha = max(a for a, _ in results.values()) if results else 50e-6
@@ -354,7 +359,7 @@ def probe_order(rank: int, size: int) -> list[int]:
 def _close(link: Link, bound: float = 15.0) -> None:
     """Close a mesh generation without ever blocking the manager for good: ucxx's thread
     joins have no timeout of their own, so the close runs on a helper thread."""
-    closer = threading.Thread(target=link.ucx.close, name="lpsync-peers-close", daemon=True)
+    closer = threading.Thread(target=link.mesh.close, name="lpsync-peers-close", daemon=True)
     closer.start()
     closer.join(bound)
     if closer.is_alive():
@@ -362,7 +367,7 @@ def _close(link: Link, bound: float = 15.0) -> None:
                   "may stay bound until it finishes)", link.generation, bound)
 
 
-def _ping_pong(endpoint: UcxEndpoint, peer: int, initiator: bool,
+def _ping_pong(endpoint: MeshEndpoint, peer: int, initiator: bool,
                deadline: float) -> tuple[float, float]:
     """(alpha seconds, bytes/s) to ``peer``; both ends return the initiator's figures."""
     times = []

@@ -174,7 +174,8 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> PeerPlane | None:
                              "peers": ",".join(str(p) for p in peers.peers)})
     return PeerPlane(PeerPlaneOptions(
         peers, secret, heartbeat_interval=config.heartbeat_interval,
-        heartbeat_timeout=config.heartbeat_timeout, tls=config.peer_tls or None), metrics)
+        heartbeat_timeout=config.heartbeat_timeout, tls=config.peer_tls or None,
+        transport=config.peer_transport), metrics)
 
 
 def _socket_alive(path: Path) -> bool:
