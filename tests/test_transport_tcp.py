@@ -107,7 +107,11 @@ def test_a_shorter_message_lands_and_a_longer_one_is_refused_without_breaking() 
         assert out[:4].tolist() == [0, 1, 2, 3] and not out[4:].any()
         a.send(1, 2, np.arange(32, dtype=np.uint8)).wait(deadline)
         with pytest.raises(InvalidArgumentError, match="larger than the receive buffer"):
-            b.recv_into(0, 2, np.zeros(8, np.uint8), deadline)
+            b.recv_into(0, 2, np.zeros(8, np.uint8), deadline)  # it came first: kept
+        early = b.post_recv(0, 4, np.zeros(8, np.uint8))  # posted first: read off the wire
+        a.send(1, 4, np.arange(3 << 20, dtype=np.uint8)).wait(deadline)
+        with pytest.raises(InvalidArgumentError, match="larger than the receive buffer"):
+            early.wait(deadline)
         # the excess was read off the wire: the next message is intact
         a.send(1, 3, np.full(5, 9, np.uint8)).wait(deadline)
         nine = np.zeros(5, np.uint8)

@@ -104,6 +104,8 @@ class MeshEndpoint:
     """The transport-neutral half of an endpoint: forming the mesh, breaking it, waiting."""
 
     def __init__(self, options: MeshOptions) -> None:
+        if not 0 <= options.rank < len(options.peers):
+            raise ConfigError(f"rank {options.rank} is not an index into {len(options.peers)} peers")
         self.options = options
         self.rank, self.size = options.rank, len(options.peers)
         self._lock = threading.Lock()
@@ -114,6 +116,71 @@ class MeshEndpoint:
         self._closed = False
         self._conns: dict[int, Any] = {}  # peer rank -> the backend's connection
         self._staging = np.empty(0, np.uint8)
+        self._handshakes: list[threading.Thread] = []  # accepted connections authenticating
+        self._runtime: Any = None  # the backend's runtime: listener (and UCX worker)
+        self._owns_runtime = False
+
+    @classmethod
+    def connect(cls, options: Any, runtime: Any = None) -> Self:
+        """Dial the lower ranks, accept the higher ones, authenticate all. Without
+        ``runtime`` the endpoint makes its own (listening on its entry's port) and closes
+        it with itself. Raises CollectiveTimeoutError naming the missing ranks,
+        UnauthenticatedError on a refusal."""
+        endpoint = cls(options)
+        try:
+            endpoint._start(runtime)
+        except BaseException:
+            endpoint.close()
+            raise
+        return endpoint
+
+    def _start(self, runtime: Any) -> None:
+        deadline = time.monotonic() + self.options.connect_timeout
+        if runtime is None:
+            runtime = self._own_runtime()
+            self._owns_runtime = True
+        if not runtime.alive:
+            raise UnavailableError("the transport runtime is closed")
+        self._runtime = runtime
+        runtime.set_acceptor(self._on_accept)
+        try:
+            self._form(deadline)
+        finally:
+            runtime.set_acceptor(None)
+            self._join_handshakes(deadline)
+
+    def _own_runtime(self) -> Any:
+        """A runtime listening on this rank's port, for an endpoint connected without one."""
+        raise NotImplementedError
+
+    def _alive(self) -> bool:
+        return self._runtime is not None and bool(self._runtime.alive)
+
+    def _on_accept(self, connection: Any) -> None:
+        # On the runtime's thread: authenticate on a thread of its own (it waits for messages).
+        thread = threading.Thread(target=self._accept, args=(connection,), daemon=True,
+                                  name=f"lpsync-accept-r{self.rank}")
+        with self._lock:
+            self._handshakes.append(thread)
+        thread.start()
+
+    def _accept(self, connection: Any) -> None:
+        raise NotImplementedError
+
+    def _unfinished(self, error: Exception) -> None:
+        """Log an accepted connection that failed authentication (a refusal logs itself)."""
+        if not isinstance(error, UnauthenticatedError):
+            # A peer holding another secret rejects our proof and hangs up here.
+            log.warning("rank %d: refused a connection at :%d: it left authentication "
+                        "unfinished (%s: %s); a peer with another secret does that",
+                        self.rank, self.options.peers[self.rank].port,
+                        type(error).__name__, error)
+
+    def _join_handshakes(self, deadline: float) -> None:
+        with self._lock:
+            threads, self._handshakes = self._handshakes, []
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()) + self.options.handshake_timeout)
 
     def __enter__(self) -> Self:
         return self
@@ -126,8 +193,7 @@ class MeshEndpoint:
 
     # -- forming -------------------------------------------------------------------------
 
-    def _form(self, deadline: float, alive: Callable[[], bool],
-              connected: Callable[[], int]) -> None:
+    def _form(self, deadline: float) -> None:
         """Dial the lower ranks (each on a thread of its own) and wait until every
         connection is up: CollectiveTimeoutError naming the missing ranks at ``deadline``."""
         errors: list[BaseException] = []
@@ -141,8 +207,8 @@ class MeshEndpoint:
         if errors:
             raise errors[0]
         with self._formed:
-            while connected() < self.size - 1 and self._broken is None:
-                if not alive():
+            while len(self._conns) < self.size - 1 and self._broken is None:
+                if not self._alive():
                     raise UnavailableError("the transport runtime was closed while connecting")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -189,9 +255,6 @@ class MeshEndpoint:
                 last = f"{type(error).__name__}: {error}"
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(1.0, pause * 2)
-
-    def _alive(self) -> bool:
-        raise NotImplementedError
 
     def _connect(self, peer: int, host: str, port: int, remaining: float, deadline: float) -> None:
         """Make, authenticate and register one connection to ``peer``; raise to retry."""

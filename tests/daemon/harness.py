@@ -119,7 +119,7 @@ def run_ranks(world: int, target, *args, timeout: float = 90.0, dies: tuple[int,
 
 
 class PeeredDaemons:
-    """``nodes`` daemons on loopback joined by the UCX peer plane (--peers, a shared
+    """``nodes`` daemons on loopback joined by the peer plane (--peers, a shared
     secret unless ``secrets`` gives one per node), each started with ``extra`` flags."""
 
     def __init__(self, tmp: Path, nodes: int, *extra: str, secrets: list[str] | None = None

@@ -1,5 +1,6 @@
-"""Multi-node jobs: three real daemons on loopback joined by the UCX peer plane, two real
-client processes on each, node-major ranks (RANK = node * 2 + LOCAL_RANK)."""
+"""Multi-node jobs: three real daemons on loopback joined by the peer plane (UCX, and
+plain TCP: --peer-transport), two real client processes on each, node-major ranks
+(RANK = node * 2 + LOCAL_RANK)."""
 
 from __future__ import annotations
 
@@ -28,15 +29,19 @@ SECRET = "multinode-test-secret"
 HEARTBEAT = 3.0
 
 
-def start_cluster(tmp: Path, nodes: int, secrets: list[str] | None = None) -> PeeredDaemons:
+def start_cluster(tmp: Path, nodes: int, secrets: list[str] | None = None,
+                  transport: str = "ucx") -> PeeredDaemons:
     """This module's daemons: a short heartbeat timeout, so that faults show quickly."""
     return PeeredDaemons(tmp, nodes, "--heartbeat-timeout", str(HEARTBEAT),
-                         secrets=secrets or [SECRET] * nodes)
+                         "--peer-transport", transport, secrets=secrets or [SECRET] * nodes)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = start_cluster(tmp_path_factory.mktemp("multinode"), NODES)
+TRANSPORTS = pytest.mark.parametrize("transport", ["ucx", "tcp"])
+
+
+@pytest.fixture(scope="module", params=["ucx", "tcp"])
+def cluster(request, tmp_path_factory):
+    c = start_cluster(tmp_path_factory.mktemp("multinode"), NODES, transport=request.param)
     try:
         yield c
     except BaseException:
@@ -150,9 +155,10 @@ def test_a_killed_daemon_makes_the_others_unavailable(cluster: PeeredDaemons) ->
     _kill_and_check(cluster, "mn-kill")
 
 
-def test_a_frozen_daemon_is_declared_gone_by_heartbeats(tmp_path: Path) -> None:
+@TRANSPORTS
+def test_a_frozen_daemon_is_declared_gone_by_heartbeats(tmp_path: Path, transport: str) -> None:
     """SIGSTOP: no TCP reset, no UCX error — only the heartbeats can tell."""
-    cluster = start_cluster(tmp_path, NODES)
+    cluster = start_cluster(tmp_path, NODES, transport=transport)
     try:
         _freeze_and_check(cluster)
     finally:
@@ -179,11 +185,12 @@ def _freeze_and_check(cluster: PeeredDaemons) -> None:
     assert "sent no heartbeat" in cluster.log(0) + cluster.log(1)
 
 
-def test_recovery_after_a_killed_daemon_returns(tmp_path: Path) -> None:
-    """Kill node 1 mid-collective, restart it: the survivors rebuild their mesh on the UCX
-    runtime they keep for life (same worker, listener and port), and the next collective
-    of all six ranks succeeds."""
-    c = start_cluster(tmp_path, NODES)
+@TRANSPORTS
+def test_recovery_after_a_killed_daemon_returns(tmp_path: Path, transport: str) -> None:
+    """Kill node 1 mid-collective, restart it: the survivors rebuild their mesh on the
+    runtime they keep for life (same listener and port; UCX: same worker), and the next
+    collective of all six ranks succeeds."""
+    c = start_cluster(tmp_path, NODES, transport=transport)
     try:
         _kill_and_check(c, "rec-kill")
         victim = c.daemons[1]

@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from lpsync.errors import ConfigError, InvalidArgumentError, UnauthenticatedError, UnavailableError
+from lpsync.errors import InvalidArgumentError, UnavailableError
 from lpsync.transport.addresses import PeerAddress
 from lpsync.transport.auth import authenticate_client_socket, authenticate_server_socket
 from lpsync.transport.mesh import GOODBYE, InFlight, MeshEndpoint, MeshOptions, Request, bytes_view
@@ -98,47 +98,14 @@ class TcpEndpoint(MeshEndpoint):
     """One participant's sockets to every other; build with ``TcpEndpoint.connect``."""
 
     def __init__(self, options: MeshOptions) -> None:
-        if not 0 <= options.rank < len(options.peers):
-            raise ConfigError(f"rank {options.rank} is not an index into {len(options.peers)} peers")
         super().__init__(options)
         self._conns: dict[int, _Conn] = {}
-        self._handshakes: list[threading.Thread] = []
         self._runtime: TcpRuntime | None = None
-        self._owns_runtime = False
 
     # -- setup ---------------------------------------------------------------------------
 
-    @classmethod
-    def connect(cls, options: MeshOptions, runtime: TcpRuntime | None = None) -> TcpEndpoint:
-        """Dial the lower ranks, accept the higher ones, authenticate all. Without
-        ``runtime`` the endpoint listens on its entry's port itself and stops with its
-        close. Raises CollectiveTimeoutError naming the missing ranks, UnauthenticatedError
-        on a refusal."""
-        endpoint = cls(options)
-        try:
-            endpoint._start(runtime)
-        except BaseException:
-            endpoint.close()
-            raise
-        return endpoint
-
-    def _start(self, runtime: TcpRuntime | None) -> None:
-        deadline = time.monotonic() + self.options.connect_timeout
-        if runtime is None:
-            runtime = TcpRuntime(self.options.peers[self.rank].port)
-            self._owns_runtime = True
-        if not runtime.alive:
-            raise UnavailableError("the TCP runtime is closed")
-        self._runtime = runtime
-        runtime.set_acceptor(self._on_accept)
-        try:
-            self._form(deadline, self._alive, lambda: len(self._conns))
-        finally:
-            runtime.set_acceptor(None)
-            self._join_handshakes(deadline)
-
-    def _alive(self) -> bool:
-        return self._runtime is not None and self._runtime.alive
+    def _own_runtime(self) -> TcpRuntime:
+        return TcpRuntime(self.options.peers[self.rank].port)
 
     def _connect(self, peer: int, host: str, port: int, remaining: float, deadline: float) -> None:
         timeout = min(remaining, self.options.handshake_timeout)
@@ -151,24 +118,12 @@ class TcpEndpoint(MeshEndpoint):
             sock.close()
             raise
 
-    def _on_accept(self, sock: socket.socket) -> None:
-        # On the runtime's accept thread: authenticate on a thread of its own.
-        thread = threading.Thread(target=self._accept, args=(sock,), daemon=True,
-                                  name=f"lpsync-tcp-accept-r{self.rank}")
-        with self._lock:
-            self._handshakes.append(thread)
-        thread.start()
-
     def _accept(self, sock: socket.socket) -> None:
         try:
             result = authenticate_server_socket(sock, self.options.secret, self.rank,
                                                 self.options.handshake_timeout, admit=self._admit)
         except Exception as error:
-            if not isinstance(error, UnauthenticatedError):
-                log.warning("rank %d: refused a connection at :%d: it left authentication "
-                            "unfinished (%s: %s); a peer with another secret does that",
-                            self.rank, self.options.peers[self.rank].port,
-                            type(error).__name__, error)
+            self._unfinished(error)
             sock.close()
             return
         self._register(result.peer_rank, sock)
@@ -192,12 +147,6 @@ class TcpEndpoint(MeshEndpoint):
         conn.reader.start()
         conn.writer.start()
         log.debug("rank %d: connected to rank %d at %s", self.rank, rank, conn.address)
-
-    def _join_handshakes(self, deadline: float) -> None:
-        with self._lock:
-            threads, self._handshakes = self._handshakes, []
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()) + self.options.handshake_timeout)
 
     # -- the connection threads ------------------------------------------------------------
 

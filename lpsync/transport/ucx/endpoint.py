@@ -19,14 +19,13 @@ still in flight is never lost to an early close.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from lpsync.errors import ConfigError, UnauthenticatedError, UnavailableError
+from lpsync.errors import UnavailableError
 from lpsync.transport.addresses import PeerAddress
 from lpsync.transport.auth import Recv, Send, client_handshake, server_handshake
 from lpsync.transport.mesh import (
@@ -109,49 +108,16 @@ class UcxEndpoint(MeshEndpoint):
     options: UcxOptions
 
     def __init__(self, options: UcxOptions) -> None:
-        if not 0 <= options.rank < len(options.peers):
-            raise ConfigError(f"rank {options.rank} is not an index into {len(options.peers)} peers")
         super().__init__(options)
         self._conns: dict[int, _Conn] = {}
-        self._handshakes: list[threading.Thread] = []
         self._runtime: UcxRuntime | None = None
-        self._owns_runtime = False
 
     # -- setup ---------------------------------------------------------------------------
 
-    @classmethod
-    def connect(cls, options: UcxOptions, runtime: UcxRuntime | None = None) -> UcxEndpoint:
-        """Dial the lower ranks, accept the higher ones, authenticate all. Without
-        ``runtime`` the endpoint makes its own (listening on its entry's port) and closes
-        it with itself. Raises CollectiveTimeoutError naming the missing ranks,
-        UnauthenticatedError on a refusal."""
-        endpoint = cls(options)
-        try:
-            endpoint._start(runtime)
-        except BaseException:
-            endpoint.close()
-            raise
-        return endpoint
-
-    def _start(self, runtime: UcxRuntime | None) -> None:
-        opts = self.options
-        deadline = time.monotonic() + opts.connect_timeout
-        if runtime is None:
-            runtime = UcxRuntime(RuntimeOptions(opts.peers[self.rank].port, opts.tls,
-                                                opts.ucx_config, opts.connect_timeout))
-            self._owns_runtime = True
-        if not runtime.alive:
-            raise UnavailableError("the UCX runtime is closed")
-        self._runtime = runtime
-        runtime.set_acceptor(self._on_accept)
-        try:
-            self._form(deadline, self._alive, lambda: len(self._conns))
-        finally:
-            runtime.set_acceptor(None)
-            self._join_handshakes(deadline)
-
-    def _alive(self) -> bool:
-        return self._runtime is not None and self._runtime.alive
+    def _own_runtime(self) -> UcxRuntime:
+        o = self.options
+        return UcxRuntime(RuntimeOptions(o.peers[self.rank].port, o.tls, o.ucx_config,
+                                         o.connect_timeout))
 
     def _connect(self, peer: int, host: str, port: int, remaining: float, deadline: float) -> None:
         # UCX gives up on a port nobody listens on only after its whole connect timeout;
@@ -185,15 +151,9 @@ class UcxEndpoint(MeshEndpoint):
                 lambda done: done.exception() is None and self._close_ep(done.result()))
             raise
 
-    def _on_accept(self, ucx: Any) -> None:
-        # On the progress thread: box the endpoint here (see _Ep) and authenticate on a
-        # thread of its own (it waits for messages).
-        ep = _Ep(ucx)
-        thread = threading.Thread(target=self._accept, args=(ep,), daemon=True,
-                                  name=f"lpsync-ucx-accept-r{self.rank}")
-        with self._lock:
-            self._handshakes.append(thread)
-        thread.start()
+    def _on_accept(self, connection: Any) -> None:
+        # On the progress thread: box the endpoint here (see _Ep).
+        super()._on_accept(_Ep(connection))
 
     def _accept(self, ep: _Ep) -> None:
         send, recv = self._stream_io(ep, time.monotonic() + self.options.handshake_timeout)
@@ -202,12 +162,7 @@ class UcxEndpoint(MeshEndpoint):
             result = server_handshake(send, recv, self.options.secret, self.rank, where=where,
                                       admit=self._admit)
         except Exception as error:
-            if not isinstance(error, UnauthenticatedError):
-                # A peer holding another secret rejects our proof and hangs up here.
-                log.warning("rank %d: refused a connection at :%d: it left authentication "
-                            "unfinished (%s: %s); a peer with another secret does that",
-                            self.rank, self.options.peers[self.rank].port,
-                            type(error).__name__, error)
+            self._unfinished(error)
             self._close_ep(ep)
             return
         self._register(result.peer_rank, ep, result.session)
@@ -259,12 +214,6 @@ class UcxEndpoint(MeshEndpoint):
                                       progress.api.UCXXTag(conn.tag(GOODBYE))),
             bye, on_done=lambda request: self._on_goodbye(conn, request))
         log.debug("rank %d: connected to rank %d at %s", self.rank, rank, conn.address)
-
-    def _join_handshakes(self, deadline: float) -> None:
-        with self._lock:
-            threads, self._handshakes = self._handshakes, []
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()) + self.options.handshake_timeout)
 
     # -- peers leaving -------------------------------------------------------------------
 
