@@ -70,6 +70,18 @@ def lp_chunks(participants: int, nbytes: int, link: LinkModel,
     return int(min(most, max(1, round(k))))
 
 
+RING_SLICE_BYTES = 512 * 1024  # a ring allreduce slice: about an LP chunk's size
+RING_MAX_SLICES = 32
+
+
+def ring_slices(participants: int, nbytes: int) -> int:
+    """Slices per block of a ring allreduce: blocks of about RING_SLICE_BYTES, so that the
+    reduction of one overlaps the transfer of the next (the alpha-beta model has no term
+    for that overlap; the learning tuner times half and twice this count)."""
+    block = nbytes // max(1, participants)
+    return int(min(RING_MAX_SLICES, max(1, block // RING_SLICE_BYTES)))
+
+
 def _scatter(p: int, n: float, link: LinkModel) -> float:
     return ceil_log2(p) * link.alpha + (p - 1) / p * n * link.beta
 

@@ -51,6 +51,49 @@ def ring_allgather(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray, st
     return max(p - 1, 0)
 
 
+def ring_allreduce(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray,
+                   slices: int) -> None:
+    """Ring allreduce in OUT (reduce-scatter, then allgather), each block cut into
+    ``slices``. A position forwards a slice as soon as it has it (reduced, or received),
+    so the reduction of one slice overlaps the transfer of the next and no step waits for
+    a whole block; with one slice it is ring_reduce_scatter + ring_allgather. Phase t
+    (0 .. 2P-3) moves, on every link, the block that ring_reduce_scatter (t < P-1) or
+    ring_allgather (t >= P-1) moves in its step; slice j of it is step t * slices + j."""
+    p = len(ranks)
+    v = np.arange(p)
+    right, left = ranks[(v + 1) % p], ranks[(v - 1) % p]
+    phases = 2 * (p - 1)
+
+    def piece(block: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray]:
+        lo, size = bounds[block], bounds[block + 1] - bounds[block]
+        return lo + size * j // slices, lo + size * (j + 1) // slices
+
+    def send(t: int, j: int) -> None:
+        s = t if t < p - 1 else t - (p - 1)
+        block = (v - s - 1) % p if t < p - 1 else (v - s) % p
+        lo, hi = piece(block, j)
+        b.send(t * slices + j, ranks, right, Buf.IN if t == 0 else Buf.OUT, lo, hi)
+
+    def receive(t: int, j: int) -> None:
+        s = t if t < p - 1 else t - (p - 1)
+        block = (v - s - 2) % p if t < p - 1 else (v - s - 1) % p
+        lo, hi = piece(block, j)
+        if t < p - 1:
+            b.recv_reduce(t * slices + j, ranks, left, Buf.OUT, lo, hi, Buf.IN, lo,
+                          final=t == p - 2)
+        else:
+            b.recv(t * slices + j, ranks, left, Buf.OUT, lo, hi)
+
+    for j in range(slices):
+        send(0, j)
+    for t in range(1, phases):
+        for j in range(slices):  # what phase t-1 brought in goes out in phase t
+            receive(t - 1, j)
+            send(t, j)
+    for j in range(slices):
+        receive(phases - 1, j)
+
+
 def halving_reduce_scatter(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray,
                            step0: int, work: np.ndarray, final_buf: np.ndarray,
                            final_lo: np.ndarray) -> int:

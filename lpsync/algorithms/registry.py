@@ -31,9 +31,10 @@ ALGORITHMS: dict[str, Algorithm] = {
                   "large messages; cost flat in P",
                   True, {C.BROADCAST: lp.broadcast_lp, C.REDUCE: lp.reduce_lp,
                          C.ALLREDUCE: lp.allreduce_lp}),
-        Algorithm("ring", "ring reduce-scatter and allgather (NCCL, Gloo, Horovod)",
+        Algorithm("ring", "ring reduce-scatter and allgather (NCCL, Gloo, Horovod); "
+                  "allreduce's blocks cut into k slices",
                   "large allreduce with one NIC per node",
-                  False, {C.ALLREDUCE: ring.allreduce_ring,
+                  True, {C.ALLREDUCE: ring.allreduce_ring,
                           C.REDUCE_SCATTER: ring.reduce_scatter_ring,
                           C.ALLGATHER: ring.allgather_ring}),
         Algorithm("mst", "binomial tree (minimum spanning tree), whole message per round",

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from lpsync.algorithms.patterns import ring_allgather, ring_reduce_scatter
+from lpsync.algorithms.patterns import ring_allgather, ring_allreduce, ring_reduce_scatter
 from lpsync.algorithms.schedule import Buf, Schedule, ScheduleBuilder, split
 from lpsync.types import Collective
 
 
 def allreduce_ring(participants: int, count: int, root: int = 0, chunks: int = 1) -> Schedule:
+    """``chunks`` slices per block (at most the smallest block's elements): each slice
+    moves on as soon as it is reduced, overlapping reduction with transfer."""
     p = participants
     b = ScheduleBuilder(Collective.ALLREDUCE, "ring", p, count)
     ranks, bounds = np.arange(p), split(count, p)
-    steps = ring_reduce_scatter(b, ranks, bounds, 0, np.full(p, Buf.OUT), np.full(p, Buf.OUT),
-                                bounds[:-1])
-    ring_allgather(b, ranks, bounds, steps, Buf.OUT)
+    slices = max(1, min(chunks, int(np.diff(bounds).min())))
+    ring_allreduce(b, ranks, bounds, slices)
     return b.build()
 
 

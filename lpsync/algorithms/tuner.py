@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from lpsync.algorithms.cost import DEFAULT_MIN_CHUNK_BYTES, LinkModel, closed_form, lp_chunks
+from lpsync.algorithms.cost import (
+    DEFAULT_MIN_CHUNK_BYTES,
+    LinkModel,
+    closed_form,
+    lp_chunks,
+    ring_slices,
+)
 from lpsync.algorithms.registry import ALGORITHMS, algorithms_for
 from lpsync.errors import InvalidArgumentError
 from lpsync.types import Collective
@@ -22,6 +28,8 @@ def chunks_for(algorithm: str, participants: int, nbytes: int, link: LinkModel,
                min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES, op: Collective | None = None) -> int:
     if not ALGORITHMS[algorithm].pipelined:
         return 1
+    if algorithm == "ring":
+        return ring_slices(participants, nbytes)
     return lp_chunks(participants, nbytes, link, min_chunk_bytes, op)
 
 

@@ -24,6 +24,7 @@ from lpsync.algorithms import (
     simulate,
 )
 from lpsync.algorithms.cost import DEFAULT_MIN_CHUNK_BYTES, algbw, busbw_factor
+from lpsync.algorithms.tuner import chunks_for
 from lpsync.errors import InvalidArgumentError
 from lpsync.report import write_json_lines, write_table
 from lpsync.types import Collective, dtype_of, parse_collective
@@ -68,7 +69,8 @@ def _choose_chunks(mode: str, schedule_args: dict[str, Any], itemsize: int, link
                    nbytes: int, min_chunk: int) -> int:
     p = schedule_args["participants"]
     if mode == "auto":
-        return lp_chunks(p, nbytes, link, min_chunk, schedule_args["op"])
+        return chunks_for(schedule_args["algorithm"], p, nbytes, link, min_chunk,
+                          schedule_args["op"])
     if mode != "search":
         try:
             k = int(mode)
