@@ -20,7 +20,7 @@ import pytest
 from test_cluster import needs_netns, prefix
 
 from lpsync.bench.cluster import ClusterOptions
-from lpsync.bench.cluster_report import STAGES, Point, emit, scaling, table
+from lpsync.bench.cluster_report import STAGES, Point, emit, key, label, scaling, table
 from lpsync.bench.cluster_worker import measure
 from lpsync.bench.cpu import CpuMeter, cpu_seconds
 from lpsync.cli import main
@@ -46,6 +46,7 @@ KEYS = {"op", "algorithm", "nodes", "bytes", "seconds", "wire_seconds"}
     (["--bytes", "lots"], "cannot read 'lots'"),
     (["--procs", "4"], "--procs-per-node"),
     (["--prefix", "Bad-Name"], "--prefix"),
+    (["--peer-transport", "quic"], "unknown peer transport 'quic'"),
 ])
 def test_bad_cluster_arguments(flags: list[str], message: str,
                                capsys: pytest.CaptureFixture[str]) -> None:
@@ -92,6 +93,15 @@ def test_report_has_the_wire_limit_and_ratios() -> None:
     assert "x wire" in text and f"{wire * 1e6:.1f}" in text
     assert "1.93x be" in text  # lp's time against be's at 8 nodes
     assert any("2 nodes 0.5600 s, 8 nodes 0.7500 s (1.34x)" in line for line in scaling(points))
+
+
+def test_points_of_another_transport_are_labelled_and_kept_apart() -> None:
+    ucx, tcp = (Point("broadcast", "lp", "lp", 8, 1, 10**9, 64 << 20, 16 << 20, [t])
+                for t in (0.70, 0.63))
+    tcp.transport = "tcp"
+    assert label(ucx) == "lp" and label(tcp) == "lp@tcp" and key(ucx) != key(tcp)
+    assert tcp.to_json()["transport"] == "tcp"
+    assert "0.90x lp@tcp" in table([ucx, tcp])  # lp@tcp against lp (ucx), one block
 
 
 def _record(sequence: int, **stages: float) -> dict:
@@ -266,6 +276,30 @@ def test_three_node_cluster_bench_end_to_end() -> None:
         assert 0 < fixed["daemon_seconds"] <= fixed["seconds"] + 1e-3  # reply before record
     pids = _daemon_pids(done.stderr)
     assert len(pids) == 3
+    assert _leftovers(name, pids) == []
+
+
+@needs_netns
+def test_both_peer_transports_in_one_run() -> None:
+    """--peer-transport ucx,tcp: every lpsync point on each transport, each on a fresh
+    cluster, results checked against numpy in the workers; gloo once."""
+    pytest.importorskip("ucxx")
+    pytest.importorskip("torch")
+    name = prefix("tr")
+    done = subprocess.run(
+        [sys.executable, "-m", "lpsync.cli", "bench", "--cluster", "--nodes", "2", "--link",
+         "1gbit", "--op", "allreduce", "--algorithm", "ring,auto", "--bytes", "4,1MiB",
+         "--iters", "2", "--peer-transport", "ucx,tcp", "--compare", "gloo", "--prefix", name,
+         "--json"], capture_output=True, text=True, timeout=150, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    points = [json.loads(line) for line in done.stdout.splitlines()]
+    got = sorted((p["transport"], p["algorithm"], p["bytes"]) for p in points)
+    want = [(t, a, n) for t in ("ucx", "tcp") for a in ("ring", "auto") for n in (4, 1 << 20)]
+    assert got == sorted([*want, ("ucx", "gloo", 4), ("ucx", "gloo", 1 << 20)])
+    assert all(p["wrong"] == 0 for p in points), points
+    assert "peer transport tcp" in done.stderr
+    pids = _daemon_pids(done.stderr)
+    assert len(pids) == 4  # two clusters of two
     assert _leftovers(name, pids) == []
 
 
