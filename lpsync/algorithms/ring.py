@@ -13,10 +13,10 @@ def allreduce_ring(participants: int, count: int, root: int = 0, chunks: int = 1
     """``chunks`` slices per block (at most the smallest block's elements): each slice
     moves on as soon as it is reduced, overlapping reduction with transfer."""
     p = participants
-    b = ScheduleBuilder(Collective.ALLREDUCE, "ring", p, count)
-    ranks, bounds = np.arange(p), split(count, p)
+    bounds = split(count, p)
     slices = max(1, min(chunks, int(np.diff(bounds).min())))
-    ring_allreduce(b, ranks, bounds, slices)
+    b = ScheduleBuilder(Collective.ALLREDUCE, "ring", p, count, root, slices)
+    ring_allreduce(b, np.arange(p), bounds, slices)
     return b.build()
 
 
