@@ -212,7 +212,10 @@ def test_down_removes_a_half_made_cluster(tmp_path: Path) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_interrupted_user_still_tears_down(sig: signal.Signals, tmp_path: Path) -> None:
     name = prefix("sig")
-    code = ("import sys, time\n"
+    # A shell's background job inherits SIGINT ignored, and Python then raises no
+    # KeyboardInterrupt: the child takes Ctrl-C as a user's terminal would deliver it.
+    code = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "from pathlib import Path\n"
             "from lpsync.cluster import Cluster\n"
             f"with Cluster(2, {RATE}, prefix={name!r}, state_dir=Path({str(tmp_path)!r})) as c:\n"

@@ -136,7 +136,7 @@ def test_each_probe_pair_has_connect_timeout_of_its_own(monkeypatch: pytest.Monk
     plane = SimpleNamespace(rank=0, size=5, _metrics=SimpleNamespace(peer_link_bw=gauge),
                             options=SimpleNamespace(connect_timeout=0.5,
                                                     peers=SimpleNamespace(peers=list(range(5)))))
-    link = SimpleNamespace(ucx=None)
+    link = SimpleNamespace(mesh=None)
     model = peer_plane.PeerPlane._probe(plane, link, [1, 2, 3, 4])  # 4 rounds: 1 s in all
     assert model.alpha == pytest.approx(1e-4)
     pair_seconds = 0.6  # one pair slower than connect_timeout

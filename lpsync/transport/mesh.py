@@ -54,12 +54,11 @@ class MeshOptions:
 class Request:
     """One send or receive in flight; ``event`` is set once it finished."""
 
-    __slots__ = ("_event", "done", "error", "keep", "nbytes", "on_done", "ucx")
+    __slots__ = ("_event", "done", "error", "keep", "on_done", "ucx")
 
     def __init__(self) -> None:
         self.ucx: Any = None  # the UCX backend's own request
         self.keep: Any = None  # the buffer being read or written: alive until the request ends
-        self.nbytes = 0  # a receive: the bytes that landed
         self.done = False
         self.error: BaseException | None = None
         self.on_done: Callable[[Request], None] | None = None

@@ -172,7 +172,6 @@ class TcpEndpoint(MeshEndpoint):
                         break
                     request.finish(InvalidArgumentError("message larger than its receive"))
                 elif _read_exactly(conn.sock, memoryview(request.keep)[:nbytes]):
-                    request.nbytes = nbytes
                     request.finish(None)
                 else:
                     break
@@ -325,7 +324,6 @@ def _deliver(request: Request, data: np.ndarray) -> None:
         request.finish(InvalidArgumentError("message larger than its receive"))
         return
     out[:data.nbytes] = data
-    request.nbytes = data.nbytes
     request.finish(None)
 
 
