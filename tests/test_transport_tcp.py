@@ -6,6 +6,7 @@ secrets, rebuilds) is in test_peer_transports.py."""
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from ports import free_ports
 
-from lpsync.errors import InvalidArgumentError
+from lpsync.errors import InvalidArgumentError, UnavailableError
 from lpsync.transport.addresses import PeerAddress
 from lpsync.transport.mesh import MeshOptions
 from lpsync.transport.tcp import TcpEndpoint
@@ -117,3 +118,13 @@ def test_a_shorter_message_lands_and_a_longer_one_is_refused_without_breaking() 
         nine = np.zeros(5, np.uint8)
         b.recv_into(0, 3, nine, deadline)
         assert (nine == 9).all() and a.error is None and b.error is None
+
+
+def test_a_header_announcing_more_than_memory_breaks_the_endpoint_cleanly() -> None:
+    """A peer's bug, not a crash: the reader reports the peer gone instead of dying."""
+    with pair() as (a, b):
+        a._conns[1].sock.sendall(struct.pack("<QQ", 7, 1 << 62))
+        time.sleep(0.5)  # read before any receive is posted: it cannot be kept
+        with pytest.raises(UnavailableError, match="rank 0"):
+            b.recv_into(0, 7, np.zeros(8, np.uint8), time.monotonic() + 10)
+        assert b.error is not None

@@ -177,6 +177,9 @@ class TcpEndpoint(MeshEndpoint):
                     break
         except OSError as error:
             log.debug("rank %d: reading from rank %d: %s", self.rank, conn.rank, error)
+        except Exception as error:  # e.g. a header announcing more bytes than memory holds
+            log.warning("rank %d: unreadable message from rank %d: %s: %s", self.rank,
+                        conn.rank, type(error).__name__, error)
         if not conn.departed:
             self._peer_gone(conn.rank, conn.address)
         conn.stop()
@@ -190,13 +193,11 @@ class TcpEndpoint(MeshEndpoint):
     def _keep(self, conn: _Conn, tag: int, data: np.ndarray) -> None:
         """A message that came before its receive: hand it to a receive posted while it
         was being read, else keep it for the next post_recv of its tag."""
-        request = conn.take_posted(tag)
-        if request is None:
-            with conn.lock:
-                request = conn.take_posted_locked(tag)
-                if request is None:
-                    conn.unexpected.setdefault(tag, collections.deque()).append(data)
-                    return
+        with conn.lock:
+            request = conn.take_posted_locked(tag)
+            if request is None:
+                conn.unexpected.setdefault(tag, collections.deque()).append(data)
+                return
         _deliver(request, data)
 
     def _write(self, conn: _Conn) -> None:
