@@ -104,8 +104,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                               "`lpsync cluster down --prefix P` removes a leftover")
     cluster.add_argument("--peer-transport", metavar="T,...",
                          help="the daemons' transport between nodes: ucx (default), tcp, or "
-                              "ucx,tcp to run every lpsync point on each in turn, on the same "
-                              "emulated cluster (tcp points are labelled @tcp)")
+                              "ucx,tcp to run every lpsync point on each in turn, each on a "
+                              "fresh emulated cluster (tcp points are labelled @tcp)")
     cluster.add_argument("--logs", metavar="DIR",
                          help="keep the daemons' and ranks' logs in DIR/<N>nodes/ (default: "
                               "removed; the tail of a failed process's log is printed)")
