@@ -184,7 +184,8 @@ class PeerPlane:
                                       if i != self.rank)
                     raise UnavailableError(
                         f"node {self.rank}: the peer daemons ({peers}) are not all connected; "
-                        "is every daemon of --peers running with the same secret?")
+                        "is every daemon of --peers running, with the same secret and "
+                        f"--peer-transport ({self.options.transport} here)?")
                 self._changed.wait(remaining)
 
     def stop(self) -> None:

@@ -122,9 +122,10 @@ class PeeredDaemons:
     """``nodes`` daemons on loopback joined by the peer plane (--peers, a shared
     secret unless ``secrets`` gives one per node), each started with ``extra`` flags."""
 
-    def __init__(self, tmp: Path, nodes: int, *extra: str, secrets: list[str] | None = None
-                 ) -> None:
+    def __init__(self, tmp: Path, nodes: int, *extra: str, secrets: list[str] | None = None,
+                 per_node: list[tuple[str, ...]] | None = None) -> None:
         self.tmp, self.nodes, self.extra = tmp, nodes, extra
+        self.per_node = per_node or [()] * nodes  # more flags, node by node
         self.peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(nodes))
         self.secrets = secrets or ["harness-cluster-secret"] * nodes
         self.daemons: list[DaemonProcess | None] = [None] * nodes
@@ -136,6 +137,7 @@ class PeeredDaemons:
         where.mkdir(exist_ok=True)
         self.daemons[node] = DaemonProcess(
             where, "--peers", self.peers, "--node-rank", str(node), *self.extra,
+            *self.per_node[node],
             env={"LPSYNC_SECRET": self.secrets[node]})
         return self.daemons[node]
 

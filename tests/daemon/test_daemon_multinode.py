@@ -232,6 +232,27 @@ def test_a_peer_with_another_secret_is_refused(tmp_path: Path) -> None:
         c.stop()
 
 
+def test_daemons_on_different_transports_refuse_each_other_and_keep_serving(
+        tmp_path: Path) -> None:
+    """A misconfigured cluster (one daemon on UCX, one on TCP): no mesh, each side logs
+    why, nobody crashes, both stop cleanly."""
+    c = PeeredDaemons(tmp_path, 2, "--heartbeat-timeout", str(HEARTBEAT),
+                      secrets=[SECRET] * 2,
+                      per_node=[("--peer-transport", "tcp"), ("--peer-transport", "ucx")])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "another protocol" not in c.log(0):
+            time.sleep(0.2)
+        # The TCP listener refuses the UCX dialler's wire-up; the dialler retries.
+        assert "another protocol" in c.log(0), c.log(0)[-3000:]
+        assert "peer mesh up" not in c.log(0) + c.log(1)
+        assert all(d is not None and d.proc.poll() is None for d in c.daemons)
+    except BaseException:
+        c.stop()
+        raise
+    assert not (unclean := c.stop()), "\n".join(unclean)
+
+
 def test_a_deeper_agreement_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Five nodes, one rank each, a binomial agreement tree (node 3 under 2, node 4's
     subtree folded last): small collectives fold their data at every hop and come back
