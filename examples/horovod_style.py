@@ -27,8 +27,8 @@ for step in range(200):
     x = torch.randn(32, 20, generator=g)
     loss = nn.functional.mse_loss(model(x).squeeze(1), x @ true_w)
     optimizer.zero_grad()
-    loss.backward()         # each bucket is averaged as soon as its gradients are ready
-    optimizer.step()        # waits for the buckets, then Adam's step
+    loss.backward()  # each bucket is averaged as soon as its gradients are ready
+    optimizer.step()  # waits for the buckets, then Adam's step
     if step % 50 == 49:
         average = lpt.allreduce(loss.detach(), op="avg")
         if rank == 0:

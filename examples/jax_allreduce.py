@@ -22,6 +22,7 @@ params = {"w": jnp.zeros(8), "b": jnp.zeros(())}
 def grads_of(params, x, y):
     def loss(p):
         return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
     return jax.value_and_grad(loss)(params)
 
 
@@ -36,8 +37,9 @@ for step in range(300):
         print(f"step {step + 1}: loss {float(loss):.5f}", flush=True)
 
 total = lpj.allreduce(params, op="sum")
-same = jax.tree_util.tree_map(lambda s, p: bool(jnp.allclose(s, p * int(os.environ["WORLD_SIZE"]))),
-                              total, params)
+same = jax.tree_util.tree_map(
+    lambda s, p: bool(jnp.allclose(s, p * int(os.environ["WORLD_SIZE"]))), total, params
+)
 assert all(jax.tree_util.tree_leaves(same)), "ranks diverged"
 if rank == 0:
     print(f"w = {params['w'].round(3)}, b = {float(params['b']):.3f}")

@@ -70,11 +70,11 @@ def timed_hook(backend: str, clock: CommClock):
     if backend == "lpsync":
         import lpsync_client.torch as lpt
 
-        hook, state = lpt.allreduce_hook, lpt.hook_state()   # attaches from the environment
+        hook, state = lpt.allreduce_hook, lpt.hook_state()  # attaches from the environment
     else:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        hook, state = default_hooks.allreduce_hook, None      # what DDP does without a hook
+        hook, state = default_hooks.allreduce_hook, None  # what DDP does without a hook
 
     def timed(_, bucket):  # no annotations: DDP checks them against its own types
         started = time.perf_counter()
@@ -90,13 +90,18 @@ def timed_hook(backend: str, clock: CommClock):
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", choices=["lpsync", "gloo"], default="lpsync",
-                   help="who averages the gradients (the process group is gloo either way)")
+    p.add_argument(
+        "--backend",
+        choices=["lpsync", "gloo"],
+        default="lpsync",
+        help="who averages the gradients (the process group is gloo either way)",
+    )
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch", type=int, default=16, help="samples per rank and step")
     p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--single", action="store_true",
-                   help="one process training on the combined batch of --world ranks")
+    p.add_argument(
+        "--single", action="store_true", help="one process training on the combined batch of --world ranks"
+    )
     p.add_argument("--world", type=int, default=1, help="with --single: the ranks to imitate")
     p.add_argument("--save", help="write the final parameters here (.npy)")
     p.add_argument("--report", help="write the per-epoch figures here (JSON, rank 0)")
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(epoch))
         losses, steps, comms = [], [], []
         for start in range(0, len(order) - per_step + 1, per_step):
-            rows = order[start:start + per_step][mine]
+            rows = order[start : start + per_step][mine]
             began = time.perf_counter()
             comm_before = clock.seconds
             optimizer.zero_grad()
@@ -144,22 +149,32 @@ def main(argv: list[str] | None = None) -> None:
             mean_loss = total.item() / world
         with torch.no_grad():
             accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()
-        row = {"epoch": epoch + 1, "loss": mean_loss, "accuracy": accuracy,
-               "step_ms": 1e3 * statistics.median(steps), "comm_ms": 1e3 * statistics.median(comms),
-               "steps": len(steps)}
+        row = {
+            "epoch": epoch + 1,
+            "loss": mean_loss,
+            "accuracy": accuracy,
+            "step_ms": 1e3 * statistics.median(steps),
+            "comm_ms": 1e3 * statistics.median(comms),
+            "steps": len(steps),
+        }
         epochs.append(row)
         if rank == 0:
             tag = "single" if args.single else f"{args.backend} x{world}"
-            print(f"[{tag}] epoch {row['epoch']}: loss {row['loss']:.4f}  accuracy "
-                  f"{100 * accuracy:5.1f}%  step {row['step_ms']:6.2f} ms  "
-                  f"comm {row['comm_ms']:6.2f} ms  ({len(steps)} steps)", flush=True)
+            print(
+                f"[{tag}] epoch {row['epoch']}: loss {row['loss']:.4f}  accuracy "
+                f"{100 * accuracy:5.1f}%  step {row['step_ms']:6.2f} ms  "
+                f"comm {row['comm_ms']:6.2f} ms  ({len(steps)} steps)",
+                flush=True,
+            )
     if rank == 0:
         if args.save:
             np.save(args.save, torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
         if args.report:
             with open(args.report, "w") as f:
-                json.dump({"backend": "single" if args.single else args.backend, "world": world,
-                           "epochs": epochs}, f)
+                json.dump(
+                    {"backend": "single" if args.single else args.backend, "world": world, "epochs": epochs},
+                    f,
+                )
     if not args.single:
         dist.barrier()
         dist.destroy_process_group()

@@ -17,8 +17,8 @@ COMMANDS = ("daemon", "status", "health", "bench", "simulate", "claims", "cluste
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lpsync",
-        description="Linear Pipelining collectives: simulator, benchmarks and the node daemon.")
+        prog="lpsync", description="Linear Pipelining collectives: simulator, benchmarks and the node daemon."
+    )
     parser.add_argument("--version", action="version", version=f"lpsync {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:

@@ -83,7 +83,6 @@ class ResourceExhaustedError(LpsyncError):
     code = "RESOURCE_EXHAUSTED"
 
 
-
 class UnimplementedError(LpsyncError):
     """A request this build cannot serve yet (another device kind, several nodes)."""
 

@@ -44,9 +44,7 @@ def dtype_of(name: str) -> np.dtype:
     try:
         return DTYPES[name]
     except KeyError:
-        raise InvalidArgumentError(
-            f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}"
-        ) from None
+        raise InvalidArgumentError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}") from None
 
 
 def dtype_name(dtype: np.dtype) -> str:

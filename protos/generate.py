@@ -28,8 +28,14 @@ def generate(out: Path) -> list[Path]:
 
     tmp = out / "_raw"
     tmp.mkdir(parents=True, exist_ok=True)
-    args = ["protoc", f"-I{PROTOS}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-            f"--grpc_python_out={tmp}", *FILES]
+    args = [
+        "protoc",
+        f"-I{PROTOS}",
+        f"--python_out={tmp}",
+        f"--pyi_out={tmp}",
+        f"--grpc_python_out={tmp}",
+        *FILES,
+    ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     written = []

@@ -18,7 +18,8 @@ C = Collective
 
 # Every (op, algorithm) the registry offers, as pytest ids "op-algorithm".
 OPS_ALGS: list[tuple[Collective, str]] = [
-    (op, name) for name, algo in ALGORITHMS.items() for op in algo.generators]
+    (op, name) for name, algo in ALGORITHMS.items() for op in algo.generators
+]
 OPS_ALGS_IDS = [f"{op}-{name}" for op, name in OPS_ALGS]
 
 # World sizes: 1, every small size (primes and non-powers of two included), 16 and 17.
@@ -45,12 +46,14 @@ def out_elements(op: Collective, p: int, count: int) -> int:
     return count * p if op is C.ALLGATHER else count
 
 
-FLOAT_DTYPES = frozenset(n for n, d in DTYPES.items()
-                         if d == np.dtype(ml_dtypes.bfloat16) or np.issubdtype(d, np.floating))
+FLOAT_DTYPES = frozenset(
+    n for n, d in DTYPES.items() if d == np.dtype(ml_dtypes.bfloat16) or np.issubdtype(d, np.floating)
+)
 
 
-def make_inputs(op: Collective, p: int, count: int, dtype: np.dtype, reduce_op: ReduceOp,
-                rng: np.random.Generator) -> list[np.ndarray]:
+def make_inputs(
+    op: Collective, p: int, count: int, dtype: np.dtype, reduce_op: ReduceOp, rng: np.random.Generator
+) -> list[np.ndarray]:
     """Every rank's own input (IN-sized), distinct per rank.
 
     Integers span the whole range of the type (sums and products wrap); floats lie in
@@ -83,8 +86,17 @@ def every_case(world: int, count: int, root: int, seed: int) -> list[tuple]:
             for reduce_op in reduce_ops:
                 for in_place in (False, True):
                     inputs = make_inputs(op, world, count, DTYPES[dtype], reduce_op, rng)
-                    cases.append((op.value, dtype, reduce_op.value, in_place, op_root, count,
-                                  [x.tobytes() for x in inputs]))
+                    cases.append(
+                        (
+                            op.value,
+                            dtype,
+                            reduce_op.value,
+                            in_place,
+                            op_root,
+                            count,
+                            [x.tobytes() for x in inputs],
+                        )
+                    )
     return cases
 
 
@@ -109,8 +121,9 @@ class Expected:
     tol: np.ndarray | None = None
 
 
-def reference(op: Collective, reduce_op: ReduceOp, inputs: Sequence[np.ndarray], root: int,
-              count: int) -> list[Expected]:
+def reference(
+    op: Collective, reduce_op: ReduceOp, inputs: Sequence[np.ndarray], root: int, count: int
+) -> list[Expected]:
     """The numpy reference for every rank's OUT.
 
     Integer reductions and data movement are exact; float sums, products and averages
@@ -144,8 +157,7 @@ def reference(op: Collective, reduce_op: ReduceOp, inputs: Sequence[np.ndarray],
     if op is C.REDUCE_SCATTER:
         return [Expected(total[r], None if tol is None else tol[r]) for r in range(p)]
     if op is C.REDUCE:
-        return [Expected(total if r == root else None, tol if r == root else None)
-                for r in range(p)]
+        return [Expected(total if r == root else None, tol if r == root else None) for r in range(p)]
     return [Expected(total, tol) for _ in range(p)]
 
 
@@ -156,16 +168,20 @@ def assert_matches(got: np.ndarray, want: Expected, what: str) -> None:
     if want.tol is None:
         assert got.dtype == want.value.dtype
         width = got.dtype.itemsize
-        differ = (got.view(np.uint8).reshape(-1, width)
-                  != want.value.view(np.uint8).reshape(-1, width)).any(axis=1)
+        differ = (got.view(np.uint8).reshape(-1, width) != want.value.view(np.uint8).reshape(-1, width)).any(
+            axis=1
+        )
         bad = np.flatnonzero(differ)
-        assert bad.size == 0, (f"{what}: {bad.size} wrong elements, first {bad[0]}: "
-                               f"{got[bad[0]]} vs {want.value[bad[0]]}")
+        assert bad.size == 0, (
+            f"{what}: {bad.size} wrong elements, first {bad[0]}: {got[bad[0]]} vs {want.value[bad[0]]}"
+        )
     else:
         err = np.abs(got.astype(np.float64) - want.value)
         bad = np.flatnonzero(~(err <= want.tol))
-        assert bad.size == 0, (f"{what}: {bad.size} elements off, first {bad[0]}: "
-                               f"{got[bad[0]]} vs {want.value[bad[0]]} (tol {want.tol[bad[0]]})")
+        assert bad.size == 0, (
+            f"{what}: {bad.size} elements off, first {bad[0]}: "
+            f"{got[bad[0]]} vs {want.value[bad[0]]} (tol {want.tol[bad[0]]})"
+        )
 
 
 def bits(a: np.ndarray) -> bytes:
@@ -179,18 +195,23 @@ class Outcome:
     buffers: list[np.ndarray]  # in place: the one buffer of each rank, after
 
 
-def in_place_buffer(op: Collective, rank: int, p: int, count: int,
-                    data: np.ndarray) -> np.ndarray:
+def in_place_buffer(op: Collective, rank: int, p: int, count: int, data: np.ndarray) -> np.ndarray:
     """The one buffer a rank passes in place, holding its input where layout() wants it."""
     if op is C.ALLGATHER:
         buf = np.zeros(p * count, data.dtype)
-        buf[rank * count:(rank + 1) * count] = data
+        buf[rank * count : (rank + 1) * count] = data
         return buf
     return data.copy()
 
 
-def run_collective(schedule: Schedule, inputs: Sequence[np.ndarray], reduce_op: ReduceOp,
-                   in_place: bool = False, runs: int = 1, timeout: float = 30.0) -> list[Outcome]:
+def run_collective(
+    schedule: Schedule,
+    inputs: Sequence[np.ndarray],
+    reduce_op: ReduceOp,
+    in_place: bool = False,
+    runs: int = 1,
+    timeout: float = 30.0,
+) -> list[Outcome]:
     """Run ``schedule`` over the ranks' ``inputs`` with LocalGroup, ``runs`` times on the
     same plans (in place, the buffers are refilled with the inputs before each run)."""
     op, p, count = schedule.op, schedule.participants, schedule.count
@@ -207,10 +228,14 @@ def run_collective(schedule: Schedule, inputs: Sequence[np.ndarray], reduce_op: 
             if in_place:
                 for d, orig in zip(datas, pristine, strict=True):
                     d[...] = orig
-            for _, out in ([] if in_place else pairs):
+            for _, out in [] if in_place else pairs:
                 out.fill(0)
             group.run(timeout)
-            outcomes.append(Outcome([out.copy() for _, out in pairs],
-                                    [inp.copy() for inp, _ in pairs],
-                                    [d.copy() for d in datas]))
+            outcomes.append(
+                Outcome(
+                    [out.copy() for _, out in pairs],
+                    [inp.copy() for inp, _ in pairs],
+                    [d.copy() for d in datas],
+                )
+            )
     return outcomes

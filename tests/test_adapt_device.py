@@ -68,8 +68,7 @@ def test_dispatch_follows_the_array_and_the_daemon(emu, daemon):
 
 def test_registrations_are_cached_per_span_and_results_match_numpy(emu):
     rng = np.random.default_rng(2)
-    values = [[rng.standard_normal(300).astype(np.float32), rng.integers(-9, 9, 77)]
-              for _ in range(2)]
+    values = [[rng.standard_normal(300).astype(np.float32), rng.integers(-9, 9, 77)] for _ in range(2)]
 
     def body(client, r):
         alloc = emulated.Allocation(1 << 16, device=r)

@@ -10,7 +10,10 @@ from lpsync.transport.addresses import PeerAddress, parse_address, parse_peers
 
 def test_parse_peers_in_rank_order() -> None:
     assert parse_peers("a:1, 10.0.0.2:13337,[fe80::1]:9") == [
-        PeerAddress("a", 1), PeerAddress("10.0.0.2", 13337), PeerAddress("fe80::1", 9)]
+        PeerAddress("a", 1),
+        PeerAddress("10.0.0.2", 13337),
+        PeerAddress("fe80::1", 9),
+    ]
     assert str(PeerAddress("fe80::1", 9)) == "[fe80::1]:9"
 
 

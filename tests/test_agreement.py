@@ -44,7 +44,7 @@ def test_frame_round_trips_header_and_payload() -> None:
     payload = np.arange(7, dtype=np.float64)
     message = encode({"summaries": [{"node": 3}]}, payload)
     buf = np.zeros(message.nbytes + 100, np.uint8)  # a receive buffer larger than the message
-    buf[:message.nbytes] = message
+    buf[: message.nbytes] = message
     header, data = decode(buf)
     assert header == {"summaries": [{"node": 3}]}
     np.testing.assert_array_equal(data.view(np.float64), payload)
@@ -59,10 +59,22 @@ def test_a_frame_longer_than_its_buffer_is_refused() -> None:
 
 
 def _summary(node: int, **spec) -> dict:
-    base = {"op": "allreduce", "dtype": "float32", "count": 4, "root": 0, "reduce_op": "sum",
-            "algorithm": "", "name": ""}
-    return {"node": node, "ranks": [2 * node, 2 * node + 1], "spec": {**base, **spec},
-            "alpha": 1e-4 * (node + 1), "beta": 1e-8 / (node + 1)}
+    base = {
+        "op": "allreduce",
+        "dtype": "float32",
+        "count": 4,
+        "root": 0,
+        "reduce_op": "sum",
+        "algorithm": "",
+        "name": "",
+    }
+    return {
+        "node": node,
+        "ranks": [2 * node, 2 * node + 1],
+        "spec": {**base, **spec},
+        "alpha": 1e-4 * (node + 1),
+        "beta": 1e-8 / (node + 1),
+    }
 
 
 def test_judge_takes_the_slowest_link_when_all_agree() -> None:
@@ -79,7 +91,10 @@ def test_judge_names_fields_nodes_and_ranks_of_a_mismatch() -> None:
 
 
 def test_judge_reports_the_lowest_failed_node() -> None:
-    failed = [_summary(0), {"node": 2, "ranks": [4, 5], "error": ["ABORTED", "two"]},
-              {"node": 1, "ranks": [2, 3], "error": ["DEADLINE_EXCEEDED", "one"]}]
+    failed = [
+        _summary(0),
+        {"node": 2, "ranks": [4, 5], "error": ["ABORTED", "two"]},
+        {"node": 1, "ranks": [2, 3], "error": ["DEADLINE_EXCEEDED", "one"]},
+    ]
     code, message = judge(failed, 1, "j")["error"]
     assert code == "DEADLINE_EXCEEDED" and message.endswith("one")

@@ -33,8 +33,7 @@ def dial(port: int, secret: bytes, rank: int, queue: Any, garbage: bool = False)
                 queue.put(("reset", str(error)))
             return
         try:
-            result = auth.authenticate_client_socket(sock, secret, rank, timeout=5,
-                                                     expect_rank=0)
+            result = auth.authenticate_client_socket(sock, secret, rank, timeout=5, expect_rank=0)
             queue.put(("ok", result.peer_rank))
         except UnauthenticatedError as error:
             queue.put(("refused", str(error)))
@@ -124,7 +123,7 @@ def test_proofs_are_bound_to_the_connection() -> None:
 def test_reflected_server_proof_is_not_a_client_proof() -> None:
     client, srv = auth.ClientHandshake(SECRET, 1), auth.ServerHandshake(SECRET, 0)
     challenge = srv.on_hello(client.hello())
-    server_mac = challenge[-auth.MAC_BYTES:]
+    server_mac = challenge[-auth.MAC_BYTES :]
     assert srv.on_proof(server_mac)[1] is None
 
 

@@ -72,8 +72,11 @@ def test_matches_brute_force(seed):
         assert chain[0] == first
     if last is not None:
         assert chain[-1] == last
-    best = min(crossings(perm, devices, links) for perm in itertools.permutations(range(p))
-               if (first is None or perm[0] == first) and (last is None or perm[-1] == last))
+    best = min(
+        crossings(perm, devices, links)
+        for perm in itertools.permutations(range(p))
+        if (first is None or perm[0] == first) and (last is None or perm[-1] == last)
+    )
     assert crossings(chain, devices, links) == best
     assert chain_order(devices, links, first, last) == chain  # deterministic
 

@@ -49,6 +49,7 @@ class CountingKind(EmulatedKind):
         def landed() -> None:
             with self.log_lock:
                 self.log.append((direction, dst.nbytes, time.monotonic()))
+
         stream.put(landed)
 
 
@@ -67,10 +68,21 @@ class LoggingEndpoint:
         return getattr(self._inner, name)
 
 
-def run_staged(kind: EmulatedKind, op: Collective, algorithm: str, per_node: tuple[int, ...],
-               count: int, dtype, reduce_op: ReduceOp, in_place: bool, root: int = 0,
-               chunks: int = 4, runs: int = 2, timeout: float = 30.0,
-               absent_node: int | None = None):
+def run_staged(
+    kind: EmulatedKind,
+    op: Collective,
+    algorithm: str,
+    per_node: tuple[int, ...],
+    count: int,
+    dtype,
+    reduce_op: ReduceOp,
+    in_place: bool,
+    root: int = 0,
+    chunks: int = 4,
+    runs: int = 2,
+    timeout: float = 30.0,
+    absent_node: int | None = None,
+):
     p = sum(per_node)
     schedule = generate(op, algorithm, p, count, root, chunks)
     rng = np.random.default_rng(p * 97 + count)
@@ -103,14 +115,13 @@ def run_staged(kind: EmulatedKind, op: Collective, algorithm: str, per_node: tup
         for i, r in enumerate(ranks):
             data, out = mirrors.mirrors[2 * i], mirrors.mirrors[2 * i + 1]
             host = data.typed()
-            buffers.append(layout(op, r, p, count, host, True) if out is None
-                           else (host, out.typed()))
+            buffers.append(layout(op, r, p, count, host, True) if out is None else (host, out.typed()))
         endpoint = LoggingEndpoint(network.endpoint(n), sends)
         try:
             with LocalGroup(schedule, buffers, reduction, placement, endpoint) as group:
                 stagers = []
                 for i, (plan, r) in enumerate(zip(group.plans, ranks, strict=True)):
-                    mine = [m for m in mirrors.mirrors[2 * i:2 * i + 2] if m is not None]
+                    mine = [m for m in mirrors.mirrors[2 * i : 2 * i + 2] if m is not None]
                     write_back = not (op is Collective.REDUCE and r != root)
                     stream = context.stream(spans[r][0].device, i, "stage")
                     plan.hooks = ChunkStager(kind, stream, plan, mine, write_back)
@@ -135,8 +146,7 @@ def run_staged(kind: EmulatedKind, op: Collective, algorithm: str, per_node: tup
         finally:
             mirrors.close()
 
-    threads = [threading.Thread(target=node, args=(n,)) for n in range(len(per_node))
-               if n != absent_node]
+    threads = [threading.Thread(target=node, args=(n,)) for n in range(len(per_node)) if n != absent_node]
     for t in threads:
         t.start()
     for t in threads:
@@ -157,7 +167,7 @@ def _check(op, reduce_op, inputs, results, root, count, in_place, what) -> None:
     for r in range(p):
         got = results[r]
         if in_place and op is Collective.REDUCE_SCATTER:
-            got = got[r * count:(r + 1) * count]
+            got = got[r * count : (r + 1) * count]
         if op is Collective.REDUCE and r != root:
             original = in_place_buffer(op, r, p, count, inputs[r]) if in_place else None
             if original is not None:  # a non-root's buffer of reduce is left as it was
@@ -174,16 +184,29 @@ CASES = [(op, alg) for op, alg in OPS_ALGS if alg in ("lp", "ring", "be")]
 def test_every_op_across_nodes_from_device_spans(op, algorithm, in_place) -> None:
     kind = EmulatedKind(2)
     try:
-        for dtype, reduce_op in ((np.float32, ReduceOp.SUM), (np.int64, ReduceOp.MAX),
-                                 (ml_dtypes.bfloat16, ReduceOp.AVG), (np.float64, ReduceOp.PROD)):
+        for dtype, reduce_op in (
+            (np.float32, ReduceOp.SUM),
+            (np.int64, ReduceOp.MAX),
+            (ml_dtypes.bfloat16, ReduceOp.AVG),
+            (np.float64, ReduceOp.PROD),
+        ):
             if op not in REDUCING and reduce_op is not ReduceOp.SUM:
                 reduce_op = ReduceOp.SUM
             root = 2 if op in (Collective.BROADCAST, Collective.REDUCE) else 0
-            inputs, results, errors, _, _ = run_staged(kind, op, algorithm, (2, 1, 2), 301, dtype,
-                                                       reduce_op, in_place, root=root, chunks=3)
+            inputs, results, errors, _, _ = run_staged(
+                kind, op, algorithm, (2, 1, 2), 301, dtype, reduce_op, in_place, root=root, chunks=3
+            )
             assert errors == [None, None, None]
-            _check(op, reduce_op, inputs, results, root, 301, in_place,
-                   f"{op} {algorithm} {np.dtype(dtype)} {reduce_op}")
+            _check(
+                op,
+                reduce_op,
+                inputs,
+                results,
+                root,
+                301,
+                in_place,
+                f"{op} {algorithm} {np.dtype(dtype)} {reduce_op}",
+            )
     finally:
         kind.close_kind()
 
@@ -196,8 +219,18 @@ def test_chunks_are_copied_once_each_and_overlap_the_sends() -> None:
     kind = CountingKind(2, copy_bandwidth=1 << 20)  # 1 MiB/s: a chunk's copy takes ~30 ms
     try:
         inputs, results, errors, stagers, sends = run_staged(
-            kind, Collective.ALLREDUCE, "lp", (1, 1), count, np.float32, ReduceOp.SUM, False,
-            chunks=chunks, runs=1, timeout=60)
+            kind,
+            Collective.ALLREDUCE,
+            "lp",
+            (1, 1),
+            count,
+            np.float32,
+            ReduceOp.SUM,
+            False,
+            chunks=chunks,
+            runs=1,
+            timeout=60,
+        )
         assert errors == [None, None]
         _check(Collective.ALLREDUCE, ReduceOp.SUM, inputs, results, 0, count, False, "allreduce")
         d2h = [(n, t) for d, n, t in kind.log if d == "d2h"]
@@ -210,8 +243,9 @@ def test_chunks_are_copied_once_each_and_overlap_the_sends() -> None:
         last_d2h = max(t for _, t in d2h)
         assert min(sends) < last_d2h - 0.05, "the first chunk waited for the whole buffer"
         first_h2d = min(t for _, t in h2d)
-        assert first_h2d < last_d2h + 0.2 or first_h2d < max(sends), \
+        assert first_h2d < last_d2h + 0.2 or first_h2d < max(sends), (
             "results went back only after the pipeline ended"
+        )
     finally:
         kind.close_kind()
 
@@ -220,9 +254,19 @@ def test_a_missing_node_times_out_and_the_streams_drain() -> None:
     before = set(threading.enumerate())
     kind = EmulatedKind(2)
     try:
-        _, _, errors, stagers, _ = run_staged(kind, Collective.ALLREDUCE, "lp", (1, 1, 1), 4096,
-                                              np.float32, ReduceOp.SUM, False, runs=1,
-                                              timeout=1.0, absent_node=2)
+        _, _, errors, stagers, _ = run_staged(
+            kind,
+            Collective.ALLREDUCE,
+            "lp",
+            (1, 1, 1),
+            4096,
+            np.float32,
+            ReduceOp.SUM,
+            False,
+            runs=1,
+            timeout=1.0,
+            absent_node=2,
+        )
         assert all(isinstance(e, (CollectiveTimeoutError, AbortedError)) for e in errors[:2])
         assert all(s._waited >= -1 for ss in stagers.values() for s in ss)
     finally:
@@ -267,8 +311,7 @@ def test_mirrors_are_kept_per_buffer_set_and_freed_once_idle() -> None:
     kind = Kind(1)
     span = Span(kind.allocate(0, 64), 0, 16, np.dtype(np.float32))
     cache = GroupCache()
-    made = [cache.mirrors(((i,), (("s", i),)), lambda: HostMirrors(kind, [span, None]))
-            for i in range(9)]
+    made = [cache.mirrors(((i,), (("s", i),)), lambda: HostMirrors(kind, [span, None])) for i in range(9)]
     assert len({m.serial for m in made}) == 9
     assert freed == [64]  # the oldest was evicted
     assert cache.mirrors(((8,), (("s", 8),)), lambda: None) is made[8]  # reused

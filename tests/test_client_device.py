@@ -23,8 +23,7 @@ class _Dlpack:
 
 
 class _FakeCuda:
-    __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (1 << 40, False),
-                                "version": 3}
+    __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (1 << 40, False), "version": 3}
 
 
 def test_what_is_a_device_array():
@@ -41,8 +40,15 @@ def test_what_is_a_device_array():
 def test_emulated_arrays_describe_their_allocation():
     alloc = emulated.Allocation(4096, device=3)
     info = describe(alloc.array(1024, 10, "int32")).info
-    assert (info.kind, info.device, info.allocation_bytes, info.offset, info.nbytes,
-            info.count, info.dtype) == ("emulated", 3, 4096, 1024, 40, 10, "int32")
+    assert (
+        info.kind,
+        info.device,
+        info.allocation_bytes,
+        info.offset,
+        info.nbytes,
+        info.count,
+        info.dtype,
+    ) == ("emulated", 3, 4096, 1024, 40, 10, "int32")
     assert info.handle == alloc.ipc_handle()
     with pytest.raises(lpsync_client.InvalidArgumentError, match="does not fit"):
         alloc.array(4090, 10, "int32")

@@ -67,16 +67,16 @@ def _namespaces_work() -> str | None:
     if os.geteuid() != 0:
         return "needs root for network namespaces"
     probe = f"lpsprobe{os.getpid()}"
-    done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True,
-                          timeout=10, check=False)
+    done = subprocess.run(
+        ["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10, check=False
+    )
     if done.returncode != 0:
         return f"`ip netns add` fails here: {done.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], timeout=10, check=False)
     return None
 
 
-needs_netns = pytest.mark.skipif((reason := _namespaces_work()) is not None,
-                                 reason=reason or "")
+needs_netns = pytest.mark.skipif((reason := _namespaces_work()) is not None, reason=reason or "")
 
 
 def prefix(tag: str) -> str:
@@ -103,15 +103,15 @@ def test_delay_without_netem_fails_before_creating_anything(tmp_path: Path) -> N
 def cluster3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if reason:
         pytest.skip(reason)
-    with Cluster(3, RATE, prefix=prefix("c"),
-                 state_dir=tmp_path_factory.mktemp("state")) as cluster:
+    with Cluster(3, RATE, prefix=prefix("c"), state_dir=tmp_path_factory.mktemp("state")) as cluster:
         yield cluster
     assert existing(cluster.spec.prefix) == []
 
 
 def run_py(cluster: Cluster, node: int, code: str, timeout: float = 20) -> str:
-    proc = cluster.run_in(node, [PY, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, cwd=ROOT)
+    proc = cluster.run_in(
+        node, [PY, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, err
     return out
@@ -119,22 +119,37 @@ def run_py(cluster: Cluster, node: int, code: str, timeout: float = 20) -> str:
 
 @needs_netns
 def test_nodes_reach_each_other_and_nothing_else(cluster3: Cluster) -> None:
-    server = cluster3.run_in(1, [PY, "-c", (
-        "import socket\n"
-        "s = socket.create_server(('0.0.0.0', 7000)); s.settimeout(15); print('ready', flush=True)\n"
-        "for _ in range(2): c, a = s.accept(); c.sendall(a[0].encode()); c.close()\n")],
-        stdout=subprocess.PIPE, text=True)
+    server = cluster3.run_in(
+        1,
+        [
+            PY,
+            "-c",
+            (
+                "import socket\n"
+                "s = socket.create_server(('0.0.0.0', 7000)); s.settimeout(15); print('ready', flush=True)\n"
+                "for _ in range(2): c, a = s.accept(); c.sendall(a[0].encode()); c.close()\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-    connect = ("import socket\n"
-               "print(socket.create_connection(('198.18.0.2', 7000), timeout=5).recv(64).decode())")
+    connect = (
+        "import socket\nprint(socket.create_connection(('198.18.0.2', 7000), timeout=5).recv(64).decode())"
+    )
     assert run_py(cluster3, 0, connect).strip() == "198.18.0.1"
     assert run_py(cluster3, 2, connect).strip() == "198.18.0.3"
     server.wait(10)
     # No default route: anything outside the cluster's /24 is unreachable.
-    out = run_py(cluster3, 0, (
-        "import socket\n"
-        "try: socket.create_connection(('10.0.0.1', 80), timeout=2)\n"
-        "except OSError as e: print(e.errno)\n"))
+    out = run_py(
+        cluster3,
+        0,
+        (
+            "import socket\n"
+            "try: socket.create_connection(('10.0.0.1', 80), timeout=2)\n"
+            "except OSError as e: print(e.errno)\n"
+        ),
+    )
     assert out.strip() == "101"  # ENETUNREACH
     # The host's own namespace gained no address in the range and no link.
     host = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, timeout=10).stdout
@@ -143,11 +158,19 @@ def test_nodes_reach_each_other_and_nothing_else(cluster3: Cluster) -> None:
 
 @needs_netns
 def test_shaped_link_carries_its_rate(cluster3: Cluster) -> None:
-    server = cluster3.run_in(1, [PY, "-m", "lpsync.cluster.throughput", "serve", "--port", "5201"],
-                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    server = cluster3.run_in(
+        1,
+        [PY, "-m", "lpsync.cluster.throughput", "serve", "--port", "5201"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-    sender = cluster3.run_in(0, [PY, "-m", "lpsync.cluster.throughput", "send", "--to",
-                                 "198.18.0.2:5201", "--seconds", "1.5"], cwd=ROOT)
+    sender = cluster3.run_in(
+        0,
+        [PY, "-m", "lpsync.cluster.throughput", "send", "--to", "198.18.0.2:5201", "--seconds", "1.5"],
+        cwd=ROOT,
+    )
     sender.wait(20)
     result = json.loads(server.stdout.readline())
     server.wait(10)
@@ -160,10 +183,17 @@ def test_shaped_link_carries_its_rate(cluster3: Cluster) -> None:
 def test_ucx_endpoint_across_namespaces(cluster3: Cluster) -> None:
     pytest.importorskip("ucxx")
     peers = ",".join(f"{cluster3.address(i)}:13337" for i in range(3))
-    procs = [cluster3.run_in(i, [PY, "tests/ucx_node.py", "--rank", str(i), "--peers", peers,
-                                 "--count", str(1 << 19)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-             for i in range(3)]
+    procs = [
+        cluster3.run_in(
+            i,
+            [PY, "tests/ucx_node.py", "--rank", str(i), "--peers", peers, "--count", str(1 << 19)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for i in range(3)
+    ]
     reports = []
     for proc in procs:
         out, err = proc.communicate(timeout=60)
@@ -181,17 +211,27 @@ def test_cli_up_refuses_twice_and_down_from_another_process() -> None:
     name = prefix("cli")
     lpsync = [PY, "-m", "lpsync.cli", "cluster"]
     try:
-        up = subprocess.run([*lpsync, "up", "--nodes", "2", "--link", "1gbit", "--prefix", name,
-                             "--json"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+        up = subprocess.run(
+            [*lpsync, "up", "--nodes", "2", "--link", "1gbit", "--prefix", name, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=ROOT,
+        )
         assert up.returncode == 0, up.stderr
-        assert [n["address"] for n in json.loads(up.stdout)["nodes_detail"]] == [
-            "198.18.0.1", "198.18.0.2"]
-        again = subprocess.run([*lpsync, "up", "--nodes", "2", "--link", "1gbit", "--prefix", name],
-                               capture_output=True, text=True, timeout=30, cwd=ROOT)
+        assert [n["address"] for n in json.loads(up.stdout)["nodes_detail"]] == ["198.18.0.1", "198.18.0.2"]
+        again = subprocess.run(
+            [*lpsync, "up", "--nodes", "2", "--link", "1gbit", "--prefix", name],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=ROOT,
+        )
         assert again.returncode != 0 and "already exists" in again.stderr
     finally:
-        gone = subprocess.run([*lpsync, "down", "--prefix", name], capture_output=True, text=True,
-                              timeout=30, cwd=ROOT)
+        gone = subprocess.run(
+            [*lpsync, "down", "--prefix", name], capture_output=True, text=True, timeout=30, cwd=ROOT
+        )
     assert gone.returncode == 0, gone.stderr
     assert existing(name) == [] and links_named(name) == []
 
@@ -214,16 +254,19 @@ def test_interrupted_user_still_tears_down(sig: signal.Signals, tmp_path: Path) 
     name = prefix("sig")
     # A shell's background job inherits SIGINT ignored, and Python then raises no
     # KeyboardInterrupt: the child takes Ctrl-C as a user's terminal would deliver it.
-    code = ("import signal, sys, time\n"
-            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-            "from pathlib import Path\n"
-            "from lpsync.cluster import Cluster\n"
-            f"with Cluster(2, {RATE}, prefix={name!r}, state_dir=Path({str(tmp_path)!r})) as c:\n"
-            "    c.run_in(0, ['sleep', '60'])\n"
-            "    print('up', flush=True)\n"
-            "    time.sleep(60)\n")
-    proc = subprocess.Popen([PY, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT)
+    code = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "from pathlib import Path\n"
+        "from lpsync.cluster import Cluster\n"
+        f"with Cluster(2, {RATE}, prefix={name!r}, state_dir=Path({str(tmp_path)!r})) as c:\n"
+        "    c.run_in(0, ['sleep', '60'])\n"
+        "    print('up', flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    proc = subprocess.Popen(
+        [PY, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
         assert len(existing(name)) == 3
@@ -243,10 +286,30 @@ def test_interrupted_user_still_tears_down(sig: signal.Signals, tmp_path: Path) 
 def test_peer_plane_benchmark_smoke() -> None:
     """The benchmark runs end to end on a tiny cluster (its figures are not asserted)."""
     pytest.importorskip("ucxx")
-    done = subprocess.run([PY, "-m", "lpsync.bench.peer_plane", "--nodes", "2", "--link", "1gbit",
-                           "--bytes", "256KiB", "--reps", "1", "--algorithm", "lp,be",
-                           "--prefix", prefix("b"), "--json"],
-                          capture_output=True, text=True, timeout=90, cwd=ROOT)
+    done = subprocess.run(
+        [
+            PY,
+            "-m",
+            "lpsync.bench.peer_plane",
+            "--nodes",
+            "2",
+            "--link",
+            "1gbit",
+            "--bytes",
+            "256KiB",
+            "--reps",
+            "1",
+            "--algorithm",
+            "lp,be",
+            "--prefix",
+            prefix("b"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r["algorithm"] for r in rows] == ["lp", "be"]

@@ -31,25 +31,27 @@ ROOT = Path(__file__).resolve().parent.parent
 KEYS = {"op", "algorithm", "nodes", "bytes", "seconds", "wire_seconds"}
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--nodes", "1"], "2 or more nodes"),
-    (["--nodes", "2,x"], "--nodes must be a comma list"),
-    (["--nodes", "300"], "1..254"),
-    (["--nodes", ""], "--cluster needs --nodes"),
-    (["--link", "fast"], "cannot read link rate"),
-    (["--procs-per-node", "0"], "--procs-per-node must be >= 1"),
-    (["--op", "gather"], "--op gather"),
-    (["--op", "broadcast", "--algorithm", "ring"], "runs none of the ops"),
-    (["--algorithm", "direct"], "runs none of the ops"),
-    (["--iters", "0"], "--iters must be >= 1"),
-    (["--bytes", "2"], "sizes must be >= 4"),
-    (["--bytes", "lots"], "cannot read 'lots'"),
-    (["--procs", "4"], "--procs-per-node"),
-    (["--prefix", "Bad-Name"], "--prefix"),
-    (["--peer-transport", "quic"], "unknown peer transport 'quic'"),
-])
-def test_bad_cluster_arguments(flags: list[str], message: str,
-                               capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--nodes", "1"], "2 or more nodes"),
+        (["--nodes", "2,x"], "--nodes must be a comma list"),
+        (["--nodes", "300"], "1..254"),
+        (["--nodes", ""], "--cluster needs --nodes"),
+        (["--link", "fast"], "cannot read link rate"),
+        (["--procs-per-node", "0"], "--procs-per-node must be >= 1"),
+        (["--op", "gather"], "--op gather"),
+        (["--op", "broadcast", "--algorithm", "ring"], "runs none of the ops"),
+        (["--algorithm", "direct"], "runs none of the ops"),
+        (["--iters", "0"], "--iters must be >= 1"),
+        (["--bytes", "2"], "sizes must be >= 4"),
+        (["--bytes", "lots"], "cannot read 'lots'"),
+        (["--procs", "4"], "--procs-per-node"),
+        (["--prefix", "Bad-Name"], "--prefix"),
+        (["--peer-transport", "quic"], "unknown peer transport 'quic'"),
+    ],
+)
+def test_bad_cluster_arguments(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     base = {"--nodes": "2,8", "--link": "1gbit", "--op": "broadcast", "--bytes": "64MiB"}
     base.update(zip(flags[::2], flags[1::2], strict=True))
     argv = ["bench", "--cluster"]
@@ -66,25 +68,28 @@ def test_cluster_flags_need_cluster(capsys: pytest.CaptureFixture[str]) -> None:
     assert "comma lists need --cluster" in capsys.readouterr().err
 
 
-def test_not_root_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
-                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_not_root_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert main(["bench", "--cluster", "--nodes", "2", "--link", "1gbit"]) == 1
     assert "need root" in capsys.readouterr().err
 
 
 def test_plan_skips_algorithms_an_op_lacks() -> None:
-    options = ClusterOptions((2,), 10**9, ("broadcast", "allreduce"), ("lp", "ring", "auto"),
-                             (1 << 20,), compare="gloo")
-    assert options.plan(2)["algorithms"] == {"broadcast": ["lp", "auto"],
-                                             "allreduce": ["lp", "ring", "auto"]}
+    options = ClusterOptions(
+        (2,), 10**9, ("broadcast", "allreduce"), ("lp", "ring", "auto"), (1 << 20,), compare="gloo"
+    )
+    assert options.plan(2)["algorithms"] == {"broadcast": ["lp", "auto"], "allreduce": ["lp", "ring", "auto"]}
     assert options.skipped() == ["ring has no broadcast"]
     assert options.points_per_cluster() == 2 + 3 + 2  # and one gloo row per op
 
 
 def test_report_has_the_wire_limit_and_ratios() -> None:
-    points = [Point("broadcast", a, a, n, 1, 10**9, 64 << 20, 16 << 20, [t, t * 1.1, t * 0.9])
-              for n, a, t in ((2, "lp", 0.56), (2, "be", 0.6), (8, "lp", 0.75), (8, "be", 1.45))]
+    points = [
+        Point("broadcast", a, a, n, 1, 10**9, 64 << 20, 16 << 20, [t, t * 1.1, t * 0.9])
+        for n, a, t in ((2, "lp", 0.56), (2, "be", 0.6), (8, "lp", 0.75), (8, "be", 1.45))
+    ]
     wire = (64 << 20) / 1.25e8
     assert points[0].seconds == pytest.approx(0.56)
     assert points[0].to_json()["x_wire"] == pytest.approx(0.56 / wire)
@@ -96,8 +101,7 @@ def test_report_has_the_wire_limit_and_ratios() -> None:
 
 
 def test_points_of_another_transport_are_labelled_and_kept_apart() -> None:
-    ucx, tcp = (Point("broadcast", "lp", "lp", 8, 1, 10**9, 64 << 20, 16 << 20, [t])
-                for t in (0.70, 0.63))
+    ucx, tcp = (Point("broadcast", "lp", "lp", 8, 1, 10**9, 64 << 20, 16 << 20, [t]) for t in (0.70, 0.63))
     tcp.transport = "tcp"
     assert label(ucx) == "lp" and label(tcp) == "lp@tcp" and key(ucx) != key(tcp)
     assert tcp.to_json()["transport"] == "tcp"
@@ -110,13 +114,16 @@ def _record(sequence: int, **stages: float) -> dict:
 
 def test_cpu_per_gb_and_the_fixed_cost_of_the_median_iteration() -> None:
     # 3 iterations; node 1's daemon took longest in each. The median iteration is #2.
-    records = {0: [_record(7, arriving=0.0, queued=1e-5, agreeing=2e-4, running=3e-4)] * 3,
-               1: [_record(7, arriving=0.0, queued=2e-5, agreeing=3e-4, running=5e-4),
-                   _record(9, arriving=1e-5, queued=2e-5, agreeing=4e-4, running=9e-4),
-                   _record(11, arriving=0.0, queued=3e-5, agreeing=5e-4, running=6e-4)]}
+    records = {
+        0: [_record(7, arriving=0.0, queued=1e-5, agreeing=2e-4, running=3e-4)] * 3,
+        1: [
+            _record(7, arriving=0.0, queued=2e-5, agreeing=3e-4, running=5e-4),
+            _record(9, arriving=1e-5, queued=2e-5, agreeing=4e-4, running=9e-4),
+            _record(11, arriving=0.0, queued=3e-5, agreeing=5e-4, running=6e-4),
+        ],
+    }
     cpu = {"rank": 0.05, "daemon": 0.03, "rank_barriers": 0.01, "daemon_barriers": 0.01}
-    p = Point("broadcast", "lp", "lp", 2, 1, 10**9, 1 << 20, 1 << 18, [1.5e-3, 2e-3, 1.8e-3],
-              0, cpu, records)
+    p = Point("broadcast", "lp", "lp", 2, 1, 10**9, 1 << 20, 1 << 18, [1.5e-3, 2e-3, 1.8e-3], 0, cpu, records)
     assert p.cpu_seconds() == pytest.approx(0.06)
     assert p.cpu_per_gb() == pytest.approx(0.06 / (3 * (1 << 20) / 1e9))
     fixed = p.fixed_cost()
@@ -126,8 +133,9 @@ def test_cpu_per_gb_and_the_fixed_cost_of_the_median_iteration() -> None:
     assert fixed.daemon == pytest.approx(sum(fixed.stages.values()))
     assert fixed.client == pytest.approx(1.8e-3 - fixed.daemon)
     # Over all iterations, each stage's median in the daemon that took longest.
-    assert fixed.medians == pytest.approx({"arriving": 0.0, "queued": 2e-5, "agreeing": 4e-4,
-                                           "running": 6e-4})
+    assert fixed.medians == pytest.approx(
+        {"arriving": 0.0, "queued": 2e-5, "agreeing": 4e-4, "running": 6e-4}
+    )
     assert fixed.summary() == "arriving 0, queued 30, agreeing 500, running 600, client 670 us"
     row = p.to_json()
     assert row["cpu_s_per_gb"] == pytest.approx(p.cpu_per_gb())
@@ -135,11 +143,25 @@ def test_cpu_per_gb_and_the_fixed_cost_of_the_median_iteration() -> None:
     text = table([p])
     assert f"{p.cpu_per_gb():.4g}" in text and "(s/GB)" in text
     assert "fixed cost of the median iteration" in text
-    assert re.search(r"1048576 +lp +1 \| +1800\.0 \| +0\.0 +30\.0 +500\.0 +600\.0 \| +670\.0",
-                     text), text
+    assert re.search(r"1048576 +lp +1 \| +1800\.0 \| +0\.0 +30\.0 +500\.0 +600\.0 \| +670\.0", text), text
     # A missing record (or gloo, which has none) gives no fixed cost rather than a wrong one.
-    assert Point("broadcast", "lp", "lp", 2, 1, 10**9, 4, 1, [1.0, 2.0], 0, cpu,
-                 {0: records[0][:2], 1: records[1][:1]}).fixed_cost() is None
+    assert (
+        Point(
+            "broadcast",
+            "lp",
+            "lp",
+            2,
+            1,
+            10**9,
+            4,
+            1,
+            [1.0, 2.0],
+            0,
+            cpu,
+            {0: records[0][:2], 1: records[1][:1]},
+        ).fixed_cost()
+        is None
+    )
     # The barriers alone cost more than the loop (tiny messages, noise): 0, never negative.
     noisy = dict(cpu, rank_barriers=0.2)
     assert Point("allreduce", "lp", "lp", 2, 1, 10**9, 4, 1, [1.0], 0, noisy).cpu_seconds() == 0
@@ -162,8 +184,9 @@ def test_flat_in_p_column_against_the_fewest_nodes(capsys: pytest.CaptureFixture
     row = json.loads(capsys.readouterr().out)
     assert row["vs_nodes"] == 2 and row["x_vs_nodes"] == pytest.approx(1.1)
     lines = scaling([point(2, 2.8), point(4, 2.94), point(16, 3.08)])
-    assert lines == ["# reduce lp 64MiB: 2 nodes 2.8000 s, 4 nodes 2.9400 s (1.05x), "
-                     "16 nodes 3.0800 s (1.10x)"]
+    assert lines == [
+        "# reduce lp 64MiB: 2 nodes 2.8000 s, 4 nodes 2.9400 s (1.05x), 16 nodes 3.0800 s (1.10x)"
+    ]
 
 
 def _burn(seconds: float) -> None:
@@ -184,10 +207,13 @@ def test_measure_counts_the_calls_cpu_apart_from_the_barriers() -> None:
 
 
 def test_cpu_meter_reads_another_process_and_fails_once_it_is_gone() -> None:
-    code = "import time\ne = time.process_time() + 0.3\nwhile time.process_time() < e: pass\n" \
-           "print(time.process_time(), flush=True)\ninput()"
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    code = (
+        "import time\ne = time.process_time() + 0.3\nwhile time.process_time() < e: pass\n"
+        "print(time.process_time(), flush=True)\ninput()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout is not None and child.stdin is not None
         own = float(child.stdout.readline())  # what the child counted itself
@@ -222,8 +248,11 @@ def _leftovers(name: str, daemon_pids: list[int]) -> list[str]:
 
 
 def _daemon_pids(stderr: str) -> list[int]:
-    return [int(p) for group in re.findall(r"daemons serving \(pids ([0-9, ]+)\)", stderr)
-            for p in group.split(", ")]
+    return [
+        int(p)
+        for group in re.findall(r"daemons serving \(pids ([0-9, ]+)\)", stderr)
+        for p in group.split(", ")
+    ]
 
 
 @needs_netns
@@ -232,15 +261,45 @@ def test_three_node_cluster_bench_end_to_end() -> None:
     pytest.importorskip("torch")
     name = prefix("cb")
     done = subprocess.run(
-        [sys.executable, "-m", "lpsync.cli", "bench", "--cluster", "--nodes", "3", "--link",
-         "1gbit", "--procs-per-node", "2", "--op", "broadcast,reduce,allreduce",
-         "--algorithm", "lp,be,ring,auto", "--bytes", "256KiB,100004", "--iters", "2",
-         "--compare", "gloo", "--prefix", name, "--json"],
-        capture_output=True, text=True, timeout=150, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "lpsync.cli",
+            "bench",
+            "--cluster",
+            "--nodes",
+            "3",
+            "--link",
+            "1gbit",
+            "--procs-per-node",
+            "2",
+            "--op",
+            "broadcast,reduce,allreduce",
+            "--algorithm",
+            "lp,be,ring,auto",
+            "--bytes",
+            "256KiB,100004",
+            "--iters",
+            "2",
+            "--compare",
+            "gloo",
+            "--prefix",
+            name,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     points = [json.loads(line) for line in done.stdout.splitlines()]
-    expected = {(op, a, n) for op in ("broadcast", "reduce", "allreduce")
-                for a in ("lp", "be", "auto", "gloo") for n in (262144, 100004)}
+    expected = {
+        (op, a, n)
+        for op in ("broadcast", "reduce", "allreduce")
+        for a in ("lp", "be", "auto", "gloo")
+        for n in (262144, 100004)
+    }
     expected |= {("allreduce", "ring", n) for n in (262144, 100004)}
     assert {(p["op"], p["algorithm"], p["bytes"]) for p in points} == expected
     assert "skipped: ring has no broadcast" in done.stderr
@@ -250,8 +309,9 @@ def test_three_node_cluster_bench_end_to_end() -> None:
         assert p["nodes"] == 3 and p["ranks"] == 6 and p["iterations"] == 2
         assert 0 < p["seconds"] < 30 and p["wire_seconds"] == pytest.approx(p["bytes"] / 1.25e8)
         # The daemon ran what was forced; auto reports the tuner's pick.
-        assert p["ran"] == p["algorithm"] or (p["algorithm"] == "auto"
-                                              and p["ran"] in ("lp", "ring", "be", "mst"))
+        assert p["ran"] == p["algorithm"] or (
+            p["algorithm"] == "auto" and p["ran"] in ("lp", "ring", "be", "mst")
+        )
         # CPU: every rank's, and for lpsync every daemon's; at most what 2 iterations' wall
         # time on every core could hold (+ the barriers' own time, generously). lpsync's
         # calls cost clearly more than its barriers; gloo's 100 KB broadcast can cost less
@@ -287,10 +347,37 @@ def test_both_peer_transports_in_one_run() -> None:
     pytest.importorskip("torch")
     name = prefix("tr")
     done = subprocess.run(
-        [sys.executable, "-m", "lpsync.cli", "bench", "--cluster", "--nodes", "2", "--link",
-         "1gbit", "--op", "allreduce", "--algorithm", "ring,auto", "--bytes", "4,1MiB",
-         "--iters", "2", "--peer-transport", "ucx,tcp", "--compare", "gloo", "--prefix", name,
-         "--json"], capture_output=True, text=True, timeout=150, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "lpsync.cli",
+            "bench",
+            "--cluster",
+            "--nodes",
+            "2",
+            "--link",
+            "1gbit",
+            "--op",
+            "allreduce",
+            "--algorithm",
+            "ring,auto",
+            "--bytes",
+            "4,1MiB",
+            "--iters",
+            "2",
+            "--peer-transport",
+            "ucx,tcp",
+            "--compare",
+            "gloo",
+            "--prefix",
+            name,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     points = [json.loads(line) for line in done.stdout.splitlines()]
     got = sorted((p["transport"], p["algorithm"], p["bytes"]) for p in points)
@@ -307,10 +394,32 @@ def _interrupt_a_long_run(name: str, act) -> tuple[int, str, str]:
     """Start a 2-node run that would take minutes, ``act()`` once its ranks are started;
     the exit code, the stderr up to then and after."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lpsync.cli", "bench", "--cluster", "--nodes", "2", "--link",
-         "1gbit", "--op", "allreduce", "--algorithm", "lp", "--bytes", "64MiB",
-         "--iters", "1000", "--prefix", name],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "lpsync.cli",
+            "bench",
+            "--cluster",
+            "--nodes",
+            "2",
+            "--link",
+            "1gbit",
+            "--op",
+            "allreduce",
+            "--algorithm",
+            "lp",
+            "--bytes",
+            "64MiB",
+            "--iters",
+            "1000",
+            "--prefix",
+            name,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     lines = []
     try:
         assert proc.stderr is not None

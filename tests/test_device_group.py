@@ -54,13 +54,22 @@ def host_context():
 def _span(kind, device: int, data: np.ndarray, keep: list) -> Span:
     memory = kind.allocate(device, max(data.nbytes, 1))
     keep.append(memory)
-    memory.array[:data.nbytes] = data.view(np.uint8)
+    memory.array[: data.nbytes] = data.view(np.uint8)
     return Span(memory, 0, data.size, data.dtype)
 
 
-def run_on_devices(ctx: DeviceContext, op: C, algorithm: str, inputs: list[np.ndarray],
-                   devices: list[int], reduce_op: ReduceOp, root: int, chunks: int,
-                   in_place: bool, runs: int = 1) -> list[np.ndarray]:
+def run_on_devices(
+    ctx: DeviceContext,
+    op: C,
+    algorithm: str,
+    inputs: list[np.ndarray],
+    devices: list[int],
+    reduce_op: ReduceOp,
+    root: int,
+    chunks: int,
+    in_place: bool,
+    runs: int = 1,
+) -> list[np.ndarray]:
     p, kind = len(inputs), ctx.kind
     count = inputs[0].size // (p if op is C.REDUCE_SCATTER else 1)
     keep: list = []
@@ -71,8 +80,9 @@ def run_on_devices(ctx: DeviceContext, op: C, algorithm: str, inputs: list[np.nd
             pairs.append(layout(op, r, p, count, data, True))  # type: ignore[arg-type]
         else:
             size = count * p if op is C.ALLGATHER else count
-            pairs.append((_span(kind, devices[r], x, keep),
-                          _span(kind, devices[r], np.zeros(size, x.dtype), keep)))
+            pairs.append(
+                (_span(kind, devices[r], x, keep), _span(kind, devices[r], np.zeros(size, x.dtype), keep))
+            )
     schedule = generate(op, algorithm, p, count, root, chunks)
     reduction = Reduction(reduce_op, inputs[0].dtype, p) if op in REDUCING else None
     with DeviceGroup(ctx, schedule, pairs, reduction) as group:
@@ -99,10 +109,19 @@ def test_every_schedule_on_devices(context, op, algorithm, p, where, in_place):
     reduce_op = ReduceOp.SUM
     for root in roots_for(op, p):
         inputs = make_inputs(op, p, 37, np.dtype(np.float32), reduce_op, rng)
-        outs = run_on_devices(context, op, algorithm, inputs, LAYOUTS[where][:p], reduce_op,
-                              root, 3, in_place, runs=1 if in_place else 2)
-        for r, (got, want) in enumerate(zip(outs, reference(op, reduce_op, inputs, root, 37),
-                                            strict=True)):
+        outs = run_on_devices(
+            context,
+            op,
+            algorithm,
+            inputs,
+            LAYOUTS[where][:p],
+            reduce_op,
+            root,
+            3,
+            in_place,
+            runs=1 if in_place else 2,
+        )
+        for r, (got, want) in enumerate(zip(outs, reference(op, reduce_op, inputs, root, 37), strict=True)):
             if op is C.REDUCE and in_place and r != root:
                 continue
             assert_matches(got, want, f"{op}/{algorithm} p={p} rank {r}")
@@ -113,10 +132,10 @@ def test_every_schedule_on_devices(context, op, algorithm, p, where, in_place):
 def test_every_dtype_and_reduce_op(context, dtype, reduce_op):
     rng = np.random.default_rng(3)
     inputs = make_inputs(C.ALLREDUCE, 4, 101, DTYPES[dtype], reduce_op, rng)
-    outs = run_on_devices(context, C.ALLREDUCE, "lp", inputs, [0, 1, 2, 3], reduce_op, 0, 4,
-                          False)
-    for r, (got, want) in enumerate(zip(outs, reference(C.ALLREDUCE, reduce_op, inputs, 0, 101),
-                                        strict=True)):
+    outs = run_on_devices(context, C.ALLREDUCE, "lp", inputs, [0, 1, 2, 3], reduce_op, 0, 4, False)
+    for r, (got, want) in enumerate(
+        zip(outs, reference(C.ALLREDUCE, reduce_op, inputs, 0, 101), strict=True)
+    ):
         assert_matches(got, want, f"{dtype} {reduce_op} rank {r}")
     assert len({o.tobytes() for o in outs}) == 1  # bitwise identical everywhere
 
@@ -151,10 +170,10 @@ def test_the_host_kind_runs_the_same_plans(host_context, op, algorithm, in_place
     rng = np.random.default_rng(2)
     for root in roots_for(op, 4):
         inputs = make_inputs(op, 4, 29, np.dtype(np.int32), ReduceOp.MAX, rng)
-        outs = run_on_devices(host_context, op, algorithm, inputs, [0] * 4, ReduceOp.MAX, root,
-                              3, in_place)
-        for r, (got, want) in enumerate(zip(outs, reference(op, ReduceOp.MAX, inputs, root, 29),
-                                            strict=True)):
+        outs = run_on_devices(host_context, op, algorithm, inputs, [0] * 4, ReduceOp.MAX, root, 3, in_place)
+        for r, (got, want) in enumerate(
+            zip(outs, reference(op, ReduceOp.MAX, inputs, root, 29), strict=True)
+        ):
             if op is C.REDUCE and in_place and r != root:
                 continue
             assert_matches(got, want, f"host {op}/{algorithm} rank {r}")

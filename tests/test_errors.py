@@ -26,16 +26,18 @@ from lpsync.transport.inproc import InprocFabric
 from lpsync.types import ReduceOp
 
 
-def plans_for(op: C, algorithm: str, p: int, count: int, ranks: list[int],
-              root: int = 0) -> list[Plan]:
+def plans_for(op: C, algorithm: str, p: int, count: int, ranks: list[int], root: int = 0) -> list[Plan]:
     s = generate(op, algorithm, p, count, root, 4)
     reduction = Reduction(ReduceOp.SUM, np.dtype(np.float32), p)
-    return [Plan(s, r, layout(op, r, p, count, np.ones(s.in_elements(), np.float32), False),
-                 reduction) for r in ranks]
+    return [
+        Plan(s, r, layout(op, r, p, count, np.ones(s.in_elements(), np.float32), False), reduction)
+        for r in ranks
+    ]
 
 
-def run_in_threads(plans: list[Plan], fabric: InprocFabric,
-                   timeout: float) -> tuple[dict[int, BaseException | None], dict[int, float]]:
+def run_in_threads(
+    plans: list[Plan], fabric: InprocFabric, timeout: float
+) -> tuple[dict[int, BaseException | None], dict[int, float]]:
     """Run each plan in a thread of its own; each rank's exception (or None) and when it
     ended, in seconds from the start."""
     errors: dict[int, BaseException | None] = {}
@@ -67,8 +69,7 @@ CASES = [(op, name) for name, algo in ALGORITHMS.items() for op in algo.generato
 def test_a_missing_participant_times_out(op: C, algorithm: str) -> None:
     p, missing, timeout = 4, 2, 0.5
     present = [r for r in range(p) if r != missing]
-    errors, ended = run_in_threads(plans_for(op, algorithm, p, 64, present), InprocFabric(p),
-                                   timeout)
+    errors, ended = run_in_threads(plans_for(op, algorithm, p, 64, present), InprocFabric(p), timeout)
     # Everyone who depends on the missing rank fails with the timeout type, in time.
     failed = {r: e for r, e in errors.items() if e is not None}
     assert failed, "nobody noticed the missing participant"
@@ -87,8 +88,7 @@ def test_every_timeout_names_the_peer_it_waited_for() -> None:
     # LP broadcast from 0 over 0 -> 1 -> 2 -> 3, rank 2 missing: rank 1's send to 2 is
     # never consumed, rank 3's receive from 2 never arrives.
     p, missing = 4, 2
-    errors, _ = run_in_threads(plans_for(C.BROADCAST, "lp", p, 64, [0, 1, 3]),
-                               InprocFabric(p), 0.3)
+    errors, _ = run_in_threads(plans_for(C.BROADCAST, "lp", p, 64, [0, 1, 3]), InprocFabric(p), 0.3)
     assert isinstance(errors[1], CollectiveTimeoutError)
     for r in (1, 3):
         assert f"rank {missing}" in str(errors[r]), (r, str(errors[r]))
@@ -153,8 +153,7 @@ def test_local_group_close_leaves_no_threads() -> None:
     before = set(threading.enumerate())
     p, count = 9, 100
     s = generate(C.ALLREDUCE, "lp", p, count, 0, 4)
-    pairs = [layout(C.ALLREDUCE, r, p, count, np.ones(count, np.float64), False)
-             for r in range(p)]
+    pairs = [layout(C.ALLREDUCE, r, p, count, np.ones(count, np.float64), False) for r in range(p)]
     group = LocalGroup(s, pairs, Reduction(ReduceOp.SUM, np.dtype(np.float64), p))
     group.run(10.0)
     group.run(10.0)
@@ -163,21 +162,31 @@ def test_local_group_close_leaves_no_threads() -> None:
     assert set(threading.enumerate()) <= before
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"algorithm": "nope"}, "unknown algorithm"),
-    ({"algorithm": "ring", "op": C.BROADCAST}, "has no"),
-    ({"algorithm": "lp", "op": C.ALLGATHER}, "has no"),
-    ({"participants": 0}, "participants"),
-    ({"participants": -3}, "participants"),
-    ({"root": -1}, "root"),
-    ({"root": 4}, "root"),
-    ({"count": -1}, "count"),
-    ({"chunks": 0}, "chunks"),
-    ({"chunks": -2, "algorithm": "mst"}, "chunks"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"algorithm": "nope"}, "unknown algorithm"),
+        ({"algorithm": "ring", "op": C.BROADCAST}, "has no"),
+        ({"algorithm": "lp", "op": C.ALLGATHER}, "has no"),
+        ({"participants": 0}, "participants"),
+        ({"participants": -3}, "participants"),
+        ({"root": -1}, "root"),
+        ({"root": 4}, "root"),
+        ({"count": -1}, "count"),
+        ({"chunks": 0}, "chunks"),
+        ({"chunks": -2, "algorithm": "mst"}, "chunks"),
+    ],
+)
 def test_generate_rejects_bad_arguments(kwargs: dict, match: str) -> None:
-    args = {"op": C.BROADCAST, "algorithm": "lp", "participants": 4, "count": 10, "root": 0,
-            "chunks": 1, **kwargs}
+    args = {
+        "op": C.BROADCAST,
+        "algorithm": "lp",
+        "participants": 4,
+        "count": 10,
+        "root": 0,
+        "chunks": 1,
+        **kwargs,
+    }
     with pytest.raises(InvalidArgumentError, match=match):
         generate(**args)
 
@@ -227,8 +236,7 @@ def test_a_failing_participant_releases_the_others_at_once() -> None:
     _FAILED.clear()
     p, count, timeout = 6, 1000, 20.0
     s = generate(C.ALLREDUCE, "lp", p, count, 0, 8)
-    pairs = [layout(C.ALLREDUCE, r, p, count, np.ones(count, np.float32), False)
-             for r in range(p)]
+    pairs = [layout(C.ALLREDUCE, r, p, count, np.ones(count, np.float32), False) for r in range(p)]
     before = set(threading.enumerate())
     with LocalGroup(s, pairs, _FailingReduction(ReduceOp.SUM, np.dtype(np.float32), p)) as g:
         start = time.monotonic()

@@ -28,9 +28,16 @@ from lpsync.algorithms import generate
 from lpsync.types import DTYPES, ReduceOp
 
 
-def check_outcomes(op: C, root: int, count: int, inputs: list[np.ndarray],
-                   reduce_op: ReduceOp, in_place: bool, outcomes: list[Outcome],
-                   what: str) -> None:
+def check_outcomes(
+    op: C,
+    root: int,
+    count: int,
+    inputs: list[np.ndarray],
+    reduce_op: ReduceOp,
+    in_place: bool,
+    outcomes: list[Outcome],
+    what: str,
+) -> None:
     p = len(inputs)
     want = reference(op, reduce_op, inputs, root, count)
     first = outcomes[0]
@@ -49,10 +56,12 @@ def check_outcomes(op: C, root: int, count: int, inputs: list[np.ndarray],
         for r in range(p):
             if not in_place:
                 assert bits(outcome.inputs_after[r]) == bits(inputs[r]), (
-                    f"{what}: rank {r}'s out-of-place input changed")
+                    f"{what}: rank {r}'s out-of-place input changed"
+                )
             elif op is C.REDUCE and r != root:
                 assert bits(outcome.buffers[r]) == bits(inputs[r]), (
-                    f"{what}: in-place reduce changed non-root {r}'s buffer")
+                    f"{what}: in-place reduce changed non-root {r}'s buffer"
+                )
 
 
 def ragged_counts(p: int) -> list[int]:
@@ -70,8 +79,16 @@ def test_every_size_root_and_count_int64_sum(op: C, algorithm: str) -> None:
                     s = generate(op, algorithm, p, count, root, chunks)
                     inputs = make_inputs(op, p, count, np.dtype(np.int64), ReduceOp.SUM, rng)
                     outcomes = run_collective(s, inputs, ReduceOp.SUM, in_place=False)
-                    check_outcomes(op, root, count, inputs, ReduceOp.SUM, False, outcomes,
-                                   f"P={p} root={root} count={count} chunks={chunks}")
+                    check_outcomes(
+                        op,
+                        root,
+                        count,
+                        inputs,
+                        ReduceOp.SUM,
+                        False,
+                        outcomes,
+                        f"P={p} root={root} count={count} chunks={chunks}",
+                    )
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
@@ -90,8 +107,16 @@ def test_every_dtype_and_reduce_op(op: C, algorithm: str, dtype_name: str) -> No
             inputs = make_inputs(op, p, count, dtype, reduce_op, rng)
             for in_place in (False, True):
                 outcomes = run_collective(s, inputs, reduce_op, in_place=in_place, runs=2)
-                check_outcomes(op, root, count, inputs, reduce_op, in_place, outcomes,
-                               f"{reduce_op} P={p} in_place={in_place}")
+                check_outcomes(
+                    op,
+                    root,
+                    count,
+                    inputs,
+                    reduce_op,
+                    in_place,
+                    outcomes,
+                    f"{reduce_op} P={p} in_place={in_place}",
+                )
 
 
 @pytest.mark.parametrize(("op", "algorithm"), OPS_ALGS, ids=OPS_ALGS_IDS)
@@ -105,8 +130,16 @@ def test_in_place_every_size(op: C, algorithm: str) -> None:
                 s = generate(op, algorithm, p, count, root, chunks)
                 inputs = make_inputs(op, p, count, np.dtype(np.int32), ReduceOp.SUM, rng)
                 outcomes = run_collective(s, inputs, ReduceOp.SUM, in_place=True)
-                check_outcomes(op, root, count, inputs, ReduceOp.SUM, True, outcomes,
-                               f"in place P={p} root={root} chunks={chunks}")
+                check_outcomes(
+                    op,
+                    root,
+                    count,
+                    inputs,
+                    ReduceOp.SUM,
+                    True,
+                    outcomes,
+                    f"in place P={p} root={root} chunks={chunks}",
+                )
 
 
 def test_float_avg_is_identical_on_every_participant() -> None:
@@ -125,10 +158,12 @@ def test_float_avg_is_identical_on_every_participant() -> None:
 def test_integer_avg_floors() -> None:
     """Integer avg rounds toward minus infinity, after a wrapping sum."""
     p = 4
-    inputs = [np.array([-1, 1, 3, -7, 127], np.int8),
-              np.array([0, 0, 0, 0, 127], np.int8),
-              np.array([0, 0, 0, 0, 127], np.int8),
-              np.array([0, 0, 0, 0, 127], np.int8)]
+    inputs = [
+        np.array([-1, 1, 3, -7, 127], np.int8),
+        np.array([0, 0, 0, 0, 127], np.int8),
+        np.array([0, 0, 0, 0, 127], np.int8),
+        np.array([0, 0, 0, 0, 127], np.int8),
+    ]
     s = generate(C.ALLREDUCE, "ring", p, 5)
     (outcome,) = run_collective(s, inputs, ReduceOp.AVG)
     # 4 * 127 = 508 wraps to -4 in int8; -4 // 4 = -1.
@@ -150,4 +185,3 @@ def test_inproc_transport_is_zero_copy() -> None:
         assert not request.done()  # the sender may not touch the span yet
     assert request.done()
     assert data.flags.writeable  # the sender's own array is untouched
-

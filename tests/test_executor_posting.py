@@ -39,8 +39,7 @@ from lpsync.types import ReduceOp
 class _Early:
     def __init__(self, endpoint: InprocEndpoint, peer: int, tag: int, out: np.ndarray) -> None:
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._take, args=(endpoint, peer, tag, out),
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._take, args=(endpoint, peer, tag, out), daemon=True)
         self._thread.start()
 
     def _take(self, endpoint: InprocEndpoint, peer: int, tag: int, out: np.ndarray) -> None:
@@ -82,17 +81,26 @@ class PostingInproc:
         self._fabric.abort(error if isinstance(error, LpsyncError) else LpsyncError(repr(error)))
 
 
-def run_posting(op: C, algorithm: str, p: int, root: int, count: int, chunks: int,
-                in_place: bool, rng: np.random.Generator) -> int:
+def run_posting(
+    op: C,
+    algorithm: str,
+    p: int,
+    root: int,
+    count: int,
+    chunks: int,
+    in_place: bool,
+    rng: np.random.Generator,
+) -> int:
     schedule = generate(op, algorithm, p, count, root, chunks)
     inputs = make_inputs(op, p, count, np.dtype(np.int64), ReduceOp.SUM, rng)
-    datas = [in_place_buffer(op, r, p, count, x) if in_place else x.copy()
-             for r, x in enumerate(inputs)]
+    datas = [in_place_buffer(op, r, p, count, x) if in_place else x.copy() for r, x in enumerate(inputs)]
     pairs = [layout(op, r, p, count, d, in_place) for r, d in enumerate(datas)]
     fabric = InprocFabric(p)
     endpoints = [PostingInproc(fabric, r) for r in range(p)]
-    plans = [Plan(schedule, r, pair, Reduction(ReduceOp.SUM, np.dtype(np.int64), p))
-             for r, pair in enumerate(pairs)]
+    plans = [
+        Plan(schedule, r, pair, Reduction(ReduceOp.SUM, np.dtype(np.int64), p))
+        for r, pair in enumerate(pairs)
+    ]
     errors: list[BaseException] = []
 
     def participant(r: int) -> None:
@@ -124,8 +132,7 @@ def test_receives_posted_ahead_give_numpy_results(op: C, algorithm: str) -> None
             for count in (0, 7, 1001):
                 for chunks in chunk_options(algorithm, (1, 4, 9)):
                     for in_place in (False, True):
-                        posted += run_posting(op, algorithm, p, root, count, chunks, in_place,
-                                              rng)
+                        posted += run_posting(op, algorithm, p, root, count, chunks, in_place, rng)
     assert posted > 0  # the look-ahead was exercised, not bypassed
 
 
@@ -146,8 +153,12 @@ def test_a_receive_is_not_posted_over_a_span_still_to_be_sent() -> None:
         ins[1][:n] = 2
         outs = [np.full(n, 1, np.int64), np.zeros(n, np.int64)]
         endpoints = [PostingInproc(fabric, r) for r in (0, 1)]
-        threads = [threading.Thread(target=Plan(schedule, r, (ins[r], outs[r])).run,
-                                    args=(endpoints[r], time.monotonic() + 10)) for r in (0, 1)]
+        threads = [
+            threading.Thread(
+                target=Plan(schedule, r, (ins[r], outs[r])).run, args=(endpoints[r], time.monotonic() + 10)
+            )
+            for r in (0, 1)
+        ]
         for t in threads:
             t.start()
         for t in threads:

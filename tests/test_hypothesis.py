@@ -45,8 +45,7 @@ def collectives(draw: st.DrawFn) -> dict[str, object]:
 def test_random_collective_matches_numpy(case: dict) -> None:
     op, p, root, count = case["op"], case["p"], case["root"], case["count"]
     s = generate(op, case["algorithm"], p, count, root, case["chunks"])
-    inputs = make_inputs(op, p, count, case["dtype"], case["reduce_op"],
-                         np.random.default_rng(case["seed"]))
+    inputs = make_inputs(op, p, count, case["dtype"], case["reduce_op"], np.random.default_rng(case["seed"]))
     (outcome,) = run_collective(s, inputs, case["reduce_op"], in_place=case["in_place"])
     want = reference(op, case["reduce_op"], inputs, root, count)
     for r in range(p):

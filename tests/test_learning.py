@@ -14,8 +14,12 @@ from lpsync.daemon.learning import (
 )
 
 KEY = ("broadcast", 1 << 18)
-PREDICTED = [Choice("lp", 8, 0.010), Choice("mst", 1, 0.012), Choice("be", 1, 0.009),
-             Choice("slow", 1, 0.009 * SHORTLIST * 1.01)]
+PREDICTED = [
+    Choice("lp", 8, 0.010),
+    Choice("mst", 1, 0.012),
+    Choice("be", 1, 0.009),
+    Choice("slow", 1, 0.009 * SHORTLIST * 1.01),
+]
 MEASURED = {"lp": 0.0115, "mst": 0.0096, "be": 0.0154}  # the model's order is wrong
 
 
@@ -42,8 +46,8 @@ def test_tries_the_shortlist_then_keeps_the_fastest_measured() -> None:
     trials = [a for a, trial in seen if trial]
     assert sorted(trials) == sorted(["lp", "mst", "be"] * TRIALS)  # "slow" not shortlisted
     assert [a for a, _ in seen[:3]] == ["be", "lp", "mst"]  # predicted fastest first
-    assert all(not trial for _, trial in seen[3 * TRIALS:])
-    assert [a for a, _ in seen[3 * TRIALS + 1:]] == ["mst"] * 4  # measured, not predicted
+    assert all(not trial for _, trial in seen[3 * TRIALS :])
+    assert [a for a, _ in seen[3 * TRIALS + 1 :]] == ["mst"] * 4  # measured, not predicted
     assert learner.learned(KEY) == PREDICTED[1]
 
 
@@ -71,8 +75,9 @@ def test_a_failed_trial_is_handed_out_again_and_unknown_reports_are_ignored() ->
 
 def test_one_candidate_in_reach_is_taken_without_trials() -> None:
     learner = Learner(nodes=4)
-    choice, trial = learner.choose(("allreduce", 4 << 20), lambda: [Choice("ring", 1, 1.0),
-                                                                    Choice("mst", 1, 9.0)])
+    choice, trial = learner.choose(
+        ("allreduce", 4 << 20), lambda: [Choice("ring", 1, 1.0), Choice("mst", 1, 9.0)]
+    )
     assert (choice.algorithm, trial) == ("ring", False)
 
 

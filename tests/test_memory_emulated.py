@@ -103,16 +103,18 @@ def test_reduce_and_reach_rules(kind):
     a.array.view(np.float32)[:] = 2
     b.array.view(np.float32)[:] = 3
     stream = kind.stream(0)
-    kind.reduce_async(Reduction(ReduceOp.AVG, np.dtype(np.float32), 2), _span(a), _span(a),
-                      _span(b), True, stream)
+    kind.reduce_async(
+        Reduction(ReduceOp.AVG, np.dtype(np.float32), 2), _span(a), _span(a), _span(b), True, stream
+    )
     event = kind.event()
     kind.record(event, stream)
     kind.synchronize(event, time.monotonic() + 5)
     assert a.array.view(np.float32).tolist() == [2.5] * 10
     other = kind.allocate(1, 40)
     with pytest.raises(InvalidArgumentError, match="own device"):
-        kind.reduce_async(Reduction(ReduceOp.SUM, np.dtype(np.float32), 2), _span(a),
-                          _span(a), _span(other), False, stream)
+        kind.reduce_async(
+            Reduction(ReduceOp.SUM, np.dtype(np.float32), 2), _span(a), _span(a), _span(other), False, stream
+        )
     host_only = EmulatedKind(2, parse_devices("emulated:2,host=0-1").topology)
     try:
         with pytest.raises(InvalidArgumentError, match="no peer access"):
@@ -258,7 +260,6 @@ def test_event_handles_are_checked(kind, tmp_path):
         from lpsync.memory.emulated import EVENT_HANDLE, EVENT_MAGIC
 
         with pytest.raises(InvalidArgumentError, match="does not name"):
-            kind.open_event(EVENT_HANDLE.pack(EVENT_MAGIC, os.getpid(), fd,
-                                              os.fstat(fd).st_ino), 0)
+            kind.open_event(EVENT_HANDLE.pack(EVENT_MAGIC, os.getpid(), fd, os.fstat(fd).st_ino), 0)
     finally:
         os.close(fd)

@@ -24,7 +24,6 @@ def test_successive_collectives_of_a_job_have_distinct_tag_bases() -> None:
 
 
 def test_control_tags_set_bit_63_and_keep_kinds_apart() -> None:
-    tags = {control_tag(kind, value) for kind in (HEARTBEAT, PROBE, SPEC)
-            for value in (0, 1, (1 << 56) - 1)}
+    tags = {control_tag(kind, value) for kind in (HEARTBEAT, PROBE, SPEC) for value in (0, 1, (1 << 56) - 1)}
     assert len(tags) == 9
     assert all(t & CONTROL and t < 1 << 64 for t in tags)

@@ -29,23 +29,31 @@ SECRET = b"test cluster secret"
 SPAWN = multiprocessing.get_context("spawn")
 
 
-
-
 def peers_for(n: int, host: str = "127.0.0.1") -> str:
     return ",".join(f"{host}:{port}" for port in free_ports(n))
 
 
 @contextmanager
-def participants(n: int, cases: list[Case], transport: str, secrets: list[bytes] | None = None,
-                 modes: list[str] | None = None, **kwargs: Any) -> Iterator[tuple[Any, list[Any]]]:
+def participants(
+    n: int,
+    cases: list[Case],
+    transport: str,
+    secrets: list[bytes] | None = None,
+    modes: list[str] | None = None,
+    **kwargs: Any,
+) -> Iterator[tuple[Any, list[Any]]]:
     """Start n spawned participants; always reaped (killed if still alive) on the way out."""
     queue = SPAWN.Queue()
     peers = peers_for(n)
-    procs = [SPAWN.Process(target=participant, daemon=True,
-                           args=(r, peers, (secrets or [SECRET] * n)[r], cases, queue,
-                                 (modes or ["run"] * n)[r]),
-                           kwargs={"transport": transport, **kwargs})
-             for r in range(n)]
+    procs = [
+        SPAWN.Process(
+            target=participant,
+            daemon=True,
+            args=(r, peers, (secrets or [SECRET] * n)[r], cases, queue, (modes or ["run"] * n)[r]),
+            kwargs={"transport": transport, **kwargs},
+        )
+        for r in range(n)
+    ]
     for p in procs:
         p.start()
     try:
@@ -75,8 +83,10 @@ def collect(queue: Any, kinds: set[str], count: int, timeout: float) -> list[tup
         try:
             item = queue.get(timeout=max(0.1, deadline - time.monotonic()))
         except Empty:
-            pytest.fail(f"{len(got)} of {count} {sorted(kinds)} reports within {timeout:.0f} s "
-                        f"(got from ranks {[g[1] for g in got]})")
+            pytest.fail(
+                f"{len(got)} of {count} {sorted(kinds)} reports within {timeout:.0f} s "
+                f"(got from ranks {[g[1] for g in got]})"
+            )
         if item[0] == "error" and "error" not in kinds:
             pytest.fail(f"rank {item[1]}: {item[2]}: {item[3]}")
         if item[0] in kinds:
@@ -90,8 +100,7 @@ def check_results(cases: list[Case], n: int, results: list[tuple[Any, ...]]) -> 
     outs = {(rank, index): out for _, rank, index, out in results}
     for index, case in enumerate(cases):
         inputs = case_inputs(case, n)
-        want = reference(Collective(case.op), ReduceOp(case.reduce_op), inputs, case.root,
-                         case.count)
+        want = reference(Collective(case.op), ReduceOp(case.reduce_op), inputs, case.root, case.count)
         for rank in range(n):
             assert_matches(outs[rank, index], want[rank], f"{case} rank {rank}")
 
@@ -126,8 +135,11 @@ TWO = [
     Case("broadcast", "lp", 0, chunks=4, seed=4),
     Case("allreduce", "lp", 7, chunks=3, dtype="int64", seed=5),
     Case("reduce", "lp", 5001, root=1, chunks=5, dtype="float64", reduce_op="max", seed=6),
-    *(Case("allreduce", alg, count, chunks=3, dtype="float64", seed=count)
-      for alg in ("lp", "ring") for count in (1, 3, 1001)),
+    *(
+        Case("allreduce", alg, count, chunks=3, dtype="float64", seed=count)
+        for alg in ("lp", "ring")
+        for count in (1, 3, 1001)
+    ),
 ]
 
 THREE = [
@@ -160,8 +172,13 @@ def dump_stacks(pid: int) -> None:
     os.kill(pid, signal.SIGUSR1)
     time.sleep(0.5)
     if shutil.which("gdb"):
-        done = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 25"],
-                              capture_output=True, text=True, timeout=60, check=False)
+        done = subprocess.run(
+            ["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 25"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         print(f"native stacks of {pid}:\n{done.stdout[-20000:]}")
 
 
@@ -201,18 +218,32 @@ def test_survivor_rebuilds_on_its_runtime_with_a_restarted_peer(transport: str) 
     """Rank 0 keeps one UcxRuntime (context, listener, port) across generations: rank 1 is
     SIGKILLed, rank 0 closes the broken endpoint, and the restarted rank 1 (whose dials are
     dropped while rank 0 forms nothing) meets a new endpoint on the same runtime."""
-    cases = [Case("allreduce", "lp", 10_001, chunks=4, seed=31),
-             Case("broadcast", "lp", 1 << 18, root=1, chunks=4, seed=32)]
+    cases = [
+        Case("allreduce", "lp", 10_001, chunks=4, seed=31),
+        Case("broadcast", "lp", 1 << 18, root=1, chunks=4, seed=32),
+    ]
     queue = SPAWN.Queue()
     peers = peers_for(2)
-    procs = [SPAWN.Process(target=participant, args=(rank, peers, SECRET, cases, queue, mode),
-                           kwargs={"transport": transport}, daemon=True)
-             for rank, mode in ((0, "heal"), (1, "hang"))]
+    procs = [
+        SPAWN.Process(
+            target=participant,
+            args=(rank, peers, SECRET, cases, queue, mode),
+            kwargs={"transport": transport},
+            daemon=True,
+        )
+        for rank, mode in ((0, "heal"), (1, "hang"))
+    ]
     # The replacement starts now and waits: the rebuild is timed without its start-up
     # (spawning and importing took 10-19 s with a CPU hog on the one core).
     go = SPAWN.Event()
-    procs.append(SPAWN.Process(target=participant, args=(1, peers, SECRET, cases, queue),
-                               kwargs={"go": go, "transport": transport}, daemon=True))
+    procs.append(
+        SPAWN.Process(
+            target=participant,
+            args=(1, peers, SECRET, cases, queue),
+            kwargs={"go": go, "transport": transport},
+            daemon=True,
+        )
+    )
     try:
         for p in procs:
             p.start()
@@ -279,8 +310,10 @@ def test_closing_the_runtime_stops_a_forming_mesh_and_leaves_no_thread(transport
 
 
 def test_wrong_secret_is_refused_and_logged(transport: str) -> None:
-    with participants(2, [], transport, secrets=[SECRET, b"not the secret"],
-                      connect_timeout=4.0) as (queue, _):
+    with participants(2, [], transport, secrets=[SECRET, b"not the secret"], connect_timeout=4.0) as (
+        queue,
+        _,
+    ):
         errors = collect(queue, {"error"}, 2, 30)
     by_rank = {e[1]: e for e in errors}
     assert by_rank[1][2] == "UnauthenticatedError", by_rank[1]
@@ -317,6 +350,5 @@ def test_single_participant_and_bad_rank_in_process(transport: str) -> None:
         x = np.arange(10, dtype=np.float32)
         out = np.zeros_like(x)
         schedule = generate(Collective.ALLREDUCE, "lp", 1, 10)
-        Plan(schedule, 0, (x, out), Reduction(ReduceOp.SUM, x.dtype, 1)).run(
-            endpoint, time.monotonic() + 5)
+        Plan(schedule, 0, (x, out), Reduction(ReduceOp.SUM, x.dtype, 1)).run(endpoint, time.monotonic() + 5)
         assert (out == x).all()

@@ -12,13 +12,16 @@ from lpsync.errors import ConfigError, InvalidArgumentError
 from lpsync.transport.addresses import PeerAddress
 
 
-@pytest.mark.parametrize(("text", "want"), [
-    ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
-    ("a1", ["a1"]),
-    ("n[8-10]", ["n8", "n9", "n10"]),
-    ("r[1-2]-c[3,5]", ["r1-c3", "r1-c5", "r2-c3", "r2-c5"]),
-    ("x,y[1],z", ["x", "y1", "z"]),
-])
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+        ("a1", ["a1"]),
+        ("n[8-10]", ["n8", "n9", "n10"]),
+        ("r[1-2]-c[3,5]", ["r1-c3", "r1-c5", "r2-c3", "r2-c5"]),
+        ("x,y[1],z", ["x", "y1", "z"]),
+    ],
+)
 def test_slurm_nodelist_expands_in_order(text: str, want: list[str]) -> None:
     assert expand_nodelist(text) == want
 
@@ -43,8 +46,9 @@ def test_slurm_peers_use_nodeid_and_peer_port() -> None:
 
 def test_dns_peers_are_sorted_numerically_and_this_node_found_by_address() -> None:
     resolved = ["10.0.0.10", "10.0.0.9", "10.0.0.10", "10.0.0.100"]
-    found = from_dns("svc.ns:7000", None, resolve=lambda name, port: resolved,
-                     is_local=lambda host: host == "10.0.0.10")
+    found = from_dns(
+        "svc.ns:7000", None, resolve=lambda name, port: resolved, is_local=lambda host: host == "10.0.0.10"
+    )
     assert [p.host for p in found.peers] == ["10.0.0.9", "10.0.0.10", "10.0.0.100"]
     assert all(p.port == 7000 for p in found.peers)
     assert found.node_rank == 1
@@ -55,9 +59,12 @@ def test_dns_peers_are_sorted_numerically_and_this_node_found_by_address() -> No
 
 
 def test_dns_of_a_real_name_and_local_addresses() -> None:
-    found = from_dns("localhost:7000", None,
-                     is_local=lambda host: host in ("127.0.0.1", "::1"),
-                     resolve=lambda n, p: ["127.0.0.1"])
+    found = from_dns(
+        "localhost:7000",
+        None,
+        is_local=lambda host: host in ("127.0.0.1", "::1"),
+        resolve=lambda n, p: ["127.0.0.1"],
+    )
     assert found.peers == (PeerAddress("127.0.0.1", 7000),)
     assert is_local_address("127.0.0.1")
     assert not is_local_address("198.18.0.254")
@@ -103,8 +110,9 @@ def test_probe_order_covers_every_peer_and_runs_in_size_minus_one_rounds(size: i
         assert sorted(order) == [p for p in range(size) if p != rank]
     rounds = 0
     while any(pending):
-        ready = [a for a in range(size) if pending[a] and pending[pending[a][0]]
-                 and pending[pending[a][0]][0] == a]
+        ready = [
+            a for a in range(size) if pending[a] and pending[pending[a][0]] and pending[pending[a][0]][0] == a
+        ]
         assert ready, f"deadlock after {rounds} rounds: {pending}"
         for a in ready:
             pending[a].pop(0)
@@ -133,9 +141,12 @@ def test_each_probe_pair_has_connect_timeout_of_its_own(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(peer_plane, "_ping_pong", ping_pong)
     gauge = SimpleNamespace(labels=lambda *_: SimpleNamespace(set=lambda _: None))
-    plane = SimpleNamespace(rank=0, size=5, _metrics=SimpleNamespace(peer_link_bw=gauge),
-                            options=SimpleNamespace(connect_timeout=0.5,
-                                                    peers=SimpleNamespace(peers=list(range(5)))))
+    plane = SimpleNamespace(
+        rank=0,
+        size=5,
+        _metrics=SimpleNamespace(peer_link_bw=gauge),
+        options=SimpleNamespace(connect_timeout=0.5, peers=SimpleNamespace(peers=list(range(5)))),
+    )
     link = SimpleNamespace(mesh=None)
     model = peer_plane.PeerPlane._probe(plane, link, [1, 2, 3, 4])  # 4 rounds: 1 s in all
     assert model.alpha == pytest.approx(1e-4)

@@ -20,10 +20,17 @@ from lpsync.transport.inproc import InprocFabric
 from lpsync.types import Collective, ReduceOp
 
 
-def run_nodes(op: Collective, algorithm: str, ranks_per_node: tuple[int, ...], count: int,
-              root: int = 0, chunks: int = 4, dtype: type = np.int64,
-              absent_node: int | None = None, timeout: float = 20.0) -> tuple[
-                  list[np.ndarray], list[np.ndarray], list[BaseException | None]]:
+def run_nodes(
+    op: Collective,
+    algorithm: str,
+    ranks_per_node: tuple[int, ...],
+    count: int,
+    root: int = 0,
+    chunks: int = 4,
+    dtype: type = np.int64,
+    absent_node: int | None = None,
+    timeout: float = 20.0,
+) -> tuple[list[np.ndarray], list[np.ndarray], list[BaseException | None]]:
     p = sum(ranks_per_node)
     schedule = generate(op, algorithm, p, count, root, chunks)
     rng = np.random.default_rng(p * 1000 + count)
@@ -42,8 +49,9 @@ def run_nodes(op: Collective, algorithm: str, ranks_per_node: tuple[int, ...], c
         except BaseException as error:
             errors[n] = error
 
-    threads = [threading.Thread(target=node, args=(n,)) for n in range(len(ranks_per_node))
-               if n != absent_node]
+    threads = [
+        threading.Thread(target=node, args=(n,)) for n in range(len(ranks_per_node)) if n != absent_node
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -53,8 +61,9 @@ def run_nodes(op: Collective, algorithm: str, ranks_per_node: tuple[int, ...], c
 
 @pytest.mark.parametrize(("op", "algorithm"), OPS_ALGS, ids=OPS_ALGS_IDS)
 @pytest.mark.parametrize("ranks_per_node", [(1, 1), (2, 1, 3), (1, 1, 1, 1, 1), (3, 3)])
-def test_every_collective_across_nodes(op: Collective, algorithm: str,
-                                       ranks_per_node: tuple[int, ...]) -> None:
+def test_every_collective_across_nodes(
+    op: Collective, algorithm: str, ranks_per_node: tuple[int, ...]
+) -> None:
     p = sum(ranks_per_node)
     for root in sorted({0, p - 1}) if op in ROOTED else [0]:
         for count in (0, 5, 1001):
@@ -70,15 +79,17 @@ def test_lp_chain_crosses_each_node_boundary_once_per_direction() -> None:
     s = generate(Collective.ALLREDUCE, "lp", sum(ranks_per_node), 1000, chunks=8)
     send = s.send_op
     src = placement.node_of
-    links = {(src[s.ops["rank"][i]], src[s.ops["peer"][i]]) for i in send
-             if src[s.ops["rank"][i]] != src[s.ops["peer"][i]]}
+    links = {
+        (src[s.ops["rank"][i]], src[s.ops["peer"][i]])
+        for i in send
+        if src[s.ops["rank"][i]] != src[s.ops["peer"][i]]
+    }
     assert links == {(0, 1), (1, 0), (1, 2), (2, 1)}
     assert all(s.ops["kind"][i] == Kind.SEND for i in send)
 
 
 def test_a_node_that_never_comes_times_out_the_others() -> None:
-    _, _, errors = run_nodes(Collective.ALLREDUCE, "lp", (1, 2, 1), 100, absent_node=2,
-                             timeout=1.0)
+    _, _, errors = run_nodes(Collective.ALLREDUCE, "lp", (1, 2, 1), 100, absent_node=2, timeout=1.0)
     assert errors[2] is None  # never started
     assert all(isinstance(e, CollectiveTimeoutError) for e in errors[:2])
 
@@ -96,5 +107,6 @@ def test_placement_rejects_impossible_layouts() -> None:
     with pytest.raises(InvalidArgumentError):
         Placement.node_major((2, 2), 2)
     with pytest.raises(InvalidArgumentError):
-        LocalGroup(generate(Collective.ALLREDUCE, "ring", 4, 8), [], None,
-                   Placement.node_major((2, 2), 0), None)
+        LocalGroup(
+            generate(Collective.ALLREDUCE, "ring", 4, 8), [], None, Placement.node_major((2, 2), 0), None
+        )

@@ -44,8 +44,7 @@ def initial_masks(op: C, rank: int, p: int, count: int, root: int) -> np.ndarray
     return np.full(n, bit(rank), np.uint64)
 
 
-def expected_out(op: C, rank: int, p: int, count: int, root: int,
-                 in_place: bool) -> np.ndarray | None:
+def expected_out(op: C, rank: int, p: int, count: int, root: int, in_place: bool) -> np.ndarray | None:
     full = np.uint64((1 << p) - 1)
     if op is C.ALLREDUCE or op is C.REDUCE_SCATTER:
         return np.full(count, full, np.uint64)
@@ -74,7 +73,7 @@ class Interpreter:
                 data = masks
                 if op is C.ALLGATHER:
                     data = np.zeros(p * count, np.uint64)
-                    data[r * count:(r + 1) * count] = masks
+                    data[r * count : (r + 1) * count] = masks
                 inp, out = layout(op, r, p, count, data, True)
             else:
                 inp = masks
@@ -85,7 +84,8 @@ class Interpreter:
     def span(self, rank: int, buf: int, lo: int, hi: int) -> np.ndarray:
         arr = self.bufs[rank][buf]
         assert 0 <= lo < hi <= arr.size, (
-            f"rank {rank}: span {Buf(buf).name}[{lo}:{hi}] outside a buffer of {arr.size}")
+            f"rank {rank}: span {Buf(buf).name}[{lo}:{hi}] outside a buffer of {arr.size}"
+        )
         return arr[lo:hi]
 
     def check_sendable(self, rank: int, buf: int, lo: int, masks: np.ndarray) -> None:
@@ -98,8 +98,7 @@ class Interpreter:
             if buf == Buf.IN:
                 want = np.full(masks.size, bit(rank), np.uint64)
             else:
-                want = np.array([bit(e // s.count) for e in range(lo, lo + masks.size)],
-                                np.uint64)
+                want = np.array([bit(e // s.count) for e in range(lo, lo + masks.size)], np.uint64)
             assert np.array_equal(masks, want), f"{where}: not the final blocks"
 
     def write(self, rank: int, buf: int, lo: int, hi: int, masks: np.ndarray) -> None:
@@ -140,19 +139,20 @@ class Interpreter:
                             assert np.all(acc != 0), f"rank {r} reduces into nothing"
                             twice = acc & message
                             assert not twice.any(), (
-                                f"rank {r} counts contributions {twice[twice != 0][:3]} twice")
+                                f"rank {r} counts contributions {twice[twice != 0][:3]} twice"
+                            )
                             result = acc | message
                             complete = result == self.full
                             if final:
                                 assert complete.all(), f"rank {r}: final on a partial result"
                             else:
                                 assert not complete.any(), (
-                                    f"rank {r}: a complete result at {lo}:{hi} not marked final")
+                                    f"rank {r}: a complete result at {lo}:{hi} not marked final"
+                                )
                             self.write(r, buf, lo, hi, result)
                     else:
                         assert kind == COPY
-                        self.write(r, buf, lo, hi,
-                                   self.span(r, src, src_lo, src_lo + hi - lo).copy())
+                        self.write(r, buf, lo, hi, self.span(r, src, src_lo, src_lo + hi - lo).copy())
                     pcs[r] += 1
                     progress = True
         stuck = {r: programs[r][pcs[r]] for r in range(p) if pcs[r] < len(programs[r])}
@@ -166,8 +166,7 @@ class Interpreter:
                 assert np.array_equal(inp, self.initial_in[r]), f"rank {r}: IN changed"
             want = expected_out(s.op, r, s.participants, s.count, s.root, self.in_place)
             bad = np.flatnonzero(out != want)
-            assert bad.size == 0, (f"rank {r}: OUT[{bad[:5]}] = {out[bad[:5]]}, "
-                                   f"want {want[bad[:5]]}")
+            assert bad.size == 0, f"rank {r}: OUT[{bad[:5]}] = {out[bad[:5]]}, want {want[bad[:5]]}"
 
 
 def counts_for(p: int) -> list[int]:
@@ -190,7 +189,8 @@ def test_schedule_invariants(op: C, algorithm: str, p: int) -> None:
                     except AssertionError as error:
                         raise AssertionError(
                             f"{op} {algorithm} P={p} root={root} count={count} "
-                            f"chunks={chunks} in_place={in_place}: {error}") from error
+                            f"chunks={chunks} in_place={in_place}: {error}"
+                        ) from error
 
 
 def test_interpreter_catches_a_broken_schedule() -> None:
@@ -209,6 +209,7 @@ def test_interpreter_catches_a_broken_schedule() -> None:
 
 # ---------------------------------------------------------------------------------------
 # Bytes per directed link, against what each algorithm's model says it moves.
+
 
 def link_elements(s: Schedule) -> dict[tuple[int, int], int]:
     """Elements carried by each directed link (sender, receiver)."""
@@ -322,9 +323,8 @@ def test_be_links(p: int, count: int) -> None:
             assert received[r] == scatter_in + count - size[v], (root, v)
         # The root's scatter: its first sends carry every block but its own.
         rows = range(int(s.offsets[root]), int(s.offsets[root + 1]))
-        root_sends = [int(s.ops["hi"][i] - s.ops["lo"][i]) for i in rows
-                      if s.ops["kind"][i] == Kind.SEND]
-        assert sum(root_sends[:ceil_log2(p)]) == count - size[0]
+        root_sends = [int(s.ops["hi"][i] - s.ops["lo"][i]) for i in rows if s.ops["kind"][i] == Kind.SEND]
+        assert sum(root_sends[: ceil_log2(p)]) == count - size[0]
         if p & (p - 1) == 0:
             # Reduce = reduce-scatter + gather, the exact mirror of broadcast for P = 2^L.
             red = generate(C.REDUCE, "be", p, count, root)

@@ -29,8 +29,7 @@ SIZES_P = [2, 3, 4, 5, 8, 16]
 COUNTS = [16 * 9 * 5 * 7 * 4, 16 * 9 * 5 * 7 * 4 * 1000]
 
 
-def simulated(op: C, algorithm: str, p: int, nbytes: int, link: LinkModel,
-              chunks: int = 1) -> float:
+def simulated(op: C, algorithm: str, p: int, nbytes: int, link: LinkModel, chunks: int = 1) -> float:
     count = nbytes // ITEMSIZE
     if op in (C.ALLGATHER, C.REDUCE_SCATTER):
         count //= p  # nbytes is the whole P * count buffer
@@ -42,21 +41,31 @@ def assert_close(sim: float, model: float) -> None:
 
 
 CLOSED_FORM_CASES = [
-    (C.BROADCAST, "lp"), (C.REDUCE, "lp"), (C.ALLREDUCE, "lp"),
-    (C.BROADCAST, "mst"), (C.REDUCE, "mst"), (C.ALLREDUCE, "mst"),
-    (C.ALLREDUCE, "ring"), (C.ALLGATHER, "ring"), (C.REDUCE_SCATTER, "ring"),
-    (C.BROADCAST, "be"), (C.REDUCE, "be"), (C.ALLREDUCE, "be"), (C.ALLGATHER, "be"),
+    (C.BROADCAST, "lp"),
+    (C.REDUCE, "lp"),
+    (C.ALLREDUCE, "lp"),
+    (C.BROADCAST, "mst"),
+    (C.REDUCE, "mst"),
+    (C.ALLREDUCE, "mst"),
+    (C.ALLREDUCE, "ring"),
+    (C.ALLGATHER, "ring"),
+    (C.REDUCE_SCATTER, "ring"),
+    (C.BROADCAST, "be"),
+    (C.REDUCE, "be"),
+    (C.ALLREDUCE, "be"),
+    (C.ALLGATHER, "be"),
     (C.REDUCE_SCATTER, "be"),
 ]
 
 
 @pytest.mark.parametrize("count", COUNTS)
-@pytest.mark.parametrize(("op", "algorithm"), CLOSED_FORM_CASES,
-                         ids=[f"{op}-{a}" for op, a in CLOSED_FORM_CASES])
+@pytest.mark.parametrize(
+    ("op", "algorithm"), CLOSED_FORM_CASES, ids=[f"{op}-{a}" for op, a in CLOSED_FORM_CASES]
+)
 def test_simulator_matches_closed_form_one_nic(op: C, algorithm: str, count: int) -> None:
     nbytes = count * ITEMSIZE
     for p in SIZES_P:
-        for chunks in ((1, 2, 4, 7, 16) if algorithm == "lp" else (1,)):
+        for chunks in (1, 2, 4, 7, 16) if algorithm == "lp" else (1,):
             sim = simulated(op, algorithm, p, nbytes, LINK, chunks)
             assert_close(sim, closed_form(op, algorithm, p, nbytes, LINK, chunks))
 
@@ -71,8 +80,7 @@ def test_lp_allreduce_with_a_link_per_neighbour(count: int) -> None:
             assert_close(sim, closed_form(C.ALLREDUCE, "lp", p, nbytes, link, chunks))
     # Independent links make LP allreduce as fast as a broadcast, unlike one NIC.
     p, k, n = 8, 16, COUNTS[1] * ITEMSIZE
-    assert simulated(C.ALLREDUCE, "lp", p, n, link, k) < simulated(C.ALLREDUCE, "lp", p, n,
-                                                                   LINK, k)
+    assert simulated(C.ALLREDUCE, "lp", p, n, link, k) < simulated(C.ALLREDUCE, "lp", p, n, LINK, k)
 
 
 def test_single_participant_costs_nothing() -> None:
@@ -148,8 +156,7 @@ def test_select_follows_the_model() -> None:
     assert select(C.ALLREDUCE, large, 12, per_pair).algorithm == "lp"
     choice = select(C.ALLGATHER, large, 12, LINK)
     assert choice.algorithm in ("ring", "be")
-    assert choice.seconds == pytest.approx(
-        closed_form(C.ALLGATHER, choice.algorithm, 12, large, LINK))
+    assert choice.seconds == pytest.approx(closed_form(C.ALLGATHER, choice.algorithm, 12, large, LINK))
 
 
 @pytest.mark.parametrize("p", [2, 3, 8, 16])
@@ -157,8 +164,7 @@ def test_select_follows_the_model() -> None:
 def test_lp_allreduce_chunks_minimise_its_closed_form(p: int, shared_nic: bool) -> None:
     """Allreduce's fill is 2P-3 steps (P-2 once a shared NIC binds), so even P=2 gets
     chunks: the reduce and the broadcast back then overlap."""
-    link = LinkModel.from_bandwidth(alpha=LINK.alpha, bandwidth=1 / LINK.beta,
-                                    shared_nic=shared_nic)
+    link = LinkModel.from_bandwidth(alpha=LINK.alpha, bandwidth=1 / LINK.beta, shared_nic=shared_nic)
     nbytes = 64 << 20
     k = lp_chunks(p, nbytes, link, op=C.ALLREDUCE)
     times = {j: closed_form(C.ALLREDUCE, "lp", p, nbytes, link, j) for j in range(1, 4 * k)}
@@ -173,14 +179,16 @@ def test_select_is_the_minimum_over_candidates_up_to_the_tie_margin() -> None:
             for p in (2, 3, 8, 17):
                 choice = select(op, nbytes, p, LINK)
                 assert choice.algorithm in algorithms_for(op)
-                predicted = {name: closed_form(op, name, p, nbytes, LINK,
-                                               lp_chunks(p, nbytes, LINK, op=op) if name == "lp"
-                                               else 1)
-                             for name in algorithms_for(op)}
+                predicted = {
+                    name: closed_form(
+                        op, name, p, nbytes, LINK, lp_chunks(p, nbytes, LINK, op=op) if name == "lp" else 1
+                    )
+                    for name in algorithms_for(op)
+                }
                 fastest = min(predicted.values())
                 assert choice.seconds <= fastest * (1 + TIE_MARGIN)
                 # Nothing earlier in registry order was within the margin too.
-                earlier = algorithms_for(op)[:algorithms_for(op).index(choice.algorithm)]
+                earlier = algorithms_for(op)[: algorithms_for(op).index(choice.algorithm)]
                 assert all(predicted[n] > fastest * (1 + TIE_MARGIN) for n in earlier)
 
 
@@ -222,17 +230,19 @@ def test_link_model_rejects_nonsense() -> None:
     assert LinkModel.from_bandwidth(1e-6, 2e9).beta == pytest.approx(5e-10)
 
 
-@pytest.mark.parametrize(("op", "algorithm"), CLOSED_FORM_CASES,
-                         ids=[f"{op}-{a}" for op, a in CLOSED_FORM_CASES])
+@pytest.mark.parametrize(
+    ("op", "algorithm"), CLOSED_FORM_CASES, ids=[f"{op}-{a}" for op, a in CLOSED_FORM_CASES]
+)
 def test_simulator_matches_closed_form_every_p_and_root(op: C, algorithm: str) -> None:
     """Every P up to 17 (non-powers of two fall back to the ring in BE) and a middle root."""
     for p in range(2, 18):
         nbytes = p * 9 * 16 * 5 * 7 * ITEMSIZE  # divisible by P and the chunk counts
         count = nbytes // ITEMSIZE // (p if op in (C.ALLGATHER, C.REDUCE_SCATTER) else 1)
-        for chunks in ((1, 3, 16) if algorithm == "lp" else (1,)):
+        for chunks in (1, 3, 16) if algorithm == "lp" else (1,):
             s = generate(op, algorithm, p, count, p // 2, chunks)
-            assert_close(simulate(s, ITEMSIZE, LINK).seconds,
-                         closed_form(op, algorithm, p, nbytes, LINK, chunks))
+            assert_close(
+                simulate(s, ITEMSIZE, LINK).seconds, closed_form(op, algorithm, p, nbytes, LINK, chunks)
+            )
 
 
 @pytest.mark.parametrize("op", [C.BROADCAST, C.REDUCE])

@@ -34,9 +34,10 @@ def pair() -> Iterator[tuple[TcpEndpoint, TcpEndpoint]]:
     """Two connected endpoints in this process; afterwards no lpsync-tcp thread is left."""
     peers = tuple(PeerAddress("127.0.0.1", port) for port in free_ports(2))
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(TcpEndpoint.connect, MeshOptions(r, peers, SECRET,
-                                                                connect_timeout=20.0))
-                   for r in range(2)]
+        futures = [
+            pool.submit(TcpEndpoint.connect, MeshOptions(r, peers, SECRET, connect_timeout=20.0))
+            for r in range(2)
+        ]
         a, b = (f.result() for f in futures)
     try:
         yield a, b

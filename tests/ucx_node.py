@@ -32,18 +32,18 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=1 << 20)
     args = parser.parse_args()
     peers = tuple(parse_peers(args.peers))
-    cases = [Case("broadcast", "lp", args.count, root=0, chunks=16, seed=1),
-             Case("allreduce", "lp", args.count // 4, chunks=8, seed=2)]
+    cases = [
+        Case("broadcast", "lp", args.count, root=0, chunks=16, seed=1),
+        Case("allreduce", "lp", args.count // 4, chunks=8, seed=2),
+    ]
     report: dict[str, object] = {"rank": args.rank, "ok": True, "seconds": []}
     with UcxEndpoint.connect(UcxOptions(args.rank, peers, b"ns secret", tls="tcp")) as ep:
         for index, case in enumerate(cases):
             dtype, p = dtype_of(case.dtype), ep.size
             inputs = case_inputs(case, p)
-            schedule = generate(Collective(case.op), case.algorithm, p, case.count, case.root,
-                                case.chunks)
+            schedule = generate(Collective(case.op), case.algorithm, p, case.count, case.root, case.chunks)
             out = np.zeros(schedule.out_elements(), dtype)
-            plan = Plan(schedule, args.rank, (inputs[args.rank], out),
-                        Reduction(ReduceOp.SUM, dtype, p))
+            plan = Plan(schedule, args.rank, (inputs[args.rank], out), Reduction(ReduceOp.SUM, dtype, p))
             start = time.perf_counter()
             plan.run(ep, time.monotonic() + 60, tag_base=index << 32)
             report["seconds"].append(time.perf_counter() - start)  # type: ignore[union-attr]

@@ -39,8 +39,9 @@ def case_inputs(case: Case, participants: int) -> list[np.ndarray]:
     from lpsync.types import Collective, ReduceOp, dtype_of
 
     rng = np.random.default_rng(case.seed)
-    return make_inputs(Collective(case.op), participants, case.count, dtype_of(case.dtype),
-                       ReduceOp(case.reduce_op), rng)
+    return make_inputs(
+        Collective(case.op), participants, case.count, dtype_of(case.dtype), ReduceOp(case.reduce_op), rng
+    )
 
 
 class _Records(logging.Handler):
@@ -52,9 +53,18 @@ class _Records(logging.Handler):
         self.lines.append(f"{record.name}: {record.getMessage()}")
 
 
-def participant(rank: int, peers: str, secret: bytes, cases: list[Case], queue: Queue[Any],
-                mode: str = "run", connect_timeout: float = 20.0, timeout: float = 20.0,
-                go: Any = None, transport: str = "ucx") -> None:
+def participant(
+    rank: int,
+    peers: str,
+    secret: bytes,
+    cases: list[Case],
+    queue: Queue[Any],
+    mode: str = "run",
+    connect_timeout: float = 20.0,
+    timeout: float = 20.0,
+    go: Any = None,
+    transport: str = "ucx",
+) -> None:
     """mode: run (the cases), idle (report CPU seconds over 2 s idle after the cases),
     hang (connect, report, then sleep: the parent kills it), recv_timeout (a receive
     nobody sends: expect CollectiveTimeoutError), notice_loss (idle 3 s while the
@@ -81,17 +91,16 @@ def participant(rank: int, peers: str, secret: bytes, cases: list[Case], queue: 
 
     if go is not None and not go.wait(120):  # started early: imports done, port not bound
         return
-    options = MeshOptions(rank, tuple(parse_peers(peers)), secret,
-                          connect_timeout=connect_timeout, close_timeout=5.0)
+    options = MeshOptions(
+        rank, tuple(parse_peers(peers)), secret, connect_timeout=connect_timeout, close_timeout=5.0
+    )
     # heal: one runtime outlives the broken endpoint, as the daemon's peer manager holds it.
-    runtime = (backends.open_runtime(transport, options.peers[rank].port, TCP)
-               if mode == "heal" else None)
+    runtime = backends.open_runtime(transport, options.peers[rank].port, TCP) if mode == "heal" else None
     start = time.monotonic()
     try:
         endpoint = backends.connect(transport, options, runtime, TCP)
     except LpsyncError as error:
-        queue.put(("error", rank, type(error).__name__, str(error), time.monotonic() - start,
-                   records.lines))
+        queue.put(("error", rank, type(error).__name__, str(error), time.monotonic() - start, records.lines))
         return
     queue.put(("connected", rank))
     try:
@@ -117,32 +126,33 @@ def participant(rank: int, peers: str, secret: bytes, cases: list[Case], queue: 
             try:
                 endpoint.recv_into(1, 7, np.empty(4, np.uint8), start + 10.0)
             except LpsyncError as error:
-                queue.put(("error", rank, type(error).__name__, str(error),
-                           time.monotonic() - start, records.lines))
+                queue.put(
+                    ("error", rank, type(error).__name__, str(error), time.monotonic() - start, records.lines)
+                )
             return
         if mode == "recv_timeout":
             start = time.monotonic()
             try:
                 endpoint.recv_into(1 - rank, 999, np.empty(4, np.uint8), start + 1.0)
             except LpsyncError as error:
-                queue.put(("error", rank, type(error).__name__, str(error),
-                           time.monotonic() - start, records.lines))
+                queue.put(
+                    ("error", rank, type(error).__name__, str(error), time.monotonic() - start, records.lines)
+                )
             return
         for index, case in enumerate(cases):
             op, dtype = Collective(case.op), dtype_of(case.dtype)
-            schedule = generate(op, case.algorithm, endpoint.size, case.count, case.root,
-                                case.chunks)
+            schedule = generate(op, case.algorithm, endpoint.size, case.count, case.root, case.chunks)
             inp = case_inputs(case, endpoint.size)[rank]
             out = np.zeros(schedule.out_elements(), dtype)
-            plan = Plan(schedule, rank, (inp, out),
-                        Reduction(ReduceOp(case.reduce_op), dtype, endpoint.size))
+            plan = Plan(schedule, rank, (inp, out), Reduction(ReduceOp(case.reduce_op), dtype, endpoint.size))
             start = time.monotonic()
             try:
                 # A fresh tag space per case: nothing of one case can match another's.
                 plan.run(endpoint, start + timeout, tag_base=index << 32)
             except LpsyncError as error:
-                queue.put(("error", rank, type(error).__name__, str(error),
-                           time.monotonic() - start, records.lines))
+                queue.put(
+                    ("error", rank, type(error).__name__, str(error), time.monotonic() - start, records.lines)
+                )
                 return
             queue.put(("result", rank, index, out))
         if mode == "idle":
@@ -159,7 +169,11 @@ def participant(rank: int, peers: str, secret: bytes, cases: list[Case], queue: 
         # Python threads still alive besides ours and the queue's own feeder thread.
         # _DummyThread entries stand for foreign (C++) threads that once called into
         # Python; Python never forgets them, so they are not evidence of a leak.
-        leaked = [t.name for t in threading.enumerate()
-                  if t is not threading.main_thread() and "Feeder" not in t.name
-                  and not isinstance(t, threading._DummyThread)]
+        leaked = [
+            t.name
+            for t in threading.enumerate()
+            if t is not threading.main_thread()
+            and "Feeder" not in t.name
+            and not isinstance(t, threading._DummyThread)
+        ]
         queue.put(("closed", rank, records.lines, leaked, closing))

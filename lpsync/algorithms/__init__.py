@@ -6,5 +6,18 @@ from lpsync.algorithms.schedule import Buf, Kind, Schedule
 from lpsync.algorithms.simulate import simulate
 from lpsync.algorithms.tuner import Choice, select
 
-__all__ = ["ALGORITHMS", "Algorithm", "Buf", "Choice", "Kind", "LinkModel", "Schedule",
-           "algorithms_for", "closed_form", "generate", "lp_chunks", "select", "simulate"]
+__all__ = [
+    "ALGORITHMS",
+    "Algorithm",
+    "Buf",
+    "Choice",
+    "Kind",
+    "LinkModel",
+    "Schedule",
+    "algorithms_for",
+    "closed_form",
+    "generate",
+    "lp_chunks",
+    "select",
+    "simulate",
+]

@@ -62,12 +62,12 @@ def allgather_be(participants: int, count: int, root: int = 0, chunks: int = 1) 
     return b.build()
 
 
-def reduce_scatter_be(participants: int, count: int, root: int = 0,
-                      chunks: int = 1) -> Schedule:
+def reduce_scatter_be(participants: int, count: int, root: int = 0, chunks: int = 1) -> Schedule:
     p = participants
     b = ScheduleBuilder(Collective.REDUCE_SCATTER, "be", p, count)
     ranks, bounds = np.arange(p), np.arange(p + 1, dtype=np.int64) * count
-    reduce_scatter_blocks(b, ranks, bounds, 0, np.full(p, Buf.TMP), np.full(p, Buf.OUT),
-                          np.zeros(p, np.int64))
+    reduce_scatter_blocks(
+        b, ranks, bounds, 0, np.full(p, Buf.TMP), np.full(p, Buf.OUT), np.zeros(p, np.int64)
+    )
     b.need_tmp(p * count)
     return b.build()

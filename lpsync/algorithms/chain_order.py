@@ -24,8 +24,9 @@ def _cost(order: Sequence[int], links: Sequence[Sequence[int]]) -> tuple[int, ..
     return tuple(reversed(counts))
 
 
-def device_order(devices: Sequence[int], links: Sequence[Sequence[int]], first: int | None = None,
-                 last: int | None = None) -> list[int]:
+def device_order(
+    devices: Sequence[int], links: Sequence[Sequence[int]], first: int | None = None, last: int | None = None
+) -> list[int]:
     """The distinct ``devices`` in chain order, starting at ``first`` / ending at ``last`` if given."""
     distinct = list(dict.fromkeys(devices))
     if len(distinct) <= _EXACT:
@@ -50,8 +51,9 @@ def device_order(devices: Sequence[int], links: Sequence[Sequence[int]], first: 
     return order
 
 
-def chain_order(devices: Sequence[int], links: Sequence[Sequence[int]], first: int | None = None,
-                last: int | None = None) -> list[int]:
+def chain_order(
+    devices: Sequence[int], links: Sequence[Sequence[int]], first: int | None = None, last: int | None = None
+) -> list[int]:
     """Participants (indices into ``devices``, the device of each) in chain order.
 
     ``first``/``last``: a participant that must head/end the chain (a broadcast's root, a
@@ -78,7 +80,8 @@ def chain_order(devices: Sequence[int], links: Sequence[Sequence[int]], first: i
     return chain
 
 
-def crossings(chain: Sequence[int], devices: Sequence[int],
-              links: Sequence[Sequence[int]]) -> tuple[int, ...]:
+def crossings(
+    chain: Sequence[int], devices: Sequence[int], links: Sequence[Sequence[int]]
+) -> tuple[int, ...]:
     """How many links of each class ``chain`` crosses, slowest class first."""
     return _cost([devices[r] for r in chain], links)

@@ -31,8 +31,9 @@ class LinkModel:
     shared_nic: bool = True
 
     @classmethod
-    def from_bandwidth(cls, alpha: float, bandwidth: float, gamma: float = 0.0,
-                       shared_nic: bool = True) -> LinkModel:
+    def from_bandwidth(
+        cls, alpha: float, bandwidth: float, gamma: float = 0.0, shared_nic: bool = True
+    ) -> LinkModel:
         if alpha < 0 or bandwidth <= 0 or gamma < 0:
             raise InvalidArgumentError("alpha and gamma must be >= 0 and bandwidth > 0")
         return cls(alpha, 1.0 / bandwidth, gamma, shared_nic)
@@ -50,8 +51,13 @@ class LinkModel:
 SHARED_MEMORY_LINK = LinkModel(alpha=150e-6, beta=1 / 6e9, gamma=0.0, shared_nic=False)
 
 
-def lp_chunks(participants: int, nbytes: int, link: LinkModel,
-              min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES, op: Collective | None = None) -> int:
+def lp_chunks(
+    participants: int,
+    nbytes: int,
+    link: LinkModel,
+    min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES,
+    op: Collective | None = None,
+) -> int:
     """k* = sqrt(F n (beta+gamma) / alpha), clamped to [1, n / min_chunk_bytes]: F is the
     pipeline's fill in steps, P-2 for broadcast and reduce; for allreduce 2P-3 (the
     reduce fills P-1 links, the broadcast drains them back: 1 at P=2, where chunking
@@ -111,8 +117,9 @@ def _lp_allreduce(p: int, n: float, link: LinkModel, k: int) -> float:
     return steps * step + (p - 1) * n * link.gamma / k
 
 
-def closed_form(op: Collective, algorithm: str, participants: int, nbytes: int,
-                link: LinkModel, chunks: int = 1) -> float:
+def closed_form(
+    op: Collective, algorithm: str, participants: int, nbytes: int, link: LinkModel, chunks: int = 1
+) -> float:
     """Predicted seconds of one collective (uniform blocks assumed)."""
     p, n, a, b, g = participants, float(nbytes), link.alpha, link.beta, link.gamma
     if p == 1:
@@ -128,12 +135,10 @@ def closed_form(op: Collective, algorithm: str, participants: int, nbytes: int,
         ("mst", C.ALLREDUCE): lambda: L * (a + n * (b + g)) + L * (a + n * b),
         ("be", C.BROADCAST): lambda: _scatter(p, n, link) + _allgather(p, n, link, False),
         ("be", C.REDUCE): lambda: _reduce_scatter(p, n, link, False) + _scatter(p, n, link),
-        ("be", C.ALLREDUCE): lambda: (_reduce_scatter(p, n, link, False)
-                                      + _allgather(p, n, link, False)),
+        ("be", C.ALLREDUCE): lambda: _reduce_scatter(p, n, link, False) + _allgather(p, n, link, False),
         ("be", C.ALLGATHER): lambda: _allgather(p, n, link, False),
         ("be", C.REDUCE_SCATTER): lambda: _reduce_scatter(p, n, link, False),
-        ("ring", C.ALLREDUCE): lambda: (_reduce_scatter(p, n, link, True)
-                                        + _allgather(p, n, link, True)),
+        ("ring", C.ALLREDUCE): lambda: _reduce_scatter(p, n, link, True) + _allgather(p, n, link, True),
         ("ring", C.ALLGATHER): lambda: _allgather(p, n, link, True),
         ("ring", C.REDUCE_SCATTER): lambda: _reduce_scatter(p, n, link, True),
     }

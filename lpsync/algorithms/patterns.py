@@ -19,8 +19,15 @@ def is_power_of_two(p: int) -> bool:
     return p > 0 and p & (p - 1) == 0
 
 
-def ring_reduce_scatter(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray, step0: int,
-                        work: np.ndarray, final_buf: np.ndarray, final_lo: np.ndarray) -> int:
+def ring_reduce_scatter(
+    b: ScheduleBuilder,
+    ranks: np.ndarray,
+    bounds: np.ndarray,
+    step0: int,
+    work: np.ndarray,
+    final_buf: np.ndarray,
+    final_lo: np.ndarray,
+) -> int:
     """Ring reduce-scatter: position v ends with block v fully reduced at (final_buf, final_lo).
 
     Each block is received exactly once per position, so the accumulator is always IN.
@@ -29,18 +36,27 @@ def ring_reduce_scatter(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarra
     v = np.arange(p)
     for s in range(p - 1):
         sent, got = (v - s - 1) % p, (v - s - 2) % p
-        b.send(step0 + s, ranks, ranks[(v + 1) % p], Buf.IN if s == 0 else work,
-               bounds[sent], bounds[sent + 1])
+        b.send(
+            step0 + s, ranks, ranks[(v + 1) % p], Buf.IN if s == 0 else work, bounds[sent], bounds[sent + 1]
+        )
         last = s == p - 2
         dst_buf = final_buf if last else work
         dst_lo = final_lo if last else bounds[got]
-        b.recv_reduce(step0 + s, ranks, ranks[(v - 1) % p], dst_buf, dst_lo,
-                      dst_lo + bounds[got + 1] - bounds[got], Buf.IN, bounds[got], final=last)
+        b.recv_reduce(
+            step0 + s,
+            ranks,
+            ranks[(v - 1) % p],
+            dst_buf,
+            dst_lo,
+            dst_lo + bounds[got + 1] - bounds[got],
+            Buf.IN,
+            bounds[got],
+            final=last,
+        )
     return max(p - 1, 0)
 
 
-def ring_allgather(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray, step0: int,
-                   buf: Buf) -> int:
+def ring_allgather(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray, step0: int, buf: Buf) -> int:
     """Ring allgather in ``buf``: position v starts with block v and ends with all of them."""
     p = len(ranks)
     v = np.arange(p)
@@ -51,8 +67,7 @@ def ring_allgather(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray, st
     return max(p - 1, 0)
 
 
-def ring_allreduce(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray,
-                   slices: int) -> None:
+def ring_allreduce(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray, slices: int) -> None:
     """Ring allreduce in OUT (reduce-scatter, then allgather), each block cut into
     ``slices``. A position forwards a slice as soon as it has it (reduced, or received),
     so the reduction of one slice overlaps the transfer of the next and no step waits for
@@ -79,8 +94,7 @@ def ring_allreduce(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray,
         block = (v - s - 2) % p if t < p - 1 else (v - s - 1) % p
         lo, hi = piece(block, j)
         if t < p - 1:
-            b.recv_reduce(t * slices + j, ranks, left, Buf.OUT, lo, hi, Buf.IN, lo,
-                          final=t == p - 2)
+            b.recv_reduce(t * slices + j, ranks, left, Buf.OUT, lo, hi, Buf.IN, lo, final=t == p - 2)
         else:
             b.recv(t * slices + j, ranks, left, Buf.OUT, lo, hi)
 
@@ -94,9 +108,15 @@ def ring_allreduce(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray,
         receive(phases - 1, j)
 
 
-def halving_reduce_scatter(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray,
-                           step0: int, work: np.ndarray, final_buf: np.ndarray,
-                           final_lo: np.ndarray) -> int:
+def halving_reduce_scatter(
+    b: ScheduleBuilder,
+    ranks: np.ndarray,
+    bounds: np.ndarray,
+    step0: int,
+    work: np.ndarray,
+    final_buf: np.ndarray,
+    final_lo: np.ndarray,
+) -> int:
     """Recursive halving (P a power of two): at distance d = P/2 .. 1 each position keeps
     the half of its range that holds its own block and sends the other half to v XOR d."""
     p = len(ranks)
@@ -106,20 +126,28 @@ def halving_reduce_scatter(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.nda
     while d >= 1:
         partner = v ^ d
         keep, give = v & ~(d - 1), partner & ~(d - 1)
-        b.send(step0 + j, ranks, ranks[partner], Buf.IN if j == 0 else work,
-               bounds[give], bounds[give + d])
+        b.send(step0 + j, ranks, ranks[partner], Buf.IN if j == 0 else work, bounds[give], bounds[give + d])
         last = d == 1
         dst_buf = final_buf if last else work
         dst_lo = final_lo if last else bounds[keep]
-        b.recv_reduce(step0 + j, ranks, ranks[partner], dst_buf, dst_lo,
-                      dst_lo + bounds[keep + d] - bounds[keep], Buf.IN if j == 0 else work,
-                      bounds[keep], final=last)
+        b.recv_reduce(
+            step0 + j,
+            ranks,
+            ranks[partner],
+            dst_buf,
+            dst_lo,
+            dst_lo + bounds[keep + d] - bounds[keep],
+            Buf.IN if j == 0 else work,
+            bounds[keep],
+            final=last,
+        )
         d, j = d >> 1, j + 1
     return j
 
 
-def doubling_allgather(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray, step0: int,
-                       buf: Buf) -> int:
+def doubling_allgather(
+    b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray, step0: int, buf: Buf
+) -> int:
     """Recursive doubling (P a power of two): at distance d = 1 .. P/2 exchange the d blocks
     held so far with v XOR d."""
     p = len(ranks)
@@ -135,15 +163,21 @@ def doubling_allgather(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray
     return j
 
 
-def reduce_scatter_blocks(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray, step0: int,
-                          work: np.ndarray, final_buf: np.ndarray, final_lo: np.ndarray) -> int:
+def reduce_scatter_blocks(
+    b: ScheduleBuilder,
+    ranks: np.ndarray,
+    bounds: np.ndarray,
+    step0: int,
+    work: np.ndarray,
+    final_buf: np.ndarray,
+    final_lo: np.ndarray,
+) -> int:
     """Bidirectional exchange where it applies (P a power of two), the ring otherwise."""
     pattern = halving_reduce_scatter if is_power_of_two(len(ranks)) else ring_reduce_scatter
     return pattern(b, ranks, bounds, step0, work, final_buf, final_lo)
 
 
-def allgather_blocks(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray, step0: int,
-                     buf: Buf) -> int:
+def allgather_blocks(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray, step0: int, buf: Buf) -> int:
     pattern = doubling_allgather if is_power_of_two(len(ranks)) else ring_allgather
     return pattern(b, ranks, bounds, step0, buf)
 
@@ -151,6 +185,7 @@ def allgather_blocks(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray, 
 # Binomial trees: position v's parent is v - lowbit(v); its children are v + m for
 # m = lowbit(v)/2, lowbit(v)/4, .. 1 (the root's start at 2^(L-1)), v + m < P.
 # Child v + m hangs off round L-1-log2(m) going down and round log2(m) going up.
+
 
 def _child_masks(v: int, levels: int) -> list[int]:
     m = (lowbit(v) if v else 1 << levels) >> 1
@@ -166,8 +201,16 @@ def _emit(b: ScheduleBuilder, method: str, rows: list[tuple[object, ...]]) -> No
         getattr(b, method)(*(np.array(col) for col in zip(*rows, strict=True)))
 
 
-def binomial_down(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray | None, step0: int,
-                  root_buf: Buf, buf: Buf, lo: int = 0, hi: int = 0) -> int:
+def binomial_down(
+    b: ScheduleBuilder,
+    ranks: np.ndarray,
+    bounds: np.ndarray | None,
+    step0: int,
+    root_buf: Buf,
+    buf: Buf,
+    lo: int = 0,
+    hi: int = 0,
+) -> int:
     """Broadcast (bounds None: span lo:hi) or scatter (bounds: each subtree gets its blocks)
     from position 0, which reads root_buf; every other position receives into ``buf``."""
     p = len(ranks)
@@ -180,19 +223,41 @@ def binomial_down(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray | No
     for v in range(p):
         if v:
             m = lowbit(v)
-            recvs.append((step0 + levels - 1 - m.bit_length() + 1, ranks[v], ranks[v - m], buf,
-                          *span(v, min(v + m, p))))
+            recvs.append(
+                (
+                    step0 + levels - 1 - m.bit_length() + 1,
+                    ranks[v],
+                    ranks[v - m],
+                    buf,
+                    *span(v, min(v + m, p)),
+                )
+            )
         for m in _child_masks(v, levels):
             if v + m < p:
-                sends.append((step0 + levels - m.bit_length(), ranks[v], ranks[v + m],
-                              root_buf if v == 0 else buf, *span(v + m, min(v + 2 * m, p))))
+                sends.append(
+                    (
+                        step0 + levels - m.bit_length(),
+                        ranks[v],
+                        ranks[v + m],
+                        root_buf if v == 0 else buf,
+                        *span(v + m, min(v + 2 * m, p)),
+                    )
+                )
     _emit(b, "send", sends)
     _emit(b, "recv", recvs)
     return levels
 
 
-def binomial_up(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray | None, step0: int,
-                work: np.ndarray, lo: int = 0, hi: int = 0, reduce: bool = False) -> int:
+def binomial_up(
+    b: ScheduleBuilder,
+    ranks: np.ndarray,
+    bounds: np.ndarray | None,
+    step0: int,
+    work: np.ndarray,
+    lo: int = 0,
+    hi: int = 0,
+    reduce: bool = False,
+) -> int:
     """Reduce (reduce=True, span lo:hi) or gather (bounds: blocks) toward position 0.
 
     Position v combines into work[v]. Reducing, its first child's message is added to
@@ -214,15 +279,13 @@ def binomial_up(b: ScheduleBuilder, ranks: np.ndarray, bounds: np.ndarray | None
             if reduce:
                 acc = Buf.IN if i == 0 else work[v]
                 final = v == 0 and i == len(children) - 1
-                reduces.append((step, ranks[v], ranks[v + m], work[v], s_lo, s_hi, acc, s_lo,
-                                final))
+                reduces.append((step, ranks[v], ranks[v + m], work[v], s_lo, s_hi, acc, s_lo, final))
             else:
                 recvs.append((step, ranks[v], ranks[v + m], work[v], s_lo, s_hi))
         if v:
             m = lowbit(v)
             src = work[v] if (children or not reduce) else Buf.IN
-            sends.append((step0 + m.bit_length() - 1, ranks[v], ranks[v - m], src,
-                          *span(v, min(v + m, p))))
+            sends.append((step0 + m.bit_length() - 1, ranks[v], ranks[v - m], src, *span(v, min(v + m, p))))
     _emit(b, "send", sends)
     _emit(b, "recv", recvs)
     _emit(b, "recv_reduce", reduces)

@@ -27,25 +27,44 @@ C = Collective
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (
-        Algorithm("lp", "linear pipeline: a chain, the message cut into k chunks",
-                  "large messages; cost flat in P",
-                  True, {C.BROADCAST: lp.broadcast_lp, C.REDUCE: lp.reduce_lp,
-                         C.ALLREDUCE: lp.allreduce_lp}),
-        Algorithm("ring", "ring reduce-scatter and allgather (NCCL, Gloo, Horovod); "
-                  "allreduce's blocks cut into k slices",
-                  "large allreduce with one NIC per node",
-                  True, {C.ALLREDUCE: ring.allreduce_ring,
-                          C.REDUCE_SCATTER: ring.reduce_scatter_ring,
-                          C.ALLGATHER: ring.allgather_ring}),
-        Algorithm("mst", "binomial tree (minimum spanning tree), whole message per round",
-                  "small messages: ceil(log2 P) latencies",
-                  False, {C.BROADCAST: mst.broadcast_mst, C.REDUCE: mst.reduce_mst,
-                          C.ALLREDUCE: mst.allreduce_mst}),
-        Algorithm("be", "bidirectional exchange: scatter/reduce-scatter + allgather/gather",
-                  "medium messages: 2 log2 P latencies, 2(P-1)/P bytes",
-                  False, {C.BROADCAST: be.broadcast_be, C.REDUCE: be.reduce_be,
-                          C.ALLREDUCE: be.allreduce_be, C.ALLGATHER: be.allgather_be,
-                          C.REDUCE_SCATTER: be.reduce_scatter_be}),
+        Algorithm(
+            "lp",
+            "linear pipeline: a chain, the message cut into k chunks",
+            "large messages; cost flat in P",
+            True,
+            {C.BROADCAST: lp.broadcast_lp, C.REDUCE: lp.reduce_lp, C.ALLREDUCE: lp.allreduce_lp},
+        ),
+        Algorithm(
+            "ring",
+            "ring reduce-scatter and allgather (NCCL, Gloo, Horovod); allreduce's blocks cut into k slices",
+            "large allreduce with one NIC per node",
+            True,
+            {
+                C.ALLREDUCE: ring.allreduce_ring,
+                C.REDUCE_SCATTER: ring.reduce_scatter_ring,
+                C.ALLGATHER: ring.allgather_ring,
+            },
+        ),
+        Algorithm(
+            "mst",
+            "binomial tree (minimum spanning tree), whole message per round",
+            "small messages: ceil(log2 P) latencies",
+            False,
+            {C.BROADCAST: mst.broadcast_mst, C.REDUCE: mst.reduce_mst, C.ALLREDUCE: mst.allreduce_mst},
+        ),
+        Algorithm(
+            "be",
+            "bidirectional exchange: scatter/reduce-scatter + allgather/gather",
+            "medium messages: 2 log2 P latencies, 2(P-1)/P bytes",
+            False,
+            {
+                C.BROADCAST: be.broadcast_be,
+                C.REDUCE: be.reduce_be,
+                C.ALLREDUCE: be.allreduce_be,
+                C.ALLGATHER: be.allgather_be,
+                C.REDUCE_SCATTER: be.reduce_scatter_be,
+            },
+        ),
     )
 }
 
@@ -54,16 +73,19 @@ def algorithms_for(op: Collective) -> list[str]:
     return [name for name, algo in ALGORITHMS.items() if op in algo.generators]
 
 
-def generate(op: Collective, algorithm: str, participants: int, count: int, root: int = 0,
-             chunks: int = 1) -> Schedule:
+def generate(
+    op: Collective, algorithm: str, participants: int, count: int, root: int = 0, chunks: int = 1
+) -> Schedule:
     """The schedule of ``op`` by ``algorithm``; InvalidArgumentError for impossible requests."""
     if algorithm not in ALGORITHMS:
         raise InvalidArgumentError(
-            f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+            f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}"
+        )
     algo = ALGORITHMS[algorithm]
     if op not in algo.generators:
         raise InvalidArgumentError(
-            f"algorithm {algorithm!r} has no {op}; {op} is offered by {', '.join(algorithms_for(op))}")
+            f"algorithm {algorithm!r} has no {op}; {op} is offered by {', '.join(algorithms_for(op))}"
+        )
     if participants < 1:
         raise InvalidArgumentError(f"participants must be >= 1, got {participants}")
     if count < 0:

@@ -20,13 +20,11 @@ def allreduce_ring(participants: int, count: int, root: int = 0, chunks: int = 1
     return b.build()
 
 
-def reduce_scatter_ring(participants: int, count: int, root: int = 0,
-                        chunks: int = 1) -> Schedule:
+def reduce_scatter_ring(participants: int, count: int, root: int = 0, chunks: int = 1) -> Schedule:
     p = participants
     b = ScheduleBuilder(Collective.REDUCE_SCATTER, "ring", p, count)
     ranks, bounds = np.arange(p), np.arange(p + 1, dtype=np.int64) * count
-    ring_reduce_scatter(b, ranks, bounds, 0, np.full(p, Buf.TMP), np.full(p, Buf.OUT),
-                        np.zeros(p, np.int64))
+    ring_reduce_scatter(b, ranks, bounds, 0, np.full(p, Buf.TMP), np.full(p, Buf.OUT), np.zeros(p, np.int64))
     b.need_tmp(p * count)
     return b.build()
 

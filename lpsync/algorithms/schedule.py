@@ -95,8 +95,10 @@ class Schedule:
     def program(self, rank: int) -> list[tuple[int, int, int, int, int, int, int, bool, int]]:
         """Rank's ops in program order as tuples (kind, peer, buf, lo, hi, src, src_lo, final, tag)."""
         a, b = int(self.offsets[rank]), int(self.offsets[rank + 1])
-        cols = [self.ops[name][a:b].tolist() for name in
-                ("kind", "peer", "buf", "lo", "hi", "src", "src_lo", "final")]
+        cols = [
+            self.ops[name][a:b].tolist()
+            for name in ("kind", "peer", "buf", "lo", "hi", "src", "src_lo", "final")
+        ]
         return list(zip(*cols, self.tags[a:b].tolist(), strict=True))
 
     def message_bytes(self, itemsize: int) -> np.ndarray:
@@ -112,8 +114,9 @@ class ScheduleBuilder:
     order), so generators can emit ops in whatever order is convenient.
     """
 
-    def __init__(self, op: Collective, algorithm: str, participants: int, count: int,
-                 root: int = 0, chunks: int = 1) -> None:
+    def __init__(
+        self, op: Collective, algorithm: str, participants: int, count: int, root: int = 0, chunks: int = 1
+    ) -> None:
         self.op, self.algorithm = op, algorithm
         self.participants, self.count, self.root, self.chunks = participants, count, root, chunks
         self.tmp_elements = 0
@@ -125,26 +128,75 @@ class ScheduleBuilder:
         shape = np.broadcast_shapes(*(a.shape for a in arrays.values()))
         self._batches.append((shape, arrays))
 
-    def send(self, step: object, rank: object, peer: object, buf: object, lo: object,
-             hi: object) -> None:
-        self._add(step=step, rank=rank, kind=Kind.SEND, peer=peer, buf=buf, lo=lo, hi=hi,
-                  src=0, src_lo=0, final=False)
+    def send(self, step: object, rank: object, peer: object, buf: object, lo: object, hi: object) -> None:
+        self._add(
+            step=step,
+            rank=rank,
+            kind=Kind.SEND,
+            peer=peer,
+            buf=buf,
+            lo=lo,
+            hi=hi,
+            src=0,
+            src_lo=0,
+            final=False,
+        )
 
-    def recv(self, step: object, rank: object, peer: object, buf: object, lo: object,
-             hi: object) -> None:
-        self._add(step=step, rank=rank, kind=Kind.RECV, peer=peer, buf=buf, lo=lo, hi=hi,
-                  src=0, src_lo=0, final=False)
+    def recv(self, step: object, rank: object, peer: object, buf: object, lo: object, hi: object) -> None:
+        self._add(
+            step=step,
+            rank=rank,
+            kind=Kind.RECV,
+            peer=peer,
+            buf=buf,
+            lo=lo,
+            hi=hi,
+            src=0,
+            src_lo=0,
+            final=False,
+        )
 
-    def recv_reduce(self, step: object, rank: object, peer: object, buf: object, lo: object,
-                    hi: object, src: object, src_lo: object, final: object = False) -> None:
+    def recv_reduce(
+        self,
+        step: object,
+        rank: object,
+        peer: object,
+        buf: object,
+        lo: object,
+        hi: object,
+        src: object,
+        src_lo: object,
+        final: object = False,
+    ) -> None:
         """span(buf, lo:hi) = span(src, src_lo:) op received; ``final`` marks a fully reduced result."""
-        self._add(step=step, rank=rank, kind=Kind.RECV_REDUCE, peer=peer, buf=buf, lo=lo, hi=hi,
-                  src=src, src_lo=src_lo, final=final)
+        self._add(
+            step=step,
+            rank=rank,
+            kind=Kind.RECV_REDUCE,
+            peer=peer,
+            buf=buf,
+            lo=lo,
+            hi=hi,
+            src=src,
+            src_lo=src_lo,
+            final=final,
+        )
 
-    def copy(self, step: object, rank: object, buf: object, lo: object, hi: object,
-             src: object, src_lo: object) -> None:
-        self._add(step=step, rank=rank, kind=Kind.COPY, peer=-1, buf=buf, lo=lo, hi=hi,
-                  src=src, src_lo=src_lo, final=False)
+    def copy(
+        self, step: object, rank: object, buf: object, lo: object, hi: object, src: object, src_lo: object
+    ) -> None:
+        self._add(
+            step=step,
+            rank=rank,
+            kind=Kind.COPY,
+            peer=-1,
+            buf=buf,
+            lo=lo,
+            hi=hi,
+            src=src,
+            src_lo=src_lo,
+            final=False,
+        )
 
     def need_tmp(self, elements: int) -> None:
         self.tmp_elements = max(self.tmp_elements, int(elements))
@@ -174,13 +226,23 @@ class ScheduleBuilder:
             cols = {k: v[order] for k, v in cols.items()}
         offsets = np.searchsorted(cols["rank"], np.arange(p + 1), side="left").astype(np.int64)
         tags, send_op, recv_op = _match_messages(cols, p, self.algorithm)
-        return Schedule(op=self.op, algorithm=self.algorithm, participants=p, count=self.count,
-                        root=self.root, chunks=self.chunks, ops=cols, offsets=offsets, tags=tags,
-                        send_op=send_op, recv_op=recv_op, tmp_elements=self.tmp_elements)
+        return Schedule(
+            op=self.op,
+            algorithm=self.algorithm,
+            participants=p,
+            count=self.count,
+            root=self.root,
+            chunks=self.chunks,
+            ops=cols,
+            offsets=offsets,
+            tags=tags,
+            send_op=send_op,
+            recv_op=recv_op,
+            tmp_elements=self.tmp_elements,
+        )
 
 
-def _pair_order(src: np.ndarray, dst: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray,
-                                                                   np.ndarray]:
+def _pair_order(src: np.ndarray, dst: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For messages listed in program order: the (src, dst) pair key, the order that sorts
     them by pair (program order kept inside a pair) and each one's number within its pair."""
     pair = src.astype(np.int64) * p + dst
@@ -193,8 +255,9 @@ def _pair_order(src: np.ndarray, dst: np.ndarray, p: int) -> tuple[np.ndarray, n
     return pair, order, seq
 
 
-def _match_messages(cols: dict[str, np.ndarray], p: int, name: str) -> tuple[
-        np.ndarray, np.ndarray, np.ndarray]:
+def _match_messages(
+    cols: dict[str, np.ndarray], p: int, name: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     kind = cols["kind"]
     tags = np.full(len(kind), -1, np.int64)
     sends = np.flatnonzero(kind == Kind.SEND)

@@ -63,15 +63,15 @@ def _previous_on_port(rows: np.ndarray, key: np.ndarray, none: int) -> np.ndarra
     return prev
 
 
-def simulate(schedule: Schedule, itemsize: int, link: LinkModel,
-             max_sweeps: int | None = None) -> SimResult:
+def simulate(schedule: Schedule, itemsize: int, link: LinkModel, max_sweeps: int | None = None) -> SimResult:
     s, p = schedule, schedule.participants
     ops, m = s.ops, s.num_messages
     nbytes = ((ops["hi"] - ops["lo"]) * itemsize).astype(np.float64)
     src, dst = ops["rank"][s.send_op].astype(np.int64), ops["rank"][s.recv_op].astype(np.int64)
     cost = np.rint((link.alpha + nbytes[s.send_op] * link.beta) / PICOSECOND).astype(np.int64)
-    reduce_cost = np.rint(np.where(ops["kind"] == Kind.RECV_REDUCE, nbytes * link.gamma, 0.0)
-                          / PICOSECOND).astype(np.int64)
+    reduce_cost = np.rint(
+        np.where(ops["kind"] == Kind.RECV_REDUCE, nbytes * link.gamma, 0.0) / PICOSECOND
+    ).astype(np.int64)
 
     # Port keys: a NIC per participant, or a link per ordered pair.
     out_key = src if link.shared_nic else src * p + dst
@@ -91,7 +91,7 @@ def simulate(schedule: Schedule, itemsize: int, link: LinkModel,
         cuts = np.searchsorted(rows[order], s.offsets)
         groups = []
         for r in range(p):
-            msgs = order[cuts[r]:cuts[r + 1]]
+            msgs = order[cuts[r] : cuts[r + 1]]
             keys = key[msgs]
             groups.append([msgs] if link.shared_nic else [msgs[keys == k] for k in np.unique(keys)])
         return groups
@@ -105,7 +105,7 @@ def simulate(schedule: Schedule, itemsize: int, link: LinkModel,
     limit = max_sweeps if max_sweeps is not None else 8 * p + 64
     for sweep in range(1, limit + 1):
         before = (end.copy(), pc.copy())
-        for r in (range(p) if sweep % 2 else range(p - 1, -1, -1)):
+        for r in range(p) if sweep % 2 else range(p - 1, -1, -1):
             a, b = int(s.offsets[r]), int(s.offsets[r + 1])
             for msgs in inbound[r]:  # the in-port: messages arrive in program order
                 ready = np.maximum(pc[s.send_op[msgs]], end[prev_out[msgs]])
@@ -113,7 +113,7 @@ def simulate(schedule: Schedule, itemsize: int, link: LinkModel,
             if b > a:  # the program: receives wait for their message, then reduce
                 arrive = np.where(is_recv[a:b], end[row_msg[a:b]], 0)
                 finish = _chain(arrive, reduce_cost[a:b])
-                pc[a + 1:b] = finish[:-1]
+                pc[a + 1 : b] = finish[:-1]
                 done[r] = finish[-1]
             for msgs in outbound[r]:  # the out-port: sends leave in program order
                 ready = np.maximum(pc[s.send_op[msgs]], end[prev_in[msgs]])
@@ -123,7 +123,8 @@ def simulate(schedule: Schedule, itemsize: int, link: LinkModel,
     else:
         raise SimulationError(
             f"{s.algorithm} {s.op} on {p} participants did not settle in {limit} sweeps; "
-            "the schedule may deadlock")
+            "the schedule may deadlock"
+        )
     seconds = max(int(done.max(initial=0)), int(end[:m].max(initial=0))) * PICOSECOND
     sent = np.bincount(src, weights=nbytes[s.send_op], minlength=p)
     received = np.bincount(dst, weights=nbytes[s.send_op], minlength=p)

@@ -24,8 +24,14 @@ class Choice:
     seconds: float  # the model's prediction
 
 
-def chunks_for(algorithm: str, participants: int, nbytes: int, link: LinkModel,
-               min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES, op: Collective | None = None) -> int:
+def chunks_for(
+    algorithm: str,
+    participants: int,
+    nbytes: int,
+    link: LinkModel,
+    min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES,
+    op: Collective | None = None,
+) -> int:
     if not ALGORITHMS[algorithm].pipelined:
         return 1
     if algorithm == "ring":
@@ -36,9 +42,14 @@ def chunks_for(algorithm: str, participants: int, nbytes: int, link: LinkModel,
 TIE_MARGIN = 0.05
 
 
-def select(op: Collective, nbytes: int, participants: int, link: LinkModel,
-           candidates: Iterable[str] | None = None,
-           min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES) -> Choice:
+def select(
+    op: Collective,
+    nbytes: int,
+    participants: int,
+    link: LinkModel,
+    candidates: Iterable[str] | None = None,
+    min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES,
+) -> Choice:
     """The candidate (default: every algorithm offering ``op``) the model predicts fastest.
 
     Predictions within TIE_MARGIN of the fastest count as ties, and ties go to the earlier
@@ -53,9 +64,14 @@ def select(op: Collective, nbytes: int, participants: int, link: LinkModel,
     return next(c for c in predicted if c.seconds <= fastest * (1 + TIE_MARGIN))
 
 
-def predictions(op: Collective, nbytes: int, participants: int, link: LinkModel,
-                candidates: Iterable[str] | None = None,
-                min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES) -> list[Choice]:
+def predictions(
+    op: Collective,
+    nbytes: int,
+    participants: int,
+    link: LinkModel,
+    candidates: Iterable[str] | None = None,
+    min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES,
+) -> list[Choice]:
     """Every candidate that offers ``op`` with its chunk count and predicted time, in
     registry order (lp, ring, mst, be)."""
     names = list(candidates) if candidates is not None else algorithms_for(op)

@@ -85,8 +85,7 @@ class ClusterOptions:
         if self.iters < 1 or self.warmup < 0:
             raise InvalidArgumentError("--iters must be >= 1 and --warmup >= 0")
         if unknown := [op for op in self.ops if op not in OPS]:
-            raise InvalidArgumentError(f"--op {','.join(unknown)}: expected some of "
-                                       f"{', '.join(OPS)}")
+            raise InvalidArgumentError(f"--op {','.join(unknown)}: expected some of {', '.join(OPS)}")
         if unknown := [s for s in self.sizes if s < 4]:
             raise InvalidArgumentError(f"--bytes: sizes must be >= 4 (one float32), got {unknown}")
         for transport in self.transports:
@@ -98,8 +97,9 @@ class ClusterOptions:
         for algorithm in self.algorithms:
             if not any(algorithm in self.offered(op) for op in self.ops):
                 offered = "; ".join(f"{op}: {', '.join(self.offered(op))}" for op in self.ops)
-                raise InvalidArgumentError(f"--algorithm {algorithm} runs none of the ops asked "
-                                           f"for ({offered})")
+                raise InvalidArgumentError(
+                    f"--algorithm {algorithm} runs none of the ops asked for ({offered})"
+                )
 
     @staticmethod
     def offered(op: str) -> list[str]:
@@ -110,18 +110,23 @@ class ClusterOptions:
         return [a for a in self.algorithms if a in self.offered(op)]
 
     def skipped(self) -> list[str]:
-        return [f"{a} has no {op}" for op in self.ops for a in self.algorithms
-                if a not in self.offered(op)]
+        return [f"{a} has no {op}" for op in self.ops for a in self.algorithms if a not in self.offered(op)]
 
     def plan(self, nodes: int, daemon_pids: list[int] | None = None) -> dict[str, Any]:
         """What every rank runs (cluster_worker.py --plan); the job name carries the prefix,
         so every process of a run can be found by it. Local rank 0 of node n reads the CPU
         time of ``daemon_pids[n]``."""
-        plan = {"job": f"{self.prefix}-{nodes}", "ops": list(self.ops),
-                "daemon_pids": list(daemon_pids or []),
-                "sizes": list(self.sizes), "warmup": self.warmup, "iters": self.iters,
-                "compare": self.compare, "timeout": self.collective_timeout,
-                "algorithms": {op: self.algorithms_of(op) for op in self.ops}}
+        plan = {
+            "job": f"{self.prefix}-{nodes}",
+            "ops": list(self.ops),
+            "daemon_pids": list(daemon_pids or []),
+            "sizes": list(self.sizes),
+            "warmup": self.warmup,
+            "iters": self.iters,
+            "compare": self.compare,
+            "timeout": self.collective_timeout,
+            "algorithms": {op: self.algorithms_of(op) for op in self.ops},
+        }
         if self.model:
             from lpsync.bench.model_step import messages
 
@@ -138,8 +143,7 @@ class ClusterOptions:
             from lpsync.bench.model_step import MODES
 
             return len(MODES) * (1 + (self.compare is not None))
-        per_size = sum(len(self.algorithms_of(op)) + (self.compare is not None)
-                       for op in self.ops)
+        per_size = sum(len(self.algorithms_of(op)) + (self.compare is not None) for op in self.ops)
         return per_size * len(self.sizes)
 
 
@@ -155,8 +159,12 @@ def run(options: ClusterOptions) -> Iterator[list[Point]]:
         for nodes in options.nodes:
             points = []
             for i, transport in enumerate(options.transports):
-                points += _run_nodes(replace(options, compare=options.compare if i == 0
-                                             else None), nodes, interrupts, transport)
+                points += _run_nodes(
+                    replace(options, compare=options.compare if i == 0 else None),
+                    nodes,
+                    interrupts,
+                    transport,
+                )
             yield points
 
 
@@ -167,8 +175,7 @@ class _Node:
     log: Path
 
 
-def _run_nodes(options: ClusterOptions, nodes: int, interrupts: _Interrupts,
-               transport: str) -> list[Point]:
+def _run_nodes(options: ClusterOptions, nodes: int, interrupts: _Interrupts, transport: str) -> list[Point]:
     spec = ClusterSpec(nodes, options.rate_bits, prefix=options.prefix)
     try:
         up(spec)  # removes what it made if it fails or is interrupted halfway
@@ -178,13 +185,17 @@ def _run_nodes(options: ClusterOptions, nodes: int, interrupts: _Interrupts,
     daemons: list[_Node] = []  # filled as they start, so teardown sees every one
     workers: list[subprocess.Popen[bytes]] = []
     try:
-        progress(f"{nodes} nodes: cluster {spec.prefix!r} up "
-                 f"({format_rate(spec.rate_bits)} full duplex per node; peer transport "
-                 f"{transport})")
+        progress(
+            f"{nodes} nodes: cluster {spec.prefix!r} up "
+            f"({format_rate(spec.rate_bits)} full duplex per node; peer transport "
+            f"{transport})"
+        )
         _start_daemons(spec, options, tmp, daemons, transport)
         pids = ", ".join(str(d.daemon.pid) for d in daemons)
-        progress(f"{nodes} nodes: {nodes} daemons serving (pids {pids}); starting "
-                 f"{nodes * options.procs_per_node} ranks")
+        progress(
+            f"{nodes} nodes: {nodes} daemons serving (pids {pids}); starting "
+            f"{nodes * options.procs_per_node} ranks"
+        )
         _start_workers(spec, options, daemons, tmp, workers)
         points = _collect(options, nodes, workers, daemons, tmp)
         for point in points:
@@ -199,8 +210,12 @@ def _run_nodes(options: ClusterOptions, nodes: int, interrupts: _Interrupts,
             if options.logs:
                 where = f"{nodes}nodes" + ("" if transport == "ucx" else f"-{transport}")
                 try:
-                    shutil.copytree(tmp, Path(options.logs) / where,
-                                    dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock*"))
+                    shutil.copytree(
+                        tmp,
+                        Path(options.logs) / where,
+                        dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("*.sock*"),
+                    )
                 except OSError as error:
                     progress(f"could not keep the logs in {options.logs}: {error}")
             shutil.rmtree(tmp, ignore_errors=True)
@@ -212,22 +227,45 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("LPSYNC_")}
 
 
-def _start_daemons(spec: ClusterSpec, options: ClusterOptions, tmp: Path,
-                   daemons: list[_Node], transport: str = "ucx") -> None:
+def _start_daemons(
+    spec: ClusterSpec, options: ClusterOptions, tmp: Path, daemons: list[_Node], transport: str = "ucx"
+) -> None:
     peers = ",".join(f"{spec.address(i)}:{PEER_PORT}" for i in range(spec.nodes))
-    env = {**_clean_env(), "LPSYNC_SECRET": secrets.token_hex(32), "LPSYNC_PEER_TLS": "tcp",
-           "LPSYNC_PEER_TRANSPORT": transport}
+    env = {
+        **_clean_env(),
+        "LPSYNC_SECRET": secrets.token_hex(32),
+        "LPSYNC_PEER_TLS": "tcp",
+        "LPSYNC_PEER_TRANSPORT": transport,
+    }
     for node in range(spec.nodes):
         where = tmp / f"node{node}"
         where.mkdir()
         socket, log = str(where / "lpsync.sock"), where / "daemon.log"
         with open(log, "wb") as out:
-            proc = run_in(spec, node, [sys.executable, "-m", "lpsync.cli", "daemon",
-                                       "--socket", socket, "--node-rank", str(node),
-                                       "--peers", peers, "--log-level", "INFO",
-                                       "--flight-recorder", str(options.flight_recorder())],
-                          stdout=out, stderr=subprocess.STDOUT, env=env,
-                          start_new_session=True)  # Ctrl-C reaches us; we stop them in order
+            proc = run_in(
+                spec,
+                node,
+                [
+                    sys.executable,
+                    "-m",
+                    "lpsync.cli",
+                    "daemon",
+                    "--socket",
+                    socket,
+                    "--node-rank",
+                    str(node),
+                    "--peers",
+                    peers,
+                    "--log-level",
+                    "INFO",
+                    "--flight-recorder",
+                    str(options.flight_recorder()),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )  # Ctrl-C reaches us; we stop them in order
         daemons.append(_Node(proc, socket, log))
     deadline = time.monotonic() + _START_TIMEOUT + _START_PER_NODE * max(0, spec.nodes - 8)
     for node, d in enumerate(daemons):
@@ -237,29 +275,52 @@ def _start_daemons(spec: ClusterSpec, options: ClusterOptions, tmp: Path,
             time.sleep(0.1)
 
 
-def _start_workers(spec: ClusterSpec, options: ClusterOptions, daemons: list[_Node], tmp: Path,
-                   workers: list[subprocess.Popen[bytes]]) -> None:
+def _start_workers(
+    spec: ClusterSpec,
+    options: ClusterOptions,
+    daemons: list[_Node],
+    tmp: Path,
+    workers: list[subprocess.Popen[bytes]],
+) -> None:
     k = options.procs_per_node
     world = spec.nodes * k
     # `ip netns exec` execs the command: each Popen's pid is its daemon's.
     plan = json.dumps(options.plan(spec.nodes, [d.daemon.pid for d in daemons]))
     for rank in range(world):
         node = rank // k
-        env = {**_clean_env(), "RANK": str(rank), "WORLD_SIZE": str(world),
-               "LOCAL_RANK": str(rank % k), "LOCAL_WORLD_SIZE": str(k),
-               "LPSYNC_SOCKET": daemons[node].socket,
-               # gloo: its store on node 0, its sockets on the shaped NIC
-               "MASTER_ADDR": spec.address(0), "MASTER_PORT": str(GLOO_PORT),
-               "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+        env = {
+            **_clean_env(),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank % k),
+            "LOCAL_WORLD_SIZE": str(k),
+            "LPSYNC_SOCKET": daemons[node].socket,
+            # gloo: its store on node 0, its sockets on the shaped NIC
+            "MASTER_ADDR": spec.address(0),
+            "MASTER_PORT": str(GLOO_PORT),
+            "GLOO_SOCKET_IFNAME": "eth0",
+            "OMP_NUM_THREADS": "1",
+        }
         with open(tmp / f"rank{rank}.log", "wb") as err:
-            proc = run_in(spec, node, [sys.executable, "-m", "lpsync.bench.cluster_worker",
-                                       "--plan", plan],
-                          stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True)
+            proc = run_in(
+                spec,
+                node,
+                [sys.executable, "-m", "lpsync.bench.cluster_worker", "--plan", plan],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=env,
+                start_new_session=True,
+            )
         workers.append(proc)
 
 
-def _collect(options: ClusterOptions, nodes: int, workers: list[subprocess.Popen[bytes]],
-             daemons: list[_Node], tmp: Path) -> list[Point]:
+def _collect(
+    options: ClusterOptions,
+    nodes: int,
+    workers: list[subprocess.Popen[bytes]],
+    daemons: list[_Node],
+    tmp: Path,
+) -> list[Point]:
     """Read every rank's JSON lines (blocking in select) until all have exited; a rank
     or daemon that fails ends the run with its log."""
     world = len(workers)
@@ -277,8 +338,9 @@ def _collect(options: ClusterOptions, nodes: int, workers: list[subprocess.Popen
                 raise ClusterError(f"{nodes} nodes: no result after {options.timeout:.0f} s")
             for node, d in enumerate(daemons):
                 if d.daemon.poll() is not None:
-                    raise ClusterError(f"the daemon of node {node} exited with code "
-                                       f"{d.daemon.returncode}:\n{_tail(d.log)}")
+                    raise ClusterError(
+                        f"the daemon of node {node} exited with code {d.daemon.returncode}:\n{_tail(d.log)}"
+                    )
             for key, _ in selector.select(timeout=1.0):
                 rank = key.data
                 data = os.read(key.fd, 1 << 16)
@@ -286,27 +348,35 @@ def _collect(options: ClusterOptions, nodes: int, workers: list[subprocess.Popen
                     selector.unregister(key.fileobj)
                     del pending[rank]
                     if (rc := workers[rank].wait(30)) != 0:
-                        raise ClusterError(f"rank {rank} (node {rank // options.procs_per_node})"
-                                           f" failed with exit code {rc}:\n"
-                                           f"{_tail(tmp / f'rank{rank}.log')}")
+                        raise ClusterError(
+                            f"rank {rank} (node {rank // options.procs_per_node})"
+                            f" failed with exit code {rc}:\n"
+                            f"{_tail(tmp / f'rank{rank}.log')}"
+                        )
                     continue
                 *lines, pending[rank] = (pending[rank] + data).split(b"\n")
                 for line in lines:
                     point = _take(options, nodes, world, partial, json.loads(line))
                     if point is not None:
                         points.append(point)
-                        progress(f"[{len(points)}/{expected}] {nodes} nodes {point.op} "
-                                 f"{label(point)} {format_size(point.nbytes)}: "
-                                 f"{point.seconds:.4f} s = {point.seconds / point.wire_seconds:.2f}"
-                                 f"x wire, {_cpu_text(point)}, #wrong {point.wrong}")
+                        progress(
+                            f"[{len(points)}/{expected}] {nodes} nodes {point.op} "
+                            f"{label(point)} {format_size(point.nbytes)}: "
+                            f"{point.seconds:.4f} s = {point.seconds / point.wire_seconds:.2f}"
+                            f"x wire, {_cpu_text(point)}, #wrong {point.wrong}"
+                        )
     if len(points) != expected:
         raise ClusterError(f"{nodes} nodes: got {len(points)} of {expected} points")
     return points
 
 
-def _take(options: ClusterOptions, nodes: int, world: int,
-          partial: dict[tuple[str, str, str, int], dict[int, dict[str, Any]]],
-          row: dict[str, Any]) -> Point | None:
+def _take(
+    options: ClusterOptions,
+    nodes: int,
+    world: int,
+    partial: dict[tuple[str, str, str, int], dict[int, dict[str, Any]]],
+    row: dict[str, Any],
+) -> Point | None:
     key = (row["engine"], row["op"], row["algorithm"], row["bytes"])
     got = partial.setdefault(key, {})
     got[row["rank"]] = row
@@ -317,10 +387,20 @@ def _take(options: ClusterOptions, nodes: int, world: int,
     if all("cpu" in r for r in got.values()):  # --model's rows carry none
         cpu = {part: sum(r["cpu"][part] for r in got.values()) for part in row["cpu"]}
     records = {r["node"]: r["records"] for r in got.values() if r.get("node") is not None}
-    return Point(row["op"], row["algorithm"], got[0]["ran"], nodes, options.procs_per_node,
-                 options.rate_bits, row["bytes"], row["count"],
-                 [max(t) for t in zip(*(r["times"] for r in got.values()), strict=True)],
-                 sum(r["wrong"] for r in got.values()), cpu, records)
+    return Point(
+        row["op"],
+        row["algorithm"],
+        got[0]["ran"],
+        nodes,
+        options.procs_per_node,
+        options.rate_bits,
+        row["bytes"],
+        row["count"],
+        [max(t) for t in zip(*(r["times"] for r in got.values()), strict=True)],
+        sum(r["wrong"] for r in got.values()),
+        cpu,
+        records,
+    )
 
 
 def _cpu_text(point: Point) -> str:
@@ -375,8 +455,7 @@ class _Interrupts:
 
     def __enter__(self) -> _Interrupts:
         if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT,
-                                                                      signal.SIGTERM)}
+            self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def __exit__(self, *exc: object) -> None:

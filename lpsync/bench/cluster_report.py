@@ -41,9 +41,15 @@ class FixedCost:
         return f"{', '.join(parts)}, client {self.client * 1e6:.0f} us"
 
     def to_json(self) -> dict[str, Any]:
-        return {"iteration": self.iteration, "seconds": self.seconds, "node": self.node,
-                "stages": self.stages, "stage_medians": self.medians,
-                "daemon_seconds": self.daemon, "client_seconds": self.client}
+        return {
+            "iteration": self.iteration,
+            "seconds": self.seconds,
+            "node": self.node,
+            "stages": self.stages,
+            "stage_medians": self.medians,
+            "daemon_seconds": self.daemon,
+            "client_seconds": self.client,
+        }
 
 
 @dataclass
@@ -103,31 +109,45 @@ class Point:
         n = len(self.times)
         if not self.records or any(len(r) != n for r in self.records.values()) or not n:
             return None
-        longest = [max((r[j] for r in self.records.values()), key=lambda rec: rec["total"])
-                   for j in range(n)]
+        longest = [max((r[j] for r in self.records.values()), key=lambda rec: rec["total"]) for j in range(n)]
         i = sorted(range(n), key=self.times.__getitem__)[(n - 1) // 2]
         node = max(self.records, key=lambda m: self.records[m][i]["total"])
         record = self.records[node][i]
         stages = {s: record["stages"][s] for s in STAGES if s in record["stages"]}
         stages |= {s: t for s, t in record["stages"].items() if s not in stages}
-        medians = {s: statistics.median(rec["stages"].get(s, 0.0) for rec in longest)
-                   for s in stages}
-        return FixedCost(i, self.times[i], node, stages, record["total"],
-                         self.times[i] - record["total"], medians)
+        medians = {s: statistics.median(rec["stages"].get(s, 0.0) for rec in longest) for s in stages}
+        return FixedCost(
+            i, self.times[i], node, stages, record["total"], self.times[i] - record["total"], medians
+        )
 
     def to_json(self) -> dict[str, Any]:
         fixed = self.fixed_cost()
-        return {"op": self.op, "algorithm": self.algorithm, "ran": self.ran,
-                "transport": self.transport,
-                "nodes": self.nodes, "procs_per_node": self.procs_per_node,
-                "ranks": self.ranks, "link": format_rate(self.rate_bits),
-                "rate_bits": self.rate_bits, "bytes": self.nbytes, "count": self.count,
-                "dtype": DTYPE, "seconds": self.seconds, "wire_seconds": self.wire_seconds,
-                "x_wire": self.seconds / self.wire_seconds, "algbw_gbps": self.algbw(),
-                "busbw_gbps": self.busbw(), "wrong": self.wrong,
-                "iterations": len(self.times), "times": self.times,
-                "cpu_seconds": self.cpu_seconds(), "cpu_s_per_gb": self.cpu_per_gb(),
-                "cpu": self.cpu, "fixed_cost": fixed.to_json() if fixed else None}
+        return {
+            "op": self.op,
+            "algorithm": self.algorithm,
+            "ran": self.ran,
+            "transport": self.transport,
+            "nodes": self.nodes,
+            "procs_per_node": self.procs_per_node,
+            "ranks": self.ranks,
+            "link": format_rate(self.rate_bits),
+            "rate_bits": self.rate_bits,
+            "bytes": self.nbytes,
+            "count": self.count,
+            "dtype": DTYPE,
+            "seconds": self.seconds,
+            "wire_seconds": self.wire_seconds,
+            "x_wire": self.seconds / self.wire_seconds,
+            "algbw_gbps": self.algbw(),
+            "busbw_gbps": self.busbw(),
+            "wrong": self.wrong,
+            "iterations": len(self.times),
+            "times": self.times,
+            "cpu_seconds": self.cpu_seconds(),
+            "cpu_s_per_gb": self.cpu_per_gb(),
+            "cpu": self.cpu,
+            "fixed_cost": fixed.to_json() if fixed else None,
+        }
 
 
 def label(point: Point) -> str:
@@ -165,35 +185,38 @@ def _block(rows: list[Point], fewest: dict[Key, Point]) -> list[str]:
     nodes, op, k = first.nodes, first.op, first.procs_per_node
     root = 0 if op in ("broadcast", "reduce") else -1
     redop = "sum" if op in ("allreduce", "reduce", "reduce_scatter") else "none"
-    base = {key(p): fewest[key(p)] for p in rows
-            if key(p) in fewest and fewest[key(p)].nodes < nodes}
+    base = {key(p): fewest[key(p)] for p in rows if key(p) in fewest and fewest[key(p)].nodes < nodes}
     vs = f"vs {min(b.nodes for b in base.values())}n" if base else ""
-    lines = [f"# {op}: {nodes} nodes x {k} rank{'s' if k > 1 else ''} per node, "
-             f"{format_rate(first.rate_bits)} full-duplex NIC per node, {DTYPE}; time = median "
-             f"of {len(first.times)} iterations of the slowest rank; cpu = CPU seconds of every "
-             "node process per GB of message; wire = bytes / link rate"
-             + ("; vs Nn = time / the same point's on N nodes" if base else ""),
-             f"#{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} "
-             f"{'algorithm':>13} | {'time':>12} {'cpu':>8} {'algbw':>7} {'busbw':>7} "
-             f"{'#wrong':>6} | {'wire':>12} {'x wire':>6}" + (f" {vs:>6}" if base else ""),
-             f"#{'(B)':>12} {'(elements)':>12} {'':>8} {'':>6} {'':>5} {'':>13} | "
-             f"{'(us)':>12} {'(s/GB)':>8} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} | "
-             f"{'(us)':>12} {'':>6}" + (f" {'':>6}" if base else "")]
+    lines = [
+        f"# {op}: {nodes} nodes x {k} rank{'s' if k > 1 else ''} per node, "
+        f"{format_rate(first.rate_bits)} full-duplex NIC per node, {DTYPE}; time = median "
+        f"of {len(first.times)} iterations of the slowest rank; cpu = CPU seconds of every "
+        "node process per GB of message; wire = bytes / link rate"
+        + ("; vs Nn = time / the same point's on N nodes" if base else ""),
+        f"#{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} "
+        f"{'algorithm':>13} | {'time':>12} {'cpu':>8} {'algbw':>7} {'busbw':>7} "
+        f"{'#wrong':>6} | {'wire':>12} {'x wire':>6}" + (f" {vs:>6}" if base else ""),
+        f"#{'(B)':>12} {'(elements)':>12} {'':>8} {'':>6} {'':>5} {'':>13} | "
+        f"{'(us)':>12} {'(s/GB)':>8} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} | "
+        f"{'(us)':>12} {'':>6}" + (f" {'':>6}" if base else ""),
+    ]
     for p in rows:
         ratio = p.seconds / base[key(p)].seconds if key(p) in base else None
-        lines.append(f" {p.nbytes:>12} {p.count:>12} {DTYPE:>8} {redop:>6} {root:>5} "
-                     f"{label(p):>13} | {p.seconds * 1e6:>12.1f} {_fmt(p.cpu_per_gb(), '.4g', 8)} "
-                     f"{p.algbw():>7.3f} {p.busbw():>7.3f} {p.wrong:>6} | "
-                     f"{p.wire_seconds * 1e6:>12.1f} {p.seconds / p.wire_seconds:>6.2f}"
-                     + (f" {_fmt(ratio, '.2f', 6)}" if base else ""))
+        lines.append(
+            f" {p.nbytes:>12} {p.count:>12} {DTYPE:>8} {redop:>6} {root:>5} "
+            f"{label(p):>13} | {p.seconds * 1e6:>12.1f} {_fmt(p.cpu_per_gb(), '.4g', 8)} "
+            f"{p.algbw():>7.3f} {p.busbw():>7.3f} {p.wrong:>6} | "
+            f"{p.wire_seconds * 1e6:>12.1f} {p.seconds / p.wire_seconds:>6.2f}"
+            + (f" {_fmt(ratio, '.2f', 6)}" if base else "")
+        )
     for nbytes in dict.fromkeys(p.nbytes for p in rows):
         same = {key(p)[1]: p for p in rows if p.nbytes == nbytes}
         if "lp" in same and len(same) > 1:
             lp = same.pop("lp")
-            faster = ", ".join(f"{p.seconds / lp.seconds:.2f}x {label(p)}"
-                               for p in same.values())
-            lines.append(f"# {format_size(nbytes)}: lp's time against the others: {faster} "
-                         "(>1: lp is faster)")
+            faster = ", ".join(f"{p.seconds / lp.seconds:.2f}x {label(p)}" for p in same.values())
+            lines.append(
+                f"# {format_size(nbytes)}: lp's time against the others: {faster} (>1: lp is faster)"
+            )
     return lines
 
 
@@ -203,18 +226,24 @@ def fixed_cost_lines(rows: list[Point]) -> list[str]:
     if not costs:
         return []
     names = list(dict.fromkeys(s for _, f in costs for s in f.stages))
-    lines = ["# fixed cost of the median iteration, in the daemon that took longest (node): "
-             "arriving = first to last local rank, queued = dispatch, agreeing = the cross-node "
-             "summary exchange and waiting for the other nodes, running = the schedule and the "
-             "replies' hand-off; client = time - the daemon's total (request in, reply out)",
-             f"#{'size':>12} {'algorithm':>13} {'node':>4} | {'time':>10} | "
-             + " ".join(f"{n:>10}" for n in names) + f" | {'client':>10}",
-             f"#{'(B)':>12} {'':>13} {'':>4} | {'(us)':>10} | " + " ".join(f"{'(us)':>10}" for _ in names)
-             + f" | {'(us)':>10}"]
+    lines = [
+        "# fixed cost of the median iteration, in the daemon that took longest (node): "
+        "arriving = first to last local rank, queued = dispatch, agreeing = the cross-node "
+        "summary exchange and waiting for the other nodes, running = the schedule and the "
+        "replies' hand-off; client = time - the daemon's total (request in, reply out)",
+        f"#{'size':>12} {'algorithm':>13} {'node':>4} | {'time':>10} | "
+        + " ".join(f"{n:>10}" for n in names)
+        + f" | {'client':>10}",
+        f"#{'(B)':>12} {'':>13} {'':>4} | {'(us)':>10} | "
+        + " ".join(f"{'(us)':>10}" for _ in names)
+        + f" | {'(us)':>10}",
+    ]
     for p, f in costs:
-        lines.append(f" {p.nbytes:>12} {label(p):>13} {f.node:>4} | {f.seconds * 1e6:>10.1f} | "
-                     + " ".join(f"{f.stages.get(n, 0.0) * 1e6:>10.1f}" for n in names)
-                     + f" | {f.client * 1e6:>10.1f}")
+        lines.append(
+            f" {p.nbytes:>12} {label(p):>13} {f.node:>4} | {f.seconds * 1e6:>10.1f} | "
+            + " ".join(f"{f.stages.get(n, 0.0) * 1e6:>10.1f}" for n in names)
+            + f" | {f.client * 1e6:>10.1f}"
+        )
     return lines
 
 
@@ -223,14 +252,15 @@ def scaling(points: list[Point]) -> list[str]:
     against the fewest nodes' (LP's claim: independent of P)."""
     lines = []
     for op, algorithm, nbytes in dict.fromkeys(key(p) for p in points):
-        same = sorted((p for p in points if key(p) == (op, algorithm, nbytes)),
-                      key=lambda p: p.nodes)
+        same = sorted((p for p in points if key(p) == (op, algorithm, nbytes)), key=lambda p: p.nodes)
         if len(same) > 1:
             few = same[0]
-            rest = ", ".join(f"{p.nodes} nodes {p.seconds:.4f} s "
-                             f"({p.seconds / few.seconds:.2f}x)" for p in same[1:])
-            lines.append(f"# {op} {algorithm} {format_size(nbytes)}: {few.nodes} nodes "
-                         f"{few.seconds:.4f} s, {rest}")
+            rest = ", ".join(
+                f"{p.nodes} nodes {p.seconds:.4f} s ({p.seconds / few.seconds:.2f}x)" for p in same[1:]
+            )
+            lines.append(
+                f"# {op} {algorithm} {format_size(nbytes)}: {few.nodes} nodes {few.seconds:.4f} s, {rest}"
+            )
     return lines
 
 
@@ -254,4 +284,5 @@ def emit(as_json: bool) -> Callable[[list[Point]], None]:
             if key(p) not in fewest or p.nodes < fewest[key(p)].nodes:
                 fewest[key(p)] = p
         print(text, flush=True)
+
     return show

@@ -56,8 +56,13 @@ class Measured:
     cpu: dict[str, float]  # CPU seconds: rank/daemon, over the loop and over barriers alone
 
 
-def measure(call: Callable[[], object], barrier: Callable[[], object], warmup: int,
-            iters: int, meter: CpuMeter | None = None) -> Measured:
+def measure(
+    call: Callable[[], object],
+    barrier: Callable[[], object],
+    warmup: int,
+    iters: int,
+    meter: CpuMeter | None = None,
+) -> Measured:
     """``iters`` timed calls, each after a barrier, and one barrier closing the loop (a
     call's last work on other ranks' behalf may spill into the barrier after it); then the
     same ``iters + 1`` barriers alone, so that the loop's CPU minus theirs is the calls'."""
@@ -76,8 +81,12 @@ def measure(call: Callable[[], object], barrier: Callable[[], object], warmup: i
     for _ in range(iters + 1):
         barrier()
     c2 = meter.read()
-    cpu = {"rank": c1[0] - c0[0], "daemon": c1[1] - c0[1],
-           "rank_barriers": c2[0] - c1[0], "daemon_barriers": c2[1] - c1[1]}
+    cpu = {
+        "rank": c1[0] - c0[0],
+        "daemon": c1[1] - c0[1],
+        "rank_barriers": c2[0] - c1[0],
+        "daemon_barriers": c2[1] - c1[1],
+    }
     return Measured(times, (w0, w1), cpu)
 
 
@@ -110,16 +119,25 @@ def run_lpsync(args: argparse.Namespace, rank: int, world: int) -> None:
                     # (lpsync/daemon/learning.py); time what it keeps, not the trials.
                     warmup = args.warmup + (LEARNING_CALLS if forced is None else 0)
                     got = measure(call, client.barrier, warmup, args.iters, meter)
-                    records = (flight_records(client, op, got.window)
-                               if node is not None else [])
+                    records = flight_records(client, op, got.window) if node is not None else []
                     fill(op, buf, rank, world, count)
                     client.barrier()
                     call()
                     wrong = count_wrong(op, buf, rank, world, count, ROOT)
-                    _emit(engine="lpsync", op=op, algorithm=algorithm, bytes=nbytes,
-                          count=count, rank=rank, times=got.times, wrong=wrong, cpu=got.cpu,
-                          node=node, records=records,
-                          ran=_ran(client, op, count) if rank == 0 else "")
+                    _emit(
+                        engine="lpsync",
+                        op=op,
+                        algorithm=algorithm,
+                        bytes=nbytes,
+                        count=count,
+                        rank=rank,
+                        times=got.times,
+                        wrong=wrong,
+                        cpu=got.cpu,
+                        node=node,
+                        records=records,
+                        ran=_ran(client, op, count) if rank == 0 else "",
+                    )
                 client.release(buf)
                 del buf
 
@@ -136,8 +154,13 @@ def flight_records(client, op: str, window: tuple[float, float]) -> list[dict[st
             continue
         for r in info.history:
             if r.op == op and r.code == "OK" and window[0] <= r.started_at <= window[1]:
-                out.append({"sequence": r.sequence, "total": r.total_seconds,
-                            "stages": {s.stage: s.seconds for s in r.stages}})
+                out.append(
+                    {
+                        "sequence": r.sequence,
+                        "total": r.total_seconds,
+                        "stages": {s.stage: s.seconds for s in r.stages},
+                    }
+                )
     return sorted(out, key=lambda r: r["sequence"])
 
 
@@ -161,11 +184,20 @@ def run_model(args: argparse.Namespace, rank: int, world: int) -> None:
     total = {mode: sum(counts) for mode, counts in args.model.items()}
     with lpsync_client.connect(job=args.job, timeout=args.timeout) as client:
         client.barrier()  # waits for the peer mesh; not timed
-        for mode, times, wrong, per_message in lpsync_steps(client, rank, world, args.model,
-                                                            args.iters, args.warmup):
-            _emit(engine="lpsync", op="allreduce", algorithm=mode, bytes=4 * total[mode],
-                  count=total[mode], rank=rank, times=times, wrong=wrong,
-                  ran=summary(per_message))
+        for mode, times, wrong, per_message in lpsync_steps(
+            client, rank, world, args.model, args.iters, args.warmup
+        ):
+            _emit(
+                engine="lpsync",
+                op="allreduce",
+                algorithm=mode,
+                bytes=4 * total[mode],
+                count=total[mode],
+                rank=rank,
+                times=times,
+                wrong=wrong,
+                ran=summary(per_message),
+            )
     if args.compare == "gloo":
         import torch
         import torch.distributed as dist
@@ -173,11 +205,18 @@ def run_model(args: argparse.Namespace, rank: int, world: int) -> None:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
         try:
-            for mode, times, wrong in gloo_steps(rank, world, args.model, args.iters,
-                                                 args.warmup):
-                _emit(engine="gloo", op="allreduce", algorithm=f"gloo {mode}",
-                      bytes=4 * total[mode], count=total[mode], rank=rank, times=times,
-                      wrong=wrong, ran="gloo")
+            for mode, times, wrong in gloo_steps(rank, world, args.model, args.iters, args.warmup):
+                _emit(
+                    engine="gloo",
+                    op="allreduce",
+                    algorithm=f"gloo {mode}",
+                    bytes=4 * total[mode],
+                    count=total[mode],
+                    rank=rank,
+                    times=times,
+                    wrong=wrong,
+                    ran="gloo",
+                )
         finally:
             dist.destroy_process_group()
 
@@ -193,21 +232,33 @@ def run_gloo(args: argparse.Namespace, rank: int, world: int) -> None:
             for nbytes in args.sizes:
                 count = element_count(op, nbytes, world)
                 full, mine = gloo_tensors(op, rank, world, count)
-                got = measure(gloo_call(dist, op, full, mine), dist.barrier, args.warmup,
-                              args.iters)
+                got = measure(gloo_call(dist, op, full, mine), dist.barrier, args.warmup, args.iters)
                 wrong = gloo_verify(dist, op, full, mine, rank, world, count)
-                _emit(engine="gloo", op=op, algorithm="gloo", bytes=nbytes, count=count,
-                      rank=rank, times=got.times, wrong=wrong, cpu=got.cpu, ran="gloo")
+                _emit(
+                    engine="gloo",
+                    op=op,
+                    algorithm="gloo",
+                    bytes=nbytes,
+                    count=count,
+                    rank=rank,
+                    times=got.times,
+                    wrong=wrong,
+                    cpu=got.cpu,
+                    ran="gloo",
+                )
     finally:
         dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lpsync.bench.cluster_worker",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--plan", required=True,
-                        help="JSON: job, ops, algorithms (per op), sizes, warmup, iters, "
-                             "timeout, compare")
+    parser = argparse.ArgumentParser(
+        prog="python -m lpsync.bench.cluster_worker", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--plan",
+        required=True,
+        help="JSON: job, ops, algorithms (per op), sizes, warmup, iters, timeout, compare",
+    )
     plan = json.loads(parser.parse_args(argv).plan)
     args = argparse.Namespace(**plan)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -32,8 +32,9 @@ def cpu_seconds(pid: int) -> float:
     try:
         return time.clock_gettime(process_clock(pid))
     except OSError as error:
-        raise LpsyncError(f"cannot read the CPU time of process {pid} (gone, or not "
-                          f"ours?): {error}") from None
+        raise LpsyncError(
+            f"cannot read the CPU time of process {pid} (gone, or not ours?): {error}"
+        ) from None
 
 
 @dataclass(frozen=True)

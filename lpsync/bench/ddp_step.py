@@ -37,12 +37,17 @@ def _model(width: int, depth: int):
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
 
 
-def _rank(rank: int, procs: int, socket: str, port: int, args: argparse.Namespace,
-          queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(procs), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(procs), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), LPSYNC_SOCKET=socket,
-                      LPSYNC_JOB=f"ddp-bench-{port}")
+def _rank(rank: int, procs: int, socket: str, port: int, args: argparse.Namespace, queue) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(procs),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(procs),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        LPSYNC_SOCKET=socket,
+        LPSYNC_JOB=f"ddp-bench-{port}",
+    )
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -61,8 +66,7 @@ def _rank(rank: int, procs: int, socket: str, port: int, args: argparse.Namespac
         if variant == "local":  # the same step without DDP: the compute alone
             model = _model(args.width, args.depth)
         else:
-            model = DDP(_model(args.width, args.depth),
-                        process_group=None if variant == "lpsync" else gloo)
+            model = DDP(_model(args.width, args.depth), process_group=None if variant == "lpsync" else gloo)
         if variant == "hook":
             model.register_comm_hook(lt.hook_state(), lt.allreduce_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -84,17 +88,23 @@ def _rank(rank: int, procs: int, socket: str, port: int, args: argparse.Namespac
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lpsync.bench.ddp_step", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m lpsync.bench.ddp_step",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--procs", type=int, default=4)
     parser.add_argument("--width", type=int, default=2048, help="hidden width of the MLP")
     parser.add_argument("--depth", type=int, default=4, help="hidden layers of the MLP")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help="comma-separated: lpsync (the backend), hook (gloo group + "
-                        "lpsync DDP hook), gloo, local (no DDP: the compute alone)")
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated: lpsync (the backend), hook (gloo group + "
+        "lpsync DDP hook), gloo, local (no DDP: the compute alone)",
+    )
     parser.add_argument("--socket", help="a running daemon's socket (default: start one)")
     parser.add_argument("--port", type=int, default=29611, help="the rendezvous port")
     parser.add_argument("--timeout", type=float, default=600.0)
@@ -108,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         socket = args.socket
         if socket is None or not serving(socket):
             socket = socket or os.path.join(tmp, "lpsync.sock")
-            daemon = subprocess.Popen([sys.executable, "-m", "lpsync.cli", "daemon", "--socket",
-                                       socket, "--log-level", "WARNING"])
+            daemon = subprocess.Popen(
+                [sys.executable, "-m", "lpsync.cli", "daemon", "--socket", socket, "--log-level", "WARNING"]
+            )
             deadline = time.monotonic() + 30
             while not serving(socket):
                 if daemon.poll() is not None or time.monotonic() > deadline:
@@ -128,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
 def _launch(args: argparse.Namespace, socket: str) -> dict[str, tuple[list[float] | None, bool]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.procs, socket, args.port, args, queue))
-             for r in range(args.procs)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, args.procs, socket, args.port, args, queue))
+        for r in range(args.procs)
+    ]
     for p in procs:
         p.start()
     got: dict[str, list] = {v: [] for v in args.variants}
@@ -162,14 +175,20 @@ def report(args: argparse.Namespace, results: dict[str, tuple[list[float] | None
     model = _model(args.width, args.depth)
     params = sum(p.numel() for p in model.parameters())
     base = results.get("gloo", (None, True))[0]
-    lines = [f"DDP step, MLP {args.depth}x{args.width} ({params / 1e6:.1f} M float32 parameters, "
-             f"{params * 4 / 2**20:.0f} MiB of gradients), batch {args.batch}, {args.procs} "
-             f"processes, {args.steps} timed steps after {args.warmup}",
-             "",
-             "| variant | median step (ms) | p90 (ms) | vs gloo | ranks agree |",
-             "|---|---:|---:|---:|---|"]
-    names = {"lpsync": "backend `lpsync` (no hook)", "hook": "gloo group + lpsync DDP hook",
-             "gloo": "gloo", "local": "no DDP (compute alone)"}
+    lines = [
+        f"DDP step, MLP {args.depth}x{args.width} ({params / 1e6:.1f} M float32 parameters, "
+        f"{params * 4 / 2**20:.0f} MiB of gradients), batch {args.batch}, {args.procs} "
+        f"processes, {args.steps} timed steps after {args.warmup}",
+        "",
+        "| variant | median step (ms) | p90 (ms) | vs gloo | ranks agree |",
+        "|---|---:|---:|---:|---|",
+    ]
+    names = {
+        "lpsync": "backend `lpsync` (no hook)",
+        "hook": "gloo group + lpsync DDP hook",
+        "gloo": "gloo",
+        "local": "no DDP (compute alone)",
+    }
     for variant in args.variants:
         times, same = results[variant]
         if times is None:
@@ -178,8 +197,10 @@ def report(args: argparse.Namespace, results: dict[str, tuple[list[float] | None
         median = statistics.median(times)
         p90 = sorted(times)[int(0.9 * (len(times) - 1))]
         ratio = f"{median / statistics.median(base):.2f}x" if base else ""
-        lines.append(f"| {names[variant]} | {median * 1e3:.1f} | {p90 * 1e3:.1f} | {ratio} | "
-                     f"{'yes' if same else 'NO'} |")
+        lines.append(
+            f"| {names[variant]} | {median * 1e3:.1f} | {p90 * 1e3:.1f} | {ratio} | "
+            f"{'yes' if same else 'NO'} |"
+        )
     return "\n".join(lines)
 
 

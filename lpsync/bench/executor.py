@@ -27,8 +27,7 @@ from lpsync.report import write_json_lines, write_table
 from lpsync.types import Collective, ReduceOp, dtype_of
 from lpsync.units import format_size, parse_size
 
-COLUMNS = ("algorithm", "procs", "size", "chunks", "executor_s", "baseline_s", "speed", "algbw",
-           "wrong")
+COLUMNS = ("algorithm", "procs", "size", "chunks", "executor_s", "baseline_s", "speed", "algbw", "wrong")
 
 
 def elementwise_work(schedule: Schedule) -> tuple[int, int]:
@@ -54,14 +53,14 @@ def baseline(count: int, dtype: np.dtype, reduced: int, copied: int) -> float:
     return time.perf_counter() - started
 
 
-def measure(algorithm: str, procs: int, nbytes: int, dtype: np.dtype, chunks: int,
-            repeat: int) -> dict[str, object]:
+def measure(
+    algorithm: str, procs: int, nbytes: int, dtype: np.dtype, chunks: int, repeat: int
+) -> dict[str, object]:
     count = nbytes // dtype.itemsize
     schedule = generate(Collective.ALLREDUCE, algorithm, procs, count, chunks=chunks)
     rng = np.random.default_rng(1)
     inputs = [rng.integers(-8, 8, count).astype(dtype) for _ in range(procs)]
-    buffers = [layout(Collective.ALLREDUCE, r, procs, count, x, in_place=False)
-                for r, x in enumerate(inputs)]
+    buffers = [layout(Collective.ALLREDUCE, r, procs, count, x, in_place=False) for r, x in enumerate(inputs)]
     reduced, copied = elementwise_work(schedule)
     ours, theirs = [], []
     with LocalGroup(schedule, buffers, Reduction(ReduceOp.SUM, dtype, procs)) as group:
@@ -74,21 +73,36 @@ def measure(algorithm: str, procs: int, nbytes: int, dtype: np.dtype, chunks: in
     expected = np.sum(inputs, axis=0, dtype=dtype)
     wrong = sum(int(np.count_nonzero(out != expected)) for _, out in buffers)
     executor_s, baseline_s = statistics.median(ours), statistics.median(theirs)
-    return {"algorithm": algorithm, "procs": procs, "bytes": nbytes, "size": format_size(nbytes),
-            "chunks": schedule.chunks, "executor_s": executor_s, "baseline_s": baseline_s,
-            "speed": baseline_s / executor_s, "algbw": algbw(nbytes, executor_s), "wrong": wrong}
+    return {
+        "algorithm": algorithm,
+        "procs": procs,
+        "bytes": nbytes,
+        "size": format_size(nbytes),
+        "chunks": schedule.chunks,
+        "executor_s": executor_s,
+        "baseline_s": baseline_s,
+        "speed": baseline_s / executor_s,
+        "algbw": algbw(nbytes, executor_s),
+        "wrong": wrong,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lpsync.bench.executor", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m lpsync.bench.executor",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--procs", type=int, default=4, help="participants (threads), default 4")
     parser.add_argument("--bytes", default="64MiB", help="buffer size (default 64MiB)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--algorithm", default="lp", help="comma list (default lp)")
-    parser.add_argument("--chunk-bytes", default=None,
-                        help="LP chunk size (default: the tuner's k* for the shared-memory link "
-                             "model, lpsync.algorithms.cost.SHARED_MEMORY_LINK)")
+    parser.add_argument(
+        "--chunk-bytes",
+        default=None,
+        help="LP chunk size (default: the tuner's k* for the shared-memory link "
+        "model, lpsync.algorithms.cost.SHARED_MEMORY_LINK)",
+    )
     parser.add_argument("--repeat", type=int, default=9, help="timed runs each (default 9)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -97,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         chunks = lp_chunks(args.procs, nbytes, SHARED_MEMORY_LINK)
     else:
         chunks = max(1, nbytes // max(1, parse_size(args.chunk_bytes)))
-    rows = [measure(a.strip(), args.procs, nbytes, dtype, chunks, args.repeat)
-            for a in args.algorithm.split(",")]
+    rows = [
+        measure(a.strip(), args.procs, nbytes, dtype, chunks, args.repeat) for a in args.algorithm.split(",")
+    ]
     if args.json:
         write_json_lines(rows, sys.stdout)
     else:

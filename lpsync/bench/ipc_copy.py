@@ -66,11 +66,17 @@ def measure(nbytes: int, device: int = 0) -> dict[str, float]:
     finally:
         parent.send("done")
         proc.join(30)
-    return {"bytes": nbytes, "d2d_gbps": nbytes / d2d / 1e9, "ipc_gbps": nbytes / ipc / 1e9,
-            "ipc_over_d2d": d2d / ipc}
+    return {
+        "bytes": nbytes,
+        "d2d_gbps": nbytes / d2d / 1e9,
+        "ipc_gbps": nbytes / ipc / 1e9,
+        "ipc_over_d2d": d2d / ipc,
+    }
 
 
 def report(result: dict[str, float]) -> str:
-    return (f"# copy bandwidth on one GPU, {result['bytes'] / 2**20:.0f} MiB: device-to-device "
-            f"{result['d2d_gbps']:.1f} GB/s, through CUDA IPC {result['ipc_gbps']:.1f} GB/s "
-            f"({100 * result['ipc_over_d2d']:.0f}% of D2D)")
+    return (
+        f"# copy bandwidth on one GPU, {result['bytes'] / 2**20:.0f} MiB: device-to-device "
+        f"{result['d2d_gbps']:.1f} GB/s, through CUDA IPC {result['ipc_gbps']:.1f} GB/s "
+        f"({100 * result['ipc_over_d2d']:.0f}% of D2D)"
+    )

@@ -75,13 +75,14 @@ def messages(model: str) -> dict[str, list[int]]:
 def _views(flat: np.ndarray, counts: list[int]) -> list[np.ndarray]:
     out, offset = [], 0
     for n in counts:
-        out.append(flat[offset:offset + n])
+        out.append(flat[offset : offset + n])
         offset += n
     return out
 
 
-def lpsync_steps(client, rank: int, world: int, plan: dict[str, list[int]], iters: int,
-                 warmup: int) -> Iterator[tuple[str, list[float], int, list[tuple[int, str]]]]:
+def lpsync_steps(
+    client, rank: int, world: int, plan: dict[str, list[int]], iters: int, warmup: int
+) -> Iterator[tuple[str, list[float], int, list[tuple[int, str]]]]:
     """Per mode: (mode, this rank's step times, wrong elements after a verified step,
     rank 0's (elements, algorithm) per message in sequence order). One shared-memory buffer
     holds every message."""
@@ -111,15 +112,17 @@ def lpsync_steps(client, rank: int, world: int, plan: dict[str, list[int]], iter
         per_message: list[tuple[int, str]] = []
         if rank == 0:
             recent = client._call(client._stub.Status, pb.StatusRequest(recent=256)).recent
-            mine = sorted((r for r in recent if r.job == client.job and r.op == "allreduce"),
-                          key=lambda r: r.sequence)[-len(views):]
+            mine = sorted(
+                (r for r in recent if r.job == client.job and r.op == "allreduce"), key=lambda r: r.sequence
+            )[-len(views) :]
             per_message = [(r.count, r.algorithm) for r in mine]
         yield mode, times, wrong, per_message
     client.release(flat)
 
 
-def gloo_steps(rank: int, world: int, plan: dict[str, list[int]], iters: int,
-               warmup: int) -> Iterator[tuple[str, list[float], int]]:
+def gloo_steps(
+    rank: int, world: int, plan: dict[str, list[int]], iters: int, warmup: int
+) -> Iterator[tuple[str, list[float], int]]:
     """The same steps through torch.distributed's gloo (the process group is the caller's)."""
     import torch
     import torch.distributed as dist
@@ -127,7 +130,7 @@ def gloo_steps(rank: int, world: int, plan: dict[str, list[int]], iters: int,
     want = world * (world + 1) / 2
     flat = torch.zeros(max(sum(c) for c in plan.values()))
     for mode, counts in plan.items():
-        views = list(torch.split(flat[:sum(counts)], counts))
+        views = list(torch.split(flat[: sum(counts)], counts))
 
         def step(views: list = views) -> None:
             for work in [dist.all_reduce(v, async_op=True) for v in views]:
@@ -148,20 +151,34 @@ def gloo_steps(rank: int, world: int, plan: dict[str, list[int]], iters: int,
 
 
 def summary(per_message: list[tuple[int, str]]) -> str:
-    """"lp x3, ring x2": the algorithms the daemon ran, counted per message."""
+    """ "lp x3, ring x2": the algorithms the daemon ran, counted per message."""
     return ", ".join(f"{a} x{n}" for a, n in sorted(Counter(a for _, a in per_message).items()))
 
 
-def worker(rank: int, world: int, sockets: list[str], job: str, plan: dict[str, list[int]],
-           iters: int, warmup: int, compare: str | None, queue) -> None:
+def worker(
+    rank: int,
+    world: int,
+    sockets: list[str],
+    job: str,
+    plan: dict[str, list[int]],
+    iters: int,
+    warmup: int,
+    compare: str | None,
+    queue,
+) -> None:
     import lpsync_client
 
     per_node = world // len(sockets)  # node-major ranks, as torchrun numbers them
-    with lpsync_client.connect(sockets[rank // per_node], job=job, rank=rank,
-                               world_size=world, local_rank=rank % per_node,
-                               local_world_size=per_node, timeout=600) as client:
-        for mode, times, wrong, per_message in lpsync_steps(client, rank, world, plan, iters,
-                                                            warmup):
+    with lpsync_client.connect(
+        sockets[rank // per_node],
+        job=job,
+        rank=rank,
+        world_size=world,
+        local_rank=rank % per_node,
+        local_world_size=per_node,
+        timeout=600,
+    ) as client:
+        for mode, times, wrong, per_message in lpsync_steps(client, rank, world, plan, iters, warmup):
             queue.put(("lpsync", mode, rank, times, wrong, per_message))
     if compare == "gloo":
         import torch
@@ -169,8 +186,7 @@ def worker(rank: int, world: int, sockets: list[str], job: str, plan: dict[str, 
 
         torch.set_num_threads(1)
         store = os.path.join(os.path.dirname(sockets[0]), f"{job}.gloo-store")
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                                world_size=world)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         try:
             for mode, times, wrong in gloo_steps(rank, world, plan, iters, warmup):
                 queue.put(("gloo", mode, rank, times, wrong, []))
@@ -194,8 +210,10 @@ def run(options: ModelOptions) -> list[ModeResult]:
             sockets = [node.socket for node in cluster.nodes]
         elif socket is None or not serving(socket):
             socket = socket or os.path.join(tmp, "lpsync.sock")
-            daemon = subprocess.Popen([sys.executable, "-m", "lpsync.cli", "daemon", "--socket",
-                                       socket, "--log-level", "WARNING"], start_new_session=True)
+            daemon = subprocess.Popen(
+                [sys.executable, "-m", "lpsync.cli", "daemon", "--socket", socket, "--log-level", "WARNING"],
+                start_new_session=True,
+            )
             deadline = time.monotonic() + 30
             while not serving(socket):
                 if daemon.poll() is not None or time.monotonic() > deadline:
@@ -206,10 +224,23 @@ def run(options: ModelOptions) -> list[ModeResult]:
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         job = f"bench-model-{os.getpid()}"
-        procs = [ctx.Process(target=worker, args=(r, options.procs, sockets, job, plan,
-                                                  options.iters, options.warmup,
-                                                  options.compare, queue))
-                 for r in range(options.procs)]
+        procs = [
+            ctx.Process(
+                target=worker,
+                args=(
+                    r,
+                    options.procs,
+                    sockets,
+                    job,
+                    plan,
+                    options.iters,
+                    options.warmup,
+                    options.compare,
+                    queue,
+                ),
+            )
+            for r in range(options.procs)
+        ]
         for p in procs:
             p.start()
         engines = ["lpsync"] + ([options.compare] if options.compare else [])
@@ -236,9 +267,12 @@ def run(options: ModelOptions) -> list[ModeResult]:
                 ranks = got.pop((engine, mode))
                 r.times[engine] = [max(t) for t in zip(*[g[0] for g in ranks], strict=True)]
                 r.wrong[engine] = sum(g[1] for g in ranks)
-                print(f"[{options.model}] {engine} {mode}: "
-                      f"{statistics.median(r.times[engine]) * 1e3:.1f} ms per step",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[{options.model}] {engine} {mode}: "
+                    f"{statistics.median(r.times[engine]) * 1e3:.1f} ms per step",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -260,30 +294,50 @@ def run(options: ModelOptions) -> list[ModeResult]:
 def report(options: ModelOptions, results: list[ModeResult], as_json: bool) -> str:
     counts = models.sizes(options.model)
     if as_json:
-        return json.dumps({
-            "model": options.model, "procs": options.procs, "nodes": options.local_nodes,
-            "tensors": len(counts),
-            "parameters": sum(counts), "dtype": "float32",
-            "results": [{"mode": r.mode, "messages": len(r.messages), "bytes": r.nbytes,
-                         "largest": 4 * max(r.messages), "smallest": 4 * min(r.messages),
-                         "algorithms": r.algorithms, "wrong": r.wrong,
-                         "per_message": [{"bytes": 4 * n, "algorithm": a}
-                                         for n, a in r.per_message],
-                         **{f"{e}_step_seconds": statistics.median(t) for e, t in r.times.items()},
-                         **{f"{e}_algbw_gbps": r.nbytes / statistics.median(t) / 1e9
-                            for e, t in r.times.items()}} for r in results]}, indent=2)
+        return json.dumps(
+            {
+                "model": options.model,
+                "procs": options.procs,
+                "nodes": options.local_nodes,
+                "tensors": len(counts),
+                "parameters": sum(counts),
+                "dtype": "float32",
+                "results": [
+                    {
+                        "mode": r.mode,
+                        "messages": len(r.messages),
+                        "bytes": r.nbytes,
+                        "largest": 4 * max(r.messages),
+                        "smallest": 4 * min(r.messages),
+                        "algorithms": r.algorithms,
+                        "wrong": r.wrong,
+                        "per_message": [{"bytes": 4 * n, "algorithm": a} for n, a in r.per_message],
+                        **{f"{e}_step_seconds": statistics.median(t) for e, t in r.times.items()},
+                        **{
+                            f"{e}_algbw_gbps": r.nbytes / statistics.median(t) / 1e9
+                            for e, t in r.times.items()
+                        },
+                    }
+                    for r in results
+                ],
+            },
+            indent=2,
+        )
     engines = list(results[0].times)
-    lines = [f"# lpsync bench --model {options.model}: {len(counts)} parameter tensors, "
-             f"{sum(counts):,} parameters ({_size(4 * sum(counts))} of float32 "
-             f"gradients), {options.procs} processes"
-             + (f" on {options.local_nodes} daemons (UCX over loopback)"
-                if options.local_nodes > 1 else "") + f", median of {options.iters} steps",
-             f"#{'mode':>12} {'messages':>8} {'sizes':>19}"
-             + "".join(f" | {e + ' step':>12} {'algbw':>7} {'#wrong':>6}" for e in engines)
-             + (f" | {'speedup':>7}" if len(engines) > 1 else "") + " | lpsync algorithms",
-             f"#{'':>12} {'':>8} {'':>19}"
-             + "".join(f" | {'(ms)':>12} {'(GB/s)':>7} {'':>6}" for _ in engines)
-             + (f" | {'':>7}" if len(engines) > 1 else "")]
+    lines = [
+        f"# lpsync bench --model {options.model}: {len(counts)} parameter tensors, "
+        f"{sum(counts):,} parameters ({_size(4 * sum(counts))} of float32 "
+        f"gradients), {options.procs} processes"
+        + (f" on {options.local_nodes} daemons (UCX over loopback)" if options.local_nodes > 1 else "")
+        + f", median of {options.iters} steps",
+        f"#{'mode':>12} {'messages':>8} {'sizes':>19}"
+        + "".join(f" | {e + ' step':>12} {'algbw':>7} {'#wrong':>6}" for e in engines)
+        + (f" | {'speedup':>7}" if len(engines) > 1 else "")
+        + " | lpsync algorithms",
+        f"#{'':>12} {'':>8} {'':>19}"
+        + "".join(f" | {'(ms)':>12} {'(GB/s)':>7} {'':>6}" for _ in engines)
+        + (f" | {'':>7}" if len(engines) > 1 else ""),
+    ]
     for r in results:
         span = f"{_size(4 * min(r.messages))}..{_size(4 * max(r.messages))}"
         line = f" {r.mode:>12} {len(r.messages):>8} {span:>19}"

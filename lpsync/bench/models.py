@@ -47,25 +47,35 @@ def _norm(name: str, width: int) -> list[Tensor]:
 
 def alexnet() -> list[Tensor]:
     t: list[Tensor] = []
-    for i, (cin, cout, k) in zip((0, 3, 6, 8, 10), ((3, 64, 11), (64, 192, 5), (192, 384, 3),
-                                                    (384, 256, 3), (256, 256, 3)), strict=True):
+    for i, (cin, cout, k) in zip(
+        (0, 3, 6, 8, 10),
+        ((3, 64, 11), (64, 192, 5), (192, 384, 3), (384, 256, 3), (256, 256, 3)),
+        strict=True,
+    ):
         t += _conv(f"features.{i}", cin, cout, k)
-    return t + _linear("classifier.1", 256 * 6 * 6, 4096) + _linear("classifier.4", 4096, 4096) \
+    return (
+        t
+        + _linear("classifier.1", 256 * 6 * 6, 4096)
+        + _linear("classifier.4", 4096, 4096)
         + _linear("classifier.6", 4096, 1000)
+    )
 
 
 def vgg16() -> list[Tensor]:
     t: list[Tensor] = []
     cin, index = 3, 0
-    for v in (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M",
-              512, 512, 512, "M"):
+    for v in (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"):
         if v == "M":
             index += 1
             continue
         t += _conv(f"features.{index}", cin, int(v), 3)
         cin, index = int(v), index + 2  # conv, relu
-    return t + _linear("classifier.0", 512 * 7 * 7, 4096) + _linear("classifier.3", 4096, 4096) \
+    return (
+        t
+        + _linear("classifier.0", 512 * 7 * 7, 4096)
+        + _linear("classifier.3", 4096, 4096)
         + _linear("classifier.6", 4096, 1000)
+    )
 
 
 def resnet50() -> list[Tensor]:
@@ -78,17 +88,20 @@ def resnet50() -> list[Tensor]:
             t += _conv(f"{p}.conv2", width, width, 3, False) + _norm(f"{p}.bn2", width)
             t += _conv(f"{p}.conv3", width, 4 * width, 1, False) + _norm(f"{p}.bn3", 4 * width)
             if b == 0:
-                t += _conv(f"{p}.downsample.0", cin, 4 * width, 1, False) + \
-                    _norm(f"{p}.downsample.1", 4 * width)
+                t += _conv(f"{p}.downsample.0", cin, 4 * width, 1, False) + _norm(
+                    f"{p}.downsample.1", 4 * width
+                )
             cin = 4 * width
     return t + _linear("fc", 2048, 1000)
 
 
 def bert_base() -> list[Tensor]:
     h, ff = 768, 3072
-    t: list[Tensor] = [("embeddings.word_embeddings.weight", (30522, h)),
-                       ("embeddings.position_embeddings.weight", (512, h)),
-                       ("embeddings.token_type_embeddings.weight", (2, h))]
+    t: list[Tensor] = [
+        ("embeddings.word_embeddings.weight", (30522, h)),
+        ("embeddings.position_embeddings.weight", (512, h)),
+        ("embeddings.token_type_embeddings.weight", (2, h)),
+    ]
     t += _norm("embeddings.LayerNorm", h)
     for i in range(12):
         p = f"encoder.layer.{i}"
@@ -107,25 +120,36 @@ def gpt2() -> list[Tensor]:
         p = f"h.{i}"
         t += _norm(f"{p}.ln_1", h)
         # GPT-2's Conv1D stores weight as (in, out)
-        t += [(f"{p}.attn.c_attn.weight", (h, 3 * h)), (f"{p}.attn.c_attn.bias", (3 * h,)),
-              (f"{p}.attn.c_proj.weight", (h, h)), (f"{p}.attn.c_proj.bias", (h,))]
+        t += [
+            (f"{p}.attn.c_attn.weight", (h, 3 * h)),
+            (f"{p}.attn.c_attn.bias", (3 * h,)),
+            (f"{p}.attn.c_proj.weight", (h, h)),
+            (f"{p}.attn.c_proj.bias", (h,)),
+        ]
         t += _norm(f"{p}.ln_2", h)
-        t += [(f"{p}.mlp.c_fc.weight", (h, 4 * h)), (f"{p}.mlp.c_fc.bias", (4 * h,)),
-              (f"{p}.mlp.c_proj.weight", (4 * h, h)), (f"{p}.mlp.c_proj.bias", (h,))]
+        t += [
+            (f"{p}.mlp.c_fc.weight", (h, 4 * h)),
+            (f"{p}.mlp.c_fc.bias", (4 * h,)),
+            (f"{p}.mlp.c_proj.weight", (4 * h, h)),
+            (f"{p}.mlp.c_proj.bias", (h,)),
+        ]
     return t + _norm("ln_f", h)
 
 
 MODELS: dict[str, Callable[[], list[Tensor]]] = {
-    "alexnet": alexnet, "vgg16": vgg16, "resnet50": resnet50, "bert-base": bert_base,
-    "gpt2": gpt2}
+    "alexnet": alexnet,
+    "vgg16": vgg16,
+    "resnet50": resnet50,
+    "bert-base": bert_base,
+    "gpt2": gpt2,
+}
 
 
 def tensors(model: str) -> list[Tensor]:
     try:
         return MODELS[model]()
     except KeyError:
-        raise InvalidArgumentError(f"--model {model!r}: expected one of "
-                                   f"{', '.join(MODELS)}") from None
+        raise InvalidArgumentError(f"--model {model!r}: expected one of {', '.join(MODELS)}") from None
 
 
 def sizes(model: str) -> list[int]:
@@ -133,8 +157,12 @@ def sizes(model: str) -> list[int]:
     return [prod(shape) for _, shape in tensors(model)]
 
 
-def ddp_buckets(counts: list[int], itemsize: int = 4, bucket_bytes: int = BUCKET_BYTES,
-                first_bytes: int = FIRST_BUCKET_BYTES) -> list[int]:
+def ddp_buckets(
+    counts: list[int],
+    itemsize: int = 4,
+    bucket_bytes: int = BUCKET_BYTES,
+    first_bytes: int = FIRST_BUCKET_BYTES,
+) -> list[int]:
     """Element counts of the buckets DDP forms: parameters in reverse definition order
     (gradients arrive roughly so), a bucket closed once it holds at least its cap (the
     first bucket's cap is ``first_bytes``), in the order DDP allreduces them."""

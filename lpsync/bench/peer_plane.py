@@ -49,8 +49,12 @@ def node_main(args: argparse.Namespace) -> int:
     options = UcxOptions(rank, peers, load_secret(None), tls=args.tls or None, connect_timeout=60)
     rows = []
     with UcxEndpoint.connect(options) as endpoint:
-        barrier = Plan(generate(Collective.ALLREDUCE, "ring", p, p), rank,
-                       (np.zeros(p, dtype), np.zeros(p, dtype)), Reduction(ReduceOp.SUM, dtype, p))
+        barrier = Plan(
+            generate(Collective.ALLREDUCE, "ring", p, p),
+            rank,
+            (np.zeros(p, dtype), np.zeros(p, dtype)),
+            Reduction(ReduceOp.SUM, dtype, p),
+        )
         tag = 0
         for op_name in args.op.split(","):
             op = Collective(op_name)
@@ -67,12 +71,22 @@ def node_main(args: argparse.Namespace) -> int:
                     start = time.perf_counter()
                     plan.run(endpoint, time.monotonic() + 300, tag_base=(tag := tag + 1) << 32)
                     times.append(time.perf_counter() - start)
-                want = {Collective.BROADCAST: 1.0, Collective.ALLREDUCE: p * (p + 1) / 2,
-                        Collective.REDUCE: p * (p + 1) / 2 if rank == 0 else None}.get(op)
+                want = {
+                    Collective.BROADCAST: 1.0,
+                    Collective.ALLREDUCE: p * (p + 1) / 2,
+                    Collective.REDUCE: p * (p + 1) / 2 if rank == 0 else None,
+                }.get(op)
                 wrong = 0 if want is None else int(np.count_nonzero(out != want))
-                rows.append({"op": op_name, "algorithm": algorithm, "chunks": chunks,
-                             "times": times, "wrong": wrong,
-                             "cpu": (_cpu_seconds() - cpu_before) / args.reps})
+                rows.append(
+                    {
+                        "op": op_name,
+                        "algorithm": algorithm,
+                        "chunks": chunks,
+                        "times": times,
+                        "wrong": wrong,
+                        "cpu": (_cpu_seconds() - cpu_before) / args.reps,
+                    }
+                )
     print(json.dumps({"rank": rank, "rows": rows}), flush=True)
     return 0
 
@@ -89,13 +103,37 @@ def coordinate(args: argparse.Namespace) -> int:
     env = {**os.environ, "LPSYNC_SECRET": secrets.token_hex(16)}
     with Cluster(args.nodes, rate_bits, prefix=args.prefix) as cluster:
         peers = ",".join(f"{cluster.address(i)}:{_PORT}" for i in range(args.nodes))
-        procs = [cluster.run_in(i, [sys.executable, "-m", "lpsync.bench.peer_plane", "node",
-                                    "--rank", str(i), "--peers", peers, "--op", args.op,
-                                    "--algorithm", args.algorithm, "--bytes", str(args.bytes),
-                                    "--reps", str(args.reps), "--rate-bits", str(rate_bits),
-                                    "--chunks", str(args.chunks)],
-                                 stdout=subprocess.PIPE, text=True, env=env)
-                 for i in range(args.nodes)]
+        procs = [
+            cluster.run_in(
+                i,
+                [
+                    sys.executable,
+                    "-m",
+                    "lpsync.bench.peer_plane",
+                    "node",
+                    "--rank",
+                    str(i),
+                    "--peers",
+                    peers,
+                    "--op",
+                    args.op,
+                    "--algorithm",
+                    args.algorithm,
+                    "--bytes",
+                    str(args.bytes),
+                    "--reps",
+                    str(args.reps),
+                    "--rate-bits",
+                    str(rate_bits),
+                    "--chunks",
+                    str(args.chunks),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for i in range(args.nodes)
+        ]
         reports = []
         for proc in procs:
             out, _ = proc.communicate(timeout=args.timeout)
@@ -108,26 +146,35 @@ def coordinate(args: argparse.Namespace) -> int:
         slowest = [max(r["rows"][index]["times"][rep] for r in reports) for rep in range(args.reps)]
         seconds = statistics.median(slowest)
         result: dict[str, Any] = {
-            "op": row["op"], "algorithm": row["algorithm"], "nodes": args.nodes,
-            "bytes": args.bytes, "chunks": row["chunks"], "seconds": seconds,
-            "wire_seconds": wire, "x_wire": seconds / wire,
+            "op": row["op"],
+            "algorithm": row["algorithm"],
+            "nodes": args.nodes,
+            "bytes": args.bytes,
+            "chunks": row["chunks"],
+            "seconds": seconds,
+            "wire_seconds": wire,
+            "x_wire": seconds / wire,
             # CPU of all node processes per op (barrier included): against the host's
             # cores x seconds, it says whether the run was CPU-bound.
             "cpu_seconds": sum(r["rows"][index]["cpu"] for r in reports),
-            "wrong": sum(r["rows"][index]["wrong"] for r in reports)}
+            "wrong": sum(r["rows"][index]["wrong"] for r in reports),
+        }
         if args.json:
             print(json.dumps(result))
         else:
-            print(f"{row['op']:<10} {row['algorithm']:<5} nodes={args.nodes} "
-                  f"{format_size(args.bytes):>7} chunks={row['chunks']:<4} {seconds:8.3f} s  "
-                  f"wire {wire:.3f} s  x{seconds / wire:5.2f}  cpu {result['cpu_seconds']:.2f} s  "
-                  f"wrong={result['wrong']}")
+            print(
+                f"{row['op']:<10} {row['algorithm']:<5} nodes={args.nodes} "
+                f"{format_size(args.bytes):>7} chunks={row['chunks']:<4} {seconds:8.3f} s  "
+                f"wire {wire:.3f} s  x{seconds / wire:5.2f}  cpu {result['cpu_seconds']:.2f} s  "
+                f"wrong={result['wrong']}"
+            )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lpsync.bench.peer_plane",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lpsync.bench.peer_plane", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--link", default="1gbit")
     parser.add_argument("--op", default="broadcast")
@@ -136,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--prefix", default="lpbench")
     parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--chunks", type=int, default=0,
-                        help="LP chunk count (default 0: the tuner's k* for the link)")
+    parser.add_argument(
+        "--chunks", type=int, default=0, help="LP chunk count (default 0: the tuner's k* for the link)"
+    )
     parser.add_argument("--json", action="store_true")
     sub = parser.add_subparsers(dest="role")
     node = sub.add_parser("node", help="(internal) one node's process")
@@ -147,11 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     node.add_argument("--algorithm", required=True)
     node.add_argument("--bytes", type=parse_size, required=True)
     node.add_argument("--reps", type=int, required=True)
-    node.add_argument("--rate-bits", type=int, required=True,
-                      help="link rate, for LP's chunk count only")
+    node.add_argument("--rate-bits", type=int, required=True, help="link rate, for LP's chunk count only")
     node.add_argument("--chunks", type=int, default=0)
-    node.add_argument("--tls", default="tcp",
-                      help="UCX_TLS for the peer plane (default tcp; '' lets UCX choose, e.g. RDMA)")
+    node.add_argument(
+        "--tls", default="tcp", help="UCX_TLS for the peer plane (default tcp; '' lets UCX choose, e.g. RDMA)"
+    )
     args = parser.parse_args(argv)
     return node_main(args) if args.role == "node" else coordinate(args)
 

@@ -45,13 +45,17 @@ class Result:
     big_iterations: int = 0  # big allreduces completed (and checked) while sampling
 
     def summary(self) -> dict:
-        return {"scenario": self.scenario, "checks": len(self.health),
-                "health_median_ms": _pct(self.health, 50) * 1e3,
-                "health_p99_ms": _pct(self.health, 99) * 1e3,
-                "health_max_ms": max(self.health, default=0.0) * 1e3,
-                "status_median_ms": _pct(self.status, 50) * 1e3,
-                "status_max_ms": max(self.status, default=0.0) * 1e3,
-                "failures": self.failures, "big_iterations": self.big_iterations}
+        return {
+            "scenario": self.scenario,
+            "checks": len(self.health),
+            "health_median_ms": _pct(self.health, 50) * 1e3,
+            "health_p99_ms": _pct(self.health, 99) * 1e3,
+            "health_max_ms": max(self.health, default=0.0) * 1e3,
+            "status_median_ms": _pct(self.status, 50) * 1e3,
+            "status_max_ms": max(self.status, default=0.0) * 1e3,
+            "failures": self.failures,
+            "big_iterations": self.big_iterations,
+        }
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -64,13 +68,16 @@ def flood(socket: str, stop) -> None:
 
     from lpsync._proto import lpsync_pb2 as pb
 
-    bad = [("Attach", b"\xff\xff\xff\xff"),
-           ("Attach", pb.AttachRequest(job="flood", world_size=1 << 31).SerializeToString()),
-           ("Collective", pb.CollectiveRequest(session_id="x", op="allreduce",
-                                               timeout=float("nan")).SerializeToString()),
-           ("Allocate", pb.AllocateRequest(session_id="s" * 5000, nbytes=-1)
-            .SerializeToString()),
-           ("Status", b"\x0a\x05ab")]
+    bad = [
+        ("Attach", b"\xff\xff\xff\xff"),
+        ("Attach", pb.AttachRequest(job="flood", world_size=1 << 31).SerializeToString()),
+        (
+            "Collective",
+            pb.CollectiveRequest(session_id="x", op="allreduce", timeout=float("nan")).SerializeToString(),
+        ),
+        ("Allocate", pb.AllocateRequest(session_id="s" * 5000, nbytes=-1).SerializeToString()),
+        ("Status", b"\x0a\x05ab"),
+    ]
     with grpc.insecure_channel(f"unix:{socket}") as channel:
         calls = {m: channel.unary_unary(f"/lpsync.v1.LpSync/{m}") for m, _ in bad}
         session = channel.stream_stream("/lpsync.v1.LpSync/Session")
@@ -93,8 +100,9 @@ def big(rank: int, socket: str, mib: int, stop, done, algorithm: str | None = No
 
     count = mib * (1 << 20) // 4
     try:
-        with lpsync_client.connect(socket, job=f"big-{algorithm}", rank=rank, world_size=2, timeout=300,
-                                   trigger="grpc") as client:
+        with lpsync_client.connect(
+            socket, job=f"big-{algorithm}", rank=rank, world_size=2, timeout=300, trigger="grpc"
+        ) as client:
             x = client.empty(count, "float32")
             small = client.zeros(16, "float32")
             while not stop.is_set():
@@ -119,8 +127,9 @@ def stalled(socket: str, stop) -> None:
     import lpsync_client
 
     try:
-        with lpsync_client.connect(socket, job="stalled", rank=0, world_size=2, timeout=600,
-                                   trigger="grpc") as client:
+        with lpsync_client.connect(
+            socket, job="stalled", rank=0, world_size=2, timeout=600, trigger="grpc"
+        ) as client:
             future = client.allreduce_async(client.zeros(1024), timeout=600)
             stop.wait(3600)
             future.cancel()
@@ -133,8 +142,11 @@ def stalled(socket: str, stop) -> None:
 def _start_daemon(tmp: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     socket = str(tmp / "lpsync.sock")
     log = open(tmp / "daemon.log", "w")  # noqa: SIM115 - the daemon writes it until exit
-    proc = subprocess.Popen([sys.executable, "-m", "lpsync.cli", "daemon", "--socket", socket,
-                             *extra], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lpsync.cli", "daemon", "--socket", socket, *extra],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 30
     while not serving(socket):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -157,7 +169,8 @@ def _sample(socket: str, seconds: float, result: Result) -> None:
         try:
             with grpc.insecure_channel(f"unix:{socket}") as channel:
                 reply = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=5.0)
+                    health_pb2.HealthCheckRequest(), timeout=5.0
+                )
             ok = reply.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:
             ok = False
@@ -172,8 +185,9 @@ def _sample(socket: str, seconds: float, result: Result) -> None:
         time.sleep(max(0.0, 0.01 - took))
 
 
-def measure(scenarios: tuple[str, ...] = SCENARIOS, seconds: float = 5.0, flooders: int = 4,
-            mib: int = 256) -> tuple[list[Result], float]:
+def measure(
+    scenarios: tuple[str, ...] = SCENARIOS, seconds: float = 5.0, flooders: int = 4, mib: int = 256
+) -> tuple[list[Result], float]:
     """Each scenario's Result and the seconds SIGTERM took to end the daemon (during the
     last scenario's load)."""
     ctx = mp.get_context("spawn")
@@ -187,13 +201,13 @@ def measure(scenarios: tuple[str, ...] = SCENARIOS, seconds: float = 5.0, floode
                 done = ctx.Value("i", 0)
                 procs = []
                 if name in ("flood", "all"):
-                    procs += [ctx.Process(target=flood, args=(socket, stop))
-                              for _ in range(flooders)]
+                    procs += [ctx.Process(target=flood, args=(socket, stop)) for _ in range(flooders)]
                 if name in ("big", "direct", "all"):
                     algorithm = "direct" if name == "direct" else None
-                    procs += [ctx.Process(target=big, args=(r, socket, mib, stop, done,
-                                                            algorithm))
-                              for r in range(2)]
+                    procs += [
+                        ctx.Process(target=big, args=(r, socket, mib, stop, done, algorithm))
+                        for r in range(2)
+                    ]
                 if name in ("stalled", "all"):
                     procs.append(ctx.Process(target=stalled, args=(socket, stop)))
                 for p in procs:
@@ -239,27 +253,32 @@ def _join(procs: list) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lpsync.bench.responsive",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lpsync.bench.responsive", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--seconds", type=float, default=5.0, help="per scenario")
     parser.add_argument("--flooders", type=int, default=4, help="bad-request processes")
     parser.add_argument("--mib", type=int, default=256, help="size of the big allreduce")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    results, sigterm = measure(tuple(args.scenarios.split(",")), args.seconds, args.flooders,
-                               args.mib)
+    results, sigterm = measure(tuple(args.scenarios.split(",")), args.seconds, args.flooders, args.mib)
     rows = [r.summary() for r in results]
     if args.json:
-        print(json.dumps({"scenarios": rows, "sigterm_seconds": sigterm,
-                          "raw": [asdict(r) for r in results]}))
+        print(
+            json.dumps({"scenarios": rows, "sigterm_seconds": sigterm, "raw": [asdict(r) for r in results]})
+        )
         return 0
-    print(f"{'scenario':<10} {'checks':>6} {'median ms':>10} {'p99 ms':>8} {'max ms':>8} "
-          f"{'status ms':>10} {'fail':>5} {'big iters':>9}")
+    print(
+        f"{'scenario':<10} {'checks':>6} {'median ms':>10} {'p99 ms':>8} {'max ms':>8} "
+        f"{'status ms':>10} {'fail':>5} {'big iters':>9}"
+    )
     for r in rows:
-        print(f"{r['scenario']:<10} {r['checks']:>6} {r['health_median_ms']:>10.2f} "
-              f"{r['health_p99_ms']:>8.2f} {r['health_max_ms']:>8.2f} "
-              f"{r['status_median_ms']:>10.2f} {r['failures']:>5} {r['big_iterations']:>9}")
+        print(
+            f"{r['scenario']:<10} {r['checks']:>6} {r['health_median_ms']:>10.2f} "
+            f"{r['health_p99_ms']:>8.2f} {r['health_max_ms']:>8.2f} "
+            f"{r['status_median_ms']:>10.2f} {r['failures']:>5} {r['big_iterations']:>9}"
+        )
     print(f"SIGTERM under the last scenario's load: exited after {sigterm:.2f} s")
     mean = statistics.fmean(r["health_median_ms"] for r in rows) if rows else 0.0
     print(f"(mean of medians {mean:.2f} ms)")

@@ -60,8 +60,7 @@ class Options:
     def device_flag(self) -> str:
         if self.devices:
             return self.devices
-        return {"host": "cpu", "emulated": f"emulated:{min(self.procs, 4)}",
-                "cuda": "cuda:all"}[self.memory]
+        return {"host": "cpu", "emulated": f"emulated:{min(self.procs, 4)}", "cuda": "cuda:all"}[self.memory]
 
     def device_count(self) -> int:
         """How many devices the ranks spread over (rank r on device r mod N)."""
@@ -85,8 +84,7 @@ def serving(socket: str) -> bool:
         return False
     try:
         with grpc.insecure_channel(f"unix:{socket}") as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=1.0)
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
         return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False
@@ -105,9 +103,20 @@ def _run(options: Options, tmp: str) -> dict[str, list[Row]]:
     socket = options.socket
     if socket is None or not serving(socket):
         socket = socket or os.path.join(tmp, "lpsync.sock")
-        daemon = subprocess.Popen([sys.executable, "-m", "lpsync.cli", "daemon", "--socket",
-                                   socket, "--log-level", "WARNING",
-                                   "--devices", options.device_flag()])
+        daemon = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "lpsync.cli",
+                "daemon",
+                "--socket",
+                socket,
+                "--log-level",
+                "WARNING",
+                "--devices",
+                options.device_flag(),
+            ]
+        )
         deadline = time.monotonic() + 30
         while not serving(socket):
             if daemon.poll() is not None or time.monotonic() > deadline:
@@ -116,11 +125,28 @@ def _run(options: Options, tmp: str) -> dict[str, list[Row]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     job = f"bench-{os.getpid()}"
-    procs = [ctx.Process(target=worker.run, args=(
-        r, options.procs, socket, job, options.op, options.sizes, options.algorithm,
-        options.iters, options.warmup, options.compare, queue, options.trigger,
-        options.memory, options.device_count()))
-        for r in range(options.procs)]
+    procs = [
+        ctx.Process(
+            target=worker.run,
+            args=(
+                r,
+                options.procs,
+                socket,
+                job,
+                options.op,
+                options.sizes,
+                options.algorithm,
+                options.iters,
+                options.warmup,
+                options.compare,
+                queue,
+                options.trigger,
+                options.memory,
+                options.device_count(),
+            ),
+        )
+        for r in range(options.procs)
+    ]
     for p in procs:
         p.start()
     engines = ["lpsync"] + ([options.compare] if options.compare else [])
@@ -144,15 +170,22 @@ def _run(options: Options, tmp: str) -> dict[str, list[Row]]:
                 algorithms[key] = algo
             if len(partial[key]) == options.procs:
                 got = partial.pop(key)
-                row = Row(nbytes, got[0][3], [max(t) for t in zip(*[g[0] for g in got],
-                                                                strict=True)],
-                          sum(g[1] for g in got),
-                          [p for g in got for p in g[2][0]], algorithms.get(key, ""),
-                          [p for g in got for p in g[2][1]])
+                row = Row(
+                    nbytes,
+                    got[0][3],
+                    [max(t) for t in zip(*[g[0] for g in got], strict=True)],
+                    sum(g[1] for g in got),
+                    [p for g in got for p in g[2][0]],
+                    algorithms.get(key, ""),
+                    [p for g in got for p in g[2][1]],
+                )
                 rows[engine].append(row)
                 done = sum(len(v) for v in rows.values())
-                print(f"[{done}/{expected}] {engine} {format_size(nbytes)}: "
-                      f"{row.median() * 1e6:.1f} us", file=sys.stderr, flush=True)
+                print(
+                    f"[{done}/{expected}] {engine} {format_size(nbytes)}: {row.median() * 1e6:.1f} us",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -172,21 +205,38 @@ def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
     def metrics(row: Row) -> dict:
         t = row.median()
         algbw = row.nbytes / t / 1e9
-        return {"time_us": t * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * factor,
-                "wrong": row.wrong, "mean_us": statistics.fmean(row.times) * 1e6,
-                "p10_us": _pct(row.times, 10) * 1e6, "p90_us": _pct(row.times, 90) * 1e6,
-                "iterations": len(row.times), "algorithm": row.algorithm,
-                "ping_median_us": statistics.median(row.pings) * 1e6 if row.pings else None,
-                "trigger_ping_median_us": (statistics.median(row.trigger_pings) * 1e6
-                                           if row.trigger_pings else None)}
+        return {
+            "time_us": t * 1e6,
+            "algbw_gbps": algbw,
+            "busbw_gbps": algbw * factor,
+            "wrong": row.wrong,
+            "mean_us": statistics.fmean(row.times) * 1e6,
+            "p10_us": _pct(row.times, 10) * 1e6,
+            "p90_us": _pct(row.times, 90) * 1e6,
+            "iterations": len(row.times),
+            "algorithm": row.algorithm,
+            "ping_median_us": statistics.median(row.pings) * 1e6 if row.pings else None,
+            "trigger_ping_median_us": (
+                statistics.median(row.trigger_pings) * 1e6 if row.trigger_pings else None
+            ),
+        }
 
     if as_json:
-        return json.dumps({
-            "op": options.op, "procs": options.procs, "dtype": worker.DTYPE,
-            "memory": options.memory,
-            "algorithm": options.algorithm or "auto", "trigger": options.trigger,
-            "results": {e: [{"size": r.nbytes, "count": r.count, **metrics(r)} for r in rs]
-                        for e, rs in rows.items()}}, indent=2)
+        return json.dumps(
+            {
+                "op": options.op,
+                "procs": options.procs,
+                "dtype": worker.DTYPE,
+                "memory": options.memory,
+                "algorithm": options.algorithm or "auto",
+                "trigger": options.trigger,
+                "results": {
+                    e: [{"size": r.nbytes, "count": r.count, **metrics(r)} for r in rs]
+                    for e, rs in rows.items()
+                },
+            },
+            indent=2,
+        )
     engines = list(rows)
     head1 = f"#{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5}"
     head2 = f"#{'(B)':>12} {'(elements)':>12} {'':>8} {'':>6} {'':>5}"
@@ -195,17 +245,24 @@ def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
         head2 += f" | {'(us)':>12} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}"
     if len(engines) > 1:
         head1 += f" | {'speedup':>7}"
-    via = {"socket": "the trigger socket", "grpc": "the gRPC Session stream",
-           "auto": "the client's default (trigger socket if offered)"}[options.trigger]
-    lines = [f"# lpsync bench: {options.op}, {options.procs} processes, {worker.DTYPE}, "
-             f"algorithm {options.algorithm or 'auto (tuner)'}, collectives via {via}",
-             head1, head2]
+    via = {
+        "socket": "the trigger socket",
+        "grpc": "the gRPC Session stream",
+        "auto": "the client's default (trigger socket if offered)",
+    }[options.trigger]
+    lines = [
+        f"# lpsync bench: {options.op}, {options.procs} processes, {worker.DTYPE}, "
+        f"algorithm {options.algorithm or 'auto (tuner)'}, collectives via {via}",
+        head1,
+        head2,
+    ]
     for i, row in enumerate(rows["lpsync"]):
         line = f" {row.nbytes:>12} {row.count:>12} {worker.DTYPE:>8} {redop:>6} {root:>5}"
         for e in engines:
             m = metrics(rows[e][i])
-            line += (f" | {m['time_us']:>12.1f} {m['algbw_gbps']:>7.3f} "
-                     f"{m['busbw_gbps']:>7.3f} {m['wrong']:>6}")
+            line += (
+                f" | {m['time_us']:>12.1f} {m['algbw_gbps']:>7.3f} {m['busbw_gbps']:>7.3f} {m['wrong']:>6}"
+            )
         if len(engines) > 1:
             line += f" | {rows[engines[1]][i].median() / row.median():>6.2f}x"
         lines.append(line)
@@ -214,18 +271,24 @@ def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
     lines.append(f"# lpsync algorithm per size (the daemon's choice): {algorithms}")
     small = rows["lpsync"][0]
     if pings:
-        lines.append(f"# gRPC Session stream round trip (empty Ping, same processes and "
-                     f"stream): median {statistics.median(pings) * 1e6:.1f} us over "
-                     f"{len(pings)} pings")
+        lines.append(
+            f"# gRPC Session stream round trip (empty Ping, same processes and "
+            f"stream): median {statistics.median(pings) * 1e6:.1f} us over "
+            f"{len(pings)} pings"
+        )
     trigger_pings = [p for r in rows["lpsync"] for p in r.trigger_pings]
     if trigger_pings:
-        lines.append(f"# trigger socket round trip (empty Ping): median "
-                     f"{statistics.median(trigger_pings) * 1e6:.1f} us")
+        lines.append(
+            f"# trigger socket round trip (empty Ping): median "
+            f"{statistics.median(trigger_pings) * 1e6:.1f} us"
+        )
     if pings and small.nbytes <= 1024:
-        lines.append(f"# smallest size: median {small.median() * 1e6:.1f} us = "
-                     f"{small.median() / statistics.median(small.pings):.2f}x the median "
-                     f"Session round trip ({statistics.median(small.pings) * 1e6:.1f} us) "
-                     "measured in rounds alternating with it")
+        lines.append(
+            f"# smallest size: median {small.median() * 1e6:.1f} us = "
+            f"{small.median() / statistics.median(small.pings):.2f}x the median "
+            f"Session round trip ({statistics.median(small.pings) * 1e6:.1f} us) "
+            "measured in rounds alternating with it"
+        )
     return "\n".join(lines)
 
 

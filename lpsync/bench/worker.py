@@ -24,7 +24,7 @@ def iterations(nbytes: int, forced: int) -> int:
 def fill(op: str, buf: np.ndarray, rank: int, world: int, count: int) -> None:
     if op == "allgather":
         buf[:] = -1
-        buf[rank * count:(rank + 1) * count] = rank + 1
+        buf[rank * count : (rank + 1) * count] = rank + 1
     else:
         buf[:] = rank + 1
 
@@ -39,7 +39,7 @@ def count_wrong(op: str, buf: np.ndarray, rank: int, world: int, count: int, roo
     elif op == "allgather":
         want = np.repeat(np.arange(1, world + 1, dtype=buf.dtype), count)
     else:  # reduce_scatter: this rank's block holds the sum
-        block = buf[rank * count:(rank + 1) * count]
+        block = buf[rank * count : (rank + 1) * count]
         return int(np.count_nonzero(block != world * (world + 1) / 2))
     return int(np.count_nonzero(buf != want))
 
@@ -53,8 +53,9 @@ def buffer_elements(op: str, world: int, count: int) -> int:
     return count * world if op in ("allgather", "reduce_scatter") else count
 
 
-def lpsync_call(client, op: str, buf: np.ndarray, algorithm: str | None,
-                root: int = 0) -> Callable[[], object]:
+def lpsync_call(
+    client, op: str, buf: np.ndarray, algorithm: str | None, root: int = 0
+) -> Callable[[], object]:
     """One blocking, in-place collective on ``buf``; ``algorithm`` None: the tuner picks."""
     method = getattr(client, op)
     if op in ("broadcast", "reduce"):
@@ -103,14 +104,28 @@ class Buffer:
         client.release(self.array if self.memory == "host" else self.registered)
 
 
-def run(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int],
-        algorithm: str | None, iters: int, warmup: int, compare: str | None, queue,
-        trigger: str = "auto", memory: str = "host", devices: int = 1) -> None:
+def run(
+    rank: int,
+    world: int,
+    socket: str,
+    job: str,
+    op: str,
+    sizes: list[int],
+    algorithm: str | None,
+    iters: int,
+    warmup: int,
+    compare: str | None,
+    queue,
+    trigger: str = "auto",
+    memory: str = "host",
+    devices: int = 1,
+) -> None:
     import lpsync_client
 
     root = 0
-    with lpsync_client.connect(socket, job=job, rank=rank, world_size=world,
-                               timeout=600, trigger=trigger) as client:
+    with lpsync_client.connect(
+        socket, job=job, rank=rank, world_size=world, timeout=600, trigger=trigger
+    ) as client:
         for nbytes in sizes:
             count = element_count(op, nbytes, world)
             buffer = Buffer(client, memory, buffer_elements(op, world, count), rank % devices)
@@ -148,16 +163,27 @@ def run(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int],
             wrong = count_wrong(op, buffer.load(), rank, world, count, root)
             recent = client.status().recent if rank == 0 else []
             mine = [r for r in recent if r.job == job]
-            queue.put(("lpsync", rank, nbytes, count, times, wrong, (pings, trigger_pings),
-                       mine[-1].algorithm if mine else ""))
+            queue.put(
+                (
+                    "lpsync",
+                    rank,
+                    nbytes,
+                    count,
+                    times,
+                    wrong,
+                    (pings, trigger_pings),
+                    mine[-1].algorithm if mine else "",
+                )
+            )
             buffer.release(client)
             del buf, buffer
     if compare == "gloo":
         _gloo(rank, world, socket, job, op, sizes, iters, warmup, queue)
 
 
-def _gloo(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int], iters: int,
-          warmup: int, queue) -> None:
+def _gloo(
+    rank: int, world: int, socket: str, job: str, op: str, sizes: list[int], iters: int, warmup: int, queue
+) -> None:
     import os
 
     import torch
@@ -165,8 +191,7 @@ def _gloo(rank: int, world: int, socket: str, job: str, op: str, sizes: list[int
 
     torch.set_num_threads(1)
     store = os.path.join(os.path.dirname(socket), f"{job}.gloo-store")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         for nbytes in sizes:
             count = element_count(op, nbytes, world)
@@ -193,7 +218,7 @@ def gloo_tensors(op: str, rank: int, world: int, count: int):
 
     if op in ("allgather", "reduce_scatter"):
         full = torch.zeros(count * world)
-        return full, full[rank * count:(rank + 1) * count]
+        return full, full[rank * count : (rank + 1) * count]
     full = torch.zeros(count)
     return full, full
 

@@ -3,5 +3,15 @@
 from lpsync.cluster.emulated import SUBNET, Cluster, ClusterSpec, down, existing, run_in, up
 from lpsync.cluster.rate import format_rate, parse_delay, parse_rate
 
-__all__ = ["SUBNET", "Cluster", "ClusterSpec", "down", "existing", "format_rate", "parse_delay",
-           "parse_rate", "run_in", "up"]
+__all__ = [
+    "SUBNET",
+    "Cluster",
+    "ClusterSpec",
+    "down",
+    "existing",
+    "format_rate",
+    "parse_delay",
+    "parse_rate",
+    "run_in",
+    "up",
+]

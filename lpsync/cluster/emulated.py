@@ -63,8 +63,9 @@ class ClusterSpec:
         if not 1 <= self.nodes <= MAX_NODES:
             raise InvalidArgumentError(f"--nodes must be 1..{MAX_NODES}, got {self.nodes}")
         if not _PREFIX.fullmatch(self.prefix):
-            raise InvalidArgumentError(f"--prefix must be 1-12 of [a-z0-9], starting with a "
-                                       f"letter; got {self.prefix!r}")
+            raise InvalidArgumentError(
+                f"--prefix must be 1-12 of [a-z0-9], starting with a letter; got {self.prefix!r}"
+            )
         if self.delay_s is not None and self.delay_s < 0:
             raise InvalidArgumentError("--delay must not be negative")
 
@@ -83,9 +84,15 @@ class ClusterSpec:
         return self.rate_bits / 8
 
     def describe(self) -> dict[str, Any]:
-        return {**asdict(self), "rate": format_rate(self.rate_bits), "switch": self.switch,
-                "nodes_detail": [{"node": i, "namespace": self.namespace(i),
-                                  "address": self.address(i)} for i in range(self.nodes)]}
+        return {
+            **asdict(self),
+            "rate": format_rate(self.rate_bits),
+            "switch": self.switch,
+            "nodes_detail": [
+                {"node": i, "namespace": self.namespace(i), "address": self.address(i)}
+                for i in range(self.nodes)
+            ],
+        }
 
 
 def _ours(prefix: str) -> re.Pattern[str]:
@@ -107,11 +114,15 @@ def up(spec: ClusterSpec, state_dir: Path = STATE_DIR) -> ClusterSpec:
     a failure halfway removes what this call made before raising."""
     netns.require_root()
     if spec.delay_s is not None and (reason := netns.netem_missing_reason()) is not None:
-        raise ClusterError(f"--delay needs the netem qdisc, and {reason}; nothing was created. "
-                           "Run without --delay (tbf shaping works), or on a kernel with netem.")
+        raise ClusterError(
+            f"--delay needs the netem qdisc, and {reason}; nothing was created. "
+            "Run without --delay (tbf shaping works), or on a kernel with netem."
+        )
     if leftovers := existing(spec.prefix):
-        raise ClusterError(f"a cluster named {spec.prefix!r} already exists ({', '.join(leftovers)}); "
-                           f"run `lpsync cluster down --prefix {spec.prefix}` first")
+        raise ClusterError(
+            f"a cluster named {spec.prefix!r} already exists ({', '.join(leftovers)}); "
+            f"run `lpsync cluster down --prefix {spec.prefix}` first"
+        )
     try:
         _build(spec)
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -130,8 +141,7 @@ def _build(spec: ClusterSpec) -> None:
     for node in range(spec.nodes):
         ns, port = spec.namespace(node), f"p{node}"
         netns.add_namespace(ns)
-        netns.ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port,
-                 "netns", sw)
+        netns.ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port, "netns", sw)
         netns.ip("link", "set", port, "master", "br0", "up", ns=sw)
         netns.ip("addr", "add", f"{spec.address(node)}/24", "dev", "eth0", ns=ns)
         netns.ip("link", "set", "eth0", "up", ns=ns)
@@ -141,12 +151,39 @@ def _build(spec: ClusterSpec) -> None:
 
 def _shape(spec: ClusterSpec, ns: str, dev: str) -> None:
     burst = max(_MIN_BURST, int(spec.rate_bytes * 0.002))
-    netns.tc("qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
-             "rate", f"{spec.rate_bits}bit", "burst", str(burst), "latency", _LATENCY, ns=ns)
+    netns.tc(
+        "qdisc",
+        "add",
+        "dev",
+        dev,
+        "root",
+        "handle",
+        "1:",
+        "tbf",
+        "rate",
+        f"{spec.rate_bits}bit",
+        "burst",
+        str(burst),
+        "latency",
+        _LATENCY,
+        ns=ns,
+    )
     if spec.delay_s:
         half_us = max(1, round(spec.delay_s * 1e6 / 2))
-        netns.tc("qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem",
-                 "delay", f"{half_us}us", ns=ns)
+        netns.tc(
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "parent",
+            "1:1",
+            "handle",
+            "10:",
+            "netem",
+            "delay",
+            f"{half_us}us",
+            ns=ns,
+        )
 
 
 def down(prefix: str = "lpsync", state_dir: Path = STATE_DIR) -> list[str]:
@@ -205,8 +242,14 @@ class Cluster:
     """``with Cluster(nodes, rate_bits) as cluster:`` builds the cluster and always tears it
     down: on success, on any exception, on Ctrl-C and (on the main thread) on SIGTERM."""
 
-    def __init__(self, nodes: int, rate_bits: int, delay_s: float | None = None,
-                 prefix: str = "lpsync", state_dir: Path = STATE_DIR) -> None:
+    def __init__(
+        self,
+        nodes: int,
+        rate_bits: int,
+        delay_s: float | None = None,
+        prefix: str = "lpsync",
+        state_dir: Path = STATE_DIR,
+    ) -> None:
         self.spec = ClusterSpec(nodes, rate_bits, delay_s, prefix)
         self.state_dir = state_dir
         self._procs: list[subprocess.Popen[Any]] = []

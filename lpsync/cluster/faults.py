@@ -22,8 +22,23 @@ MODES = ("down", "drop", "drop-out")
 
 
 def _blackhole(ns: str, dev: str) -> None:
-    netns.tc("qdisc", "replace", "dev", dev, "root", "handle", "1:", "tbf", "rate", "8bit",
-             "burst", "1", "limit", "1", ns=ns)
+    netns.tc(
+        "qdisc",
+        "replace",
+        "dev",
+        dev,
+        "root",
+        "handle",
+        "1:",
+        "tbf",
+        "rate",
+        "8bit",
+        "burst",
+        "1",
+        "limit",
+        "1",
+        ns=ns,
+    )
 
 
 def _reshape(spec: ClusterSpec, ns: str, dev: str) -> None:

@@ -85,8 +85,9 @@ def netem_missing_reason() -> str | None:
     probe = f"lpsync-netem-probe-{os.getpid()}"
     add_namespace(probe)
     try:
-        done = run(["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
-                   check=False)
+        done = run(
+            ["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"], check=False
+        )
     finally:
         delete_namespace(probe)
     if done.returncode != 0:

@@ -7,8 +7,17 @@ import re
 from lpsync.errors import InvalidArgumentError
 
 # tc(8): "bit" units count bits, "bps" units count bytes; prefixes are decimal.
-_BITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
-         "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9}
+_BITS = {
+    "bit": 1,
+    "kbit": 10**3,
+    "mbit": 10**6,
+    "gbit": 10**9,
+    "tbit": 10**12,
+    "bps": 8,
+    "kbps": 8 * 10**3,
+    "mbps": 8 * 10**6,
+    "gbps": 8 * 10**9,
+}
 
 
 def parse_rate(text: str) -> int:
@@ -17,7 +26,8 @@ def parse_rate(text: str) -> int:
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _BITS:
         raise InvalidArgumentError(
-            f"cannot read link rate {text!r}; write it as tc does: 1gbit, 100mbit, 500kbit")
+            f"cannot read link rate {text!r}; write it as tc does: 1gbit, 100mbit, 500kbit"
+        )
     bits = int(float(match.group(1)) * _BITS[unit])
     if bits < 8000:
         raise InvalidArgumentError(f"link rate {text!r} is below 8kbit; tbf cannot shape that")

@@ -50,65 +50,106 @@ with --cluster. Example: lpsync bench --model resnet50 --procs 4 --compare gloo
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "bench", help="measure collectives through daemons (nccl-tests table)",
-        description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--op", default="allreduce",
-                        help=f"one of {', '.join(_OPS)}; with --cluster a comma list "
-                             "(default allreduce)")
-    parser.add_argument("--bytes",
-                        help="sizes: 64MiB, 4:256MiB (doubling) or a comma list (default "
-                             "4:256MiB; with --cluster 64MiB)")
-    parser.add_argument("--algorithm",
-                        help="force lp, ring, mst, be (or direct: local only); with --cluster a "
-                             "comma list, where auto is the tuner's pick (default: the tuner)")
-    parser.add_argument("--iters", type=int,
-                        help="timed iterations per point (default: by size, 10..1000; "
-                             "with --cluster 5)")
-    parser.add_argument("--warmup", type=int,
-                        help="untimed iterations first (default 5; with --cluster 1, and 13 "
-                             "more for auto: node 0's trials of a size's first calls)")
-    parser.add_argument("--compare", choices=["gloo"],
-                        help="also run torch.distributed's gloo backend on the same sizes")
-    parser.add_argument("--model", metavar="NAME",
-                        help="replay one training step's gradient allreduces of a real network "
-                             "(alexnet, vgg16, resnet50, bert-base, gpt2): every parameter "
-                             "tensor, and DDP's 25 MiB buckets (local daemon only)")
-    parser.add_argument("--local-nodes", type=int, metavar="N",
-                        help="with --model: N daemons on this machine joined over UCX on "
-                             "loopback (a fresh secret), --procs split among them")
-    parser.add_argument("--json", action="store_true",
-                        help="print JSON (with --cluster: one object per line per point)")
+        "bench",
+        help="measure collectives through daemons (nccl-tests table)",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--op",
+        default="allreduce",
+        help=f"one of {', '.join(_OPS)}; with --cluster a comma list (default allreduce)",
+    )
+    parser.add_argument(
+        "--bytes",
+        help="sizes: 64MiB, 4:256MiB (doubling) or a comma list (default 4:256MiB; with --cluster 64MiB)",
+    )
+    parser.add_argument(
+        "--algorithm",
+        help="force lp, ring, mst, be (or direct: local only); with --cluster a "
+        "comma list, where auto is the tuner's pick (default: the tuner)",
+    )
+    parser.add_argument(
+        "--iters", type=int, help="timed iterations per point (default: by size, 10..1000; with --cluster 5)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        help="untimed iterations first (default 5; with --cluster 1, and 13 "
+        "more for auto: node 0's trials of a size's first calls)",
+    )
+    parser.add_argument(
+        "--compare", choices=["gloo"], help="also run torch.distributed's gloo backend on the same sizes"
+    )
+    parser.add_argument(
+        "--model",
+        metavar="NAME",
+        help="replay one training step's gradient allreduces of a real network "
+        "(alexnet, vgg16, resnet50, bert-base, gpt2): every parameter "
+        "tensor, and DDP's 25 MiB buckets (local daemon only)",
+    )
+    parser.add_argument(
+        "--local-nodes",
+        type=int,
+        metavar="N",
+        help="with --model: N daemons on this machine joined over UCX on "
+        "loopback (a fresh secret), --procs split among them",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print JSON (with --cluster: one object per line per point)"
+    )
     local = parser.add_argument_group("local daemon")
     local.add_argument("--procs", type=int, help="client processes (ranks; default 2)")
     local.add_argument("--socket", help="use the daemon on this socket if one is serving")
-    local.add_argument("--memory", choices=["host", "emulated", "cuda"],
-                       help="where the ranks' buffers live: host shared memory (default), "
-                            "emulated devices or GPUs (rank r on device r mod N; the daemon "
-                            "started with --devices to match)")
-    local.add_argument("--devices", help="the started daemon's --devices (default: to match "
-                                         "--memory: cpu, emulated:min(procs,4), cuda:all)")
-    local.add_argument("--trigger", choices=["auto", "grpc", "socket"],
-                       help="send collectives on the daemon's trigger socket, on the gRPC "
-                            "Session stream, or auto (the client's default: the socket if "
-                            "offered)")
+    local.add_argument(
+        "--memory",
+        choices=["host", "emulated", "cuda"],
+        help="where the ranks' buffers live: host shared memory (default), "
+        "emulated devices or GPUs (rank r on device r mod N; the daemon "
+        "started with --devices to match)",
+    )
+    local.add_argument(
+        "--devices",
+        help="the started daemon's --devices (default: to match "
+        "--memory: cpu, emulated:min(procs,4), cuda:all)",
+    )
+    local.add_argument(
+        "--trigger",
+        choices=["auto", "grpc", "socket"],
+        help="send collectives on the daemon's trigger socket, on the gRPC "
+        "Session stream, or auto (the client's default: the socket if "
+        "offered)",
+    )
     cluster = parser.add_argument_group("emulated cluster (needs root)")
-    cluster.add_argument("--cluster", action="store_true",
-                         help="run daemons and clients inside an emulated cluster")
+    cluster.add_argument(
+        "--cluster", action="store_true", help="run daemons and clients inside an emulated cluster"
+    )
     cluster.add_argument("--nodes", help="node counts, a comma list: 2,8 (each 2..254)")
-    cluster.add_argument("--link", help="every node's NIC rate, each direction, as tc writes "
-                                        "it: 1gbit, 100mbit")
-    cluster.add_argument("--procs-per-node", type=int, default=1,
-                         help="client processes per node (default 1)")
-    cluster.add_argument("--prefix", default="lpbench",
-                         help="namespace names PREFIX-n0.. (default lpbench); "
-                              "`lpsync cluster down --prefix P` removes a leftover")
-    cluster.add_argument("--peer-transport", metavar="T,...",
-                         help="the daemons' transport between nodes: ucx (default), tcp, or "
-                              "ucx,tcp to run every lpsync point on each in turn, each on a "
-                              "fresh emulated cluster (tcp points are labelled @tcp)")
-    cluster.add_argument("--logs", metavar="DIR",
-                         help="keep the daemons' and ranks' logs in DIR/<N>nodes/ (default: "
-                              "removed; the tail of a failed process's log is printed)")
+    cluster.add_argument(
+        "--link", help="every node's NIC rate, each direction, as tc writes it: 1gbit, 100mbit"
+    )
+    cluster.add_argument(
+        "--procs-per-node", type=int, default=1, help="client processes per node (default 1)"
+    )
+    cluster.add_argument(
+        "--prefix",
+        default="lpbench",
+        help="namespace names PREFIX-n0.. (default lpbench); "
+        "`lpsync cluster down --prefix P` removes a leftover",
+    )
+    cluster.add_argument(
+        "--peer-transport",
+        metavar="T,...",
+        help="the daemons' transport between nodes: ucx (default), tcp, or "
+        "ucx,tcp to run every lpsync point on each in turn, each on a "
+        "fresh emulated cluster (tcp points are labelled @tcp)",
+    )
+    cluster.add_argument(
+        "--logs",
+        metavar="DIR",
+        help="keep the daemons' and ranks' logs in DIR/<N>nodes/ (default: "
+        "removed; the tail of a failed process's log is printed)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -127,23 +168,37 @@ def run_model(args: argparse.Namespace) -> int:
     from lpsync.bench.models import tensors
     from lpsync.errors import InvalidArgumentError
 
-    fixed = [flag for flag, value in (("--bytes", args.bytes), ("--algorithm", args.algorithm),
-                                      ("--trigger", args.trigger)) if value is not None]
+    fixed = [
+        flag
+        for flag, value in (
+            ("--bytes", args.bytes),
+            ("--algorithm", args.algorithm),
+            ("--trigger", args.trigger),
+        )
+        if value is not None
+    ]
     if fixed or args.op != "allreduce":
-        raise InvalidArgumentError(f"{', '.join(fixed) or '--op'}: --model replays the model's "
-                                   "own allreduces (the tuner picks each message's algorithm)")
+        raise InvalidArgumentError(
+            f"{', '.join(fixed) or '--op'}: --model replays the model's "
+            "own allreduces (the tuner picks each message's algorithm)"
+        )
     tensors(args.model)  # an unknown name fails before anything starts
     if args.cluster:
         return run_model_cluster(args)
     nodes = args.local_nodes or 1
-    options = model_step.ModelOptions(args.model, (2 * nodes) if args.procs is None else args.procs,
-                                      args.iters or 5, 1 if args.warmup is None else args.warmup,
-                                      args.compare, args.socket, nodes)
+    options = model_step.ModelOptions(
+        args.model,
+        (2 * nodes) if args.procs is None else args.procs,
+        args.iters or 5,
+        1 if args.warmup is None else args.warmup,
+        args.compare,
+        args.socket,
+        nodes,
+    )
     if options.procs < 1 or options.iters < 1 or nodes < 1:
         raise InvalidArgumentError("--procs, --iters and --local-nodes must be >= 1")
     if options.procs % nodes:
-        raise InvalidArgumentError(f"--procs {options.procs} must be a multiple of "
-                                   f"--local-nodes {nodes}")
+        raise InvalidArgumentError(f"--procs {options.procs} must be a multiple of --local-nodes {nodes}")
     if nodes > 1 and args.socket:
         raise InvalidArgumentError("--local-nodes starts its own daemons: drop --socket")
     print(model_step.report(options, model_step.run(options), args.json))
@@ -184,26 +239,40 @@ def run_local(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("--local-nodes needs --model")
     from lpsync.units import parse_sizes
 
-    given = [f"--{name.replace('_', '-')}" for name in ("nodes", "link", "procs_per_node")
-             if getattr(args, name) not in (None, 1)]
+    given = [
+        f"--{name.replace('_', '-')}"
+        for name in ("nodes", "link", "procs_per_node")
+        if getattr(args, name) not in (None, 1)
+    ]
     if given:
         raise InvalidArgumentError(f"{', '.join(given)} need --cluster")
     if args.op not in _OPS:
-        raise InvalidArgumentError(f"--op {args.op!r}: expected one of {', '.join(_OPS)} "
-                                   "(comma lists need --cluster)")
-    options = runner.Options(args.op, parse_sizes(args.bytes or "4:256MiB"),
-                             2 if args.procs is None else args.procs, args.algorithm,
-                             args.iters or 0, 5 if args.warmup is None else args.warmup,
-                             args.compare, args.socket, trigger=args.trigger or "auto",
-                             memory=args.memory or "host", devices=args.devices or "")
+        raise InvalidArgumentError(
+            f"--op {args.op!r}: expected one of {', '.join(_OPS)} (comma lists need --cluster)"
+        )
+    options = runner.Options(
+        args.op,
+        parse_sizes(args.bytes or "4:256MiB"),
+        2 if args.procs is None else args.procs,
+        args.algorithm,
+        args.iters or 0,
+        5 if args.warmup is None else args.warmup,
+        args.compare,
+        args.socket,
+        trigger=args.trigger or "auto",
+        memory=args.memory or "host",
+        devices=args.devices or "",
+    )
     if options.procs < 1:
         raise InvalidArgumentError("--procs must be >= 1")
     if options.memory != "host" and options.algorithm == "direct":
         raise InvalidArgumentError("--algorithm direct serves host memory only")
     rows = runner.run(options)
     if options.memory != "host" and not args.json:
-        print(f"# memory: {options.memory} (daemon --devices {options.device_flag()}, rank r on "
-              f"device r mod {options.device_count()})")
+        print(
+            f"# memory: {options.memory} (daemon --devices {options.device_flag()}, rank r on "
+            f"device r mod {options.device_count()})"
+        )
     print(runner.report(options, rows, args.json))
     if options.memory == "cuda" and not args.json:
         from lpsync.bench import ipc_copy
@@ -220,12 +289,21 @@ def cluster_options(args: argparse.Namespace):
     from lpsync.errors import InvalidArgumentError
     from lpsync.units import parse_ints, parse_sizes
 
-    local = [flag for flag, value in (("--procs", args.procs), ("--socket", args.socket),
-                                      ("--trigger", args.trigger), ("--memory", args.memory),
-                                      ("--devices", args.devices)) if value is not None]
+    local = [
+        flag
+        for flag, value in (
+            ("--procs", args.procs),
+            ("--socket", args.socket),
+            ("--trigger", args.trigger),
+            ("--memory", args.memory),
+            ("--devices", args.devices),
+        )
+        if value is not None
+    ]
     if local:
-        raise InvalidArgumentError(f"{', '.join(local)}: local-daemon flags; with --cluster use "
-                                   "--procs-per-node")
+        raise InvalidArgumentError(
+            f"{', '.join(local)}: local-daemon flags; with --cluster use --procs-per-node"
+        )
     if not args.nodes or not args.link:
         raise InvalidArgumentError("--cluster needs --nodes (e.g. 2,8) and --link (e.g. 1gbit)")
 
@@ -233,12 +311,19 @@ def cluster_options(args: argparse.Namespace):
         return tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
 
     return ClusterOptions(
-        nodes=tuple(parse_ints(args.nodes, "--nodes")), rate_bits=parse_rate(args.link),
-        ops=items(args.op), algorithms=items(args.algorithm or AUTO),
-        sizes=tuple(parse_sizes(args.bytes or "64MiB")), procs_per_node=args.procs_per_node,
+        nodes=tuple(parse_ints(args.nodes, "--nodes")),
+        rate_bits=parse_rate(args.link),
+        ops=items(args.op),
+        algorithms=items(args.algorithm or AUTO),
+        sizes=tuple(parse_sizes(args.bytes or "64MiB")),
+        procs_per_node=args.procs_per_node,
         warmup=1 if args.warmup is None else args.warmup,
-        iters=5 if args.iters is None else args.iters, compare=args.compare,
-        prefix=args.prefix, logs=args.logs, transports=items(args.peer_transport or "ucx"))
+        iters=5 if args.iters is None else args.iters,
+        compare=args.compare,
+        prefix=args.prefix,
+        logs=args.logs,
+        transports=items(args.peer_transport or "ucx"),
+    )
 
 
 def run_cluster(args: argparse.Namespace) -> int:

@@ -12,10 +12,12 @@ from lpsync.cluster.emulated import SUBNET
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "cluster", help="build or remove an emulated cluster (network namespaces, needs root)",
+        "cluster",
+        help="build or remove an emulated cluster (network namespaces, needs root)",
         description=f"N network namespaces PREFIX-n0.. on a bridge (namespace PREFIX-sw), node i "
-                    f"at 198.18.0.(i+1) in {SUBNET} and nowhere else, each with a full-duplex "
-                    "NIC shaped to RATE by tbf on both ends of its veth.")
+        f"at 198.18.0.(i+1) in {SUBNET} and nowhere else, each with a full-duplex "
+        "NIC shaped to RATE by tbf on both ends of its veth.",
+    )
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     u = actions.add_parser("up", help="create the cluster")
     u.add_argument("--nodes", type=int, required=True, help="number of nodes (1..254)")
@@ -33,19 +35,25 @@ def run(args: argparse.Namespace) -> int:
         removed = down(args.prefix)
         print(f"removed {len(removed)} namespaces" + (f": {', '.join(removed)}" if removed else ""))
         return 0
-    spec = ClusterSpec(args.nodes, parse_rate(args.link),
-                       parse_delay(args.delay) if args.delay else None, args.prefix)
+    spec = ClusterSpec(
+        args.nodes, parse_rate(args.link), parse_delay(args.delay) if args.delay else None, args.prefix
+    )
     up(spec)
     if args.json:
         json.dump(spec.describe(), sys.stdout)
         print()
         return 0
     delay = f", {args.delay} one-way" if args.delay else ""
-    print(f"cluster {spec.prefix!r}: {spec.nodes} nodes, {format_rate(spec.rate_bits)} full duplex"
-          f" per node{delay}")
+    print(
+        f"cluster {spec.prefix!r}: {spec.nodes} nodes, {format_rate(spec.rate_bits)} full duplex"
+        f" per node{delay}"
+    )
     for node in range(spec.nodes):
         print(f"  node {node}  namespace {spec.namespace(node):<14} address {spec.address(node)}")
     print(f"run a command on node 0:  ip netns exec {spec.namespace(0)} COMMAND")
-    print(f"remove it:                lpsync cluster down --prefix {spec.prefix}"
-          if spec.prefix != "lpsync" else "remove it:                lpsync cluster down")
+    print(
+        f"remove it:                lpsync cluster down --prefix {spec.prefix}"
+        if spec.prefix != "lpsync"
+        else "remove it:                lpsync cluster down"
+    )
     return 0

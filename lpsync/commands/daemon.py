@@ -13,9 +13,11 @@ from lpsync.errors import LpsyncError
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "daemon", help="run the lpsync daemon of this node",
+        "daemon",
+        help="run the lpsync daemon of this node",
         description="Serve lpsync's gRPC control plane on a Unix socket (and optionally TCP "
-                    "with TLS and a token). Settings: flags > LPSYNC_* environment > --config.")
+        "with TLS and a token). Settings: flags > LPSYNC_* environment > --config.",
+    )
     daemon_config.add_flags(parser)
     parser.set_defaults(func=run)
 

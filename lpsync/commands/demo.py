@@ -19,18 +19,23 @@ by side). Prints each daemon's metrics URL; stops everything it started, also on
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("demo", help="the main job: BSP-SGD training through lpsync",
-                              description=_DESCRIPTION,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "demo",
+        help="the main job: BSP-SGD training through lpsync",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--nodes", type=int, default=2, help="daemons, one per node (default 2)")
     p.add_argument("--per-node", type=int, default=2, help="trainers per node (default 2)")
     p.add_argument("--epochs", type=int, default=5, help="epochs (default 5)")
     p.add_argument("--batch", type=int, default=16, help="samples per trainer and step")
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (momentum 0.9)")
-    p.add_argument("--script", type=Path, help="the training script (default "
-                                               "examples/train_digits.py of the checkout)")
-    p.add_argument("--keep-logs", type=Path, metavar="DIR",
-                   help="copy the daemons' and trainers' logs to DIR")
+    p.add_argument(
+        "--script", type=Path, help="the training script (default examples/train_digits.py of the checkout)"
+    )
+    p.add_argument(
+        "--keep-logs", type=Path, metavar="DIR", help="copy the daemons' and trainers' logs to DIR"
+    )
     p.set_defaults(func=run)
 
 
@@ -41,5 +46,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.nodes < 1 or args.per_node < 1 or args.epochs < 1 or args.batch < 1:
         raise InvalidArgumentError("--nodes, --per-node, --epochs and --batch must be >= 1")
-    return run_demo(DemoOptions(args.nodes, args.per_node, args.epochs, args.batch, args.lr,
-                                args.script or SCRIPT, keep=args.keep_logs))
+    return run_demo(
+        DemoOptions(
+            args.nodes,
+            args.per_node,
+            args.epochs,
+            args.batch,
+            args.lr,
+            args.script or SCRIPT,
+            keep=args.keep_logs,
+        )
+    )

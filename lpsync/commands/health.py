@@ -16,11 +16,12 @@ from lpsync.daemon.config import DEFAULT_SOCKET
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "health", help="check that the daemon on this node serves (exit 0) or not (exit 1)")
-    parser.add_argument("--socket", help="daemon socket (env LPSYNC_SOCKET; default "
-                                         f"{DEFAULT_SOCKET})")
-    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for "
-                                                                   "the answer (default 3)")
+        "health", help="check that the daemon on this node serves (exit 0) or not (exit 1)"
+    )
+    parser.add_argument("--socket", help=f"daemon socket (env LPSYNC_SOCKET; default {DEFAULT_SOCKET})")
+    parser.add_argument(
+        "--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)"
+    )
     parser.add_argument("--quiet", action="store_true", help="print nothing")
     parser.set_defaults(func=run)
 
@@ -32,7 +33,8 @@ def check(socket: str, timeout: float) -> str:
 
     with grpc.insecure_channel(f"unix:{socket}") as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout
+        )
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
@@ -45,6 +47,5 @@ def run(args: argparse.Namespace) -> int:
     except grpc.RpcError as error:
         status = f"unreachable ({error.code().name}: {error.details()})"
     if not args.quiet:
-        print(f"lpsync daemon at {socket}: {status}", file=sys.stdout if status == "SERVING"
-              else sys.stderr)
+        print(f"lpsync daemon at {socket}: {status}", file=sys.stdout if status == "SERVING" else sys.stderr)
     return 0 if status == "SERVING" else 1

@@ -21,17 +21,29 @@ def plot_points(rows: list[dict[str, Any]], path: str) -> None:
         mine = [r for r in rows if r["op"] == op]
         largest, widest = max(r["bytes"] for r in mine), max(r["nodes"] for r in mine)
         for name in dict.fromkeys(r["algorithm"] for r in mine):
-            by_p = sorted((r["nodes"], r["seconds"]) for r in mine
-                          if r["algorithm"] == name and r["bytes"] == largest)
-            by_n = sorted((r["bytes"], r["seconds"]) for r in mine
-                          if r["algorithm"] == name and r["nodes"] == widest)
+            by_p = sorted(
+                (r["nodes"], r["seconds"]) for r in mine if r["algorithm"] == name and r["bytes"] == largest
+            )
+            by_n = sorted(
+                (r["bytes"], r["seconds"]) for r in mine if r["algorithm"] == name and r["nodes"] == widest
+            )
             axes[i][0].plot(*zip(*by_p, strict=True), marker="o", label=name)
             axes[i][1].plot(*zip(*by_n, strict=True), marker="o", label=name)
         size = next(r["size"] for r in mine if r["bytes"] == largest)
-        axes[i][0].set(title=f"{op}, {size}: time against participants", xscale="log",
-                       yscale="log", xlabel="participants P", ylabel="seconds")
-        axes[i][1].set(title=f"{op}, P={widest}: time against size", xscale="log",
-                       yscale="log", xlabel="bytes", ylabel="seconds")
+        axes[i][0].set(
+            title=f"{op}, {size}: time against participants",
+            xscale="log",
+            yscale="log",
+            xlabel="participants P",
+            ylabel="seconds",
+        )
+        axes[i][1].set(
+            title=f"{op}, P={widest}: time against size",
+            xscale="log",
+            yscale="log",
+            xlabel="bytes",
+            ylabel="seconds",
+        )
         for ax in axes[i]:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend()

@@ -30,47 +30,69 @@ from lpsync.report import write_json_lines, write_table
 from lpsync.types import Collective, dtype_of, parse_collective
 from lpsync.units import format_size, parse_ints, parse_size, parse_sizes
 
-COLUMNS = ("op", "algorithm", "nodes", "size", "chunks", "seconds", "model", "algbw", "busbw",
-           "x_lp")
+COLUMNS = ("op", "algorithm", "nodes", "size", "chunks", "seconds", "model", "algbw", "busbw", "x_lp")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "simulate", help="simulate collectives under the alpha-beta-gamma model",
+        "simulate",
+        help="simulate collectives under the alpha-beta-gamma model",
         description="Event-simulate the schedules of each algorithm on a cluster where every "
-                    "node has one full-duplex link, and print seconds, algbw and busbw "
-                    "(nccl-tests' definitions) beside the closed-form model.")
-    p.add_argument("--op", default="broadcast",
-                   help="collective(s), comma separated: allreduce, broadcast, reduce, "
-                        "allgather, reduce_scatter (default broadcast)")
-    p.add_argument("--algorithms", default=",".join(ALGORITHMS),
-                   help=f"comma list from {', '.join(ALGORITHMS)} (default: all that offer the op)")
+        "node has one full-duplex link, and print seconds, algbw and busbw "
+        "(nccl-tests' definitions) beside the closed-form model.",
+    )
+    p.add_argument(
+        "--op",
+        default="broadcast",
+        help="collective(s), comma separated: allreduce, broadcast, reduce, "
+        "allgather, reduce_scatter (default broadcast)",
+    )
+    p.add_argument(
+        "--algorithms",
+        default=",".join(ALGORITHMS),
+        help=f"comma list from {', '.join(ALGORITHMS)} (default: all that offer the op)",
+    )
     p.add_argument("--nodes", default="2,4,8", help="participant counts, comma list (default 2,4,8)")
-    p.add_argument("--bytes", default="64MiB",
-                   help="buffer sizes: comma list, LOW:HIGH doubles (default 64MiB); for allgather "
-                        "the gathered output, for reduce_scatter the input")
+    p.add_argument(
+        "--bytes",
+        default="64MiB",
+        help="buffer sizes: comma list, LOW:HIGH doubles (default 64MiB); for allgather "
+        "the gathered output, for reduce_scatter the input",
+    )
     p.add_argument("--alpha", type=float, default=5e-6, help="seconds per message (default 5e-6)")
-    p.add_argument("--bandwidth", type=float, default=1.25e9,
-                   help="bytes/s per link direction (default 1.25e9, 10 Gbit/s)")
+    p.add_argument(
+        "--bandwidth",
+        type=float,
+        default=1.25e9,
+        help="bytes/s per link direction (default 1.25e9, 10 Gbit/s)",
+    )
     p.add_argument("--gamma", type=float, default=0.0, help="seconds per byte reduced (default 0)")
-    p.add_argument("--links", choices=("nic", "pair"), default="nic",
-                   help="nic: one full-duplex NIC per node (default); pair: a link per node pair")
+    p.add_argument(
+        "--links",
+        choices=("nic", "pair"),
+        default="nic",
+        help="nic: one full-duplex NIC per node (default); pair: a link per node pair",
+    )
     p.add_argument("--dtype", default="float32", help="element type (default float32)")
-    p.add_argument("--chunks", default="auto",
-                   help="LP chunk count: auto (closed-form k*), search (simulate around k*), or N")
-    p.add_argument("--min-chunk", default=format_size(DEFAULT_MIN_CHUNK_BYTES),
-                   help="smallest LP chunk (default 64KiB)")
+    p.add_argument(
+        "--chunks",
+        default="auto",
+        help="LP chunk count: auto (closed-form k*), search (simulate around k*), or N",
+    )
+    p.add_argument(
+        "--min-chunk", default=format_size(DEFAULT_MIN_CHUNK_BYTES), help="smallest LP chunk (default 64KiB)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--plot", metavar="FILE.png", help="draw time against P and against size")
     p.set_defaults(func=run)
 
 
-def _choose_chunks(mode: str, schedule_args: dict[str, Any], itemsize: int, link: LinkModel,
-                   nbytes: int, min_chunk: int) -> int:
+def _choose_chunks(
+    mode: str, schedule_args: dict[str, Any], itemsize: int, link: LinkModel, nbytes: int, min_chunk: int
+) -> int:
     p = schedule_args["participants"]
     if mode == "auto":
-        return chunks_for(schedule_args["algorithm"], p, nbytes, link, min_chunk,
-                          schedule_args["op"])
+        return chunks_for(schedule_args["algorithm"], p, nbytes, link, min_chunk, schedule_args["op"])
     if mode != "search":
         try:
             k = int(mode)
@@ -82,8 +104,7 @@ def _choose_chunks(mode: str, schedule_args: dict[str, Any], itemsize: int, link
     guess = lp_chunks(p, nbytes, link, min_chunk, schedule_args["op"])
     most = max(1, nbytes // max(1, min_chunk))
     candidates = sorted({max(1, min(most, round(guess * f))) for f in (0.25, 0.5, 1, 2, 4)})
-    timed = [(simulate(generate(chunks=k, **schedule_args), itemsize, link).seconds, k)
-             for k in candidates]
+    timed = [(simulate(generate(chunks=k, **schedule_args), itemsize, link).seconds, k) for k in candidates]
     return min(timed)[1]
 
 
@@ -95,16 +116,31 @@ def points(args: argparse.Namespace) -> list[dict[str, Any]]:
     nodes = parse_ints(args.nodes, "--nodes")
     if any(p < 1 for p in nodes):
         raise InvalidArgumentError("--nodes must be >= 1")
-    link = LinkModel.from_bandwidth(args.alpha, args.bandwidth, args.gamma,
-                                    shared_nic=args.links == "nic")
-    return sweep([parse_collective(o.strip()) for o in args.op.split(",")], wanted, nodes,
-                 parse_sizes(args.bytes), dtype_of(args.dtype), link, args.chunks,
-                 parse_size(args.min_chunk), progress=sys.stderr.isatty() and not args.json)
+    link = LinkModel.from_bandwidth(args.alpha, args.bandwidth, args.gamma, shared_nic=args.links == "nic")
+    return sweep(
+        [parse_collective(o.strip()) for o in args.op.split(",")],
+        wanted,
+        nodes,
+        parse_sizes(args.bytes),
+        dtype_of(args.dtype),
+        link,
+        args.chunks,
+        parse_size(args.min_chunk),
+        progress=sys.stderr.isatty() and not args.json,
+    )
 
 
-def sweep(ops: list[Collective], wanted: list[str], nodes: list[int], sizes: list[int],
-          dtype: np.dtype, link: LinkModel, chunks: str = "auto",
-          min_chunk: int = DEFAULT_MIN_CHUNK_BYTES, progress: bool = False) -> list[dict[str, Any]]:
+def sweep(
+    ops: list[Collective],
+    wanted: list[str],
+    nodes: list[int],
+    sizes: list[int],
+    dtype: np.dtype,
+    link: LinkModel,
+    chunks: str = "auto",
+    min_chunk: int = DEFAULT_MIN_CHUNK_BYTES,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
     """One simulated row per (op, P, size, algorithm), with x_lp filled in."""
     rows: list[dict[str, Any]] = []
     for op in ops:
@@ -119,18 +155,30 @@ def sweep(ops: list[Collective], wanted: list[str], nodes: list[int], sizes: lis
                 nbytes = count * blocks * dtype.itemsize
                 for name in algos:
                     if progress:
-                        print(f"\r{op} {name} P={p} {format_size(nbytes)} ...", end="",
-                              file=sys.stderr, flush=True)
-                    rows.append(_point(op, name, p, count, nbytes, dtype.itemsize, link, chunks,
-                                       min_chunk))
+                        print(
+                            f"\r{op} {name} P={p} {format_size(nbytes)} ...",
+                            end="",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    rows.append(_point(op, name, p, count, nbytes, dtype.itemsize, link, chunks, min_chunk))
     if progress:
         print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     _add_ratios(rows)
     return rows
 
 
-def _point(op: Collective, name: str, p: int, count: int, nbytes: int, itemsize: int,
-           link: LinkModel, chunks_mode: str, min_chunk: int) -> dict[str, Any]:
+def _point(
+    op: Collective,
+    name: str,
+    p: int,
+    count: int,
+    nbytes: int,
+    itemsize: int,
+    link: LinkModel,
+    chunks_mode: str,
+    min_chunk: int,
+) -> dict[str, Any]:
     schedule_args = {"op": op, "algorithm": name, "participants": p, "count": count}
     chunks = 1
     if ALGORITHMS[name].pipelined:
@@ -138,10 +186,18 @@ def _point(op: Collective, name: str, p: int, count: int, nbytes: int, itemsize:
     schedule = generate(chunks=chunks, **schedule_args)
     result = simulate(schedule, itemsize, link)
     bw = algbw(nbytes, result.seconds)
-    return {"op": str(op), "algorithm": name, "nodes": p, "bytes": nbytes,
-            "size": format_size(nbytes), "chunks": schedule.chunks, "seconds": result.seconds,
-            "model": closed_form(op, name, p, nbytes, link, schedule.chunks),
-            "algbw": bw, "busbw": bw * busbw_factor(op, p)}
+    return {
+        "op": str(op),
+        "algorithm": name,
+        "nodes": p,
+        "bytes": nbytes,
+        "size": format_size(nbytes),
+        "chunks": schedule.chunks,
+        "seconds": result.seconds,
+        "model": closed_form(op, name, p, nbytes, link, schedule.chunks),
+        "algbw": bw,
+        "busbw": bw * busbw_factor(op, p),
+    }
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -158,9 +214,12 @@ def run(args: argparse.Namespace) -> int:
         write_json_lines(({k: v for k, v in r.items() if k != "size"} for r in rows), sys.stdout)
     else:
         write_table(rows, COLUMNS, sys.stdout)
-        print(f"# alpha={args.alpha:g} s, bandwidth={args.bandwidth:g} B/s, gamma={args.gamma:g} "
-              f"s/B, links={args.links}; x_lp = seconds / LP seconds; "
-              f"{time.monotonic() - started:.1f} s", file=sys.stdout)
+        print(
+            f"# alpha={args.alpha:g} s, bandwidth={args.bandwidth:g} B/s, gamma={args.gamma:g} "
+            f"s/B, links={args.links}; x_lp = seconds / LP seconds; "
+            f"{time.monotonic() - started:.1f} s",
+            file=sys.stdout,
+        )
     if args.plot:
         from lpsync.commands.plot import plot_points
 

@@ -15,19 +15,22 @@ from lpsync.daemon.config import DEFAULT_SOCKET
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("status", help="show a daemon's sessions and collectives")
-    parser.add_argument("--socket", help="daemon socket (env LPSYNC_SOCKET; default "
-                                         f"{DEFAULT_SOCKET})")
+    parser.add_argument("--socket", help=f"daemon socket (env LPSYNC_SOCKET; default {DEFAULT_SOCKET})")
     parser.add_argument("--recent", type=int, default=20, help="recent collectives to show")
-    parser.add_argument("--history", type=int, default=5, metavar="N",
-                        help="per job, the last N collectives of its flight recorder with "
-                             "each rank's arrival and each stage's time (0: all kept)")
+    parser.add_argument(
+        "--history",
+        type=int,
+        default=5,
+        metavar="N",
+        help="per job, the last N collectives of its flight recorder with "
+        "each rank's arrival and each stage's time (0: all kept)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--token-file", help="bearer token, if the daemon wants one")
     parser.set_defaults(func=run)
 
 
-def fetch(socket: str, recent: int = 20, token: str = "", timeout: float = 5.0,
-          history: int = 0):
+def fetch(socket: str, recent: int = 20, token: str = "", timeout: float = 5.0, history: int = 0):
     import grpc
 
     from lpsync._proto import lpsync_pb2 as pb
@@ -36,8 +39,9 @@ def fetch(socket: str, recent: int = 20, token: str = "", timeout: float = 5.0,
     metadata = [("authorization", f"Bearer {token}")] if token else None
     with grpc.insecure_channel(f"unix:{socket}") as channel:
         stub = pb_grpc.LpSyncStub(channel)
-        return stub.Status(pb.StatusRequest(recent=recent, history=history), timeout=timeout,
-                           metadata=metadata)
+        return stub.Status(
+            pb.StatusRequest(recent=recent, history=history), timeout=timeout, metadata=metadata
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,39 +53,54 @@ def run(args: argparse.Namespace) -> int:
     try:
         status = fetch(socket, args.recent, token, history=args.history)
     except grpc.RpcError as error:
-        print(f"lpsync status: cannot reach the daemon at {socket}: {error.details()}",
-              file=sys.stderr)
+        print(f"lpsync status: cannot reach the daemon at {socket}: {error.details()}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(MessageToDict(status, preserving_proto_field_name=True,
-                                       always_print_fields_with_no_presence=True), indent=2))
+        print(
+            json.dumps(
+                MessageToDict(
+                    status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+                ),
+                indent=2,
+            )
+        )
         return 0
     print(f"lpsync daemon {status.version} on {socket}, up {status.uptime_seconds:.0f} s")
     print(f"\nsessions ({len(status.sessions)})")
-    print(f"  {'job':<16} {'rank':>4} {'world':>5} {'pid':>8} {'buffers':>7} {'bytes':>12}"
-          "  session")
+    print(f"  {'job':<16} {'rank':>4} {'world':>5} {'pid':>8} {'buffers':>7} {'bytes':>12}  session")
     for s in status.sessions:
-        print(f"  {s.job:<16} {s.rank:>4} {s.world_size:>5} {s.pid:>8} {s.buffers:>7} "
-              f"{s.registered_bytes:>12}  {s.session_id[:12]}")
+        print(
+            f"  {s.job:<16} {s.rank:>4} {s.world_size:>5} {s.pid:>8} {s.buffers:>7} "
+            f"{s.registered_bytes:>12}  {s.session_id[:12]}"
+        )
     if status.devices:
         print(f"\ndevices ({len(status.devices)})")
-        print(f"  {'device':<12} {'registered':>12} {'open allocs':>11} {'ipc opens':>9} "
-              f"{'closes':>6}  links")
+        print(
+            f"  {'device':<12} {'registered':>12} {'open allocs':>11} {'ipc opens':>9} {'closes':>6}  links"
+        )
         for d in status.devices:
-            print(f"  {d.name:<12} {d.registered_bytes:>10} B {d.open_allocations:>11} "
-                  f"{d.ipc_opens:>9} {d.ipc_closes:>6}  {d.links}")
+            print(
+                f"  {d.name:<12} {d.registered_bytes:>10} B {d.open_allocations:>11} "
+                f"{d.ipc_opens:>9} {d.ipc_closes:>6}  {d.links}"
+            )
     print(f"\nbuffers ({len(status.buffers)})")
     for b in status.buffers:
         kind = "device" if b.device else "registered" if b.staged else "allocated"
-        print(f"  {b.handle:>6} {b.nbytes:>12} B  {kind:<10} {b.device or b.shm_name}  "
-              f"(session {b.session_id[:12]})")
+        print(
+            f"  {b.handle:>6} {b.nbytes:>12} B  {kind:<10} {b.device or b.shm_name}  "
+            f"(session {b.session_id[:12]})"
+        )
     print(f"\nrecent collectives ({len(status.recent)})")
-    print(f"  {'job':<16} {'seq':>6} {'op':<14} {'dtype':<8} {'count':>10} {'algorithm':<9} "
-          f"{'latency':>10}  {'code':<18} finished")
+    print(
+        f"  {'job':<16} {'seq':>6} {'op':<14} {'dtype':<8} {'count':>10} {'algorithm':<9} "
+        f"{'latency':>10}  {'code':<18} finished"
+    )
     for c in status.recent:
         when = time.strftime("%H:%M:%S", time.localtime(c.finished_at))
-        print(f"  {c.job:<16} {c.sequence:>6} {c.op:<14} {c.dtype:<8} {c.count:>10} "
-              f"{c.algorithm:<9} {c.seconds * 1e6:>8.1f}us  {c.code:<18} {when}")
+        print(
+            f"  {c.job:<16} {c.sequence:>6} {c.op:<14} {c.dtype:<8} {c.count:>10} "
+            f"{c.algorithm:<9} {c.seconds * 1e6:>8.1f}us  {c.code:<18} {when}"
+        )
     print(f"\njobs ({len(status.jobs)})")
     for job in status.jobs:
         _print_job(job)
@@ -109,11 +128,15 @@ def _print_job(job) -> None:
     for w in job.waiting:
         flag = "  STALLED" if w.stalled else ""
         nodes = f", nodes not heard from: {ranges(w.missing_nodes)}" if w.missing_nodes else ""
-        print(f"    waiting #{w.sequence} {w.op} {w.stage} for {w.waiting_seconds:.1f} s{flag}: "
-              f"missing ranks {ranges(w.missing_ranks)}{nodes} (arrived {ranges(w.arrived)})")
+        print(
+            f"    waiting #{w.sequence} {w.op} {w.stage} for {w.waiting_seconds:.1f} s{flag}: "
+            f"missing ranks {ranges(w.missing_ranks)}{nodes} (arrived {ranges(w.arrived)})"
+        )
     for r in job.history:
         stages = ", ".join(f"{s.stage} {_ms(s.seconds)}" for s in r.stages)
         arrivals = ", ".join(f"{a.rank}+{_ms(a.after_seconds)}" for a in r.arrivals)
         error = f"  {r.message}" if r.message else ""
-        print(f"    #{r.sequence} {r.op} {r.dtype}x{r.count} {r.algorithm or '-'} {r.code} "
-              f"{_ms(r.total_seconds)} [{stages}] arrivals [{arrivals}]{error}")
+        print(
+            f"    #{r.sequence} {r.op} {r.dtype}x{r.count} {r.algorithm or '-'} {r.code} "
+            f"{_ms(r.total_seconds)} [{stages}] arrivals [{arrivals}]{error}"
+        )

@@ -49,8 +49,11 @@ SUMMARY_BYTES = 4096  # one node's summary, JSON (a collective's name is most of
 _VERDICT_BYTES = 4096
 _LENGTHS = struct.Struct("<II")  # the frame: header bytes, payload bytes
 _FRAME = _LENGTHS.size
-_ERRORS = {"INVALID_ARGUMENT": MismatchError, "DEADLINE_EXCEEDED": CollectiveTimeoutError,
-           "ABORTED": AbortedError}
+_ERRORS = {
+    "INVALID_ARGUMENT": MismatchError,
+    "DEADLINE_EXCEEDED": CollectiveTimeoutError,
+    "ABORTED": AbortedError,
+}
 EXCHANGE_MAX_NODES = 2  # up to this many nodes, every node sends to every other
 # The tree's fan-out: flat up to 8 nodes (2 hops), then 8-nomial. On the 2-core emulated
 # cluster binomial and flat cost the same (CPU-bound: the messages are the same 2(P-1));
@@ -74,6 +77,7 @@ def job_hash(name: str) -> int:
 
 
 # -- the tree ------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Tree:
@@ -102,13 +106,13 @@ class Tree:
     def children(self, node: int) -> list[int]:
         out, place = [], 1
         while place < self.subtree(node) and node + place < self.nodes:
-            out.extend(node + j * place for j in range(1, self.radix)
-                       if node + j * place < self.nodes)
+            out.extend(node + j * place for j in range(1, self.radix) if node + j * place < self.nodes)
             place *= self.radix
         return out
 
 
 # -- messages ------------------------------------------------------------------------------
+
 
 def encode(header: dict[str, Any] | bytes, payload: np.ndarray | None = None) -> np.ndarray:
     """A message: ``header`` as JSON (or already serialized) and the payload's bytes."""
@@ -116,9 +120,9 @@ def encode(header: dict[str, Any] | bytes, payload: np.ndarray | None = None) ->
     data = b"" if payload is None else np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
     out = np.empty(_FRAME + len(raw) + len(data), np.uint8)
     _LENGTHS.pack_into(out, 0, len(raw), len(data))
-    out[_FRAME:_FRAME + len(raw)] = np.frombuffer(raw, np.uint8)
+    out[_FRAME : _FRAME + len(raw)] = np.frombuffer(raw, np.uint8)
     if len(data):
-        out[_FRAME + len(raw):] = data
+        out[_FRAME + len(raw) :] = data
     return out
 
 
@@ -127,8 +131,8 @@ def decode(buf: np.ndarray) -> tuple[dict[str, Any], np.ndarray]:
     head, size = _LENGTHS.unpack_from(buf)
     if _FRAME + head + size > buf.nbytes:
         raise ValueError("a message shorter than its frame says")
-    header = json.loads(buf[_FRAME:_FRAME + head].tobytes())
-    return header, buf[_FRAME + head:_FRAME + head + size]
+    header = json.loads(buf[_FRAME : _FRAME + head].tobytes())
+    return header, buf[_FRAME + head : _FRAME + head + size]
 
 
 @dataclass(frozen=True)
@@ -144,21 +148,21 @@ class Summary:
         return cls(fields, json.dumps({"summaries": [fields]}).encode())
 
 
-def summary(job: Job, spec: Spec, link: Link,
-            extras: tuple[tuple[str, Any], ...] = ()) -> Summary:
+def summary(job: Job, spec: Spec, link: Link, extras: tuple[tuple[str, Any], ...] = ()) -> Summary:
     """This node's summary of ``spec`` (cached: a job repeats its collectives); ``extras``
     are learning.py's fields ("use", "trial", "last"), hashable."""
     assert job.layout is not None and link.model is not None
     ranks = job.local_ranks
-    return _summary(spec, job.layout.node, ranks[0], ranks[-1], link.model.alpha,
-                    link.model.beta, extras)
+    return _summary(spec, job.layout.node, ranks[0], ranks[-1], link.model.alpha, link.model.beta, extras)
 
 
 @functools.lru_cache(maxsize=256)
-def _summary(spec: Spec, node: int, lo: int, hi: int, alpha: float, beta: float,
-             extras: tuple[tuple[str, Any], ...]) -> Summary:
-    mine = Summary.of({"node": node, "ranks": [lo, hi], "spec": asdict(spec), "alpha": alpha,
-                       "beta": beta, **dict(extras)})
+def _summary(
+    spec: Spec, node: int, lo: int, hi: int, alpha: float, beta: float, extras: tuple[tuple[str, Any], ...]
+) -> Summary:
+    mine = Summary.of(
+        {"node": node, "ranks": [lo, hi], "spec": asdict(spec), "alpha": alpha, "beta": beta, **dict(extras)}
+    )
     if len(mine.alone) > SUMMARY_BYTES:
         raise InvalidArgumentError(f"collective name too long ({len(spec.name)} characters)")
     return mine
@@ -168,9 +172,8 @@ def failure_summary(job: Job, error: LpsyncError) -> Summary:
     """A summary that carries the error that failed the collective on this node."""
     assert job.layout is not None
     lo, hi = job.local_ranks[0], job.local_ranks[-1]
-    message = f"node {job.layout.node} (ranks {lo}-{hi}): {error}"[:SUMMARY_BYTES // 2]
-    return Summary.of({"node": job.layout.node, "ranks": [lo, hi],
-                       "error": [error.code, message]})
+    message = f"node {job.layout.node} (ranks {lo}-{hi}): {error}"[: SUMMARY_BYTES // 2]
+    return Summary.of({"node": job.layout.node, "ranks": [lo, hi], "error": [error.code, message]})
 
 
 def _tags(job_hash: int, sequence: int) -> tuple[int, int]:
@@ -180,6 +183,7 @@ def _tags(job_hash: int, sequence: int) -> tuple[int, int]:
 
 # -- judging -------------------------------------------------------------------------------
 
+
 def judge(summaries: list[dict[str, Any]], sequence: int, job: str) -> dict[str, Any]:
     """The verdict on every node's summary: {"error": [code, message]} or {"alpha", "beta"}."""
     by_node = {s["node"]: s for s in summaries}
@@ -187,23 +191,24 @@ def judge(summaries: list[dict[str, Any]], sequence: int, job: str) -> dict[str,
     failed = [n for n in nodes if "error" in by_node[n]]
     if failed:
         code, message = by_node[failed[0]]["error"]
-        return {"error": [code, f"collective #{sequence} of job {job!r} failed on another "
-                                f"node: {message}"]}
+        return {"error": [code, f"collective #{sequence} of job {job!r} failed on another node: {message}"]}
     specs = {n: by_node[n]["spec"] for n in nodes}
     first = specs[nodes[0]]
     same = all(spec == first for spec in specs.values())
     fields = [] if same else [f for f in SPEC_FIELDS if len({json.dumps(specs[n][f]) for n in nodes}) > 1]
     if fields:
+
         def who(n: int) -> str:
             lo, hi = by_node[n]["ranks"]
             return f"node {n} (ranks {lo}-{hi})"
-        detail = "; ".join(f"{f}: " + ", ".join(f"{who(n)}={specs[n][f]!r}" for n in nodes)
-                           for f in fields)
-        message = (f"collective #{sequence} of job {job!r}: nodes disagree on "
-                   f"{', '.join(fields)} ({detail})")
-        return {"error": ["INVALID_ARGUMENT", message[:_VERDICT_BYTES - 100]]}
-    verdict = {"alpha": max(by_node[n]["alpha"] for n in nodes),
-               "beta": max(by_node[n]["beta"] for n in nodes)}
+
+        detail = "; ".join(f"{f}: " + ", ".join(f"{who(n)}={specs[n][f]!r}" for n in nodes) for f in fields)
+        message = f"collective #{sequence} of job {job!r}: nodes disagree on {', '.join(fields)} ({detail})"
+        return {"error": ["INVALID_ARGUMENT", message[: _VERDICT_BYTES - 100]]}
+    verdict = {
+        "alpha": max(by_node[n]["alpha"] for n in nodes),
+        "beta": max(by_node[n]["beta"] for n in nodes),
+    }
     first = by_node[nodes[0]]
     if "use" in first:  # node 0 decides the schedule for all (learning.py)
         verdict["use"], verdict["trial"] = first["use"], first.get("trial", False)
@@ -215,15 +220,20 @@ def reports(summaries: list[dict[str, Any]]) -> tuple[tuple[int, int, float], ..
     return tuple((s["node"], *s["last"]) for s in summaries if "last" in s)
 
 
-def _apply(verdict: dict[str, Any], result: np.ndarray | None,
-           summaries: list[dict[str, Any]] | None = None) -> Verdict:
+def _apply(
+    verdict: dict[str, Any], result: np.ndarray | None, summaries: list[dict[str, Any]] | None = None
+) -> Verdict:
     if "error" in verdict:
         code, message = verdict["error"]
         raise _ERRORS.get(code, UnavailableError)(message)
     use = verdict.get("use")
-    return Verdict(LinkModel(alpha=verdict["alpha"], beta=verdict["beta"], shared_nic=True),
-                   result, None if use is None else (str(use[0]), int(use[1])),
-                   bool(verdict.get("trial", False)), reports(summaries or []))
+    return Verdict(
+        LinkModel(alpha=verdict["alpha"], beta=verdict["beta"], shared_nic=True),
+        result,
+        None if use is None else (str(use[0]), int(use[1])),
+        bool(verdict.get("trial", False)),
+        reports(summaries or []),
+    )
 
 
 def _same_data(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> bool:
@@ -234,8 +244,15 @@ def _same_data(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> bool:
 
 # -- the protocol --------------------------------------------------------------------------
 
-def agree(job: Job, pending: Pending, link: Link, deadline: float, mine: Summary,
-          small: SmallCollective | None = None) -> Verdict:
+
+def agree(
+    job: Job,
+    pending: Pending,
+    link: Link,
+    deadline: float,
+    mine: Summary,
+    small: SmallCollective | None = None,
+) -> Verdict:
     """Run this node's side of the agreement; raises the verdict's error on every node
     alike. ``mine`` is this node's summary (summary() or failure_summary());
     ``small`` carries a small collective's data (its result comes back in the Verdict)."""
@@ -263,21 +280,30 @@ class _Incoming:
             self.request.wait(deadline)
             header, payload = decode(self.buf)
         except InvalidArgumentError:  # larger than any legal message: another collective
-            return (f"node {self.peer} sent a larger agreement message than this collective "
-                    "allows (the nodes run different collectives)")
+            return (
+                f"node {self.peer} sent a larger agreement message than this collective "
+                "allows (the nodes run different collectives)"
+            )
         except ValueError as error:
             return f"node {self.peer} sent an unreadable agreement message ({error})"
-        return header, payload, self.buf[:_FRAME + sum(_LENGTHS.unpack_from(self.buf))]
+        return header, payload, self.buf[: _FRAME + sum(_LENGTHS.unpack_from(self.buf))]
 
 
-def _exchange(job: Job, pending: Pending, link: Link, deadline: float, mine: Summary,
-              small: SmallCollective | None, part: np.ndarray | None, tag: int) -> Verdict:
+def _exchange(
+    job: Job,
+    pending: Pending,
+    link: Link,
+    deadline: float,
+    mine: Summary,
+    small: SmallCollective | None,
+    part: np.ndarray | None,
+    tag: int,
+) -> Verdict:
     assert job.layout is not None
     nodes, node = job.layout.nodes, job.layout.node
     out = encode(mine.alone, part)
     others = [n for n in range(nodes) if n != node]
-    incoming = [_Incoming(link, n, tag, SUMMARY_BYTES + _FRAME + SMALL_MAX_BYTES)
-                for n in others]
+    incoming = [_Incoming(link, n, tag, SUMMARY_BYTES + _FRAME + SMALL_MAX_BYTES) for n in others]
     sends = [link.endpoint.send(n, tag, out) for n in others]
     summaries, parts = [mine.fields], {node: part}
     pending.waiting_nodes = tuple(others)  # for `lpsync status` and the stall warning
@@ -289,7 +315,7 @@ def _exchange(job: Job, pending: Pending, link: Link, deadline: float, mine: Sum
             header, payload, _ = got
             summaries.extend(header["summaries"])
             parts[n] = payload
-        pending.waiting_nodes = tuple(others[i + 1:])
+        pending.waiting_nodes = tuple(others[i + 1 :])
     for request in sends:
         request.wait(deadline)
     verdict = judge(summaries, pending.sequence, job.name)
@@ -306,24 +332,33 @@ def _as(small: SmallCollective, part: np.ndarray) -> np.ndarray:
     return part if part.dtype == small.dtype else part.view(small.dtype)
 
 
-def _tree(job: Job, pending: Pending, link: Link, deadline: float, mine: Summary,
-          small: SmallCollective | None, part: np.ndarray | None, up: int, down: int
-          ) -> Verdict:
+def _tree(
+    job: Job,
+    pending: Pending,
+    link: Link,
+    deadline: float,
+    mine: Summary,
+    small: SmallCollective | None,
+    part: np.ndarray | None,
+    up: int,
+    down: int,
+) -> Verdict:
     assert job.layout is not None
     nodes, node = job.layout.nodes, job.layout.node
     tree = Tree(nodes, TREE_RADIX)
     kids = tree.children(node)
-    incoming = [_Incoming(link, kid, up, SUMMARY_BYTES * tree.subtree(kid) + _FRAME
-                          + SMALL_MAX_BYTES) for kid in kids]
-    verdict_in = (_Incoming(link, tree.parent(node), down,
-                            _VERDICT_BYTES + _FRAME + SMALL_MAX_BYTES) if node else None)
+    incoming = [
+        _Incoming(link, kid, up, SUMMARY_BYTES * tree.subtree(kid) + _FRAME + SMALL_MAX_BYTES) for kid in kids
+    ]
+    verdict_in = (
+        _Incoming(link, tree.parent(node), down, _VERDICT_BYTES + _FRAME + SMALL_MAX_BYTES) if node else None
+    )
     summaries, acc = [mine.fields], part
     pending.waiting_nodes = tuple(range(node + 1, node + tree.subtree(node)))
     for kid, message in zip(kids, incoming, strict=True):
         got = message.take(deadline)
         if isinstance(got, str):
-            summaries.append({"node": kid, "ranks": [-1, -1],
-                              "error": ["INVALID_ARGUMENT", got]})
+            summaries.append({"node": kid, "ranks": [-1, -1], "error": ["INVALID_ARGUMENT", got]})
             acc = None
             continue
         header, payload, _ = got

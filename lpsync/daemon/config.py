@@ -70,31 +70,40 @@ class DaemonConfig:
         if self.listen and not (self.tls_cert and self.tls_key and self.token_file):
             raise InvalidArgumentError(
                 "--listen needs --tls-cert, --tls-key and --token-file: the TCP listener "
-                "never runs without TLS and a token")
+                "never runs without TLS and a token"
+            )
         parse_devices(self.devices)  # raises InvalidArgumentError naming what is wrong
         if not 0 < self.timeout <= MAX_TIMEOUT:
-            raise InvalidArgumentError(f"timeout must be between 0 and {MAX_TIMEOUT:g} s, "
-                                       f"got {self.timeout}")
+            raise InvalidArgumentError(f"timeout must be between 0 and {MAX_TIMEOUT:g} s, got {self.timeout}")
         self.limits().validate()
         if not 1 <= self.flight_recorder <= 100_000:
             raise InvalidArgumentError(
-                f"flight_recorder must be 1..100000 collectives, got {self.flight_recorder}")
+                f"flight_recorder must be 1..100000 collectives, got {self.flight_recorder}"
+            )
         if not 0 < self.stall_seconds < float("inf"):
             raise InvalidArgumentError(
-                f"stall_seconds must be a positive number of seconds, got {self.stall_seconds}")
+                f"stall_seconds must be a positive number of seconds, got {self.stall_seconds}"
+            )
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
             raise InvalidArgumentError("need 0 < heartbeat_interval < heartbeat_timeout")
         if self.peer_transport not in TRANSPORTS:
-            raise InvalidArgumentError(f"peer_transport must be one of {', '.join(TRANSPORTS)}, "
-                                       f"got {self.peer_transport!r}")
+            raise InvalidArgumentError(
+                f"peer_transport must be one of {', '.join(TRANSPORTS)}, got {self.peer_transport!r}"
+            )
 
     def limits(self) -> Limits:
         return Limits(**{name: getattr(self, name) for name in Limits.__dataclass_fields__})
 
     def peer_set(self, environ: Mapping[str, str] | None = None) -> PeerSet | None:
         """Every daemon's peer address and this one's node rank; None: a single node."""
-        return discover(self.peers, self.peers_dns, self.peers_slurm, self.node_rank,
-                        self.peer_port, os.environ if environ is None else environ)
+        return discover(
+            self.peers,
+            self.peers_dns,
+            self.peers_slurm,
+            self.node_rank,
+            self.peer_port,
+            os.environ if environ is None else environ,
+        )
 
 
 _FIELDS = {f.name: f for f in fields(DaemonConfig)}
@@ -111,12 +120,12 @@ def _coerce(name: str, value: object) -> object:
     try:
         return kind(value)
     except (TypeError, ValueError):
-        raise InvalidArgumentError(
-            f"setting {name}: cannot read {value!r} as {kind.__name__}") from None
+        raise InvalidArgumentError(f"setting {name}: cannot read {value!r} as {kind.__name__}") from None
 
 
-def load(flags: Mapping[str, object], environ: Mapping[str, str],
-         config_file: str | None = None) -> DaemonConfig:
+def load(
+    flags: Mapping[str, object], environ: Mapping[str, str], config_file: str | None = None
+) -> DaemonConfig:
     """Merge the sources; ``flags`` holds only the flags actually given (None = not given)."""
     values: dict[str, object] = {}
     if config_file:
@@ -124,8 +133,7 @@ def load(flags: Mapping[str, object], environ: Mapping[str, str],
             data = tomllib.loads(Path(config_file).read_text())
         except (OSError, tomllib.TOMLDecodeError) as error:
             raise InvalidArgumentError(f"cannot read config {config_file}: {error}") from error
-        table = {**{k: v for k, v in data.items() if not isinstance(v, dict)},
-                 **data.get("daemon", {})}
+        table = {**{k: v for k, v in data.items() if not isinstance(v, dict)}, **data.get("daemon", {})}
         for key, value in table.items():
             name = key.replace("-", "_")
             if name not in _FIELDS:
@@ -152,8 +160,10 @@ _LIMIT_FLAGS = (
     ("--max-session-buffers", "buffers one session may hold"),
     ("--max-name-length", "UTF-8 bytes of a job or collective name"),
     ("--max-pending", "collectives of one job waiting for participants at once"),
-    ("--max-queued", "replies held for a client that stops reading them; then the daemon "
-                     "stops reading its requests"),
+    (
+        "--max-queued",
+        "replies held for a client that stops reading them; then the daemon stops reading its requests",
+    ),
 )
 
 
@@ -167,46 +177,78 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     add("--tls-key", help="PEM private key for --listen")
     add("--token-file", help="file holding the bearer token clients must send")
     add("--metrics-port", type=int, help="serve Prometheus metrics on this port")
-    add("--devices", help="cpu (host shared memory, default), cuda:all, cuda:0,1 (GPUs through "
-                          "cupy) or emulated:N[,slow=A-B+..][,host=A-B+..][,islands=K] "
-                          "(host-emulated devices for tests)")
+    add(
+        "--devices",
+        help="cpu (host shared memory, default), cuda:all, cuda:0,1 (GPUs through "
+        "cupy) or emulated:N[,slow=A-B+..][,host=A-B+..][,islands=K] "
+        "(host-emulated devices for tests)",
+    )
     add("--timeout", type=float, help="default collective timeout in seconds")
     limits = parser.add_argument_group(
-        "request limits", "Every request is checked against these before anything is sized "
+        "request limits",
+        "Every request is checked against these before anything is sized "
         "from it; beyond them a call fails with INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming "
         "the field, the value and the limit (docs/reliability.md). Each is also LPSYNC_<NAME> "
         "in the environment and <name> in the TOML file (--max-sessions: LPSYNC_MAX_SESSIONS, "
-        "max_sessions).")
+        "max_sessions).",
+    )
     for flag, what in _LIMIT_FLAGS:
         name = flag[2:].replace("-", "_")
         default = getattr(DaemonConfig, name)
         shown = format_size(default) if name.endswith("_bytes") else default
         limits.add_argument(flag, type=int, help=f"{what} (default {shown})")
     add("--log-level", help="DEBUG, INFO, WARNING, ERROR")
-    add("--flight-recorder", type=int, metavar="N",
-        help="finished collectives `lpsync status` shows per job (default 32)")
-    add("--stall-seconds", type=float, metavar="S",
+    add(
+        "--flight-recorder",
+        type=int,
+        metavar="N",
+        help="finished collectives `lpsync status` shows per job (default 32)",
+    )
+    add(
+        "--stall-seconds",
+        type=float,
+        metavar="S",
         help="warn (log and `lpsync status`) when a collective has waited S seconds for "
-             "missing ranks or nodes, before its timeout (default 60)")
-    add("--trigger", action=argparse.BooleanOptionalAction, default=None,
-        help="offer the trigger socket <socket>.trigger beside gRPC (default: on)")
-    add("--node-rank", type=int,
-        help="this daemon's index into the peer list (derived with --peers-dns/--peers-slurm)")
+        "missing ranks or nodes, before its timeout (default 60)",
+    )
+    add(
+        "--trigger",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="offer the trigger socket <socket>.trigger beside gRPC (default: on)",
+    )
+    add(
+        "--node-rank",
+        type=int,
+        help="this daemon's index into the peer list (derived with --peers-dns/--peers-slurm)",
+    )
     peers = parser.add_mutually_exclusive_group()
-    peers.add_argument("--peers", help="every daemon's peer address H:P,... in node-rank "
-                                       "order, this one's included")
-    peers.add_argument("--peers-dns", help="NAME:PORT: the peers are every address NAME "
-                                           "resolves to (a headless Service)")
-    peers.add_argument("--peers-slurm", action="store_true", default=None,
-                       help="peers from SLURM_JOB_NODELIST, node rank from SLURM_NODEID")
+    peers.add_argument(
+        "--peers", help="every daemon's peer address H:P,... in node-rank order, this one's included"
+    )
+    peers.add_argument(
+        "--peers-dns", help="NAME:PORT: the peers are every address NAME resolves to (a headless Service)"
+    )
+    peers.add_argument(
+        "--peers-slurm",
+        action="store_true",
+        default=None,
+        help="peers from SLURM_JOB_NODELIST, node rank from SLURM_NODEID",
+    )
     add("--peer-port", type=int, help="peer port with --peers-slurm (default 13337)")
     add("--secret-file", help="file holding the cluster secret (else env LPSYNC_SECRET)")
-    add("--peer-transport", choices=TRANSPORTS,
+    add(
+        "--peer-transport",
+        choices=TRANSPORTS,
         help="the transport between daemons: ucx (default) or tcp (plain sockets: less CPU "
-             "per message on TCP networks; docs/multinode.md). Every daemon of a cluster "
-             "must use the same")
-    add("--heartbeat-timeout", type=float,
-        help="seconds of silence before a peer daemon is declared gone (default 5)")
+        "per message on TCP networks; docs/multinode.md). Every daemon of a cluster "
+        "must use the same",
+    )
+    add(
+        "--heartbeat-timeout",
+        type=float,
+        help="seconds of silence before a peer daemon is declared gone (default 5)",
+    )
 
 
 def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> DaemonConfig:

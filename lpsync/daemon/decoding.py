@@ -24,7 +24,8 @@ from lpsync.errors import InvalidArgumentError
 def undecodable(method: MethodDescriptor, size: int, error: Exception) -> InvalidArgumentError:
     return InvalidArgumentError(
         f"{method.name}: the request's {size} bytes are not a valid "
-        f"{method.input_type.full_name} message ({error or 'malformed protobuf'})")
+        f"{method.input_type.full_name} message ({error or 'malformed protobuf'})"
+    )
 
 
 def decode(kind: type[Message], method: MethodDescriptor, raw: bytes) -> Message:
@@ -37,8 +38,7 @@ def decode(kind: type[Message], method: MethodDescriptor, raw: bytes) -> Message
 def add_service(server: grpc.aio.Server, servicer: object, service: ServiceDescriptor) -> None:
     """Register ``servicer``'s implementation of every method of ``service``."""
     handlers = {m.name: _handler(servicer, m) for m in service.methods}
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
 def _serialize(message: Message) -> bytes:
@@ -62,33 +62,33 @@ def _handler(servicer: object, method: MethodDescriptor) -> grpc.RpcMethodHandle
             yield decode(kind, method, raw)
 
     if not method.client_streaming and not method.server_streaming:
+
         async def unary_unary(raw: bytes, context):
             return await impl(await read(raw, context), context)
 
-        return grpc.unary_unary_rpc_method_handler(unary_unary,
-                                                   response_serializer=_serialize)
+        return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=_serialize)
     if not method.client_streaming and inspect.isasyncgenfunction(impl):
+
         async def unary_stream(raw: bytes, context):
             async for response in impl(await read(raw, context), context):
                 yield response
 
-        return grpc.unary_stream_rpc_method_handler(unary_stream,
-                                                    response_serializer=_serialize)
+        return grpc.unary_stream_rpc_method_handler(unary_stream, response_serializer=_serialize)
     if not method.client_streaming:
+
         async def unary_write(raw: bytes, context):  # writes with context.write (Health.Watch)
             await impl(await read(raw, context), context)
 
-        return grpc.unary_stream_rpc_method_handler(unary_write,
-                                                    response_serializer=_serialize)
+        return grpc.unary_stream_rpc_method_handler(unary_write, response_serializer=_serialize)
     if not method.server_streaming:
+
         async def stream_unary(raws, context):
             try:
                 return await impl(decoded(raws), context)
             except InvalidArgumentError as error:  # a message of the stream did not decode
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
-        return grpc.stream_unary_rpc_method_handler(stream_unary,
-                                                    response_serializer=_serialize)
+        return grpc.stream_unary_rpc_method_handler(stream_unary, response_serializer=_serialize)
 
     async def stream_stream(raws, context):
         try:

@@ -30,16 +30,21 @@ from lpsync.types import Collective
 class Staged:
     """This run's local participants over host mirrors of their device spans."""
 
-    def __init__(self, job: Job, pending: Pending, devices: DeviceRegistry,
-                 mirrors: HostMirrors, arrivals: list[Arrival]) -> None:
+    def __init__(
+        self,
+        job: Job,
+        pending: Pending,
+        devices: DeviceRegistry,
+        mirrors: HostMirrors,
+        arrivals: list[Arrival],
+    ) -> None:
         self.job, self.pending, self.devices, self.mirrors = job, pending, devices, mirrors
         self.device_arrivals = arrivals
         self.arrivals = []  # the same arrivals with host arrays (what the pipeline runs over)
         for a, i in zip(arrivals, range(0, 2 * len(arrivals), 2), strict=True):
             data, out = mirrors.mirrors[i], mirrors.mirrors[i + 1]
             assert data is not None
-            self.arrivals.append(replace(a, data=data.typed(),
-                                         out=None if out is None else out.typed()))
+            self.arrivals.append(replace(a, data=data.typed(), out=None if out is None else out.typed()))
 
     def attach(self, group: LocalGroup) -> None:
         """Give every plan of a newly built group its stager (kept with the group)."""
@@ -50,15 +55,16 @@ class Staged:
             device = a.data.device
             stream = context.stream(device, slots[device], "stage")
             slots[device] += 1
-            mine = [m for m in self.mirrors.mirrors[2 * index:2 * index + 2] if m is not None]
+            mine = [m for m in self.mirrors.mirrors[2 * index : 2 * index + 2] if m is not None]
             write_back = not (spec.op == Collective.REDUCE and a.rank != spec.root)
             plan.hooks = ChunkStager(self.devices.kind, stream, plan, mine, write_back)
 
     def run(self, group: LocalGroup, deadline: float, timeout: float, tag_base: int) -> None:
         stagers = [plan.hooks for plan in group.plans]
         assert all(isinstance(s, ChunkStager) for s in stagers)
-        busy = self.devices.use([span.memory for a in self.device_arrivals
-                                 for span in (a.data, a.out) if span is not None])
+        busy = self.devices.use(
+            [span.memory for a in self.device_arrivals for span in (a.data, a.out) if span is not None]
+        )
         self.mirrors.acquire()
         started: list[ChunkStager] = []
         try:
@@ -71,8 +77,9 @@ class Staged:
         except BaseException:
             # Copies may still be queued: unmap and free only once they drained, off this
             # thread (the daemon answers the failure at once).
-            threading.Thread(target=self._drain, args=(started, busy), daemon=True,
-                             name="lpsync-stage-drain").start()
+            threading.Thread(
+                target=self._drain, args=(started, busy), daemon=True, name="lpsync-stage-drain"
+            ).start()
             raise
         self.devices.done(busy)
         self.mirrors.release()
@@ -94,20 +101,30 @@ def stage(job: Job, pending: Pending, devices: DeviceRegistry, cache: GroupCache
     if not any(on_device):
         return None
     if not all(on_device):
-        raise InvalidArgumentError("every participant of a collective must pass device "
-                                   "buffers, or none")
+        raise InvalidArgumentError("every participant of a collective must pass device buffers, or none")
     # The handles last: GroupCache.forget drops the mirrors with the buffers' groups.
-    key = (tuple((a.data.lo, a.data.nbytes, a.out.lo if a.out is not None else 0,
-                  a.out.nbytes if a.out is not None else 0) for a in arrivals),
-           tuple(h for a in arrivals for h in a.handles))
-    mirrors = cache.mirrors(key, lambda: HostMirrors(
-        devices.kind, [s for a in arrivals for s in (a.data, a.out)]))
+    key = (
+        tuple(
+            (
+                a.data.lo,
+                a.data.nbytes,
+                a.out.lo if a.out is not None else 0,
+                a.out.nbytes if a.out is not None else 0,
+            )
+            for a in arrivals
+        ),
+        tuple(h for a in arrivals for h in a.handles),
+    )
+    mirrors = cache.mirrors(
+        key, lambda: HostMirrors(devices.kind, [s for a in arrivals for s in (a.data, a.out)])
+    )
     return Staged(job, pending, devices, mirrors, arrivals)
 
 
 @contextlib.contextmanager
-def whole(pending: Pending, arrivals: list[Arrival], devices: DeviceRegistry,
-          deadline: float) -> Iterator[list[Arrival]]:
+def whole(
+    pending: Pending, arrivals: list[Arrival], devices: DeviceRegistry, deadline: float
+) -> Iterator[list[Arrival]]:
     """A small collective's participants on host copies of their device spans (whole:
     small collectives only, agreement.py carries their data), written back on success.
     Yields ``arrivals`` unchanged for host buffers. Each client's ready event is waited
@@ -117,11 +134,9 @@ def whole(pending: Pending, arrivals: list[Arrival], devices: DeviceRegistry,
         yield arrivals
         return
     if not all(on_device):
-        raise InvalidArgumentError("every participant of a collective must pass device "
-                                   "buffers, or none")
+        raise InvalidArgumentError("every participant of a collective must pass device buffers, or none")
     kind = devices.kind
-    busy = devices.use([span.memory for a in arrivals for span in (a.data, a.out)
-                        if span is not None])
+    busy = devices.use([span.memory for a in arrivals for span in (a.data, a.out) if span is not None])
     try:
         for a in arrivals:
             if a.ready is not None:  # the host waits for the client's stream, via one of ours
@@ -129,8 +144,10 @@ def whole(pending: Pending, arrivals: list[Arrival], devices: DeviceRegistry,
                 kind.wait(stream, a.ready)
                 kind.record(done, stream)
                 kind.synchronize(done, deadline)
-        hosts = [replace(a, data=kind.read(a.data),
-                         out=None if a.out is None else kind.read(a.out)) for a in arrivals]
+        hosts = [
+            replace(a, data=kind.read(a.data), out=None if a.out is None else kind.read(a.out))
+            for a in arrivals
+        ]
         yield hosts
         spec = pending.spec
         for device, host in zip(arrivals, hosts, strict=True):

@@ -52,22 +52,28 @@ class DeviceRegistry:
         self._by_memory: dict[int, OpenAllocation] = {}  # id(memory) -> its entry
         self.registered = [0] * kind.devices
 
-    def register(self, kind: str, device: int, handle: bytes, offset: int, nbytes: int,
-                 allocation_bytes: int) -> DeviceBuffer:
+    def register(
+        self, kind: str, device: int, handle: bytes, offset: int, nbytes: int, allocation_bytes: int
+    ) -> DeviceBuffer:
         if kind != self.kind.name:
             raise InvalidArgumentError(
                 f"a {kind} buffer cannot be registered with a daemon serving {self.kind.name} "
-                f"devices (--devices)")
+                f"devices (--devices)"
+            )
         if not 0 <= device < self.kind.devices:
-            raise InvalidArgumentError(f"device {device} does not exist: this daemon has "
-                                       f"{self.kind.name} devices 0..{self.kind.devices - 1}")
+            raise InvalidArgumentError(
+                f"device {device} does not exist: this daemon has "
+                f"{self.kind.name} devices 0..{self.kind.devices - 1}"
+            )
         if not handle or len(handle) > MAX_HANDLE_BYTES:
             raise InvalidArgumentError(
                 f"ipc_handle of {len(handle)} bytes: a device buffer needs the IPC handle of its "
-                f"allocation (1..{MAX_HANDLE_BYTES} bytes; CUDA's is 64)")
+                f"allocation (1..{MAX_HANDLE_BYTES} bytes; CUDA's is 64)"
+            )
         if offset < 0 or nbytes < 0 or allocation_bytes < 0 or offset + nbytes > allocation_bytes:
             raise InvalidArgumentError(
-                f"span {offset}+{nbytes} does not fit an allocation of {allocation_bytes} bytes")
+                f"span {offset}+{nbytes} does not fit an allocation of {allocation_bytes} bytes"
+            )
         key = (device, bytes(handle))
         with self._lock:
             entry = self._open.get(key)
@@ -88,7 +94,8 @@ class DeviceRegistry:
         if offset + nbytes > entry.nbytes:
             self._drop(entry)
             raise InvalidArgumentError(
-                f"span {offset}+{nbytes} does not fit the allocation ({entry.nbytes} bytes)")
+                f"span {offset}+{nbytes} does not fit the allocation ({entry.nbytes} bytes)"
+            )
         with self._lock:
             self.registered[device] += nbytes
         return DeviceBuffer(entry, offset, nbytes)
@@ -114,8 +121,9 @@ class DeviceRegistry:
         collective's streams still touch them defers their close to ``done`` — closing an
         IPC mapping under a running kernel faults the daemon's whole CUDA context."""
         with self._lock:
-            entries = list({id(e): e for m in memories
-                            if (e := self._by_memory.get(id(m))) is not None}.values())
+            entries = list(
+                {id(e): e for m in memories if (e := self._by_memory.get(id(m))) is not None}.values()
+            )
             for entry in entries:
                 entry.active += 1
         return entries
@@ -141,8 +149,7 @@ class DeviceRegistry:
     def counters(self) -> tuple[list[int], list[int]]:
         """Lifetime IPC opens and closes per device (kinds that count them)."""
         n = self.kind.devices
-        return (list(getattr(self.kind, "opens", [0] * n)),
-                list(getattr(self.kind, "closes", [0] * n)))
+        return (list(getattr(self.kind, "opens", [0] * n)), list(getattr(self.kind, "closes", [0] * n)))
 
     def close(self) -> None:
         with self._lock:

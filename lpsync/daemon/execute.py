@@ -84,8 +84,7 @@ class GroupCache:
         made = make()
         with self._lock:
             self.staging[key] = made
-            evicted = [self.staging.popitem(last=False)[1]
-                       for _ in range(len(self.staging) - _CACHE_SIZE)]
+            evicted = [self.staging.popitem(last=False)[1] for _ in range(len(self.staging) - _CACHE_SIZE)]
         for old in evicted:
             old.close()
         return made
@@ -111,8 +110,7 @@ class GroupCache:
         with self._lock:
             stale = [k for k in self._groups if (session_id, handle) in k[-1]]
             groups = [self._groups.pop(k) for k in stale]
-            mirrors = [self.staging.pop(k) for k in list(self.staging)
-                       if (session_id, handle) in k[-1]]
+            mirrors = [self.staging.pop(k) for k in list(self.staging) if (session_id, handle) in k[-1]]
         for group in groups:
             group.close(wait=False)  # may run on the event loop: never wait for a schedule
         for mirror in mirrors:
@@ -137,8 +135,7 @@ def is_direct(spec, participants: int) -> bool:
     if spec.algorithm:
         return False
     itemsize = dtype_of(spec.dtype).itemsize
-    return participants == 1 or nccl_bytes(spec.op, spec.count, itemsize,
-                                           participants) <= DIRECT_MAX_BYTES
+    return participants == 1 or nccl_bytes(spec.op, spec.count, itemsize, participants) <= DIRECT_MAX_BYTES
 
 
 def is_inline(spec, participants: int) -> bool:
@@ -148,8 +145,7 @@ def is_inline(spec, participants: int) -> bool:
         return True
     if not is_direct(spec, participants):
         return False
-    return nccl_bytes(spec.op, spec.count, dtype_of(spec.dtype).itemsize,
-                      participants) <= DIRECT_MAX_BYTES
+    return nccl_bytes(spec.op, spec.count, dtype_of(spec.dtype).itemsize, participants) <= DIRECT_MAX_BYTES
 
 
 def run(job: Job, pending: Pending, devices: DeviceRegistry | None = None) -> Outcome:
@@ -167,7 +163,8 @@ def run(job: Job, pending: Pending, devices: DeviceRegistry | None = None) -> Ou
         if not all(on_device) or devices is None:
             raise InvalidArgumentError(
                 "every participant of a collective must pass device buffers, or none: ranks "
-                f"{[r for r, d in enumerate(on_device) if not d]} passed host memory")
+                f"{[r for r, d in enumerate(on_device) if not d]} passed host memory"
+            )
         return run_on_devices(job, spec, arrivals, buffers, reduction, devices, start)
     nbytes = nccl_bytes(op, spec.count, dtype.itemsize, p)
     algorithm = spec.algorithm
@@ -183,9 +180,13 @@ def run(job: Job, pending: Pending, devices: DeviceRegistry | None = None) -> Ou
         job.cache = GroupCache()
     # The views' addresses are part of the key (same handle, other offset: other plan);
     # the handles come last so that forget() finds the groups of a released buffer.
-    key = (spec, algorithm, chunks,
-           tuple(arr.__array_interface__["data"][0] for pair in buffers for arr in pair),
-           tuple(h for a in arrivals for h in a.handles))
+    key = (
+        spec,
+        algorithm,
+        chunks,
+        tuple(arr.__array_interface__["data"][0] for pair in buffers for arr in pair),
+        tuple(h for a in arrivals for h in a.handles),
+    )
 
     def build() -> LocalGroup:
         schedule = generate(op, algorithm, p, spec.count, spec.root, chunks)
@@ -196,27 +197,34 @@ def run(job: Job, pending: Pending, devices: DeviceRegistry | None = None) -> Ou
     return Outcome(algorithm=algorithm, chunks=chunks, seconds=time.perf_counter() - start)
 
 
-def run_on_devices(job: Job, spec, arrivals: list[Arrival], buffers: list, reduction,
-                   devices: DeviceRegistry, start: float) -> Outcome:
+def run_on_devices(
+    job: Job, spec, arrivals: list[Arrival], buffers: list, reduction, devices: DeviceRegistry, start: float
+) -> Outcome:
     """A collective over device spans: the chain ordered by topology, run on streams."""
     op, p = Collective(spec.op), job.world_size
     nbytes = nccl_bytes(op, spec.count, dtype_of(spec.dtype).itemsize, p)
     algorithm = spec.algorithm
     if algorithm == DIRECT:
-        raise InvalidArgumentError("algorithm='direct' serves host buffers; device buffers "
-                                   "run lp, ring, mst, be or the tuner's choice")
+        raise InvalidArgumentError(
+            "algorithm='direct' serves host buffers; device buffers "
+            "run lp, ring, mst, be or the tuner's choice"
+        )
     if algorithm:
         chunks = chunks_for(algorithm, p, nbytes, DEVICE_LINK, op=op)
     else:
         choice = select(op, nbytes, p, DEVICE_LINK)
         algorithm, chunks = choice.algorithm, choice.chunks
-    order = device_chain(op, spec.root, [inp.device for inp, _ in buffers],
-                         devices.kind.topology)
+    order = device_chain(op, spec.root, [inp.device for inp, _ in buffers], devices.kind.topology)
     if job.cache is None:
         job.cache = GroupCache()
-    key = (spec, algorithm, chunks, "device",
-           tuple((pair[0].lo, pair[1].lo) for pair in buffers),
-           tuple(h for a in arrivals for h in a.handles))
+    key = (
+        spec,
+        algorithm,
+        chunks,
+        "device",
+        tuple((pair[0].lo, pair[1].lo) for pair in buffers),
+        tuple(h for a in arrivals for h in a.handles),
+    )
 
     def build() -> DeviceGroup:
         schedule = generate(op, algorithm, p, spec.count, order.index(spec.root), chunks)
@@ -225,13 +233,13 @@ def run_on_devices(job: Job, spec, arrivals: list[Arrival], buffers: list, reduc
     group = job.cache.get(key, build)
     busy = devices.use([span.memory for pair in buffers for span in pair])
     try:
-        group.run(time.monotonic() + min(a.timeout for a in arrivals),
-                  [arrivals[r].ready for r in order])
+        group.run(time.monotonic() + min(a.timeout for a in arrivals), [arrivals[r].ready for r in order])
     except BaseException:
         # The streams may still be running (a timeout): free the allocations only once
         # they have drained, off this thread.
-        threading.Thread(target=_drain_then_done, args=(group, devices, busy), daemon=True,
-                         name="lpsync-device-drain").start()
+        threading.Thread(
+            target=_drain_then_done, args=(group, devices, busy), daemon=True, name="lpsync-device-drain"
+        ).start()
         raise
     devices.done(busy)
     return Outcome(algorithm=algorithm, chunks=chunks, seconds=time.perf_counter() - start)
@@ -252,20 +260,28 @@ def device_chain(op: Collective, root: int, devices: list[int], topology: Topolo
     if op in (Collective.ALLGATHER, Collective.REDUCE_SCATTER):
         return list(range(len(devices)))
     links = [[int(x) for x in row] for row in topology.links]
-    return chain_order(devices, links, first=root if op is Collective.BROADCAST else None,
-                       last=root if op is Collective.REDUCE else None)
+    return chain_order(
+        devices,
+        links,
+        first=root if op is Collective.BROADCAST else None,
+        last=root if op is Collective.REDUCE else None,
+    )
 
 
-def _buffers(op: Collective, arrival: Arrival, p: int, count: int) -> tuple[np.ndarray,
-                                                                               np.ndarray]:
+def _buffers(op: Collective, arrival: Arrival, p: int, count: int) -> tuple[np.ndarray, np.ndarray]:
     assert arrival.data is not None
     if arrival.out is None:
         return layout(op, arrival.rank, p, count, arrival.data, in_place=True)
     return arrival.data, arrival.out
 
 
-def _direct(op: Collective, root: int, buffers: list[tuple[np.ndarray, np.ndarray]],
-            reduction: Reduction | None, count: int) -> None:
+def _direct(
+    op: Collective,
+    root: int,
+    buffers: list[tuple[np.ndarray, np.ndarray]],
+    reduction: Reduction | None,
+    count: int,
+) -> None:
     if op is Collective.BROADCAST:
         source = buffers[root][0]
         for _, out in buffers:
@@ -275,7 +291,7 @@ def _direct(op: Collective, root: int, buffers: list[tuple[np.ndarray, np.ndarra
     if op is Collective.ALLGATHER:
         for _, out in buffers:
             for q, (inp, _) in enumerate(buffers):
-                block = out[q * count:(q + 1) * count]
+                block = out[q * count : (q + 1) * count]
                 if not np.shares_memory(block, inp):
                     np.copyto(block, inp)
         return
@@ -292,4 +308,4 @@ def _direct(op: Collective, root: int, buffers: list[tuple[np.ndarray, np.ndarra
         np.copyto(buffers[root][1], acc)
     else:  # reduce_scatter
         for rank, (_, out) in enumerate(buffers):
-            np.copyto(out, acc[rank * count:(rank + 1) * count])
+            np.copyto(out, acc[rank * count : (rank + 1) * count])

@@ -48,8 +48,13 @@ def candidates(op: Collective, nbytes: int, participants: int, link: LinkModel) 
             continue
         for chunks in (choice.chunks // 2, choice.chunks * 2):
             if chunks >= 1 and chunks != choice.chunks and nbytes // chunks >= MIN_VARIANT_CHUNK:
-                out.append(Choice(choice.algorithm, chunks, closed_form(
-                    op, choice.algorithm, participants, nbytes, link, chunks)))
+                out.append(
+                    Choice(
+                        choice.algorithm,
+                        chunks,
+                        closed_form(op, choice.algorithm, participants, nbytes, link, chunks),
+                    )
+                )
     return out
 
 
@@ -86,8 +91,9 @@ class Learner:
             if size is None:
                 predicted = predict()
                 fastest = min(c.seconds for c in predicted)
-                shortlist = sorted((c for c in predicted if c.seconds <= fastest * SHORTLIST),
-                                   key=lambda c: c.seconds)[:MAX_CANDIDATES]
+                shortlist = sorted(
+                    (c for c in predicted if c.seconds <= fastest * SHORTLIST), key=lambda c: c.seconds
+                )[:MAX_CANDIDATES]
                 size = self._sizes[key] = _Size(shortlist)
                 if len(shortlist) == 1:
                     size.best = shortlist[0]
@@ -130,8 +136,7 @@ class Learner:
             size = self._sizes[key]
             size.times.setdefault(pick, []).append(max(got.values()))
             if all(len(size.times.get(_pick(c), ())) >= TRIALS for c in size.shortlist):
-                size.best = min(size.shortlist,
-                                key=lambda c: statistics.median(size.times[_pick(c)]))
+                size.best = min(size.shortlist, key=lambda c: statistics.median(size.times[_pick(c)]))
 
     def learned(self, key: Key) -> Choice | None:
         with self._lock:

@@ -48,8 +48,7 @@ class Limits:
     def validate(self) -> None:
         for name in self.__dataclass_fields__:
             if getattr(self, name) <= 0:
-                raise InvalidArgumentError(f"setting {name} must be positive, got "
-                                           f"{getattr(self, name)}")
+                raise InvalidArgumentError(f"setting {name} must be positive, got {getattr(self, name)}")
 
 
 def _invalid(field: str, value: object, rule: str) -> InvalidArgumentError:
@@ -61,8 +60,9 @@ def _show(value: object) -> str:
     return text if len(text) <= 80 else f"{text[:60]}…({len(text)} characters)"
 
 
-def check_name(field: str, value: str, limits: Limits, *, required: bool = False,
-               flag: str = "--max-name-length") -> None:
+def check_name(
+    field: str, value: str, limits: Limits, *, required: bool = False, flag: str = "--max-name-length"
+) -> None:
     """Job and collective names: printable, at most ``max_name_length`` UTF-8 bytes."""
     if not value:
         if required:
@@ -70,8 +70,9 @@ def check_name(field: str, value: str, limits: Limits, *, required: bool = False
         return
     size = len(value.encode("utf-8", "surrogatepass"))
     if size > limits.max_name_length:
-        raise InvalidArgumentError(f"{field} of {size} bytes exceeds the limit of "
-                                   f"{limits.max_name_length} ({flag})")
+        raise InvalidArgumentError(
+            f"{field} of {size} bytes exceeds the limit of {limits.max_name_length} ({flag})"
+        )
     if not value.isprintable():
         raise _invalid(field, value, "contains control or non-printable characters")
 
@@ -80,33 +81,34 @@ def check_keyword(field: str, value: str, allowed) -> None:
     """A string that names one of a fixed set (op, dtype, reduce op, algorithm)."""
     if value not in allowed:
         shown = value if len(value) <= MAX_KEYWORD else value[:MAX_KEYWORD] + "…"
-        raise InvalidArgumentError(f"{field} {shown!r} is not one of "
-                                   f"{', '.join(sorted(allowed))}")
+        raise InvalidArgumentError(f"{field} {shown!r} is not one of {', '.join(sorted(allowed))}")
 
 
 def check_session_id(value: str) -> None:
     if len(value) > MAX_SESSION_ID:
-        raise InvalidArgumentError(f"session_id of {len(value)} characters is not a session "
-                                   f"id (at most {MAX_SESSION_ID})")
+        raise InvalidArgumentError(
+            f"session_id of {len(value)} characters is not a session id (at most {MAX_SESSION_ID})"
+        )
 
 
-def check_attach(job: str, rank: int, world_size: int, local_rank: int,
-                 local_world_size: int, pid: int, limits: Limits) -> None:
+def check_attach(
+    job: str, rank: int, world_size: int, local_rank: int, local_world_size: int, pid: int, limits: Limits
+) -> None:
     check_name("job", job, limits, required=True)
     if not 1 <= world_size <= limits.max_world_size:
-        raise _invalid("world_size", world_size,
-                       f"is outside 1..{limits.max_world_size} (--max-world-size)")
+        raise _invalid("world_size", world_size, f"is outside 1..{limits.max_world_size} (--max-world-size)")
     if rank >= world_size:
         raise InvalidArgumentError(f"rank {rank} is not in a world of size {world_size}")
     if local_world_size > world_size:
-        raise InvalidArgumentError(f"local_world_size {local_world_size} exceeds world_size "
-                                   f"{world_size}")
+        raise InvalidArgumentError(f"local_world_size {local_world_size} exceeds world_size {world_size}")
     if local_world_size and local_rank >= local_world_size:
-        raise InvalidArgumentError(f"local_rank {local_rank} is not below local_world_size "
-                                   f"{local_world_size}")
+        raise InvalidArgumentError(
+            f"local_rank {local_rank} is not below local_world_size {local_world_size}"
+        )
     if not local_world_size and local_rank > rank:
-        raise InvalidArgumentError(f"local_rank {local_rank} exceeds rank {rank} (and no "
-                                   "local_world_size is set)")
+        raise InvalidArgumentError(
+            f"local_rank {local_rank} exceeds rank {rank} (and no local_world_size is set)"
+        )
     if pid > MAX_PID:
         raise _invalid("pid", pid, f"is not a process id (at most {MAX_PID})")
 
@@ -117,7 +119,8 @@ def check_local_world(job: str, local_ranks: int, limits: Limits) -> None:
     if local_ranks > limits.max_sessions:
         raise ResourceExhaustedError(
             f"job {job!r} needs {local_ranks} ranks attached to this daemon, more than its "
-            f"limit of {limits.max_sessions} sessions (--max-sessions)")
+            f"limit of {limits.max_sessions} sessions (--max-sessions)"
+        )
 
 
 def check_bytes(field: str, nbytes: int, limits: Limits) -> None:
@@ -126,7 +129,8 @@ def check_bytes(field: str, nbytes: int, limits: Limits) -> None:
     if nbytes > limits.max_buffer_bytes:
         raise ResourceExhaustedError(
             f"{field} {nbytes}: a buffer exceeds the daemon's limit of "
-            f"{limits.max_buffer_bytes} bytes (--max-buffer-bytes)")
+            f"{limits.max_buffer_bytes} bytes (--max-buffer-bytes)"
+        )
 
 
 def check_timeout(timeout: float) -> None:
@@ -134,8 +138,9 @@ def check_timeout(timeout: float) -> None:
     if timeout == 0:
         return
     if not (math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT):
-        raise _invalid("timeout", timeout,
-                       f"must be 0 (the default) or between 0 and {MAX_TIMEOUT:g} seconds")
+        raise _invalid(
+            "timeout", timeout, f"must be 0 (the default) or between 0 and {MAX_TIMEOUT:g} seconds"
+        )
 
 
 def check_collective(request, world_size: int, limits: Limits, algorithms) -> None:
@@ -148,17 +153,18 @@ def check_collective(request, world_size: int, limits: Limits, algorithms) -> No
         return
     check_keyword("dtype", request.dtype, DTYPES)
     itemsize = DTYPES[request.dtype].itemsize
-    blocks = world_size if request.op in (Collective.ALLGATHER,
-                                          Collective.REDUCE_SCATTER) else 1
+    blocks = world_size if request.op in (Collective.ALLGATHER, Collective.REDUCE_SCATTER) else 1
     if request.count < 0:
         raise _invalid("count", request.count, "is negative")
     if request.count * itemsize * blocks > limits.max_buffer_bytes:
-        raise _invalid("count", request.count,
-                       f"of {request.dtype} spans more than a buffer may hold "
-                       f"({limits.max_buffer_bytes} bytes, --max-buffer-bytes)")
+        raise _invalid(
+            "count",
+            request.count,
+            f"of {request.dtype} spans more than a buffer may hold "
+            f"({limits.max_buffer_bytes} bytes, --max-buffer-bytes)",
+        )
     if request.op in (Collective.BROADCAST, Collective.REDUCE) and request.root >= world_size:
-        raise InvalidArgumentError(f"root {request.root} is not a rank of a world of "
-                                   f"{world_size}")
+        raise InvalidArgumentError(f"root {request.root} is not a rank of a world of {world_size}")
     if request.reduce_op:
         check_keyword("reduce_op", request.reduce_op, REDUCE_OPS)
     if request.algorithm:
@@ -166,5 +172,6 @@ def check_collective(request, world_size: int, limits: Limits, algorithms) -> No
     for field in ("input", "output"):
         offset = getattr(request, field).offset
         if not 0 <= offset <= limits.max_buffer_bytes:
-            raise _invalid(f"{field}.offset", offset,
-                           f"is outside 0..{limits.max_buffer_bytes} (--max-buffer-bytes)")
+            raise _invalid(
+                f"{field}.offset", offset, f"is outside 0..{limits.max_buffer_bytes} (--max-buffer-bytes)"
+            )

@@ -174,18 +174,25 @@ def _inline(job: Job, pending: Pending, run: Callable[[], None]) -> None:
 
 
 class Job:
-    def __init__(self, name: str, world_size: int, watcher: Watcher, runner: Runner,
-                 record: Callable[[Job, Pending, Outcome], None],
-                 dispatch: Dispatch = _inline, layout: NodeLayout | None = None,
-                 recorder: Recorder | None = None, max_pending: int = 4096) -> None:
+    def __init__(
+        self,
+        name: str,
+        world_size: int,
+        watcher: Watcher,
+        runner: Runner,
+        record: Callable[[Job, Pending, Outcome], None],
+        dispatch: Dispatch = _inline,
+        layout: NodeLayout | None = None,
+        recorder: Recorder | None = None,
+        max_pending: int = 4096,
+    ) -> None:
         self.name, self.world_size = name, world_size
         # A multi-node job: the ranks this daemon serves; its collectives run when these
         # arrived (multinode.py agrees with the other nodes before data moves).
         self.layout = layout
         # A range, never a materialized tuple: the world size is what a request claimed,
         # and state must grow only with what attached (limits.py).
-        self.local_ranks: range = (layout.local_ranks if layout is not None
-                                   else range(world_size))
+        self.local_ranks: range = layout.local_ranks if layout is not None else range(world_size)
         self.max_pending = max_pending
         self.lock = threading.Lock()
         # One collective of a job runs at a time, in order. Reentrant so that the event loop
@@ -216,15 +223,18 @@ class Job:
             if world_size != self.world_size:
                 raise InvalidArgumentError(
                     f"job {self.name!r} has world size {self.world_size}; rank {rank} "
-                    f"attached with {world_size}")
+                    f"attached with {world_size}"
+                )
             if rank not in self.local_ranks:
                 raise InvalidArgumentError(
                     f"rank {rank} of job {self.name!r} belongs to another node (this node "
-                    f"serves ranks {self.local_ranks[0]}..{self.local_ranks[-1]})")
+                    f"serves ranks {self.local_ranks[0]}..{self.local_ranks[-1]})"
+                )
             if rank in self.sessions:
                 raise AlreadyExistsError(
                     f"rank {rank} of job {self.name!r} is already attached; detach it first "
-                    "or use another job name")
+                    "or use another job name"
+                )
             self.sessions[rank] = session_id
             self.gone.pop(rank, None)
 
@@ -237,8 +247,8 @@ class Job:
             failed = list(self._pending.values())
             self._pending.clear()
             error = AbortedError(
-                f"rank {rank} of job {self.name!r} left ({reason}); its collectives were "
-                "abandoned")
+                f"rank {rank} of job {self.name!r} left ({reason}); its collectives were abandoned"
+            )
             for pending in failed:
                 self._remember(pending.sequence, error)
             empty = not self.sessions
@@ -261,14 +271,16 @@ class Job:
                 ranks = ", ".join(f"{r} ({why})" for r, why in sorted(self.gone.items()))
                 error = AbortedError(
                     f"job {self.name!r} lost rank(s) {ranks}; collective #{seq} cannot run "
-                    "until they attach again")
+                    "until they attach again"
+                )
             else:
                 pending = self._pending.get(seq)
                 if pending is None and len(self._pending) >= self.max_pending:
                     error = ResourceExhaustedError(
                         f"job {self.name!r} has {len(self._pending)} collectives waiting for "
                         f"participants, its limit (--max-pending {self.max_pending}); "
-                        f"collective #{seq} was refused")
+                        f"collective #{seq} was refused"
+                    )
                     # The other ranks get the same answer for this sequence number, so the
                     # job's numbering stays aligned.
                     self._remember(seq, error)
@@ -278,12 +290,12 @@ class Job:
                     if self.recorder.stall_seconds < arrival.timeout:
                         pending.stall_timer = self._watcher.at(
                             pending.opened + self.recorder.stall_seconds,
-                            lambda p=pending: self._stall_check(p))
+                            lambda p=pending: self._stall_check(p),
+                        )
                 if pending is None:
                     pass
                 elif arrival.rank in pending.arrivals:
-                    error = InvalidArgumentError(
-                        f"rank {arrival.rank} submitted collective #{seq} twice")
+                    error = InvalidArgumentError(f"rank {arrival.rank} submitted collective #{seq} twice")
                 else:
                     pending.arrivals[arrival.rank] = arrival
                     error = self._check(pending)
@@ -298,7 +310,8 @@ class Job:
                         ready = pending
                     elif pending.timer is None:
                         pending.timer = self._watcher.at(
-                            arrival.at + arrival.timeout, lambda p=pending: self._expire(p))
+                            arrival.at + arrival.timeout, lambda p=pending: self._expire(p)
+                        )
         if failed_pending is not None:
             assert error is not None
             self._fail(failed_pending, error)
@@ -316,15 +329,22 @@ class Job:
             if waiting.sequence != pending.sequence or waiting.stage == RUNNING:
                 continue
             pending.stalled = True
-            nodes = (f"; node(s) {', '.join(map(str, waiting.missing_nodes))} not heard from"
-                     if waiting.missing_nodes else "")
+            nodes = (
+                f"; node(s) {', '.join(map(str, waiting.missing_nodes))} not heard from"
+                if waiting.missing_nodes
+                else ""
+            )
             log.warning(
                 f"collective #{pending.sequence} ({pending.spec.op}) of job {self.name!r} has "
                 f"waited {waiting.seconds:.1f} s ({waiting.stage}): missing rank(s) "
                 f"{', '.join(map(str, waiting.missing_ranks)) or '-'}{nodes}",
-                extra={"job": self.name, "sequence": pending.sequence,
-                       "missing_ranks": list(waiting.missing_ranks),
-                       "missing_nodes": list(waiting.missing_nodes)})
+                extra={
+                    "job": self.name,
+                    "sequence": pending.sequence,
+                    "missing_ranks": list(waiting.missing_ranks),
+                    "missing_nodes": list(waiting.missing_nodes),
+                },
+            )
 
     def waiting(self) -> list[Waiting]:
         """What this job's unfinished collectives wait for, oldest first."""
@@ -342,9 +362,19 @@ class Job:
                 missing = tuple(r for n in missing_nodes for r in range(n * per, (n + 1) * per))
             else:
                 missing = ()
-            out.append(Waiting(p.sequence, p.spec.op, p.stage, p.opened_wall, now - p.opened,
-                               arrived, missing, missing_nodes,
-                               p.stalled or now - p.opened >= stall))
+            out.append(
+                Waiting(
+                    p.sequence,
+                    p.spec.op,
+                    p.stage,
+                    p.opened_wall,
+                    now - p.opened,
+                    arrived,
+                    missing,
+                    missing_nodes,
+                    p.stalled or now - p.opened >= stall,
+                )
+            )
         return out
 
     def _finish(self, pending: Pending, outcome: Outcome) -> None:
@@ -353,10 +383,17 @@ class Job:
         pending.enter("", now)
         error = outcome.error
         record = FlightRecord(
-            pending.sequence, pending.spec, pending.opened_wall,
+            pending.sequence,
+            pending.spec,
+            pending.opened_wall,
             tuple((r, a.at - pending.opened) for r, a in sorted(pending.arrivals.items())),
-            tuple(pending.stages), now - pending.opened, outcome.algorithm, outcome.chunks,
-            "OK" if error is None else error.code, "" if error is None else str(error))
+            tuple(pending.stages),
+            now - pending.opened,
+            outcome.algorithm,
+            outcome.chunks,
+            "OK" if error is None else error.code,
+            "" if error is None else str(error),
+        )
         if pending.stall_timer is not None:
             pending.stall_timer.cancel()
         with self.lock:
@@ -373,11 +410,12 @@ class Job:
         if not fields:
             return None
         detail = "; ".join(
-            f"{f}: " + ", ".join(f"rank {r}={getattr(specs[r], f)!r}" for r in ranks)
-            for f in fields)
+            f"{f}: " + ", ".join(f"rank {r}={getattr(specs[r], f)!r}" for r in ranks) for f in fields
+        )
         return MismatchError(
             f"collective #{pending.sequence} of job {self.name!r}: participants disagree on "
-            f"{', '.join(fields)} ({detail})")
+            f"{', '.join(fields)} ({detail})"
+        )
 
     def _expire(self, pending: Pending) -> None:
         with self.lock:
@@ -389,7 +427,8 @@ class Job:
             error = CollectiveTimeoutError(
                 f"collective #{pending.sequence} ({pending.spec.op}) of job {self.name!r}: "
                 f"rank(s) {', '.join(map(str, missing))} did not arrive within "
-                f"{first.timeout:g} s (arrived: {', '.join(map(str, sorted(pending.arrivals)))})")
+                f"{first.timeout:g} s (arrived: {', '.join(map(str, sorted(pending.arrivals)))})"
+            )
             self._remember(pending.sequence, error)
         self._fail(pending, error)
 
@@ -428,8 +467,7 @@ class Job:
             state = outcome.buffer_state
             if outcome.error is not None:
                 state = PARTIAL if arrival.in_place else UNSPECIFIED
-            arrival.done(Outcome(outcome.error, state, outcome.algorithm, outcome.chunks,
-                                 outcome.seconds))
+            arrival.done(Outcome(outcome.error, state, outcome.algorithm, outcome.chunks, outcome.seconds))
         # After the replies: off the critical path.
         self._finish(pending, outcome)
         self._record(self, pending, outcome)
@@ -446,10 +484,15 @@ class Recorder:
 class Jobs:
     """Every job of this daemon by name; a job disappears with its last rank."""
 
-    def __init__(self, watcher: Watcher, runner: Runner,
-                 record: Callable[[Job, Pending, Outcome], None],
-                 dispatch: Dispatch = _inline, recorder: Recorder | None = None,
-                 max_pending: int = 4096) -> None:
+    def __init__(
+        self,
+        watcher: Watcher,
+        runner: Runner,
+        record: Callable[[Job, Pending, Outcome], None],
+        dispatch: Dispatch = _inline,
+        recorder: Recorder | None = None,
+        max_pending: int = 4096,
+    ) -> None:
         self.max_pending = max_pending
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
@@ -457,18 +500,28 @@ class Jobs:
         self._dispatch = dispatch
         self._recorder = recorder or Recorder()
 
-    def join(self, name: str, rank: int, world_size: int, session_id: str,
-             layout: NodeLayout | None = None) -> Job:
+    def join(
+        self, name: str, rank: int, world_size: int, session_id: str, layout: NodeLayout | None = None
+    ) -> Job:
         with self._lock:
             job = self._jobs.get(name)
             if job is None:
-                job = self._jobs[name] = Job(name, world_size, self._watcher, self._runner,
-                                             self._record, self._dispatch, layout,
-                                             self._recorder, self.max_pending)
+                job = self._jobs[name] = Job(
+                    name,
+                    world_size,
+                    self._watcher,
+                    self._runner,
+                    self._record,
+                    self._dispatch,
+                    layout,
+                    self._recorder,
+                    self.max_pending,
+                )
             elif job.layout != layout:
                 raise InvalidArgumentError(
                     f"job {name!r}: rank {rank} attached with another node layout "
-                    f"({layout}) than the job's ({job.layout})")
+                    f"({layout}) than the job's ({job.layout})"
+                )
             try:
                 job.join(rank, world_size, session_id)
             except LpsyncError:

@@ -42,26 +42,29 @@ class JobState:
 class _TableCollector(Collector):
     """Series read from the daemon's tables at scrape time."""
 
-    def __init__(self, jobs: Callable[[], Iterable[JobState]],
-                 session_bytes: Callable[[], Iterable[int]]) -> None:
+    def __init__(
+        self, jobs: Callable[[], Iterable[JobState]], session_bytes: Callable[[], Iterable[int]]
+    ) -> None:
         self._jobs, self._session_bytes = jobs, session_bytes
 
     def collect(self):
         pending = GaugeMetricFamily(
             "lpsync_job_pending_collectives",
             "Collectives of the job waiting for ranks or running on this daemon",
-            labels=["job_name"])
+            labels=["job_name"],
+        )
         progress = GaugeMetricFamily(
             "lpsync_job_last_progress_timestamp_seconds",
             "Unix time the job last completed a collective here (its attach time before that)",
-            labels=["job_name"])
+            labels=["job_name"],
+        )
         for job in self._jobs():
             pending.add_metric([job.name], job.pending)
             progress.add_metric([job.name], job.last_progress)
         largest = GaugeMetricFamily(
             "lpsync_session_registered_bytes_max",
-            "Bytes held in buffers by the session holding the most (limit: "
-            "lpsync_session_bytes_limit)")
+            "Bytes held in buffers by the session holding the most (limit: lpsync_session_bytes_limit)",
+        )
         largest.add_metric([], max(self._session_bytes(), default=0))
         return [pending, progress, largest]
 
@@ -71,46 +74,55 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.collective_seconds = Histogram(
-            "lpsync_collective_seconds", "Collective time from last arrival to completion",
-            ["op", "algorithm", "dtype", "size"], buckets=_BUCKETS, registry=r)
+            "lpsync_collective_seconds",
+            "Collective time from last arrival to completion",
+            ["op", "algorithm", "dtype", "size"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
         self.collective_bytes = Counter(
-            "lpsync_collective_bytes", "Bytes of collectives completed (nccl-tests size)",
-            ["op"], registry=r)
+            "lpsync_collective_bytes", "Bytes of collectives completed (nccl-tests size)", ["op"], registry=r
+        )
         self.collective_errors = Counter(
-            "lpsync_collective_errors", "Collectives that failed, by status code",
-            ["op", "code"], registry=r)
+            "lpsync_collective_errors", "Collectives that failed, by status code", ["op", "code"], registry=r
+        )
         self.busbw = Gauge(
-            "lpsync_busbw_bytes_per_second", "Bus bandwidth of the latest collective",
-            ["op"], registry=r)
+            "lpsync_busbw_bytes_per_second", "Bus bandwidth of the latest collective", ["op"], registry=r
+        )
         self.sessions = Gauge("lpsync_sessions", "Attached sessions", registry=r)
         self.registered_bytes = Gauge(
-            "lpsync_registered_bytes", "Bytes in allocated and registered buffers", registry=r)
+            "lpsync_registered_bytes", "Bytes in allocated and registered buffers", registry=r
+        )
         self.session_bytes_limit = Gauge(
-            "lpsync_session_bytes_limit", "Bytes one session may hold (--max-session-bytes)",
-            registry=r)
+            "lpsync_session_bytes_limit", "Bytes one session may hold (--max-session-bytes)", registry=r
+        )
         self.buffer_bytes_limit = Gauge(
-            "lpsync_buffer_bytes_limit", "Largest single buffer (--max-buffer-bytes)",
-            registry=r)
+            "lpsync_buffer_bytes_limit", "Largest single buffer (--max-buffer-bytes)", registry=r
+        )
         self.peers_connected = Gauge(
-            "lpsync_peers_connected", "Peer daemons this one is connected to",
-            registry=r)
+            "lpsync_peers_connected", "Peer daemons this one is connected to", registry=r
+        )
         self.peers_expected = Gauge(
-            "lpsync_peers_expected", "Peer daemons this one is configured with (0: one node)",
-            registry=r)
+            "lpsync_peers_expected", "Peer daemons this one is configured with (0: one node)", registry=r
+        )
         self.peer_link_bw = Gauge(
-            "lpsync_peer_link_bytes_per_second", "Peer link bandwidth probed on connect",
-            ["peer"], registry=r)
+            "lpsync_peer_link_bytes_per_second", "Peer link bandwidth probed on connect", ["peer"], registry=r
+        )
         self.peer_heartbeats = Counter(
-            "lpsync_peer_heartbeats", "Heartbeats received from each peer daemon",
-            ["peer"], registry=r)
+            "lpsync_peer_heartbeats", "Heartbeats received from each peer daemon", ["peer"], registry=r
+        )
         self.device_registered_bytes = Gauge(
-            "lpsync_device_registered_bytes", "Bytes of device buffers registered, per device",
-            ["device"], registry=r)
+            "lpsync_device_registered_bytes",
+            "Bytes of device buffers registered, per device",
+            ["device"],
+            registry=r,
+        )
         self._devices: list = []
         self._children: dict[tuple[str, str, str, str], tuple] = {}
 
-    def watch(self, jobs: Callable[[], Iterable[JobState]],
-              session_bytes: Callable[[], Iterable[int]]) -> None:
+    def watch(
+        self, jobs: Callable[[], Iterable[JobState]], session_bytes: Callable[[], Iterable[int]]
+    ) -> None:
         """Export the per-job and per-session series, read from these callables at scrape."""
         self.registry.register(_TableCollector(jobs, session_bytes))
 
@@ -127,15 +139,18 @@ class Metrics:
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
 
-    def collective_done(self, op: str, algorithm: str, dtype: str, nbytes: int, seconds: float,
-                        busbw_factor: float) -> None:
+    def collective_done(
+        self, op: str, algorithm: str, dtype: str, nbytes: int, seconds: float, busbw_factor: float
+    ) -> None:
         # labels() costs more than the observation: keep the children per label set.
         key = (op, algorithm, dtype, size_class(nbytes))
         children = self._children.get(key)
         if children is None:
-            children = self._children[key] = (self.collective_seconds.labels(*key),
-                                              self.collective_bytes.labels(op),
-                                              self.busbw.labels(op))
+            children = self._children[key] = (
+                self.collective_seconds.labels(*key),
+                self.collective_bytes.labels(op),
+                self.busbw.labels(op),
+            )
         seconds_child, bytes_child, busbw_child = children
         seconds_child.observe(seconds)
         bytes_child.inc(nbytes)

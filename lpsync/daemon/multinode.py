@@ -52,12 +52,12 @@ _REDUCING = (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER)
 
 
 def tag_base(job: str, sequence: int) -> int:
-    return (((job_hash(job) & ((1 << _JOB_BITS) - 1)) << _SEQ_BITS
-             | (sequence & ((1 << _SEQ_BITS) - 1))) << _STEP_BITS)
+    return (
+        (job_hash(job) & ((1 << _JOB_BITS) - 1)) << _SEQ_BITS | (sequence & ((1 << _SEQ_BITS) - 1))
+    ) << _STEP_BITS
 
 
-def run(job: Job, pending: Pending, plane: PeerPlane,
-        devices: DeviceRegistry | None = None) -> Outcome:
+def run(job: Job, pending: Pending, plane: PeerPlane, devices: DeviceRegistry | None = None) -> Outcome:
     """The Runner for multi-node jobs (servicer.py picks it when job.layout is set).
 
     Device buffers cross nodes through host mirrors filled and drained chunk by chunk
@@ -79,16 +79,20 @@ def run(job: Job, pending: Pending, plane: PeerPlane,
         if job.layout.node == 0 and _learns(spec, job.world_size):
             assert link.model is not None
             model = link.model
-            choice, is_trial = learner.choose(key, lambda: candidates(
-                Collective(spec.op), key[1], job.world_size, model))
+            choice, is_trial = learner.choose(
+                key, lambda: candidates(Collective(spec.op), key[1], job.world_size, model)
+            )
             extras += [("use", (choice.algorithm, choice.chunks)), ("trial", is_trial)]
             if is_trial:
                 trial = choice.algorithm
                 learner.issued(pending.sequence, key, choice)
         mine = agreement.summary(job, spec, link, tuple(extras))
         if rides(spec, job.world_size):
-            staging = (whole(pending, arrivals, devices, deadline) if devices is not None
-                       else contextlib.nullcontext(arrivals))
+            staging = (
+                whole(pending, arrivals, devices, deadline)
+                if devices is not None
+                else contextlib.nullcontext(arrivals)
+            )
             with staging as hosts:
                 small = SmallCollective(spec, job.world_size, hosts)
                 verdict = agreement.agree(job, pending, link, deadline, mine, small)
@@ -107,8 +111,9 @@ def run(job: Job, pending: Pending, plane: PeerPlane,
             job.cache = GroupCache()
         staged = stage(job, pending, devices, job.cache) if devices is not None else None
         began = time.perf_counter()
-        algorithm, chunks = _run_pipeline(job, pending, link, verdict.model, deadline, staged,
-                                          None if spec.algorithm else verdict.use)
+        algorithm, chunks = _run_pipeline(
+            job, pending, link, verdict.model, deadline, staged, None if spec.algorithm else verdict.use
+        )
         if verdict.trial:
             learner.ran(pending.sequence, time.perf_counter() - began)
     except LpsyncError as error:
@@ -118,10 +123,12 @@ def run(job: Job, pending: Pending, plane: PeerPlane,
             learner.ran(*last)  # node 0 may not have it: it goes again with the next one
         if link.error is not None and not isinstance(error, MismatchError):
             if isinstance(link.error, CollectiveTimeoutError):
-                raise type(link.error)(f"collective #{pending.sequence} of job {job.name!r} "
-                                       f"timed out across nodes: {link.error}") from None
-            raise UnavailableError(f"collective #{pending.sequence} of job {job.name!r} "
-                                   f"lost a peer node: {link.failure()}") from None
+                raise type(link.error)(
+                    f"collective #{pending.sequence} of job {job.name!r} timed out across nodes: {link.error}"
+                ) from None
+            raise UnavailableError(
+                f"collective #{pending.sequence} of job {job.name!r} lost a peer node: {link.failure()}"
+            ) from None
         raise
     return Outcome(algorithm=algorithm, chunks=chunks, seconds=time.perf_counter() - start)
 
@@ -171,15 +178,20 @@ def _learns(spec: Spec, world_size: int) -> bool:
     return spec.op != BARRIER and not spec.algorithm and not rides(spec, world_size)
 
 
-def _run_pipeline(job: Job, pending: Pending, link: Link, model: LinkModel,
-                  deadline: float, staged: Staged | None = None,
-                  use: tuple[str, int] | None = None) -> tuple[str, int]:
+def _run_pipeline(
+    job: Job,
+    pending: Pending,
+    link: Link,
+    model: LinkModel,
+    deadline: float,
+    staged: Staged | None = None,
+    use: tuple[str, int] | None = None,
+) -> tuple[str, int]:
     """Run this node's share; ``use``: node 0's (algorithm, chunks), else the tuner's."""
     assert job.layout is not None
     spec, layout, p = pending.spec, job.layout, job.world_size
     op, dtype = Collective(spec.op), dtype_of(spec.dtype)
-    arrivals = (staged.arrivals if staged is not None
-                else [pending.arrivals[r] for r in job.local_ranks])
+    arrivals = staged.arrivals if staged is not None else [pending.arrivals[r] for r in job.local_ranks]
     buffers = [_buffers(op, a, p, spec.count) for a in arrivals]
     reduction = Reduction(ReduceOp(spec.reduce_op), dtype, p) if op in _REDUCING else None
     nbytes = nccl_bytes(op, spec.count, dtype.itemsize, p)
@@ -193,16 +205,22 @@ def _run_pipeline(job: Job, pending: Pending, link: Link, model: LinkModel,
     if job.cache is None:
         job.cache = GroupCache()
     # The mesh generation is part of the key: a rebuilt mesh is another remote endpoint.
-    key = (spec, algorithm, chunks, link.generation,
-           tuple(arr.__array_interface__["data"][0] for pair in buffers for arr in pair),
-           staged.mirrors.serial if staged is not None else 0,  # plans bound to these mirrors
-           tuple(h for a in arrivals for h in a.handles))
+    key = (
+        spec,
+        algorithm,
+        chunks,
+        link.generation,
+        tuple(arr.__array_interface__["data"][0] for pair in buffers for arr in pair),
+        staged.mirrors.serial if staged is not None else 0,  # plans bound to these mirrors
+        tuple(h for a in arrivals for h in a.handles),
+    )
 
     def build() -> LocalGroup:
         schedule = generate(op, algorithm, p, spec.count, spec.root, chunks)
         if schedule.tags.size and int(schedule.tags.max()) >= 1 << _STEP_BITS:
-            raise InvalidArgumentError(f"{algorithm} {op} of {spec.count} elements needs more "
-                                       f"than 2**{_STEP_BITS} messages per pair")
+            raise InvalidArgumentError(
+                f"{algorithm} {op} of {spec.count} elements needs more than 2**{_STEP_BITS} messages per pair"
+            )
         placement = Placement.node_major([layout.ranks_per_node] * layout.nodes, layout.node)
         group = LocalGroup(schedule, buffers, reduction, placement, link.endpoint)
         if staged is not None:

@@ -89,8 +89,7 @@ class SharedEndpoint:
         self._endpoint.abort(error)
 
     @contextlib.contextmanager
-    def recv_borrow(self, peer: int, tag: int, nbytes: int,
-                    deadline: float) -> Iterator[np.ndarray]:
+    def recv_borrow(self, peer: int, tag: int, nbytes: int, deadline: float) -> Iterator[np.ndarray]:
         staging = getattr(self._local, "staging", None)
         if staging is None or staging.nbytes < nbytes:
             staging = self._local.staging = np.empty(nbytes, np.uint8)
@@ -104,8 +103,13 @@ class SharedEndpoint:
 class Link:
     """One generation of the mesh: the shared endpoint and the probed link model."""
 
-    def __init__(self, generation: int, endpoint: MeshEndpoint,
-                 peers: tuple[PeerAddress, ...] = (), heartbeat_interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        generation: int,
+        endpoint: MeshEndpoint,
+        peers: tuple[PeerAddress, ...] = (),
+        heartbeat_interval: float = 1.0,
+    ) -> None:
         self.generation = generation
         self.mesh = endpoint
         self._peers, self._interval = peers, heartbeat_interval
@@ -125,8 +129,7 @@ class Link:
     def silent(self, now: float | None = None) -> list[int]:
         """Peers not heard from for over two heartbeat intervals: the unreachable ones."""
         now = time.monotonic() if now is None else now
-        return sorted(p for p, heard in list(self.last_heard.items())
-                      if now - heard > 2 * self._interval)
+        return sorted(p for p, heard in list(self.last_heard.items()) if now - heard > 2 * self._interval)
 
     def failure(self) -> str:
         """What broke this mesh, naming the peers that went silent: the first error may
@@ -135,8 +138,12 @@ class Link:
         silent = self.silent(now)
         text = str(self.mesh.error)
         if silent:
-            names = ", ".join(f"node {p} ({self._peers[p]}, silent {now - self.last_heard[p]:.1f} s)"
-                              if p < len(self._peers) else f"node {p}" for p in silent)
+            names = ", ".join(
+                f"node {p} ({self._peers[p]}, silent {now - self.last_heard[p]:.1f} s)"
+                if p < len(self._peers)
+                else f"node {p}"
+                for p in silent
+            )
             text += f"; unreachable: {names}"
         return text
 
@@ -172,20 +179,21 @@ class PeerPlane:
                 if link is not None and link.error is None and link.model is not None:
                     return link
                 # Lost: said so by _serve, or broken and about to be (its watchdog ticks).
-                lost = self._lost or (link.failure() if link is not None and
-                                      link.error is not None else None)
+                lost = self._lost or (link.failure() if link is not None and link.error is not None else None)
                 remaining = (deadline if lost is None else min(deadline, bound)) - time.monotonic()
                 if remaining <= 0 or self._stop.is_set():
                     if lost is not None:
                         raise UnavailableError(
-                            f"node {self.rank}: the peer mesh is down and rebuilding (lost: "
-                            f"{lost})")
-                    peers = ", ".join(f"{i}={p}" for i, p in enumerate(self.options.peers.peers)
-                                      if i != self.rank)
+                            f"node {self.rank}: the peer mesh is down and rebuilding (lost: {lost})"
+                        )
+                    peers = ", ".join(
+                        f"{i}={p}" for i, p in enumerate(self.options.peers.peers) if i != self.rank
+                    )
                     raise UnavailableError(
                         f"node {self.rank}: the peer daemons ({peers}) are not all connected; "
                         "is every daemon of --peers running, with the same secret and "
-                        f"--peer-transport ({self.options.transport} here)?")
+                        f"--peer-transport ({self.options.transport} here)?"
+                    )
                 self._changed.wait(remaining)
 
     def stop(self) -> None:
@@ -210,37 +218,51 @@ class PeerPlane:
             try:
                 if self._runtime is None:
                     self._runtime = backends.open_runtime(
-                        self.options.transport, self.options.peers.peers[self.rank].port,
-                        self.options.tls)
-                endpoint = backends.connect(self.options.transport, self._mesh_options(),
-                                            self._runtime, self.options.tls)
+                        self.options.transport, self.options.peers.peers[self.rank].port, self.options.tls
+                    )
+                endpoint = backends.connect(
+                    self.options.transport, self._mesh_options(), self._runtime, self.options.tls
+                )
             except LpsyncError as error:
-                log.warning("node %d: peer mesh not up yet (%s: %s); retrying", self.rank,
-                            type(error).__name__, error)
+                log.warning(
+                    "node %d: peer mesh not up yet (%s: %s); retrying", self.rank, type(error).__name__, error
+                )
                 self._stop.wait(pause)
                 pause = min(2.0, pause * 2)
                 continue
             pause = 0.2
             self._generation += 1
-            link = Link(self._generation, endpoint, self.options.peers.peers,
-                        self.options.heartbeat_interval)
+            link = Link(self._generation, endpoint, self.options.peers.peers, self.options.heartbeat_interval)
             self._serve(link)
 
     def _mesh_options(self) -> MeshOptions:
         o = self.options
-        return MeshOptions(rank=self.rank, peers=o.peers.peers, secret=o.secret,
-                           connect_timeout=o.connect_timeout, close_timeout=1.0)
+        return MeshOptions(
+            rank=self.rank,
+            peers=o.peers.peers,
+            secret=o.secret,
+            connect_timeout=o.connect_timeout,
+            close_timeout=1.0,
+        )
 
     def _serve(self, link: Link) -> None:
         """Probe, publish, heartbeat until the link breaks; then close it."""
         others = [p for p in range(self.size) if p != self.rank]
-        workers = [threading.Thread(target=self._heartbeats_from, args=(link, p), daemon=True,
-                                    name=f"lpsync-hb-{p}") for p in others]
-        workers.append(threading.Thread(target=self._heartbeats_to, args=(link, others),
-                                        daemon=True, name="lpsync-hb-send"))
+        workers = [
+            threading.Thread(target=self._heartbeats_from, args=(link, p), daemon=True, name=f"lpsync-hb-{p}")
+            for p in others
+        ]
+        workers.append(
+            threading.Thread(
+                target=self._heartbeats_to, args=(link, others), daemon=True, name="lpsync-hb-send"
+            )
+        )
         try:
-            link.model = self._probe(link, others) if self.options.probe else \
-                LinkModel.from_bandwidth(alpha=50e-6, bandwidth=1.25e9)
+            link.model = (
+                self._probe(link, others)
+                if self.options.probe
+                else LinkModel.from_bandwidth(alpha=50e-6, bandwidth=1.25e9)
+            )
         except LpsyncError as error:
             log.warning("node %d: probing the peer links failed: %s", self.rank, error)
             _close(link)
@@ -251,9 +273,14 @@ class PeerPlane:
             self._link, self._lost = link, None
             self._changed.notify_all()
         self._metrics.peers_connected.set(len(others))
-        log.info("node %d: peer mesh up (generation %d, %d peers; alpha %.1f us, "
-                 "%.3g bytes/s)", self.rank, link.generation, len(others),
-                 link.model.alpha * 1e6, link.model.bandwidth)
+        log.info(
+            "node %d: peer mesh up (generation %d, %d peers; alpha %.1f us, %.3g bytes/s)",
+            self.rank,
+            link.generation,
+            len(others),
+            link.model.alpha * 1e6,
+            link.model.bandwidth,
+        )
         now = time.monotonic()
         link.last_heard.update({p: now for p in others})
         self._watch(link)
@@ -276,8 +303,7 @@ class PeerPlane:
         count = 0
         while not link.broken.wait(self.options.heartbeat_interval):
             try:
-                requests = [link.mesh.send(p, control_tag(HEARTBEAT, count), beat)
-                            for p in others]
+                requests = [link.mesh.send(p, control_tag(HEARTBEAT, count), beat) for p in others]
                 deadline = time.monotonic() + self.options.heartbeat_timeout
                 for request in requests:
                     request.wait(deadline)
@@ -295,8 +321,12 @@ class PeerPlane:
         beats = self._metrics.peer_heartbeats.labels(str(self.options.peers.peers[peer]))
         while not link.broken.is_set():
             try:
-                link.mesh.recv_into(peer, control_tag(HEARTBEAT, count), buf,
-                                   time.monotonic() + 10 * self.options.heartbeat_timeout)
+                link.mesh.recv_into(
+                    peer,
+                    control_tag(HEARTBEAT, count),
+                    buf,
+                    time.monotonic() + 10 * self.options.heartbeat_timeout,
+                )
             except LpsyncError:
                 link.broken.set()
                 return
@@ -316,7 +346,8 @@ class PeerPlane:
                 if now - heard > timeout:
                     error = UnavailableError(
                         f"peer node {peer} ({self.options.peers.peers[peer]}) sent no "
-                        f"heartbeat for {now - heard:.1f} s (limit {timeout:g} s): declared gone")
+                        f"heartbeat for {now - heard:.1f} s (limit {timeout:g} s): declared gone"
+                    )
                     log.warning("node %d: %s", self.rank, error)
                     link.mesh.abort(error)
                     return
@@ -364,12 +395,15 @@ def _close(link: Link, bound: float = 15.0) -> None:
     closer.start()
     closer.join(bound)
     if closer.is_alive():
-        log.error("closing peer mesh generation %d takes over %.0f s; carrying on (its port "
-                  "may stay bound until it finishes)", link.generation, bound)
+        log.error(
+            "closing peer mesh generation %d takes over %.0f s; carrying on (its port "
+            "may stay bound until it finishes)",
+            link.generation,
+            bound,
+        )
 
 
-def _ping_pong(endpoint: MeshEndpoint, peer: int, initiator: bool,
-               deadline: float) -> tuple[float, float]:
+def _ping_pong(endpoint: MeshEndpoint, peer: int, initiator: bool, deadline: float) -> tuple[float, float]:
     """(alpha seconds, bytes/s) to ``peer``; both ends return the initiator's figures."""
     times = []
     tag = 0

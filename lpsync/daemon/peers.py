@@ -64,7 +64,7 @@ def _expand_one(item: str) -> list[str]:
     match = re.search(r"\[([^\]]*)\]", item)
     if match is None:
         return [item]
-    head, tail = item[:match.start()], item[match.end():]
+    head, tail = item[: match.start()], item[match.end() :]
     out = []
     for part in match.group(1).split(","):
         lo, dash, hi = part.partition("-")
@@ -95,12 +95,16 @@ def _resolve_all(name: str, port: int) -> list[str]:
     return [str(info[4][0]) for info in infos]
 
 
-def from_dns(target: str, node_rank: int | None,
-             resolve: Callable[[str, int], Sequence[str]] = _resolve_all,
-             is_local: Callable[[str], bool] = is_local_address) -> PeerSet:
+def from_dns(
+    target: str,
+    node_rank: int | None,
+    resolve: Callable[[str, int], Sequence[str]] = _resolve_all,
+    is_local: Callable[[str], bool] = is_local_address,
+) -> PeerSet:
     where = parse_address(target)
-    addresses = sorted({ipaddress.ip_address(a) for a in resolve(where.host, where.port)},
-                       key=lambda a: (a.version, a))
+    addresses = sorted(
+        {ipaddress.ip_address(a) for a in resolve(where.host, where.port)}, key=lambda a: (a.version, a)
+    )
     if not addresses:
         raise ConfigError(f"--peers-dns {target}: the name resolves to no address")
     peers = tuple(PeerAddress(str(a), where.port) for a in addresses)
@@ -109,7 +113,8 @@ def from_dns(target: str, node_rank: int | None,
         if len(mine) != 1:
             raise ConfigError(
                 f"--peers-dns {target}: {len(mine)} of its addresses "
-                f"({', '.join(p.host for p in peers)}) are this machine's; give --node-rank")
+                f"({', '.join(p.host for p in peers)}) are this machine's; give --node-rank"
+            )
         node_rank = mine[0]
     return _checked(PeerSet(peers, node_rank), f"--peers-dns {target}")
 
@@ -135,17 +140,26 @@ def from_list(text: str, node_rank: int | None) -> PeerSet:
 
 def _checked(found: PeerSet, source: str) -> PeerSet:
     if not 0 <= found.node_rank < len(found.peers):
-        raise ConfigError(f"{source}: node rank {found.node_rank} is not an index into "
-                          f"{len(found.peers)} peers")
+        raise ConfigError(
+            f"{source}: node rank {found.node_rank} is not an index into {len(found.peers)} peers"
+        )
     return found
 
 
-def discover(peers: str, peers_dns: str, peers_slurm: bool, node_rank: int, peer_port: int,
-             environ: Mapping[str, str]) -> PeerSet | None:
+def discover(
+    peers: str, peers_dns: str, peers_slurm: bool, node_rank: int, peer_port: int, environ: Mapping[str, str]
+) -> PeerSet | None:
     """The peer set from the daemon's settings; None for a single-node daemon.
     ``node_rank`` < 0 means "not given"."""
-    given = [name for name, on in (("--peers", bool(peers)), ("--peers-dns", bool(peers_dns)),
-                                   ("--peers-slurm", peers_slurm)) if on]
+    given = [
+        name
+        for name, on in (
+            ("--peers", bool(peers)),
+            ("--peers-dns", bool(peers_dns)),
+            ("--peers-slurm", peers_slurm),
+        )
+        if on
+    ]
     if len(given) > 1:
         raise ConfigError(f"give one peer source, not {' and '.join(given)}")
     rank = node_rank if node_rank >= 0 else None

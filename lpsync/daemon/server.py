@@ -81,8 +81,11 @@ class Daemon:
             raise InvalidArgumentError(f"token file {config.token_file} is empty")
         self._interceptors = [TokenInterceptor(token)] if token else []
         self.socket = Path(config.socket) if config.socket else None
-        self.trigger = (TriggerServer(Path(f"{self.socket}.trigger"), self.service)
-                        if self.socket is not None and config.trigger else None)
+        self.trigger = (
+            TriggerServer(Path(f"{self.socket}.trigger"), self.service)
+            if self.socket is not None and config.trigger
+            else None
+        )
         self.service.trigger_path = str(self.trigger.path) if self.trigger else ""
         self.server: grpc.aio.Server | None = None
         self._stop: asyncio.Event | None = None
@@ -90,27 +93,33 @@ class Daemon:
     async def start(self) -> None:
         self.service.bind_loop(asyncio.get_running_loop())
         self._stop = asyncio.Event()
-        self.server = grpc.aio.server(interceptors=self._interceptors,
-                                      options=[("grpc.max_receive_message_length", 16 << 20)])
+        self.server = grpc.aio.server(
+            interceptors=self._interceptors, options=[("grpc.max_receive_message_length", 16 << 20)]
+        )
         # Requests are decoded inside the handlers: undecodable bytes are INVALID_ARGUMENT.
         decoding.add_service(self.server, self.service, pb.DESCRIPTOR.services_by_name["LpSync"])
-        decoding.add_service(self.server, self.health,
-                             health_pb2.DESCRIPTOR.services_by_name["Health"])
-        decoding.add_service(self.server, reflection.aio.ReflectionServicer(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME)),
-            reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"])
+        decoding.add_service(self.server, self.health, health_pb2.DESCRIPTOR.services_by_name["Health"])
+        decoding.add_service(
+            self.server,
+            reflection.aio.ReflectionServicer(
+                (
+                    SERVICE_NAME,
+                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                    reflection.SERVICE_NAME,
+                )
+            ),
+            reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
+        )
         reclaimed = reclaim_stale()
         if reclaimed:
-            log.warning("unlinked shared memory of daemons that died",
-                        extra={"segments": reclaimed})
+            log.warning("unlinked shared memory of daemons that died", extra={"segments": reclaimed})
         if self.socket is not None:
             self.socket.parent.mkdir(parents=True, exist_ok=True)
             if self.socket.exists():
                 if _socket_alive(self.socket):
                     raise InvalidArgumentError(
-                        f"another daemon is listening on {self.socket}; stop it or use "
-                        "--socket")
+                        f"another daemon is listening on {self.socket}; stop it or use --socket"
+                    )
                 self.socket.unlink()  # stale, from a daemon that was killed
             # umask first: the socket must never be wider than 0660, not even briefly
             old = os.umask(0o117)
@@ -119,8 +128,9 @@ class Daemon:
             finally:
                 os.umask(old)
         if self.config.listen:
-            credentials = grpc.ssl_server_credentials([(
-                Path(self.config.tls_key).read_bytes(), Path(self.config.tls_cert).read_bytes())])
+            credentials = grpc.ssl_server_credentials(
+                [(Path(self.config.tls_key).read_bytes(), Path(self.config.tls_cert).read_bytes())]
+            )
             self.server.add_secure_port(self.config.listen, credentials)
         await self.server.start()
         if self.socket is not None:
@@ -133,10 +143,15 @@ class Daemon:
             self.metrics.serve(self.config.metrics_port)
         if self.plane is not None:
             self.plane.start()  # connects in the background; local jobs are served meanwhile
-        log.info("daemon serving", extra={"socket": str(self.socket or ""),
-                                          "listen": self.config.listen,
-                                          "metrics_port": self.config.metrics_port,
-                                          "pid": os.getpid()})
+        log.info(
+            "daemon serving",
+            extra={
+                "socket": str(self.socket or ""),
+                "listen": self.config.listen,
+                "metrics_port": self.config.metrics_port,
+                "pid": os.getpid(),
+            },
+        )
 
     def request_stop(self) -> None:
         assert self._stop is not None
@@ -170,12 +185,18 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> PeerPlane | None:
     if peers is None:
         return None
     secret = load_secret(config.secret_file or None)
-    log.info("peers", extra={"node_rank": peers.node_rank,
-                             "peers": ",".join(str(p) for p in peers.peers)})
-    return PeerPlane(PeerPlaneOptions(
-        peers, secret, heartbeat_interval=config.heartbeat_interval,
-        heartbeat_timeout=config.heartbeat_timeout, tls=config.peer_tls or None,
-        transport=config.peer_transport), metrics)
+    log.info("peers", extra={"node_rank": peers.node_rank, "peers": ",".join(str(p) for p in peers.peers)})
+    return PeerPlane(
+        PeerPlaneOptions(
+            peers,
+            secret,
+            heartbeat_interval=config.heartbeat_interval,
+            heartbeat_timeout=config.heartbeat_timeout,
+            tls=config.peer_tls or None,
+            transport=config.peer_transport,
+        ),
+        metrics,
+    )
 
 
 def _socket_alive(path: Path) -> bool:

@@ -65,32 +65,35 @@ OPS = limits.OPS
 _STATE = {"INTACT": pb.INTACT, "PARTIAL": pb.PARTIAL, "": pb.BUFFER_STATE_UNSPECIFIED}
 _RECENT = 256
 _ITEMSIZE = {name: dt.itemsize for name, dt in DTYPES.items()}
-_RECORD_FIELDS = ("job", "sequence", "op", "dtype", "count", "algorithm", "seconds", "code",
-                  "finished_at")
+_RECORD_FIELDS = ("job", "sequence", "op", "dtype", "count", "algorithm", "seconds", "code", "finished_at")
 
 
 class Service(pb_grpc.LpSyncServicer):
-    def __init__(self, config: DaemonConfig, metrics: Metrics,
-                 plane: PeerPlane | None = None) -> None:
+    def __init__(self, config: DaemonConfig, metrics: Metrics, plane: PeerPlane | None = None) -> None:
         self.config, self.metrics = config, metrics
         self.plane = plane  # the peer manager; None: a single-node daemon
         self.started = time.time()
         kind = open_kind(parse_devices(config.devices))
         self.devices = DeviceRegistry(kind) if kind is not None else None
         self.limits = config.limits()
-        self.sessions = SessionTable(self.limits, on_bytes=self._bytes_changed,
-                                     devices=self.devices)
+        self.sessions = SessionTable(self.limits, on_bytes=self._bytes_changed, devices=self.devices)
         if self.devices is not None:
             metrics.describe_devices(self.devices.kind.name, self.devices.kind.devices)
         self.watcher = Watcher()
-        self.jobs = Jobs(self.watcher, self._run, self._record, self._dispatch,
-                         Recorder(config.flight_recorder, config.stall_seconds),
-                         max_pending=self.limits.max_pending)
+        self.jobs = Jobs(
+            self.watcher,
+            self._run,
+            self._record,
+            self._dispatch,
+            Recorder(config.flight_recorder, config.stall_seconds),
+            max_pending=self.limits.max_pending,
+        )
         metrics.session_bytes_limit.set(config.max_session_bytes)
         metrics.buffer_bytes_limit.set(config.max_buffer_bytes)
-        metrics.watch(lambda: [JobState(j.name, j.outstanding(), j.last_progress)
-                               for j in self.jobs.all()],
-                      lambda: [s.nbytes for s in self.sessions.all()])
+        metrics.watch(
+            lambda: [JobState(j.name, j.outstanding(), j.last_progress) for j in self.jobs.all()],
+            lambda: [s.nbytes for s in self.sessions.all()],
+        )
         # (job, seq, op, dtype, count, algorithm, seconds, code, unix time); made into
         # messages only when Status asks, to keep the collective path short.
         self.recent: deque[tuple] = deque(maxlen=_RECENT)
@@ -103,8 +106,7 @@ class Service(pb_grpc.LpSyncServicer):
         # these threads so that the loop stays free.
         self.loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = -1
-        self._workers = ThreadPoolExecutor(max_workers=config.workers,
-                                           thread_name_prefix="lpsync-run")
+        self._workers = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="lpsync-run")
 
     def _bytes_changed(self, total: int) -> None:
         self.metrics.registered_bytes.set(total)
@@ -128,9 +130,16 @@ class Service(pb_grpc.LpSyncServicer):
         for callback in session.on_close:
             callback()
         self.metrics.sessions.set(len(self.sessions.all()))
-        log.info("session ended", extra={"session": session.id, "job": session.job,
-                                         "rank": session.rank, "reason": reason,
-                                         "buffers_freed": len(buffers)})
+        log.info(
+            "session ended",
+            extra={
+                "session": session.id,
+                "job": session.job,
+                "rank": session.rank,
+                "reason": reason,
+                "buffers_freed": len(buffers),
+            },
+        )
 
     def shutdown(self, drain: float) -> None:
         """Refuse new work, let running collectives finish (up to ``drain`` s), end all."""
@@ -180,8 +189,12 @@ class Service(pb_grpc.LpSyncServicer):
         # On the loop only what is short and never waits: a small single-node host
         # collective whose job is not running another one (a multi-node one waits on other
         # nodes, a device one on streams).
-        if (job.layout is None and execute.is_inline(pending.spec, job.world_size)
-                and not _on_device(pending) and job.run_lock.acquire(blocking=False)):
+        if (
+            job.layout is None
+            and execute.is_inline(pending.spec, job.world_size)
+            and not _on_device(pending)
+            and job.run_lock.acquire(blocking=False)
+        ):
             try:
                 run()
             finally:
@@ -200,31 +213,44 @@ class Service(pb_grpc.LpSyncServicer):
                 f"rank {session.rank} of job {session.job!r} ({nodes} nodes of {per_node} "
                 f"ranks) belongs on node {node}, but this daemon is node {self.plane.rank} of "
                 f"{self.plane.size}: attach each node's ranks to daemon RANK // "
-                "LOCAL_WORLD_SIZE of --peers")
+                "LOCAL_WORLD_SIZE of --peers"
+            )
         return NodeLayout(per_node, nodes, node)
 
     # -- RPCs ----------------------------------------------------------------------------------
-    async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext
-                     ) -> pb.AttachResponse:
+    async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
         try:
             self._check_open()
             # Every field is checked before anything is built from it (limits.py).
-            limits.check_attach(request.job, request.rank, request.world_size,
-                                request.local_rank, request.local_world_size, request.pid,
-                                self.limits)
-            session = self.sessions.create(request.job, request.rank, request.world_size,
-                                           request.local_rank, request.local_world_size,
-                                           request.pid, multinode=self.plane is not None)
+            limits.check_attach(
+                request.job,
+                request.rank,
+                request.world_size,
+                request.local_rank,
+                request.local_world_size,
+                request.pid,
+                self.limits,
+            )
+            session = self.sessions.create(
+                request.job,
+                request.rank,
+                request.world_size,
+                request.local_rank,
+                request.local_world_size,
+                request.pid,
+                multinode=self.plane is not None,
+            )
             try:
                 layout = self._layout(session)
-                limits.check_local_world(session.job, layout.ranks_per_node if layout
-                                         else session.world_size, self.limits)
-                job = self.jobs.join(session.job, session.rank, session.world_size,
-                                     session.id, layout)
+                limits.check_local_world(
+                    session.job, layout.ranks_per_node if layout else session.world_size, self.limits
+                )
+                job = self.jobs.join(session.job, session.rank, session.world_size, session.id, layout)
                 if job.layout is not None and self.plane is not None:
                     plane = self.plane
                     job.on_local_failure = lambda j, p, e: self._workers.submit(
-                        multinode.notify_failure, j, p, e, plane)
+                        multinode.notify_failure, j, p, e, plane
+                    )
             except LpsyncError:
                 self.sessions.remove(session)
                 raise
@@ -232,65 +258,86 @@ class Service(pb_grpc.LpSyncServicer):
             await _abort(context, error)
             raise AssertionError from error  # unreachable: abort raises
         # A session whose client never opens its stream would never learn of its death.
-        self.watcher.at(time.monotonic() + self.config.stream_grace,
-                        lambda: None if session.stream_bound or session.closed
-                        else self.end_session(session, "no Session stream opened"))
+        self.watcher.at(
+            time.monotonic() + self.config.stream_grace,
+            lambda: (
+                None
+                if session.stream_bound or session.closed
+                else self.end_session(session, "no Session stream opened")
+            ),
+        )
         self.metrics.sessions.set(len(self.sessions.all()))
-        log.info("attached", extra={"session": session.id, "job": session.job,
-                                    "rank": session.rank, "pid": session.pid})
-        return pb.AttachResponse(session_id=session.id, daemon_version=__version__,
-                                 trigger_socket=self.trigger_path)
+        log.info(
+            "attached",
+            extra={"session": session.id, "job": session.job, "rank": session.rank, "pid": session.pid},
+        )
+        return pb.AttachResponse(
+            session_id=session.id, daemon_version=__version__, trigger_socket=self.trigger_path
+        )
 
-    async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext
-                     ) -> pb.DetachResponse:
+    async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:
         try:
             self.end_session(self.sessions.get(request.session_id), "detached")
         except LpsyncError as error:
             await _abort(context, error)
         return pb.DetachResponse()
 
-    async def Allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
-                       ) -> pb.Buffer:
+    async def Allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext) -> pb.Buffer:
         return await self._allocate(request.session_id, request.nbytes, False, context)
 
-    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
-                       ) -> pb.Buffer:
+    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.Buffer:
         if request.device in ("", "cpu"):
             return await self._allocate(request.session_id, request.nbytes, True, context)
         try:
             self._check_open()
             if request.device not in ("cuda", "emulated"):
                 raise InvalidArgumentError(
-                    f"unknown device kind {request.device[:limits.MAX_KEYWORD]!r}; expected "
-                    "cpu, cuda or emulated")
+                    f"unknown device kind {request.device[: limits.MAX_KEYWORD]!r}; expected "
+                    "cpu, cuda or emulated"
+                )
             session = self.sessions.get(request.session_id)
             # Opening an IPC handle can take milliseconds on CUDA: off the event loop.
             buffer = await asyncio.get_running_loop().run_in_executor(
-                self._workers, self.sessions.register_device, session, request.device,
-                request.device_index, request.ipc_handle, request.ipc_offset, request.nbytes,
-                request.allocation_bytes)
+                self._workers,
+                self.sessions.register_device,
+                session,
+                request.device,
+                request.device_index,
+                request.ipc_handle,
+                request.ipc_offset,
+                request.nbytes,
+                request.allocation_bytes,
+            )
         except LpsyncError as error:
             await _abort(context, error)
             raise AssertionError from error
-        return pb.Buffer(handle=buffer.handle, nbytes=buffer.nbytes, device=request.device,
-                         device_index=request.device_index)
+        return pb.Buffer(
+            handle=buffer.handle,
+            nbytes=buffer.nbytes,
+            device=request.device,
+            device_index=request.device_index,
+        )
 
-    async def _allocate(self, session_id: str, nbytes: int, staged: bool,
-                        context: grpc.aio.ServicerContext) -> pb.Buffer:
+    async def _allocate(
+        self, session_id: str, nbytes: int, staged: bool, context: grpc.aio.ServicerContext
+    ) -> pb.Buffer:
         try:
             self._check_open()
             session = self.sessions.get(session_id)
             # Off the event loop: reserving a big segment's pages takes a while (~0.3 s/GiB).
             buffer = await asyncio.get_running_loop().run_in_executor(
-                None, self.sessions.allocate, session, nbytes, staged)
+                None, self.sessions.allocate, session, nbytes, staged
+            )
         except LpsyncError as error:
             await _abort(context, error)
             raise AssertionError from error
-        return pb.Buffer(handle=buffer.handle, shm_name=buffer.segment.name,
-                         nbytes=buffer.segment.nbytes, staged=staged)
+        return pb.Buffer(
+            handle=buffer.handle, shm_name=buffer.segment.name, nbytes=buffer.segment.nbytes, staged=staged
+        )
 
-    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
-                      ) -> pb.ReleaseResponse:
+    async def Release(
+        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseResponse:
         try:
             session = self.sessions.get(request.session_id)
             self.sessions.release(session, request.handle)
@@ -301,8 +348,9 @@ class Service(pb_grpc.LpSyncServicer):
             job.cache.forget(session.id, request.handle)
         return pb.ReleaseResponse()
 
-    async def Collective(self, request: pb.CollectiveRequest,
-                         context: grpc.aio.ServicerContext) -> pb.CollectiveResponse:
+    async def Collective(
+        self, request: pb.CollectiveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CollectiveResponse:
         finished: asyncio.Future = self.loop.create_future()
 
         def settle(outcome: Outcome) -> None:
@@ -331,22 +379,23 @@ class Service(pb_grpc.LpSyncServicer):
             outcome = Outcome(UnavailableError("collective did not complete: daemon overloaded"))
         if outcome.error is not None:
             await _abort(context, outcome.error, outcome.buffer_state)
-        return pb.CollectiveResponse(algorithm=outcome.algorithm, chunks=outcome.chunks,
-                                     seconds=outcome.seconds)
+        return pb.CollectiveResponse(
+            algorithm=outcome.algorithm, chunks=outcome.chunks, seconds=outcome.seconds
+        )
 
-    async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionResponse]:
+    async def Session(
+        self, request_iterator: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SessionResponse]:
         try:
             try:
                 # A stream that never says which session it is would be held forever.
-                first = await asyncio.wait_for(anext(request_iterator),
-                                               self.config.stream_grace)
+                first = await asyncio.wait_for(anext(request_iterator), self.config.stream_grace)
             except (StopAsyncIteration, grpc.RpcError, asyncio.CancelledError):
                 return
             except TimeoutError:
                 raise InvalidArgumentError(
-                    f"no open{{session_id}} message within {self.config.stream_grace:g} s "
-                    "(stream_grace)") from None
+                    f"no open{{session_id}} message within {self.config.stream_grace:g} s (stream_grace)"
+                ) from None
             if first.WhichOneof("body") != "open":
                 raise InvalidArgumentError("the first message of a Session stream must be open")
             session = self.sessions.get(first.open.session_id)
@@ -365,7 +414,8 @@ class Service(pb_grpc.LpSyncServicer):
         drained.set()
         failure: list[LpsyncError] = []
         reader = asyncio.get_running_loop().create_task(
-            self._read_stream(request_iterator, session, put, responses, drained, failure))
+            self._read_stream(request_iterator, session, put, responses, drained, failure)
+        )
         yield pb.SessionResponse(request_id=first.request_id, opened=first.open)
         try:
             # Ends with the None that end_session puts (detach, stream closed, shutdown).
@@ -378,9 +428,15 @@ class Service(pb_grpc.LpSyncServicer):
         if failure:  # a request that did not decode ends the stream with its reason
             await _abort(context, failure[0])
 
-    async def _read_stream(self, requests: AsyncIterator[pb.SessionRequest], session: Session,
-                           put: Callable[[object], None], responses: asyncio.Queue,
-                           drained: asyncio.Event, failure: list[LpsyncError]) -> None:
+    async def _read_stream(
+        self,
+        requests: AsyncIterator[pb.SessionRequest],
+        session: Session,
+        put: Callable[[object], None],
+        responses: asyncio.Queue,
+        drained: asyncio.Event,
+        failure: list[LpsyncError],
+    ) -> None:
         """Feeds ``handle``. A client that stops reading its replies is not read either once
         max_queued replies wait for it, so its requests back up in HTTP/2 flow control and
         the daemon holds at most max_queued replies plus its job's pending collectives."""
@@ -388,23 +444,25 @@ class Service(pb_grpc.LpSyncServicer):
             async for request in requests:
                 self.handle(session, request, put)
                 if responses.qsize() >= self.limits.max_queued:
-                    log.debug("session stream paused: the client is not reading its replies",
-                              extra={"session": session.id, "held": responses.qsize()})
+                    log.debug(
+                        "session stream paused: the client is not reading its replies",
+                        extra={"session": session.id, "held": responses.qsize()},
+                    )
                     drained.clear()
                     await drained.wait()
         except (grpc.RpcError, asyncio.CancelledError):
             pass  # the client is gone; handled below
         except LpsyncError as error:  # undecodable bytes (decoding.py)
             failure.append(error)
-            log.info("session stream refused", extra={"session": session.id,
-                                                      "reason": str(error)})
+            log.info("session stream refused", extra={"session": session.id, "reason": str(error)})
         except Exception:
             log.exception("session reader failed", extra={"session": session.id})
         finally:
             self.end_session(session, "session stream closed")
 
-    def handle(self, session: Session, request: pb.SessionRequest,
-               reply: Callable[[pb.SessionResponse], None]) -> None:
+    def handle(
+        self, session: Session, request: pb.SessionRequest, reply: Callable[[pb.SessionResponse], None]
+    ) -> None:
         """One request of a Session stream or of the trigger socket; ``reply`` sends the
         answer (from whichever thread completes it)."""
         rid, body = request.request_id, request.WhichOneof("body")
@@ -412,8 +470,9 @@ class Service(pb_grpc.LpSyncServicer):
             reply(pb.SessionResponse(request_id=rid, pong=request.ping))
             return
         if body != "collective":
-            reply(_result(rid, Outcome(InvalidArgumentError(
-                f"unexpected {body} message on an open session"))))
+            reply(
+                _result(rid, Outcome(InvalidArgumentError(f"unexpected {body} message on an open session")))
+            )
             return
 
         def done(outcome: Outcome) -> None:
@@ -433,31 +492,45 @@ class Service(pb_grpc.LpSyncServicer):
             raise NotFoundError(f"session {session.id} has ended")
         job.submit(arrival)
 
-    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
-                     ) -> pb.StatusResponse:
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         now = time.time()
         response = pb.StatusResponse(version=__version__, uptime_seconds=now - self.started)
         for s in sorted(self.sessions.all(), key=lambda s: (s.job, s.rank)):
-            response.sessions.add(session_id=s.id, job=s.job, rank=s.rank,
-                                  world_size=s.world_size, pid=s.pid, buffers=len(s.buffers),
-                                  registered_bytes=s.nbytes,
-                                  attached_seconds=now - s.attached_at)
+            response.sessions.add(
+                session_id=s.id,
+                job=s.job,
+                rank=s.rank,
+                world_size=s.world_size,
+                pid=s.pid,
+                buffers=len(s.buffers),
+                registered_bytes=s.nbytes,
+                attached_seconds=now - s.attached_at,
+            )
             for b in list(s.buffers.values()):
                 response.buffers.add(
-                    session_id=s.id, handle=b.handle, nbytes=b.nbytes, staged=b.staged,
+                    session_id=s.id,
+                    handle=b.handle,
+                    nbytes=b.nbytes,
+                    staged=b.staged,
                     shm_name=b.segment.name if b.segment is not None else "",
-                    device="" if b.device is None else
-                    f"{self.devices.kind.name}:{b.device.device}")
+                    device="" if b.device is None else f"{self.devices.kind.name}:{b.device.device}",
+                )
         if self.devices is not None:
             kind, registry = self.devices.kind, self.devices
             opened = registry.open_allocations()
             opens, closes = registry.counters()
             rows = kind.topology.describe()
             for d in range(kind.devices):
-                response.devices.add(index=d, kind=kind.name, name=f"{kind.name}:{d}",
-                                     registered_bytes=registry.registered[d],
-                                     open_allocations=opened[d], ipc_opens=opens[d],
-                                     ipc_closes=closes[d], links=rows[d])
+                response.devices.add(
+                    index=d,
+                    kind=kind.name,
+                    name=f"{kind.name}:{d}",
+                    registered_bytes=registry.registered[d],
+                    open_allocations=opened[d],
+                    ipc_opens=opens[d],
+                    ipc_closes=closes[d],
+                    links=rows[d],
+                )
         recent = list(self.recent)
         limit = request.recent or 20
         for entry in recent[-limit:]:
@@ -467,8 +540,9 @@ class Service(pb_grpc.LpSyncServicer):
         return response
 
     # -- collectives -------------------------------------------------------------------------
-    def _arrival(self, session: Session, request: pb.CollectiveRequest,
-                 done: Callable[[Outcome], None]) -> Arrival:
+    def _arrival(
+        self, session: Session, request: pb.CollectiveRequest, done: Callable[[Outcome], None]
+    ) -> Arrival:
         op, p = request.op, session.world_size
         limits.check_collective(request, p, self.limits, ALGORITHMS)
         timeout = request.timeout or self.config.timeout
@@ -482,25 +556,29 @@ class Service(pb_grpc.LpSyncServicer):
         reduce_op = (request.reduce_op or ReduceOp.SUM) if reducing else ""
         algorithm = request.algorithm
         if algorithm == execute.DIRECT and session.local_world_size:
-            raise InvalidArgumentError("algorithm='direct' serves single-node jobs only; this "
-                                       "job spans nodes (use lp, ring, mst, be or the tuner)")
-        if (algorithm and algorithm != execute.DIRECT
-                and Collective(op) not in ALGORITHMS[algorithm].generators):
+            raise InvalidArgumentError(
+                "algorithm='direct' serves single-node jobs only; this "
+                "job spans nodes (use lp, ring, mst, be or the tuner)"
+            )
+        if (
+            algorithm
+            and algorithm != execute.DIRECT
+            and Collective(op) not in ALGORITHMS[algorithm].generators
+        ):
             raise InvalidArgumentError(f"algorithm {algorithm!r} has no {op}")
         blocks = p if op in (Collective.ALLGATHER, Collective.REDUCE_SCATTER) else 1
         in_place = request.output.handle == 0
         n_in = count * (blocks if in_place or op == Collective.REDUCE_SCATTER else 1)
         n_out = count * (blocks if op == Collective.ALLGATHER else 1)
-        data = self.sessions.view(session, request.input.handle, request.input.offset, dtype,
-                                  n_in)
+        data = self.sessions.view(session, request.input.handle, request.input.offset, dtype, n_in)
         out = None
         handles = [(session.id, request.input.handle)]
         if not in_place:
-            out = self.sessions.view(session, request.output.handle, request.output.offset,
-                                     dtype, n_out)
+            out = self.sessions.view(session, request.output.handle, request.output.offset, dtype, n_out)
             if _overlap(data, out) and data.size and out.size:
                 raise InvalidArgumentError(
-                    "input and output overlap; pass no output for an in-place collective")
+                    "input and output overlap; pass no output for an in-place collective"
+                )
             handles.append((session.id, request.output.handle))
         spec = Spec(op, request.dtype, count, root, reduce_op, algorithm, request.name)
         ready = None
@@ -508,8 +586,9 @@ class Service(pb_grpc.LpSyncServicer):
             if not isinstance(data, Span):
                 raise InvalidArgumentError("a ready event goes with device buffers only")
             ready = self.sessions.ready_event(session, data.device, request.ready_event)
-        return Arrival(session.rank, request.sequence, spec, timeout, data, out, tuple(handles),
-                       done, ready=ready)
+        return Arrival(
+            session.rank, request.sequence, spec, timeout, data, out, tuple(handles), done, ready=ready
+        )
 
     def _run(self, job: Job, pending: Pending) -> Outcome:
         with self._idle:
@@ -527,21 +606,43 @@ class Service(pb_grpc.LpSyncServicer):
     def _record(self, job: Job, pending: Pending, outcome: Outcome) -> None:
         spec = pending.spec
         code = "OK" if outcome.error is None else outcome.error.code
-        self.recent.append((job.name, pending.sequence, spec.op, spec.dtype, spec.count,
-                            outcome.algorithm, outcome.seconds, code, time.time()))
+        self.recent.append(
+            (
+                job.name,
+                pending.sequence,
+                spec.op,
+                spec.dtype,
+                spec.count,
+                outcome.algorithm,
+                outcome.seconds,
+                code,
+                time.time(),
+            )
+        )
         if outcome.error is not None:
             self.metrics.collective_failed(spec.op, code)
             # Failures are rare and worth a line; successes only go to metrics and Status.
-            log.info("collective failed", extra={"job": job.name, "sequence": pending.sequence,
-                                                 "op": spec.op, "code": code,
-                                                 "error": str(outcome.error)})
+            log.info(
+                "collective failed",
+                extra={
+                    "job": job.name,
+                    "sequence": pending.sequence,
+                    "op": spec.op,
+                    "code": code,
+                    "error": str(outcome.error),
+                },
+            )
             return
         itemsize = _ITEMSIZE.get(spec.dtype, 0)
-        nbytes = (execute.nccl_bytes(spec.op, spec.count, itemsize, job.world_size)
-                  if itemsize else 0)
-        self.metrics.collective_done(spec.op, outcome.algorithm, spec.dtype, nbytes,
-                                     outcome.seconds, execute.bus_factor(spec.op,
-                                                                         job.world_size))
+        nbytes = execute.nccl_bytes(spec.op, spec.count, itemsize, job.world_size) if itemsize else 0
+        self.metrics.collective_done(
+            spec.op,
+            outcome.algorithm,
+            spec.dtype,
+            nbytes,
+            outcome.seconds,
+            execute.bus_factor(spec.op, job.world_size),
+        )
 
 
 def _job_info(info: pb.JobInfo, job: Job, history: int) -> None:
@@ -553,15 +654,30 @@ def _job_info(info: pb.JobInfo, job: Job, history: int) -> None:
         info.attached.extend(sorted(job.sessions))
         records = list(job.history)
     for w in job.waiting():
-        info.waiting.add(sequence=w.sequence, op=w.op, stage=w.stage, started_at=w.started_at,
-                         waiting_seconds=w.seconds, arrived=w.arrived,
-                         missing_ranks=w.missing_ranks, missing_nodes=w.missing_nodes,
-                         stalled=w.stalled)
-    for r in records[-history if history else 0:]:
+        info.waiting.add(
+            sequence=w.sequence,
+            op=w.op,
+            stage=w.stage,
+            started_at=w.started_at,
+            waiting_seconds=w.seconds,
+            arrived=w.arrived,
+            missing_ranks=w.missing_ranks,
+            missing_nodes=w.missing_nodes,
+            stalled=w.stalled,
+        )
+    for r in records[-history if history else 0 :]:
         record = info.history.add(
-            sequence=r.sequence, op=r.spec.op, dtype=r.spec.dtype, count=r.spec.count,
-            algorithm=r.algorithm, chunks=r.chunks, code=r.code, message=r.message,
-            started_at=r.started_at, total_seconds=r.seconds)
+            sequence=r.sequence,
+            op=r.spec.op,
+            dtype=r.spec.dtype,
+            count=r.spec.count,
+            algorithm=r.algorithm,
+            chunks=r.chunks,
+            code=r.code,
+            message=r.message,
+            started_at=r.started_at,
+            total_seconds=r.seconds,
+        )
         for rank, after in r.arrivals:
             record.arrivals.add(rank=rank, after_seconds=after)
         for stage, seconds in r.stages:
@@ -589,13 +705,14 @@ def _result(rid: int, outcome: Outcome) -> pb.SessionResponse:
         message="" if error is None else str(error),
         buffer_state=_STATE[outcome.buffer_state],
         error="" if error is None else type(error).__name__,
-        response=pb.CollectiveResponse(algorithm=outcome.algorithm, chunks=outcome.chunks,
-                                       seconds=outcome.seconds))
+        response=pb.CollectiveResponse(
+            algorithm=outcome.algorithm, chunks=outcome.chunks, seconds=outcome.seconds
+        ),
+    )
     return pb.SessionResponse(request_id=rid, result=result)
 
 
-async def _abort(context: grpc.aio.ServicerContext, error: LpsyncError,
-                 buffer_state: str = "") -> None:
+async def _abort(context: grpc.aio.ServicerContext, error: LpsyncError, buffer_state: str = "") -> None:
     """End the call with the error's status; raises (grpc.aio's abort always does)."""
     metadata = [("lpsync-error", type(error).__name__)]
     if buffer_state:

@@ -73,8 +73,12 @@ class Session:
 
 
 class SessionTable:
-    def __init__(self, limits: Limits, on_bytes: Callable[[int], None] | None = None,
-                 devices: DeviceRegistry | None = None) -> None:
+    def __init__(
+        self,
+        limits: Limits,
+        on_bytes: Callable[[int], None] | None = None,
+        devices: DeviceRegistry | None = None,
+    ) -> None:
         self.limits = limits
         self.devices = devices  # None: a cpu daemon
         self._lock = threading.Lock()
@@ -83,30 +87,46 @@ class SessionTable:
         self._total = 0
         self._on_bytes = on_bytes or (lambda total: None)
 
-    def create(self, job: str, rank: int, world_size: int, local_rank: int,
-               local_world_size: int, pid: int, multinode: bool = False) -> Session:
+    def create(
+        self,
+        job: str,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        local_world_size: int,
+        pid: int,
+        multinode: bool = False,
+    ) -> Session:
         """``multinode``: this daemon has peers, so a job may span nodes (node-major ranks,
         LOCAL_WORLD_SIZE ranks on every node). The fields were checked (limits.py)."""
-        spans = bool(local_world_size) and (local_world_size != world_size
-                                            or local_rank != rank)
+        spans = bool(local_world_size) and (local_world_size != world_size or local_rank != rank)
         if spans and not multinode:
             raise UnimplementedError(
                 f"job {job!r} spans several nodes (world size {world_size}, local world size "
                 f"{local_world_size}) but this daemon has no peers: start it with --peers, "
-                "--peers-dns or --peers-slurm")
+                "--peers-dns or --peers-slurm"
+            )
         if spans and (world_size % local_world_size or local_rank != rank % local_world_size):
             raise InvalidArgumentError(
                 f"job {job!r}: rank {rank}, local rank {local_rank}, local world size "
                 f"{local_world_size}, world size {world_size} is not a node-major layout "
                 "(RANK = node_rank * LOCAL_WORLD_SIZE + LOCAL_RANK, the same "
-                "LOCAL_WORLD_SIZE on every node)")
-        session = Session(secrets.token_hex(16), job, rank, world_size, pid,
-                          local_world_size=local_world_size if spans else 0)
+                "LOCAL_WORLD_SIZE on every node)"
+            )
+        session = Session(
+            secrets.token_hex(16),
+            job,
+            rank,
+            world_size,
+            pid,
+            local_world_size=local_world_size if spans else 0,
+        )
         with self._lock:
             if len(self._sessions) >= self.limits.max_sessions:
                 raise ResourceExhaustedError(
                     f"the daemon holds {len(self._sessions)} sessions, its limit "
-                    f"(--max-sessions {self.limits.max_sessions}); detach idle clients first")
+                    f"(--max-sessions {self.limits.max_sessions}); detach idle clients first"
+                )
             self._sessions[session.id] = session
         return session
 
@@ -175,15 +195,18 @@ class SessionTable:
                 raise ResourceExhaustedError(
                     f"nbytes {nbytes}: the session holds {session.nbytes} bytes and the limit "
                     f"is {limits.max_session_bytes} (--max-session-bytes); release buffers "
-                    "first")
+                    "first"
+                )
             if self._total + nbytes > limits.max_total_bytes:
                 raise ResourceExhaustedError(
                     f"nbytes {nbytes}: the daemon's sessions hold {self._total} bytes and the "
-                    f"limit is {limits.max_total_bytes} (--max-total-bytes)")
+                    f"limit is {limits.max_total_bytes} (--max-total-bytes)"
+                )
             if session.reserved >= limits.max_session_buffers:
                 raise ResourceExhaustedError(
                     f"the session holds {session.reserved} buffers, its limit "
-                    f"(--max-session-buffers {limits.max_session_buffers}); release some first")
+                    f"(--max-session-buffers {limits.max_session_buffers}); release some first"
+                )
             # Reserved before the (slow) segment creation, so concurrent calls see them.
             session.nbytes += nbytes
             session.reserved += 1
@@ -196,17 +219,25 @@ class SessionTable:
                 session.reserved -= 1
                 self._total -= nbytes
 
-    def register_device(self, session: Session, kind: str, device: int, handle: bytes,
-                        offset: int, nbytes: int, allocation_bytes: int) -> Buffer:
+    def register_device(
+        self,
+        session: Session,
+        kind: str,
+        device: int,
+        handle: bytes,
+        offset: int,
+        nbytes: int,
+        allocation_bytes: int,
+    ) -> Buffer:
         """A client's device span: opened (or found in the IPC cache) by the registry."""
         if self.devices is None:
             raise InvalidArgumentError(
                 f"this daemon serves host memory only; start it with --devices {kind}:... to "
-                "register device buffers")
+                "register device buffers"
+            )
         self._reserve(session, nbytes)
         try:
-            device_buffer = self.devices.register(kind, device, handle, offset, nbytes,
-                                                  allocation_bytes)
+            device_buffer = self.devices.register(kind, device, handle, offset, nbytes, allocation_bytes)
         except BaseException:
             self._unreserve(session, nbytes)
             raise
@@ -257,8 +288,9 @@ class SessionTable:
         buffer.free(self.devices)
         self._on_bytes(total)
 
-    def view(self, session: Session, handle: int, offset: int, dtype: np.dtype,
-             count: int) -> np.ndarray | Span:
+    def view(
+        self, session: Session, handle: int, offset: int, dtype: np.dtype, count: int
+    ) -> np.ndarray | Span:
         """``count`` elements of ``dtype`` at byte ``offset`` of one of the session's buffers:
         a numpy view of host memory, a Span of device memory."""
         key = (handle, offset, dtype, count)
@@ -272,15 +304,15 @@ class SessionTable:
         nbytes = count * dtype.itemsize
         if offset < 0 or offset + nbytes > buffer.nbytes:
             raise InvalidArgumentError(
-                f"{count} x {dtype} at offset {offset} does not fit buffer {handle} of "
-                f"{buffer.nbytes} bytes")
+                f"{count} x {dtype} at offset {offset} does not fit buffer {handle} of {buffer.nbytes} bytes"
+            )
         if offset % dtype.itemsize:
             raise InvalidArgumentError(f"offset {offset} is not aligned to {dtype} elements")
         if buffer.device is not None:
             d = buffer.device
             view: np.ndarray | Span = Span(d.allocation.memory, d.offset + offset, count, dtype)
         else:
-            view = buffer.segment.array[offset:offset + nbytes].view(dtype)
+            view = buffer.segment.array[offset : offset + nbytes].view(dtype)
         with self._lock:
             if handle in session.buffers:  # not released meanwhile
                 if len(session.views) > 256:

@@ -31,8 +31,7 @@ def rides(spec: Spec, world_size: int) -> bool:
     spec decide alike."""
     if spec.op == BARRIER or spec.algorithm:
         return False
-    return nccl_bytes(spec.op, spec.count, dtype_of(spec.dtype).itemsize,
-                      world_size) <= SMALL_MAX_BYTES
+    return nccl_bytes(spec.op, spec.count, dtype_of(spec.dtype).itemsize, world_size) <= SMALL_MAX_BYTES
 
 
 class SmallCollective:
@@ -46,8 +45,9 @@ class SmallCollective:
         self.dtype = dtype_of(spec.dtype)
         self.ranks = [a.rank for a in arrivals]
         self.buffers = [_buffers(self.op, a, world_size, spec.count) for a in arrivals]
-        self.reduction = (Reduction(ReduceOp(spec.reduce_op), self.dtype, world_size)
-                          if self.op in _REDUCING else None)
+        self.reduction = (
+            Reduction(ReduceOp(spec.reduce_op), self.dtype, world_size) if self.op in _REDUCING else None
+        )
 
     def part(self) -> np.ndarray:
         """This node's contribution: its ranks' inputs reduced (reducing ops), laid end to
@@ -94,6 +94,6 @@ class SmallCollective:
                 if rank == self.root:
                     np.copyto(out, result)
             elif self.op is Collective.REDUCE_SCATTER:
-                np.copyto(out, result[rank * self.count:(rank + 1) * self.count])
+                np.copyto(out, result[rank * self.count : (rank + 1) * self.count])
             elif not np.shares_memory(out, result):
                 np.copyto(out, result)

@@ -51,8 +51,10 @@ class _Closed(Exception):
 
 
 def _reason(error: LpsyncError, request_id: int = 0) -> pb.SessionResponse:
-    return pb.SessionResponse(request_id=request_id, result=pb.CollectiveResult(
-        code=error.code, message=str(error), error=type(error).__name__))
+    return pb.SessionResponse(
+        request_id=request_id,
+        result=pb.CollectiveResult(code=error.code, message=str(error), error=type(error).__name__),
+    )
 
 
 def _parse(data: bytes) -> pb.SessionRequest:
@@ -61,7 +63,8 @@ def _parse(data: bytes) -> pb.SessionRequest:
     except Exception as error:  # DecodeError and friends: the bytes are not a request
         raise InvalidArgumentError(
             f"a {len(data)}-byte packet on the trigger socket is not a SessionRequest "
-            f"({error or 'malformed protobuf'}); closing this connection") from None
+            f"({error or 'malformed protobuf'}); closing this connection"
+        ) from None
 
 
 class _Outbox:
@@ -88,8 +91,10 @@ class _Outbox:
             if (not self._queue and self._send(data)) or self.broken:
                 return
             if len(self._queue) >= self.limit:
-                log.warning("trigger client does not read its replies; disconnecting it",
-                            extra={"held": len(self._queue)})
+                log.warning(
+                    "trigger client does not read its replies; disconnecting it",
+                    extra={"held": len(self._queue)},
+                )
                 self._break()
                 return
             self._queue.append(data)
@@ -161,14 +166,16 @@ class TriggerServer:
             if not self._slots.acquire(blocking=False):
                 self._refuse(conn)
                 continue
-            thread = threading.Thread(target=self._serve, args=(conn,),
-                                      name="lpsync-trigger-conn", daemon=True)
+            thread = threading.Thread(
+                target=self._serve, args=(conn,), name="lpsync-trigger-conn", daemon=True
+            )
             thread.start()
 
     def _refuse(self, conn: socket.socket) -> None:
         error = ResourceExhaustedError(
             "the trigger socket serves at most --max-sessions "
-            f"({self.service.limits.max_sessions}) connections at once")
+            f"({self.service.limits.max_sessions}) connections at once"
+        )
         with conn, contextlib.suppress(OSError):
             conn.send(_reason(error).SerializeToString(), socket.MSG_DONTWAIT)
 
@@ -188,8 +195,8 @@ class TriggerServer:
                 # are not read; they back up in its socket and its sends block.
                 reading = len(out) < limits.max_queued
                 readable, writable, _ = select.select(
-                    [conn, out.wake] if reading else [out.wake], [conn] if len(out) else [],
-                    [], 1.0)
+                    [conn, out.wake] if reading else [out.wake], [conn] if len(out) else [], [], 1.0
+                )
                 if out.wake in readable:
                     os.eventfd_read(out.wake)
                 if writable:
@@ -224,8 +231,11 @@ class TriggerServer:
             except TimeoutError:
                 waited += conn.gettimeout() or 1.0
                 if waited >= OPEN_TIMEOUT:
-                    reply(_reason(InvalidArgumentError(
-                        f"no open{{session_id}} packet within {OPEN_TIMEOUT:g} s")))
+                    reply(
+                        _reason(
+                            InvalidArgumentError(f"no open{{session_id}} packet within {OPEN_TIMEOUT:g} s")
+                        )
+                    )
                     raise _Closed from None
         if not data:
             raise _Closed
@@ -235,11 +245,12 @@ class TriggerServer:
                 raise InvalidArgumentError("the first packet must be open{session_id}")
             session = self.service.sessions.get(first.open.session_id)
             if not session.stream_bound:
-                raise InvalidArgumentError(
-                    "open the gRPC Session stream first; it is the lifeline")
+                raise InvalidArgumentError("open the gRPC Session stream first; it is the lifeline")
         except LpsyncError as error:
-            log.warning("trigger socket: refused a connection", extra={
-                "peer": _peer(conn), "error": f"{type(error).__name__}: {error}"})
+            log.warning(
+                "trigger socket: refused a connection",
+                extra={"peer": _peer(conn), "error": f"{type(error).__name__}: {error}"},
+            )
             reply(_reason(error, first.request_id))
             raise _Closed from None
         reply(pb.SessionResponse(request_id=first.request_id, opened=first.open))
@@ -261,8 +272,9 @@ def _peer(conn: socket.socket) -> str:
     already admits only the daemon's user and group, and inside the group the session id
     (from an authenticated Attach) is the credential (docs/security.md)."""
     try:
-        pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                           struct.calcsize("3i")))
+        pid, uid, gid = struct.unpack(
+            "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        )
     except OSError:
         return "?"
     return f"pid {pid} uid {uid} gid {gid}"

@@ -62,8 +62,7 @@ class Watcher:
                     if self._heap and self._heap[0][0] <= time.monotonic():
                         break
                     # Capped so a far deadline never overflows the lock's timeout.
-                    timeout = (min(self._heap[0][0] - time.monotonic(), _MAX_SLEEP)
-                               if self._heap else None)
+                    timeout = min(self._heap[0][0] - time.monotonic(), _MAX_SLEEP) if self._heap else None
                     self._cond.wait(timeout)
                 if self._stopped:
                     return

@@ -59,18 +59,21 @@ def run(options: DemoOptions) -> int:
         for node in cluster.nodes:
             say(f"   node {node.rank}: socket {node.socket}, metrics {node.metrics_url}")
         world = options.nodes * options.per_node
-        say(f"== BSP-SGD on the digits: {world} trainers ({options.per_node} per node, "
-            f"torchrun), DDP with the lpsync comm hook")
+        say(
+            f"== BSP-SGD on the digits: {world} trainers ({options.per_node} per node, "
+            f"torchrun), DDP with the lpsync comm hook"
+        )
         lpsync = _torchrun(options, cluster, tmp, "lpsync")
-        say(f"== the same training in one process on the combined batch ({world} x "
-            f"{options.batch})")
+        say(f"== the same training in one process on the combined batch ({world} x {options.batch})")
         single = _single(options, tmp, world)
         say(f"== the same {world} trainers, DDP over gloo")
         gloo = _torchrun(options, cluster, tmp, "gloo")
         worst = _summary(lpsync, single, gloo, cluster)
         if worst > EQUIVALENCE_BOUND:
-            say(f"FAILED: the parameters differ by {worst:.2e} > {EQUIVALENCE_BOUND:g} from the "
-                "one-process run")
+            say(
+                f"FAILED: the parameters differ by {worst:.2e} > {EQUIVALENCE_BOUND:g} from the "
+                "one-process run"
+            )
             return 1
         return 0
     finally:
@@ -78,8 +81,9 @@ def run(options: DemoOptions) -> int:
         if cluster is not None:
             cluster.stop()
         if options.keep is not None:
-            shutil.copytree(tmp, options.keep, dirs_exist_ok=True,
-                            ignore=shutil.ignore_patterns("*.sock*", "*.secret"))
+            shutil.copytree(
+                tmp, options.keep, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock*", "*.secret")
+            )
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -88,30 +92,69 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 def _trainer_args(options: DemoOptions, tmp: Path, tag: str) -> list[str]:
-    return [str(options.script), "--epochs", str(options.epochs), "--batch", str(options.batch),
-            "--lr", str(options.lr), "--save", str(tmp / f"{tag}.npy"),
-            "--report", str(tmp / f"{tag}.json")]
+    return [
+        str(options.script),
+        "--epochs",
+        str(options.epochs),
+        "--batch",
+        str(options.batch),
+        "--lr",
+        str(options.lr),
+        "--save",
+        str(tmp / f"{tag}.npy"),
+        "--report",
+        str(tmp / f"{tag}.json"),
+    ]
 
 
-def _torchrun(options: DemoOptions, cluster: LocalCluster, tmp: Path,
-              backend: str) -> dict[str, Any]:
+def _torchrun(options: DemoOptions, cluster: LocalCluster, tmp: Path, backend: str) -> dict[str, Any]:
     (port,) = free_ports(1)
     procs: list[tuple[subprocess.Popen[bytes], Path]] = []
     try:
         for node in cluster.nodes:
-            env = {**clean_env(), "LPSYNC_SOCKET": node.socket, "LPSYNC_JOB": f"digits-{backend}",
-                   "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            env = {
+                **clean_env(),
+                "LPSYNC_SOCKET": node.socket,
+                "LPSYNC_JOB": f"digits-{backend}",
+                "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
             log = tmp / f"{backend}-node{node.rank}.log"
             with open(log, "wb") as err:
-                procs.append((subprocess.Popen(
-                    [sys.executable, "-m", "torch.distributed.run", "--nnodes",
-                     str(options.nodes), "--node-rank", str(node.rank), "--nproc-per-node",
-                     str(options.per_node), "--master-addr", "127.0.0.1", "--master-port",
-                     str(port), "--log-dir", str(log.with_suffix("")), "--redirects", "2",
-                     *_trainer_args(options, tmp, backend), "--backend", backend],
-                    # rank 0 (node 0) prints the epochs to our stdout; the rest goes to logs
-                    stdout=None if node.rank == 0 else err, stderr=err, env=env,
-                    start_new_session=True), log))
+                procs.append(
+                    (
+                        subprocess.Popen(
+                            [
+                                sys.executable,
+                                "-m",
+                                "torch.distributed.run",
+                                "--nnodes",
+                                str(options.nodes),
+                                "--node-rank",
+                                str(node.rank),
+                                "--nproc-per-node",
+                                str(options.per_node),
+                                "--master-addr",
+                                "127.0.0.1",
+                                "--master-port",
+                                str(port),
+                                "--log-dir",
+                                str(log.with_suffix("")),
+                                "--redirects",
+                                "2",
+                                *_trainer_args(options, tmp, backend),
+                                "--backend",
+                                backend,
+                            ],
+                            # rank 0 (node 0) prints the epochs to our stdout; the rest goes to logs
+                            stdout=None if node.rank == 0 else err,
+                            stderr=err,
+                            env=env,
+                            start_new_session=True,
+                        ),
+                        log,
+                    )
+                )
         _wait(procs, cluster, options.timeout, f"the {backend} training")
     finally:
         for proc, _ in procs:
@@ -122,10 +165,12 @@ def _torchrun(options: DemoOptions, cluster: LocalCluster, tmp: Path,
 def _single(options: DemoOptions, tmp: Path, world: int) -> dict[str, Any]:
     log = tmp / "single.log"
     with open(log, "wb") as err:
-        proc = subprocess.Popen([sys.executable, *_trainer_args(options, tmp, "single"),
-                                 "--single", "--world", str(world)],
-                                stderr=err, env={**clean_env(), "OMP_NUM_THREADS": "1"},
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, *_trainer_args(options, tmp, "single"), "--single", "--world", str(world)],
+            stderr=err,
+            env={**clean_env(), "OMP_NUM_THREADS": "1"},
+            start_new_session=True,
+        )
     try:
         _wait([(proc, log)], None, options.timeout, "the one-process training")
     finally:
@@ -133,8 +178,9 @@ def _single(options: DemoOptions, tmp: Path, world: int) -> dict[str, Any]:
     return _result(tmp, "single")
 
 
-def _wait(procs: list[tuple[subprocess.Popen[bytes], Path]], cluster: LocalCluster | None,
-          timeout: float, what: str) -> None:
+def _wait(
+    procs: list[tuple[subprocess.Popen[bytes], Path]], cluster: LocalCluster | None, timeout: float, what: str
+) -> None:
     """Block until every process has exited 0; the first failure (or a dead daemon) ends
     the wait with the logs' tails."""
     deadline = time.monotonic() + timeout
@@ -190,8 +236,9 @@ def _result(tmp: Path, tag: str) -> dict[str, Any]:
     return report
 
 
-def _summary(lpsync: dict[str, Any], single: dict[str, Any], gloo: dict[str, Any],
-             cluster: LocalCluster) -> float:
+def _summary(
+    lpsync: dict[str, Any], single: dict[str, Any], gloo: dict[str, Any], cluster: LocalCluster
+) -> float:
     """Print the comparison; returns the largest lpsync - one-process difference."""
     n = lpsync["params"].size
     to_single = float(np.abs(lpsync["params"] - single["params"]).max())
@@ -200,18 +247,25 @@ def _summary(lpsync: dict[str, Any], single: dict[str, Any], gloo: dict[str, Any
     say("")
     say("== results")
     say(f"RQ4, BSP-SGD's result kept: largest parameter difference over {n} parameters")
-    say(f"   lpsync x{lpsync['world']} vs one process: {to_single:.2e}   "
-        f"(gloo vs one process: {gloo_single:.2e}; lpsync vs gloo: {to_gloo:.2e})")
-    say("RQ3, step time (median per epoch; comm = the buckets' collectives in flight, "
-        "overlapping backward)")
-    say(f"   {'epoch':>5}  {'lpsync step':>11}  {'lpsync comm':>11}  {'gloo step':>9}  "
-        f"{'gloo comm':>9}  {'loss':>7}  {'accuracy':>8}")
+    say(
+        f"   lpsync x{lpsync['world']} vs one process: {to_single:.2e}   "
+        f"(gloo vs one process: {gloo_single:.2e}; lpsync vs gloo: {to_gloo:.2e})"
+    )
+    say("RQ3, step time (median per epoch; comm = the buckets' collectives in flight, overlapping backward)")
+    say(
+        f"   {'epoch':>5}  {'lpsync step':>11}  {'lpsync comm':>11}  {'gloo step':>9}  "
+        f"{'gloo comm':>9}  {'loss':>7}  {'accuracy':>8}"
+    )
     for lp, gl in zip(lpsync["epochs"], gloo["epochs"], strict=True):
-        say(f"   {lp['epoch']:>5}  {lp['step_ms']:>8.2f} ms  {lp['comm_ms']:>8.2f} ms  "
+        say(
+            f"   {lp['epoch']:>5}  {lp['step_ms']:>8.2f} ms  {lp['comm_ms']:>8.2f} ms  "
             f"{gl['step_ms']:>6.2f} ms  {gl['comm_ms']:>6.2f} ms  {lp['loss']:>7.4f}  "
-            f"{100 * lp['accuracy']:>7.1f}%")
+            f"{100 * lp['accuracy']:>7.1f}%"
+        )
     first, last = lpsync["epochs"][0], lpsync["epochs"][-1]
-    say(f"converged: loss {first['loss']:.3f} -> {last['loss']:.3f}, test accuracy "
-        f"{100 * last['accuracy']:.1f}%")
+    say(
+        f"converged: loss {first['loss']:.3f} -> {last['loss']:.3f}, test accuracy "
+        f"{100 * last['accuracy']:.1f}%"
+    )
     say("metrics: " + ", ".join(node.metrics_url for node in cluster.nodes))
     return to_single

@@ -57,19 +57,35 @@ class LocalCluster:
                 sock, log = where / f"node{rank}.sock", where / f"node{rank}.log"
                 with open(log, "wb") as out:
                     proc = subprocess.Popen(
-                        [sys.executable, "-m", "lpsync.cli", "daemon", "--socket", str(sock),
-                         "--node-rank", str(rank), "--peers", peers, "--secret-file",
-                         str(secret_file), "--metrics-port", str(peer_ports[nodes + rank]),
-                         "--log-level", "WARNING"],
-                        stdout=out, stderr=subprocess.STDOUT, env=clean_env(),
-                        start_new_session=True)  # Ctrl-C reaches us only; we stop them in order
+                        [
+                            sys.executable,
+                            "-m",
+                            "lpsync.cli",
+                            "daemon",
+                            "--socket",
+                            str(sock),
+                            "--node-rank",
+                            str(rank),
+                            "--peers",
+                            peers,
+                            "--secret-file",
+                            str(secret_file),
+                            "--metrics-port",
+                            str(peer_ports[nodes + rank]),
+                            "--log-level",
+                            "WARNING",
+                        ],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env=clean_env(),
+                        start_new_session=True,
+                    )  # Ctrl-C reaches us only; we stop them in order
                 self.nodes.append(Node(rank, str(sock), peer_ports[nodes + rank], log, proc))
             deadline = time.monotonic() + _START_TIMEOUT
             for node in self.nodes:
                 while not serving(node.socket):
                     if node.proc.poll() is not None or time.monotonic() > deadline:
-                        raise DemoError(f"the daemon of node {node.rank} did not start:\n"
-                                        f"{tail(node.log)}")
+                        raise DemoError(f"the daemon of node {node.rank} did not start:\n{tail(node.log)}")
                     time.sleep(0.1)
         except BaseException:
             self.stop()
@@ -79,8 +95,9 @@ class LocalCluster:
         """Raise if a daemon has died."""
         for node in self.nodes:
             if node.proc.poll() is not None:
-                raise DemoError(f"the daemon of node {node.rank} exited "
-                                f"({node.proc.returncode}):\n{tail(node.log)}")
+                raise DemoError(
+                    f"the daemon of node {node.rank} exited ({node.proc.returncode}):\n{tail(node.log)}"
+                )
 
     def stop(self) -> None:
         for node in self.nodes:

@@ -61,8 +61,7 @@ class StagingPool:
                 return free.pop()
             self.allocated += 1
         try:
-            return (self.kind.allocate_host(size) if device < 0
-                    else self.kind.allocate(device, size))
+            return self.kind.allocate_host(size) if device < 0 else self.kind.allocate(device, size)
         except BaseException:
             with self._lock:
                 self.outstanding -= 1
@@ -117,8 +116,13 @@ class DeviceContext:
 class DeviceGroup:
     """Participants 0..P-1 of ``schedule`` (in schedule order) over (IN, OUT) device spans."""
 
-    def __init__(self, context: DeviceContext, schedule: Schedule,
-                 buffers: Sequence[tuple[Span, Span]], reduction: Reduction | None) -> None:
+    def __init__(
+        self,
+        context: DeviceContext,
+        schedule: Schedule,
+        buffers: Sequence[tuple[Span, Span]],
+        reduction: Reduction | None,
+    ) -> None:
         p = schedule.participants
         if len(buffers) != p:
             raise InvalidArgumentError(f"{len(buffers)} buffers for {p} participants")
@@ -144,12 +148,19 @@ class DeviceGroup:
             else:
                 tmps.append(None)
         bufs = [(inp, out, tmp) for (inp, out), tmp in zip(buffers, tmps, strict=True)]
-        chunk = max((hi - lo for prog in programs for k, _, _, lo, hi, *_ in prog
-                     if k in (_SEND, _RECV_REDUCE)), default=0) * dtype.itemsize
+        chunk = (
+            max(
+                (hi - lo for prog in programs for k, _, _, lo, hi, *_ in prog if k in (_SEND, _RECV_REDUCE)),
+                default=0,
+            )
+            * dtype.itemsize
+        )
         # Two staging buffers per reducing participant: the next chunk lands in one while
         # the reduction reads the other.
-        staging = [[self._take(d, chunk) for _ in range(STAGING_SLOTS)] if pulls else None
-                   for d, pulls in zip(devices, reduces, strict=True)]
+        staging = [
+            [self._take(d, chunk) for _ in range(STAGING_SLOTS)] if pulls else None
+            for d, pulls in zip(devices, reduces, strict=True)
+        ]
         host_slots: dict[tuple[int, int], list[Any]] = {}
         self.ops: list[tuple[Callable[..., None], tuple]] = []
         self._compile(programs, bufs, devices, staging, host_slots, chunk, reduction)
@@ -181,8 +192,7 @@ class DeviceGroup:
             return devices[a] == devices[b] or topo.peer_access(devices[a], devices[b])
 
         def guard_ready(r: int, span: Span) -> bool:
-            return all(key in consumed for lo, hi, key in unconsumed[r]
-                       if lo < span.hi and span.lo < hi)
+            return all(key in consumed for lo, hi, key in unconsumed[r] if lo < span.hi and span.lo < hi)
 
         def guard(r: int, span: Span) -> None:
             still = []
@@ -252,21 +262,20 @@ class DeviceGroup:
                 guard(r, dst)
                 event, data = ready[key]
                 if kind_ == _RECV_REDUCE and data.device != devices[r]:
-                    acc = bufs[r][src][src_lo:src_lo + hi - lo]
+                    acc = bufs[r][src][src_lo : src_lo + hi - lo]
                     pull(r, key, acc, dst, data, bool(final))
                     return True
                 ops.append((kind.wait, (stream, event)))
                 if kind_ == _RECV:
                     ops.append((kind.copy_async, (dst, data, stream)))
                 else:  # the sender shares this device: reduce straight from its span
-                    acc = bufs[r][src][src_lo:src_lo + hi - lo]
-                    ops.append((kind.reduce_async, (reduction, dst, acc, data, bool(final),
-                                                    stream)))
+                    acc = bufs[r][src][src_lo : src_lo + hi - lo]
+                    ops.append((kind.reduce_async, (reduction, dst, acc, data, bool(final), stream)))
                 done = kind.event()
                 ops.append((kind.record, (done, stream)))
                 consumed[key] = done
                 return True
-            source = bufs[r][src][src_lo:src_lo + hi - lo]  # COPY
+            source = bufs[r][src][src_lo : src_lo + hi - lo]  # COPY
             if source.lo == dst.lo:
                 return True  # in place: already there
             if not guard_ready(r, dst):
@@ -284,8 +293,10 @@ class DeviceGroup:
                     left -= 1
                     progressed = True
             if not progressed:
-                raise ScheduleError(f"{self.schedule.algorithm} {self.schedule.op}: the schedule "
-                                    "cannot be ordered onto streams (a send is never matched)")
+                raise ScheduleError(
+                    f"{self.schedule.algorithm} {self.schedule.op}: the schedule "
+                    "cannot be ordered onto streams (a send is never matched)"
+                )
 
     def run(self, deadline: float, ready: Sequence[Any] = ()) -> None:
         """Replay the plan; returns once every participant's stream has finished it.

@@ -62,17 +62,20 @@ class Plan:
     and none is given.
     """
 
-    def __init__(self, schedule: Schedule, rank: int, buffers: Sequence[np.ndarray],
-                 reduction: Reduction | None = None) -> None:
+    def __init__(
+        self, schedule: Schedule, rank: int, buffers: Sequence[np.ndarray], reduction: Reduction | None = None
+    ) -> None:
         inp, out = buffers[0], buffers[1]
         if inp.dtype != out.dtype:
             raise InvalidArgumentError(f"input is {inp.dtype} but output is {out.dtype}")
-        for name, arr, need in (("input", inp, schedule.in_elements()),
-                                ("output", out, schedule.out_elements())):
+        for name, arr, need in (
+            ("input", inp, schedule.in_elements()),
+            ("output", out, schedule.out_elements()),
+        ):
             if arr.ndim != 1 or not arr.flags.c_contiguous or arr.size != need:
                 raise InvalidArgumentError(
-                    f"{name} must be a contiguous 1-D array of {need} elements, got shape "
-                    f"{arr.shape}")
+                    f"{name} must be a contiguous 1-D array of {need} elements, got shape {arr.shape}"
+                )
         tmp = buffers[2] if len(buffers) > 2 else np.empty(schedule.tmp_elements, inp.dtype)
         self.schedule, self.rank, self.dtype = schedule, rank, inp.dtype
         self.reduction = reduction
@@ -80,7 +83,7 @@ class Plan:
         self._steps: list[_Step] = []
         for kind, peer, buf, lo, hi, src, src_lo, final, tag in schedule.program(rank):
             dst = bufs[buf][lo:hi]
-            source = bufs[src][src_lo:src_lo + hi - lo] if kind in (_RECV_REDUCE, _COPY) else None
+            source = bufs[src][src_lo : src_lo + hi - lo] if kind in (_RECV_REDUCE, _COPY) else None
             a, b = _address(dst)
             if kind == _COPY and source is not None and _address(source) == (a, b):
                 continue  # in place: the data is already there
@@ -125,8 +128,7 @@ class Plan:
             if step.kind == _RECV:
                 endpoint.recv_into(step.peer, tag_base + step.tag, step.dst, deadline)
             elif step.kind == _RECV_REDUCE:
-                with endpoint.recv_borrow(step.peer, tag_base + step.tag, step.dst.nbytes,
-                                          deadline) as raw:
+                with endpoint.recv_borrow(step.peer, tag_base + step.tag, step.dst.nbytes, deadline) as raw:
                     self._reduce(step, raw)
             else:
                 np.copyto(step.dst, step.src)
@@ -156,13 +158,13 @@ class Plan:
                 step = steps[scan]
                 if step.kind == _RECV_REDUCE:
                     slot = free_slots.pop()
-                    out = self._staging[slot][:step.dst.nbytes]
+                    out = self._staging[slot][: step.dst.nbytes]
                 elif step.kind == _RECV:
                     # Its span must be free: no pending step before it reads or writes
                     # there, no send from there still in flight.
-                    if any(steps[k].touches(step.lo, step.hi) for k in range(now, scan)) or \
-                            any(lo < step.hi and step.lo < hi and not r.done()
-                                for lo, hi, r in in_flight):
+                    if any(steps[k].touches(step.lo, step.hi) for k in range(now, scan)) or any(
+                        lo < step.hi and step.lo < hi and not r.done() for lo, hi, r in in_flight
+                    ):
                         return
                     slot, out = -1, step.dst
                     if hooks is not None:
@@ -199,13 +201,14 @@ class Plan:
                     if in_flight and entry is not None:
                         _wait_overlapping(in_flight, step.lo, step.hi, deadline)
                     if entry is None:
-                        with endpoint.recv_borrow(step.peer, tag_base + step.tag,
-                                                  step.dst.nbytes, deadline) as raw:
+                        with endpoint.recv_borrow(
+                            step.peer, tag_base + step.tag, step.dst.nbytes, deadline
+                        ) as raw:
                             self._reduce(step, raw)
                     else:
                         request, slot = entry
                         request.wait(deadline)
-                        self._reduce(step, self._staging[slot][:step.dst.nbytes])
+                        self._reduce(step, self._staging[slot][: step.dst.nbytes])
                         free_slots.append(slot)
                 else:
                     np.copyto(step.dst, step.src)
@@ -225,8 +228,9 @@ class StepHooks(Protocol):
     def done(self, index: int) -> None: ...
 
 
-def _wait_overlapping(in_flight: list[tuple[int, int, SendRequest]], lo: int, hi: int,
-                      deadline: float) -> None:
+def _wait_overlapping(
+    in_flight: list[tuple[int, int, SendRequest]], lo: int, hi: int, deadline: float
+) -> None:
     still = []
     for item in in_flight:
         s_lo, s_hi, request = item

@@ -23,8 +23,9 @@ from lpsync.transport.inproc import InprocFabric
 from lpsync.types import Collective
 
 
-def layout(op: Collective, rank: int, participants: int, count: int, data: np.ndarray,
-           in_place: bool) -> tuple[np.ndarray, np.ndarray]:
+def layout(
+    op: Collective, rank: int, participants: int, count: int, data: np.ndarray, in_place: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """(IN, OUT) for one participant.
 
     Out of place, ``data`` is the input and a new OUT is allocated. In place, ``data``
@@ -53,19 +54,24 @@ class LocalGroup:
     other nodes (lpsync.engine.routing).
     """
 
-    def __init__(self, schedule: Schedule, buffers: Sequence[tuple[np.ndarray, np.ndarray]],
-                 reduction: Reduction | None, placement: Placement | None = None,
-                 remote: Endpoint | None = None) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        buffers: Sequence[tuple[np.ndarray, np.ndarray]],
+        reduction: Reduction | None,
+        placement: Placement | None = None,
+        remote: Endpoint | None = None,
+    ) -> None:
         if (placement is None) != (remote is None):
             raise InvalidArgumentError("a placement and a remote endpoint go together")
         ranks = placement.local_ranks if placement is not None else list(range(len(buffers)))
         if len(ranks) != len(buffers):
             raise InvalidArgumentError(f"{len(buffers)} buffers for {len(ranks)} local participants")
         self.schedule, self.placement, self.remote = schedule, placement, remote
-        self.plans = [Plan(schedule, r, bufs, reduction)
-                      for r, bufs in zip(ranks, buffers, strict=True)]
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.plans)),
-                                        thread_name_prefix="lpsync-local")
+        self.plans = [Plan(schedule, r, bufs, reduction) for r, bufs in zip(ranks, buffers, strict=True)]
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, len(self.plans)), thread_name_prefix="lpsync-local"
+        )
 
     def _endpoint(self, fabric: InprocFabric, rank: int) -> Endpoint:
         if self.placement is None or self.remote is None:
@@ -89,8 +95,11 @@ class LocalGroup:
             except BaseException as error:  # any failure must release the others at once
                 with lock:
                     errors.append(error)
-                fabric.abort(error if isinstance(error, LpsyncError)
-                             else LpsyncError(f"rank {plan.rank} failed: {error!r}"))
+                fabric.abort(
+                    error
+                    if isinstance(error, LpsyncError)
+                    else LpsyncError(f"rank {plan.rank} failed: {error!r}")
+                )
 
         for future in [self._pool.submit(participant, plan) for plan in self.plans]:
             future.result()

@@ -90,9 +90,9 @@ class RoutedEndpoint:
         if abort is not None:
             abort(error)
 
-    def recv_borrow(self, peer: int, tag: int, nbytes: int,
-                    deadline: float) -> AbstractContextManager[np.ndarray]:
+    def recv_borrow(
+        self, peer: int, tag: int, nbytes: int, deadline: float
+    ) -> AbstractContextManager[np.ndarray]:
         if self._is_local(peer):
             return self._local.recv_borrow(peer, tag, nbytes, deadline)
-        return self._remote.recv_borrow(self._node_of[peer], fold(peer, self.rank, tag), nbytes,
-                                        deadline)
+        return self._remote.recv_borrow(self._node_of[peer], fold(peer, self.rank, tag), nbytes, deadline)

@@ -87,8 +87,11 @@ class HostMirrors:
     def _mirror(self, span: Span) -> Mirror:
         host = self.kind.allocate_host(span.nbytes)
         # Both kinds hand out host memory of this process: view it without a copy.
-        array = (np.ctypeslib.as_array((ctypes.c_ubyte * span.nbytes).from_address(host.address))
-                 if span.nbytes else np.empty(0, np.uint8))
+        array = (
+            np.ctypeslib.as_array((ctypes.c_ubyte * span.nbytes).from_address(host.address))
+            if span.nbytes
+            else np.empty(0, np.uint8)
+        )
         return Mirror(span, host, array)
 
     def acquire(self) -> None:
@@ -153,8 +156,9 @@ class ChunkStager:
     (the Plan's ``hooks``). ``write_back=False``: the result is not copied to the device
     (a non-root's buffers of reduce)."""
 
-    def __init__(self, kind: MemoryKind, stream: Any, plan: Plan, mirrors: Sequence[Mirror],
-                 write_back: bool = True) -> None:
+    def __init__(
+        self, kind: MemoryKind, stream: Any, plan: Plan, mirrors: Sequence[Mirror], write_back: bool = True
+    ) -> None:
         self.kind, self.stream = kind, stream
         self._mirrors = sorted(mirrors, key=lambda m: m.lo)
         accesses = plan.accesses()
@@ -169,8 +173,9 @@ class ChunkStager:
                         bisect.insort(load_at, (x, y, len(self.loads)))
                         self.loads.append((host, device))
             ranges = list(reads) + ([write] if write is not None else [])
-            self.need.append(max((k for lo, hi in ranges
-                                  for k in self._overlapping(load_at, lo, hi)), default=-1))
+            self.need.append(
+                max((k for lo, hi in ranges for k in self._overlapping(load_at, lo, hi)), default=-1)
+            )
             for lo, hi in ranges:
                 _add(lo, hi, touched)
         self.stores: list[tuple[tuple[Span, Span], ...]] = [()] * len(accesses)
@@ -180,8 +185,11 @@ class ChunkStager:
                 write = accesses[index][1]
                 if write is None:
                     continue
-                self.stores[index] = tuple((device, host) for a, b in _subtract(*write, covered)
-                                           for host, device, _, _ in self._pieces(a, b))
+                self.stores[index] = tuple(
+                    (device, host)
+                    for a, b in _subtract(*write, covered)
+                    for host, device, _, _ in self._pieces(a, b)
+                )
                 _add(*write, covered)
         self.events = [kind.event() for _ in self.loads]
         self.final = kind.event()
@@ -195,8 +203,14 @@ class ChunkStager:
             a, b = max(lo, m.lo), min(hi, m.hi)
             if a < b:
                 offset = a - m.lo
-                out.append((Span(m.host, offset, b - a, _BYTE),
-                            Span(m.device.memory, m.device.offset + offset, b - a, _BYTE), a, b))
+                out.append(
+                    (
+                        Span(m.host, offset, b - a, _BYTE),
+                        Span(m.device.memory, m.device.offset + offset, b - a, _BYTE),
+                        a,
+                        b,
+                    )
+                )
         return out
 
     @staticmethod

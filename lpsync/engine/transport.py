@@ -31,8 +31,9 @@ class Endpoint(Protocol):
     def recv_into(self, peer: int, tag: int, out: np.ndarray, deadline: float) -> None:
         """Receive the message (peer, tag) into ``out`` (same number of bytes)."""
 
-    def recv_borrow(self, peer: int, tag: int, nbytes: int,
-                    deadline: float) -> AbstractContextManager[np.ndarray]:
+    def recv_borrow(
+        self, peer: int, tag: int, nbytes: int, deadline: float
+    ) -> AbstractContextManager[np.ndarray]:
         """Receive (peer, tag) and lend its bytes (a read-only uint8 array) for the
         duration of the with-block; zero-copy where the transport allows."""
 

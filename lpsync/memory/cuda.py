@@ -59,8 +59,8 @@ try:
     from cupy.cuda import runtime
 except ImportError as error:  # pragma: no cover - depends on the install
     raise ConfigError(
-        "--devices cuda needs cupy: pip install 'lpsync[cuda12]' (or lpsync[cuda13]) "
-        f"({error})") from None
+        f"--devices cuda needs cupy: pip install 'lpsync[cuda12]' (or lpsync[cuda13]) ({error})"
+    ) from None
 
 _H2D, _D2H, _D2D = 1, 2, 3  # cudaMemcpyKind
 _LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
@@ -88,11 +88,20 @@ def _nan_aware(pick: str) -> str:
     return f"c = (a != a) ? a : ((b != b) ? b : ((a {pick} b) ? a : b))"
 
 
-_EXPR = {ReduceOp.SUM: "c = a + b", ReduceOp.AVG: "c = a + b", ReduceOp.PROD: "c = a * b",
-         ReduceOp.MIN: _nan_aware("<"), ReduceOp.MAX: _nan_aware(">")}
-_BF16_EXPR = {ReduceOp.SUM: "x + y", ReduceOp.AVG: "x + y", ReduceOp.PROD: "x * y",
-              ReduceOp.MIN: "(x != x) ? x : ((y != y) ? y : (x < y ? x : y))",
-              ReduceOp.MAX: "(x != x) ? x : ((y != y) ? y : (x > y ? x : y))"}
+_EXPR = {
+    ReduceOp.SUM: "c = a + b",
+    ReduceOp.AVG: "c = a + b",
+    ReduceOp.PROD: "c = a * b",
+    ReduceOp.MIN: _nan_aware("<"),
+    ReduceOp.MAX: _nan_aware(">"),
+}
+_BF16_EXPR = {
+    ReduceOp.SUM: "x + y",
+    ReduceOp.AVG: "x + y",
+    ReduceOp.PROD: "x * y",
+    ReduceOp.MIN: "(x != x) ? x : ((y != y) ? y : (x < y ? x : y))",
+    ReduceOp.MAX: "(x != x) ? x : ((y != y) ? y : (x > y ? x : y))",
+}
 _BF16_SOURCE = r"""
 __device__ __forceinline__ float bf2f(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
 __device__ __forceinline__ unsigned short f2bf(float f) {
@@ -134,14 +143,17 @@ class CudaKind:
         self._kernels: dict[tuple, object] = {}
         self._lock = threading.Lock()
         self._waiters = concurrent.futures.ThreadPoolExecutor(
-            max_workers=4, thread_name_prefix="lpsync-cuda-sync")
+            max_workers=4, thread_name_prefix="lpsync-cuda-sync"
+        )
         self.opens = [0] * count
         self.closes = [0] * count
 
     def _check(self, device: int) -> None:
         if device not in self.allowed:
-            raise InvalidArgumentError(f"GPU {device} is not served by this daemon "
-                                       f"(--devices cuda:{','.join(map(str, sorted(self.allowed)))})")
+            raise InvalidArgumentError(
+                f"GPU {device} is not served by this daemon "
+                f"(--devices cuda:{','.join(map(str, sorted(self.allowed)))})"
+            )
 
     # -- memory ------------------------------------------------------------------------------
     def allocate(self, device: int, nbytes: int) -> CudaMemory:
@@ -171,8 +183,10 @@ class CudaKind:
             with cupy.cuda.Device(device):
                 address = runtime.ipcOpenMemHandle(handle, _LAZY_PEER)
         except runtime.CUDARuntimeError as error:
-            raise NotFoundError(f"cannot open the CUDA IPC handle on GPU {device}: {error} "
-                                "(has its process exited or freed it?)") from None
+            raise NotFoundError(
+                f"cannot open the CUDA IPC handle on GPU {device}: {error} "
+                "(has its process exited or freed it?)"
+            ) from None
         with self._lock:
             self.opens[device] += 1
         # The size is the client's word (RegisterRequest.allocation_bytes): the registry
@@ -220,8 +234,10 @@ class CudaKind:
             with cupy.cuda.Device(device):
                 return CudaIpcEvent(device, runtime.ipcOpenEventHandle(handle))
         except runtime.CUDARuntimeError as error:
-            raise NotFoundError(f"cannot open the client's CUDA IPC event on GPU {device}: "
-                                f"{error} (made with interprocess=True? has it exited?)") from None
+            raise NotFoundError(
+                f"cannot open the client's CUDA IPC event on GPU {device}: "
+                f"{error} (made with interprocess=True? has it exited?)"
+            ) from None
 
     def close_event(self, event: CudaIpcEvent) -> None:
         with cupy.cuda.Device(event.device):
@@ -260,14 +276,12 @@ class CudaKind:
             if dst.device >= 0 and src.device >= 0 and dst.device != src.device:
                 runtime.memcpyPeerAsync(dst.lo, dst.device, src.lo, src.device, n, stream.ptr)
             else:
-                kind = _D2D if dst.device >= 0 and src.device >= 0 else (
-                    _D2H if dst.device < 0 else _H2D)
+                kind = _D2D if dst.device >= 0 and src.device >= 0 else (_D2H if dst.device < 0 else _H2D)
                 runtime.memcpyAsync(dst.lo, src.lo, n, kind, stream.ptr)
 
     def _array(self, span: Span, dtype: np.dtype) -> cupy.ndarray:
         memory = cupy.cuda.UnownedMemory(span.lo, span.nbytes, None, span.device)
-        return cupy.ndarray((span.nbytes // dtype.itemsize,), dtype,
-                            cupy.cuda.MemoryPointer(memory, 0))
+        return cupy.ndarray((span.nbytes // dtype.itemsize,), dtype, cupy.cuda.MemoryPointer(memory, 0))
 
     def _kernel(self, op: ReduceOp, dtype: np.dtype, what: str) -> object:
         key = (op, dtype, what)
@@ -281,18 +295,26 @@ class CudaKind:
             kernel = cupy.ElementwiseKernel("T a, T b", "T c", _EXPR[op], f"lpsync_{op}")
         elif np.issubdtype(dtype, np.integer):  # numpy's floor division
             kernel = cupy.ElementwiseKernel(
-                "int64 n", "T x",
+                "int64 n",
+                "T x",
                 "long long v = x; long long q = v / n; if (v % n != 0 && v < 0) q -= 1; x = q;",
-                "lpsync_floordiv")
+                "lpsync_floordiv",
+            )
         else:  # in double, rounded once to the type (via float for half: no double ctor)
             cast = "(T)(float)" if dtype == np.float16 else "(T)"
-            kernel = cupy.ElementwiseKernel("int64 n", "T x", f"x = {cast}((double)x / n)",
-                                            "lpsync_divide")
+            kernel = cupy.ElementwiseKernel("int64 n", "T x", f"x = {cast}((double)x / n)", "lpsync_divide")
         self._kernels[key] = kernel
         return kernel
 
-    def reduce_async(self, reduction: Reduction, out: Span, acc: Span, incoming: Span,
-                     final: bool, stream: cupy.cuda.Stream) -> None:
+    def reduce_async(
+        self,
+        reduction: Reduction,
+        out: Span,
+        acc: Span,
+        incoming: Span,
+        final: bool,
+        stream: cupy.cuda.Stream,
+    ) -> None:
         dtype, n = reduction.dtype, out.count
         if not n:
             return
@@ -306,12 +328,12 @@ class CudaKind:
                 self._kernel(reduction.op, dtype, "combine")(grid, (256,), (*arrays, np.int64(n)))
                 if divide:
                     self._kernel(reduction.op, dtype, "divide")(
-                        grid, (256,), (arrays[2], np.int64(n), np.float32(reduction.participants)))
+                        grid, (256,), (arrays[2], np.int64(n), np.float32(reduction.participants))
+                    )
                 return
             self._kernel(reduction.op, dtype, "combine")(*arrays)
             if divide:
-                self._kernel(reduction.op, dtype, "divide")(np.int64(reduction.participants),
-                                                            arrays[2])
+                self._kernel(reduction.op, dtype, "divide")(np.int64(reduction.participants), arrays[2])
 
     def enable_peer_access(self, devices: Sequence[int]) -> None:
         for a in devices:
@@ -359,12 +381,15 @@ def _nvlink_pairs(count: int) -> set[tuple[int, int]]:
     except pynvml.NVMLError:
         return set()
     try:
-        handles = [pynvml.nvmlDeviceGetHandleByPciBusId(runtime.deviceGetPCIBusId(i))
-                   for i in range(count)]
-        return {(a, b) for a in range(count) for b in range(count) if a != b and
-                pynvml.nvmlDeviceGetP2PStatus(handles[a], handles[b],
-                                              pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
-                == pynvml.NVML_P2P_STATUS_OK}
+        handles = [pynvml.nvmlDeviceGetHandleByPciBusId(runtime.deviceGetPCIBusId(i)) for i in range(count)]
+        return {
+            (a, b)
+            for a in range(count)
+            for b in range(count)
+            if a != b
+            and pynvml.nvmlDeviceGetP2PStatus(handles[a], handles[b], pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
+            == pynvml.NVML_P2P_STATUS_OK
+        }
     except pynvml.NVMLError:
         return set()
     finally:

@@ -33,8 +33,9 @@ def _pairs(text: str, n: int, what: str) -> list[tuple[int, int]]:
     for item in text.split("+"):
         m = re.fullmatch(r"(\d+)-(\d+)", item)
         if not m or int(m[1]) >= n or int(m[2]) >= n or m[1] == m[2]:
-            raise InvalidArgumentError(f"--devices: {what}={text!r} needs pairs A-B of distinct "
-                                       f"devices below {n}, joined by '+'")
+            raise InvalidArgumentError(
+                f"--devices: {what}={text!r} needs pairs A-B of distinct devices below {n}, joined by '+'"
+            )
         pairs.append((int(m[1]), int(m[2])))
     return pairs
 
@@ -55,7 +56,8 @@ def parse_devices(spec: str) -> DeviceSpec:
     if not m or not 1 <= int(m[1]) <= 64:
         raise InvalidArgumentError(
             f"--devices {spec!r}: expected cpu, cuda:all, cuda:0,1,... or emulated:N (1..64) "
-            "with optional ,slow=A-B+..., ,host=A-B+..., ,islands=K, ,bw=BYTES_PER_S")
+            "with optional ,slow=A-B+..., ,host=A-B+..., ,islands=K, ,bw=BYTES_PER_S"
+        )
     n = int(m[1])
     links = [[Link.SAME if a == b else Link.FAST for b in range(n)] for a in range(n)]
     bandwidth = 0.0
@@ -79,9 +81,9 @@ def parse_devices(spec: str) -> DeviceSpec:
                 links[a][b] = links[b][a] = Link.SLOW if key == "slow" else Link.HOST
         else:
             raise InvalidArgumentError(f"--devices: unknown emulated option {key!r}")
-    return DeviceSpec("emulated", count=n,
-                      topology=Topology(tuple(tuple(row) for row in links)),
-                      copy_bandwidth=bandwidth)
+    return DeviceSpec(
+        "emulated", count=n, topology=Topology(tuple(tuple(row) for row in links)), copy_bandwidth=bandwidth
+    )
 
 
 def open_kind(spec: DeviceSpec) -> MemoryKind | None:

@@ -95,12 +95,11 @@ def _open_foreign(pid: int, fd: int, prefix: str, names: str, thing: str, hint: 
             raise InvalidArgumentError(f"the handle does not name {names}")
         return os.open(path, os.O_RDWR)
     except OSError as error:
-        raise NotFoundError(f"cannot open the {thing} of process {pid}: {error} "
-                            f"({hint})") from None
+        raise NotFoundError(f"cannot open the {thing} of process {pid}: {error} ({hint})") from None
 
 
 def _view(span: Span) -> np.ndarray:
-    return span.memory.array[span.offset:span.offset + span.nbytes]
+    return span.memory.array[span.offset : span.offset + span.nbytes]
 
 
 class EmulatedEvent:
@@ -162,12 +161,14 @@ class EmulatedStream:
     closed: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
-        self._thread = threading.Thread(target=self._work, name=f"lpsync-emu-stream-{self.device}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._work, name=f"lpsync-emu-stream-{self.device}", daemon=True
+        )
         self._thread.start()
 
-    def put(self, op: Callable[[], None] | Callable[[BaseException | None], None],
-            wants_error: bool = False) -> None:
+    def put(
+        self, op: Callable[[], None] | Callable[[BaseException | None], None], wants_error: bool = False
+    ) -> None:
         self._queue.put((op, wants_error))
 
     def _work(self) -> None:
@@ -196,8 +197,7 @@ class EmulatedStream:
 class EmulatedKind:
     name = "emulated"
 
-    def __init__(self, devices: int, topology: Topology | None = None,
-                 copy_bandwidth: float = 0.0) -> None:
+    def __init__(self, devices: int, topology: Topology | None = None, copy_bandwidth: float = 0.0) -> None:
         """``copy_bandwidth`` (bytes/s, 0: as fast as memcpy) slows every copy down to a
         link's rate, for tests that need copies to take time."""
         if devices < 1:
@@ -217,7 +217,8 @@ class EmulatedKind:
     def _check(self, device: int) -> None:
         if not 0 <= device < self.devices:
             raise InvalidArgumentError(
-                f"device {device} does not exist: this daemon has emulated devices 0..{self.devices - 1}")
+                f"device {device} does not exist: this daemon has emulated devices 0..{self.devices - 1}"
+            )
 
     def allocate(self, device: int, nbytes: int) -> EmulatedMemory:
         self._check(device)
@@ -241,22 +242,26 @@ class EmulatedKind:
     def export(self, memory: EmulatedMemory) -> bytes:
         if memory.fd < 0:
             raise InvalidArgumentError("only an allocation made in this process can be exported")
-        return HANDLE.pack(MAGIC, os.getpid(), memory.fd, memory.inode, memory.nbytes,
-                           memory.device)
+        return HANDLE.pack(MAGIC, os.getpid(), memory.fd, memory.inode, memory.nbytes, memory.device)
 
     def open(self, handle: bytes, device: int) -> EmulatedMemory:
         self._check(device)
         try:
             magic, pid, fd, inode, nbytes, on = HANDLE.unpack(handle)
         except struct.error:
-            raise InvalidArgumentError(
-                f"not an emulated-device IPC handle ({len(handle)} bytes)") from None
+            raise InvalidArgumentError(f"not an emulated-device IPC handle ({len(handle)} bytes)") from None
         if magic != MAGIC:
             raise InvalidArgumentError("not an emulated-device IPC handle (bad magic)")
         if on != device:
             raise InvalidArgumentError(f"the allocation is on device {on}, not {device}")
-        opened = _open_foreign(pid, fd, _MEMFD_PREFIX, "emulated device memory", "allocation",
-                               "has it exited or freed the memory?")
+        opened = _open_foreign(
+            pid,
+            fd,
+            _MEMFD_PREFIX,
+            "emulated device memory",
+            "allocation",
+            "has it exited or freed the memory?",
+        )
         try:
             st = os.fstat(opened)
             if st.st_ino != inode or st.st_size < nbytes:
@@ -309,12 +314,10 @@ class EmulatedKind:
         try:
             magic, pid, fd, inode = EVENT_HANDLE.unpack(handle)
         except struct.error:
-            raise InvalidArgumentError(
-                f"not an emulated-device event handle ({len(handle)} bytes)") from None
+            raise InvalidArgumentError(f"not an emulated-device event handle ({len(handle)} bytes)") from None
         if magic != EVENT_MAGIC:
             raise InvalidArgumentError("not an emulated-device event handle (bad magic)")
-        opened = _open_foreign(pid, fd, _EVENT_PREFIX, "an emulated-device event", "event",
-                               "has it exited?")
+        opened = _open_foreign(pid, fd, _EVENT_PREFIX, "an emulated-device event", "event", "has it exited?")
         try:
             if os.fstat(opened).st_ino != inode:
                 raise NotFoundError(f"process {pid} no longer holds that event")
@@ -342,6 +345,7 @@ class EmulatedKind:
                 except CollectiveTimeoutError:
                     if stream.closed.is_set():
                         raise
+
         stream.put(waiter)
 
     def _wait_ipc(self, stream: EmulatedStream, event: EmulatedIpcEvent) -> None:
@@ -352,17 +356,22 @@ class EmulatedKind:
         def waiter() -> None:
             while not event.reached(generation):  # sleeps in the kernel, 1 s at a time
                 if event.closed or stream.closed.is_set():
-                    raise UnavailableError("the client's event was closed before it completed "
-                                           "(the client has gone)")
+                    raise UnavailableError(
+                        "the client's event was closed before it completed (the client has gone)"
+                    )
                 event.wait_for(generation, 1.0)
+
         stream.put(waiter)
 
     def synchronize(self, event: EmulatedEvent, deadline: float) -> None:
         event.wait_for(event.recorded, deadline)
         if event.error is not None:
             error, event.error = event.error, None
-            raise error if isinstance(error, LpsyncError) else UnavailableError(
-                f"a device operation failed: {error!r}")
+            raise (
+                error
+                if isinstance(error, LpsyncError)
+                else UnavailableError(f"a device operation failed: {error!r}")
+            )
 
     # -- operations ----------------------------------------------------------------------------
     def copy_async(self, dst: Span, src: Span, stream: EmulatedStream) -> None:
@@ -376,6 +385,7 @@ class EmulatedKind:
             if rate:  # the link's time first (blocks, does not spin): data lands at the end
                 time.sleep(dst.nbytes / rate)
             np.copyto(_view(dst), _view(src))
+
         stream.put(copy)
 
     def _check_reach(self, device: int, on: int) -> None:
@@ -384,18 +394,19 @@ class EmulatedKind:
         if device >= 0 and device != on and not self.topology.peer_access(device, on):
             raise InvalidArgumentError(f"device {on} has no peer access to device {device}")
 
-    def reduce_async(self, reduction: Reduction, out: Span, acc: Span, incoming: Span,
-                     final: bool, stream: EmulatedStream) -> None:
+    def reduce_async(
+        self, reduction: Reduction, out: Span, acc: Span, incoming: Span, final: bool, stream: EmulatedStream
+    ) -> None:
         for span in (out, acc, incoming):
             if span.device != stream.device:
                 raise InvalidArgumentError("a reduction reads and writes its own device's memory")
 
         def reduce() -> None:
             target = _view(out).view(reduction.dtype)
-            reduction.combine(_view(acc).view(reduction.dtype),
-                              _view(incoming).view(reduction.dtype), target)
+            reduction.combine(_view(acc).view(reduction.dtype), _view(incoming).view(reduction.dtype), target)
             if final:
                 reduction.finalize(target)
+
         stream.put(reduce)
 
     def enable_peer_access(self, devices: Sequence[int]) -> None:

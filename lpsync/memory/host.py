@@ -38,7 +38,7 @@ def _memory(segment: SharedSegment | None, array: np.ndarray, device: int = 0) -
 
 
 def _view(span: Span) -> np.ndarray:
-    return span.memory.array[span.offset:span.offset + span.nbytes]
+    return span.memory.array[span.offset : span.offset + span.nbytes]
 
 
 @dataclass(frozen=True)
@@ -112,11 +112,11 @@ class HostKind:
             raise InvalidArgumentError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
         np.copyto(_view(dst), _view(src))
 
-    def reduce_async(self, reduction: Reduction, out: Span, acc: Span, incoming: Span,
-                     final: bool, stream: HostStream) -> None:
+    def reduce_async(
+        self, reduction: Reduction, out: Span, acc: Span, incoming: Span, final: bool, stream: HostStream
+    ) -> None:
         target = _view(out).view(reduction.dtype)
-        reduction.combine(_view(acc).view(reduction.dtype),
-                          _view(incoming).view(reduction.dtype), target)
+        reduction.combine(_view(acc).view(reduction.dtype), _view(incoming).view(reduction.dtype), target)
         if final:
             reduction.finalize(target)
 

@@ -104,8 +104,7 @@ class Span:
         start, stop, step = item.indices(self.count)
         if step != 1:
             raise ValueError("spans slice contiguously")
-        return Span(self.memory, self.offset + start * self.dtype.itemsize, max(0, stop - start),
-                    self.dtype)
+        return Span(self.memory, self.offset + start * self.dtype.itemsize, max(0, stop - start), self.dtype)
 
 
 class MemoryKind(Protocol):
@@ -162,8 +161,9 @@ class MemoryKind(Protocol):
         """dst = src (same byte count), on ``stream``; peer copy across devices, D2H/H2D
         with host memory."""
 
-    def reduce_async(self, reduction: Reduction, out: Span, acc: Span, incoming: Span,
-                     final: bool, stream: Any) -> None:
+    def reduce_async(
+        self, reduction: Reduction, out: Span, acc: Span, incoming: Span, final: bool, stream: Any
+    ) -> None:
         """out = acc (op) incoming, then (``final``) the avg division; on ``stream``'s device."""
 
     def enable_peer_access(self, devices: Sequence[int]) -> None:

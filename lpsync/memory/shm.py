@@ -32,8 +32,9 @@ class SharedSegment:
         self.name, self.nbytes = name, nbytes
         self._mmap = mapping
         # mmap cannot map 0 bytes; an empty buffer has an empty array and no mapping.
-        self.array = (np.frombuffer(mapping, np.uint8, nbytes) if mapping is not None
-                      else np.empty(0, np.uint8))
+        self.array = (
+            np.frombuffer(mapping, np.uint8, nbytes) if mapping is not None else np.empty(0, np.uint8)
+        )
 
     @classmethod
     def create(cls, nbytes: int, mode: int = 0o660) -> SharedSegment:
@@ -43,7 +44,8 @@ class SharedSegment:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
         except OSError as error:  # EMFILE, ENOSPC: a limit, not a bug
             raise ResourceExhaustedError(
-                f"cannot create a {nbytes}-byte shared-memory segment: {error}") from error
+                f"cannot create a {nbytes}-byte shared-memory segment: {error}"
+            ) from error
         try:
             os.fchmod(fd, mode)  # the umask must not narrow who may attach
             mapping = None
@@ -57,7 +59,8 @@ class SharedSegment:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise ResourceExhaustedError(
-                f"cannot create a {nbytes}-byte shared-memory segment: {error}") from error
+                f"cannot create a {nbytes}-byte shared-memory segment: {error}"
+            ) from error
         os.close(fd)
         return cls(name, nbytes, mapping)
 
@@ -99,7 +102,7 @@ def reclaim_stale() -> list[str]:
     reclaimed = []
     for path in SHM_DIR.glob(f"{PREFIX}*"):
         try:
-            pid = int(path.name[len(PREFIX):].split("-", 1)[0])
+            pid = int(path.name[len(PREFIX) :].split("-", 1)[0])
         except ValueError:
             continue
         try:

@@ -55,8 +55,7 @@ _ACCEPT, _REFUSE = b"\x01", b"\x00"
 _LABEL = b"lpsync peer auth v1 "
 
 
-def load_secret(path: str | os.PathLike[str] | None,
-                environ: Mapping[str, str] | None = None) -> bytes:
+def load_secret(path: str | os.PathLike[str] | None, environ: Mapping[str, str] | None = None) -> bytes:
     """The cluster secret: the file at ``path`` if given, else $LPSYNC_SECRET.
 
     Never from the command line (it would show in ps and shell history). Surrounding
@@ -69,27 +68,27 @@ def load_secret(path: str | os.PathLike[str] | None,
             data = file.read_bytes().strip()
             mode = file.stat().st_mode
         except OSError as error:
-            raise ConfigError(f"cannot read the cluster secret file {str(path)!r}: "
-                              f"{error.strerror}") from None
+            raise ConfigError(
+                f"cannot read the cluster secret file {str(path)!r}: {error.strerror}"
+            ) from None
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            log.warning("cluster secret file %s is readable by group or others; chmod 600 it",
-                        path)
+            log.warning("cluster secret file %s is readable by group or others; chmod 600 it", path)
         if not data:
             raise ConfigError(f"the cluster secret file {str(path)!r} is empty")
         return data
     env = os.environ if environ is None else environ
     value = env.get(SECRET_ENV)
     if value is None:
-        raise ConfigError(f"no cluster secret: pass --secret-file PATH or set {SECRET_ENV} "
-                          "(the same secret on every node)")
+        raise ConfigError(
+            f"no cluster secret: pass --secret-file PATH or set {SECRET_ENV} (the same secret on every node)"
+        )
     data = value.strip().encode()
     if not data:
         raise ConfigError(f"{SECRET_ENV} is set but empty")
     return data
 
 
-def _mac(secret: bytes, role: bytes, nonce_c: bytes, nonce_s: bytes, client: int,
-         server: int) -> bytes:
+def _mac(secret: bytes, role: bytes, nonce_c: bytes, nonce_s: bytes, client: int, server: int) -> bytes:
     message = b"".join((_LABEL, role, nonce_c, nonce_s, struct.pack("!II", client, server)))
     return hmac.new(secret, message, hashlib.sha256).digest()
 
@@ -125,15 +124,17 @@ class ClientHandshake:
             raise UnauthenticatedError("peer sent a malformed challenge")
         magic, version, server_rank, nonce_s, mac_s = _CHALLENGE.unpack(message)
         if magic != MAGIC or version != VERSION:
-            raise UnauthenticatedError(f"peer speaks another protocol (magic {magic!r}, "
-                                       f"version {version})")
+            raise UnauthenticatedError(f"peer speaks another protocol (magic {magic!r}, version {version})")
         if self.expect_rank is not None and server_rank != self.expect_rank:
-            raise UnauthenticatedError(f"expected rank {self.expect_rank} at this address, "
-                                       f"the peer says it is rank {server_rank}")
+            raise UnauthenticatedError(
+                f"expected rank {self.expect_rank} at this address, the peer says it is rank {server_rank}"
+            )
         want = _mac(self._secret, b"server", self._nonce, nonce_s, self.rank, server_rank)
         if not hmac.compare_digest(want, mac_s):
-            raise UnauthenticatedError(f"peer rank {server_rank} failed to prove the cluster "
-                                       "secret (a different secret on that node?)")
+            raise UnauthenticatedError(
+                f"peer rank {server_rank} failed to prove the cluster "
+                "secret (a different secret on that node?)"
+            )
         self._server_rank, self._server_nonce = server_rank, nonce_s
         return _mac(self._secret, b"client", self._nonce, nonce_s, self.rank, server_rank)
 
@@ -141,10 +142,12 @@ class ClientHandshake:
         if message != _ACCEPT:
             raise UnauthenticatedError(
                 f"peer rank {self._server_rank} refused rank {self.rank}: a different cluster "
-                "secret, or it does not take this rank now (its log says which)")
-        return AuthResult(self._server_rank, _mac(self._secret, b"session", self._nonce,
-                                                  self._server_nonce, self.rank,
-                                                  self._server_rank))
+                "secret, or it does not take this rank now (its log says which)"
+            )
+        return AuthResult(
+            self._server_rank,
+            _mac(self._secret, b"session", self._nonce, self._server_nonce, self.rank, self._server_rank),
+        )
 
 
 class ServerHandshake:
@@ -162,19 +165,18 @@ class ServerHandshake:
             raise UnauthenticatedError("peer sent a malformed hello")
         magic, version, client_rank, nonce_c = _HELLO.unpack(message)
         if magic != MAGIC or version != VERSION:
-            raise UnauthenticatedError(f"peer speaks another protocol (magic {magic!r}, "
-                                       f"version {version})")
+            raise UnauthenticatedError(f"peer speaks another protocol (magic {magic!r}, version {version})")
         self._client_nonce, self.client_rank = nonce_c, client_rank
         mac_s = _mac(self._secret, b"server", nonce_c, self._nonce, client_rank, self.rank)
         return _CHALLENGE.pack(MAGIC, VERSION, self.rank, self._nonce, mac_s)
 
     def on_proof(self, message: bytes) -> tuple[bytes, AuthResult | None]:
         """(the verdict to send, the result or None when refused)."""
-        want = _mac(self._secret, b"client", self._client_nonce, self._nonce, self.client_rank,
-                    self.rank)
+        want = _mac(self._secret, b"client", self._client_nonce, self._nonce, self.client_rank, self.rank)
         if len(message) == PROOF_SIZE and hmac.compare_digest(want, message):
-            session = _mac(self._secret, b"session", self._client_nonce, self._nonce,
-                           self.client_rank, self.rank)
+            session = _mac(
+                self._secret, b"session", self._client_nonce, self._nonce, self.client_rank, self.rank
+            )
             return _ACCEPT, AuthResult(self.client_rank, session)
         return _REFUSE, None
 
@@ -183,16 +185,17 @@ class ServerHandshake:
 Admit = Callable[[int], "str | None"]
 
 
-def _refuse_or_admit(verdict: bytes, result: AuthResult | None, client_rank: int,
-                     admit: Admit | None, where: str) -> tuple[bytes, AuthResult | None]:
+def _refuse_or_admit(
+    verdict: bytes, result: AuthResult | None, client_rank: int, admit: Admit | None, where: str
+) -> tuple[bytes, AuthResult | None]:
     if result is None:
-        log.warning("refused peer at %s claiming rank %d: wrong or missing cluster secret",
-                    where, client_rank)
+        log.warning(
+            "refused peer at %s claiming rank %d: wrong or missing cluster secret", where, client_rank
+        )
         return verdict, None
     reason = admit(result.peer_rank) if admit is not None else None
     if reason is not None:
-        log.warning("refused authenticated peer rank %d at %s: %s", result.peer_rank, where,
-                    reason)
+        log.warning("refused authenticated peer rank %d at %s: %s", result.peer_rank, where, reason)
         return _REFUSE, None
     return verdict, result
 
@@ -201,8 +204,9 @@ Send = Callable[[bytes], None]
 Recv = Callable[[int], bytes]  # exactly that many bytes, or raise
 
 
-def client_handshake(send: Send, recv: Recv, secret: bytes, rank: int,
-                     expect_rank: int | None = None) -> AuthResult:
+def client_handshake(
+    send: Send, recv: Recv, secret: bytes, rank: int, expect_rank: int | None = None
+) -> AuthResult:
     """The dialling side over blocking ``send``/``recv`` (each bounded by the caller)."""
     hs = ClientHandshake(secret, rank, expect_rank)
     send(hs.hello())
@@ -210,8 +214,9 @@ def client_handshake(send: Send, recv: Recv, secret: bytes, rank: int,
     return hs.on_verdict(recv(VERDICT_SIZE))
 
 
-def server_handshake(send: Send, recv: Recv, secret: bytes, rank: int,
-                     where: str = "?", admit: Admit | None = None) -> AuthResult:
+def server_handshake(
+    send: Send, recv: Recv, secret: bytes, rank: int, where: str = "?", admit: Admit | None = None
+) -> AuthResult:
     """Authenticate a connecting peer; UnauthenticatedError (after logging) if it fails
     or ``admit`` turns its rank away."""
     hs = ServerHandshake(secret, rank)
@@ -230,8 +235,10 @@ def server_handshake(send: Send, recv: Recv, secret: bytes, rank: int,
 
 # Blocking sockets: the same exchange, every read bounded by the deadline.
 
-def _recv_exact(sock: socket.socket, size: int, deadline: float,
-                hangup: type[Exception] = UnauthenticatedError) -> bytes:
+
+def _recv_exact(
+    sock: socket.socket, size: int, deadline: float, hangup: type[Exception] = UnauthenticatedError
+) -> bytes:
     chunks, need = [], size
     while need:
         remaining = deadline - time.monotonic()
@@ -261,22 +268,33 @@ def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
         raise UnavailableError(f"connection lost during authentication: {error}") from None
 
 
-def authenticate_client_socket(sock: socket.socket, secret: bytes, rank: int, timeout: float,
-                               expect_rank: int | None = None) -> AuthResult:
+def authenticate_client_socket(
+    sock: socket.socket, secret: bytes, rank: int, timeout: float, expect_rank: int | None = None
+) -> AuthResult:
     deadline = time.monotonic() + timeout
     # A server hanging up is no refusal (that comes as a verdict): a listener with no
     # mesh forming drops dials this way, and the dialling side retries.
-    return client_handshake(lambda data: _send_all(sock, data, deadline),
-                            lambda size: _recv_exact(sock, size, deadline, UnavailableError),
-                            secret, rank, expect_rank)
+    return client_handshake(
+        lambda data: _send_all(sock, data, deadline),
+        lambda size: _recv_exact(sock, size, deadline, UnavailableError),
+        secret,
+        rank,
+        expect_rank,
+    )
 
 
-def authenticate_server_socket(sock: socket.socket, secret: bytes, rank: int,
-                               timeout: float, admit: Admit | None = None) -> AuthResult:
+def authenticate_server_socket(
+    sock: socket.socket, secret: bytes, rank: int, timeout: float, admit: Admit | None = None
+) -> AuthResult:
     deadline = time.monotonic() + timeout
-    return server_handshake(lambda data: _send_all(sock, data, deadline),
-                            lambda size: _recv_exact(sock, size, deadline),
-                            secret, rank, _peer_name(sock), admit)
+    return server_handshake(
+        lambda data: _send_all(sock, data, deadline),
+        lambda size: _recv_exact(sock, size, deadline),
+        secret,
+        rank,
+        _peer_name(sock),
+        admit,
+    )
 
 
 def _peer_name(sock: socket.socket) -> str:

@@ -40,8 +40,9 @@ def open_runtime(transport: str, port: int, tls: str | None = None) -> Runtime:
     return UcxRuntime(RuntimeOptions(port, tls))
 
 
-def connect(transport: str, options: MeshOptions, runtime: Runtime | None = None,
-            tls: str | None = None) -> MeshEndpoint:
+def connect(
+    transport: str, options: MeshOptions, runtime: Runtime | None = None, tls: str | None = None
+) -> MeshEndpoint:
     """Form the mesh on ``runtime`` (or on one of its own, closed with it)."""
     if check(transport) == "tcp":
         from lpsync.transport.tcp import TcpEndpoint, TcpRuntime

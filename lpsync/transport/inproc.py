@@ -32,7 +32,8 @@ class _Message:
     def wait(self, deadline: float) -> None:
         if not self.released.wait(max(0.0, deadline - time.monotonic())):
             raise CollectiveTimeoutError(
-                f"rank {self.src} timed out waiting for rank {self.dst} to take message {self.tag}")
+                f"rank {self.src} timed out waiting for rank {self.dst} to take message {self.tag}"
+            )
         self.fabric.check()
 
 
@@ -84,7 +85,8 @@ class InprocFabric:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CollectiveTimeoutError(
-                        f"rank {dst} timed out waiting for message {tag} from rank {src}")
+                        f"rank {dst} timed out waiting for message {tag} from rank {src}"
+                    )
                 condition.wait(remaining)
         return message
 
@@ -114,8 +116,9 @@ class InprocEndpoint:
         message = self.fabric._take(self.rank, peer, tag, deadline)
         try:
             if message.raw.nbytes != nbytes:
-                raise LpsyncError(f"message {tag} from rank {peer} has {message.raw.nbytes} "
-                                  f"bytes, expected {nbytes}")
+                raise LpsyncError(
+                    f"message {tag} from rank {peer} has {message.raw.nbytes} bytes, expected {nbytes}"
+                )
             yield message.raw
         finally:
             self.fabric._release(message)

@@ -157,8 +157,9 @@ class MeshEndpoint:
 
     def _on_accept(self, connection: Any) -> None:
         # On the runtime's thread: authenticate on a thread of its own (it waits for messages).
-        thread = threading.Thread(target=self._accept, args=(connection,), daemon=True,
-                                  name=f"lpsync-accept-r{self.rank}")
+        thread = threading.Thread(
+            target=self._accept, args=(connection,), daemon=True, name=f"lpsync-accept-r{self.rank}"
+        )
         with self._lock:
             self._handshakes.append(thread)
         thread.start()
@@ -170,10 +171,14 @@ class MeshEndpoint:
         """Log an accepted connection that failed authentication (a refusal logs itself)."""
         if not isinstance(error, UnauthenticatedError):
             # A peer holding another secret rejects our proof and hangs up here.
-            log.warning("rank %d: refused a connection at :%d: it left authentication "
-                        "unfinished (%s: %s); a peer with another secret does that",
-                        self.rank, self.options.peers[self.rank].port,
-                        type(error).__name__, error)
+            log.warning(
+                "rank %d: refused a connection at :%d: it left authentication "
+                "unfinished (%s: %s); a peer with another secret does that",
+                self.rank,
+                self.options.peers[self.rank].port,
+                type(error).__name__,
+                error,
+            )
 
     def _join_handshakes(self, deadline: float) -> None:
         with self._lock:
@@ -196,9 +201,15 @@ class MeshEndpoint:
         """Dial the lower ranks (each on a thread of its own) and wait until every
         connection is up: CollectiveTimeoutError naming the missing ranks at ``deadline``."""
         errors: list[BaseException] = []
-        dialers = [threading.Thread(target=self._dial_guarded, args=(peer, deadline, errors),
-                                    name=f"lpsync-dial-{peer}", daemon=True)
-                   for peer in range(self.rank)]
+        dialers = [
+            threading.Thread(
+                target=self._dial_guarded,
+                args=(peer, deadline, errors),
+                name=f"lpsync-dial-{peer}",
+                daemon=True,
+            )
+            for peer in range(self.rank)
+        ]
         for thread in dialers:
             thread.start()
         for thread in dialers:
@@ -215,7 +226,8 @@ class MeshEndpoint:
                     raise CollectiveTimeoutError(
                         f"rank {self.rank}: ranks {missing} did not connect within "
                         f"{self.options.connect_timeout:.0f} s (started? same --peers list? "
-                        "a firewall?)")
+                        "a firewall?)"
+                    )
                 self._formed.wait(min(remaining, 0.5))
         self._check()
 
@@ -239,8 +251,9 @@ class MeshEndpoint:
             if not self._alive():
                 raise UnavailableError("the transport runtime was closed while connecting")
             if remaining <= 0:
-                raise CollectiveTimeoutError(f"rank {self.rank} could not reach rank {peer} at "
-                                             f"{address} ({last})")
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank} could not reach rank {peer} at {address} ({last})"
+                )
             try:
                 self._connect(peer, host, address.port, remaining, deadline)
                 return
@@ -261,8 +274,10 @@ class MeshEndpoint:
 
     def _admit(self, rank: int) -> str | None:
         if not self.rank < rank < self.size:
-            return (f"rank {rank} should not dial rank {self.rank} (higher ranks dial lower "
-                    f"ones; {self.size} participants)")
+            return (
+                f"rank {rank} should not dial rank {self.rank} (higher ranks dial lower "
+                f"ones; {self.size} participants)"
+            )
         if rank not in self._missing():
             return f"rank {rank} is already connected"
         return None
@@ -291,8 +306,11 @@ class MeshEndpoint:
         gone, a collective that failed with receives posted): every wait raises
         ``error`` (an LpsyncError; anything else as UnavailableError), unless something
         broke it first."""
-        self._fail(error if isinstance(error, LpsyncError)
-                   else UnavailableError(f"rank {self.rank}: aborted: {error!r}"))
+        self._fail(
+            error
+            if isinstance(error, LpsyncError)
+            else UnavailableError(f"rank {self.rank}: aborted: {error!r}")
+        )
 
     @property
     def error(self) -> LpsyncError | None:
@@ -313,14 +331,18 @@ class MeshEndpoint:
         try:
             return self._conns[peer]
         except KeyError:
-            raise InvalidArgumentError(f"rank {self.rank} has no peer rank {peer} "
-                                       f"({self.size} participants)") from None
+            raise InvalidArgumentError(
+                f"rank {self.rank} has no peer rank {peer} ({self.size} participants)"
+            ) from None
 
     def _peer_gone(self, rank: int, address: PeerAddress) -> None:
         """A connection closed: a failure unless its peer said goodbye or we are closing."""
         if not self._closing:
-            self._fail(UnavailableError(f"peer rank {rank} at {address} is gone: its "
-                                        "connection failed or closed mid-collective"))
+            self._fail(
+                UnavailableError(
+                    f"peer rank {rank} at {address} is gone: its connection failed or closed mid-collective"
+                )
+            )
 
     def _wait(self, request: Request, deadline: float, what: str) -> None:
         """Wait for ``request`` until ``deadline``; waking early when the endpoint breaks."""
@@ -333,8 +355,7 @@ class MeshEndpoint:
                     self._check()
                     remaining = deadline - time.monotonic()
                     if (remaining <= 0 or not event.wait(remaining)) and not request.done:
-                        self._fail(CollectiveTimeoutError(
-                            f"rank {self.rank} timed out waiting for {what}"))
+                        self._fail(CollectiveTimeoutError(f"rank {self.rank} timed out waiting for {what}"))
                         self._check()
             finally:
                 with self._lock:
@@ -344,9 +365,13 @@ class MeshEndpoint:
             return
         self._check()  # cancelled because the endpoint broke: report why it broke
         if isinstance(error, InvalidArgumentError) or type(error).__name__ in (
-                "UCXMessageTruncatedError", "UCXMsgTruncated"):
-            raise InvalidArgumentError(f"{what}: the message is larger than the receive "
-                                       "buffer (mismatched counts across participants?)")
+            "UCXMessageTruncatedError",
+            "UCXMsgTruncated",
+        ):
+            raise InvalidArgumentError(
+                f"{what}: the message is larger than the receive "
+                "buffer (mismatched counts across participants?)"
+            )
         self._fail(UnavailableError(f"{what} failed: {type(error).__name__}: {error}"))
         self._check()
 
@@ -375,8 +400,12 @@ class MeshEndpoint:
     def _late_goodbyes(self, goodbyes: list[threading.Event], deadline: float) -> None:
         late = sum(not event.wait(max(0.0, deadline - time.monotonic())) for event in goodbyes)
         if late:
-            log.warning("rank %d: no goodbye from %d peer(s) within %.0f s; closing anyway",
-                        self.rank, late, self.options.close_timeout)
+            log.warning(
+                "rank %d: no goodbye from %d peer(s) within %.0f s; closing anyway",
+                self.rank,
+                late,
+                self.options.close_timeout,
+            )
 
 
 def bytes_view(data: np.ndarray) -> np.ndarray:

@@ -48,8 +48,9 @@ def to_host(array, framework: str) -> np.ndarray:
     return array.cpu().numpy()
 
 
-def run_cases(rank: int, socket: str, world: int, devices: list[int], cases: list[tuple],
-              framework: str = "emulated") -> list:
+def run_cases(
+    rank: int, socket: str, world: int, devices: list[int], cases: list[tuple], framework: str = "emulated"
+) -> list:
     """Each case: (op, dtype, reduce_op, in_place, root, count, inputs of every rank as bytes).
     Returns, per case, this rank's output bytes and its input buffer's bytes afterwards.
     ``framework`` makes the device arrays (bfloat16 goes through torch outside emulated)."""
@@ -62,7 +63,7 @@ def run_cases(rank: int, socket: str, world: int, devices: list[int], cases: lis
             mine = np.frombuffer(inputs[rank], dt)
             if in_place and op == "allgather":
                 buf = np.zeros(world * count, dt)
-                buf[rank * count:(rank + 1) * count] = mine
+                buf[rank * count : (rank + 1) * count] = mine
                 x, out = to_device(buf, device, dtype, make), None
             else:
                 x = to_device(mine, device, dtype, make)
@@ -78,7 +79,7 @@ def run_cases(rank: int, socket: str, world: int, devices: list[int], cases: lis
             getattr(client, op)(x, **kwargs)
             target = x if out is None else out
             if in_place and op == "reduce_scatter":
-                target = x[rank * count:(rank + 1) * count]
+                target = x[rank * count : (rank + 1) * count]
             results.append((to_host(target, make).tobytes(), to_host(x, make).tobytes()))
             client.release(x)
             if out is not None:
@@ -114,8 +115,9 @@ def kill_self_after_register(socket: str, ready_file: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run_cases_on_nodes(rank: int, sockets: list[str], per_node: int, world: int,
-                       devices: list[int], cases: list[tuple]) -> list:
+def run_cases_on_nodes(
+    rank: int, sockets: list[str], per_node: int, world: int, devices: list[int], cases: list[tuple]
+) -> list:
     """run_cases for a multi-node job: node-major ranks, each on its node's daemon."""
     os.environ["LOCAL_RANK"] = str(rank % per_node)
     os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
@@ -140,21 +142,25 @@ def cupy_ordered_after_stream(rank: int, socket: str, world: int) -> list[float]
     issued right after (no synchronize by the caller) must reduce what it wrote."""
     import cupy
 
-    slow_fill = cupy.RawKernel(r"""
+    slow_fill = cupy.RawKernel(
+        r"""
     extern "C" __global__ void slow_fill(float* x, long long n, float v, long long cycles) {
         long long start = clock64();
         while (clock64() - start < cycles) { }
         for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
              i += (long long)blockDim.x * gridDim.x) x[i] = v;
-    }""", "slow_fill")
+    }""",
+        "slow_fill",
+    )
     with _client(rank, socket, world, "gpu-ordering") as client:
         x = cupy.zeros(1 << 16, cupy.float32)
         client.register(x)
         client.barrier()
         stream = cupy.cuda.Stream(non_blocking=True)
         with stream:
-            slow_fill((64,), (256,), (x, np.int64(x.size), np.float32(rank + 1),
-                                      np.int64(300_000_000)))  # ~0.2 s of spinning
+            slow_fill(
+                (64,), (256,), (x, np.int64(x.size), np.float32(rank + 1), np.int64(300_000_000))
+            )  # ~0.2 s of spinning
             client.allreduce(x)
             return cupy.asnumpy(x[:3]).tolist()
 
@@ -193,8 +199,7 @@ def frameworks_register(rank: int, socket: str) -> dict[str, list]:
                 seen["jax"] = np.asarray(y)[:3].tolist()
         except ImportError:
             pass
-        seen["status"] = [(d.index, d.open_allocations, d.ipc_opens) for d in
-                          client.status().devices]
+        seen["status"] = [(d.index, d.open_allocations, d.ipc_opens) for d in client.status().devices]
     return seen
 
 
@@ -216,16 +221,16 @@ def slow_allreduce(rank: int, socket: str, world: int, job: str, ready_file: str
             return type(error).__name__
 
 
-def slow_allreduce_on_nodes(rank: int, sockets: list[str], per_node: int, world: int, job: str,
-                            ready_file: str) -> str:
+def slow_allreduce_on_nodes(
+    rank: int, sockets: list[str], per_node: int, world: int, job: str, ready_file: str
+) -> str:
     """slow_allreduce for a multi-node job: node-major ranks, each on its node's daemon."""
     os.environ["LOCAL_RANK"] = str(rank % per_node)
     os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
     return slow_allreduce(rank, sockets[rank // per_node], world, job, ready_file)
 
 
-def ordered_without_host_wait(rank: int, socket: str, world: int, delay: float,
-                              per_node: int = 0) -> dict:
+def ordered_without_host_wait(rank: int, socket: str, world: int, delay: float, per_node: int = 0) -> dict:
     """A slow write queued on the current stream, then an async allreduce: the request
     leaves before that write ran (the client's interprocess event had not completed, so
     nothing waited for it on the host), the daemon's streams wait for it, and work queued
@@ -270,8 +275,7 @@ def gpu_adapters(rank: int, socket: str, world: int) -> dict:
         b = torch.full((4099,), rank + 1.0, device="cuda", dtype=torch.bfloat16)
         _ops.allreduce_(b, op="sum", client=client)
         out["torch_bf16"] = b[:3].float().tolist()
-        tree = {"w": cupy.full(1000, rank + 1.0, cupy.float32),
-                "b": [cupy.full(7, rank + 1, cupy.int64)]}
+        tree = {"w": cupy.full(1000, rank + 1.0, cupy.float32), "b": [cupy.full(7, rank + 1, cupy.int64)]}
         lpc.allreduce(tree, op="sum", client=client)
         out["cupy"] = [float(tree["w"][0]), int(tree["b"][0][0])]
         out["registrations"] = client.device_registrations()
@@ -280,6 +284,7 @@ def gpu_adapters(rank: int, socket: str, world: int) -> dict:
             import jax.numpy as jnp
 
             import lpsync_client.jax as lpj
+
             gpu = [d for d in jax.devices() if d.platform == "gpu"]
         except Exception:
             gpu = []

@@ -27,20 +27,63 @@ F = FieldDescriptor
 SERVICE = pb.DESCRIPTOR.services_by_name["LpSync"]
 MESSAGES = list(pb.DESCRIPTOR.message_types_by_name.values())
 _RANGES = {
-    F.TYPE_INT32: (-(1 << 31), (1 << 31) - 1), F.TYPE_SINT32: (-(1 << 31), (1 << 31) - 1),
-    F.TYPE_SFIXED32: (-(1 << 31), (1 << 31) - 1), F.TYPE_UINT32: (0, (1 << 32) - 1),
-    F.TYPE_FIXED32: (0, (1 << 32) - 1), F.TYPE_INT64: (-(1 << 63), (1 << 63) - 1),
-    F.TYPE_SINT64: (-(1 << 63), (1 << 63) - 1), F.TYPE_SFIXED64: (-(1 << 63), (1 << 63) - 1),
-    F.TYPE_UINT64: (0, (1 << 64) - 1), F.TYPE_FIXED64: (0, (1 << 64) - 1),
+    F.TYPE_INT32: (-(1 << 31), (1 << 31) - 1),
+    F.TYPE_SINT32: (-(1 << 31), (1 << 31) - 1),
+    F.TYPE_SFIXED32: (-(1 << 31), (1 << 31) - 1),
+    F.TYPE_UINT32: (0, (1 << 32) - 1),
+    F.TYPE_FIXED32: (0, (1 << 32) - 1),
+    F.TYPE_INT64: (-(1 << 63), (1 << 63) - 1),
+    F.TYPE_SINT64: (-(1 << 63), (1 << 63) - 1),
+    F.TYPE_SFIXED64: (-(1 << 63), (1 << 63) - 1),
+    F.TYPE_UINT64: (0, (1 << 64) - 1),
+    F.TYPE_FIXED64: (0, (1 << 64) - 1),
 }
-EDGE_INTS = (0, 1, -1, 2, 3, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32, (1 << 63) - 1,
-             -(1 << 63), (1 << 64) - 1, 4096, 1 << 20)
-EDGE_FLOATS = (0.0, -0.0, -1.0, 0.001, 0.2, math.nan, math.inf, -math.inf, 1e-300, 1e300,
-               float(1 << 63))
-WORDS = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "barrier",
-         "float32", "float16", "bfloat16", "int8", "uint8", "int64", "sum", "avg", "max",
-         "lp", "ring", "mst", "be", "direct", "cpu", "fz", "x" * 100_000, "\x00", "é" * 300,
-         "a\nb", "")
+EDGE_INTS = (
+    0,
+    1,
+    -1,
+    2,
+    3,
+    (1 << 31) - 1,
+    1 << 31,
+    (1 << 32) - 1,
+    1 << 32,
+    (1 << 63) - 1,
+    -(1 << 63),
+    (1 << 64) - 1,
+    4096,
+    1 << 20,
+)
+EDGE_FLOATS = (0.0, -0.0, -1.0, 0.001, 0.2, math.nan, math.inf, -math.inf, 1e-300, 1e300, float(1 << 63))
+WORDS = (
+    "allreduce",
+    "broadcast",
+    "reduce",
+    "allgather",
+    "reduce_scatter",
+    "barrier",
+    "float32",
+    "float16",
+    "bfloat16",
+    "int8",
+    "uint8",
+    "int64",
+    "sum",
+    "avg",
+    "max",
+    "lp",
+    "ring",
+    "mst",
+    "be",
+    "direct",
+    "cpu",
+    "fz",
+    "x" * 100_000,
+    "\x00",
+    "é" * 300,
+    "a\nb",
+    "",
+)
 # Placeholders the driver replaces with the pool's real sessions and handles.
 SESSION_SLOTS = 3
 SESSION_MARK = "$session"
@@ -60,8 +103,9 @@ def _scalar(f: FieldDescriptor) -> st.SearchStrategy:
     if f.type in (F.TYPE_DOUBLE, F.TYPE_FLOAT):
         return st.sampled_from(EDGE_FLOATS) | st.floats(allow_nan=True, allow_infinity=True)
     if f.type == F.TYPE_ENUM:  # proto3 enums are open: numbers it does not define too
-        return st.sampled_from([v.number for v in f.enum_type.values]) | \
-            st.integers(-(1 << 31), (1 << 31) - 1)
+        return st.sampled_from([v.number for v in f.enum_type.values]) | st.integers(
+            -(1 << 31), (1 << 31) - 1
+        )
     lo, hi = _RANGES[f.type]
     ints = st.sampled_from([v for v in EDGE_INTS if lo <= v <= hi]) | st.integers(lo, hi)
     if f.name == "handle":
@@ -84,8 +128,11 @@ def message(descriptor: Descriptor, depth: int = 0) -> st.SearchStrategy[dict]:
             # 5000-long lists at the top level only, of numbers or of empty messages and
             # strings: long lists nested in long lists, or of 100 000-character strings,
             # multiply into gigabytes in the test process itself.
-            filler = {F.TYPE_MESSAGE: st.just({}), F.TYPE_STRING: st.just(""),
-                      F.TYPE_BYTES: st.just(b"")}.get(f.type, value)
+            filler = {
+                F.TYPE_MESSAGE: st.just({}),
+                F.TYPE_STRING: st.just(""),
+                F.TYPE_BYTES: st.just(b""),
+            }.get(f.type, value)
             value = short | filler.map(lambda v: [v] * 5000) if depth == 0 else short
         fields[f.name] = value
     return st.fixed_dictionaries({}, optional=fields)
@@ -112,24 +159,33 @@ class Stream:
 def _near(descriptor: Descriptor, base: dict[str, st.SearchStrategy]) -> st.SearchStrategy:
     """A request that is valid apart from the few fields hypothesis overrides."""
     return st.tuples(st.fixed_dictionaries(base), message(descriptor)).map(
-        lambda pair: {**pair[0], **pair[1]})
+        lambda pair: {**pair[0], **pair[1]}
+    )
 
 
 def near_valid() -> st.SearchStrategy[Unary]:
     session = st.sampled_from([f"{SESSION_MARK}{i}" for i in range(SESSION_SLOTS)])
     handle = st.integers(HANDLE_MARK, HANDLE_MARK + 7)
-    collective = _near(pb.CollectiveRequest.DESCRIPTOR, {
-        "session_id": session, "sequence": st.integers(1, 64),
-        "op": st.sampled_from(WORDS[:6]), "dtype": st.sampled_from(WORDS[6:12]),
-        "count": st.integers(0, 64), "timeout": st.sampled_from([0.05, 0.2]),
-        "algorithm": st.sampled_from(["", "lp", "ring", "mst", "be", "direct"]),
-        "input": st.fixed_dictionaries({"handle": handle})})
-    allocate = _near(pb.AllocateRequest.DESCRIPTOR,
-                     {"session_id": session, "nbytes": st.integers(0, 4096)})
+    collective = _near(
+        pb.CollectiveRequest.DESCRIPTOR,
+        {
+            "session_id": session,
+            "sequence": st.integers(1, 64),
+            "op": st.sampled_from(WORDS[:6]),
+            "dtype": st.sampled_from(WORDS[6:12]),
+            "count": st.integers(0, 64),
+            "timeout": st.sampled_from([0.05, 0.2]),
+            "algorithm": st.sampled_from(["", "lp", "ring", "mst", "be", "direct"]),
+            "input": st.fixed_dictionaries({"handle": handle}),
+        },
+    )
+    allocate = _near(pb.AllocateRequest.DESCRIPTOR, {"session_id": session, "nbytes": st.integers(0, 4096)})
     release = _near(pb.ReleaseRequest.DESCRIPTOR, {"session_id": session, "handle": handle})
-    return (st.builds(Unary, st.just("Collective"), collective, _rarely())
-            | st.builds(Unary, st.sampled_from(["Allocate", "Register"]), allocate, _rarely())
-            | st.builds(Unary, st.just("Release"), release, _rarely()))
+    return (
+        st.builds(Unary, st.just("Collective"), collective, _rarely())
+        | st.builds(Unary, st.sampled_from(["Allocate", "Register"]), allocate, _rarely())
+        | st.builds(Unary, st.just("Release"), release, _rarely())
+    )
 
 
 def _rarely() -> st.SearchStrategy[bool]:
@@ -138,20 +194,27 @@ def _rarely() -> st.SearchStrategy[bool]:
 
 def cases() -> st.SearchStrategy:
     unary_methods = [m for m in SERVICE.methods if not m.client_streaming]
-    typed = st.one_of([
-        st.builds(Unary, st.just(m.name), message(m.input_type), _rarely())
-        for m in unary_methods])
-    raw = st.builds(Unary, st.sampled_from([m.name for m in unary_methods]),
-                    st.binary(max_size=300), _rarely())
+    typed = st.one_of(
+        [st.builds(Unary, st.just(m.name), message(m.input_type), _rarely()) for m in unary_methods]
+    )
+    raw = st.builds(
+        Unary, st.sampled_from([m.name for m in unary_methods]), st.binary(max_size=300), _rarely()
+    )
     # Type confusion: a well-formed message of another type sent to a method.
     confused = st.builds(
-        Unary, st.sampled_from([m.name for m in unary_methods]),
+        Unary,
+        st.sampled_from([m.name for m in unary_methods]),
         st.sampled_from(MESSAGES).flatmap(
-            lambda d: message(d).map(lambda v, d=d: build(d, v).SerializeToString())),
-        _rarely())
-    stream = st.builds(Stream, st.booleans(),
-                       st.lists(message(pb.SessionRequest.DESCRIPTOR), max_size=6),
-                       st.sampled_from(["close", "cancel"]))
+            lambda d: message(d).map(lambda v, d=d: build(d, v).SerializeToString())
+        ),
+        _rarely(),
+    )
+    stream = st.builds(
+        Stream,
+        st.booleans(),
+        st.lists(message(pb.SessionRequest.DESCRIPTOR), max_size=6),
+        st.sampled_from(["close", "cancel"]),
+    )
     return st.one_of(typed, typed, near_valid(), near_valid(), raw, confused, stream)
 
 
@@ -159,15 +222,12 @@ def substitute(msg, sessions: list[str], handles: list[int]) -> None:
     """Swap the placeholders in ``msg`` (in place, recursively) for real ids and handles."""
     for f, value in msg.ListFields():
         if f.type == F.TYPE_MESSAGE:
-            for sub in (value if f.is_repeated else [value]):
+            for sub in value if f.is_repeated else [value]:
                 substitute(sub, sessions, handles)
-        elif f.name == "session_id" and not f.is_repeated and \
-                value.startswith(SESSION_MARK) and sessions:
-            slot = value[len(SESSION_MARK):]
-            setattr(msg, f.name, sessions[int(slot) % len(sessions)] if slot.isdigit()
-                    else value)
-        elif f.name == "handle" and not f.is_repeated and \
-                HANDLE_MARK <= value < HANDLE_MARK + 8 and handles:
+        elif f.name == "session_id" and not f.is_repeated and value.startswith(SESSION_MARK) and sessions:
+            slot = value[len(SESSION_MARK) :]
+            setattr(msg, f.name, sessions[int(slot) % len(sessions)] if slot.isdigit() else value)
+        elif f.name == "handle" and not f.is_repeated and HANDLE_MARK <= value < HANDLE_MARK + 8 and handles:
             setattr(msg, f.name, handles[(value - HANDLE_MARK) % len(handles)])
 
 
@@ -203,20 +263,24 @@ class Pool:
         status = self.stub.Status(pb.StatusRequest(), timeout=10)
         have = {(b.session_id, b.handle) for b in status.buffers}
         alive = {s.session_id for s in status.sessions}
-        if self.members and all(m.session_id in alive and all(
-                (m.session_id, h) in have for h in m.handles) for m in self.members):
+        if self.members and all(
+            m.session_id in alive and all((m.session_id, h) in have for h in m.handles) for m in self.members
+        ):
             return
         self.close()
         for job, rank, world in self.JOBS:
-            sid = self.stub.Attach(pb.AttachRequest(job=job, rank=rank, world_size=world),
-                                   timeout=10).session_id
+            sid = self.stub.Attach(
+                pb.AttachRequest(job=job, rank=rank, world_size=world), timeout=10
+            ).session_id
             member = Member(sid, [])
             member.requests.put(pb.SessionRequest(open=pb.SessionOpen(session_id=sid)))
             member.call = self.stub.Session(iter(member.requests.get, None))
             member.drainer = threading.Thread(target=_drain, args=(member.call,), daemon=True)
             member.drainer.start()
-            member.handles = [self.stub.Allocate(pb.AllocateRequest(
-                session_id=sid, nbytes=256), timeout=10).handle for _ in range(2)]
+            member.handles = [
+                self.stub.Allocate(pb.AllocateRequest(session_id=sid, nbytes=256), timeout=10).handle
+                for _ in range(2)
+            ]
             self.members.append(member)
 
     def close(self) -> None:

@@ -19,17 +19,31 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class DaemonProcess:
-    def __init__(self, tmp: Path, *extra: str, env: dict[str, str] | None = None,
-                 wrap: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, tmp: Path, *extra: str, env: dict[str, str] | None = None, wrap: tuple[str, ...] = ()
+    ) -> None:
         """``wrap``: a command prefix that execs the daemon (``ip netns exec NS``)."""
         self.socket = str(tmp / "lpsync.sock")
         self.log = tmp / f"daemon-{time.monotonic_ns()}.log"
         self._log = open(self.log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [*wrap, sys.executable, "-m", "lpsync.cli", "daemon", "--socket", self.socket,
-             "--log-level", "DEBUG", *extra],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-            env={**os.environ, **(env or {})})
+            [
+                *wrap,
+                sys.executable,
+                "-m",
+                "lpsync.cli",
+                "daemon",
+                "--socket",
+                self.socket,
+                "--log-level",
+                "DEBUG",
+                *extra,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+        )
         self.pid = self.proc.pid
         deadline = time.monotonic() + 20
         while not serving(self.socket):
@@ -86,8 +100,7 @@ def _entry(target, queue, rank, args):
         queue.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
 
 
-def run_ranks(world: int, target, *args, timeout: float = 90.0, dies: tuple[int, ...] = ()
-              ) -> list:
+def run_ranks(world: int, target, *args, timeout: float = 90.0, dies: tuple[int, ...] = ()) -> list:
     """Run ``target(rank, *args)`` in ``world`` spawned processes; their return values by rank
     (None for the ranks in ``dies``, which are expected to kill themselves unreported).
 
@@ -122,8 +135,14 @@ class PeeredDaemons:
     """``nodes`` daemons on loopback joined by the peer plane (--peers, a shared
     secret unless ``secrets`` gives one per node), each started with ``extra`` flags."""
 
-    def __init__(self, tmp: Path, nodes: int, *extra: str, secrets: list[str] | None = None,
-                 per_node: list[tuple[str, ...]] | None = None) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        nodes: int,
+        *extra: str,
+        secrets: list[str] | None = None,
+        per_node: list[tuple[str, ...]] | None = None,
+    ) -> None:
         self.tmp, self.nodes, self.extra = tmp, nodes, extra
         self.per_node = per_node or [()] * nodes  # more flags, node by node
         self.peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(nodes))
@@ -136,9 +155,15 @@ class PeeredDaemons:
         where = self.tmp / f"node{node}"
         where.mkdir(exist_ok=True)
         self.daemons[node] = DaemonProcess(
-            where, "--peers", self.peers, "--node-rank", str(node), *self.extra,
+            where,
+            "--peers",
+            self.peers,
+            "--node-rank",
+            str(node),
+            *self.extra,
             *self.per_node[node],
-            env={"LPSYNC_SECRET": self.secrets[node]})
+            env={"LPSYNC_SECRET": self.secrets[node]},
+        )
         return self.daemons[node]
 
     @property

@@ -17,20 +17,19 @@ def _node_env(rank: int, per_node: int) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
 
 
-def cases_on_nodes(rank: int, sockets: list[str], per_node: int, job: str, world: int,
-                   cases: list) -> list[str]:
+def cases_on_nodes(
+    rank: int, sockets: list[str], per_node: int, job: str, world: int, cases: list
+) -> list[str]:
     _node_env(rank, per_node)
     return check_cases(rank, sockets[rank // per_node], job, world, cases)
 
 
-def mismatch_on_nodes(rank: int, sockets: list[str], per_node: int, job: str,
-                      world: int) -> list[str]:
+def mismatch_on_nodes(rank: int, sockets: list[str], per_node: int, job: str, world: int) -> list[str]:
     """Every node agrees inside itself; the last node asks for another count."""
     _node_env(rank, per_node)
     node = rank // per_node
     last = world // per_node - 1
-    with lpsync_client.connect(sockets[node], job=job, rank=rank, world_size=world,
-                               timeout=20) as c:
+    with lpsync_client.connect(sockets[node], job=job, rank=rank, world_size=world, timeout=20) as c:
         x = c.zeros(8 if node != last else 6, "float32")
         try:
             c.allreduce(x)
@@ -53,12 +52,14 @@ def mismatch_on_nodes(rank: int, sockets: list[str], per_node: int, job: str,
         return got
 
 
-def until_unavailable(rank: int, sockets: list[str], per_node: int, job: str, world: int,
-                      ready, timeout: float) -> list:
+def until_unavailable(
+    rank: int, sockets: list[str], per_node: int, job: str, world: int, ready, timeout: float
+) -> list:
     """Allreduce (forced LP, big enough to run a while) until one fails; report how."""
     _node_env(rank, per_node)
-    with lpsync_client.connect(sockets[rank // per_node], job=job, rank=rank,
-                               world_size=world, timeout=timeout) as c:
+    with lpsync_client.connect(
+        sockets[rank // per_node], job=job, rank=rank, world_size=world, timeout=timeout
+    ) as c:
         x = c.zeros(4 << 20, "float32")
         done = 0
         while True:
@@ -73,8 +74,9 @@ def until_unavailable(rank: int, sockets: list[str], per_node: int, job: str, wo
 
 def one_allreduce(rank: int, sockets: list[str], per_node: int, job: str, world: int) -> int:
     _node_env(rank, per_node)
-    with lpsync_client.connect(sockets[rank // per_node], job=job, rank=rank,
-                               world_size=world, timeout=40) as c:
+    with lpsync_client.connect(
+        sockets[rank // per_node], job=job, rank=rank, world_size=world, timeout=40
+    ) as c:
         x = c.zeros(300_000, "int64")
         x[:] = rank + 1
         c.allreduce(x)
@@ -82,16 +84,16 @@ def one_allreduce(rank: int, sockets: list[str], per_node: int, job: str, world:
         return int(x[0])
 
 
-def through_partition(rank: int, sockets: list[str], per_node: int, job: str, world: int,
-                      cut_node: int, ready, cut_done, healed) -> list:
+def through_partition(
+    rank: int, sockets: list[str], per_node: int, job: str, world: int, cut_node: int, ready, cut_done, healed
+) -> list:
     """One allreduce; then the next one while the parent cuts ``cut_node`` off (its own
     ranks arrive only after the cut, so no node can finish it): report how it failed;
     once the parent says the link is back, three more allreduces on the same client,
     each checked against its expected sum."""
     _node_env(rank, per_node)
     node = rank // per_node
-    with lpsync_client.connect(sockets[node], job=job, rank=rank, world_size=world,
-                               timeout=60) as c:
+    with lpsync_client.connect(sockets[node], job=job, rank=rank, world_size=world, timeout=60) as c:
         x = c.zeros(1 << 16, "float32")
         x[:] = rank + 1
         c.allreduce(x)
@@ -118,8 +120,9 @@ def through_partition(rank: int, sockets: list[str], per_node: int, job: str, wo
 def attempt(rank: int, sockets: list[str], per_node: int, job: str, world: int) -> list:
     """One allreduce with a 60 s timeout: [error kind or "ok", seconds, message]."""
     _node_env(rank, per_node)
-    with lpsync_client.connect(sockets[rank // per_node], job=job, rank=rank,
-                               world_size=world, timeout=60) as c:
+    with lpsync_client.connect(
+        sockets[rank // per_node], job=job, rank=rank, world_size=world, timeout=60
+    ) as c:
         start = time.monotonic()
         try:
             c.allreduce(c.zeros(8, "float32"))
@@ -128,14 +131,16 @@ def attempt(rank: int, sockets: list[str], per_node: int, job: str, world: int) 
             return [type(error).__name__, time.monotonic() - start, str(error)[:500]]
 
 
-def learning_allreduces(rank: int, sockets: list[str], per_node: int, job: str, world: int,
-                        calls: int) -> list[str]:
+def learning_allreduces(
+    rank: int, sockets: list[str], per_node: int, job: str, world: int, calls: int
+) -> list[str]:
     """``calls`` allreduces of 1.2 MB (past the agreement's riding size, so a schedule
     runs and node 0 learns which), each checked; then the algorithm this node's daemon
     ran for each call, in sequence order."""
     _node_env(rank, per_node)
-    with lpsync_client.connect(sockets[rank // per_node], job=job, rank=rank,
-                               world_size=world, timeout=60) as c:
+    with lpsync_client.connect(
+        sockets[rank // per_node], job=job, rank=rank, world_size=world, timeout=60
+    ) as c:
         x = c.zeros(300_000, "float32")
         for call in range(calls):
             x[:] = rank + call
@@ -143,6 +148,7 @@ def learning_allreduces(rank: int, sockets: list[str], per_node: int, job: str, 
             want = sum(range(world)) + world * call
             assert np.all(x == want), (call, x[:3], want)
         c.barrier()
-        records = sorted((r.sequence, r.algorithm) for r in c.status().recent
-                         if r.job == job and r.op == "allreduce")
+        records = sorted(
+            (r.sequence, r.algorithm) for r in c.status().recent if r.job == job and r.op == "allreduce"
+        )
         return [algorithm for _, algorithm in records]

@@ -32,8 +32,7 @@ def steady(rank: int, socket: str, job: str, stop_path: str) -> tuple[int, int]:
 def churn(index: int, socket: str, rounds: int) -> int:
     """Attach, run one collective, detach — ``rounds`` times."""
     for i in range(rounds):
-        with lpsync_client.connect(socket, job=f"churn-{index}-{i}", rank=0, world_size=1,
-                                   timeout=30) as c:
+        with lpsync_client.connect(socket, job=f"churn-{index}-{i}", rank=0, world_size=1, timeout=30) as c:
             x = c.zeros(8)
             x[:] = i
             c.allreduce(x)

@@ -17,8 +17,9 @@ SERVICE = pb.DESCRIPTOR.services_by_name["LpSync"]
 FORBIDDEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
 
-def raw_unary(channel: grpc.Channel, method: str, payload: bytes, timeout: float = 5.0,
-              service: str = SERVICE.full_name) -> tuple[grpc.StatusCode, str]:
+def raw_unary(
+    channel: grpc.Channel, method: str, payload: bytes, timeout: float = 5.0, service: str = SERVICE.full_name
+) -> tuple[grpc.StatusCode, str]:
     """Send ``payload`` as the request bytes of a unary method; (code, details)."""
     call = channel.unary_unary(f"/{service}/{method}")  # no serializer: bytes as they are
     try:
@@ -28,9 +29,13 @@ def raw_unary(channel: grpc.Channel, method: str, payload: bytes, timeout: float
     return grpc.StatusCode.OK, ""
 
 
-def raw_stream(channel: grpc.Channel, payloads: list[bytes], timeout: float = 5.0,
-               method: str = "Session", service: str = SERVICE.full_name
-               ) -> tuple[grpc.StatusCode, str, list[bytes]]:
+def raw_stream(
+    channel: grpc.Channel,
+    payloads: list[bytes],
+    timeout: float = 5.0,
+    method: str = "Session",
+    service: str = SERVICE.full_name,
+) -> tuple[grpc.StatusCode, str, list[bytes]]:
     call = channel.stream_stream(f"/{service}/{method}")
     replies: list[bytes] = []
     try:
@@ -51,8 +56,9 @@ class Usage:
 def usage(pid: int) -> Usage:
     status = Path(f"/proc/{pid}/status").read_text()
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    return Usage(int(fields["VmRSS"].split()[0]) * 1024, int(fields["Threads"]),
-                 len(os.listdir(f"/proc/{pid}/fd")))
+    return Usage(
+        int(fields["VmRSS"].split()[0]) * 1024, int(fields["Threads"]), len(os.listdir(f"/proc/{pid}/fd"))
+    )
 
 
 def health_seconds(channel: grpc.Channel, timeout: float = 5.0) -> float:

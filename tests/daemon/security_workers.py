@@ -12,8 +12,7 @@ import numpy as np
 import lpsync_client
 
 
-def as_user(uid: int, gid: int, groups: list[int], sock: str, trigger: str,
-            shm: str) -> dict[str, str]:
+def as_user(uid: int, gid: int, groups: list[int], sock: str, trigger: str, shm: str) -> dict[str, str]:
     """Drop to ``uid``/``gid`` (+ ``groups``), then try the daemon's three local surfaces:
     attach over gRPC, connect to the trigger socket, open a buffer's shared memory.
     Each outcome is "ok" or what refused it."""
@@ -24,8 +23,10 @@ def as_user(uid: int, gid: int, groups: list[int], sock: str, trigger: str,
 
     import lpsync_client.client
 
-    with (grpc.insecure_channel("unix:/nonexistent/lpsync-warm-up.sock") as channel,
-          contextlib.suppress(grpc.FutureTimeoutError)):
+    with (
+        grpc.insecure_channel("unix:/nonexistent/lpsync-warm-up.sock") as channel,
+        contextlib.suppress(grpc.FutureTimeoutError),
+    ):
         grpc.channel_ready_future(channel).result(timeout=0.01)
 
     os.setgroups(groups)
@@ -34,8 +35,9 @@ def as_user(uid: int, gid: int, groups: list[int], sock: str, trigger: str,
     assert os.getuid() == uid and os.geteuid() == uid
     got: dict[str, str] = {}
     try:
-        with lpsync_client.client.Client(socket=sock, job=f"uid{uid}", rank=0, world_size=1,
-                                         timeout=10, connect_timeout=5, trigger="grpc") as c:
+        with lpsync_client.client.Client(
+            socket=sock, job=f"uid{uid}", rank=0, world_size=1, timeout=10, connect_timeout=5, trigger="grpc"
+        ) as c:
             x = c.zeros(4, "float32")
             x[:] = 2
             c.allreduce(x)
@@ -57,14 +59,14 @@ def as_user(uid: int, gid: int, groups: list[int], sock: str, trigger: str,
     return got
 
 
-def allreduces(rank: int, sockets: list[str], per_node: int, job: str, world: int,
-               count: int) -> list[bool]:
+def allreduces(rank: int, sockets: list[str], per_node: int, job: str, world: int, count: int) -> list[bool]:
     """``count`` allreduces of a multi-node job, each checked against its expected sum."""
     os.environ["LOCAL_RANK"] = str(rank % per_node)
     os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
     ok = []
-    with lpsync_client.connect(sockets[rank // per_node], job=job, rank=rank,
-                               world_size=world, timeout=60) as c:
+    with lpsync_client.connect(
+        sockets[rank // per_node], job=job, rank=rank, world_size=world, timeout=60
+    ) as c:
         x = c.zeros(50_000, "int64")
         for i in range(count):
             x[:] = rank * 100 + i

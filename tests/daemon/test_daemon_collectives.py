@@ -18,16 +18,26 @@ def _cases(world: int) -> list[tuple]:
         for rop in REDUCE_OPS:
             cases.append(("allreduce", dt, rop, 37, in_place, None, 0, True))
         cases.append(("broadcast", dt, "sum", 13, in_place, None, world - 1, True))
-        cases.append(("reduce", dt, "max" if dt.startswith("int") else "avg", 11, in_place,
-                      None, 1 % world, True))
+        cases.append(
+            ("reduce", dt, "max" if dt.startswith("int") else "avg", 11, in_place, None, 1 % world, True)
+        )
         cases.append(("allgather", dt, "sum", 5, in_place, None, 0, True))
         cases.append(("reduce_scatter", dt, "min", 7, in_place, None, 0, True))
     # Pipelined schedules: the tuner's choice and each algorithm forced, larger buffers.
     big = 70_000  # 280 KB of float32
-    for algo, op in [(None, "allreduce"), ("lp", "allreduce"), ("ring", "allreduce"),
-                     ("mst", "allreduce"), ("be", "allreduce"), ("lp", "broadcast"),
-                     ("lp", "reduce"), ("ring", "allgather"), ("ring", "reduce_scatter"),
-                     ("be", "allgather"), (None, "reduce_scatter")]:
+    for algo, op in [
+        (None, "allreduce"),
+        ("lp", "allreduce"),
+        ("ring", "allreduce"),
+        ("mst", "allreduce"),
+        ("be", "allreduce"),
+        ("lp", "broadcast"),
+        ("lp", "reduce"),
+        ("ring", "allgather"),
+        ("ring", "reduce_scatter"),
+        ("be", "allgather"),
+        (None, "reduce_scatter"),
+    ]:
         for in_place in (True, False):
             cases.append((op, "float32", "sum", big, in_place, algo, 0, True))
     cases.append(("allreduce", "bfloat16", "avg", big, True, "lp", 0, True))
@@ -73,10 +83,30 @@ def test_bench_smoke(daemon) -> None:
 
     from harness import ROOT
 
-    out = subprocess.run([sys.executable, "-m", "lpsync.cli", "bench", "--op", "allreduce",
-                          "--bytes", "4,512KiB", "--procs", "2", "--iters", "10", "--json",
-                          "--socket", daemon.socket], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lpsync.cli",
+            "bench",
+            "--op",
+            "allreduce",
+            "--bytes",
+            "4,512KiB",
+            "--procs",
+            "2",
+            "--iters",
+            "10",
+            "--json",
+            "--socket",
+            daemon.socket,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=True,
+    ).stdout
     report = json.loads(out)
     rows = report["results"]["lpsync"]
     assert [r["size"] for r in rows] == [4, 512 * 1024]
@@ -90,8 +120,7 @@ def test_aio_twin(daemon) -> None:
     import lpsync_client.aio as lpsync_aio
 
     async def main() -> list:
-        async with await lpsync_aio.connect(daemon.socket, job="aio", rank=0,
-                                            world_size=1) as c:
+        async with await lpsync_aio.connect(daemon.socket, job="aio", rank=0, world_size=1) as c:
             x = c.zeros(4, "int32")
             x[:] = 7
             await c.allreduce(x, op="max")

@@ -58,8 +58,7 @@ def test_every_op_dtype_in_and_out_of_place(emu):
     cases = every_case(world, count, root=1, seed=10)
     for op in Collective:  # count 0: empty allocations register and run too
         cases.append((op.value, "float32", "sum", False, 0, 0, [b""] * world))
-    results = run_ranks(world, device_workers.run_cases, emu.socket, world, [0, 1, 0], cases,
-                        timeout=240)
+    results = run_ranks(world, device_workers.run_cases, emu.socket, world, [0, 1, 0], cases, timeout=240)
     for index, (op, dtype, reduce_op, in_place, root, n, raw) in enumerate(cases):
         dt = DTYPES[dtype]
         inputs = [np.frombuffer(b, dt) for b in raw]
@@ -69,8 +68,11 @@ def test_every_op_dtype_in_and_out_of_place(emu):
             if op == "reduce" and in_place and rank != root:
                 assert input_after == raw[rank], "a non-root's reduce buffer was written"
                 continue
-            assert_matches(np.frombuffer(got, dt), want[rank],
-                           f"{op} {dtype} {reduce_op} in_place={in_place} rank {rank}")
+            assert_matches(
+                np.frombuffer(got, dt),
+                want[rank],
+                f"{op} {dtype} {reduce_op} in_place={in_place} rank {rank}",
+            )
             if not in_place:
                 assert input_after == raw[rank], f"{op}: an out-of-place input was modified"
     # Every registration was released: nothing stays open, every open was closed.
@@ -123,8 +125,7 @@ def test_client_killed_while_registered_frees_everything(emu, tmp_path):
     ctx = mp.get_context("spawn")
     for attempt in range(3):
         ready = tmp_path / f"ready{attempt}"
-        proc = ctx.Process(target=device_workers.register_and_sleep,
-                           args=(attempt, emu.socket, str(ready)))
+        proc = ctx.Process(target=device_workers.register_and_sleep, args=(attempt, emu.socket, str(ready)))
         proc.start()
         deadline = time.monotonic() + 60
         while not ready.exists():
@@ -159,19 +160,36 @@ def test_device_buffer_errors(emu, tmp_path):
             client.register(bad_device)
         # A handle that is not one.
         from lpsync_client._proto import lpsync_pb2 as pb
-        for handle, error in ((b"nonsense", lpsync_client.InvalidArgumentError),
-                              (emulated.HANDLE.pack(emulated.MAGIC, 1, 999, 1, 40, 0),
-                               lpsync_client.NotFoundError)):
+
+        for handle, error in (
+            (b"nonsense", lpsync_client.InvalidArgumentError),
+            (emulated.HANDLE.pack(emulated.MAGIC, 1, 999, 1, 40, 0), lpsync_client.NotFoundError),
+        ):
             with pytest.raises(error):
-                client._call(client._stub.Register, pb.RegisterRequest(
-                    session_id=client.session_id, nbytes=40, device="emulated",
-                    ipc_handle=handle, allocation_bytes=40))
+                client._call(
+                    client._stub.Register,
+                    pb.RegisterRequest(
+                        session_id=client.session_id,
+                        nbytes=40,
+                        device="emulated",
+                        ipc_handle=handle,
+                        allocation_bytes=40,
+                    ),
+                )
         # A span beyond its allocation, a kind the daemon does not serve.
         info = good.__lpsync_device__()
-        for kwargs, match in (({"nbytes": 80, "allocation_bytes": 40}, "does not fit"),
-                              ({"device": "cuda"}, "cannot be registered")):
-            request = {"session_id": client.session_id, "nbytes": 40, "device": "emulated",
-                       "ipc_handle": info.handle, "allocation_bytes": 40, **kwargs}
+        for kwargs, match in (
+            ({"nbytes": 80, "allocation_bytes": 40}, "does not fit"),
+            ({"device": "cuda"}, "cannot be registered"),
+        ):
+            request = {
+                "session_id": client.session_id,
+                "nbytes": 40,
+                "device": "emulated",
+                "ipc_handle": info.handle,
+                "allocation_bytes": 40,
+                **kwargs,
+            }
             with pytest.raises(lpsync_client.InvalidArgumentError, match=match):
                 client._call(client._stub.Register, pb.RegisterRequest(**request))
         # Host input with a device output.
@@ -194,11 +212,19 @@ def test_bad_ready_events_are_refused(emu, monkeypatch):
         client.register(x)
         order = client_module._order_streams
         for handle, error, match in (
-                (b"x" * 100, lpsync_client.InvalidArgumentError, "event handle"),
-                (emulated.EVENT_HANDLE.pack(b"LPXX", os.getpid(), 3, 1),
-                 lpsync_client.InvalidArgumentError, "bad magic"),
-                (emulated.EVENT_HANDLE.pack(emulated.EVENT_MAGIC, 2**31, 3, 1),
-                 lpsync_client.NotFoundError, "exited")):
+            (b"x" * 100, lpsync_client.InvalidArgumentError, "event handle"),
+            (
+                emulated.EVENT_HANDLE.pack(b"LPXX", os.getpid(), 3, 1),
+                lpsync_client.InvalidArgumentError,
+                "bad magic",
+            ),
+            (
+                emulated.EVENT_HANDLE.pack(emulated.EVENT_MAGIC, 2**31, 3, 1),
+                lpsync_client.NotFoundError,
+                "exited",
+            ),
+        ):
+
             def garbage(request, operands, handle=handle):
                 order(request, operands)
                 request.ready_event = handle
@@ -232,8 +258,7 @@ def test_host_staged_topology_end_to_end(tmp_path):
     try:
         world, count = 2, 300_000
         rng = np.random.default_rng(5)
-        inputs = make_inputs(Collective.ALLREDUCE, world, count, np.dtype(np.float32),
-                             ReduceOp.SUM, rng)
+        inputs = make_inputs(Collective.ALLREDUCE, world, count, np.dtype(np.float32), ReduceOp.SUM, rng)
         cases = [("allreduce", "float32", "sum", False, 0, count, [x.tobytes() for x in inputs])]
         results = run_ranks(world, device_workers.run_cases, proc.socket, world, [0, 1], cases)
         want = reference(Collective.ALLREDUCE, ReduceOp.SUM, inputs, 0, count)
@@ -253,8 +278,14 @@ def test_device_buffers_across_two_nodes(tmp_path):
         world, count = 4, 1001
         rng = np.random.default_rng(8)
         # Several dtypes and reduce ops, rotating over the cases (one daemon pair for all).
-        kinds = [("float64", "sum"), ("float32", "max"), ("int32", "sum"), ("bfloat16", "avg"),
-                 ("float16", "min"), ("int64", "prod")]
+        kinds = [
+            ("float64", "sum"),
+            ("float32", "max"),
+            ("int32", "sum"),
+            ("bfloat16", "avg"),
+            ("float16", "min"),
+            ("int64", "prod"),
+        ]
         cases = []
         for op in Collective:
             for in_place in (False, True):
@@ -263,11 +294,19 @@ def test_device_buffers_across_two_nodes(tmp_path):
                     reduce_op = "sum"
                 root = 3 if op in (Collective.BROADCAST, Collective.REDUCE) else 0
                 inputs = make_inputs(op, world, count, DTYPES[dtype], ReduceOp(reduce_op), rng)
-                cases.append((op.value, dtype, reduce_op, in_place, root, count,
-                              [x.tobytes() for x in inputs]))
-        results = run_ranks(world, device_workers.run_cases_on_nodes,
-                            daemons.sockets, 2, world, [0, 1, 1, 0], cases,
-                            timeout=120)
+                cases.append(
+                    (op.value, dtype, reduce_op, in_place, root, count, [x.tobytes() for x in inputs])
+                )
+        results = run_ranks(
+            world,
+            device_workers.run_cases_on_nodes,
+            daemons.sockets,
+            2,
+            world,
+            [0, 1, 1, 0],
+            cases,
+            timeout=120,
+        )
         for index, (op, dtype, reduce_op, in_place, root, _, raw) in enumerate(cases):
             inputs = [np.frombuffer(b, DTYPES[dtype]) for b in raw]
             want = reference(Collective(op), ReduceOp(reduce_op), inputs, root, count)
@@ -276,11 +315,13 @@ def test_device_buffers_across_two_nodes(tmp_path):
                 if op == "reduce" and in_place and rank != root:
                     assert after == raw[rank]
                     continue
-                assert_matches(np.frombuffer(got, DTYPES[dtype]), want[rank],
-                               f"{op} {dtype} {reduce_op} in_place={in_place} rank {rank}")
+                assert_matches(
+                    np.frombuffer(got, DTYPES[dtype]),
+                    want[rank],
+                    f"{op} {dtype} {reduce_op} in_place={in_place} rank {rank}",
+                )
         # Across nodes too, the staging streams wait on the clients' interprocess events.
-        for r in run_ranks(2, device_workers.ordered_without_host_wait, daemons.sockets, 2,
-                           1.0, 1):
+        for r in run_ranks(2, device_workers.ordered_without_host_wait, daemons.sockets, 2, 1.0, 1):
             assert r["pending_at_submit"] and r["submitted"] < 0.5
             assert r["seen"] == [3.0, 3.0, 3.0]
     finally:
@@ -298,11 +339,18 @@ def test_a_client_killed_mid_cross_node_collective_leaks_nothing(tmp_path):
         rng = np.random.default_rng(5)
 
         def allreduce_is_correct(what: str) -> None:
-            inputs = make_inputs(Collective.ALLREDUCE, world, count, np.dtype(np.float32),
-                                 ReduceOp.SUM, rng)
+            inputs = make_inputs(Collective.ALLREDUCE, world, count, np.dtype(np.float32), ReduceOp.SUM, rng)
             cases = [("allreduce", "float32", "sum", True, 0, count, [x.tobytes() for x in inputs])]
-            results = run_ranks(world, device_workers.run_cases_on_nodes, daemons.sockets, 1,
-                                world, [0, 1], cases, timeout=120)
+            results = run_ranks(
+                world,
+                device_workers.run_cases_on_nodes,
+                daemons.sockets,
+                1,
+                world,
+                [0, 1],
+                cases,
+                timeout=120,
+            )
             want = reference(Collective.ALLREDUCE, ReduceOp.SUM, inputs, 0, count)
             for rank in range(world):
                 assert_matches(np.frombuffer(results[rank][0][0], np.float32), want[rank], what)
@@ -312,9 +360,13 @@ def test_a_client_killed_mid_cross_node_collective_leaks_nothing(tmp_path):
         threads = [_threads(pid) for pid in pids]
         ctx = mp.get_context("spawn")
         ready = tmp_path / "submitted"
-        ranks = [ctx.Process(target=device_workers.slow_allreduce_on_nodes,
-                             args=(r, daemons.sockets, 1, world, "slow-x", str(ready)))
-                 for r in range(world)]
+        ranks = [
+            ctx.Process(
+                target=device_workers.slow_allreduce_on_nodes,
+                args=(r, daemons.sockets, 1, world, "slow-x", str(ready)),
+            )
+            for r in range(world)
+        ]
         for p in ranks:
             p.start()
         deadline = time.monotonic() + 60
@@ -349,20 +401,22 @@ def test_status_and_metrics_show_devices(tmp_path):
     from ports import free_ports
 
     port = free_ports(1)[0]
-    proc = DaemonProcess(tmp_path, "--devices", "emulated:3,islands=3", "--metrics-port",
-                         str(port))
+    proc = DaemonProcess(tmp_path, "--devices", "emulated:3,islands=3", "--metrics-port", str(port))
     try:
         with lpsync_client.connect(proc.socket, job="seen", rank=0, world_size=1) as client:
             x = emulated.zeros(256, "float64", device=2)
             client.register(x)
-            text = subprocess.run([sys.executable, "-m", "lpsync.cli", "status", "--socket",
-                                   proc.socket], capture_output=True, text=True, check=True,
-                                  timeout=30).stdout
+            text = subprocess.run(
+                [sys.executable, "-m", "lpsync.cli", "status", "--socket", proc.socket],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=30,
+            ).stdout
             lines = [line.split() for line in text.splitlines()]
             assert ["emulated:2", "2048", "B", "1", "1", "0", "PCIe", "PCIe", "X"] in lines
             assert any(row[1:5] == ["2048", "B", "device", "emulated:2"] for row in lines)
-            metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
-                                             timeout=10).read().decode()
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
             assert 'lpsync_device_registered_bytes{device="emulated:2"} 2048.0' in metrics
             assert 'lpsync_device_registered_bytes{device="emulated:0"} 0.0' in metrics
     finally:
@@ -377,8 +431,10 @@ def test_a_client_killed_mid_collective_is_closed_only_after_the_streams_drain(t
     try:
         ctx = mp.get_context("spawn")
         ready = tmp_path / "submitted"
-        ranks = [ctx.Process(target=device_workers.slow_allreduce,
-                             args=(r, proc.socket, 2, "slow", str(ready))) for r in range(2)]
+        ranks = [
+            ctx.Process(target=device_workers.slow_allreduce, args=(r, proc.socket, 2, "slow", str(ready)))
+            for r in range(2)
+        ]
         for p in ranks:
             p.start()
         deadline = time.monotonic() + 60
@@ -399,8 +455,7 @@ def test_a_client_killed_mid_collective_is_closed_only_after_the_streams_drain(t
         # The streams are healthy: a new job on both devices is correct.
         world, count = 2, 1000
         rng = np.random.default_rng(4)
-        inputs = make_inputs(Collective.ALLREDUCE, world, count, np.dtype(np.float32),
-                             ReduceOp.SUM, rng)
+        inputs = make_inputs(Collective.ALLREDUCE, world, count, np.dtype(np.float32), ReduceOp.SUM, rng)
         cases = [("allreduce", "float32", "sum", True, 0, count, [x.tobytes() for x in inputs])]
         results = run_ranks(world, device_workers.run_cases, proc.socket, world, [0, 1], cases)
         want = reference(Collective.ALLREDUCE, ReduceOp.SUM, inputs, 0, count)

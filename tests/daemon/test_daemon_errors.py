@@ -46,13 +46,13 @@ def test_missing_rank_deadline_names_it(daemon) -> None:
 def test_killed_client_aborts_others_and_frees_buffers(daemon, trigger: str) -> None:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    victim = ctx.Process(target=attach_and_wait,
-                         args=(1, daemon.socket, "kill", 2, ready, 120.0, trigger))
+    victim = ctx.Process(target=attach_and_wait, args=(1, daemon.socket, "kill", 2, ready, 120.0, trigger))
     victim.start()
     try:
         assert ready.wait(30)
-        with lpsync_client.connect(daemon.socket, job="kill", rank=0, world_size=2,
-                                   timeout=60, trigger=trigger) as c:
+        with lpsync_client.connect(
+            daemon.socket, job="kill", rank=0, world_size=2, timeout=60, trigger=trigger
+        ) as c:
             x = c.zeros(1000)
             future = c.allreduce_async(x)
             time.sleep(0.3)  # rank 0 is now waiting inside the collective
@@ -97,53 +97,115 @@ def test_bad_requests_get_clear_status_and_daemon_stays_up(daemon) -> None:
         sid = stub.Attach(pb.AttachRequest(job="bad", rank=0, world_size=1)).session_id
         S = grpc.StatusCode
         cases = {
-            "unknown session": (lambda: stub.Allocate(pb.AllocateRequest(session_id="nope",
-                                                                         nbytes=8)),
-                                S.NOT_FOUND),
-            "negative size": (lambda: stub.Allocate(pb.AllocateRequest(session_id=sid,
-                                                                       nbytes=-1)),
-                              S.INVALID_ARGUMENT),
-            "absurd size": (lambda: stub.Allocate(pb.AllocateRequest(session_id=sid,
-                                                                     nbytes=1 << 60)),
-                            S.RESOURCE_EXHAUSTED),
-            "unknown handle": (lambda: stub.Collective(pb.CollectiveRequest(
-                session_id=sid, sequence=1, op="allreduce", dtype="float32", count=4,
-                input=pb.BufferRef(handle=999))), S.NOT_FOUND),
-            "unknown dtype": (lambda: stub.Collective(pb.CollectiveRequest(
-                session_id=sid, sequence=1, op="allreduce", dtype="complex64", count=4)),
-                S.INVALID_ARGUMENT),
-            "unknown op": (lambda: stub.Collective(pb.CollectiveRequest(
-                session_id=sid, sequence=1, op="alltoall", dtype="float32", count=4)),
-                S.INVALID_ARGUMENT),
-            "release unknown": (lambda: stub.Release(pb.ReleaseRequest(session_id=sid,
-                                                                       handle=12345)),
-                                S.NOT_FOUND),
-            "second attach": (lambda: stub.Attach(pb.AttachRequest(job="bad", rank=0,
-                                                                   world_size=1)),
-                              S.ALREADY_EXISTS),
-            "rank out of world": (lambda: stub.Attach(pb.AttachRequest(job="x", rank=2,
-                                                                       world_size=2)),
-                                  S.INVALID_ARGUMENT),
+            "unknown session": (
+                lambda: stub.Allocate(pb.AllocateRequest(session_id="nope", nbytes=8)),
+                S.NOT_FOUND,
+            ),
+            "negative size": (
+                lambda: stub.Allocate(pb.AllocateRequest(session_id=sid, nbytes=-1)),
+                S.INVALID_ARGUMENT,
+            ),
+            "absurd size": (
+                lambda: stub.Allocate(pb.AllocateRequest(session_id=sid, nbytes=1 << 60)),
+                S.RESOURCE_EXHAUSTED,
+            ),
+            "unknown handle": (
+                lambda: stub.Collective(
+                    pb.CollectiveRequest(
+                        session_id=sid,
+                        sequence=1,
+                        op="allreduce",
+                        dtype="float32",
+                        count=4,
+                        input=pb.BufferRef(handle=999),
+                    )
+                ),
+                S.NOT_FOUND,
+            ),
+            "unknown dtype": (
+                lambda: stub.Collective(
+                    pb.CollectiveRequest(
+                        session_id=sid, sequence=1, op="allreduce", dtype="complex64", count=4
+                    )
+                ),
+                S.INVALID_ARGUMENT,
+            ),
+            "unknown op": (
+                lambda: stub.Collective(
+                    pb.CollectiveRequest(session_id=sid, sequence=1, op="alltoall", dtype="float32", count=4)
+                ),
+                S.INVALID_ARGUMENT,
+            ),
+            "release unknown": (
+                lambda: stub.Release(pb.ReleaseRequest(session_id=sid, handle=12345)),
+                S.NOT_FOUND,
+            ),
+            "second attach": (
+                lambda: stub.Attach(pb.AttachRequest(job="bad", rank=0, world_size=1)),
+                S.ALREADY_EXISTS,
+            ),
+            "rank out of world": (
+                lambda: stub.Attach(pb.AttachRequest(job="x", rank=2, world_size=2)),
+                S.INVALID_ARGUMENT,
+            ),
         }
         buffer = stub.Allocate(pb.AllocateRequest(session_id=sid, nbytes=16))
-        cases["count beyond buffer"] = (lambda: stub.Collective(pb.CollectiveRequest(
-            session_id=sid, sequence=1, op="allreduce", dtype="float32", count=5,
-            input=pb.BufferRef(handle=buffer.handle))), S.INVALID_ARGUMENT)
-        cases["absurd timeout"] = (lambda: stub.Collective(pb.CollectiveRequest(
-            session_id=sid, sequence=1, op="allreduce", dtype="float32", count=4, timeout=1e30,
-            input=pb.BufferRef(handle=buffer.handle))), S.INVALID_ARGUMENT)
-        cases["negative count"] = (lambda: stub.Collective(pb.CollectiveRequest(
-            session_id=sid, sequence=1, op="allreduce", dtype="float32", count=-3,
-            input=pb.BufferRef(handle=buffer.handle))), S.INVALID_ARGUMENT)
+        cases["count beyond buffer"] = (
+            lambda: stub.Collective(
+                pb.CollectiveRequest(
+                    session_id=sid,
+                    sequence=1,
+                    op="allreduce",
+                    dtype="float32",
+                    count=5,
+                    input=pb.BufferRef(handle=buffer.handle),
+                )
+            ),
+            S.INVALID_ARGUMENT,
+        )
+        cases["absurd timeout"] = (
+            lambda: stub.Collective(
+                pb.CollectiveRequest(
+                    session_id=sid,
+                    sequence=1,
+                    op="allreduce",
+                    dtype="float32",
+                    count=4,
+                    timeout=1e30,
+                    input=pb.BufferRef(handle=buffer.handle),
+                )
+            ),
+            S.INVALID_ARGUMENT,
+        )
+        cases["negative count"] = (
+            lambda: stub.Collective(
+                pb.CollectiveRequest(
+                    session_id=sid,
+                    sequence=1,
+                    op="allreduce",
+                    dtype="float32",
+                    count=-3,
+                    input=pb.BufferRef(handle=buffer.handle),
+                )
+            ),
+            S.INVALID_ARGUMENT,
+        )
         for what, (call, want) in cases.items():
             code, details = _code(call)
             assert code == want, f"{what}: {code} {details}"
             assert details, what
         # Still serving, and the session still works.
         assert serving(daemon.socket)
-        reply = stub.Collective(pb.CollectiveRequest(
-            session_id=sid, sequence=1, op="allreduce", dtype="float32", count=4,
-            input=pb.BufferRef(handle=buffer.handle)))
+        reply = stub.Collective(
+            pb.CollectiveRequest(
+                session_id=sid,
+                sequence=1,
+                op="allreduce",
+                dtype="float32",
+                count=4,
+                input=pb.BufferRef(handle=buffer.handle),
+            )
+        )
         assert reply.algorithm == "direct"
         stub.Detach(pb.DetachRequest(session_id=sid))
     # Client-side typed errors for the same mistakes.
@@ -165,8 +227,7 @@ def test_wrong_token_is_unauthenticated(tmp_path: Path) -> None:
             lpsync_client.connect(d.socket, job="t", rank=0, world_size=1, token="wrong")
         with pytest.raises(lpsync_client.UnauthenticatedError):
             lpsync_client.connect(d.socket, job="t", rank=0, world_size=1)
-        with lpsync_client.connect(d.socket, job="t", rank=0, world_size=1,
-                                   token="s3cret") as c:
+        with lpsync_client.connect(d.socket, job="t", rank=0, world_size=1, token="s3cret") as c:
             c.allreduce(c.zeros(2))
     finally:
         d.stop_and_check()
@@ -211,8 +272,7 @@ def test_trigger_socket_refuses_unknown_sessions(daemon) -> None:
 
     with pytest.raises(lpsync_client.NotFoundError):
         TriggerStream(daemon.socket + ".trigger", "not-a-session", 5.0)
-    with lpsync_client.connect(daemon.socket, job="trig", rank=0, world_size=1,
-                               trigger="socket") as c:
+    with lpsync_client.connect(daemon.socket, job="trig", rank=0, world_size=1, trigger="socket") as c:
         c.ping()
         c.ping(via="grpc")
         x = c.zeros(3)
@@ -230,9 +290,17 @@ def test_unary_collective_reports_status_and_buffer_state(daemon) -> None:
         sid = stub.Attach(pb.AttachRequest(job="unary", rank=0, world_size=2)).session_id
         buffer = stub.Allocate(pb.AllocateRequest(session_id=sid, nbytes=16))
         with pytest.raises(grpc.RpcError) as info:
-            stub.Collective(pb.CollectiveRequest(
-                session_id=sid, sequence=1, op="allreduce", dtype="float32", count=4,
-                timeout=0.3, input=pb.BufferRef(handle=buffer.handle)))
+            stub.Collective(
+                pb.CollectiveRequest(
+                    session_id=sid,
+                    sequence=1,
+                    op="allreduce",
+                    dtype="float32",
+                    count=4,
+                    timeout=0.3,
+                    input=pb.BufferRef(handle=buffer.handle),
+                )
+            )
         error = info.value
         assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "rank(s) 1 did not arrive" in error.details()

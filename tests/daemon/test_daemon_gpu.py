@@ -55,8 +55,9 @@ def test_every_op_dtype_through_cuda_ipc_with_processes_sharing_a_gpu(gpu_daemon
     cases = every_case(world, count, root=2, seed=11)
     if "bfloat16" in DTYPES:
         pytest.importorskip("torch")  # cupy has no bfloat16: those arrays come from torch
-    results = run_ranks(world, device_workers.run_cases, gpu_daemon.socket, world, [0, 0, 0],
-                        cases, "cupy", timeout=400)
+    results = run_ranks(
+        world, device_workers.run_cases, gpu_daemon.socket, world, [0, 0, 0], cases, "cupy", timeout=400
+    )
     for index, (op, dtype, reduce_op, in_place, root, _, raw) in enumerate(cases):
         dt = DTYPES[dtype]
         inputs = [np.frombuffer(b, dt) for b in raw]
@@ -66,8 +67,11 @@ def test_every_op_dtype_through_cuda_ipc_with_processes_sharing_a_gpu(gpu_daemon
             if op == "reduce" and in_place and rank != root:
                 assert after == raw[rank]
                 continue
-            assert_matches(np.frombuffer(got, dt), want[rank],
-                           f"{op} {dtype} {reduce_op} in_place={in_place} rank {rank}")
+            assert_matches(
+                np.frombuffer(got, dt),
+                want[rank],
+                f"{op} {dtype} {reduce_op} in_place={in_place} rank {rank}",
+            )
     row = _rows(gpu_daemon.socket)[0]
     assert row.open_allocations == 0 and row.ipc_opens == row.ipc_closes > 0
 
@@ -107,8 +111,7 @@ def test_framework_adapters_take_the_device_path(gpu_daemon):
 def test_a_killed_client_releases_its_ipc_mappings(gpu_daemon, tmp_path):
     ctx = mp.get_context("spawn")
     ready = tmp_path / "ready"
-    proc = ctx.Process(target=device_workers.cupy_register_and_sleep,
-                       args=(0, gpu_daemon.socket, str(ready)))
+    proc = ctx.Process(target=device_workers.cupy_register_and_sleep, args=(0, gpu_daemon.socket, str(ready)))
     proc.start()
     deadline = time.monotonic() + 120
     while not ready.exists():

@@ -34,7 +34,8 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
         for path in generate.generate(fresh):
             old = committed / path.name
             assert old.exists() and old.read_text() == path.read_text(), (
-                f"{old} is stale: run python protos/generate.py")
+                f"{old} is stale: run python protos/generate.py"
+            )
 
 
 def test_reflection_lists_services(daemon) -> None:
@@ -45,8 +46,7 @@ def test_reflection_lists_services(daemon) -> None:
 
 def test_sigterm_drains_and_cleans_up(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path)
-    clients = [lpsync_client.connect(d.socket, job="sd", rank=r, world_size=3, timeout=60)
-               for r in range(2)]
+    clients = [lpsync_client.connect(d.socket, job="sd", rank=r, world_size=3, timeout=60) for r in range(2)]
     arrays = [c.zeros(1 << 16) for c in clients]
     staged = clients[0].register(np.ones(10))
     assert len(shm_segments(d.pid)) == 3 and staged.handle
@@ -78,22 +78,36 @@ def test_status_and_metrics(tmp_path: Path) -> None:
             x = c.zeros(256)
             for _ in range(3):
                 c.allreduce(x)
-            out = subprocess.run([sys.executable, "-m", "lpsync.cli", "status", "--socket",
-                                  d.socket, "--json"], capture_output=True, text=True,
-                                 cwd=ROOT, timeout=30, check=True).stdout
+            out = subprocess.run(
+                [sys.executable, "-m", "lpsync.cli", "status", "--socket", d.socket, "--json"],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                timeout=30,
+                check=True,
+            ).stdout
             status = json.loads(out)
             assert status["sessions"][0]["job"] == "st"
             assert status["buffers"][0]["nbytes"] == "1024"
             assert [r["op"] for r in status["recent"]][-3:] == ["allreduce"] * 3
-            text = subprocess.run([sys.executable, "-m", "lpsync.cli", "status", "--socket",
-                                   d.socket], capture_output=True, text=True, cwd=ROOT,
-                                  timeout=30, check=True).stdout
+            text = subprocess.run(
+                [sys.executable, "-m", "lpsync.cli", "status", "--socket", d.socket],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                timeout=30,
+                check=True,
+            ).stdout
             assert "recent collectives" in text and "st" in text
-            metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
-                                             timeout=5).read().decode()
-        for name in ("lpsync_collective_seconds_bucket", "lpsync_collective_bytes_total",
-                     "lpsync_busbw_bytes_per_second", "lpsync_sessions",
-                     "lpsync_registered_bytes", "lpsync_collective_errors_total"):
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        for name in (
+            "lpsync_collective_seconds_bucket",
+            "lpsync_collective_bytes_total",
+            "lpsync_busbw_bytes_per_second",
+            "lpsync_sessions",
+            "lpsync_registered_bytes",
+            "lpsync_collective_errors_total",
+        ):
             assert name in metrics, name
         assert 'lpsync_collective_bytes_total{op="allreduce"} 3072.0' in metrics
     finally:
@@ -107,8 +121,7 @@ def test_config_precedence(tmp_path: Path) -> None:
     assert (c.socket, c.metrics_port, c.timeout) == ("/from/toml", 9000, 7.5)
     c = load({}, {"LPSYNC_SOCKET": "/from/env", "LPSYNC_METRICS_PORT": "9100"}, str(toml))
     assert (c.socket, c.metrics_port, c.timeout) == ("/from/env", 9100, 7.5)
-    c = load({"socket": "/from/flag", "metrics_port": None}, {"LPSYNC_SOCKET": "/from/env"},
-             str(toml))
+    c = load({"socket": "/from/flag", "metrics_port": None}, {"LPSYNC_SOCKET": "/from/env"}, str(toml))
     assert (c.socket, c.metrics_port) == ("/from/flag", 9000)
     with pytest.raises(InvalidArgumentError):
         load({"listen": "0.0.0.0:7000"}, {}, None)  # TCP without TLS and token
@@ -119,9 +132,22 @@ def test_config_precedence(tmp_path: Path) -> None:
 
 
 def test_listen_without_tls_is_refused(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "lpsync.cli", "daemon", "--socket",
-                             str(tmp_path / "s"), "--listen", "127.0.0.1:0"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=30)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lpsync.cli",
+            "daemon",
+            "--socket",
+            str(tmp_path / "s"),
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+    )
     assert result.returncode == 2 and "TLS" in result.stderr
 
 
@@ -132,28 +158,66 @@ def test_tcp_with_tls_and_token(tmp_path: Path) -> None:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     key, cert, token = tmp_path / "key.pem", tmp_path / "cert.pem", tmp_path / "token"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True,
-                   timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     token.write_text("tok")
     with sk.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = DaemonProcess(tmp_path, "--listen", f"localhost:{port}", "--tls-cert", str(cert),
-                      "--tls-key", str(key), "--token-file", str(token))
+    d = DaemonProcess(
+        tmp_path,
+        "--listen",
+        f"localhost:{port}",
+        "--tls-cert",
+        str(cert),
+        "--tls-key",
+        str(key),
+        "--token-file",
+        str(token),
+    )
     try:
-        with lpsync_client.connect(target=f"localhost:{port}", token="tok",
-                                   root_certificates=cert.read_bytes(), job="tcp", rank=0,
-                                   world_size=1) as c:
+        with lpsync_client.connect(
+            target=f"localhost:{port}",
+            token="tok",
+            root_certificates=cert.read_bytes(),
+            job="tcp",
+            rank=0,
+            world_size=1,
+        ) as c:
             x = c.zeros(4)
             x[:] = 2
             c.allreduce(x)
             assert x.tolist() == [2, 2, 2, 2]
         with pytest.raises(lpsync_client.UnauthenticatedError):
-            lpsync_client.connect(target=f"localhost:{port}", token="bad",
-                                  root_certificates=cert.read_bytes(), job="tcp", rank=0,
-                                  world_size=1)
+            lpsync_client.connect(
+                target=f"localhost:{port}",
+                token="bad",
+                root_certificates=cert.read_bytes(),
+                job="tcp",
+                rank=0,
+                world_size=1,
+            )
     finally:
         d.stop_and_check()
 
@@ -240,8 +304,7 @@ def test_dlpack_object_is_staged(daemon) -> None:
 
 
 def test_devices_setting_is_checked() -> None:
-    for bad in ("gpu:0", "cuda:", "cuda:0,0", "emulated:0", "emulated:2,host=0-2",
-                "emulated:2,fast=0-1"):
+    for bad in ("gpu:0", "cuda:", "cuda:0,0", "emulated:0", "emulated:2,host=0-2", "emulated:2,fast=0-1"):
         with pytest.raises(InvalidArgumentError, match="--devices"):
             load({"devices": bad}, {}, None)
     for good in ("cpu:4", "cpu", "cuda:all", "cuda:0,1", "emulated:3,slow=0-2,host=1-2"):

@@ -29,11 +29,19 @@ SECRET = "multinode-test-secret"
 HEARTBEAT = 3.0
 
 
-def start_cluster(tmp: Path, nodes: int, secrets: list[str] | None = None,
-                  transport: str = "ucx") -> PeeredDaemons:
+def start_cluster(
+    tmp: Path, nodes: int, secrets: list[str] | None = None, transport: str = "ucx"
+) -> PeeredDaemons:
     """This module's daemons: a short heartbeat timeout, so that faults show quickly."""
-    return PeeredDaemons(tmp, nodes, "--heartbeat-timeout", str(HEARTBEAT),
-                         "--peer-transport", transport, secrets=secrets or [SECRET] * nodes)
+    return PeeredDaemons(
+        tmp,
+        nodes,
+        "--heartbeat-timeout",
+        str(HEARTBEAT),
+        "--peer-transport",
+        transport,
+        secrets=secrets or [SECRET] * nodes,
+    )
 
 
 TRANSPORTS = pytest.mark.parametrize("transport", ["ucx", "tcp"])
@@ -53,14 +61,25 @@ def cluster(request, tmp_path_factory):
 
 def _cases() -> list[tuple]:
     cases = []
-    for op, root in (("allreduce", 0), ("broadcast", 4), ("reduce", 3), ("allgather", 0),
-                     ("reduce_scatter", 0)):
+    for op, root in (
+        ("allreduce", 0),
+        ("broadcast", 4),
+        ("reduce", 3),
+        ("allgather", 0),
+        ("reduce_scatter", 0),
+    ):
         for dt, count in (("float32", 1000), ("int64", 0), ("float64", 70_001)):
             cases.append((op, dt, "sum", count, True, None, root, True))
         cases.append((op, "int32", "max", 37, False, None, root, True))
-    for algo, op in (("lp", "allreduce"), ("ring", "allreduce"), ("mst", "broadcast"),
-                     ("be", "reduce"), ("lp", "broadcast"), ("ring", "allgather"),
-                     ("be", "reduce_scatter")):
+    for algo, op in (
+        ("lp", "allreduce"),
+        ("ring", "allreduce"),
+        ("mst", "broadcast"),
+        ("be", "reduce"),
+        ("lp", "broadcast"),
+        ("ring", "allgather"),
+        ("be", "reduce_scatter"),
+    ):
         cases.append((op, "float32", "sum", 100_003, False, algo, 1, True))
     cases.append(("allreduce", "bfloat16", "avg", 5_000, True, "lp", 0, True))
     cases.append(("broadcast", "uint8", "sum", 9, True, None, 5, False))  # staged
@@ -68,8 +87,9 @@ def _cases() -> list[tuple]:
 
 
 def test_every_op_across_three_nodes(cluster: PeeredDaemons) -> None:
-    results = run_ranks(WORLD, cases_on_nodes, cluster.sockets, PER_NODE, "mn-ops", WORLD,
-                        _cases(), timeout=100)
+    results = run_ranks(
+        WORLD, cases_on_nodes, cluster.sockets, PER_NODE, "mn-ops", WORLD, _cases(), timeout=100
+    )
     failures = [f for r in results for f in r if not f.startswith("digest:")]
     assert not failures, "\n".join(failures[:30])
     # Every participant got bitwise the same results where the op gives all the same.
@@ -77,8 +97,7 @@ def test_every_op_across_three_nodes(cluster: PeeredDaemons) -> None:
 
 
 def test_cross_node_mismatch_is_invalid_argument_everywhere(cluster: PeeredDaemons) -> None:
-    results = run_ranks(WORLD, mismatch_on_nodes, cluster.sockets, PER_NODE, "mn-mismatch",
-                        WORLD, timeout=60)
+    results = run_ranks(WORLD, mismatch_on_nodes, cluster.sockets, PER_NODE, "mn-mismatch", WORLD, timeout=60)
     for rank, (kind, message, after, local_kind, seconds) in enumerate(results):
         assert kind == "MismatchError", (rank, kind, message)
         assert "count" in message and "node 2 (ranks 4-5)" in message, message
@@ -95,8 +114,9 @@ def test_node_0_learns_the_schedule_and_every_node_follows(cluster: PeeredDaemon
     from lpsync.daemon.learning import MAX_CANDIDATES, TRIALS
 
     calls = 16
-    results = run_ranks(WORLD, learning_allreduces, cluster.sockets, PER_NODE, "mn-learn",
-                        WORLD, calls, timeout=120)
+    results = run_ranks(
+        WORLD, learning_allreduces, cluster.sockets, PER_NODE, "mn-learn", WORLD, calls, timeout=120
+    )
     assert all(r == results[0] for r in results), results
     ran = results[0]
     assert len(ran) == calls, ran
@@ -105,8 +125,9 @@ def test_node_0_learns_the_schedule_and_every_node_follows(cluster: PeeredDaemon
     assert set(ran) <= {"lp", "ring", "mst", "be"}, ran
 
 
-def _fault_while_running(cluster: PeeredDaemons, job: str, hold: float,
-                         fault: Callable[[], None]) -> tuple[list[Any], float]:
+def _fault_while_running(
+    cluster: PeeredDaemons, job: str, hold: float, fault: Callable[[], None]
+) -> tuple[list[Any], float]:
     """Every rank runs collectives until one fails; once they are going, ``fault()``
     strikes. (Each rank's (kind, at, done, message), the monotonic time of the fault.)"""
     import multiprocessing as mp
@@ -116,8 +137,9 @@ def _fault_while_running(cluster: PeeredDaemons, job: str, hold: float,
 
     def clients() -> None:
         try:
-            box["results"] = run_ranks(WORLD, until_unavailable, cluster.sockets, PER_NODE,
-                                       job, WORLD, ready, hold, timeout=90)
+            box["results"] = run_ranks(
+                WORLD, until_unavailable, cluster.sockets, PER_NODE, job, WORLD, ready, hold, timeout=90
+            )
         except BaseException as error:  # reported below
             box["error"] = error
 
@@ -205,8 +227,7 @@ def test_recovery_after_a_killed_daemon_returns(tmp_path: Path, transport: str) 
         while not all(c.log(node).count("peer mesh up") >= 2 for node in (0, 2)):
             assert time.monotonic() < deadline, c.log(0)[-3000:]
             time.sleep(0.2)
-        values = run_ranks(WORLD, one_allreduce, c.sockets, PER_NODE, "rec-after", WORLD,
-                           timeout=90)
+        values = run_ranks(WORLD, one_allreduce, c.sockets, PER_NODE, "rec-after", WORLD, timeout=90)
         assert values == [sum(range(1, WORLD + 1))] * WORLD
         for node in (0, 2):
             assert c.log(node).count("peer mesh up") >= 2, c.log(node)[-3000:]
@@ -232,13 +253,17 @@ def test_a_peer_with_another_secret_is_refused(tmp_path: Path) -> None:
         c.stop()
 
 
-def test_daemons_on_different_transports_refuse_each_other_and_keep_serving(
-        tmp_path: Path) -> None:
+def test_daemons_on_different_transports_refuse_each_other_and_keep_serving(tmp_path: Path) -> None:
     """A misconfigured cluster (one daemon on UCX, one on TCP): no mesh, each side logs
     why, nobody crashes, both stop cleanly."""
-    c = PeeredDaemons(tmp_path, 2, "--heartbeat-timeout", str(HEARTBEAT),
-                      secrets=[SECRET] * 2,
-                      per_node=[("--peer-transport", "tcp"), ("--peer-transport", "ucx")])
+    c = PeeredDaemons(
+        tmp_path,
+        2,
+        "--heartbeat-timeout",
+        str(HEARTBEAT),
+        secrets=[SECRET] * 2,
+        per_node=[("--peer-transport", "tcp"), ("--peer-transport", "ucx")],
+    )
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and "another protocol" not in c.log(0):
@@ -261,19 +286,28 @@ def test_a_deeper_agreement_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     nodes = 5
     cluster = start_cluster(tmp_path, nodes)
     try:
-        cases = [(op, dt, rop, count, in_place, None, root, True)
-                 for op, root in (("allreduce", 0), ("broadcast", 3), ("reduce", 4),
-                                  ("allgather", 0), ("reduce_scatter", 0))
-                 for dt, rop, count, in_place in (("float32", "sum", 1000, True),
-                                                  ("int64", "max", 7, False),
-                                                  ("float64", "avg", 300_000, True))
-                 if not (rop == "avg" and op not in ("allreduce", "reduce", "reduce_scatter"))]
-        results = run_ranks(nodes, cases_on_nodes, cluster.sockets, 1, "mn-tree", nodes, cases,
-                            timeout=120)
+        cases = [
+            (op, dt, rop, count, in_place, None, root, True)
+            for op, root in (
+                ("allreduce", 0),
+                ("broadcast", 3),
+                ("reduce", 4),
+                ("allgather", 0),
+                ("reduce_scatter", 0),
+            )
+            for dt, rop, count, in_place in (
+                ("float32", "sum", 1000, True),
+                ("int64", "max", 7, False),
+                ("float64", "avg", 300_000, True),
+            )
+            if not (rop == "avg" and op not in ("allreduce", "reduce", "reduce_scatter"))
+        ]
+        results = run_ranks(nodes, cases_on_nodes, cluster.sockets, 1, "mn-tree", nodes, cases, timeout=120)
         failures = [f for r in results for f in r if not f.startswith("digest:")]
         assert not failures, "\n".join(failures[:30])
-        results = run_ranks(nodes, mismatch_on_nodes, cluster.sockets, 1, "mn-tree-mismatch",
-                            nodes, timeout=60)
+        results = run_ranks(
+            nodes, mismatch_on_nodes, cluster.sockets, 1, "mn-tree-mismatch", nodes, timeout=60
+        )
         for rank, got in enumerate(results):
             assert got[0] == "MismatchError" and "node 4 (ranks 4-4)" in got[1], (rank, got)
             assert got[2] == str(sum(range(nodes)))

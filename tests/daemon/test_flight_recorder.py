@@ -20,16 +20,26 @@ STALL = 0.5
 
 
 def status(socket: str, *args: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "lpsync.cli", "status", "--socket", socket,
-                          "--json", *args], capture_output=True, text=True, timeout=30,
-                         cwd=ROOT, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "lpsync.cli", "status", "--socket", socket, "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        check=True,
+    ).stdout
     return json.loads(out)
 
 
 def status_text(socket: str) -> str:
-    return subprocess.run([sys.executable, "-m", "lpsync.cli", "status", "--socket", socket],
-                          capture_output=True, text=True, timeout=30, cwd=ROOT,
-                          check=True).stdout
+    return subprocess.run(
+        [sys.executable, "-m", "lpsync.cli", "status", "--socket", socket],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        check=True,
+    ).stdout
 
 
 def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
@@ -49,8 +59,9 @@ def job_info(socket: str, name: str, *args: str) -> dict | None:
 def test_status_names_missing_ranks_and_records_each_stage(tmp_path: Path) -> None:
     daemon = DaemonProcess(tmp_path, "--stall-seconds", str(STALL))
     try:
-        clients = [lpsync_client.connect(daemon.socket, job="fr", rank=r, world_size=3,
-                                         timeout=60) for r in range(3)]
+        clients = [
+            lpsync_client.connect(daemon.socket, job="fr", rank=r, world_size=3, timeout=60) for r in range(3)
+        ]
         arrays = [c.zeros(5, "float32") for c in clients]
         for r, a in enumerate(arrays):
             a[:] = np.arange(5, dtype=np.float32) * (r + 1)
@@ -78,8 +89,9 @@ def test_status_names_missing_ranks_and_records_each_stage(tmp_path: Path) -> No
         for a in arrays:
             np.testing.assert_array_equal(a, expected)
 
-        job = wait_for(lambda: (j := job_info(daemon.socket, "fr")) and j["history"] and j,
-                       what="the flight record")
+        job = wait_for(
+            lambda: (j := job_info(daemon.socket, "fr")) and j["history"] and j, what="the flight record"
+        )
         assert job["waiting"] == [] and job["attached"] == [0, 1, 2]
         record = job["history"][-1]
         assert record["op"] == "allreduce" and record["code"] == "OK"
@@ -100,8 +112,10 @@ def test_status_names_missing_ranks_and_records_each_stage(tmp_path: Path) -> No
 def test_history_keeps_the_last_n_and_failures(tmp_path: Path) -> None:
     daemon = DaemonProcess(tmp_path, "--flight-recorder", "3")
     try:
-        with lpsync_client.connect(daemon.socket, job="h", rank=0, world_size=2) as c0, \
-                lpsync_client.connect(daemon.socket, job="h", rank=1, world_size=2) as c1:
+        with (
+            lpsync_client.connect(daemon.socket, job="h", rank=0, world_size=2) as c0,
+            lpsync_client.connect(daemon.socket, job="h", rank=1, world_size=2) as c1,
+        ):
             x0, x1 = c0.zeros(4), c1.zeros(4)
             for _ in range(4):
                 f = c0.allreduce_async(x0)
@@ -109,9 +123,14 @@ def test_history_keeps_the_last_n_and_failures(tmp_path: Path) -> None:
                 f.result(timeout=30)
             with pytest.raises(lpsync_client.TimeoutError):
                 c0.allreduce(x0, timeout=0.3)  # rank 1 never comes
-            job = wait_for(lambda: (j := job_info(daemon.socket, "h")) and
-                           j["history"][-1]["code"] == "DEADLINE_EXCEEDED" and j,
-                           what="the failed collective's record")
+            job = wait_for(
+                lambda: (
+                    (j := job_info(daemon.socket, "h"))
+                    and j["history"][-1]["code"] == "DEADLINE_EXCEEDED"
+                    and j
+                ),
+                what="the failed collective's record",
+            )
             assert len(job["history"]) == 3  # --flight-recorder 3
             assert [int(r["sequence"]) for r in job["history"]] == [3, 4, 5]
             failed = job["history"][-1]
@@ -125,9 +144,22 @@ def test_history_keeps_the_last_n_and_failures(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_flight_recorder_size_is_checked_at_start(tmp_path: Path, value: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "lpsync.cli", "daemon", "--socket",
-                          str(tmp_path / "s.sock"), "--flight-recorder", value],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lpsync.cli",
+            "daemon",
+            "--socket",
+            str(tmp_path / "s.sock"),
+            "--flight-recorder",
+            value,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert out.returncode != 0 and "flight_recorder must be 1..100000" in out.stderr
 
 
@@ -136,9 +168,18 @@ def test_multinode_status_names_the_node_not_heard_from(tmp_path: Path) -> None:
     cluster = PeeredDaemons(tmp_path, 2, "--stall-seconds", str(STALL))
     daemons = cluster.daemons
     try:
-        clients = [lpsync_client.connect(daemons[n].socket, job="mn", rank=n, world_size=2,
-                                         local_rank=0, local_world_size=1, timeout=60)
-                   for n in range(2)]
+        clients = [
+            lpsync_client.connect(
+                daemons[n].socket,
+                job="mn",
+                rank=n,
+                world_size=2,
+                local_rank=0,
+                local_world_size=1,
+                timeout=60,
+            )
+            for n in range(2)
+        ]
         arrays = [c.zeros(3) for c in clients]
         arrays[0][:], arrays[1][:] = 1.0, 2.0
         future = clients[0].allreduce_async(arrays[0])  # node 1's rank does not come yet
@@ -151,14 +192,18 @@ def test_multinode_status_names_the_node_not_heard_from(tmp_path: Path) -> None:
         waiting = wait_for(agreeing, what="node 0 waiting on node 1")
         assert waiting["stage"] == "agreeing"
         assert waiting["missing_nodes"] == [1] and waiting["missing_ranks"] == [1]
-        wait_for(lambda: "node(s) 1 not heard from" in daemons[0].log.read_text(),
-                 what="the stall warning naming node 1")
+        wait_for(
+            lambda: "node(s) 1 not heard from" in daemons[0].log.read_text(),
+            what="the stall warning naming node 1",
+        )
         clients[1].allreduce(arrays[1])
         future.result(timeout=30)
         for a in arrays:
             np.testing.assert_array_equal(a, np.full(3, 3.0, np.float32))
-        job = wait_for(lambda: (j := job_info(daemons[0].socket, "mn")) and j["history"] and j,
-                       what="node 0's flight record")
+        job = wait_for(
+            lambda: (j := job_info(daemons[0].socket, "mn")) and j["history"] and j,
+            what="node 0's flight record",
+        )
         assert job["nodes"] == 2 and job["node"] == 0
         stages = [s["stage"] for s in job["history"][-1]["stages"]]
         assert stages == ["arriving", "queued", "agreeing", "running"]

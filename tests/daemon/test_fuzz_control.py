@@ -26,9 +26,20 @@ from lpsync.bench.runner import _pct as percentile
 
 EXAMPLES = int(os.environ.get("LPSYNC_FUZZ_EXAMPLES", "300"))
 # Small limits, so that fuzzed sizes stay cheap and every limit is reached now and then.
-FLAGS = ("--max-buffer-bytes", str(1 << 20), "--max-session-bytes", str(4 << 20),
-         "--max-total-bytes", str(32 << 20), "--max-pending", "256", "--max-sessions", "64",
-         "--timeout", "5")
+FLAGS = (
+    "--max-buffer-bytes",
+    str(1 << 20),
+    "--max-session-bytes",
+    str(4 << 20),
+    "--max-total-bytes",
+    str(32 << 20),
+    "--max-pending",
+    "256",
+    "--max-sessions",
+    "64",
+    "--timeout",
+    "5",
+)
 _INPUT = {m.name: m.input_type for m in SERVICE.methods}
 # Client-side outcomes: the call's own deadline or cancellation, not the daemon's answer.
 _CLIENT_SIDE = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
@@ -45,10 +56,12 @@ def target(tmp_path_factory):
         time.sleep(0.5)
         yield daemon, channel, pool, usage(daemon.pid), stats
     finally:
-        print(f"\nfuzz: {stats['cases']} cases; codes {sorted(stats['codes'].items())}; "
-              f"health p50 {percentile(stats['health'] or [0.0], 50) * 1e3:.1f} ms, "
-              f"max {max(stats['health'], default=0) * 1e3:.1f} ms; "
-              f"usage at the end {usage(daemon.pid)}")
+        print(
+            f"\nfuzz: {stats['cases']} cases; codes {sorted(stats['codes'].items())}; "
+            f"health p50 {percentile(stats['health'] or [0.0], 50) * 1e3:.1f} ms, "
+            f"max {max(stats['health'], default=0) * 1e3:.1f} ms; "
+            f"usage at the end {usage(daemon.pid)}"
+        )
         pool.close()
         channel.close()
         daemon.stop_and_check()
@@ -81,8 +94,7 @@ def _stream(channel: grpc.Channel, pool: Pool, case: Stream, n: int) -> grpc.Sta
     messages = []
     sid = ""
     if case.opens:
-        sid = pool.stub.Attach(pb.AttachRequest(job=f"fz-stream-{n}", world_size=1),
-                               timeout=5).session_id
+        sid = pool.stub.Attach(pb.AttachRequest(job=f"fz-stream-{n}", world_size=1), timeout=5).session_id
         messages.append(pb.SessionRequest(request_id=1, open=pb.SessionOpen(session_id=sid)))
     for values in case.messages:
         request = build(pb.SessionRequest.DESCRIPTOR, values)
@@ -104,8 +116,7 @@ def _stream(channel: grpc.Channel, pool: Pool, case: Stream, n: int) -> grpc.Sta
     return code
 
 
-def _check_bounded(daemon: DaemonProcess, channel: grpc.Channel, pool: Pool, base,
-                   stats: dict) -> None:
+def _check_bounded(daemon: DaemonProcess, channel: grpc.Channel, pool: Pool, base, stats: dict) -> None:
     stats["health"].append(health_seconds(channel, timeout=5.0))
     now = usage(daemon.pid)
     assert now.rss < base.rss + (300 << 20), (base, now)
@@ -125,9 +136,16 @@ def _check_bounded(daemon: DaemonProcess, channel: grpc.Channel, pool: Pool, bas
 
 
 @pytest.mark.timeout(max(300, EXAMPLES // 10))  # ~10 ms a case here; the long run needs more
-@settings(max_examples=EXAMPLES, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                 HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
 @given(case=cases())
 def test_fuzzed_requests_never_hurt_the_daemon(target, case) -> None:
     daemon, channel, pool, base, stats = target

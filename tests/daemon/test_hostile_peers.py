@@ -74,8 +74,14 @@ def test_hostile_peers_are_refused_and_the_mesh_is_not_disturbed(tmp_path: Path)
     try:
         node0 = start("node0", "--peers", peers, "--node-rank", "0")
         # Another cluster's daemon: its --peers make our node 0 its node 0; it dials as rank 1.
-        intruder = start("intruder", "--peers", f"127.0.0.1:{ports[0]},127.0.0.1:{ports[2]}",
-                         "--node-rank", "1", secret="another-cluster-secret")
+        intruder = start(
+            "intruder",
+            "--peers",
+            f"127.0.0.1:{ports[0]},127.0.0.1:{ports[2]}",
+            "--node-rank",
+            "1",
+            secret="another-cluster-secret",
+        )
         _wait_for(node0, "refused")
         _garbage(ports[0], 20, held)  # while node 0's mesh is forming
         # A UCX peer that sends garbage where the hello belongs, also while forming.
@@ -90,8 +96,9 @@ def test_hostile_peers_are_refused_and_the_mesh_is_not_disturbed(tmp_path: Path)
 
         def job() -> None:
             try:
-                box["ok"] = run_ranks(4, allreduces, [node0.socket, node1.socket], 2, "hostile",
-                                      4, 40, timeout=180)
+                box["ok"] = run_ranks(
+                    4, allreduces, [node0.socket, node1.socket], 2, "hostile", 4, 40, timeout=180
+                )
             except BaseException as error:  # reported below
                 box["error"] = error
 

@@ -60,14 +60,16 @@ def test_huge_world_size_is_refused_and_nothing_grows(daemon) -> None:
     with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
         stub = pb_grpc.LpSyncStub(channel)
         for world in (1 << 31, (1 << 32) - 1, 65537):
-            code, details = _code(lambda w=world: stub.Attach(pb.AttachRequest(
-                job="huge", rank=0, world_size=w), timeout=5))
+            code, details = _code(
+                lambda w=world: stub.Attach(pb.AttachRequest(job="huge", rank=0, world_size=w), timeout=5)
+            )
             assert code == S.INVALID_ARGUMENT
             assert f"world_size {world}" in details and "65536" in details
             assert "--max-world-size" in details
         # Within the limit, but a one-node job of 65536 ranks needs 65536 sessions here.
-        code, details = _code(lambda: stub.Attach(pb.AttachRequest(
-            job="huge", rank=0, world_size=65536), timeout=5))
+        code, details = _code(
+            lambda: stub.Attach(pb.AttachRequest(job="huge", rank=0, world_size=65536), timeout=5)
+        )
         assert code == S.RESOURCE_EXHAUSTED and "--max-sessions" in details, details
         assert _sessions(stub) == []  # nothing half-created
         # The job name is free: no job was left behind.
@@ -87,10 +89,18 @@ def _attach_fields_cases():
     yield "control char", dict(job="a\nb", world_size=1), S.INVALID_ARGUMENT, "job"
     yield "world 0", dict(job="w", world_size=0), S.INVALID_ARGUMENT, "world_size 0"
     yield "rank out", dict(job="w", rank=2, world_size=2), S.INVALID_ARGUMENT, "rank 2"
-    yield "local world", dict(job="w", world_size=2, local_world_size=3), \
-        S.INVALID_ARGUMENT, "local_world_size 3"
-    yield "local rank", dict(job="w", world_size=2, local_world_size=2, local_rank=2), \
-        S.INVALID_ARGUMENT, "local_rank 2"
+    yield (
+        "local world",
+        dict(job="w", world_size=2, local_world_size=3),
+        S.INVALID_ARGUMENT,
+        "local_world_size 3",
+    )
+    yield (
+        "local rank",
+        dict(job="w", world_size=2, local_world_size=2, local_rank=2),
+        S.INVALID_ARGUMENT,
+        "local_rank 2",
+    )
     yield "pid", dict(job="w", world_size=1, pid=(1 << 32) - 1), S.INVALID_ARGUMENT, "pid"
 
 
@@ -111,8 +121,14 @@ def test_every_request_field_is_checked(daemon, attached) -> None:
         cases.append((what, lambda f=fields: stub.Attach(pb.AttachRequest(**f)), code, needle))
 
     def coll(**fields):
-        base = dict(session_id=sid, sequence=1, op="allreduce", dtype="float32", count=4,
-                    input=pb.BufferRef(handle=handle))
+        base = dict(
+            session_id=sid,
+            sequence=1,
+            op="allreduce",
+            dtype="float32",
+            count=4,
+            input=pb.BufferRef(handle=handle),
+        )
         return lambda: stub.Collective(pb.CollectiveRequest(**{**base, **fields}), timeout=5)
 
     for t in (float("nan"), float("inf"), float("-inf"), -1.0, 1e9):
@@ -126,23 +142,50 @@ def test_every_request_field_is_checked(daemon, attached) -> None:
         ("reduce op", coll(reduce_op="nope"), S.INVALID_ARGUMENT, "reduce_op"),
         ("empty op", coll(op=""), S.INVALID_ARGUMENT, "op"),
         ("empty dtype", coll(dtype=""), S.INVALID_ARGUMENT, "dtype"),
-        ("negative offset", coll(input=pb.BufferRef(handle=handle, offset=-8)),
-         S.INVALID_ARGUMENT, "input.offset"),
-        ("huge offset", coll(input=pb.BufferRef(handle=handle, offset=1 << 62)),
-         S.INVALID_ARGUMENT, "input.offset"),
+        (
+            "negative offset",
+            coll(input=pb.BufferRef(handle=handle, offset=-8)),
+            S.INVALID_ARGUMENT,
+            "input.offset",
+        ),
+        (
+            "huge offset",
+            coll(input=pb.BufferRef(handle=handle, offset=1 << 62)),
+            S.INVALID_ARGUMENT,
+            "input.offset",
+        ),
         ("root", coll(op="broadcast", root=(1 << 32) - 1), S.INVALID_ARGUMENT, "root"),
-        ("unknown handle", coll(input=pb.BufferRef(handle=(1 << 64) - 1)), S.NOT_FOUND,
-         "handle"),
-        ("long session id", lambda: stub.Allocate(pb.AllocateRequest(
-            session_id="s" * 10000, nbytes=8)), S.INVALID_ARGUMENT, "session_id"),
-        ("nbytes -1", lambda: stub.Allocate(pb.AllocateRequest(session_id=sid, nbytes=-1)),
-         S.INVALID_ARGUMENT, "nbytes"),
-        ("nbytes 2**63-1", lambda: stub.Allocate(pb.AllocateRequest(
-            session_id=sid, nbytes=(1 << 63) - 1)), S.RESOURCE_EXHAUSTED, "--max-buffer-bytes"),
-        ("device", lambda: stub.Register(pb.RegisterRequest(
-            session_id=sid, nbytes=8, device="gpu" * 1000)), S.INVALID_ARGUMENT, "device"),
-        ("release unknown", lambda: stub.Release(pb.ReleaseRequest(
-            session_id=sid, handle=(1 << 64) - 1)), S.NOT_FOUND, "handle"),
+        ("unknown handle", coll(input=pb.BufferRef(handle=(1 << 64) - 1)), S.NOT_FOUND, "handle"),
+        (
+            "long session id",
+            lambda: stub.Allocate(pb.AllocateRequest(session_id="s" * 10000, nbytes=8)),
+            S.INVALID_ARGUMENT,
+            "session_id",
+        ),
+        (
+            "nbytes -1",
+            lambda: stub.Allocate(pb.AllocateRequest(session_id=sid, nbytes=-1)),
+            S.INVALID_ARGUMENT,
+            "nbytes",
+        ),
+        (
+            "nbytes 2**63-1",
+            lambda: stub.Allocate(pb.AllocateRequest(session_id=sid, nbytes=(1 << 63) - 1)),
+            S.RESOURCE_EXHAUSTED,
+            "--max-buffer-bytes",
+        ),
+        (
+            "device",
+            lambda: stub.Register(pb.RegisterRequest(session_id=sid, nbytes=8, device="gpu" * 1000)),
+            S.INVALID_ARGUMENT,
+            "device",
+        ),
+        (
+            "release unknown",
+            lambda: stub.Release(pb.ReleaseRequest(session_id=sid, handle=(1 << 64) - 1)),
+            S.NOT_FOUND,
+            "handle",
+        ),
     ]
     for what, call, want, needle in cases:
         code, details = _code(call)
@@ -155,30 +198,32 @@ def test_every_request_field_is_checked(daemon, attached) -> None:
 
 def test_session_buffer_and_byte_limits(tmp_path: Path) -> None:
     # One limit from the environment (flags > env > TOML, like every setting).
-    d = DaemonProcess(tmp_path, "--max-total-bytes", str(1 << 20),
-                      "--max-session-buffers", "4", "--max-session-bytes", str(768 << 10),
-                      env={"LPSYNC_MAX_SESSIONS": "3"})
+    d = DaemonProcess(
+        tmp_path,
+        "--max-total-bytes",
+        str(1 << 20),
+        "--max-session-buffers",
+        "4",
+        "--max-session-bytes",
+        str(768 << 10),
+        env={"LPSYNC_MAX_SESSIONS": "3"},
+    )
     try:
         with grpc.insecure_channel(f"unix:{d.socket}") as channel:
             stub = pb_grpc.LpSyncStub(channel)
-            sids = [stub.Attach(pb.AttachRequest(job=f"s{i}", world_size=1)).session_id
-                    for i in range(3)]
+            sids = [stub.Attach(pb.AttachRequest(job=f"s{i}", world_size=1)).session_id for i in range(3)]
             code, details = _code(lambda: stub.Attach(pb.AttachRequest(job="s3", world_size=1)))
             assert code == S.RESOURCE_EXHAUSTED and "--max-sessions 3" in details, details
             stub.Detach(pb.DetachRequest(session_id=sids.pop()))
             sids.append(stub.Attach(pb.AttachRequest(job="s3", world_size=1)).session_id)
             a, b, _ = sids
             stub.Allocate(pb.AllocateRequest(session_id=a, nbytes=600 << 10))
-            code, details = _code(lambda: stub.Allocate(pb.AllocateRequest(
-                session_id=a, nbytes=200 << 10)))
+            code, details = _code(lambda: stub.Allocate(pb.AllocateRequest(session_id=a, nbytes=200 << 10)))
             assert code == S.RESOURCE_EXHAUSTED and "--max-session-bytes" in details, details
-            code, details = _code(lambda: stub.Allocate(pb.AllocateRequest(
-                session_id=b, nbytes=600 << 10)))
+            code, details = _code(lambda: stub.Allocate(pb.AllocateRequest(session_id=b, nbytes=600 << 10)))
             assert code == S.RESOURCE_EXHAUSTED and "--max-total-bytes" in details, details
-            handles = [stub.Allocate(pb.AllocateRequest(session_id=b, nbytes=8)).handle
-                       for _ in range(4)]
-            code, details = _code(lambda: stub.Register(pb.RegisterRequest(
-                session_id=b, nbytes=8)))
+            handles = [stub.Allocate(pb.AllocateRequest(session_id=b, nbytes=8)).handle for _ in range(4)]
+            code, details = _code(lambda: stub.Register(pb.RegisterRequest(session_id=b, nbytes=8)))
             assert code == S.RESOURCE_EXHAUSTED and "--max-session-buffers 4" in details
             stub.Release(pb.ReleaseRequest(session_id=b, handle=handles[0]))
             stub.Register(pb.RegisterRequest(session_id=b, nbytes=8))
@@ -190,15 +235,41 @@ def test_session_buffer_and_byte_limits(tmp_path: Path) -> None:
 
 
 def test_daemon_refuses_bad_limit_settings(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "lpsync.cli", "daemon", "--socket",
-                          str(tmp_path / "s"), "--max-world-size", "0"],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lpsync.cli",
+            "daemon",
+            "--socket",
+            str(tmp_path / "s"),
+            "--max-world-size",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert out.returncode == 2 and "max_world_size must be positive" in out.stderr
-    helptext = subprocess.run([sys.executable, "-m", "lpsync.cli", "daemon", "--help"],
-                              capture_output=True, text=True, timeout=60, cwd=ROOT).stdout
-    for flag in ("--max-world-size", "--max-sessions", "--max-buffer-bytes",
-                 "--max-session-bytes", "--max-total-bytes", "--max-session-buffers",
-                 "--max-name-length", "--max-pending", "--max-queued"):
+    helptext = subprocess.run(
+        [sys.executable, "-m", "lpsync.cli", "daemon", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    ).stdout
+    for flag in (
+        "--max-world-size",
+        "--max-sessions",
+        "--max-buffer-bytes",
+        "--max-session-bytes",
+        "--max-total-bytes",
+        "--max-session-buffers",
+        "--max-name-length",
+        "--max-pending",
+        "--max-queued",
+    ):
         assert flag in helptext
 
 
@@ -212,19 +283,22 @@ def test_undecodable_requests_are_invalid_argument_on_every_rpc(daemon) -> None:
                     code, details = raw_unary(channel, method.name, payload)
                 assert code == S.INVALID_ARGUMENT, f"{method.name}, {what}: {code} {details}"
                 assert method.input_type.full_name in details and "not a valid" in details
-        code, details = raw_unary(channel, "Check", GARBAGE["bad wire type"],
-                                  service="grpc.health.v1.Health")
+        code, details = raw_unary(channel, "Check", GARBAGE["bad wire type"], service="grpc.health.v1.Health")
         assert code == S.INVALID_ARGUMENT and "HealthCheckRequest" in details
-        code, details, _ = raw_stream(channel, [GARBAGE["bad wire type"]],
-                                      method="ServerReflectionInfo",
-                                      service="grpc.reflection.v1alpha.ServerReflection")
+        code, details, _ = raw_stream(
+            channel,
+            [GARBAGE["bad wire type"]],
+            method="ServerReflectionInfo",
+            service="grpc.reflection.v1alpha.ServerReflection",
+        )
         assert code == S.INVALID_ARGUMENT and "ServerReflectionRequest" in details, details
         # A good open, then garbage: the stream ends INVALID_ARGUMENT and so does its session.
         stub = pb_grpc.LpSyncStub(channel)
         sid = stub.Attach(pb.AttachRequest(job="garbled", world_size=1)).session_id
         opening = pb.SessionRequest(request_id=1, open=pb.SessionOpen(session_id=sid))
         code, details, replies = raw_stream(
-            channel, [opening.SerializeToString(), GARBAGE["truncated field"]])
+            channel, [opening.SerializeToString(), GARBAGE["truncated field"]]
+        )
         assert code == S.INVALID_ARGUMENT and "SessionRequest" in details, details
         assert len(replies) == 1  # the opened reply came first
         deadline = time.monotonic() + 5
@@ -258,15 +332,15 @@ def test_trigger_socket_closes_bad_connections_with_a_reason(tmp_path: Path) -> 
             with _seqpacket(trigger) as sock:
                 sock.send(payload)
                 result = _reason(sock)
-                assert result.code == "INVALID_ARGUMENT" and "not a SessionRequest" in \
-                    result.message
+                assert result.code == "INVALID_ARGUMENT" and "not a SessionRequest" in result.message
         with _seqpacket(trigger) as a, _seqpacket(trigger) as b, _seqpacket(trigger) as c:
             result = _reason(c)  # silent, a and b hold all 3 slots
             assert result.code == "RESOURCE_EXHAUSTED" and "--max-sessions" in result.message
             del a, b
         # After open, a malformed packet fails what the client waits for, with the reason.
-        with lpsync_client.connect(d.socket, job="tg", rank=0, world_size=2, timeout=30,
-                                   trigger="socket") as client:
+        with lpsync_client.connect(
+            d.socket, job="tg", rank=0, world_size=2, timeout=30, trigger="socket"
+        ) as client:
             future = client.allreduce_async(client.zeros(4))
             client._trigger._sock.send(GARBAGE["bad wire type"])
             with pytest.raises(lpsync_client.InvalidArgumentError) as info:
@@ -282,13 +356,21 @@ def test_trigger_socket_closes_bad_connections_with_a_reason(tmp_path: Path) -> 
 
 
 def test_output_into_a_closed_pipe_ends_quietly(daemon) -> None:
-    for args in (["status", "--socket", daemon.socket, "--json"],
-                 ["simulate", "--op", "allreduce", "--nodes", "2,4,8", "--bytes", "1MiB"]):
+    for args in (
+        ["status", "--socket", daemon.socket, "--json"],
+        ["simulate", "--op", "allreduce", "--nodes", "2,4,8", "--bytes", "1MiB"],
+    ):
         read, write = os.pipe()
         os.close(read)  # the reader left before the first byte (`| head -0`)
         try:
-            out = subprocess.run([sys.executable, "-m", "lpsync.cli", *args], stdout=write,
-                                 stderr=subprocess.PIPE, text=True, timeout=60, cwd=ROOT)
+            out = subprocess.run(
+                [sys.executable, "-m", "lpsync.cli", *args],
+                stdout=write,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=60,
+                cwd=ROOT,
+            )
         finally:
             os.close(write)
         assert out.stderr == "", out.stderr
@@ -307,8 +389,7 @@ def test_a_session_stream_that_never_opens_is_ended(tmp_path: Path) -> None:
                 yield
 
             start = time.monotonic()
-            code, details = _code(lambda: list(pb_grpc.LpSyncStub(channel).Session(
-                nothing(), timeout=20)))
+            code, details = _code(lambda: list(pb_grpc.LpSyncStub(channel).Session(nothing(), timeout=20)))
             silent.set()
             assert code == S.INVALID_ARGUMENT and "open{session_id}" in details, details
             assert 0.5 < time.monotonic() - start < 10
@@ -334,9 +415,9 @@ def test_shared_memory_the_kernel_refuses_is_resource_exhausted() -> None:
         "try:\n"
         "    SharedSegment.create(64)\n"
         "except ResourceExhaustedError as error:\n"
-        "    print('RESOURCE_EXHAUSTED', error)\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60, cwd=ROOT)
+        "    print('RESOURCE_EXHAUSTED', error)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.stdout.startswith("RESOURCE_EXHAUSTED"), out.stdout + out.stderr
     assert "Too many open files" in out.stdout
 
@@ -348,9 +429,19 @@ def test_a_full_dev_shm_is_resource_exhausted_not_sigbus(tmp_path: Path) -> None
         pytest.skip("needs root and unshare for a private, 4 MiB /dev/shm")
     script = Path(__file__).parent / "shm_full.py"
     out = subprocess.run(
-        ["/usr/bin/unshare", "-m", "--propagation", "private", "sh", "-c",
-         f"mount -t tmpfs -o size=4m tmpfs /dev/shm && exec {sys.executable} {script} "
-         f"{tmp_path}"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert "RESOURCE_EXHAUSTED" in out.stdout and "No space left" in out.stdout, \
-        out.stdout + out.stderr
+        [
+            "/usr/bin/unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            f"mount -t tmpfs -o size=4m tmpfs /dev/shm && exec {sys.executable} {script} {tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert "RESOURCE_EXHAUSTED" in out.stdout and "No space left" in out.stdout, out.stdout + out.stderr
     assert "STOPPED CLEANLY" in out.stdout, out.stdout + out.stderr

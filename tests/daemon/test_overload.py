@@ -74,8 +74,9 @@ def _pending_job(sock: str, n: int, job: str) -> tuple[list, list[str]]:
     ctx = mp.get_context("spawn")
     go = ctx.Event()
     outcome: dict[str, list] = {}
-    partner = threading.Thread(target=lambda: outcome.setdefault(
-        "r1", run_ranks(1, pending_partner, sock, job, n, go, timeout=120)))
+    partner = threading.Thread(
+        target=lambda: outcome.setdefault("r1", run_ranks(1, pending_partner, sock, job, n, go, timeout=120))
+    )
     with lpsync_client.connect(sock, job=job, rank=0, world_size=2, timeout=60) as c:
         inp = c.zeros((n, 4), "int64")
         out = c.zeros((n, 4), "int64")
@@ -123,8 +124,7 @@ def test_slow_consumer_gets_back_pressure(tmp_path: Path) -> None:
     try:
         # Without BDP probing the client's receive window stays at 64 kB: what it does not
         # read stays in the daemon's court, and the daemon must bound it.
-        channel = grpc.insecure_channel(f"unix:{d.socket}",
-                                        options=[("grpc.http2.bdp_probe", 0)])
+        channel = grpc.insecure_channel(f"unix:{d.socket}", options=[("grpc.http2.bdp_probe", 0)])
         stub = pb_grpc.LpSyncStub(channel)
         sid = stub.Attach(pb.AttachRequest(job="slow", world_size=1)).session_id
         total, sent = 10_000, [0]
@@ -134,8 +134,7 @@ def test_slow_consumer_gets_back_pressure(tmp_path: Path) -> None:
             yield pb.SessionRequest(request_id=0, open=pb.SessionOpen(session_id=sid))
             for i in range(1, total + 1):
                 sent[0] = i
-                yield pb.SessionRequest(request_id=i, collective=pb.CollectiveRequest(
-                    op="barrier", name=fat))
+                yield pb.SessionRequest(request_id=i, collective=pb.CollectiveRequest(op="barrier", name=fat))
 
         base = usage(d.pid)
         call = stub.Session(requests(), timeout=120)
@@ -161,13 +160,11 @@ def test_slow_consumer_gets_back_pressure(tmp_path: Path) -> None:
 def test_trigger_client_that_stops_reading_is_held_back(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path, "--max-queued", "16")
     try:
-        with lpsync_client.connect(d.socket, job="deaf", rank=0, world_size=1,
-                                   trigger="grpc") as c:
+        with lpsync_client.connect(d.socket, job="deaf", rank=0, world_size=1, trigger="grpc") as c:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             sock.settimeout(20)
             sock.connect(d.socket + ".trigger")
-            sock.send(pb.SessionRequest(open=pb.SessionOpen(session_id=c.session_id))
-                      .SerializeToString())
+            sock.send(pb.SessionRequest(open=pb.SessionOpen(session_id=c.session_id)).SerializeToString())
             opened = pb.SessionResponse.FromString(sock.recv(1 << 16))
             assert opened.WhichOneof("body") == "opened"
             base = usage(d.pid)
@@ -175,19 +172,16 @@ def test_trigger_client_that_stops_reading_is_held_back(tmp_path: Path) -> None:
             sent, start = 0, time.monotonic()
             with pytest.raises(TimeoutError):  # our sends block: the daemon stopped reading
                 while time.monotonic() - start < 60:
-                    sock.send(pb.SessionRequest(request_id=sent + 1, ping=pb.Ping())
-                              .SerializeToString())
+                    sock.send(pb.SessionRequest(request_id=sent + 1, ping=pb.Ping()).SerializeToString())
                     sent += 1
             assert usage(d.pid).rss < base.rss + (30 << 20)
             c.ping(via="grpc")  # the session and the daemon are fine meanwhile
             x = c.zeros(3)
             c.allreduce(x)
             # Reading again: every ping is answered, in order, and the connection works.
-            ids = [pb.SessionResponse.FromString(sock.recv(1 << 16)).request_id
-                   for _ in range(sent)]
+            ids = [pb.SessionResponse.FromString(sock.recv(1 << 16)).request_id for _ in range(sent)]
             assert ids == list(range(1, sent + 1))
-            sock.send(pb.SessionRequest(request_id=sent + 1, ping=pb.Ping())
-                      .SerializeToString())
+            sock.send(pb.SessionRequest(request_id=sent + 1, ping=pb.Ping()).SerializeToString())
             assert pb.SessionResponse.FromString(sock.recv(1 << 16)).request_id == sent + 1
             sock.close()
         assert serving(d.socket)
@@ -196,13 +190,21 @@ def test_trigger_client_that_stops_reading_is_held_back(tmp_path: Path) -> None:
 
 
 def test_registering_until_the_limit(tmp_path: Path) -> None:
-    d = DaemonProcess(tmp_path, "--max-session-buffers", "32", "--max-session-bytes",
-                      str(4 << 20), "--max-total-bytes", str(8 << 20))
+    d = DaemonProcess(
+        tmp_path,
+        "--max-session-buffers",
+        "32",
+        "--max-session-bytes",
+        str(4 << 20),
+        "--max-total-bytes",
+        str(8 << 20),
+    )
     try:
         base = usage(d.pid)
         with steady_job(d.socket, tmp_path):
-            clients = [lpsync_client.connect(d.socket, job=f"greedy{i}", rank=0,
-                                             world_size=1) for i in range(3)]
+            clients = [
+                lpsync_client.connect(d.socket, job=f"greedy{i}", rank=0, world_size=1) for i in range(3)
+            ]
             try:
                 held: list = []
                 reasons = []
@@ -230,10 +232,14 @@ def test_registering_until_the_limit(tmp_path: Path) -> None:
 def test_a_cancelled_collective_does_not_break_the_client(daemon, trigger: str) -> None:
     """The reply to a collective whose Future the caller cancelled used to raise in the
     client's reader thread, which died: every later request of that client hung."""
-    with lpsync_client.connect(daemon.socket, job="cx", rank=0, world_size=2, timeout=30,
-                               trigger=trigger) as a, \
-            lpsync_client.connect(daemon.socket, job="cx", rank=1, world_size=2, timeout=30,
-                                  trigger=trigger) as b:
+    with (
+        lpsync_client.connect(
+            daemon.socket, job="cx", rank=0, world_size=2, timeout=30, trigger=trigger
+        ) as a,
+        lpsync_client.connect(
+            daemon.socket, job="cx", rank=1, world_size=2, timeout=30, trigger=trigger
+        ) as b,
+    ):
         x, y = a.zeros(4), b.zeros(4)
         first = a.allreduce_async(x)
         assert first.cancel()

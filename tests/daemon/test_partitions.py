@@ -42,9 +42,19 @@ class NetCluster:
         for node in range(NODES):
             where = tmp / f"node{node}"
             where.mkdir()
-            self.daemons.append(DaemonProcess(
-                where, "--peers", peers, "--node-rank", str(node), "--heartbeat-timeout",
-                str(HEARTBEAT), env=env, wrap=("ip", "netns", "exec", self.spec.namespace(node))))
+            self.daemons.append(
+                DaemonProcess(
+                    where,
+                    "--peers",
+                    peers,
+                    "--node-rank",
+                    str(node),
+                    "--heartbeat-timeout",
+                    str(HEARTBEAT),
+                    env=env,
+                    wrap=("ip", "netns", "exec", self.spec.namespace(node)),
+                )
+            )
         self.wait_meshes([0] * NODES, 90)
 
     @property
@@ -62,8 +72,10 @@ class NetCluster:
         start = time.monotonic()
         while not all(now > then for now, then in zip(self.meshes(), before, strict=True)):
             if time.monotonic() - start > timeout:
-                raise AssertionError(f"meshes not up within {timeout:.0f} s: {self.meshes()} "
-                                     f"(before: {before})\n{self.log(0)[-3000:]}")
+                raise AssertionError(
+                    f"meshes not up within {timeout:.0f} s: {self.meshes()} "
+                    f"(before: {before})\n{self.log(0)[-3000:]}"
+                )
             time.sleep(0.2)
         return time.monotonic() - start
 
@@ -95,17 +107,26 @@ def net(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", faults.MODES)
-def test_a_cut_node_is_unavailable_everywhere_and_the_mesh_heals(net: NetCluster,
-                                                                 mode: str) -> None:
+def test_a_cut_node_is_unavailable_everywhere_and_the_mesh_heals(net: NetCluster, mode: str) -> None:
     ctx = mp.get_context("spawn")
     ready, cut_done, healed = ctx.Event(), ctx.Event(), ctx.Event()
     box: dict[str, Any] = {}
 
     def clients() -> None:
         try:
-            box["results"] = run_ranks(WORLD, through_partition, net.sockets, PER_NODE,
-                                       f"cut-{mode}", WORLD, CUT, ready, cut_done, healed,
-                                       timeout=240)
+            box["results"] = run_ranks(
+                WORLD,
+                through_partition,
+                net.sockets,
+                PER_NODE,
+                f"cut-{mode}",
+                WORLD,
+                CUT,
+                ready,
+                cut_done,
+                healed,
+                timeout=240,
+            )
         except BaseException as error:  # reported below
             box["error"] = error
 
@@ -141,8 +162,10 @@ def test_a_cut_node_is_unavailable_everywhere_and_the_mesh_heals(net: NetCluster
     for node in range(NODES):
         assert "peer mesh lost" in net.log(node)
     worst = max(at - cut_at for _, at, _, _ in box["results"])
-    print(f"{mode}: every rank UNAVAILABLE within {worst:.2f} s, healed {healed_in:.1f} s "
-          f"after the link came back; rank 0 saw: {box['results'][0][2]}")
+    print(
+        f"{mode}: every rank UNAVAILABLE within {worst:.2f} s, healed {healed_in:.1f} s "
+        f"after the link came back; rank 0 saw: {box['results'][0][2]}"
+    )
 
 
 def test_a_cut_while_data_moves_fails_every_rank_within_the_bound(net: NetCluster) -> None:
@@ -155,8 +178,9 @@ def test_a_cut_while_data_moves_fails_every_rank_within_the_bound(net: NetCluste
 
     def clients() -> None:
         try:
-            box["results"] = run_ranks(WORLD, until_unavailable, net.sockets, PER_NODE,
-                                       "cut-data", WORLD, ready, 60.0, timeout=120)
+            box["results"] = run_ranks(
+                WORLD, until_unavailable, net.sockets, PER_NODE, "cut-data", WORLD, ready, 60.0, timeout=120
+            )
         except BaseException as error:  # reported below
             box["error"] = error
 
@@ -170,8 +194,7 @@ def test_a_cut_while_data_moves_fails_every_rank_within_the_bound(net: NetCluste
         runner.join(BOUND + 30)
         # While node 1 is still cut off, a new job's collective fails within the heartbeat
         # timeout, saying why, instead of waiting out its own 60 s for a mesh.
-        while_cut = run_ranks(WORLD, attempt, net.sockets, PER_NODE, "while-cut", WORLD,
-                              timeout=120)
+        while_cut = run_ranks(WORLD, attempt, net.sockets, PER_NODE, "while-cut", WORLD, timeout=120)
     finally:
         faults.restore(net.spec, CUT, "drop")
         runner.join(120)
@@ -189,5 +212,7 @@ def test_a_cut_while_data_moves_fails_every_rank_within_the_bound(net: NetCluste
     net.wait_meshes(before, 120)
     # A node that finished the cut collective before the others failed it is one
     # collective ahead of them (docs/security.md, known limits): a new job starts even.
-    assert run_ranks(WORLD, allreduces, net.sockets, PER_NODE, "after-cut-data", WORLD, 3,
-                     timeout=120) == [[True] * 3] * WORLD
+    assert (
+        run_ranks(WORLD, allreduces, net.sockets, PER_NODE, "after-cut-data", WORLD, 3, timeout=120)
+        == [[True] * 3] * WORLD
+    )

@@ -78,21 +78,21 @@ def test_another_uid_reaches_neither_socket_nor_shared_memory(open_dir: Path) ->
 
 def _methods() -> list[tuple[str, bool, bool]]:
     service = pb.DESCRIPTOR.services_by_name["LpSync"]
-    return [(f"/{service.full_name}/{m.name}", m.client_streaming, m.server_streaming)
-            for m in service.methods]
+    return [
+        (f"/{service.full_name}/{m.name}", m.client_streaming, m.server_streaming) for m in service.methods
+    ]
 
 
-def _call(channel: grpc.Channel, method: str, client_streaming: bool, server_streaming: bool,
-          metadata: tuple | None) -> grpc.StatusCode:
+def _call(
+    channel: grpc.Channel, method: str, client_streaming: bool, server_streaming: bool, metadata: tuple | None
+) -> grpc.StatusCode:
     ident = bytes
     try:
         if client_streaming and server_streaming:
-            for _ in channel.stream_stream(method, ident, ident)(
-                    iter([b""]), timeout=5, metadata=metadata):
+            for _ in channel.stream_stream(method, ident, ident)(iter([b""]), timeout=5, metadata=metadata):
                 pass
         elif server_streaming:
-            for _ in channel.unary_stream(method, ident, ident)(b"", timeout=5,
-                                                                metadata=metadata):
+            for _ in channel.unary_stream(method, ident, ident)(b"", timeout=5, metadata=metadata):
                 pass
         else:
             channel.unary_unary(method, ident, ident)(b"", timeout=5, metadata=metadata)
@@ -108,16 +108,24 @@ def test_every_rpc_needs_the_token(tmp_path: Path) -> None:
     try:
         with grpc.insecure_channel(f"unix:{d.socket}") as channel:
             for method, cs, ss in _methods():
-                for metadata in (None, (("authorization", "Bearer wrong"),),
-                                 (("authorization", "the-right-token"),)):  # no "Bearer"
+                for metadata in (
+                    None,
+                    (("authorization", "Bearer wrong"),),
+                    (("authorization", "the-right-token"),),
+                ):  # no "Bearer"
                     code = _call(channel, method, cs, ss, metadata)
                     assert code == grpc.StatusCode.UNAUTHENTICATED, (method, metadata, code)
             # Health answers without credentials (probes) and reveals nothing else.
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
             # Control: with the token the same channel is served.
-            code = _call(channel, f"/{pb.DESCRIPTOR.services_by_name['LpSync'].full_name}/Status",
-                         False, False, (("authorization", "Bearer the-right-token"),))
+            code = _call(
+                channel,
+                f"/{pb.DESCRIPTOR.services_by_name['LpSync'].full_name}/Status",
+                False,
+                False,
+                (("authorization", "Bearer the-right-token"),),
+            )
             assert code == grpc.StatusCode.OK
         with pytest.raises(lpsync_client.UnauthenticatedError):
             lpsync_client.connect(d.socket, job="t", rank=0, world_size=1)  # no token at all
@@ -125,10 +133,12 @@ def test_every_rpc_needs_the_token(tmp_path: Path) -> None:
         d.stop_and_check()
 
 
-@pytest.mark.parametrize("given", [("listen",), ("listen", "cert", "key"), ("listen", "token"),
-                                   ("listen", "cert", "token")])
-def test_tcp_listener_without_tls_and_token_is_refused_at_start(tmp_path: Path,
-                                                                given: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    "given", [("listen",), ("listen", "cert", "key"), ("listen", "token"), ("listen", "cert", "token")]
+)
+def test_tcp_listener_without_tls_and_token_is_refused_at_start(
+    tmp_path: Path, given: tuple[str, ...]
+) -> None:
     (port,) = free_ports(1)
     files = {"cert": "--tls-cert", "key": "--tls-key", "token": "--token-file"}
     argv = ["--listen", f"127.0.0.1:{port}"]
@@ -136,8 +146,13 @@ def test_tcp_listener_without_tls_and_token_is_refused_at_start(tmp_path: Path,
         (tmp_path / name).write_text("x")
         argv += [files[name], str(tmp_path / name)]
     sock = tmp_path / "d.sock"
-    done = subprocess.run([sys.executable, "-m", "lpsync.cli", "daemon", "--socket", str(sock),
-                           *argv], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "lpsync.cli", "daemon", "--socket", str(sock), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert done.returncode == 2, done
     assert "TLS" in done.stderr and "token" in done.stderr, done.stderr
     assert not sock.exists()
@@ -159,24 +174,47 @@ def test_the_cluster_secret_never_shows(tmp_path: Path) -> None:
         for node in range(2):
             where = tmp_path / f"node{node}"
             where.mkdir()
-            how = (["--secret-file", str(secret_file)] if node else [])
-            daemons.append(DaemonProcess(
-                where, "--peers", peers, "--node-rank", str(node), "--metrics-port",
-                str(metrics[node]), *how, env={"LPSYNC_SECRET": secret} if node == 0 else {}))
+            how = ["--secret-file", str(secret_file)] if node else []
+            daemons.append(
+                DaemonProcess(
+                    where,
+                    "--peers",
+                    peers,
+                    "--node-rank",
+                    str(node),
+                    "--metrics-port",
+                    str(metrics[node]),
+                    *how,
+                    env={"LPSYNC_SECRET": secret} if node == 0 else {},
+                )
+            )
         (tmp_path / "other").mkdir()
-        other = DaemonProcess(tmp_path / "other", "--peers",
-                              f"127.0.0.1:{ports[0]},127.0.0.1:{ports[2]}", "--node-rank", "1",
-                              env={"LPSYNC_SECRET": "another-cluster"})
+        other = DaemonProcess(
+            tmp_path / "other",
+            "--peers",
+            f"127.0.0.1:{ports[0]},127.0.0.1:{ports[2]}",
+            "--node-rank",
+            "1",
+            env={"LPSYNC_SECRET": "another-cluster"},
+        )
         daemons.append(other)
-        assert run_ranks(2, allreduces, [d.socket for d in daemons[:2]], 1, "sec", 2, 3,
-                         timeout=120) == [[True] * 3] * 2
+        assert (
+            run_ranks(2, allreduces, [d.socket for d in daemons[:2]], 1, "sec", 2, 3, timeout=120)
+            == [[True] * 3] * 2
+        )
         texts = []
         for node, d in enumerate(daemons[:2]):
-            texts.append(subprocess.run(
-                [sys.executable, "-m", "lpsync.cli", "status", "--socket", d.socket, "--json"],
-                capture_output=True, text=True, timeout=30, cwd=ROOT, check=True).stdout)
-            with urllib.request.urlopen(f"http://127.0.0.1:{metrics[node]}/metrics",
-                                        timeout=10) as page:
+            texts.append(
+                subprocess.run(
+                    [sys.executable, "-m", "lpsync.cli", "status", "--socket", d.socket, "--json"],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                    cwd=ROOT,
+                    check=True,
+                ).stdout
+            )
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics[node]}/metrics", timeout=10) as page:
                 texts.append(page.read().decode())
             texts.append(Path(f"/proc/{d.pid}/cmdline").read_bytes().decode(errors="replace"))
             d.proc.send_signal(signal.SIGUSR1)  # every thread's stack into the log

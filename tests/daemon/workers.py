@@ -10,8 +10,7 @@ import numpy as np
 import lpsync_client
 
 OPS = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
-_REDUCE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
-           "avg": np.add}
+_REDUCE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "avg": np.add}
 
 
 def dtype(name: str) -> np.dtype:
@@ -26,8 +25,9 @@ def inputs(op: str, dt: np.dtype, rank: int, world: int, count: int, seed: int) 
     return rng.integers(1, 4, n).astype(dt)
 
 
-def expected(op: str, rop: str, dt: np.dtype, rank: int, world: int, count: int, root: int,
-             seed: int) -> np.ndarray | None:
+def expected(
+    op: str, rop: str, dt: np.dtype, rank: int, world: int, count: int, root: int, seed: int
+) -> np.ndarray | None:
     all_in = [inputs(op, dt, r, world, count, seed) for r in range(world)]
     if op == "broadcast":
         return all_in[root]
@@ -44,25 +44,25 @@ def expected(op: str, rop: str, dt: np.dtype, rank: int, world: int, count: int,
     if op == "reduce":
         return acc if rank == root else None
     if op == "reduce_scatter":
-        return acc[rank * count:(rank + 1) * count]
+        return acc[rank * count : (rank + 1) * count]
     return acc
 
 
-def check_cases(rank: int, socket: str, job: str, world: int, cases: list,
-                trigger: str = "auto") -> list[str]:
+def check_cases(
+    rank: int, socket: str, job: str, world: int, cases: list, trigger: str = "auto"
+) -> list[str]:
     """Run every (op, dtype, rop, count, in_place, algorithm, root) case; returns
     [failure descriptions] plus a digest of all results (for cross-rank bitwise checks)."""
     failures: list[str] = []
     digest = hashlib.sha256()
-    with lpsync_client.connect(socket, job=job, rank=rank, world_size=world,
-                               timeout=30, trigger=trigger) as client:
+    with lpsync_client.connect(
+        socket, job=job, rank=rank, world_size=world, timeout=30, trigger=trigger
+    ) as client:
         for seed, (op, dname, rop, count, in_place, algorithm, root, shm) in enumerate(cases):
             dt = dtype(dname)
-            label = f"{op} {dname} {rop} n={count} in_place={in_place} algo={algorithm} " \
-                    f"root={root} shm={shm}"
+            label = f"{op} {dname} {rop} n={count} in_place={in_place} algo={algorithm} root={root} shm={shm}"
             x = inputs(op, dt, rank, world, count, seed)
-            make = (lambda n, d=dt: client.zeros(n, d.name)) if shm else \
-                (lambda n, d=dt: np.zeros(n, d))
+            make = (lambda n, d=dt: client.zeros(n, d.name)) if shm else (lambda n, d=dt: np.zeros(n, d))
             kwargs: dict = {"algorithm": algorithm}
             if op in ("allreduce", "reduce", "reduce_scatter"):
                 kwargs["op"] = rop
@@ -71,7 +71,7 @@ def check_cases(rank: int, socket: str, job: str, world: int, cases: list,
             if in_place:
                 if op == "allgather":
                     buf = make(count * world)
-                    buf[rank * count:(rank + 1) * count] = x
+                    buf[rank * count : (rank + 1) * count] = x
                 else:
                     buf = make(x.size)
                     buf[:] = x
@@ -80,7 +80,7 @@ def check_cases(rank: int, socket: str, job: str, world: int, cases: list,
                 if op == "allgather":
                     result = buf
                 elif op == "reduce_scatter":
-                    result = buf[rank * count:(rank + 1) * count]
+                    result = buf[rank * count : (rank + 1) * count]
                 else:
                     result = buf
             else:
@@ -124,14 +124,14 @@ def mismatch(rank: int, socket: str, job: str) -> dict:
         return out
 
 
-def attach_and_wait(rank: int, socket: str, job: str, world: int, ready, hold: float,
-                    trigger: str = "auto") -> None:
+def attach_and_wait(
+    rank: int, socket: str, job: str, world: int, ready, hold: float, trigger: str = "auto"
+) -> None:
     """Attach, allocate buffers, start an allreduce (rank != 0 only waits), then sleep to be
     killed."""
     import time
 
-    c = lpsync_client.connect(socket, job=job, rank=rank, world_size=world, timeout=60,
-                              trigger=trigger)
+    c = lpsync_client.connect(socket, job=job, rank=rank, world_size=world, timeout=60, trigger=trigger)
     c.zeros(1 << 16, "float32")
     c.register(np.zeros(100, np.float64))
     ready.set()

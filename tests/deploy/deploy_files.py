@@ -35,8 +35,10 @@ def tool(binary: str, package: str) -> str:
             _apt_tried[package] = _apt_install(package)
     found = shutil.which(binary)
     if not found:
-        pytest.skip(f"{binary} (Debian package {package}) is not installed and could not be: "
-                    f"{_apt_tried[package] or 'installed, but the binary is missing'}")
+        pytest.skip(
+            f"{binary} (Debian package {package}) is not installed and could not be: "
+            f"{_apt_tried[package] or 'installed, but the binary is missing'}"
+        )
     return found
 
 
@@ -44,8 +46,10 @@ def _apt_install(package: str) -> str:
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         return "not root or no apt-get: `apt-get install " + package + "` as root"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for argv in (["apt-get", "update", "-qq"],
-                 ["apt-get", "install", "-y", "-qq", "--no-install-recommends", package]):
+    for argv in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", package],
+    ):
         try:
             done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
         except subprocess.TimeoutExpired:
@@ -69,8 +73,9 @@ def k8s_resources() -> list[dict]:
 
 
 def k8s_resource(kind: str, name: str | None = None) -> dict:
-    found = [r for r in k8s_resources()
-             if r["kind"] == kind and (name is None or r["metadata"]["name"] == name)]
+    found = [
+        r for r in k8s_resources() if r["kind"] == kind and (name is None or r["metadata"]["name"] == name)
+    ]
     assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
     return found[0]
 

@@ -43,7 +43,7 @@ def test_promtool_rejects_a_broken_rule(tmp_path: Path) -> None:
     """The check above can fail: a rule with a bad expression does not pass."""
     promtool = tool("promtool", "prometheus")
     rules = yaml.safe_load((DEPLOY / "prometheus" / "rules" / "lpsync.yml").read_text())
-    rules["groups"][0]["rules"][0]["expr"] = "up{job=\"lpsync\" == 0"
+    rules["groups"][0]["rules"][0]["expr"] = 'up{job="lpsync" == 0'
     (tmp_path / "bad.yml").write_text(yaml.safe_dump(rules))
     assert _run(promtool, "check", "rules", str(tmp_path / "bad.yml")).returncode != 0
 
@@ -53,8 +53,7 @@ def test_docker_compose_config_passes() -> None:
     done = _run(compose, "-f", "docker-compose.yml", "config", "--quiet")
     assert done.returncode == 0, done.stderr
     services = _run(compose, "-f", "docker-compose.yml", "config", "--services").stdout.split()
-    assert sorted(services) == ["daemon0", "daemon1", "grafana", "prometheus", "trainer0",
-                                "trainer1"]
+    assert sorted(services) == ["daemon0", "daemon1", "grafana", "prometheus", "trainer0", "trainer1"]
 
 
 def test_docker_compose_rejects_a_broken_file(tmp_path: Path) -> None:
@@ -70,9 +69,11 @@ def _validate(resource: dict) -> None:
     kubernetes_validate.validate(resource, K8S_VERSION, strict=True)
 
 
-@pytest.mark.parametrize("resource", [r for r in k8s_resources()
-                                      if r["apiVersion"] != "monitoring.coreos.com/v1"],
-                         ids=lambda r: f"{r['kind']}/{r['metadata']['name']}")
+@pytest.mark.parametrize(
+    "resource",
+    [r for r in k8s_resources() if r["apiVersion"] != "monitoring.coreos.com/v1"],
+    ids=lambda r: f"{r['kind']}/{r['metadata']['name']}",
+)
 def test_kubernetes_manifests_validate_against_the_schemas(resource: dict) -> None:
     _validate(resource)
 
@@ -119,33 +120,33 @@ def test_dockerfile_copies_what_exists_and_runs_unprivileged(path: Path) -> None
             *sources, _ = instruction["value"].split()
             for source in sources:
                 # examples/ (train_digits.py) comes from another branch of the project
-                assert source == "examples" or (ROOT / source).exists(), \
+                assert source == "examples" or (ROOT / source).exists(), (
                     f"{path.name}: COPY {source}: no such path"
-                assert f"!{source.rstrip('/')}/" in ignore or f"!{source}" in ignore, \
+                )
+                assert f"!{source.rstrip('/')}/" in ignore or f"!{source}" in ignore, (
                     f"{path.name}: COPY {source} but .dockerignore excludes it"
+                )
     users = [i["value"] for i in parser.structure if i["instruction"] == "USER"]
     assert users and users[-1] != "root" and not users[-1].startswith("0")
 
 
 def test_dashboard_json_is_what_the_builder_makes() -> None:
-    spec = importlib.util.spec_from_file_location("lpsync_dashboard",
-                                                  DEPLOY / "grafana" / "dashboard.py")
+    spec = importlib.util.spec_from_file_location("lpsync_dashboard", DEPLOY / "grafana" / "dashboard.py")
     assert spec is not None and spec.loader is not None
     builder = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(builder)
     committed = (DEPLOY / "grafana" / "dashboards" / "lpsync.json").read_text()
     assert builder.render() == committed, (
-        "deploy/grafana/dashboards/lpsync.json is stale: run python deploy/grafana/dashboard.py")
+        "deploy/grafana/dashboards/lpsync.json is stale: run python deploy/grafana/dashboard.py"
+    )
     ids = [p["id"] for p in builder.build()["panels"]]
     assert len(ids) == len(set(ids))
 
 
 def test_dockerfile_extras_exist() -> None:
     """The extras the images install (`.[cuda12]`) are the project's own."""
-    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())
-                 ["project"]["optional-dependencies"])
-    used = {path.name: re.findall(r'"\.\[([a-z0-9,]+)\]"', path.read_text())
-            for path in _dockerfiles()}
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    used = {path.name: re.findall(r'"\.\[([a-z0-9,]+)\]"', path.read_text()) for path in _dockerfiles()}
     assert used["Dockerfile.cuda"] == ["cuda12"]
     for name, found in used.items():
         for extra in found:
@@ -155,11 +156,9 @@ def test_dockerfile_extras_exist() -> None:
 def test_rules_wrap_into_a_prometheusrule_as_docs_say(tmp_path: Path) -> None:
     """docs/deploy.md's shell line that turns the rules into the operator's PrometheusRule."""
     docs = (ROOT / "docs" / "deploy.md").read_text()
-    line = next(block for block in re.findall(r"```\n(.*?)```", docs, re.S)
-                if "PrometheusRule" in block)
+    line = next(block for block in re.findall(r"```\n(.*?)```", docs, re.S) if "PrometheusRule" in block)
     command = line.replace("| kubectl apply -f -", "").strip()
-    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT,
-                          timeout=30)
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT, timeout=30)
     assert done.returncode == 0, done.stderr
     resource = yaml.safe_load(done.stdout)
     assert resource["kind"] == "PrometheusRule"

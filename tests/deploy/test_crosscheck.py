@@ -98,10 +98,10 @@ def test_compose_daemons_trainers_and_scrapers_agree() -> None:
     grafana = c["services"]["grafana"]
     assert "./deploy/grafana/provisioning:/etc/grafana/provisioning:ro" in grafana["volumes"]
     datasource = yaml.safe_load(
-        (DEPLOY / "grafana" / "provisioning" / "datasources" / "lpsync.yml").read_text())
+        (DEPLOY / "grafana" / "provisioning" / "datasources" / "lpsync.yml").read_text()
+    )
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
-    provider = yaml.safe_load(
-        (DEPLOY / "grafana" / "provisioning" / "dashboards" / "lpsync.yml").read_text())
+    provider = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "lpsync.yml").read_text())
     dashboards = provider["providers"][0]["options"]["path"]
     assert f"./deploy/grafana/dashboards:{dashboards}:ro" in grafana["volumes"]
     prometheus = c["services"]["prometheus"]
@@ -124,8 +124,7 @@ def test_dockerfile_command_and_healthcheck_parse(name: str) -> None:
 
 # -- Kubernetes -----------------------------------------------------------------------------
 def _container(pod: dict, name: str) -> dict:
-    return next(c for c in pod["containers"] + pod.get("initContainers", [])
-                if c["name"] == name)
+    return next(c for c in pod["containers"] + pod.get("initContainers", []) if c["name"] == name)
 
 
 def _mount_sources(pod: dict, container: dict) -> dict[str, dict]:
@@ -168,8 +167,7 @@ def test_kubernetes_daemonset_service_job_and_monitor_agree(tmp_path: Path) -> N
     labels = daemonset["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    assert k8s_resource("PodDisruptionBudget")["spec"]["selector"]["matchLabels"].items() \
-        <= labels.items()
+    assert k8s_resource("PodDisruptionBudget")["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= set(ports)
     wait = _container(pod, "wait-for-peers")
     assert dns in wait["command"][-1]
@@ -201,8 +199,9 @@ def test_kubernetes_daemonset_service_job_and_monitor_agree(tmp_path: Path) -> N
     assert pod["securityContext"]["runAsGroup"] in train_pod["securityContext"]["supplementalGroups"]
     script = trainer["command"][-1]
     assert dns in script and "/opt/lpsync/examples/train_digits.py" in script
-    assert job["spec"]["parallelism"] == job["spec"]["completions"] \
-        == int(configmap["data"][nodes_ref["key"]])
+    assert (
+        job["spec"]["parallelism"] == job["spec"]["completions"] == int(configmap["data"][nodes_ref["key"]])
+    )
     assert train_pod["nodeSelector"] == pod["nodeSelector"]
 
 
@@ -211,21 +210,28 @@ def test_kubernetes_trainer_script_derives_the_daemons_node_order(tmp_path: Path
     (numerically sorted addresses): run it with stub getent and torchrun."""
     addresses = ["10.0.0.10", "10.0.0.9", "10.0.1.2"]
     (tmp_path / "getent").write_text(
-        "#!/bin/sh\n" + "".join(f"echo '{a}       STREAM {sys_name}'\n"
-                                for a, sys_name in zip(addresses, "abc", strict=True)))
+        "#!/bin/sh\n"
+        + "".join(
+            f"echo '{a}       STREAM {sys_name}'\n" for a, sys_name in zip(addresses, "abc", strict=True)
+        )
+    )
     (tmp_path / "torchrun").write_text('#!/bin/sh\necho "$@"\n')
     for stub in ("getent", "torchrun"):
         (tmp_path / stub).chmod(0o755)
     trainer = k8s_resource("Job")["spec"]["template"]["spec"]["containers"][0]
     for host in addresses:
-        env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "HOST_IP": host,
-               "GPUS_PER_NODE": "1"}
-        done = subprocess.run(trainer["command"], capture_output=True, text=True, env=env,
-                              timeout=30)
+        env = {
+            **os.environ,
+            "PATH": f"{tmp_path}:{os.environ['PATH']}",
+            "HOST_IP": host,
+            "GPUS_PER_NODE": "1",
+        }
+        done = subprocess.run(trainer["command"], capture_output=True, text=True, env=env, timeout=30)
         assert done.returncode == 0, done.stderr
         argv = shlex.split(done.stdout)
-        expected = from_dns("lpsync-peers:13337", None, lambda name, port: addresses,
-                            lambda h, host=host: h == host)
+        expected = from_dns(
+            "lpsync-peers:13337", None, lambda name, port: addresses, lambda h, host=host: h == host
+        )
         assert argv[argv.index("--node-rank") + 1] == str(expected.node_rank)
         assert argv[argv.index("--master-addr") + 1] == expected.peers[0].host
         assert argv[argv.index("--nnodes") + 1] == str(len(addresses))

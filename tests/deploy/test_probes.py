@@ -15,9 +15,13 @@ from lpsync.daemon.metrics import _BUCKETS, size_class
 
 
 def _health(socket: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lpsync.cli", "health", "--socket", socket,
-                           "--timeout", "5"], capture_output=True, text=True, cwd=ROOT,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "lpsync.cli", "health", "--socket", socket, "--timeout", "5"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
 
 
 def test_health_passes_for_a_serving_daemon_even_with_a_token(tmp_path: Path) -> None:
@@ -29,9 +33,13 @@ def test_health_passes_for_a_serving_daemon_even_with_a_token(tmp_path: Path) ->
         assert done.returncode == 0, done.stderr
         assert "SERVING" in done.stdout
         # The token is enforced elsewhere: status without it is refused.
-        status = subprocess.run([sys.executable, "-m", "lpsync.cli", "status", "--socket",
-                                 daemon.socket], capture_output=True, text=True, cwd=ROOT,
-                                timeout=60)
+        status = subprocess.run(
+            [sys.executable, "-m", "lpsync.cli", "status", "--socket", daemon.socket],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
         assert status.returncode != 0 and "token" in status.stderr
     finally:
         daemon.stop_and_check()
@@ -48,7 +56,13 @@ def test_health_fails_on_a_socket_nobody_serves(tmp_path: Path) -> None:
 
 
 def test_size_classes_and_buckets() -> None:
-    assert [size_class(n) for n in (0, 4096, 4097, 1 << 20, (1 << 20) + 1, 1 << 40)] == \
-        ["<=4KiB", "<=4KiB", "<=64KiB", "<=1MiB", "<=16MiB", ">4GiB"]
+    assert [size_class(n) for n in (0, 4096, 4097, 1 << 20, (1 << 20) + 1, 1 << 40)] == [
+        "<=4KiB",
+        "<=4KiB",
+        "<=64KiB",
+        "<=1MiB",
+        "<=16MiB",
+        ">4GiB",
+    ]
     assert _BUCKETS[0] == 1e-5 and _BUCKETS[-1] >= 600
     assert list(_BUCKETS) == sorted(set(_BUCKETS))

@@ -59,16 +59,21 @@ class Prometheus:
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(RULES)],
-            "scrape_configs": [{"job_name": "lpsync",
-                                "static_configs": [{"targets": targets}]}],
+            "scrape_configs": [{"job_name": "lpsync", "static_configs": [{"targets": targets}]}],
         }
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = tmp / "prometheus.log"
         self._log = open(self.log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [binary, f"--config.file={tmp / 'prometheus.yml'}",
-             f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=self._log, stderr=subprocess.STDOUT)
+            [
+                binary,
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         _until("Prometheus to be ready", self._ready, 60)
 
     def _ready(self) -> bool:
@@ -103,8 +108,7 @@ class Prometheus:
 
 
 def _rules() -> list[dict]:
-    return [rule for group in yaml.safe_load(RULES.read_text())["groups"]
-            for rule in group["rules"]]
+    return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
 
 
 def _dashboard_exprs() -> list[str]:
@@ -134,16 +138,25 @@ def observed(tmp_path_factory) -> Iterator[dict]:
         for node in range(2):
             where = tmp / f"node{node}"
             where.mkdir()
-            daemons.append(DaemonProcess(
-                where, "--peers", peers, "--node-rank", str(node), "--metrics-port",
-                str(metric_ports[node]), "--heartbeat-timeout", str(HEARTBEAT),
-                env={"LPSYNC_SECRET": SECRET}))
+            daemons.append(
+                DaemonProcess(
+                    where,
+                    "--peers",
+                    peers,
+                    "--node-rank",
+                    str(node),
+                    "--metrics-port",
+                    str(metric_ports[node]),
+                    "--heartbeat-timeout",
+                    str(HEARTBEAT),
+                    env={"LPSYNC_SECRET": SECRET},
+                )
+            )
         # Collectives of several sizes on both daemons (single-node jobs: the histogram,
         # bytes and busbw series), one that times out (the error counter) and one left
         # waiting for a rank that never comes (a job with outstanding work).
         for node, daemon in enumerate(daemons):
-            with lpsync_client.connect(daemon.socket, job=f"ok{node}", rank=0,
-                                       world_size=1) as client:
+            with lpsync_client.connect(daemon.socket, job=f"ok{node}", rank=0, world_size=1) as client:
                 for n in (16, 4096, 1 << 18):
                     x = client.zeros(n)
                     x[:] = np.arange(n, dtype=np.float32)
@@ -160,14 +173,17 @@ def observed(tmp_path_factory) -> Iterator[dict]:
         pending = waiting.allreduce_async(waiting.zeros(8), timeout=300)
         targets = [f"127.0.0.1:{p}" for p in metric_ports]
         prometheus = Prometheus(tmp, targets)
-        _until("both daemons' peer meshes", lambda: len(prometheus.query(
-            "lpsync_peers_connected == 1")) == 2, 60)
+        _until(
+            "both daemons' peer meshes", lambda: len(prometheus.query("lpsync_peers_connected == 1")) == 2, 60
+        )
         # A rate needs two samples: wait for three scrapes of each daemon.
-        _until("three scrapes of both daemons", lambda: prometheus.query(
-            "count(count_over_time(lpsync_sessions[1m]) >= 3) == 2"), 30)
+        _until(
+            "three scrapes of both daemons",
+            lambda: prometheus.query("count(count_over_time(lpsync_sessions[1m]) >= 3) == 2"),
+            30,
+        )
         scraped = [_get(f"http://{t}/metrics") for t in targets]
-        yield {"prometheus": prometheus, "daemons": daemons, "targets": targets,
-               "scraped": scraped}
+        yield {"prometheus": prometheus, "daemons": daemons, "targets": targets, "scraped": scraped}
         assert not pending.done(), "the waiting collective waited throughout"
     finally:
         for client in clients:
@@ -180,8 +196,12 @@ def observed(tmp_path_factory) -> Iterator[dict]:
 
 
 def test_every_series_named_in_rules_and_dashboard_is_exported(observed) -> None:
-    exported = {sample.name for text in observed["scraped"]
-                for family in text_string_to_metric_families(text) for sample in family.samples}
+    exported = {
+        sample.name
+        for text in observed["scraped"]
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
     used = set()
     for rule in _rules():
         used |= _names(rule["expr"])
@@ -193,14 +213,18 @@ def test_every_series_named_in_rules_and_dashboard_is_exported(observed) -> None
 
 
 def test_histogram_buckets_span_10us_to_minutes(observed) -> None:
-    bounds = {float(s.labels["le"]) for text in observed["scraped"]
-              for f in text_string_to_metric_families(text) if f.name == "lpsync_collective_seconds"
-              for s in f.samples if s.name.endswith("_bucket")}
+    bounds = {
+        float(s.labels["le"])
+        for text in observed["scraped"]
+        for f in text_string_to_metric_families(text)
+        if f.name == "lpsync_collective_seconds"
+        for s in f.samples
+        if s.name.endswith("_bucket")
+    }
     assert min(bounds) <= 1e-5 and max(b for b in bounds if b != float("inf")) >= 300
     finite = sorted(b for b in bounds if b != float("inf"))
     assert max(b / a for a, b in itertools.pairwise(finite)) <= 2.5 + 1e-9
-    sizes = {r["metric"]["size"] for r in observed["prometheus"].query(
-        "lpsync_collective_seconds_count")}
+    sizes = {r["metric"]["size"] for r in observed["prometheus"].query("lpsync_collective_seconds_count")}
     assert {"<=4KiB", "<=1MiB"} <= sizes
 
 
@@ -216,8 +240,7 @@ def test_the_job_series_show_outstanding_work_and_errors(observed) -> None:
     prometheus = observed["prometheus"]
     waiting = prometheus.query('lpsync_job_pending_collectives{job_name="waiting"}')
     assert [float(r["value"][1]) for r in waiting] == [1.0]
-    assert prometheus.query('lpsync_job_last_progress_timestamp_seconds{job_name="waiting"}'
-                            ' > time() - 600')
+    assert prometheus.query('lpsync_job_last_progress_timestamp_seconds{job_name="waiting"} > time() - 600')
     errors = prometheus.query('lpsync_collective_errors_total{code="DEADLINE_EXCEEDED"}')
     assert [r["metric"]["op"] for r in errors] == ["allreduce"]
     # The stalled-job rule's expression with a threshold of 0 s: the waiting job matches.
@@ -227,8 +250,9 @@ def test_the_job_series_show_outstanding_work_and_errors(observed) -> None:
     assert {r["metric"]["job_name"] for r in matched} == {"waiting"}
     limit = prometheus.query("lpsync_session_bytes_limit")
     assert {float(r["value"][1]) for r in limit} == {float(1 << 35)}
-    assert not prometheus.query(next(r for r in _rules()
-                                     if r["alert"] == "LpsyncSessionNearBufferLimit")["expr"])
+    assert not prometheus.query(
+        next(r for r in _rules() if r["alert"] == "LpsyncSessionNearBufferLimit")["expr"]
+    )
 
 
 def test_peer_down_fires_when_a_peer_daemon_is_killed(observed) -> None:
@@ -239,18 +263,17 @@ def test_peer_down_fires_when_a_peer_daemon_is_killed(observed) -> None:
     daemons[1].proc.kill()
     daemons[1].proc.wait(10)
     survivor = observed["targets"][0]
-    fired = _until("the peer-down expression", lambda: prometheus.query(rule["expr"]),
-                   HEARTBEAT + 30)
+    fired = _until("the peer-down expression", lambda: prometheus.query(rule["expr"]), HEARTBEAT + 30)
     assert [r["metric"]["instance"] for r in fired] == [survivor]
     down = next(r for r in _rules() if r["alert"] == "LpsyncDaemonDown")
-    assert [r["metric"]["instance"] for r in _until(
-        "the daemon-down expression", lambda: prometheus.query(down["expr"]), 30)] \
-        == [observed["targets"][1]]
+    assert [
+        r["metric"]["instance"]
+        for r in _until("the daemon-down expression", lambda: prometheus.query(down["expr"]), 30)
+    ] == [observed["targets"][1]]
 
     def firing() -> list[dict]:
         alerts = prometheus.api("alerts")["data"]["alerts"]
-        return [a for a in alerts if a["labels"]["alertname"] == "LpsyncPeerDown"
-                and a["state"] == "firing"]
+        return [a for a in alerts if a["labels"]["alertname"] == "LpsyncPeerDown" and a["state"] == "firing"]
 
     seconds = float(rule["for"].rstrip("s"))
     alerts = _until("LpsyncPeerDown to fire", firing, seconds + 30)

@@ -24,7 +24,7 @@ NODELIST, NODES = "node[01-02]", 2
 
 # srun: runs its command once per node (SLURM_NODEID), in parallel, as srun does; passes
 # SIGTERM on to every task; exits with the worst status.
-SRUN = r'''
+SRUN = r"""
 import os, signal, subprocess, sys
 args = sys.argv[1:]
 nodes = 1
@@ -52,19 +52,19 @@ for _ in range(nodes):
     if rc != 0 and kill_on_bad_exit:  # --kill-on-bad-exit: one failed task ends the step
         forward(signal.SIGTERM)
 sys.exit(worst)
-'''
+"""
 
-SCONTROL = r'''
+SCONTROL = r"""
 import sys
 from lpsync.daemon.peers import expand_nodelist
 assert sys.argv[1:3] == ["show", "hostnames"], sys.argv
 print("\n".join(expand_nodelist(sys.argv[3])))
-'''
+"""
 
 # lpsync: `daemon` records its argv and waits for SIGTERM (STUB_DAEMON_FAIL_NODE exits 1
 # at once instead); `health` fails its first call per node, then says whether that
 # node's daemon runs. torchrun: records, sleeps STUB_TRAIN_SECONDS, exits STUB_TRAIN_RC.
-COMMON = r'''
+COMMON = r"""
 import json, os, signal, sys, time
 def event(kind, **extra):
     line = json.dumps({"event": kind, "node": int(os.environ.get("SLURM_NODEID", -1)),
@@ -73,9 +73,11 @@ def event(kind, **extra):
         f.write(line + "\n")
 node = os.environ["SLURM_NODEID"]
 state = os.environ["STUB_STATE"]
-'''
+"""
 
-LPSYNC = COMMON + r'''
+LPSYNC = (
+    COMMON
+    + r"""
 if sys.argv[1] == "daemon":
     if os.environ.get("STUB_DAEMON_FAIL_NODE") == node:
         event("daemon-failed", argv=sys.argv[1:])
@@ -98,9 +100,12 @@ if sys.argv[1] == "health":
     event("health", ok=ok, argv=sys.argv[1:])
     sys.exit(0 if ok else 1)
 sys.exit(f"unexpected lpsync {sys.argv[1:]}")
-'''
+"""
+)
 
-TORCHRUN = COMMON + r'''
+TORCHRUN = (
+    COMMON
+    + r"""
 event("train-start", argv=sys.argv[1:], socket=os.environ.get("LPSYNC_SOCKET"),
       job=os.environ.get("LPSYNC_JOB"), secret=bool(os.environ.get("LPSYNC_SECRET")))
 signal.signal(signal.SIGTERM, lambda s, f: (event("train-term"), sys.exit(143)))
@@ -108,7 +113,8 @@ time.sleep(float(os.environ.get("STUB_TRAIN_SECONDS", "0")))
 rc = int(os.environ.get("STUB_TRAIN_RC", "0"))
 event("train-end", rc=rc)
 sys.exit(rc)
-'''
+"""
+)
 
 
 @pytest.fixture
@@ -116,24 +122,35 @@ def slurm(tmp_path: Path):
     bin_dir, state = tmp_path / "bin", tmp_path / "state"
     bin_dir.mkdir()
     state.mkdir()
-    for name, body in (("srun", SRUN), ("scontrol", SCONTROL), ("lpsync", LPSYNC),
-                       ("torchrun", TORCHRUN)):
+    for name, body in (("srun", SRUN), ("scontrol", SCONTROL), ("lpsync", LPSYNC), ("torchrun", TORCHRUN)):
         (bin_dir / name).write_text(f"#!{sys.executable}\n{body}")
         (bin_dir / name).chmod(0o755)
     events = tmp_path / "events.jsonl"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_EVENTS": str(events),
-           "STUB_STATE": str(state), "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": NODELIST,
-           "SLURM_JOB_NUM_NODES": str(NODES), "LPSYNC_RUN_DIR": str(tmp_path / "run")}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "STUB_EVENTS": str(events),
+        "STUB_STATE": str(state),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": NODELIST,
+        "SLURM_JOB_NUM_NODES": str(NODES),
+        "LPSYNC_RUN_DIR": str(tmp_path / "run"),
+    }
     env.pop("LPSYNC_SECRET", None)
 
     started: list[subprocess.Popen] = []
 
     def start(**extra: str) -> subprocess.Popen:
         # A session of its own: whatever the script leaves behind can be killed as a group.
-        proc = subprocess.Popen(["bash", str(SCRIPT), "train.py", "--epochs", "1"],
-                                env={**env, **extra}, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            ["bash", str(SCRIPT), "train.py", "--epochs", "1"],
+            env={**env, **extra},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            start_new_session=True,
+        )
         started.append(proc)
         return proc
 

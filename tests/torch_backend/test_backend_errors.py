@@ -16,8 +16,7 @@ from torch_workers import errors, killed_rank
 
 
 def test_a_killed_rank_fails_the_others_with_an_error(daemon) -> None:
-    results = run_ranks(3, killed_rank, 3, [daemon.socket], 3, free_ports(1)[0],
-                        timeout=120, dies=(2,))
+    results = run_ranks(3, killed_rank, 3, [daemon.socket], 3, free_ports(1)[0], timeout=120, dies=(2,))
     for kind, message, seconds in results[:2]:
         assert kind == "DistBackendError", (kind, message)
         assert "rank 2" in message and "left" in message, message
@@ -25,8 +24,7 @@ def test_a_killed_rank_fails_the_others_with_an_error(daemon) -> None:
 
 
 def test_a_killed_rank_fails_the_others_across_two_daemons(two_nodes) -> None:
-    results = run_ranks(4, killed_rank, 4, two_nodes.sockets, 2, free_ports(1)[0],
-                        timeout=120, dies=(3,))
+    results = run_ranks(4, killed_rank, 4, two_nodes.sockets, 2, free_ports(1)[0], timeout=120, dies=(3,))
     for kind, message, seconds in results[:3]:
         assert kind == "DistBackendError", (kind, message)
         assert "rank 3" in message, message
@@ -37,8 +35,9 @@ def test_refused_operations_mismatch_and_timeout(daemon) -> None:
     results = run_ranks(2, errors, 2, [daemon.socket], 2, free_ports(1)[0], timeout=120)
     for rank, seen in enumerate(results):
         for op in ("send", "recv", "all_to_all", "all_to_all_single", "scatter", "gather"):
-            assert seen[op].startswith("UnsupportedOperationError: the lpsync backend does "
-                                       f"not support {op}"), (op, seen[op])
+            assert seen[op].startswith(
+                f"UnsupportedOperationError: the lpsync backend does not support {op}"
+            ), (op, seen[op])
         assert "BAND" in seen["band"] and seen["band"].startswith("ValueError"), seen["band"]
         assert "PREMUL_SUM" in seen["premul_sum"], seen["premul_sum"]
         assert "int16" in seen["int16 dtype"], seen["int16 dtype"]
@@ -62,10 +61,12 @@ def test_no_daemon_is_an_error_at_init(tmp_path) -> None:
         except dist.DistBackendError as error:
             print("error:", error)
     """)
-    env = {**os.environ, "LPSYNC_SOCKET": str(tmp_path / "nobody.sock"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients" / "python")])}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=90, env=env)
+    env = {
+        **os.environ,
+        "LPSYNC_SOCKET": str(tmp_path / "nobody.sock"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients" / "python")]),
+    }
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90, env=env)
     assert "error: lpsync: rank 0" in done.stdout, done.stdout + done.stderr
     assert "nobody.sock" in done.stdout and "no lpsync daemon answers" in done.stdout
 
@@ -90,23 +91,44 @@ def test_torchrun_restarts_a_failed_group_on_lpsync(daemon, tmp_path) -> None:
     attempt makes a fresh lpsync job (its own store prefix) and completes."""
     script = tmp_path / "elastic.py"
     script.write_text(textwrap.dedent(ELASTIC))
-    env = {**os.environ, "LPSYNC_SOCKET": daemon.socket,
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients" / "python")])}
+    env = {
+        **os.environ,
+        "LPSYNC_SOCKET": daemon.socket,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients" / "python")]),
+    }
     out = tmp_path / "torchrun.out"
     with open(out, "w") as sink:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-             "--max-restarts", "1", "--monitor-interval", "0.5",
-             "--master-port", str(free_ports(1)[0]), str(script)],
-            stdout=sink, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
-            start_new_session=True)  # its workers too are ended below if it hangs
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--max-restarts",
+                "1",
+                "--monitor-interval",
+                "0.5",
+                "--master-port",
+                str(free_ports(1)[0]),
+                str(script),
+            ],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            start_new_session=True,
+        )  # its workers too are ended below if it hangs
         try:
             rc = proc.wait(120)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-            raise AssertionError(f"torchrun did not finish:\n{out.read_text()[-6000:]}\n"
-                                 f"daemon:\n{daemon.log.read_text()[-3000:]}") from None
+            raise AssertionError(
+                f"torchrun did not finish:\n{out.read_text()[-6000:]}\n"
+                f"daemon:\n{daemon.log.read_text()[-3000:]}"
+            ) from None
     done = subprocess.CompletedProcess(proc.args, rc, out.read_text(), "")
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     for rank in (0, 1):

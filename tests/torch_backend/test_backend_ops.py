@@ -10,22 +10,19 @@ from torch_workers import ops_against_gloo, uneven_group
 
 
 def test_ops_equal_gloo_through_one_daemon(daemon) -> None:
-    results = run_ranks(3, ops_against_gloo, 3, [daemon.socket], 3, free_ports(1)[0],
-                        timeout=240)
+    results = run_ranks(3, ops_against_gloo, 3, [daemon.socket], 3, free_ports(1)[0], timeout=240)
     failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
     assert not failures, "\n".join(failures[:40])
 
 
 def test_ops_equal_gloo_through_two_daemons(two_nodes) -> None:
-    results = run_ranks(4, ops_against_gloo, 4, two_nodes.sockets, 2, free_ports(1)[0],
-                        timeout=300)
+    results = run_ranks(4, ops_against_gloo, 4, two_nodes.sockets, 2, free_ports(1)[0], timeout=300)
     failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
     assert not failures, "\n".join(failures[:40])
 
 
 def test_a_group_off_the_node_major_layout_is_refused_at_creation(two_nodes) -> None:
-    results = run_ranks(4, uneven_group, 4, two_nodes.sockets, 2, free_ports(1)[0],
-                        timeout=120)
+    results = run_ranks(4, uneven_group, 4, two_nodes.sockets, 2, free_ports(1)[0], timeout=120)
     for rank in range(3):
         assert results[rank].startswith("DistBackendError: lpsync: rank"), results[rank]
         assert "could not attach" in results[rank], results[rank]

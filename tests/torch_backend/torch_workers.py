@@ -12,17 +12,33 @@ import torch
 import torch.distributed as dist
 
 R = dist.ReduceOp
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
-          torch.int32, torch.int64, torch.uint8, torch.bool)
+DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+)
 
 
-def init(rank: int, world: int, sockets: list[str], per_node: int, port: int,
-         timeout: float = 60.0) -> dist.ProcessGroup:
+def init(
+    rank: int, world: int, sockets: list[str], per_node: int, port: int, timeout: float = 60.0
+) -> dist.ProcessGroup:
     """torchrun's environment for ``rank`` (node-major, ``per_node`` ranks on each daemon),
     the default group on lpsync, and a gloo group over every rank to compare with."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node),
-                      LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), LPSYNC_SOCKET=sockets[rank // per_node])
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank % per_node),
+        LOCAL_WORLD_SIZE=str(per_node),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        LPSYNC_SOCKET=sockets[rank // per_node],
+    )
     import lpsync_client.torch  # noqa: F401 - registers "lpsync"
 
     dist.init_process_group("lpsync", timeout=timedelta(seconds=timeout))
@@ -46,8 +62,7 @@ def _noncontiguous(t: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def _same(failures: list[str], what: str, got: torch.Tensor, want: torch.Tensor,
-          exact: bool = True) -> None:
+def _same(failures: list[str], what: str, got: torch.Tensor, want: torch.Tensor, exact: bool = True) -> None:
     try:
         if exact:
             torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -82,8 +97,7 @@ class Both:
                 assert work.is_completed() and work.is_success()
 
 
-def ops_against_gloo(rank: int, world: int, sockets: list[str], per_node: int, port: int
-                     ) -> list[str]:
+def ops_against_gloo(rank: int, world: int, sockets: list[str], per_node: int, port: int) -> list[str]:
     gloo = init(rank, world, sockets, per_node, port)
     failures: list[str] = []
     for async_op in (False, True):
@@ -98,15 +112,22 @@ def ops_against_gloo(rank: int, world: int, sockets: list[str], per_node: int, p
     return failures
 
 
-def _one_dtype(failures: list[str], both: Both, rank: int, world: int, dtype: torch.dtype,
-               tag: str) -> None:
+def _one_dtype(failures: list[str], both: Both, rank: int, world: int, dtype: torch.dtype, tag: str) -> None:
     for shape, layout in (((5, 7), "contiguous"), ((5, 7), "strided"), ((0,), "empty")):
         _one_layout(failures, both, rank, world, dtype, tag, shape, layout)
     both(lambda group, async_op: dist.barrier(group=group, async_op=async_op))
 
 
-def _one_layout(failures: list[str], both: Both, rank: int, world: int, dtype: torch.dtype,
-                tag: str, shape: tuple[int, ...], layout: str) -> None:
+def _one_layout(
+    failures: list[str],
+    both: Both,
+    rank: int,
+    world: int,
+    dtype: torch.dtype,
+    tag: str,
+    shape: tuple[int, ...],
+    layout: str,
+) -> None:
     base = _inputs(rank * 1000 + len(shape), dtype, shape)
 
     def pair() -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,56 +140,74 @@ def _one_layout(failures: list[str], both: Both, rank: int, world: int, dtype: t
         ops.append(R.AVG)
     for op in ops:
         a, b = pair()
-        both(lambda group, async_op, op=op, a=a, b=b: dist.all_reduce(
-            a if group is None else b, op=op, group=group, async_op=async_op))
-        _same(failures, f"{tag} {layout} all_reduce {op}", a, b,
-              exact=op != R.AVG)
+        both(
+            lambda group, async_op, op=op, a=a, b=b: dist.all_reduce(
+                a if group is None else b, op=op, group=group, async_op=async_op
+            )
+        )
+        _same(failures, f"{tag} {layout} all_reduce {op}", a, b, exact=op != R.AVG)
     a, b = pair()
     root = world - 1
-    both(lambda group, async_op: dist.broadcast(
-        a if group is None else b, group_src=root, group=group, async_op=async_op))
+    both(
+        lambda group, async_op: dist.broadcast(
+            a if group is None else b, group_src=root, group=group, async_op=async_op
+        )
+    )
     _same(failures, f"{tag} {layout} broadcast", a, b)
     a, b = pair()
     untouched = a.clone()
-    both(lambda group, async_op: dist.reduce(
-        a if group is None else b, group_dst=1, op=R.MAX, group=group, async_op=async_op))
+    both(
+        lambda group, async_op: dist.reduce(
+            a if group is None else b, group_dst=1, op=R.MAX, group=group, async_op=async_op
+        )
+    )
     if rank == 1:  # only the root's result is defined
         _same(failures, f"{tag} {layout} reduce", a, b)
     else:  # lpsync leaves the other ranks' tensors as they were
         _same(failures, f"{tag} {layout} reduce (non-root)", a, untouched)
     a, b = pair()
     outs = {k: [torch.full_like(a, 9) for _ in range(world)] for k in "ab"}
-    both(lambda group, async_op: dist.all_gather(
-        outs["a" if group is None else "b"], a if group is None else b, group=group,
-        async_op=async_op))
+    both(
+        lambda group, async_op: dist.all_gather(
+            outs["a" if group is None else "b"], a if group is None else b, group=group, async_op=async_op
+        )
+    )
     for i in range(world):
         _same(failures, f"{tag} {layout} all_gather[{i}]", outs["a"][i], outs["b"][i])
     flat = {k: torch.zeros((world * shape[0], *shape[1:]), dtype=dtype) for k in "ab"}
-    both(lambda group, async_op: dist.all_gather_single(
-        flat["a" if group is None else "b"], a if group is None else b, group=group,
-        async_op=async_op))
+    both(
+        lambda group, async_op: dist.all_gather_single(
+            flat["a" if group is None else "b"], a if group is None else b, group=group, async_op=async_op
+        )
+    )
     _same(failures, f"{tag} {layout} all_gather_single", flat["a"], flat["b"])
     ins = [_inputs(rank * 7 + i, dtype, shape) for i in range(world)]
     red = {k: torch.zeros(shape, dtype=dtype) for k in "ab"}
-    both(lambda group, async_op: dist.reduce_scatter(
-        red["a" if group is None else "b"], [t.clone() for t in ins], group=group,
-        async_op=async_op))
+    both(
+        lambda group, async_op: dist.reduce_scatter(
+            red["a" if group is None else "b"], [t.clone() for t in ins], group=group, async_op=async_op
+        )
+    )
     _same(failures, f"{tag} {layout} reduce_scatter", red["a"], red["b"])
     whole = torch.cat(ins)
-    both(lambda group, async_op: dist.reduce_scatter_single(
-        red["a" if group is None else "b"], whole.clone(), op=R.MIN, group=group,
-        async_op=async_op))
+    both(
+        lambda group, async_op: dist.reduce_scatter_single(
+            red["a" if group is None else "b"], whole.clone(), op=R.MIN, group=group, async_op=async_op
+        )
+    )
     _same(failures, f"{tag} {layout} reduce_scatter_single", red["a"], red["b"])
     many = {k: [base.clone(), base.clone() * 2, base.clone()[:1]] for k in "ab"}
     if dtype != torch.bool and dtype.itemsize > 1:  # doubling stays exact
-        both(lambda group, async_op: dist.all_reduce_coalesced(
-            many["a" if group is None else "b"], group=group, async_op=async_op))
+        both(
+            lambda group, async_op: dist.all_reduce_coalesced(
+                many["a" if group is None else "b"], group=group, async_op=async_op
+            )
+        )
         for x, y in zip(many["a"], many["b"], strict=True):
             _same(failures, f"{tag} {layout} all_reduce_coalesced", x, y)
 
 
-def _float_inputs(failures: list[str], gloo: dist.ProcessGroup, rank: int, world: int
-                  ) -> None:
+def _float_inputs(failures: list[str], gloo: dist.ProcessGroup, rank: int, world: int) -> None:
     """Random floats, a message of several chunks: equal to gloo within rounding."""
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(300_001, generator=g)
@@ -226,9 +265,13 @@ def _subgroups(failures: list[str], rank: int, world: int) -> None:
 
 def _model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(),
-                               torch.nn.Linear(32, 32), torch.nn.ReLU(),
-                               torch.nn.Linear(32, 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(10, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 3),
+    )
 
 
 def _train(model: torch.nn.Module, rank: int, steps: int) -> None:
@@ -242,8 +285,9 @@ def _train(model: torch.nn.Module, rank: int, steps: int) -> None:
         opt.step()
 
 
-def ddp_against_gloo(rank: int, world: int, sockets: list[str], per_node: int, port: int,
-                     steps: int = 20) -> float:
+def ddp_against_gloo(
+    rank: int, world: int, sockets: list[str], per_node: int, port: int, steps: int = 20
+) -> float:
     """DDP without any hook on the lpsync group and on gloo, from different initial weights
     per rank (DDP broadcasts rank 0's); the largest parameter difference at the end."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -253,8 +297,9 @@ def ddp_against_gloo(rank: int, world: int, sockets: list[str], per_node: int, p
     theirs = DDP(_model(seed=rank), process_group=gloo, bucket_cap_mb=0.001)
     _train(ours, rank, steps)
     _train(theirs, rank, steps)
-    diff = max((p - q).abs().max().item()
-               for p, q in zip(ours.parameters(), theirs.parameters(), strict=True))
+    diff = max(
+        (p - q).abs().max().item() for p, q in zip(ours.parameters(), theirs.parameters(), strict=True)
+    )
     # Every rank ends with the same parameters (bitwise: lpsync is deterministic).
     flat = torch.cat([p.detach().reshape(-1) for p in ours.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(world)]
@@ -264,8 +309,9 @@ def ddp_against_gloo(rank: int, world: int, sockets: list[str], per_node: int, p
     return diff
 
 
-def fsdp_against_gloo(rank: int, world: int, sockets: list[str], per_node: int, port: int,
-                      steps: int = 10) -> tuple[float, int]:
+def fsdp_against_gloo(
+    rank: int, world: int, sockets: list[str], per_node: int, port: int, steps: int = 10
+) -> tuple[float, int]:
     """FSDP2 (fully_shard) on a mesh over the lpsync group and on one over gloo: the
     largest difference of the full parameters at the end, and how many collectives the
     lpsync run issued (FSDP's all-gathers and reduce-scatters)."""
@@ -291,8 +337,9 @@ def fsdp_against_gloo(rank: int, world: int, sockets: list[str], per_node: int, 
     return max((p - q).abs().max().item() for p, q in zip(*results, strict=True)), issued
 
 
-def killed_rank(rank: int, world: int, sockets: list[str], per_node: int, port: int
-                ) -> tuple[str, str, float]:
+def killed_rank(
+    rank: int, world: int, sockets: list[str], per_node: int, port: int
+) -> tuple[str, str, float]:
     """The last rank dies (os._exit) in the middle of a loop of all_reduces; the others
     report (exception type, message, seconds from their last success to the error)."""
     init(rank, world, sockets, per_node, port, timeout=120.0)
@@ -309,8 +356,7 @@ def killed_rank(rank: int, world: int, sockets: list[str], per_node: int, port: 
     return "none", "", 0.0
 
 
-def errors(rank: int, world: int, sockets: list[str], per_node: int, port: int
-           ) -> dict[str, str]:
+def errors(rank: int, world: int, sockets: list[str], per_node: int, port: int) -> dict[str, str]:
     """Every refused operation's (type: message); the group still works after each."""
     init(rank, world, sockets, per_node, port, timeout=8.0)
     seen: dict[str, str] = {}
@@ -318,14 +364,12 @@ def errors(rank: int, world: int, sockets: list[str], per_node: int, port: int
     attempts: dict[str, Callable[[], object]] = {
         "send": lambda: dist.send(t, dst=(rank + 1) % world),
         "recv": lambda: dist.recv(t, src=(rank + 1) % world),
-        "all_to_all": lambda: dist.all_to_all([t.clone() for _ in range(world)],
-                                              [t.clone() for _ in range(world)]),
-        "all_to_all_single": lambda: dist.all_to_all_single(torch.ones(world),
-                                                            torch.ones(world)),
-        "scatter": lambda: dist.scatter(t, [t.clone() for _ in range(world)]
-                                        if rank == 0 else None, src=0),
-        "gather": lambda: dist.gather(t, [t.clone() for _ in range(world)]
-                                      if rank == 0 else None, dst=0),
+        "all_to_all": lambda: dist.all_to_all(
+            [t.clone() for _ in range(world)], [t.clone() for _ in range(world)]
+        ),
+        "all_to_all_single": lambda: dist.all_to_all_single(torch.ones(world), torch.ones(world)),
+        "scatter": lambda: dist.scatter(t, [t.clone() for _ in range(world)] if rank == 0 else None, src=0),
+        "gather": lambda: dist.gather(t, [t.clone() for _ in range(world)] if rank == 0 else None, dst=0),
         "band": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=R.BAND),
         "premul_sum": lambda: dist.all_reduce(t, op=R.PREMUL_SUM(2.0)),
         "complex64 dtype": lambda: dist.broadcast(torch.ones(2, dtype=torch.cfloat), 0),
@@ -363,8 +407,7 @@ def errors(rank: int, world: int, sockets: list[str], per_node: int, port: int
     return seen
 
 
-def uneven_group(rank: int, world: int, sockets: list[str], per_node: int, port: int
-                 ) -> str:
+def uneven_group(rank: int, world: int, sockets: list[str], per_node: int, port: int) -> str:
     """new_group over ranks 0..world-2: on two nodes of two, an uneven layout (two ranks
     on node 0, one on node 1) the daemons refuse; each member reports what it got."""
     init(rank, world, sockets, per_node, port)

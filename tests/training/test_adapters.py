@@ -29,8 +29,9 @@ def test_jax_allreduce_matches_numpy(daemon: DaemonProcess) -> None:
                 stack = np.stack([x[source] * (2 if key == "d2" else 1) for x in every])
                 want = {"sum": stack.sum(0), "avg": stack.mean(0), "max": stack.max(0)}[op]
                 assert got[key].dtype == every[0][source].dtype, (op, key)
-                np.testing.assert_allclose(got[key], want, rtol=1e-6, atol=1e-6,
-                                           err_msg=f"rank {rank} {op} {key}")
+                np.testing.assert_allclose(
+                    got[key], want, rtol=1e-6, atol=1e-6, err_msg=f"rank {rank} {op} {key}"
+                )
     for rank in range(WORLD):
         np.testing.assert_allclose(results[rank][-1]["x"], np.full(3, 1.0))  # mean of 0, 1, 2
 
@@ -51,15 +52,21 @@ def test_cupy_allreduce_matches_numpy(daemon: DaemonProcess) -> None:
             np.testing.assert_allclose(got, sum(x[key] for x in every), rtol=1e-6)
 
 
-@pytest.mark.parametrize("module,framework,extra", [
-    ("lpsync_client.jax", "jax", "lpsync-client[jax]"),
-    ("lpsync_client.cupy", "cupy", "lpsync-client[cupy]"),
-    ("lpsync_client.torch", "torch", "lpsync-client[torch]"),
-])
+@pytest.mark.parametrize(
+    "module,framework,extra",
+    [
+        ("lpsync_client.jax", "jax", "lpsync-client[jax]"),
+        ("lpsync_client.cupy", "cupy", "lpsync-client[cupy]"),
+        ("lpsync_client.torch", "torch", "lpsync-client[torch]"),
+    ],
+)
 def test_missing_framework_says_what_to_install(module: str, framework: str, extra: str) -> None:
-    code = (f"import sys; sys.modules[{framework!r}] = None\n"
-            f"try:\n    import {module}\nexcept ImportError as e:\n    print(e)\n"
-            f"else:\n    print('imported')\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+    code = (
+        f"import sys; sys.modules[{framework!r}] = None\n"
+        f"try:\n    import {module}\nexcept ImportError as e:\n    print(e)\n"
+        f"else:\n    print('imported')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     assert extra in out and "not installed" in out, out

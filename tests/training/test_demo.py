@@ -34,8 +34,7 @@ def _directory(output: str) -> str:
 
 
 def test_demo_trains_and_compares() -> None:
-    done = subprocess.run(DEMO, capture_output=True, text=True, timeout=400, cwd=ROOT,
-                          check=False)
+    done = subprocess.run(DEMO, capture_output=True, text=True, timeout=400, cwd=ROOT, check=False)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     assert "[lpsync x4] epoch 1" in out and "[gloo x4] epoch 1" in out and "[single]" in out
@@ -51,8 +50,13 @@ def test_demo_trains_and_compares() -> None:
 def test_demo_interrupted_cleans_up(tmp_path: Path) -> None:
     log = tmp_path / "demo.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(DEMO, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = subprocess.Popen(
+            DEMO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     try:
         deadline = time.monotonic() + 120
         while "DDP with the lpsync comm hook" not in log.read_text():
@@ -72,9 +76,9 @@ def test_demo_interrupted_cleans_up(tmp_path: Path) -> None:
 def test_demo_reports_a_failing_trainer(tmp_path: Path) -> None:
     script = tmp_path / "broken.py"
     script.write_text("import sys\nprint('trainer starting', file=sys.stderr)\nsys.exit(3)\n")
-    done = subprocess.run([*DEMO, "--script", str(script)], capture_output=True, text=True,
-                          timeout=200, cwd=ROOT)
+    done = subprocess.run(
+        [*DEMO, "--script", str(script)], capture_output=True, text=True, timeout=200, cwd=ROOT
+    )
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "the lpsync training failed" in done.stderr and "trainer starting" in done.stderr, \
-        done.stderr
+    assert "the lpsync training failed" in done.stderr and "trainer starting" in done.stderr, done.stderr
     assert not _leftovers(_directory(done.stdout))

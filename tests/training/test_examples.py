@@ -13,8 +13,12 @@ from harness import DaemonProcess
 from ports import free_ports
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-LAST_LINE = {"ddp_one_line": "2 ranks agree on", "horovod_style": "every rank holds the same",
-             "jax_allreduce": "w = [", "numpy_allreduce": "max |w - true w|"}
+LAST_LINE = {
+    "ddp_one_line": "2 ranks agree on",
+    "horovod_style": "every rank holds the same",
+    "jax_allreduce": "w = [",
+    "numpy_allreduce": "max |w - true w|",
+}
 
 
 @pytest.mark.parametrize("example", sorted(LAST_LINE))
@@ -22,10 +26,28 @@ def test_example_runs_under_torchrun(daemon: DaemonProcess, example: str) -> Non
     if example.startswith("jax"):
         pytest.importorskip("jax")
     (port,) = free_ports(1)
-    env = {**os.environ, "LPSYNC_SOCKET": daemon.socket, "LPSYNC_JOB": example,
-           "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                           "2", "--master-port", str(port), str(EXAMPLES / f"{example}.py")],
-                          capture_output=True, text=True, env=env, timeout=240)
+    env = {
+        **os.environ,
+        "LPSYNC_SOCKET": daemon.socket,
+        "LPSYNC_JOB": example,
+        "OMP_NUM_THREADS": "1",
+        "JAX_PLATFORMS": "cpu",
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(port),
+            str(EXAMPLES / f"{example}.py"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert LAST_LINE[example] in done.stdout, done.stdout

@@ -14,8 +14,7 @@ import lpsync_client.torch as lpt
 
 @pytest.fixture
 def client(daemon: DaemonProcess):
-    with lpsync_client.connect(daemon.socket, job="single", rank=0, world_size=1,
-                               timeout=20) as c:
+    with lpsync_client.connect(daemon.socket, job="single", rank=0, world_size=1, timeout=20) as c:
         yield c
 
 
@@ -23,8 +22,9 @@ def test_unused_parameter_and_buckets(client: lpsync_client.Client) -> None:
     torch.manual_seed(0)
     used, unused = nn.Linear(4, 3), nn.Linear(4, 3)
     params = [*used.named_parameters(prefix="used"), *unused.named_parameters(prefix="unused")]
-    opt = lpt.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.1), params,
-                                   bucket_bytes=40, client=client)
+    opt = lpt.DistributedOptimizer(
+        torch.optim.SGD([p for _, p in params], lr=0.1), params, bucket_bytes=40, client=client
+    )
     assert isinstance(opt, torch.optim.SGD) and len(opt._lpsync_buckets) == 4
     before = used.weight.detach().clone()
     used(torch.ones(2, 4)).sum().backward()
@@ -41,8 +41,9 @@ def test_unused_parameter_and_buckets(client: lpsync_client.Client) -> None:
 
 def test_two_backwards_before_step_are_refused(client: lpsync_client.Client) -> None:
     layer = nn.Linear(4, 3)
-    opt = lpt.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1),
-                                   layer.named_parameters(), client=client)
+    opt = lpt.DistributedOptimizer(
+        torch.optim.SGD(layer.parameters(), lr=0.1), layer.named_parameters(), client=client
+    )
     layer(torch.ones(1, 4)).sum().backward()
     with pytest.raises(lpsync_client.InvalidArgumentError, match="accumulated twice"):
         layer(torch.ones(1, 4)).sum().backward()

@@ -27,8 +27,9 @@ TOL = 1e-5
 @pytest.mark.parametrize("world", [2, 4])
 def test_ddp_hook_equals_gloo_and_one_process(daemon: DaemonProcess, world: int) -> None:
     (port,) = free_ports(1)
-    results = run_ranks(world, ddp_gloo_and_lpsync, world, [daemon.socket], world,
-                        f"ddp{world}", port, STEPS, timeout=120)
+    results = run_ranks(
+        world, ddp_gloo_and_lpsync, world, [daemon.socket], world, f"ddp{world}", port, STEPS, timeout=120
+    )
     reference = single_process(world, STEPS)
     for rank, (gloo, lpsync, replaced) in enumerate(results):
         assert np.abs(lpsync - gloo).max() <= TOL, f"rank {rank}: lpsync vs gloo"
@@ -44,8 +45,9 @@ def test_ddp_hook_across_two_daemons(tmp_path: Path) -> None:
     daemons = PeeredDaemons(tmp_path, 2)
     try:
         (port,) = free_ports(1)
-        results = run_ranks(4, ddp_gloo_and_lpsync, 4, daemons.sockets, 2,
-                            "ddp-2nodes", port, STEPS, timeout=150)
+        results = run_ranks(
+            4, ddp_gloo_and_lpsync, 4, daemons.sockets, 2, "ddp-2nodes", port, STEPS, timeout=150
+        )
     finally:
         daemons.stop_and_check()
     reference = single_process(4, STEPS)
@@ -56,8 +58,7 @@ def test_ddp_hook_across_two_daemons(tmp_path: Path) -> None:
 
 def test_hook_returns_before_the_collective_completes(daemon: DaemonProcess) -> None:
     (port,) = free_ports(1)
-    (inside, backward), _ = run_ranks(2, hook_does_not_block, 2, daemon.socket, "overlap",
-                                      port, timeout=120)
+    (inside, backward), _ = run_ranks(2, hook_does_not_block, 2, daemon.socket, "overlap", port, timeout=120)
     assert backward > 1.5, "rank 0's backward should have waited for the late rank"
     assert inside < 0.5, f"the hook blocked for {inside:.2f} s of the {backward:.2f} s"
 
@@ -88,8 +89,7 @@ def test_killed_trainer_fails_the_others(daemon: DaemonProcess) -> None:
     victim = 2
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_report, args=(q, r, 3, daemon.socket, port, victim))
-             for r in range(3)]
+    procs = [ctx.Process(target=_report, args=(q, r, 3, daemon.socket, port, victim)) for r in range(3)]
     for p in procs:
         p.start()
     try:

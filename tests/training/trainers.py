@@ -58,8 +58,9 @@ def optimizer(m: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
 
 
-def train(m: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, steps: int,
-          after_step=None) -> None:
+def train(
+    m: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, steps: int, after_step=None
+) -> None:
     x, y = data(world, steps)
     for s in range(steps):
         rows = slice((s * world + rank) * BATCH, (s * world + rank + 1) * BATCH)
@@ -83,17 +84,25 @@ def single_process(world: int, steps: int) -> np.ndarray:
     return flat(m)
 
 
-def _attach(rank: int, world: int, sockets: list[str], per_node: int, job: str,
-            port: int) -> lpsync_client.Client:
+def _attach(
+    rank: int, world: int, sockets: list[str], per_node: int, job: str, port: int
+) -> lpsync_client.Client:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    return lpsync_client.connect(sockets[rank // per_node], job=job, rank=rank,
-                                 world_size=world, local_rank=rank % per_node,
-                                 local_world_size=per_node, timeout=30)
+    return lpsync_client.connect(
+        sockets[rank // per_node],
+        job=job,
+        rank=rank,
+        world_size=world,
+        local_rank=rank % per_node,
+        local_world_size=per_node,
+        timeout=30,
+    )
 
 
-def ddp_gloo_and_lpsync(rank: int, world: int, sockets: list[str], per_node: int, job: str,
-                        port: int, steps: int) -> tuple[np.ndarray, np.ndarray, int]:
+def ddp_gloo_and_lpsync(
+    rank: int, world: int, sockets: list[str], per_node: int, job: str, port: int, steps: int
+) -> tuple[np.ndarray, np.ndarray, int]:
     """Train with DDP over gloo, then with DDP and the lpsync hook (small buckets: several
     per step, rebuilt after the first); both final parameter vectors and how many bucket
     buffers the hook replaced after DDP's rebuild."""
@@ -113,15 +122,14 @@ def ddp_gloo_and_lpsync(rank: int, world: int, sockets: list[str], per_node: int
         dist.destroy_process_group()
 
 
-def distributed_optimizer(rank: int, world: int, socket: str, job: str,
-                          steps: int) -> tuple[np.ndarray, np.ndarray, int]:
+def distributed_optimizer(
+    rank: int, world: int, socket: str, job: str, steps: int
+) -> tuple[np.ndarray, np.ndarray, int]:
     """DistributedOptimizer (small buckets) against per-tensor allreduce by hand; both
     final parameter vectors and the number of buckets."""
-    with lpsync_client.connect(socket, job=job, rank=rank, world_size=world,
-                               timeout=30) as client:
+    with lpsync_client.connect(socket, job=job, rank=rank, world_size=world, timeout=30) as client:
         m = model()
-        opt = lpt.DistributedOptimizer(optimizer(m), m.named_parameters(),
-                                       bucket_bytes=20_000, client=client)
+        opt = lpt.DistributedOptimizer(optimizer(m), m.named_parameters(), bucket_bytes=20_000, client=client)
         train(m, opt, rank, world, steps)
         fused, buckets = flat(m), len(opt._lpsync_buckets)
         opt.remove_hooks()
@@ -142,8 +150,7 @@ def distributed_optimizer(rank: int, world: int, socket: str, job: str,
 def broadcasts(rank: int, world: int, socket: str, job: str) -> tuple[np.ndarray, dict]:
     """Every rank starts from its own seed; after the broadcasts every rank holds rank 1's
     parameters, buffers and Adam state."""
-    with lpsync_client.connect(socket, job=job, rank=rank, world_size=world,
-                               timeout=30) as client:
+    with lpsync_client.connect(socket, job=job, rank=rank, world_size=world, timeout=30) as client:
         torch.manual_seed(100 + rank)
         m = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.Linear(7, 3))
         opt = torch.optim.Adam(m.parameters(), lr=0.01 * (rank + 1))
@@ -156,16 +163,17 @@ def broadcasts(rank: int, world: int, socket: str, job: str) -> tuple[np.ndarray
         lpt.broadcast_parameters(m.state_dict(), root=1, client=client)
         lpt.broadcast_optimizer_state(opt, root=1, client=client)
         state = opt.state_dict()
-        summary = {"before": before, "lr": state["param_groups"][0]["lr"],
-                   "steps": [float(s["step"]) for s in state["state"].values()],
-                   "exp_avg": np.concatenate([s["exp_avg"].reshape(-1).numpy()
-                                              for s in state["state"].values()])}
+        summary = {
+            "before": before,
+            "lr": state["param_groups"][0]["lr"],
+            "steps": [float(s["step"]) for s in state["state"].values()],
+            "exp_avg": np.concatenate([s["exp_avg"].reshape(-1).numpy() for s in state["state"].values()]),
+        }
         everything = torch.cat([t.reshape(-1).double() for t in m.state_dict().values()])
         return everything.numpy(), summary
 
 
-def killed_midway(rank: int, world: int, socket: str, job: str, port: int,
-                  victim: int) -> str:
+def killed_midway(rank: int, world: int, socket: str, job: str, port: int, victim: int) -> str:
     """DDP with the hook; ``victim`` dies (SIGKILL) after two steps. The others must fail
     with the daemon's error instead of hanging; returns their error text and the seconds
     it took."""
@@ -187,8 +195,7 @@ def killed_midway(rank: int, world: int, socket: str, job: str, port: int,
     return "no error"
 
 
-def hook_does_not_block(rank: int, world: int, socket: str, job: str,
-                        port: int) -> tuple[float, float]:
+def hook_does_not_block(rank: int, world: int, socket: str, job: str, port: int) -> tuple[float, float]:
     """Rank 1 starts its backward 2 s late. Rank 0's hook must hand each bucket over and
     return at once (its collectives wait in the daemon while backward goes on); only the
     end of rank 0's backward waits. Returns (seconds inside the hook, seconds of the
@@ -211,8 +218,9 @@ def hook_does_not_block(rank: int, world: int, socket: str, job: str,
         step_seconds = 0.0
         for step in range(3):
             opt.zero_grad()
-            loss = nn.functional.cross_entropy(m(x[rank * BATCH:(rank + 1) * BATCH]),
-                                               y[rank * BATCH:(rank + 1) * BATCH])
+            loss = nn.functional.cross_entropy(
+                m(x[rank * BATCH : (rank + 1) * BATCH]), y[rank * BATCH : (rank + 1) * BATCH]
+            )
             if step == 2:
                 inside[0] = 0.0
                 if rank == 1:

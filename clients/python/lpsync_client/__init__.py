@@ -27,7 +27,21 @@ from lpsync_client.errors import (
 )
 
 __version__ = "0.1.0"
-__all__ = ["AbortedError", "AlreadyExistsError", "Client", "CollectiveTimeoutError", "DeviceRegistered",
-           "InvalidArgumentError", "LpsyncError", "MismatchError", "NotFoundError",
-           "Registered", "ResourceExhaustedError", "TimeoutError", "UnauthenticatedError",
-           "UnavailableError", "UnimplementedError", "connect"]
+__all__ = [
+    "AbortedError",
+    "AlreadyExistsError",
+    "Client",
+    "CollectiveTimeoutError",
+    "DeviceRegistered",
+    "InvalidArgumentError",
+    "LpsyncError",
+    "MismatchError",
+    "NotFoundError",
+    "Registered",
+    "ResourceExhaustedError",
+    "TimeoutError",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "UnimplementedError",
+    "connect",
+]

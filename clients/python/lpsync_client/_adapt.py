@@ -40,7 +40,7 @@ def served_kinds(client: Client) -> frozenset[str]:
 
 
 def kind_of(x: object) -> str | None:
-    """"emulated", "cuda", or None for host memory."""
+    """ "emulated", "cuda", or None for host memory."""
     if hasattr(x, "__lpsync_device__"):
         return "emulated"
     return "cuda" if is_device_array(x) else None
@@ -69,8 +69,9 @@ def ensure_registered(client: Client, x: object) -> DeviceRegistered | None:
     return registered if registered.original is not None else None
 
 
-def allreduce_arrays(client: Client, arrays: Sequence[object], op: str, *, name: str = "",
-                     timeout: float | None = None) -> None:
+def allreduce_arrays(
+    client: Client, arrays: Sequence[object], op: str, *, name: str = "", timeout: float | None = None
+) -> None:
     """Reduce every device array in place, one collective each (all submitted, then
     awaited: the daemon pipelines them)."""
     futures: list[Future] = []
@@ -80,8 +81,9 @@ def allreduce_arrays(client: Client, arrays: Sequence[object], op: str, *, name:
             made = ensure_registered(client, a)
             if made is not None:
                 held.append(made)
-            futures.append(client.allreduce_async(a, op=op, timeout=timeout,
-                                                  name=f"{name}/{i}" if name else ""))
+            futures.append(
+                client.allreduce_async(a, op=op, timeout=timeout, name=f"{name}/{i}" if name else "")
+            )
         for future in futures:
             client._wait(future, timeout)
     finally:

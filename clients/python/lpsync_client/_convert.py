@@ -25,8 +25,7 @@ def dtype_name(dtype: np.dtype) -> str:
     if name in DTYPES:
         _NAMES[dtype] = name
     else:
-        raise InvalidArgumentError(f"dtype {dtype} is not supported; use one of "
-                                   f"{', '.join(DTYPES)}")
+        raise InvalidArgumentError(f"dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
     return name
 
 
@@ -40,8 +39,7 @@ def numpy_dtype(name: str) -> np.dtype:
             ) from None
         return np.dtype(ml_dtypes.bfloat16)
     if name not in DTYPES:
-        raise InvalidArgumentError(f"dtype {name!r} is not supported; use one of "
-                                   f"{', '.join(DTYPES)}")
+        raise InvalidArgumentError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}")
     return np.dtype(name)
 
 
@@ -71,7 +69,8 @@ def as_numpy(x: object) -> tuple[np.ndarray, str]:
         except TypeError:
             raise InvalidArgumentError(
                 f"cannot use {type(x).__name__}: pass a numpy array, a torch CPU tensor, or "
-                "an object with __dlpack__ or the buffer protocol") from None
+                "an object with __dlpack__ or the buffer protocol"
+            ) from None
     if not arr.flags.c_contiguous:
         raise InvalidArgumentError("the array must be C-contiguous")
     return arr.reshape(-1), name or dtype_name(arr.dtype)

@@ -42,8 +42,10 @@ def allocation_of(pointer: int) -> tuple[int, int, int, bytes]:
     cuda = _driver()
     _check(cuda.cuInit(0), "cuInit")
     ordinal = ctypes.c_int()
-    _check(cuda.cuPointerGetAttribute(ctypes.byref(ordinal), _DEVICE_ORDINAL,
-                                      ctypes.c_uint64(pointer)), "cuPointerGetAttribute")
+    _check(
+        cuda.cuPointerGetAttribute(ctypes.byref(ordinal), _DEVICE_ORDINAL, ctypes.c_uint64(pointer)),
+        "cuPointerGetAttribute",
+    )
     device, context = ctypes.c_int(), ctypes.c_void_p()
     _check(cuda.cuDeviceGet(ctypes.byref(device), ordinal.value), "cuDeviceGet")
     _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
@@ -51,8 +53,12 @@ def allocation_of(pointer: int) -> tuple[int, int, int, bytes]:
         _check(cuda.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
         try:
             base, size = ctypes.c_uint64(), ctypes.c_size_t()
-            _check(cuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
-                                                ctypes.c_uint64(pointer)), "cuMemGetAddressRange")
+            _check(
+                cuda.cuMemGetAddressRange_v2(
+                    ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(pointer)
+                ),
+                "cuMemGetAddressRange",
+            )
             handle = _IpcHandle()
             _check(cuda.cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
         finally:

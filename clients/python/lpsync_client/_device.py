@@ -28,8 +28,15 @@ from lpsync_client.errors import InvalidArgumentError
 
 _KDL_CUDA = (2, 13)
 # __cuda_array_interface__ typestr -> lpsync dtype (bfloat16 has no typestr: torch only)
-_TYPESTR = {"<f2": "float16", "<f4": "float32", "<f8": "float64", "|i1": "int8",
-            "<i4": "int32", "<i8": "int64", "|u1": "uint8"}
+_TYPESTR = {
+    "<f2": "float16",
+    "<f4": "float32",
+    "<f8": "float64",
+    "|i1": "int8",
+    "<i4": "int32",
+    "<i8": "int64",
+    "|u1": "uint8",
+}
 
 
 @dataclass
@@ -62,8 +69,12 @@ def is_device_array(x: object) -> bool:
 
 def describe(x: object) -> DeviceOperand:
     if hasattr(x, "__lpsync_device__"):
-        return DeviceOperand(x.__lpsync_device__(), x.__lpsync_sync__, x,  # type: ignore[attr-defined]
-                             getattr(x, "__lpsync_ready__", None))
+        return DeviceOperand(
+            x.__lpsync_device__(),
+            x.__lpsync_sync__,
+            x,  # type: ignore[attr-defined]
+            getattr(x, "__lpsync_ready__", None),
+        )
     module = type(x).__module__
     if module.startswith("torch"):
         return _torch(x)
@@ -77,7 +88,8 @@ def describe(x: object) -> DeviceOperand:
     except ImportError:
         raise InvalidArgumentError(
             f"{type(x).__name__} lives on a CUDA device; registering it through __dlpack__ "
-            "needs cupy (pip install 'lpsync-client[cuda12]')") from None
+            "needs cupy (pip install 'lpsync-client[cuda12]')"
+        ) from None
     return _cai(cupy.from_dlpack(x), _block(x), keep=x)
 
 
@@ -89,6 +101,7 @@ def _stream_sync_for(x: object) -> Callable[[], None]:
             event = cupy.cuda.Event(disable_timing=True)
             event.record(cupy.cuda.get_current_stream())
             event.synchronize()
+
         return sync
     return _block(x)
 
@@ -97,8 +110,9 @@ _events: dict[tuple[str, int], tuple[object, bytes]] = {}  # (framework, device)
 _events_lock = threading.Lock()
 
 
-def _cached_event(framework: str, device: int, make: Callable[[], tuple[object, bytes]]
-                  ) -> tuple[object, bytes]:
+def _cached_event(
+    framework: str, device: int, make: Callable[[], tuple[object, bytes]]
+) -> tuple[object, bytes]:
     with _events_lock:
         entry = _events.get((framework, device))
         if entry is None:
@@ -120,6 +134,7 @@ def _cupy_ready(device: int) -> Callable[[], bytes]:
             event, handle = _cached_event("cupy", device, make)
             event.record(cupy.cuda.get_current_stream())  # type: ignore[attr-defined]
             return handle
+
     return ready
 
 
@@ -139,6 +154,7 @@ def _torch_ready(device: object) -> Callable[[], bytes]:
                 return entry[1]
         entry[0].record(stream)  # type: ignore[attr-defined]
         return entry[1]
+
     return ready
 
 
@@ -147,8 +163,7 @@ def _block(x: object) -> Callable[[], None]:
     return (lambda: ready()) if ready is not None else (lambda: None)
 
 
-def _cai(x: object, sync: Callable[[], None], keep: object = None,
-         dtype: str | None = None) -> DeviceOperand:
+def _cai(x: object, sync: Callable[[], None], keep: object = None, dtype: str | None = None) -> DeviceOperand:
     from lpsync_client import _cuda
 
     cai = x.__cuda_array_interface__  # type: ignore[attr-defined]
@@ -170,9 +185,11 @@ def _cai(x: object, sync: Callable[[], None], keep: object = None,
             raise InvalidArgumentError("the device array must be C-contiguous")
     pointer = int(cai["data"][0])
     device, base, size, handle = _cuda.allocation_of(pointer)
-    return DeviceOperand(DeviceArrayInfo("cuda", device, handle, size, pointer - base,
-                                         count * itemsize, count, name), sync,
-                         keep if keep is not None else x)
+    return DeviceOperand(
+        DeviceArrayInfo("cuda", device, handle, size, pointer - base, count * itemsize, count, name),
+        sync,
+        keep if keep is not None else x,
+    )
 
 
 def _torch(t: object) -> DeviceOperand:
@@ -188,6 +205,7 @@ def _torch(t: object) -> DeviceOperand:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         event.synchronize()
+
     plain = t.detach()  # type: ignore[attr-defined]  # (no interface on grad-requiring tensors)
     if t.dtype == torch.bfloat16:  # type: ignore[attr-defined]
         # No typestr for bfloat16: describe the same bytes as int16.

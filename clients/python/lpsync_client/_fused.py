@@ -30,8 +30,9 @@ def _buffer(client: Client, dtype: np.dtype, count: int) -> np.ndarray:
     return buffer
 
 
-def allreduce(client: Client, arrays: list[np.ndarray], op: str, *, name: str = "",
-              timeout: float | None = None) -> list[np.ndarray]:
+def allreduce(
+    client: Client, arrays: list[np.ndarray], op: str, *, name: str = "", timeout: float | None = None
+) -> list[np.ndarray]:
     """Reduce every array over the job's ranks; the results as copies, in order."""
     by_dtype: dict[np.dtype, list[int]] = {}
     for i, a in enumerate(arrays):
@@ -45,15 +46,21 @@ def allreduce(client: Client, arrays: list[np.ndarray], op: str, *, name: str = 
             packed = _buffer(client, dtype, count)[:count]
             offset = 0
             for i in indices:
-                packed[offset:offset + arrays[i].size] = arrays[i].reshape(-1)
+                packed[offset : offset + arrays[i].size] = arrays[i].reshape(-1)
                 offset += arrays[i].size
-            pending.append((client.allreduce_async(packed, op=op, timeout=timeout,
-                                                   name=f"{name}/{dtype}" if name else ""),
-                            packed, indices))
+            pending.append(
+                (
+                    client.allreduce_async(
+                        packed, op=op, timeout=timeout, name=f"{name}/{dtype}" if name else ""
+                    ),
+                    packed,
+                    indices,
+                )
+            )
         for future, packed, indices in pending:
             client._wait(future, timeout)
             offset = 0
             for i in indices:
-                results[i] = packed[offset:offset + arrays[i].size].reshape(arrays[i].shape).copy()
+                results[i] = packed[offset : offset + arrays[i].size].reshape(arrays[i].shape).copy()
                 offset += arrays[i].size
     return results

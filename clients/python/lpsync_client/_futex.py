@@ -35,8 +35,9 @@ def wait(address: int, expected: int, timeout: float) -> None:
     """Sleep while the 32-bit word at ``address`` equals ``expected``, at most ``timeout``
     seconds (returns early on a wake, a changed word or a signal: callers re-check)."""
     ts = _Timespec(int(timeout), int((timeout % 1) * 1e9))
-    result = _libc().syscall(_number(), ctypes.c_void_p(address), _WAIT,
-                             ctypes.c_uint32(expected), ctypes.byref(ts), None, 0)
+    result = _libc().syscall(
+        _number(), ctypes.c_void_p(address), _WAIT, ctypes.c_uint32(expected), ctypes.byref(ts), None, 0
+    )
     if result == -1:
         errno = ctypes.get_errno()
         if errno not in (11, 110, 4):  # EAGAIN (word changed), ETIMEDOUT, EINTR

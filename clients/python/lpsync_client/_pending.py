@@ -27,8 +27,9 @@ class PendingRequests:
     def closed(self) -> bool:
         return self._error is not None
 
-    def submit(self, request: pb.SessionRequest, hook: Hook,
-               send: Callable[[pb.SessionRequest], None]) -> Future:
+    def submit(
+        self, request: pb.SessionRequest, hook: Hook, send: Callable[[pb.SessionRequest], None]
+    ) -> Future:
         """Give ``request`` an id and ``send`` it; the Future gets ``hook(response)`` or
         the hook's exception. ``send`` runs under the lock, so requests leave in id order
         (the daemon numbers collectives in arrival order); its LpsyncError is raised here."""

@@ -29,8 +29,7 @@ class Mapping:
         self.base = self.array.__array_interface__["data"][0]
 
     def contains(self, address: int, nbytes: int) -> bool:
-        return self.nbytes > 0 and self.base <= address and address + nbytes <= \
-            self.base + self.nbytes
+        return self.nbytes > 0 and self.base <= address and address + nbytes <= self.base + self.nbytes
 
     def close(self) -> None:
         """Unmap unless arrays still view the segment (then they keep it mapped)."""

@@ -27,11 +27,11 @@ class SessionStream:
         self._requests: queue.SimpleQueue[pb.SessionRequest | None] = queue.SimpleQueue()
         self._pending = PendingRequests("session stream")
         self._call = stub.Session(self._iterate(), metadata=metadata)
-        self._reader = threading.Thread(target=self._read, name="lpsync-client-stream",
-                                        daemon=True)
+        self._reader = threading.Thread(target=self._read, name="lpsync-client-stream", daemon=True)
         self._reader.start()
-        opened = self.submit(pb.SessionRequest(open=pb.SessionOpen(session_id=session_id)),
-                             lambda response: response)
+        opened = self.submit(
+            pb.SessionRequest(open=pb.SessionOpen(session_id=session_id)), lambda response: response
+        )
         opened.result(timeout=open_timeout)
 
     def submit(self, request: pb.SessionRequest, hook: Hook) -> Future:

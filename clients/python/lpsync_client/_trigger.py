@@ -26,8 +26,9 @@ class TriggerStream:
         self._sock.settimeout(open_timeout)
         try:
             self._sock.connect(path)
-            self._sock.sendall(pb.SessionRequest(
-                open=pb.SessionOpen(session_id=session_id)).SerializeToString())
+            self._sock.sendall(
+                pb.SessionRequest(open=pb.SessionOpen(session_id=session_id)).SerializeToString()
+            )
             first = pb.SessionResponse.FromString(self._sock.recv(MAX_PACKET))
         except OSError as error:
             self._sock.close()
@@ -35,13 +36,11 @@ class TriggerStream:
         if first.WhichOneof("body") != "opened":
             self._sock.close()
             r = first.result
-            raise from_status(r.code or "UNAVAILABLE", r.message or "trigger socket refused",
-                              r.error)
+            raise from_status(r.code or "UNAVAILABLE", r.message or "trigger socket refused", r.error)
         self._sock.settimeout(1.0)
         self._pending = PendingRequests("trigger socket")
         self._closing = False
-        self._reader = threading.Thread(target=self._read, name="lpsync-client-trigger",
-                                        daemon=True)
+        self._reader = threading.Thread(target=self._read, name="lpsync-client-trigger", daemon=True)
         self._reader.start()
 
     def submit(self, request: pb.SessionRequest, hook: Hook) -> Future:

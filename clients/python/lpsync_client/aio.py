@@ -68,5 +68,4 @@ class Client:
 async def connect(*args, **kwargs) -> Client:
     """Like lpsync_client.connect (same arguments); attaching runs off the event loop."""
     loop = asyncio.get_running_loop()
-    return Client(await loop.run_in_executor(None, functools.partial(_sync.connect, *args,
-                                                                      **kwargs)))
+    return Client(await loop.run_in_executor(None, functools.partial(_sync.connect, *args, **kwargs)))

@@ -61,11 +61,12 @@ class Registered:
     """A tensor of yours staged through a daemon segment: copied in before each collective
     that reads it, copied back after each that writes it. Made by Client.register()."""
 
-    def __init__(self, client: Client, source: np.ndarray, dtype: str, segment: _Segment,
-                 original: object) -> None:
+    def __init__(
+        self, client: Client, source: np.ndarray, dtype: str, segment: _Segment, original: object
+    ) -> None:
         self.client, self.source, self.dtype, self.original = client, source, dtype, original
         self.segment = segment
-        self.staging = segment.mapping.array[:source.nbytes].view(source.dtype)
+        self.staging = segment.mapping.array[: source.nbytes].view(source.dtype)
 
     @property
     def handle(self) -> int:
@@ -81,8 +82,7 @@ class DeviceRegistered:
     the user's array, so the allocation stays alive while registered. Made by
     Client.register() (or on first use of an unregistered device array)."""
 
-    def __init__(self, client: Client, operand: DeviceOperand, handle: int,
-                 hold: bool = True) -> None:
+    def __init__(self, client: Client, operand: DeviceOperand, handle: int, hold: bool = True) -> None:
         self.client, self.handle, self.info = client, handle, operand.info
         # hold=False (the framework adapters): the array is not kept alive; a finalizer
         # releases this registration once it is collected (Client.register).
@@ -96,8 +96,11 @@ class DeviceRegistered:
 
     def covers(self, info: DeviceArrayInfo) -> bool:
         mine = self.info
-        return (mine.kind, mine.device, mine.handle) == (info.kind, info.device, info.handle) \
-            and mine.offset <= info.offset and info.offset + info.nbytes <= mine.offset + mine.nbytes
+        return (
+            (mine.kind, mine.device, mine.handle) == (info.kind, info.device, info.handle)
+            and mine.offset <= info.offset
+            and info.offset + info.nbytes <= mine.offset + mine.nbytes
+        )
 
     def release(self) -> None:
         self.client.release(self)
@@ -135,9 +138,12 @@ def _order_streams(request: pb.CollectiveRequest, operands: list[_Operand]) -> N
     request.ready_event = first.order()
     for other in operands[1:]:
         d = other.device
-        if d is not None and not (request.ready_event and d.ready is not None
-                                  and d.info.kind == first.info.kind
-                                  and d.info.device == first.info.device):
+        if d is not None and not (
+            request.ready_event
+            and d.ready is not None
+            and d.info.kind == first.info.kind
+            and d.info.device == first.info.device
+        ):
             d.sync()
 
 
@@ -162,15 +168,24 @@ def _plain(result: object, response: pb.SessionResponse) -> object:
 class Client:
     """One attached rank. Prefer :func:`connect`, which reads torchrun's environment."""
 
-    def __init__(self, *, socket: str | None = None, target: str | None = None,
-                 job: str, rank: int, world_size: int, local_rank: int | None = None,
-                 local_world_size: int | None = None, token: str | None = None,
-                 root_certificates: bytes | None = None,
-                 timeout: float = DEFAULT_TIMEOUT, connect_timeout: float = 10.0,
-                 trigger: str = "auto") -> None:
+    def __init__(
+        self,
+        *,
+        socket: str | None = None,
+        target: str | None = None,
+        job: str,
+        rank: int,
+        world_size: int,
+        local_rank: int | None = None,
+        local_world_size: int | None = None,
+        token: str | None = None,
+        root_certificates: bytes | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        connect_timeout: float = 10.0,
+        trigger: str = "auto",
+    ) -> None:
         if trigger not in ("auto", "grpc", "socket"):
-            raise InvalidArgumentError(
-                f"trigger must be 'auto', 'grpc' or 'socket', got {trigger!r}")
+            raise InvalidArgumentError(f"trigger must be 'auto', 'grpc' or 'socket', got {trigger!r}")
         self.job, self.rank, self.world_size = job, rank, world_size
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -193,26 +208,31 @@ class Client:
         self._prepared: dict[tuple, pb.SessionRequest] = {}
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
-            attached = self._call(self._stub.Attach, pb.AttachRequest(
-                job=job, rank=rank, world_size=world_size,
-                local_rank=rank if local_rank is None else local_rank,
-                local_world_size=world_size if local_world_size is None else local_world_size,
-                pid=os.getpid()), connect_timeout)
+            attached = self._call(
+                self._stub.Attach,
+                pb.AttachRequest(
+                    job=job,
+                    rank=rank,
+                    world_size=world_size,
+                    local_rank=rank if local_rank is None else local_rank,
+                    local_world_size=world_size if local_world_size is None else local_world_size,
+                    pid=os.getpid(),
+                ),
+                connect_timeout,
+            )
             self.session_id = attached.session_id
-            self._stream = SessionStream(self._stub, self.session_id, self._metadata,
-                                         connect_timeout)
+            self._stream = SessionStream(self._stub, self.session_id, self._metadata, connect_timeout)
             # Collectives and pings go through the trigger socket when asked for (and
             # offered); the gRPC stream above stays open either way: it is the lifeline.
             self._trigger: TriggerStream | None = None
             if trigger == "socket" and not attached.trigger_socket:
-                raise from_status("UNAVAILABLE", "the daemon offers no trigger socket "
-                                  "(TCP, or started with --no-trigger)")
+                raise from_status(
+                    "UNAVAILABLE", "the daemon offers no trigger socket (TCP, or started with --no-trigger)"
+                )
             # auto never leaves a TCP connection for a local socket: the daemon may be remote.
-            if attached.trigger_socket and (trigger == "socket" or
-                                            (trigger == "auto" and not target)):
+            if attached.trigger_socket and (trigger == "socket" or (trigger == "auto" and not target)):
                 try:
-                    self._trigger = TriggerStream(attached.trigger_socket, self.session_id,
-                                                  connect_timeout)
+                    self._trigger = TriggerStream(attached.trigger_socket, self.session_id, connect_timeout)
                 except LpsyncError:
                     if trigger == "socket":
                         raise
@@ -223,8 +243,9 @@ class Client:
             self._channel.close()
             where = target or socket or DEFAULT_SOCKET
             reason = None if target else _refusal(where)
-            raise from_status("UNAVAILABLE", f"no lpsync daemon answers at {where} "
-                              f"({reason or 'is it running?'})") from None
+            raise from_status(
+                "UNAVAILABLE", f"no lpsync daemon answers at {where} ({reason or 'is it running?'})"
+            ) from None
         except BaseException:
             self._channel.close()
             raise
@@ -259,8 +280,9 @@ class Client:
         dt = numpy_dtype(np.dtype(dtype).name if not isinstance(dtype, str) else dtype)
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        segment = self._map(self._call(self._stub.Allocate, pb.AllocateRequest(
-            session_id=self.session_id, nbytes=nbytes)))
+        segment = self._map(
+            self._call(self._stub.Allocate, pb.AllocateRequest(session_id=self.session_id, nbytes=nbytes))
+        )
         return segment.mapping.array[:nbytes].view(dt).reshape(shape)
 
     def zeros(self, shape: int | Sequence[int], dtype: str | np.dtype = "float32") -> np.ndarray:
@@ -291,8 +313,10 @@ class Client:
                     registered.operand, registered.original = operand, x
             return registered
         source, dtype = as_numpy(x)
-        buffer = self._call(self._stub.Register, pb.RegisterRequest(
-            session_id=self.session_id, nbytes=source.nbytes, device="cpu"))
+        buffer = self._call(
+            self._stub.Register,
+            pb.RegisterRequest(session_id=self.session_id, nbytes=source.nbytes, device="cpu"),
+        )
         return Registered(self, source, dtype, self._map(buffer), x)
 
     def _reap(self) -> None:
@@ -307,8 +331,9 @@ class Client:
                 registered = self._device.pop(handle, None)
             if registered is not None and not self._closed:
                 with contextlib.suppress(LpsyncError):
-                    self._call(self._stub.Release, pb.ReleaseRequest(session_id=self.session_id,
-                                                                     handle=handle))
+                    self._call(
+                        self._stub.Release, pb.ReleaseRequest(session_id=self.session_id, handle=handle)
+                    )
 
     def device_registrations(self) -> int:
         """Device spans registered now (after releasing those of collected arrays)."""
@@ -318,10 +343,18 @@ class Client:
 
     def _register_device(self, operand: DeviceOperand, hold: bool = True) -> DeviceRegistered:
         info = operand.info
-        buffer = self._call(self._stub.Register, pb.RegisterRequest(
-            session_id=self.session_id, nbytes=info.nbytes, device=info.kind,
-            device_index=info.device, ipc_handle=info.handle, ipc_offset=info.offset,
-            allocation_bytes=info.allocation_bytes))
+        buffer = self._call(
+            self._stub.Register,
+            pb.RegisterRequest(
+                session_id=self.session_id,
+                nbytes=info.nbytes,
+                device=info.kind,
+                device_index=info.device,
+                ipc_handle=info.handle,
+                ipc_offset=info.offset,
+                allocation_bytes=info.allocation_bytes,
+            ),
+        )
         registered = DeviceRegistered(self, operand, buffer.handle, hold)
         with self._lock:
             self._device[buffer.handle] = registered
@@ -330,31 +363,37 @@ class Client:
     def _device_operand(self, x: object) -> _Operand:
         if isinstance(x, DeviceRegistered):
             if x.operand is None:
-                raise InvalidArgumentError("this registration does not hold its array "
-                                           "(register(hold=False)): pass the array itself")
-            return _Operand(pb.BufferRef(handle=x.handle), _Sized(x.info.count), x.info.dtype,
-                            device=x.operand)
+                raise InvalidArgumentError(
+                    "this registration does not hold its array (register(hold=False)): pass the array itself"
+                )
+            return _Operand(
+                pb.BufferRef(handle=x.handle), _Sized(x.info.count), x.info.dtype, device=x.operand
+            )
         operand = describe(x)
         info = operand.info
         with self._lock:
             found = next((r for r in self._device.values() if r.covers(info)), None)
         if found is None:  # first use: registered for good (release(x) gives it back)
             found = self._register_device(operand)
-        return _Operand(pb.BufferRef(handle=found.handle, offset=info.offset - found.info.offset),
-                        _Sized(info.count), info.dtype, device=operand)
+        return _Operand(
+            pb.BufferRef(handle=found.handle, offset=info.offset - found.info.offset),
+            _Sized(info.count),
+            info.dtype,
+            device=operand,
+        )
 
     def release(self, x: object) -> None:
         """Give a buffer from empty()/zeros()/register() back to the daemon."""
-        if isinstance(x, DeviceRegistered) or (not isinstance(x, Registered | np.ndarray)
-                                               and is_device_array(x)):
+        if isinstance(x, DeviceRegistered) or (
+            not isinstance(x, Registered | np.ndarray) and is_device_array(x)
+        ):
             if not isinstance(x, DeviceRegistered):
                 info = describe(x).info
                 with self._lock:
                     x = next((r for r in self._device.values() if r.covers(info)), None)
                 if x is None:
                     raise InvalidArgumentError("this device array is not registered")
-            self._call(self._stub.Release, pb.ReleaseRequest(session_id=self.session_id,
-                                                             handle=x.handle))
+            self._call(self._stub.Release, pb.ReleaseRequest(session_id=self.session_id, handle=x.handle))
             with self._lock:
                 self._device.pop(x.handle, None)
             return
@@ -365,8 +404,7 @@ class Client:
             if found is None:
                 raise InvalidArgumentError("this array is not in a buffer of this client")
             segment = found[0]
-        self._call(self._stub.Release, pb.ReleaseRequest(session_id=self.session_id,
-                                                         handle=segment.handle))
+        self._call(self._stub.Release, pb.ReleaseRequest(session_id=self.session_id, handle=segment.handle))
         with self._lock:
             self._segments.pop(segment.handle, None)
             self._prepared.clear()  # an address may come back in another segment
@@ -376,25 +414,40 @@ class Client:
         if isinstance(x, DeviceRegistered) or (type(x) is not np.ndarray and is_device_array(x)):
             return self._device_operand(x)
         if isinstance(x, Registered):
-            return _Operand(pb.BufferRef(handle=x.handle), x.staging.reshape(-1), x.dtype,
-                            (x.staging, x.source), (x.staging, x.source) if writes else None)
+            return _Operand(
+                pb.BufferRef(handle=x.handle),
+                x.staging.reshape(-1),
+                x.dtype,
+                (x.staging, x.source),
+                (x.staging, x.source) if writes else None,
+            )
         array, dtype = as_numpy(x)
         found = self._find(array)
         if found is not None:
             segment, offset = found
             return _Operand(pb.BufferRef(handle=segment.handle, offset=offset), array, dtype)
         scratch = self._take_scratch(array.nbytes)
-        staging = scratch.mapping.array[:array.nbytes].view(array.dtype)
-        return _Operand(pb.BufferRef(handle=scratch.handle), staging, dtype,
-                        (staging, array), (staging, array) if writes else None, scratch)
+        staging = scratch.mapping.array[: array.nbytes].view(array.dtype)
+        return _Operand(
+            pb.BufferRef(handle=scratch.handle),
+            staging,
+            dtype,
+            (staging, array),
+            (staging, array) if writes else None,
+            scratch,
+        )
 
     def _take_scratch(self, nbytes: int) -> _Segment:
         with self._lock:
             pool = self._scratch.get(nbytes)
             if pool:
                 return pool.pop()
-        return self._map(self._call(self._stub.Register, pb.RegisterRequest(
-            session_id=self.session_id, nbytes=nbytes, device="cpu")))
+        return self._map(
+            self._call(
+                self._stub.Register,
+                pb.RegisterRequest(session_id=self.session_id, nbytes=nbytes, device="cpu"),
+            )
+        )
 
     def _give_scratch(self, segment: _Segment) -> None:
         with self._lock:
@@ -407,8 +460,7 @@ class Client:
             self.release_handle(segment.handle)
 
     def release_handle(self, handle: int) -> None:
-        self._call(self._stub.Release, pb.ReleaseRequest(session_id=self.session_id,
-                                                         handle=handle))
+        self._call(self._stub.Release, pb.ReleaseRequest(session_id=self.session_id, handle=handle))
         with self._lock:
             segment = self._segments.pop(handle, None)
             self._prepared.clear()
@@ -416,20 +468,37 @@ class Client:
             segment.mapping.close()
 
     # -- collectives -----------------------------------------------------------------------
-    def _submit(self, op: str, x: object | None, out: object | None, *, count_of, root: int = 0,
-                reduce_op: str = "", algorithm: str | None = None, timeout: float | None = None,
-                name: str = "") -> Future:
+    def _submit(
+        self,
+        op: str,
+        x: object | None,
+        out: object | None,
+        *,
+        count_of,
+        root: int = 0,
+        reduce_op: str = "",
+        algorithm: str | None = None,
+        timeout: float | None = None,
+        name: str = "",
+    ) -> Future:
         timeout = self.timeout if timeout is None else timeout
         # Hot path: arrays already in shared memory, a call seen before -> copy a prepared
         # request, number it, send. No lookups, no staging.
         key = None
         if type(x) is np.ndarray and (out is None or type(out) is np.ndarray):
-            key = (op, _span(x), None if out is None else _span(out), root, reduce_op,
-                   algorithm, timeout, name)
+            key = (
+                op,
+                _span(x),
+                None if out is None else _span(out),
+                root,
+                reduce_op,
+                algorithm,
+                timeout,
+                name,
+            )
             template = self._prepared.get(key)
             if template is not None:
-                return self._send(_copy(template),
-                                  functools.partial(_plain, x if out is None else out))
+                return self._send(_copy(template), functools.partial(_plain, x if out is None else out))
         operands: list[_Operand] = []
         message = pb.SessionRequest()
         request = message.collective
@@ -468,8 +537,7 @@ class Client:
             try:
                 r = response.result
                 if r.code != "OK":
-                    raise from_status(r.code, r.message, r.error,
-                                      _STATES.get(r.buffer_state, ""))
+                    raise from_status(r.code, r.message, r.error, _STATES.get(r.buffer_state, ""))
                 for operand in operands:
                     if operand.copy_out is not None:
                         staging, source = operand.copy_out
@@ -503,8 +571,7 @@ class Client:
         except TimeoutError:
             if future.done():
                 raise  # the daemon's own timeout error, delivered through the future
-            raise CollectiveTimeoutError(
-                f"the daemon did not answer within {bound:g} s") from None
+            raise CollectiveTimeoutError(f"the daemon did not answer within {bound:g} s") from None
 
     def _same(self, n: int, m: int | None) -> int:
         if m is not None and m != n:
@@ -514,17 +581,40 @@ class Client:
     def _blocks(self, n: int, what: str) -> int:
         if n % self.world_size:
             raise InvalidArgumentError(
-                f"{what} has {n} elements, not a multiple of the world size {self.world_size}")
+                f"{what} has {n} elements, not a multiple of the world size {self.world_size}"
+            )
         return n // self.world_size
 
-    def allreduce_async(self, x, op: str = "sum", out=None, algorithm: str | None = None,
-                        timeout: float | None = None, name: str = "") -> Future:
+    def allreduce_async(
+        self,
+        x,
+        op: str = "sum",
+        out=None,
+        algorithm: str | None = None,
+        timeout: float | None = None,
+        name: str = "",
+    ) -> Future:
         """Start an allreduce; the Future's result is the output (``out`` or ``x``)."""
-        return self._submit("allreduce", x, out, count_of=self._same, reduce_op=op,
-                            algorithm=algorithm, timeout=timeout, name=name)
+        return self._submit(
+            "allreduce",
+            x,
+            out,
+            count_of=self._same,
+            reduce_op=op,
+            algorithm=algorithm,
+            timeout=timeout,
+            name=name,
+        )
 
-    def allreduce(self, x, op: str = "sum", out=None, algorithm: str | None = None,
-                  timeout: float | None = None, name: str = ""):
+    def allreduce(
+        self,
+        x,
+        op: str = "sum",
+        out=None,
+        algorithm: str | None = None,
+        timeout: float | None = None,
+        name: str = "",
+    ):
         """Reduce ``x`` over every rank of the job (op: sum, prod, min, max, avg).
 
         In place unless ``out`` is given (then ``x`` is only read).
@@ -535,47 +625,96 @@ class Client:
         """
         return self._wait(self.allreduce_async(x, op, out, algorithm, timeout, name), timeout)
 
-    def broadcast_async(self, x, root: int = 0, out=None, algorithm: str | None = None,
-                        timeout: float | None = None, name: str = "") -> Future:
-        return self._submit("broadcast", x, out, count_of=self._same, root=root,
-                            algorithm=algorithm, timeout=timeout, name=name)
+    def broadcast_async(
+        self,
+        x,
+        root: int = 0,
+        out=None,
+        algorithm: str | None = None,
+        timeout: float | None = None,
+        name: str = "",
+    ) -> Future:
+        return self._submit(
+            "broadcast",
+            x,
+            out,
+            count_of=self._same,
+            root=root,
+            algorithm=algorithm,
+            timeout=timeout,
+            name=name,
+        )
 
-    def broadcast(self, x, root: int = 0, out=None, algorithm: str | None = None,
-                  timeout: float | None = None, name: str = ""):
+    def broadcast(
+        self,
+        x,
+        root: int = 0,
+        out=None,
+        algorithm: str | None = None,
+        timeout: float | None = None,
+        name: str = "",
+    ):
         """Copy root's ``x`` to every rank (into ``x``, or ``out`` if given).
 
         >>> client.broadcast(weights, root=0)
         """
         return self._wait(self.broadcast_async(x, root, out, algorithm, timeout, name), timeout)
 
-    def reduce_async(self, x, root: int = 0, op: str = "sum", out=None,
-                     algorithm: str | None = None, timeout: float | None = None,
-                     name: str = "") -> Future:
-        return self._submit("reduce", x, out, count_of=self._same, root=root, reduce_op=op,
-                            algorithm=algorithm, timeout=timeout, name=name)
+    def reduce_async(
+        self,
+        x,
+        root: int = 0,
+        op: str = "sum",
+        out=None,
+        algorithm: str | None = None,
+        timeout: float | None = None,
+        name: str = "",
+    ) -> Future:
+        return self._submit(
+            "reduce",
+            x,
+            out,
+            count_of=self._same,
+            root=root,
+            reduce_op=op,
+            algorithm=algorithm,
+            timeout=timeout,
+            name=name,
+        )
 
-    def reduce(self, x, root: int = 0, op: str = "sum", out=None, algorithm: str | None = None,
-               timeout: float | None = None, name: str = ""):
+    def reduce(
+        self,
+        x,
+        root: int = 0,
+        op: str = "sum",
+        out=None,
+        algorithm: str | None = None,
+        timeout: float | None = None,
+        name: str = "",
+    ):
         """Reduce ``x`` over every rank into root's buffer; other ranks' buffers are untouched.
 
         >>> client.reduce(loss, root=0, op="avg")
         """
-        return self._wait(self.reduce_async(x, root, op, out, algorithm, timeout, name),
-                          timeout)
+        return self._wait(self.reduce_async(x, root, op, out, algorithm, timeout, name), timeout)
 
-    def allgather_async(self, x, out=None, algorithm: str | None = None,
-                        timeout: float | None = None, name: str = "") -> Future:
+    def allgather_async(
+        self, x, out=None, algorithm: str | None = None, timeout: float | None = None, name: str = ""
+    ) -> Future:
         def count(n: int, m: int | None) -> int:
             if m is None:  # in place: x is the whole output, this rank's block at rank*count
                 return self._blocks(n, "the allgather buffer")
             if m != n * self.world_size:
                 raise InvalidArgumentError(f"out must have {n * self.world_size} elements")
             return n
-        return self._submit("allgather", x, out, count_of=count, algorithm=algorithm,
-                            timeout=timeout, name=name)
 
-    def allgather(self, x, out=None, algorithm: str | None = None,
-                  timeout: float | None = None, name: str = ""):
+        return self._submit(
+            "allgather", x, out, count_of=count, algorithm=algorithm, timeout=timeout, name=name
+        )
+
+    def allgather(
+        self, x, out=None, algorithm: str | None = None, timeout: float | None = None, name: str = ""
+    ):
         """Gather every rank's block into every rank's output.
 
         Out of place: ``x`` holds this rank's count elements, ``out`` P*count. In place:
@@ -585,25 +724,47 @@ class Client:
         """
         return self._wait(self.allgather_async(x, out, algorithm, timeout, name), timeout)
 
-    def reduce_scatter_async(self, x, op: str = "sum", out=None, algorithm: str | None = None,
-                             timeout: float | None = None, name: str = "") -> Future:
+    def reduce_scatter_async(
+        self,
+        x,
+        op: str = "sum",
+        out=None,
+        algorithm: str | None = None,
+        timeout: float | None = None,
+        name: str = "",
+    ) -> Future:
         def count(n: int, m: int | None) -> int:
             c = self._blocks(n, "the reduce_scatter input")
             if m is not None and m != c:
                 raise InvalidArgumentError(f"out must have {c} elements")
             return c
-        return self._submit("reduce_scatter", x, out, count_of=count, reduce_op=op,
-                            algorithm=algorithm, timeout=timeout, name=name)
 
-    def reduce_scatter(self, x, op: str = "sum", out=None, algorithm: str | None = None,
-                       timeout: float | None = None, name: str = ""):
+        return self._submit(
+            "reduce_scatter",
+            x,
+            out,
+            count_of=count,
+            reduce_op=op,
+            algorithm=algorithm,
+            timeout=timeout,
+            name=name,
+        )
+
+    def reduce_scatter(
+        self,
+        x,
+        op: str = "sum",
+        out=None,
+        algorithm: str | None = None,
+        timeout: float | None = None,
+        name: str = "",
+    ):
         """Reduce the P*count input over ranks; rank r gets block r (into ``out``, or in
         place into x[r*count:(r+1)*count]).
 
         >>> mine = client.empty(n // client.world_size); client.reduce_scatter(x, out=mine)
         """
-        return self._wait(self.reduce_scatter_async(x, op, out, algorithm, timeout, name),
-                          timeout)
+        return self._wait(self.reduce_scatter_async(x, op, out, algorithm, timeout, name), timeout)
 
     def barrier_async(self, timeout: float | None = None, name: str = "") -> Future:
         return self._submit("barrier", None, None, count_of=None, timeout=timeout, name=name)
@@ -666,18 +827,29 @@ def _refusal(path: str) -> str | None:
                 owner = f"mode {st.st_mode & 0o777:o}, uid {st.st_uid}, gid {st.st_gid}"
             except OSError:
                 owner = "its directory is not searchable"
-            return (f"permission denied for uid {os.getuid()} ({owner}): the daemon admits "
-                    "its own user and the socket's group")
+            return (
+                f"permission denied for uid {os.getuid()} ({owner}): the daemon admits "
+                "its own user and the socket's group"
+            )
         except OSError:
             return None
     return None
 
 
-def connect(socket: str | None = None, *, job: str | None = None, rank: int | None = None,
-            world_size: int | None = None, local_rank: int | None = None,
-            local_world_size: int | None = None, target: str | None = None,
-            token: str | None = None, root_certificates: bytes | None = None,
-            timeout: float = DEFAULT_TIMEOUT, trigger: str | None = None) -> Client:
+def connect(
+    socket: str | None = None,
+    *,
+    job: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+    target: str | None = None,
+    token: str | None = None,
+    root_certificates: bytes | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    trigger: str | None = None,
+) -> Client:
     """Attach to the node's daemon. Unset arguments come from the environment as torchrun
     sets it: LPSYNC_SOCKET, LPSYNC_JOB, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
     (and LPSYNC_TARGET / LPSYNC_TOKEN for TCP). ``timeout`` is the default collective
@@ -706,8 +878,13 @@ def connect(socket: str | None = None, *, job: str | None = None, rank: int | No
     return Client(
         socket=pick(socket, "LPSYNC_SOCKET", DEFAULT_SOCKET),
         target=target or env.get("LPSYNC_TARGET") or None,
-        job=pick(job, "LPSYNC_JOB", "default"), rank=rank, world_size=world_size,
+        job=pick(job, "LPSYNC_JOB", "default"),
+        rank=rank,
+        world_size=world_size,
         local_rank=pick(local_rank, "LOCAL_RANK", rank, int),
         local_world_size=pick(local_world_size, "LOCAL_WORLD_SIZE", world_size, int),
-        token=token or env.get("LPSYNC_TOKEN") or None, root_certificates=root_certificates,
-        timeout=timeout, trigger=trigger or env.get("LPSYNC_TRIGGER") or "auto")
+        token=token or env.get("LPSYNC_TOKEN") or None,
+        root_certificates=root_certificates,
+        timeout=timeout,
+        trigger=trigger or env.get("LPSYNC_TRIGGER") or "auto",
+    )

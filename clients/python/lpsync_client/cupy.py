@@ -19,9 +19,11 @@ from typing import Any
 try:
     import cupy
 except ImportError as error:  # pragma: no cover - exercised in a subprocess by the tests
-    raise ImportError("lpsync_client.cupy needs CuPy, which is not installed: "
-                      "pip install 'lpsync-client[cupy]' (or the cupy-cuda12x / cupy-cuda13x "
-                      "wheel for your CUDA)") from error
+    raise ImportError(
+        "lpsync_client.cupy needs CuPy, which is not installed: "
+        "pip install 'lpsync-client[cupy]' (or the cupy-cuda12x / cupy-cuda13x "
+        "wheel for your CUDA)"
+    ) from error
 
 from lpsync_client import _adapt, _fused
 from lpsync_client._default import default_client, resolve, set_default_client
@@ -38,8 +40,9 @@ def _leaves(tree: Any) -> list[Any]:
     return [tree]
 
 
-def allreduce(tree: Any, op: str = "avg", *, client: Client | None = None, name: str = "",
-              timeout: float | None = None) -> Any:
+def allreduce(
+    tree: Any, op: str = "avg", *, client: Client | None = None, name: str = "", timeout: float | None = None
+) -> Any:
     """Reduce every cupy array of ``tree`` over every rank, in place; returns ``tree``.
     Every rank passes the same structure, shapes and dtypes.
 

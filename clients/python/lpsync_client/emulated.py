@@ -56,8 +56,9 @@ class Allocation:
         except BaseException:
             os.close(self._fd)
             raise
-        self.bytes = (np.frombuffer(self._mmap, np.uint8, nbytes) if self._mmap is not None
-                      else np.empty(0, np.uint8))
+        self.bytes = (
+            np.frombuffer(self._mmap, np.uint8, nbytes) if self._mmap is not None else np.empty(0, np.uint8)
+        )
         self._inode = os.fstat(self._fd).st_ino
 
     def ipc_handle(self) -> bytes:
@@ -152,8 +153,9 @@ class Stream:
     def __init__(self, device: int = 0) -> None:
         self.device = device
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._work, daemon=True,
-                                        name=f"lpsync-client-emu-stream-{device}")
+        self._thread = threading.Thread(
+            target=self._work, daemon=True, name=f"lpsync-client-emu-stream-{device}"
+        )
         self._thread.start()
 
     def _work(self) -> None:
@@ -205,12 +207,14 @@ class DeviceArrayInfo:
 class EmulatedArray:
     """``count`` elements of ``dtype`` at ``offset`` of an Allocation (1-D, contiguous)."""
 
-    def __init__(self, allocation: Allocation, offset: int, count: int,
-                 dtype: str | np.dtype) -> None:
+    def __init__(self, allocation: Allocation, offset: int, count: int, dtype: str | np.dtype) -> None:
         name = dtype if isinstance(dtype, str) else dtype_name(np.dtype(dtype))
         self.dtype_name, self.dtype = name, numpy_dtype(name)
-        if offset < 0 or offset % self.dtype.itemsize or \
-                offset + count * self.dtype.itemsize > allocation.nbytes:
+        if (
+            offset < 0
+            or offset % self.dtype.itemsize
+            or offset + count * self.dtype.itemsize > allocation.nbytes
+        ):
             raise InvalidArgumentError(f"{count} x {name} at {offset} does not fit the allocation")
         self.allocation, self.offset, self.size = allocation, offset, count
         self.nbytes = count * self.dtype.itemsize
@@ -226,14 +230,15 @@ class EmulatedArray:
     @property
     def host(self) -> np.ndarray:
         """The memory itself, without stream ordering (tests use it to look underneath)."""
-        return self.allocation.bytes[self.offset:self.offset + self.nbytes].view(self.dtype)
+        return self.allocation.bytes[self.offset : self.offset + self.nbytes].view(self.dtype)
 
     def __getitem__(self, item: slice) -> EmulatedArray:
         start, stop, step = item.indices(self.size)
         if step != 1:
             raise InvalidArgumentError("emulated arrays slice contiguously")
-        return EmulatedArray(self.allocation, self.offset + start * self.dtype.itemsize,
-                             max(0, stop - start), self.dtype_name)
+        return EmulatedArray(
+            self.allocation, self.offset + start * self.dtype.itemsize, max(0, stop - start), self.dtype_name
+        )
 
     def get(self, timeout: float = 60.0) -> np.ndarray:
         """A numpy copy, after the current stream's queued work (like cupy's .get())."""
@@ -252,12 +257,20 @@ class EmulatedArray:
             if delay:
                 time.sleep(delay)
             self.host[...] = data
+
         current_stream(self.device).enqueue(write)
 
     def __lpsync_device__(self) -> DeviceArrayInfo:
-        return DeviceArrayInfo("emulated", self.device, self.allocation.ipc_handle(),
-                               self.allocation.nbytes, self.offset, self.nbytes, self.size,
-                               self.dtype_name)
+        return DeviceArrayInfo(
+            "emulated",
+            self.device,
+            self.allocation.ipc_handle(),
+            self.allocation.nbytes,
+            self.offset,
+            self.nbytes,
+            self.size,
+            self.dtype_name,
+        )
 
     def __lpsync_sync__(self) -> None:
         """Order the device's current stream before a collective on this array (host wait)."""

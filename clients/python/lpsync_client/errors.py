@@ -1,11 +1,11 @@
 """Typed exceptions mirroring the daemon's; each comes from one gRPC status code.
 
-    try:
-        client.allreduce(x, timeout=5)
-    except lpsync_client.TimeoutError as error:   # a rank never arrived
-        print(error)                               # names the missing ranks
-    except lpsync_client.AbortedError as error:    # a participant died
-        print(error.buffer_state)                  # "INTACT" or "PARTIAL" (in place)
+try:
+    client.allreduce(x, timeout=5)
+except lpsync_client.TimeoutError as error:   # a rank never arrived
+    print(error)                               # names the missing ranks
+except lpsync_client.AbortedError as error:    # a participant died
+    print(error.buffer_state)                  # "INTACT" or "PARTIAL" (in place)
 """
 
 from __future__ import annotations
@@ -90,15 +90,24 @@ class UnimplementedError(LpsyncError):
     code = "UNIMPLEMENTED"
 
 
-_BY_CODE = {cls.code: cls for cls in (
-    InvalidArgumentError, CollectiveTimeoutError, AbortedError, UnavailableError,
-    NotFoundError, AlreadyExistsError, ResourceExhaustedError, UnauthenticatedError,
-    UnimplementedError)}
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        InvalidArgumentError,
+        CollectiveTimeoutError,
+        AbortedError,
+        UnavailableError,
+        NotFoundError,
+        AlreadyExistsError,
+        ResourceExhaustedError,
+        UnauthenticatedError,
+        UnimplementedError,
+    )
+}
 _BY_NAME = {cls.__name__: cls for cls in (*_BY_CODE.values(), MismatchError)}
 
 
-def from_status(code: str, message: str, error_class: str = "",
-                buffer_state: str = "") -> LpsyncError:
+def from_status(code: str, message: str, error_class: str = "", buffer_state: str = "") -> LpsyncError:
     """The exception for a status code name (and the daemon's class name, if known)."""
     cls = _BY_NAME.get(error_class) or _BY_CODE.get(code, LpsyncError)
     if cls is LpsyncError:
@@ -109,7 +118,10 @@ def from_status(code: str, message: str, error_class: str = "",
 def from_rpc_error(error: grpc.RpcError) -> LpsyncError:
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
-    trailers = dict(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") \
-        else {}
-    return from_status(code.name, details or code.name, trailers.get("lpsync-error", ""),
-                       trailers.get("lpsync-buffer-state", ""))
+    trailers = dict(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else {}
+    return from_status(
+        code.name,
+        details or code.name,
+        trailers.get("lpsync-error", ""),
+        trailers.get("lpsync-buffer-state", ""),
+    )

@@ -24,8 +24,10 @@ try:
     import jax
     import jax.numpy as jnp
 except ImportError as error:  # pragma: no cover - exercised in a subprocess by the tests
-    raise ImportError("lpsync_client.jax needs JAX, which is not installed: "
-                      "pip install 'lpsync-client[jax]' (or pip install 'jax[cpu]')") from error
+    raise ImportError(
+        "lpsync_client.jax needs JAX, which is not installed: "
+        "pip install 'lpsync-client[jax]' (or pip install 'jax[cpu]')"
+    ) from error
 
 import numpy as np
 
@@ -39,8 +41,11 @@ __all__ = ["allreduce", "default_client", "pmean", "psum", "set_default_client"]
 
 
 def _host(leaf: Any) -> np.ndarray:
-    if isinstance(leaf, jax.Array) and leaf.is_fully_addressable and \
-            all(d.platform == "cpu" for d in leaf.devices()):
+    if (
+        isinstance(leaf, jax.Array)
+        and leaf.is_fully_addressable
+        and all(d.platform == "cpu" for d in leaf.devices())
+    ):
         try:
             return np.from_dlpack(leaf)  # zero copy
         except (TypeError, ValueError, BufferError, RuntimeError):
@@ -48,8 +53,9 @@ def _host(leaf: Any) -> np.ndarray:
     return np.asarray(jax.device_get(leaf))
 
 
-def allreduce(tree: Any, op: str = "avg", *, client: Client | None = None, name: str = "",
-              timeout: float | None = None) -> Any:
+def allreduce(
+    tree: Any, op: str = "avg", *, client: Client | None = None, name: str = "", timeout: float | None = None
+) -> Any:
     """A pytree like ``tree`` whose leaves are reduced over every rank (op: avg, sum, prod,
     min, max). Blocks; call it outside ``jit``. Every rank passes the same tree structure,
     shapes and dtypes.
@@ -67,8 +73,11 @@ def allreduce(tree: Any, op: str = "avg", *, client: Client | None = None, name:
         for i, result in zip(on_gpu, copies, strict=True):
             out[i] = result
     rest = [i for i in range(len(leaves)) if out[i] is None]
-    reduced = _fused.allreduce(client, [_host(leaves[i]) for i in rest], op,
-                               name=name or "jax", timeout=timeout) if rest else []
+    reduced = (
+        _fused.allreduce(client, [_host(leaves[i]) for i in rest], op, name=name or "jax", timeout=timeout)
+        if rest
+        else []
+    )
     for i, result in zip(rest, reduced, strict=True):
         leaf = leaves[i]
         if isinstance(leaf, jax.Array):

@@ -111,8 +111,7 @@ class TcpEndpoint(MeshEndpoint):
         timeout = min(remaining, self.options.handshake_timeout)
         sock = socket.create_connection((host, port), timeout=timeout)
         try:
-            authenticate_client_socket(sock, self.options.secret, self.rank, timeout,
-                                       expect_rank=peer)
+            authenticate_client_socket(sock, self.options.secret, self.rank, timeout, expect_rank=peer)
             self._register(peer, sock)
         except BaseException:
             sock.close()
@@ -120,8 +119,9 @@ class TcpEndpoint(MeshEndpoint):
 
     def _accept(self, sock: socket.socket) -> None:
         try:
-            result = authenticate_server_socket(sock, self.options.secret, self.rank,
-                                                self.options.handshake_timeout, admit=self._admit)
+            result = authenticate_server_socket(
+                sock, self.options.secret, self.rank, self.options.handshake_timeout, admit=self._admit
+            )
         except Exception as error:
             self._unfinished(error)
             sock.close()
@@ -140,10 +140,12 @@ class TcpEndpoint(MeshEndpoint):
         if duplicate:
             sock.close()
             return
-        conn.reader = threading.Thread(target=self._read, args=(conn,), daemon=True,
-                                       name=f"lpsync-tcp-r{self.rank}-from-{rank}")
-        conn.writer = threading.Thread(target=self._write, args=(conn,), daemon=True,
-                                       name=f"lpsync-tcp-r{self.rank}-to-{rank}")
+        conn.reader = threading.Thread(
+            target=self._read, args=(conn,), daemon=True, name=f"lpsync-tcp-r{self.rank}-from-{rank}"
+        )
+        conn.writer = threading.Thread(
+            target=self._write, args=(conn,), daemon=True, name=f"lpsync-tcp-r{self.rank}-to-{rank}"
+        )
         conn.reader.start()
         conn.writer.start()
         log.debug("rank %d: connected to rank %d at %s", self.rank, rank, conn.address)
@@ -178,8 +180,13 @@ class TcpEndpoint(MeshEndpoint):
         except OSError as error:
             log.debug("rank %d: reading from rank %d: %s", self.rank, conn.rank, error)
         except Exception as error:  # e.g. a header announcing more bytes than memory holds
-            log.warning("rank %d: unreadable message from rank %d: %s: %s", self.rank,
-                        conn.rank, type(error).__name__, error)
+            log.warning(
+                "rank %d: unreadable message from rank %d: %s: %s",
+                self.rank,
+                conn.rank,
+                type(error).__name__,
+                error,
+            )
         if not conn.departed:
             self._peer_gone(conn.rank, conn.address)
         conn.stop()
@@ -324,7 +331,7 @@ def _deliver(request: Request, data: np.ndarray) -> None:
     if data.nbytes > out.nbytes:
         request.finish(InvalidArgumentError("message larger than its receive"))
         return
-    out[:data.nbytes] = data
+    out[: data.nbytes] = data
     request.finish(None)
 
 

@@ -25,16 +25,16 @@ class TcpRuntime:
         self.port = port
         try:
             if socket.has_dualstack_ipv6():
-                self._listener = socket.create_server(("", port), family=socket.AF_INET6,
-                                                      dualstack_ipv6=True, backlog=128)
+                self._listener = socket.create_server(
+                    ("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=128
+                )
             else:
                 self._listener = socket.create_server(("", port), backlog=128)
         except OSError as error:
             raise UnavailableError(f"cannot listen on port {port}: {error}") from None
         self._lock = threading.Lock()
         self._acceptor: Acceptor | None = None
-        self._thread = threading.Thread(target=self._accept_loop, name=f"lpsync-tcp:{port}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._accept_loop, name=f"lpsync-tcp:{port}", daemon=True)
         self._thread.start()
 
     def _accept_loop(self) -> None:

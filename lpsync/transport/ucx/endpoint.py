@@ -116,8 +116,7 @@ class UcxEndpoint(MeshEndpoint):
 
     def _own_runtime(self) -> UcxRuntime:
         o = self.options
-        return UcxRuntime(RuntimeOptions(o.peers[self.rank].port, o.tls, o.ucx_config,
-                                         o.connect_timeout))
+        return UcxRuntime(RuntimeOptions(o.peers[self.rank].port, o.tls, o.ucx_config, o.connect_timeout))
 
     def _connect(self, peer: int, host: str, port: int, remaining: float, deadline: float) -> None:
         # UCX gives up on a port nobody listens on only after its whole connect timeout;
@@ -128,8 +127,7 @@ class UcxEndpoint(MeshEndpoint):
         try:
             ep = self._create_ep(host, port, remaining)
             send, recv = self._stream_io(ep, deadline)
-            result = client_handshake(send, recv, self.options.secret, self.rank,
-                                      expect_rank=peer)
+            result = client_handshake(send, recv, self.options.secret, self.rank, expect_rank=peer)
             self._register(peer, ep, result.session)
         except BaseException:
             if ep is not None:
@@ -141,14 +139,14 @@ class UcxEndpoint(MeshEndpoint):
         One that arrives after we stopped waiting is closed on the progress thread too."""
         assert self._runtime is not None
         progress = self._runtime.progress
-        future = progress.call(lambda: _Ep(progress.api.UCXEndpoint.create(
-            progress.worker, host, port, True)))
+        future = progress.call(
+            lambda: _Ep(progress.api.UCXEndpoint.create(progress.worker, host, port, True))
+        )
         try:
             return future.result(timeout)
         except TimeoutError:
             # The callback may run here or on the progress thread: it only posts the close.
-            future.add_done_callback(
-                lambda done: done.exception() is None and self._close_ep(done.result()))
+            future.add_done_callback(lambda done: done.exception() is None and self._close_ep(done.result()))
             raise
 
     def _on_accept(self, connection: Any) -> None:
@@ -159,8 +157,9 @@ class UcxEndpoint(MeshEndpoint):
         send, recv = self._stream_io(ep, time.monotonic() + self.options.handshake_timeout)
         where = f"listener :{self.options.peers[self.rank].port}"
         try:
-            result = server_handshake(send, recv, self.options.secret, self.rank, where=where,
-                                      admit=self._admit)
+            result = server_handshake(
+                send, recv, self.options.secret, self.rank, where=where, admit=self._admit
+            )
         except Exception as error:
             self._unfinished(error)
             self._close_ep(ep)
@@ -210,9 +209,10 @@ class UcxEndpoint(MeshEndpoint):
         progress.call(lambda: ep.get().set_close_callback(self._on_close, cb_args=(conn,)))
         bye = np.zeros(1, np.uint8)
         conn.goodbye = progress.submit(
-            lambda: ep.get().tag_recv(progress.array(bye),
-                                      progress.api.UCXXTag(conn.tag(GOODBYE))),
-            bye, on_done=lambda request: self._on_goodbye(conn, request))
+            lambda: ep.get().tag_recv(progress.array(bye), progress.api.UCXXTag(conn.tag(GOODBYE))),
+            bye,
+            on_done=lambda request: self._on_goodbye(conn, request),
+        )
         log.debug("rank %d: connected to rank %d at %s", self.rank, rank, conn.address)
 
     # -- peers leaving -------------------------------------------------------------------
@@ -307,5 +307,4 @@ class UcxEndpoint(MeshEndpoint):
         deadline = time.monotonic() + self.options.close_timeout
         for request in sends:
             request.event().wait(max(0.0, deadline - time.monotonic()))
-        self._late_goodbyes([conn.goodbye.event() for conn in conns if conn.goodbye is not None],
-                            deadline)
+        self._late_goodbyes([conn.goodbye.event() for conn in conns if conn.goodbye is not None], deadline)

@@ -50,12 +50,14 @@ class ProgressThread:
         self.array = Array  # a ucxx buffer view over anything with the buffer protocol
         features = (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP, ucx_api.Feature.STREAM)
         self.context: Any = ucx_api.UCXContext(config, feature_flags=features)
-        self.worker: Any = ucx_api.UCXWorker(self.context, enable_delayed_submission=False,
-                                             enable_python_future=False)
+        self.worker: Any = ucx_api.UCXWorker(
+            self.context, enable_delayed_submission=False, enable_python_future=False
+        )
         self.worker.init_blocking_progress_mode()
         # (run, fail): fail(error) instead of run when the thread is gone
-        self._calls: collections.deque[tuple[Callable[[], None],
-                                             Callable[[BaseException], None]]] = collections.deque()
+        self._calls: collections.deque[tuple[Callable[[], None], Callable[[BaseException], None]]] = (
+            collections.deque()
+        )
         self._wake_lock = threading.Lock()  # the eventfd is never written after it is closed
         self._closed = False
         self._in_flight: list[Request] = []
@@ -83,8 +85,9 @@ class ProgressThread:
         self._post(run, future.set_exception)
         return future
 
-    def submit(self, start: Callable[[], Any], keep: Any = None,
-               on_done: Callable[[Request], None] | None = None) -> Request:
+    def submit(
+        self, start: Callable[[], Any], keep: Any = None, on_done: Callable[[Request], None] | None = None
+    ) -> Request:
         """Start a UCX operation: ``start`` runs on the progress thread and returns the
         UCXRequest (e.g. ``lambda: ep.tag_send(...)``); ``keep`` (its buffer) stays
         referenced until it ends. ``on_done`` runs on the progress thread when it

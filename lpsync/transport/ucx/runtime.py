@@ -25,8 +25,7 @@ log = logging.getLogger("lpsync.ucx")
 # ~150 us (a plain socket's cost); rendezvous by get_zcopy (the receiver pulls straight
 # into its buffer) took LP broadcast on 8 nodes from 1.28-1.32x the wire limit to
 # 1.20-1.21x, and ring allreduce on 2 nodes (both directions busy) from 2.09x to 1.07x.
-_DEFAULT_CONFIG = (("TCP_TX_SEG_SIZE", "64k"), ("TCP_RX_SEG_SIZE", "512k"),
-                   ("RNDV_SCHEME", "get_zcopy"))
+_DEFAULT_CONFIG = (("TCP_TX_SEG_SIZE", "64k"), ("TCP_RX_SEG_SIZE", "512k"), ("RNDV_SCHEME", "get_zcopy"))
 
 Acceptor = Callable[[Any], None]  # gets each accepted UCX endpoint, on the progress thread
 
@@ -44,8 +43,12 @@ class UcxRuntime:
         self.options = options
         # A daemon restarted after a crash must rebind its fixed port while old connections
         # sit in TIME_WAIT; ucxx exports UCX_MEMTYPE_CACHE, which this UCX no longer knows.
-        config = {"TCP_CM_REUSEADDR": "y", "WARN_UNUSED_ENV_VARS": "n",
-                  **dict(_DEFAULT_CONFIG), **dict(options.ucx_config)}
+        config = {
+            "TCP_CM_REUSEADDR": "y",
+            "WARN_UNUSED_ENV_VARS": "n",
+            **dict(_DEFAULT_CONFIG),
+            **dict(options.ucx_config),
+        }
         if options.tls is not None:
             config["TLS"] = options.tls
         self.progress = ProgressThread(config, f"lpsync-ucx:{options.port}")
@@ -61,8 +64,9 @@ class UcxRuntime:
             raise
 
     def _listen(self) -> Any:
-        return self.progress.api.UCXListener.create(self.progress.worker, self.options.port,
-                                                   self._on_connection, deliver_endpoint=True)
+        return self.progress.api.UCXListener.create(
+            self.progress.worker, self.options.port, self._on_connection, deliver_endpoint=True
+        )
 
     def _on_connection(self, ep: Any, *_: Any) -> None:
         # On the progress thread. ep is a UCXEndpoint (error handling on) or None.

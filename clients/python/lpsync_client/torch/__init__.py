@@ -23,7 +23,8 @@ try:
 except ImportError as error:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
         "lpsync_client.torch needs PyTorch, which is not installed: "
-        "pip install 'lpsync-client[torch]' (or pip install torch)") from error
+        "pip install 'lpsync-client[torch]' (or pip install torch)"
+    ) from error
 
 from lpsync_client.torch._client import default_client, set_default_client
 from lpsync_client.torch._hook import HookState, allreduce_hook, hook_state
@@ -39,7 +40,19 @@ from lpsync_client.torch.backend import BACKEND, ProcessGroupLpsync, register
 
 register()
 
-__all__ = ["BACKEND", "DistributedOptimizer", "HookState", "ProcessGroupLpsync", "allreduce",
-           "allreduce_", "allreduce_hook", "broadcast", "broadcast_optimizer_state",
-           "broadcast_parameters", "default_client", "hook_state", "register",
-           "set_default_client"]
+__all__ = [
+    "BACKEND",
+    "DistributedOptimizer",
+    "HookState",
+    "ProcessGroupLpsync",
+    "allreduce",
+    "allreduce_",
+    "allreduce_hook",
+    "broadcast",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "default_client",
+    "hook_state",
+    "register",
+    "set_default_client",
+]

@@ -19,9 +19,11 @@ def note_device(tensor: torch.Tensor) -> None:
     global _warned_device
     if tensor.device.type != "cpu" and not _warned_device:
         _warned_device = True
-        _log.warning("lpsync: %s tensors are staged through host memory here (the daemon "
-                     "serves no such devices, or this call has no device path yet)",
-                     tensor.device.type)
+        _log.warning(
+            "lpsync: %s tensors are staged through host memory here (the daemon "
+            "serves no such devices, or this call has no device path yet)",
+            tensor.device.type,
+        )
 
 
 def host_view(tensor: torch.Tensor) -> torch.Tensor:

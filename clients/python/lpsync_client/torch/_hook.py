@@ -18,8 +18,12 @@ import torch.distributed as dist
 from lpsync_client.client import Client
 from lpsync_client.torch._client import note_device, resolve
 
-_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
-           torch.bfloat16: "bfloat16"}
+_DTYPES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+}
 
 
 class HookState:
@@ -74,8 +78,7 @@ class HookState:
         self._buffers.clear()
 
 
-def hook_state(client: Client | None = None, *, op: str = "avg",
-               timeout: float | None = None) -> HookState:
+def hook_state(client: Client | None = None, *, op: str = "avg", timeout: float | None = None) -> HookState:
     """The state for :func:`allreduce_hook`, attached from torchrun's environment (RANK,
     WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, LPSYNC_SOCKET, LPSYNC_JOB) unless ``client``
     is given. ``op`` "avg" averages as DDP's default hook does; ``timeout`` bounds each
@@ -83,8 +86,7 @@ def hook_state(client: Client | None = None, *, op: str = "avg",
     return HookState(resolve(client), op, timeout)
 
 
-def allreduce_hook(state: HookState,
-                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average the bucket over every rank through lpsync. Returns at once;
     the Future completes from the client's completion thread."""
     gradients = bucket.buffer()
@@ -97,8 +99,9 @@ def allreduce_hook(state: HookState,
     result = outcome.then(_unwrap)
     started = time.perf_counter()
     try:
-        pending = state.client.allreduce_async(array, op=state.op, timeout=state.timeout,
-                                               name=f"ddp/bucket{bucket.index()}")
+        pending = state.client.allreduce_async(
+            array, op=state.op, timeout=state.timeout, name=f"ddp/bucket{bucket.index()}"
+        )
     except BaseException as error:
         outcome.set_result(error)
         return result

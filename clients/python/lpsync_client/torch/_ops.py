@@ -19,8 +19,14 @@ from lpsync_client.torch._client import host_view, resolve
 _AS_BITS = {torch.bool: torch.uint8}
 
 
-def allreduce(tensor: torch.Tensor, op: str = "avg", *, client: Client | None = None,
-              name: str = "", timeout: float | None = None) -> torch.Tensor:
+def allreduce(
+    tensor: torch.Tensor,
+    op: str = "avg",
+    *,
+    client: Client | None = None,
+    name: str = "",
+    timeout: float | None = None,
+) -> torch.Tensor:
     """A new tensor holding ``tensor`` reduced over every rank (op: avg, sum, prod, min,
     max); ``tensor`` is not modified. Blocks until done.
 
@@ -29,8 +35,14 @@ def allreduce(tensor: torch.Tensor, op: str = "avg", *, client: Client | None = 
     return allreduce_(tensor.detach().clone(), op, client=client, name=name, timeout=timeout)
 
 
-def allreduce_(tensor: torch.Tensor, op: str = "avg", *, client: Client | None = None,
-               name: str = "", timeout: float | None = None) -> torch.Tensor:
+def allreduce_(
+    tensor: torch.Tensor,
+    op: str = "avg",
+    *,
+    client: Client | None = None,
+    name: str = "",
+    timeout: float | None = None,
+) -> torch.Tensor:
     """Reduce ``tensor`` over every rank in place; returns it. A CUDA tensor runs on the
     daemon's GPU streams when it serves cuda (ordered after the current stream)."""
     client = resolve(client)
@@ -44,8 +56,14 @@ def allreduce_(tensor: torch.Tensor, op: str = "avg", *, client: Client | None =
     return tensor
 
 
-def broadcast(tensor: torch.Tensor, root: int = 0, *, client: Client | None = None,
-              name: str = "", timeout: float | None = None) -> torch.Tensor:
+def broadcast(
+    tensor: torch.Tensor,
+    root: int = 0,
+    *,
+    client: Client | None = None,
+    name: str = "",
+    timeout: float | None = None,
+) -> torch.Tensor:
     """Overwrite ``tensor`` with root's (in place, every rank); returns it."""
     client = resolve(client)
     if _on_device(client, tensor):
@@ -63,8 +81,7 @@ def broadcast(tensor: torch.Tensor, root: int = 0, *, client: Client | None = No
 
 def _on_device(client: Client, tensor: torch.Tensor) -> bool:
     """The device path: a contiguous CUDA tensor, a daemon serving cuda."""
-    return (tensor.device.type == "cuda" and tensor.is_contiguous()
-            and _adapt.on_device_path(client, tensor))
+    return tensor.device.type == "cuda" and tensor.is_contiguous() and _adapt.on_device_path(client, tensor)
 
 
 def _write_back(tensor: torch.Tensor, host: torch.Tensor) -> None:
@@ -81,12 +98,14 @@ def _tensors(source: object) -> list[torch.Tensor]:
     if isinstance(source, Iterable):
         items = list(source)
         return [t[1] if isinstance(t, tuple) else t for t in items]
-    raise InvalidArgumentError("broadcast_parameters takes a module, a state_dict, "
-                               "named_parameters() or an iterable of tensors")
+    raise InvalidArgumentError(
+        "broadcast_parameters takes a module, a state_dict, named_parameters() or an iterable of tensors"
+    )
 
 
-def broadcast_parameters(params: object, root: int = 0, *, client: Client | None = None,
-                         timeout: float | None = None) -> None:
+def broadcast_parameters(
+    params: object, root: int = 0, *, client: Client | None = None, timeout: float | None = None
+) -> None:
     """Overwrite every tensor of ``params`` (a module, its state_dict(), named_parameters()
     or tensors; the same structure on every rank) with root's, in place. One fused
     broadcast per dtype, not one per tensor.
@@ -99,18 +118,27 @@ def broadcast_parameters(params: object, root: int = 0, *, client: Client | None
         by_dtype.setdefault(t.dtype, []).append(t)
     for dtype, group in by_dtype.items():
         flat = torch.cat([host_view(t).reshape(-1) for t in group])
-        broadcast(flat, root, client=client, timeout=timeout,
-                  name=f"broadcast_parameters/{str(dtype).removeprefix('torch.')}")
+        broadcast(
+            flat,
+            root,
+            client=client,
+            timeout=timeout,
+            name=f"broadcast_parameters/{str(dtype).removeprefix('torch.')}",
+        )
         offset = 0
         with torch.no_grad():
             for t in group:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0, *,
-                              client: Client | None = None,
-                              timeout: float | None = None) -> None:
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    root: int = 0,
+    *,
+    client: Client | None = None,
+    timeout: float | None = None,
+) -> None:
     """Load root's optimizer state (moments, step counts, hyperparameters) on every rank.
     The optimizers must hold the same parameter groups; ranks whose state is still empty
     (before the first step) are fine: the state travels as one serialized blob.

@@ -43,7 +43,7 @@ class _Bucket:
 
     def slot(self, position: int) -> torch.Tensor:
         p = self.params[position]
-        return self.view[self.offsets[position]:self.offsets[position] + p.numel()].view_as(p)
+        return self.view[self.offsets[position] : self.offsets[position] + p.numel()].view_as(p)
 
     def copy_in(self, position: int) -> None:
         grad = self.params[position].grad
@@ -65,8 +65,14 @@ class _Distributed:
 
     _lpsync_buckets: list[_Bucket]
 
-    def _lpsync_init(self, named: list[tuple[str, torch.nn.Parameter]], client: Client,
-                     bucket_bytes: int, op: str, timeout: float | None) -> None:
+    def _lpsync_init(
+        self,
+        named: list[tuple[str, torch.nn.Parameter]],
+        client: Client,
+        bucket_bytes: int,
+        op: str,
+        timeout: float | None,
+    ) -> None:
         self._lpsync_client, self._lpsync_op, self._lpsync_timeout = client, op, timeout
         self._lpsync_lock = threading.Lock()
         self._lpsync_next = 0  # buckets are launched in index order on every rank
@@ -76,8 +82,9 @@ class _Distributed:
         current: list[torch.nn.Parameter] = []
         size = 0
         for _, p in reversed(named):
-            if current and (p.dtype != current[0].dtype or
-                            size + p.numel() * p.element_size() > bucket_bytes):
+            if current and (
+                p.dtype != current[0].dtype or size + p.numel() * p.element_size() > bucket_bytes
+            ):
                 buckets.append(current)
                 current, size = [], 0
             current.append(p)
@@ -99,7 +106,8 @@ class _Distributed:
             if bucket.future is not None:
                 raise InvalidArgumentError(
                     "a gradient was accumulated twice before step(): call step() (or "
-                    "synchronize()) after each backward")
+                    "synchronize()) after each backward"
+                )
             bucket.copy_in(position)
             self._lpsync_launch(force=False)
 
@@ -115,8 +123,11 @@ class _Distributed:
                         bucket.copy_in(position)
             bucket.started = time.perf_counter()
             bucket.future = self._lpsync_client.allreduce_async(
-                bucket.array, op=self._lpsync_op, timeout=self._lpsync_timeout,
-                name=f"optimizer/bucket{bucket.index}")
+                bucket.array,
+                op=self._lpsync_op,
+                timeout=self._lpsync_timeout,
+                name=f"optimizer/bucket{bucket.index}",
+            )
             self._lpsync_next += 1
 
     # -- public ----------------------------------------------------------------------------
@@ -153,11 +164,15 @@ class _Distributed:
         self._lpsync_handles = []
 
 
-def DistributedOptimizer(optimizer: torch.optim.Optimizer,
-                         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-                         *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, op: str = "avg",
-                         client: Client | None = None,
-                         timeout: float | None = None) -> torch.optim.Optimizer:
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    op: str = "avg",
+    client: Client | None = None,
+    timeout: float | None = None,
+) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over every rank.
 
     ``named_parameters`` (default: the optimizer's parameters) fixes the bucketing and must
@@ -168,8 +183,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise InvalidArgumentError("bucket_bytes must be positive")
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     if named_parameters is None:
-        named = [(f"param{i}", p) for i, p in
-                 enumerate(p for g in optimizer.param_groups for p in g["params"])]
+        named = [
+            (f"param{i}", p) for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
+        ]
     else:
         named = list(named_parameters)
     seen: set[int] = set()
@@ -178,8 +194,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         if id(p) in seen or not p.requires_grad or id(p) not in in_optimizer:
             continue
         if p.dtype not in _DTYPES:
-            raise InvalidArgumentError(f"parameter {name}: dtype {p.dtype} is not supported "
-                                       f"(use one of {', '.join(map(str, _DTYPES))})")
+            raise InvalidArgumentError(
+                f"parameter {name}: dtype {p.dtype} is not supported "
+                f"(use one of {', '.join(map(str, _DTYPES))})"
+            )
         seen.add(id(p))
         chosen.append((name, p))
     cls = type(optimizer)

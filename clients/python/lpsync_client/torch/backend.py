@@ -41,11 +41,24 @@ BACKEND = "lpsync"
 # Free staging bytes kept for reuse per process group (in-flight staging is never capped).
 STAGING_BYTES = int(os.environ.get("LPSYNC_TORCH_STAGING_BYTES", 1 << 30))
 
-_OPS = {ReduceOp.SUM: "sum", ReduceOp.PRODUCT: "prod", ReduceOp.MIN: "min",
-        ReduceOp.MAX: "max", ReduceOp.AVG: "avg"}
-_DTYPES = {torch.float16: np.float16, torch.bfloat16: None, torch.float32: np.float32,
-           torch.float64: np.float64, torch.int8: np.int8, torch.int32: np.int32,
-           torch.int64: np.int64, torch.uint8: np.uint8, torch.bool: np.uint8}
+_OPS = {
+    ReduceOp.SUM: "sum",
+    ReduceOp.PRODUCT: "prod",
+    ReduceOp.MIN: "min",
+    ReduceOp.MAX: "max",
+    ReduceOp.AVG: "avg",
+}
+_DTYPES = {
+    torch.float16: np.float16,
+    torch.bfloat16: None,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.int8: np.int8,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.uint8: np.uint8,
+    torch.bool: np.uint8,
+}
 # bool travels as uint8 0/1; its reductions are logical, as gloo's: sum and max are "or",
 # prod and min are "and".
 _BOOL_OPS = {"sum": "max", "max": "max", "prod": "min", "min": "min"}
@@ -59,15 +72,18 @@ def _reduce_op(op: object) -> str:
     kind = getattr(op, "op", op)  # a ReduceOp instance or its RedOpType
     name = _OPS.get(kind)
     if name is None:
-        raise ValueError(f"the lpsync backend does not support reduce op {kind} "
-                         "(supported: SUM, PRODUCT, MIN, MAX, AVG)")
+        raise ValueError(
+            f"the lpsync backend does not support reduce op {kind} (supported: SUM, PRODUCT, MIN, MAX, AVG)"
+        )
     return name
 
 
 def _check(t: torch.Tensor) -> None:
     if t.dtype not in _DTYPES:
-        raise ValueError(f"the lpsync backend does not support dtype {t.dtype} (supported: "
-                         f"{', '.join(str(d) for d in _DTYPES)})")
+        raise ValueError(
+            f"the lpsync backend does not support dtype {t.dtype} (supported: "
+            f"{', '.join(str(d) for d in _DTYPES)})"
+        )
 
 
 def _op_for(dtype: torch.dtype, op: str) -> str:
@@ -127,7 +143,7 @@ class _Staged:
         self.operand = self.flat if np_dtype is None else self.raw.view(np_dtype)
 
     def block(self, i: int, n: int) -> torch.Tensor:
-        return self.flat[i * n:(i + 1) * n]
+        return self.flat[i * n : (i + 1) * n]
 
 
 class LpsyncWork(dist.Work):
@@ -144,8 +160,9 @@ class LpsyncWork(dist.Work):
         self._pending = 1  # released by seal(): no completion before every piece is in
         self._error: dist.DistBackendError | None = None
 
-    def track(self, future: Future, finish: Callable[[], None],
-              staging: Sequence[_Staged], pool: _StagingPool) -> None:
+    def track(
+        self, future: Future, finish: Callable[[], None], staging: Sequence[_Staged], pool: _StagingPool
+    ) -> None:
         """Complete this work when ``future`` (an lpsync collective) is done: on success run
         ``finish`` (copies results out of staging), then give the staging back."""
         with self._lock:
@@ -161,6 +178,7 @@ class LpsyncWork(dist.Work):
             for s in staging:
                 pool.release(s.raw)
             self._piece_done(error)
+
         future.add_done_callback(done)
 
     def seal(self) -> LpsyncWork:
@@ -190,8 +208,8 @@ class LpsyncWork(dist.Work):
         seconds = timeout.total_seconds() if timeout else 0.0
         if not self._done.wait(seconds if seconds > 0 else self._bound):
             raise dist.DistBackendError(
-                f"lpsync {self._op} did not complete within "
-                f"{seconds if seconds > 0 else self._bound:g} s")
+                f"lpsync {self._op} did not complete within {seconds if seconds > 0 else self._bound:g} s"
+            )
         if self._error is not None:
             raise self._error
         return True
@@ -220,7 +238,8 @@ def _unsupported(op: str, why: str = "") -> UnsupportedOperationError:
     return UnsupportedOperationError(
         f"the lpsync backend does not support {op}{why}; lpsync offers all_reduce, "
         "broadcast, reduce, all_gather, reduce_scatter and barrier (create a gloo group "
-        f"with dist.new_group(backend='gloo') for {op})")
+        f"with dist.new_group(backend='gloo') for {op})"
+    )
 
 
 class ProcessGroupLpsync(dist.ProcessGroup):
@@ -262,8 +281,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         _check(t)
         return _Staged(self._pool, t.dtype, t.numel() if numel is None else numel)
 
-    def _run(self, op: str, outputs: list[torch.Tensor],
-             pieces: Callable[[LpsyncWork], None]) -> LpsyncWork:
+    def _run(self, op: str, outputs: list[torch.Tensor], pieces: Callable[[LpsyncWork], None]) -> LpsyncWork:
         """Build a work and let ``pieces`` submit its collectives into it; errors raised
         while submitting leave the work's earlier pieces to finish and release staging."""
         if self._closed:
@@ -280,16 +298,26 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         """The device path (docs/gpu.md): a contiguous CUDA tensor of a dtype the daemon
         reduces, on a daemon serving cuda; the collective then runs on the tensor itself,
         after the current stream (interprocess event), done when the daemon finished."""
-        return (t.device.type == "cuda" and t.dtype != torch.bool and t.is_contiguous()
-                and _adapt.on_device_path(self.client, t))
+        return (
+            t.device.type == "cuda"
+            and t.dtype != torch.bool
+            and t.is_contiguous()
+            and _adapt.on_device_path(self.client, t)
+        )
 
     def _barrier_piece(self, work: LpsyncWork) -> None:
         """Zero elements: nothing to move, but the ranks still meet, so that the job's
         sequence numbers stay matched (and a mismatch is still reported)."""
         work.track(self.client.barrier_async(self._timeout), lambda: None, (), self._pool)
 
-    def _launch(self, work: LpsyncWork, staged: _Staged, fill: Callable[[], None],
-                start: Callable[[Any], Future], finish: Callable[[], None]) -> None:
+    def _launch(
+        self,
+        work: LpsyncWork,
+        staged: _Staged,
+        fill: Callable[[], None],
+        start: Callable[[Any], Future],
+        finish: Callable[[], None],
+    ) -> None:
         """Copy in (``fill``), start the collective on the staging and let ``work`` track
         it; the staging goes back to the pool if either step fails."""
         try:
@@ -300,8 +328,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             raise
         work.track(future, finish, (staged,), self._pool)
 
-    def _allreduce_piece(self, work: LpsyncWork, tensors: Sequence[torch.Tensor], op: str
-                         ) -> None:
+    def _allreduce_piece(self, work: LpsyncWork, tensors: Sequence[torch.Tensor], op: str) -> None:
         """Allreduce ``tensors`` (same dtype) as one flat message: coalescing is one call."""
         numel = sum(t.numel() for t in tensors)
         if numel == 0:
@@ -311,15 +338,16 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             _check(tensors[0])
             t = tensors[0].detach()
             _adapt.ensure_registered(self.client, tensors[0])  # the lasting object, not t
-            work.track(self.client.allreduce_async(t, op=op, timeout=self._timeout),
-                       lambda: None, (), self._pool)
+            work.track(
+                self.client.allreduce_async(t, op=op, timeout=self._timeout), lambda: None, (), self._pool
+            )
             return None
         staged = self._stage(tensors[0], numel)
 
         def spans() -> list[tuple[torch.Tensor, torch.Tensor]]:
             at, out = 0, []
             for t in tensors:
-                out.append((t, staged.flat[at:at + t.numel()].view(t.shape)))
+                out.append((t, staged.flat[at : at + t.numel()].view(t.shape)))
                 at += t.numel()
             return out
 
@@ -330,17 +358,18 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         def finish() -> None:
             for t, view in spans():
                 t.copy_(view)
-        self._launch(work, staged, fill, lambda x: self.client.allreduce_async(
-            x, op=op, timeout=self._timeout), finish)
 
-    def _gather_piece(self, work: LpsyncWork, outputs: Sequence[torch.Tensor],
-                      inp: torch.Tensor) -> None:
+        self._launch(
+            work, staged, fill, lambda x: self.client.allreduce_async(x, op=op, timeout=self._timeout), finish
+        )
+
+    def _gather_piece(self, work: LpsyncWork, outputs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
         """Allgather ``inp`` into ``outputs`` (one tensor per rank, each inp.numel())."""
         n = inp.numel()
-        if len(outputs) != self.size() or any(o.numel() != n or o.dtype != inp.dtype
-                                              for o in outputs):
-            raise ValueError(f"all_gather needs {self.size()} output tensors of {n} "
-                             f"{inp.dtype} elements each")
+        if len(outputs) != self.size() or any(o.numel() != n or o.dtype != inp.dtype for o in outputs):
+            raise ValueError(
+                f"all_gather needs {self.size()} output tensors of {n} {inp.dtype} elements each"
+            )
         if n == 0:
             return self._barrier_piece(work)
         staged = self._stage(inp, n * self.size())
@@ -348,18 +377,24 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         def finish() -> None:
             for i, o in enumerate(outputs):
                 o.copy_(staged.block(i, n).view(o.shape))
-        self._launch(work, staged,
-                     lambda: staged.block(self.rank(), n).view(inp.shape).copy_(inp),
-                     lambda x: self.client.allgather_async(x, timeout=self._timeout), finish)
 
-    def _scatter_piece(self, work: LpsyncWork, out: torch.Tensor,
-                       inputs: Sequence[torch.Tensor], op: str) -> None:
+        self._launch(
+            work,
+            staged,
+            lambda: staged.block(self.rank(), n).view(inp.shape).copy_(inp),
+            lambda x: self.client.allgather_async(x, timeout=self._timeout),
+            finish,
+        )
+
+    def _scatter_piece(
+        self, work: LpsyncWork, out: torch.Tensor, inputs: Sequence[torch.Tensor], op: str
+    ) -> None:
         """Reduce-scatter: rank r's ``out`` = reduction over ranks of their ``inputs[r]``."""
         n = out.numel()
-        if len(inputs) != self.size() or any(i.numel() != n or i.dtype != out.dtype
-                                             for i in inputs):
-            raise ValueError(f"reduce_scatter needs {self.size()} input tensors of {n} "
-                             f"{out.dtype} elements each")
+        if len(inputs) != self.size() or any(i.numel() != n or i.dtype != out.dtype for i in inputs):
+            raise ValueError(
+                f"reduce_scatter needs {self.size()} input tensors of {n} {out.dtype} elements each"
+            )
         if n == 0:
             return self._barrier_piece(work)
         op = _op_for(out.dtype, op)
@@ -368,16 +403,19 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         def fill() -> None:
             for i, t in enumerate(inputs):
                 staged.block(i, n).view(t.shape).copy_(t)
-        self._launch(work, staged, fill, lambda x: self.client.reduce_scatter_async(
-            x, op=op, timeout=self._timeout),
-            lambda: out.copy_(staged.block(self.rank(), n).view(out.shape)))
 
-    def _rooted_piece(self, work: LpsyncWork, kind: str, t: torch.Tensor, root: int,
-                      op: str = "") -> None:
+        self._launch(
+            work,
+            staged,
+            fill,
+            lambda x: self.client.reduce_scatter_async(x, op=op, timeout=self._timeout),
+            lambda: out.copy_(staged.block(self.rank(), n).view(out.shape)),
+        )
+
+    def _rooted_piece(self, work: LpsyncWork, kind: str, t: torch.Tensor, root: int, op: str = "") -> None:
         """broadcast or reduce in place on ``t``; only the receiving ranks copy back."""
         if not 0 <= root < self.size():
-            raise ValueError(f"{kind} root {root} is not a rank of this group of "
-                             f"{self.size()}")
+            raise ValueError(f"{kind} root {root} is not a rank of this group of {self.size()}")
         if t.numel() == 0:
             return self._barrier_piece(work)
         op = _op_for(t.dtype, op) if kind == "reduce" else op
@@ -385,8 +423,12 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         if kind == "broadcast" and self._on_device(t):
             plain = t.detach()
             _adapt.ensure_registered(self.client, t)
-            work.track(self.client.broadcast_async(plain, root=root, timeout=self._timeout),
-                       lambda: None, (), self._pool)
+            work.track(
+                self.client.broadcast_async(plain, root=root, timeout=self._timeout),
+                lambda: None,
+                (),
+                self._pool,
+            )
             return None
         staged = self._stage(t)
         sends = kind == "reduce" or self.rank() == root
@@ -396,9 +438,14 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             if kind == "broadcast":
                 return self.client.broadcast_async(x, root=root, timeout=self._timeout)
             return self.client.reduce_async(x, root=root, op=op, timeout=self._timeout)
-        self._launch(work, staged,
-                     lambda: staged.flat.view(t.shape).copy_(t) if sends else None, start,
-                     lambda: t.copy_(staged.flat.view(t.shape)) if receives else None)
+
+        self._launch(
+            work,
+            staged,
+            lambda: staged.flat.view(t.shape).copy_(t) if sends else None,
+            start,
+            lambda: t.copy_(staged.flat.view(t.shape)) if receives else None,
+        )
 
     # -- collectives (torch's ProcessGroup method names) -------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> LpsyncWork:
@@ -407,6 +454,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         def pieces(work: LpsyncWork) -> None:
             for t in tensors:
                 self._allreduce_piece(work, [t], op)
+
         return self._run("all_reduce", tensors, pieces)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> LpsyncWork:
@@ -418,6 +466,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                 by_dtype.setdefault(t.dtype, []).append(t)
             for group in by_dtype.values():
                 self._allreduce_piece(work, group, op)
+
         return self._run("all_reduce_coalesced", tensors, pieces)
 
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> LpsyncWork:
@@ -426,6 +475,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         def pieces(work: LpsyncWork) -> None:
             for t in tensors:
                 self._rooted_piece(work, "broadcast", t, root)
+
         return self._run("broadcast", tensors, pieces)
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> LpsyncWork:
@@ -435,63 +485,73 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         def pieces(work: LpsyncWork) -> None:
             for t in tensors:
                 self._rooted_piece(work, "reduce", t, root, op)
+
         return self._run("reduce", tensors, pieces)
 
-    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                  opts=None) -> LpsyncWork:
+    def allgather(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None
+    ) -> LpsyncWork:
         def pieces(work: LpsyncWork) -> None:
             for outs, inp in zip(output_lists, inputs, strict=True):
                 self._gather_piece(work, outs, inp)
+
         return self._run("all_gather", [o for outs in output_lists for o in outs], pieces)
 
-    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
-                            inputs: list[torch.Tensor], opts=None) -> LpsyncWork:
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None
+    ) -> LpsyncWork:
         return self.allgather(output_lists, inputs, opts)
 
-    def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor,
-                        opts=None) -> LpsyncWork:
+    def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork:
         return self.all_gather_single_coalesced([output], [inp], opts)
 
-    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor,
-                          opts=None) -> LpsyncWork:
+    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork:
         return self.all_gather_single_coalesced([output], [inp], opts)
 
-    def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
-                                    inputs: list[torch.Tensor], opts=None) -> LpsyncWork:
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None
+    ) -> LpsyncWork:
         def pieces(work: LpsyncWork) -> None:
             for out, inp in zip(outputs, inputs, strict=True):
                 if out.numel() != inp.numel() * self.size() or not out.is_contiguous():
                     raise ValueError(
                         f"all_gather_into_tensor needs a contiguous output of "
                         f"{inp.numel() * self.size()} elements (world size x input), got "
-                        f"{out.numel()}")
-                self._gather_piece(work, list(out.reshape(-1).chunk(self.size()))
-                                   if inp.numel() else [out] * self.size(), inp)
+                        f"{out.numel()}"
+                    )
+                self._gather_piece(
+                    work,
+                    list(out.reshape(-1).chunk(self.size())) if inp.numel() else [out] * self.size(),
+                    inp,
+                )
+
         return self._run("all_gather_into_tensor", outputs, pieces)
 
-    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor], opts=None) -> LpsyncWork:
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None
+    ) -> LpsyncWork:
         return self.all_gather_single_coalesced(outputs, inputs, opts)
 
-    def reduce_scatter(self, outputs: list[torch.Tensor],
-                       input_lists: list[list[torch.Tensor]], opts=None) -> LpsyncWork:
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None
+    ) -> LpsyncWork:
         op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
 
         def pieces(work: LpsyncWork) -> None:
             for out, inputs in zip(outputs, input_lists, strict=True):
                 self._scatter_piece(work, out, inputs, op)
+
         return self._run("reduce_scatter", outputs, pieces)
 
-    def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor,
-                             opts=None) -> LpsyncWork:
+    def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork:
         return self.reduce_scatter_single_coalesced([output], [inp], opts)
 
-    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor,
-                              opts=None) -> LpsyncWork:
+    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork:
         return self.reduce_scatter_single_coalesced([output], [inp], opts)
 
-    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor], opts=None) -> LpsyncWork:
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None
+    ) -> LpsyncWork:
         op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
 
         def pieces(work: LpsyncWork) -> None:
@@ -499,14 +559,16 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                 if inp.numel() != out.numel() * self.size():
                     raise ValueError(
                         f"reduce_scatter_tensor needs an input of {out.numel() * self.size()}"
-                        f" elements (world size x output), got {inp.numel()}")
-                blocks = (list(inp.reshape(-1).chunk(self.size())) if out.numel()
-                          else [inp] * self.size())
+                        f" elements (world size x output), got {inp.numel()}"
+                    )
+                blocks = list(inp.reshape(-1).chunk(self.size())) if out.numel() else [inp] * self.size()
                 self._scatter_piece(work, out, blocks, op)
+
         return self._run("reduce_scatter_tensor", outputs, pieces)
 
-    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor], opts=None) -> LpsyncWork:
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None
+    ) -> LpsyncWork:
         return self.reduce_scatter_single_coalesced(outputs, inputs, opts)
 
     def barrier(self, opts=None) -> LpsyncWork:
@@ -601,14 +663,20 @@ def _create(opts, backend_options=None) -> ProcessGroupLpsync:
         ) from error
     local_rank, local_size = _node_layout(rank, global_ranks)
     try:
-        client = lpsync_client.connect(job=job, rank=rank, world_size=size,
-                                       local_rank=local_rank, local_world_size=local_size,
-                                       timeout=timeout)
+        client = lpsync_client.connect(
+            job=job,
+            rank=rank,
+            world_size=size,
+            local_rank=local_rank,
+            local_world_size=local_size,
+            timeout=timeout,
+        )
     except LpsyncError as error:
         raise dist.DistBackendError(
             f"lpsync: rank {rank} of group {opts.group_id!r} could not attach to its daemon "
             f"(LPSYNC_SOCKET={os.environ.get('LPSYNC_SOCKET', lpsync_client.client.DEFAULT_SOCKET)}"
-            f"): {error}") from error
+            f"): {error}"
+        ) from error
     return ProcessGroupLpsync(client, rank, size, timeout)
 
 
@@ -616,5 +684,4 @@ def register() -> None:
     """Make ``init_process_group("lpsync")`` available (idempotent; importing
     lpsync_client.torch calls it). CUDA tensors are staged through host memory."""
     if BACKEND.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND, _create, extended_api=True,
-                                      devices=["cpu", "cuda"])
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
