@@ -16,6 +16,11 @@ class Collective(StrEnum):
     REDUCE = "reduce"
     ALLGATHER = "allgather"
     REDUCE_SCATTER = "reduce_scatter"
+    BARRIER = "barrier"  # moves no data: every participant arrives, then all leave
+
+
+# The collectives that move data: the ones with schedules, sizes and bandwidths.
+DATA_COLLECTIVES = tuple(c for c in Collective if c is not Collective.BARRIER)
 
 
 class ReduceOp(StrEnum):
@@ -60,13 +65,4 @@ def parse_collective(name: str) -> Collective:
     except ValueError:
         raise InvalidArgumentError(
             f"unknown collective {name!r}; expected one of {', '.join(c.value for c in Collective)}"
-        ) from None
-
-
-def parse_reduce_op(name: str) -> ReduceOp:
-    try:
-        return ReduceOp(name)
-    except ValueError:
-        raise InvalidArgumentError(
-            f"unknown reduce op {name!r}; expected one of {', '.join(r.value for r in ReduceOp)}"
         ) from None

@@ -11,8 +11,8 @@ import numpy as np
 
 from lpsync.algorithms import ALGORITHMS, Schedule
 from lpsync.engine.group import LocalGroup, layout
-from lpsync.engine.reduce import Reduction
-from lpsync.types import DTYPES, Collective, ReduceOp
+from lpsync.reduction import Reduction
+from lpsync.types import DATA_COLLECTIVES, DTYPES, Collective, ReduceOp
 
 C = Collective
 
@@ -79,7 +79,7 @@ def every_case(world: int, count: int, root: int, seed: int) -> list[tuple]:
     processes: (op, dtype, reduce_op, in_place, root, count, every rank's input bytes)."""
     rng = np.random.default_rng(seed)
     cases = []
-    for op in Collective:
+    for op in DATA_COLLECTIVES:
         reduce_ops = list(ReduceOp) if op in REDUCING else [ReduceOp.SUM]
         op_root = root if op in (C.BROADCAST, C.REDUCE) else 0
         for dtype in DTYPES:

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from lpsync.daemon.agreement import Tree, decode, encode, judge
+from lpsync.daemon.collectives.agreement import Tree, decode, encode, judge
 
 
 def _depth(tree: Tree, node: int) -> int:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lpsync.algorithms.chain_order import chain_order, crossings
-from lpsync.daemon.execute import device_chain
+from lpsync.daemon.collectives.local import device_chain
 from lpsync.memory.devices import parse_devices
 from lpsync.memory.kind import Link
 from lpsync.types import Collective

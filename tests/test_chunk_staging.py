@@ -24,12 +24,12 @@ from collective_cases import (
 from lpsync.algorithms import generate
 from lpsync.engine.device_group import DeviceContext
 from lpsync.engine.group import LocalGroup, layout
-from lpsync.engine.reduce import Reduction
 from lpsync.engine.routing import Placement
 from lpsync.engine.staging import ChunkStager, HostMirrors, _add, _subtract
 from lpsync.errors import AbortedError, CollectiveTimeoutError
 from lpsync.memory.emulated import EmulatedKind
 from lpsync.memory.kind import Span
+from lpsync.reduction import Reduction
 from lpsync.transport.inproc import InprocFabric
 from lpsync.types import Collective, ReduceOp
 
@@ -299,7 +299,7 @@ def test_interval_helpers_against_a_byte_map() -> None:
 def test_mirrors_are_kept_per_buffer_set_and_freed_once_idle() -> None:
     """GroupCache keeps the mirrors of the last 8 buffer sets of a job; eviction, a released
     buffer (forget) and the job's end close them; a run in progress defers the free."""
-    from lpsync.daemon.execute import GroupCache
+    from lpsync.daemon.collectives.plans import GroupCache
 
     freed: list[int] = []
 

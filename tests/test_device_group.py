@@ -22,13 +22,13 @@ from collective_cases import (
 from lpsync.algorithms import generate
 from lpsync.engine.device_group import DeviceContext, DeviceGroup
 from lpsync.engine.group import layout
-from lpsync.engine.reduce import Reduction
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory import leaked_segments
 from lpsync.memory.devices import parse_devices
 from lpsync.memory.emulated import EmulatedKind
 from lpsync.memory.host import HostKind
 from lpsync.memory.kind import Span
+from lpsync.reduction import Reduction
 from lpsync.types import DTYPES, Collective, ReduceOp
 
 C = Collective

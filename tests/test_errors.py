@@ -14,7 +14,6 @@ from lpsync.algorithms import ALGORITHMS, Schedule, generate
 from lpsync.algorithms.schedule import Buf, ScheduleBuilder
 from lpsync.engine.executor import Plan, deadline_after
 from lpsync.engine.group import LocalGroup, layout
-from lpsync.engine.reduce import Reduction
 from lpsync.errors import (
     AbortedError,
     CollectiveTimeoutError,
@@ -22,6 +21,7 @@ from lpsync.errors import (
     LpsyncError,
     UnavailableError,
 )
+from lpsync.reduction import Reduction
 from lpsync.transport.inproc import InprocFabric
 from lpsync.types import ReduceOp
 

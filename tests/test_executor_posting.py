@@ -30,8 +30,8 @@ from lpsync.algorithms import generate
 from lpsync.algorithms.schedule import Buf, ScheduleBuilder
 from lpsync.engine.executor import Plan
 from lpsync.engine.group import layout
-from lpsync.engine.reduce import Reduction
 from lpsync.errors import CollectiveTimeoutError, LpsyncError
+from lpsync.reduction import Reduction
 from lpsync.transport.inproc import InprocEndpoint, InprocFabric
 from lpsync.types import ReduceOp
 

@@ -1,10 +1,10 @@
-"""Node 0's learning tuner (lpsync/daemon/learning.py), driven as multinode.py drives it.
+"""Node 0's learning tuner (lpsync/daemon/collectives/learning.py), driven as multinode.py drives it.
 (Across real daemons: tests/daemon/test_daemon_multinode.py.)"""
 
 from __future__ import annotations
 
 from lpsync.algorithms.tuner import Choice
-from lpsync.daemon.learning import (
+from lpsync.daemon.collectives.learning import (
     MAX_CANDIDATES,
     MIN_VARIANT_CHUNK,
     SHORTLIST,

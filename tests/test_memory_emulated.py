@@ -10,7 +10,6 @@ import time
 import numpy as np
 import pytest
 
-from lpsync.engine.reduce import Reduction
 from lpsync.errors import (
     CollectiveTimeoutError,
     InvalidArgumentError,
@@ -20,6 +19,7 @@ from lpsync.errors import (
 from lpsync.memory.devices import parse_devices
 from lpsync.memory.emulated import HANDLE, MAGIC, EmulatedKind
 from lpsync.memory.kind import Span
+from lpsync.reduction import Reduction
 from lpsync.types import ReduceOp
 from lpsync_client import emulated as client_emulated
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lpsync.daemon.multinode import tag_base
-from lpsync.daemon.peer_plane import CONTROL, HEARTBEAT, PROBE, SPEC, control_tag
+from lpsync.daemon.collectives.planning import tag_base
+from lpsync.daemon.peers.plane import CONTROL, HEARTBEAT, PROBE, SPEC, control_tag
 from lpsync.engine.routing import MAX_PARTICIPANTS, TAG_BITS, fold
 
 

@@ -337,8 +337,8 @@ def test_single_participant_and_bad_rank_in_process(transport: str) -> None:
     """P = 1 needs no peer (the local schedule still runs); a rank outside the list is refused."""
     from lpsync.algorithms import generate
     from lpsync.engine.executor import Plan
-    from lpsync.engine.reduce import Reduction
     from lpsync.errors import ConfigError
+    from lpsync.reduction import Reduction
     from lpsync.transport import backends
     from lpsync.transport.addresses import parse_peers
     from lpsync.transport.mesh import MeshOptions

@@ -1,4 +1,4 @@
-"""Peer discovery (lpsync.daemon.peers) and the daemon's peer settings."""
+"""Peer discovery (lpsync.daemon.peers.discovery) and the daemon's peer settings."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from lpsync.daemon import config as daemon_config
-from lpsync.daemon.peers import discover, expand_nodelist, from_dns, from_slurm, is_local_address
+from lpsync.daemon.control import config as daemon_config
+from lpsync.daemon.peers.discovery import discover, expand_nodelist, from_dns, from_slurm, is_local_address
 from lpsync.errors import ConfigError, InvalidArgumentError
 from lpsync.transport.addresses import PeerAddress
 
@@ -103,7 +103,7 @@ def test_probe_order_covers_every_peer_and_runs_in_size_minus_one_rounds(size: i
     """Every node probes its peers one at a time, in its own order; play it out: in each
     round every pair whose two nodes both want each other next probes. It must finish (no
     node waits on a peer that waits on someone else forever) in the tournament's rounds."""
-    from lpsync.daemon.peer_plane import probe_order
+    from lpsync.daemon.peers.plane import probe_order
 
     pending = [list(probe_order(rank, size)) for rank in range(size)]
     for rank, order in enumerate(pending):
@@ -128,7 +128,7 @@ def test_each_probe_pair_has_connect_timeout_of_its_own(monkeypatch: pytest.Monk
     import time
     from types import SimpleNamespace
 
-    from lpsync.daemon import peer_plane
+    from lpsync.daemon.peers import plane as peer_plane
     from lpsync.errors import CollectiveTimeoutError
 
     pair_seconds = 0.25

@@ -13,9 +13,9 @@ from collective_cases import OPS_ALGS, OPS_ALGS_IDS, REDUCING, ROOTED, assert_ma
 
 from lpsync.algorithms import Kind, generate
 from lpsync.engine.group import LocalGroup, layout
-from lpsync.engine.reduce import Reduction
 from lpsync.engine.routing import Placement, fold
 from lpsync.errors import CollectiveTimeoutError, InvalidArgumentError
+from lpsync.reduction import Reduction
 from lpsync.transport.inproc import InprocFabric
 from lpsync.types import Collective, ReduceOp
 

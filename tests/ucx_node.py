@@ -19,7 +19,7 @@ from ucx_worker import Case, case_inputs
 
 from lpsync.algorithms import generate
 from lpsync.engine.executor import Plan
-from lpsync.engine.reduce import Reduction
+from lpsync.reduction import Reduction
 from lpsync.transport.addresses import parse_peers
 from lpsync.transport.ucx import UcxEndpoint, UcxOptions
 from lpsync.types import Collective, ReduceOp, dtype_of

@@ -82,8 +82,8 @@ def participant(
     logging.getLogger("lpsync").addHandler(records)
     from lpsync.algorithms import generate
     from lpsync.engine.executor import Plan
-    from lpsync.engine.reduce import Reduction
     from lpsync.errors import LpsyncError
+    from lpsync.reduction import Reduction
     from lpsync.transport import backends
     from lpsync.transport.addresses import parse_peers
     from lpsync.transport.mesh import MeshOptions

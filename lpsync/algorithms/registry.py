@@ -23,6 +23,10 @@ class Algorithm:
     generators: Mapping[Collective, Generator]
 
 
+# Not a schedule: the last participant to arrive reduces every view in rank order and
+# writes every output (lpsync.daemon.collectives.local). Local host buffers only.
+DIRECT = "direct"
+
 C = Collective
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a

@@ -101,10 +101,6 @@ class Schedule:
         ]
         return list(zip(*cols, self.tags[a:b].tolist(), strict=True))
 
-    def message_bytes(self, itemsize: int) -> np.ndarray:
-        rows = self.send_op
-        return (self.ops["hi"][rows] - self.ops["lo"][rows]) * itemsize
-
 
 class ScheduleBuilder:
     """Collects ops (scalars or numpy arrays, broadcast together) and builds a Schedule.

@@ -39,8 +39,8 @@ from typing import Any
 
 from lpsync.algorithms import algorithms_for
 from lpsync.bench.cluster_report import AUTO, Point, label
-from lpsync.bench.runner import serving
 from lpsync.cluster import ClusterSpec, down, format_rate, netns, run_in, up
+from lpsync.daemon import launch
 from lpsync.errors import ClusterError, InvalidArgumentError
 from lpsync.memory.shm import PREFIX as SHM_PREFIX
 from lpsync.transport.backends import check as check_transport
@@ -234,42 +234,30 @@ def _start_daemons(
     env = {
         **_clean_env(),
         "LPSYNC_SECRET": secrets.token_hex(32),
-        "LPSYNC_PEER_TLS": "tcp",
+        "LPSYNC_UCX_TLS": "tcp",
         "LPSYNC_PEER_TRANSPORT": transport,
     }
     for node in range(spec.nodes):
         where = tmp / f"node{node}"
         where.mkdir()
         socket, log = str(where / "lpsync.sock"), where / "daemon.log"
-        with open(log, "wb") as out:
-            proc = run_in(
-                spec,
-                node,
-                [
-                    sys.executable,
-                    "-m",
-                    "lpsync.cli",
-                    "daemon",
-                    "--socket",
-                    socket,
-                    "--node-rank",
-                    str(node),
-                    "--peers",
-                    peers,
-                    "--log-level",
-                    "INFO",
-                    "--flight-recorder",
-                    str(options.flight_recorder()),
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )  # Ctrl-C reaches us; we stop them in order
-        daemons.append(_Node(proc, socket, log))
+        flags = ("--node-rank", str(node), "--peers", peers, "--log-level", "INFO")
+        # In a session of their own: Ctrl-C reaches us, and we stop them in order.
+        started = launch.Daemon(
+            socket,
+            *flags,
+            "--flight-recorder",
+            str(options.flight_recorder()),
+            log=log,
+            env=env,
+            wrap=("ip", "netns", "exec", spec.namespace(node)),
+            start_new_session=True,
+            wait=False,
+        )
+        daemons.append(_Node(started.proc, socket, log))
     deadline = time.monotonic() + _START_TIMEOUT + _START_PER_NODE * max(0, spec.nodes - 8)
     for node, d in enumerate(daemons):
-        while not serving(d.socket):
+        while not launch.serving(d.socket):
             if d.daemon.poll() is not None or time.monotonic() > deadline:
                 raise ClusterError(f"the daemon of node {node} did not start:\n{_tail(d.log)}")
             time.sleep(0.1)

@@ -42,7 +42,7 @@ from lpsync.bench.worker import (
     gloo_verify,
     lpsync_call,
 )
-from lpsync.daemon.learning import MAX_CANDIDATES, TRIALS
+from lpsync.daemon.collectives.learning import MAX_CANDIDATES, TRIALS
 
 ROOT = 0  # of broadcast and reduce
 # Node 0's trials, each timed once the next call reports: learning.py
@@ -116,7 +116,7 @@ def run_lpsync(args: argparse.Namespace, rank: int, world: int) -> None:
                     forced = None if algorithm == "auto" else algorithm
                     call = lpsync_call(client, op, buf, forced, ROOT)
                     # auto: the daemons' first calls of a size are node 0's trials
-                    # (lpsync/daemon/learning.py); time what it keeps, not the trials.
+                    # (lpsync/daemon/collectives/learning.py); time what it keeps, not the trials.
                     warmup = args.warmup + (LEARNING_CALLS if forced is None else 0)
                     got = measure(call, client.barrier, warmup, args.iters, meter)
                     records = flight_records(client, op, got.window) if node is not None else []

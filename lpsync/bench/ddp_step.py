@@ -15,14 +15,12 @@ import argparse
 import multiprocessing as mp
 import os
 import shutil
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
-from lpsync.bench.runner import serving
+from lpsync.daemon import launch
+from lpsync.daemon.launch import serving
 
 VARIANTS = ("lpsync", "hook", "gloo", "local")
 
@@ -118,19 +116,14 @@ def main(argv: list[str] | None = None) -> int:
         socket = args.socket
         if socket is None or not serving(socket):
             socket = socket or os.path.join(tmp, "lpsync.sock")
-            daemon = subprocess.Popen(
-                [sys.executable, "-m", "lpsync.cli", "daemon", "--socket", socket, "--log-level", "WARNING"]
-            )
-            deadline = time.monotonic() + 30
-            while not serving(socket):
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("ddp_step: the daemon did not start")
-                time.sleep(0.05)
+            try:
+                daemon = launch.Daemon(socket, "--log-level", "WARNING")
+            except launch.DaemonStartError as error:
+                raise SystemExit(f"ddp_step: the daemon did not start: {error}") from None
         results = _launch(args, socket)
     finally:
         if daemon is not None:
-            daemon.send_signal(signal.SIGTERM)
-            daemon.wait(30)
+            daemon.stop(30)
         shutil.rmtree(tmp, ignore_errors=True)
     print(report(args, results))
     return 0 if all(same for _, same in results.values()) else 1

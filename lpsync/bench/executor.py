@@ -22,7 +22,7 @@ import numpy as np
 from lpsync.algorithms import Kind, Schedule, generate
 from lpsync.algorithms.cost import SHARED_MEMORY_LINK, algbw, lp_chunks
 from lpsync.engine.group import LocalGroup, layout
-from lpsync.engine.reduce import Reduction
+from lpsync.reduction import Reduction
 from lpsync.report import write_json_lines, write_table
 from lpsync.types import Collective, ReduceOp, dtype_of
 from lpsync.units import format_size, parse_size

@@ -10,11 +10,11 @@ in one shared-memory buffer registered once per rank (plan once, run many).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from lpsync.bench import models
-from lpsync.bench.runner import serving
+from lpsync.daemon import launch
+from lpsync.daemon.launch import serving
 from lpsync.errors import LpsyncError
 
 MODES = ("per-tensor", "ddp-buckets")
@@ -86,8 +87,6 @@ def lpsync_steps(
     """Per mode: (mode, this rank's step times, wrong elements after a verified step,
     rank 0's (elements, algorithm) per message in sequence order). One shared-memory buffer
     holds every message."""
-    from lpsync_client._proto import lpsync_pb2 as pb
-
     want = world * (world + 1) / 2
     flat = client.zeros(max(sum(c) for c in plan.values()), "float32")
     for mode, counts in plan.items():
@@ -95,7 +94,7 @@ def lpsync_steps(
 
         def step(views: list[np.ndarray] = views) -> None:
             for future in [client.allreduce_async(v) for v in views]:
-                client._wait(future, None)
+                future.result(timeout=2 * client.timeout + 10)
 
         for _ in range(warmup):
             step()
@@ -111,7 +110,7 @@ def lpsync_steps(
         wrong = sum(int(np.count_nonzero(v != want)) for v in views)
         per_message: list[tuple[int, str]] = []
         if rank == 0:
-            recent = client._call(client._stub.Status, pb.StatusRequest(recent=256)).recent
+            recent = client.status(recent=256).recent
             mine = sorted(
                 (r for r in recent if r.job == client.job and r.op == "allreduce"), key=lambda r: r.sequence
             )[-len(views) :]
@@ -210,15 +209,7 @@ def run(options: ModelOptions) -> list[ModeResult]:
             sockets = [node.socket for node in cluster.nodes]
         elif socket is None or not serving(socket):
             socket = socket or os.path.join(tmp, "lpsync.sock")
-            daemon = subprocess.Popen(
-                [sys.executable, "-m", "lpsync.cli", "daemon", "--socket", socket, "--log-level", "WARNING"],
-                start_new_session=True,
-            )
-            deadline = time.monotonic() + 30
-            while not serving(socket):
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    raise LpsyncError("lpsync bench: the daemon did not start")
-                time.sleep(0.05)
+            daemon = launch.Daemon(socket, "--log-level", "WARNING", start_new_session=True)
         if cluster is None:
             sockets = [socket]
         ctx = mp.get_context("spawn")
@@ -282,11 +273,8 @@ def run(options: ModelOptions) -> list[ModeResult]:
         if cluster is not None:
             cluster.stop()
         if daemon is not None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                daemon.stop(30)
         shutil.rmtree(tmp, ignore_errors=True)
     return list(results.values())
 

@@ -36,7 +36,7 @@ _ALPHA = 100e-6  # a TCP message through a namespace's stack, for LP's chunk cou
 
 def node_main(args: argparse.Namespace) -> int:
     from lpsync.engine.executor import Plan
-    from lpsync.engine.reduce import Reduction
+    from lpsync.reduction import Reduction
     from lpsync.transport.addresses import parse_peers
     from lpsync.transport.auth import load_secret
     from lpsync.transport.ucx import UcxEndpoint, UcxOptions

@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lpsync.bench.runner import _pct as percentile
-from lpsync.bench.runner import serving
+from lpsync.daemon import launch
+from lpsync.daemon.launch import serving
 
 SCENARIOS = ("idle", "flood", "big", "direct", "stalled", "all")
 
@@ -140,38 +141,19 @@ def stalled(socket: str, stop) -> None:
 
 # -- measurement --------------------------------------------------------------------------
 def _start_daemon(tmp: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
-    socket = str(tmp / "lpsync.sock")
-    log = open(tmp / "daemon.log", "w")  # noqa: SIM115 - the daemon writes it until exit
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lpsync.cli", "daemon", "--socket", socket, *extra],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 30
-    while not serving(socket):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"daemon did not start:\n{(tmp / 'daemon.log').read_text()}")
-        time.sleep(0.05)
-    return proc, socket
+    daemon = launch.Daemon(str(tmp / "lpsync.sock"), *extra, log=tmp / "daemon.log")
+    return daemon.proc, daemon.socket
 
 
 def _sample(socket: str, seconds: float, result: Result) -> None:
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from lpsync.commands.status import fetch
 
     end = time.monotonic() + seconds
     next_status = 0.0
     while time.monotonic() < end:
         start = time.perf_counter()
         try:
-            with grpc.insecure_channel(f"unix:{socket}") as channel:
-                reply = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=5.0
-                )
-            ok = reply.status == health_pb2.HealthCheckResponse.SERVING
+            ok = launch.health(socket, timeout=5.0) == "SERVING"
         except grpc.RpcError:
             ok = False
         took = time.perf_counter() - start
@@ -179,7 +161,7 @@ def _sample(socket: str, seconds: float, result: Result) -> None:
         result.failures += not ok
         if time.monotonic() >= next_status:
             start = time.perf_counter()
-            fetch(socket, recent=20, timeout=5.0)
+            launch.status(socket, recent=20, timeout=5.0)
             result.status.append(time.perf_counter() - start)
             next_status = time.monotonic() + 0.25
         time.sleep(max(0.0, 0.01 - took))

@@ -11,17 +11,16 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from lpsync.algorithms.cost import busbw_factor
 from lpsync.bench import worker
+from lpsync.daemon import launch
+from lpsync.daemon.launch import serving
 from lpsync.types import Collective
 from lpsync.units import format_size
 
@@ -76,20 +75,6 @@ class Options:
         return 1
 
 
-def serving(socket: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    if not Path(socket).exists():
-        return False
-    try:
-        with grpc.insecure_channel(f"unix:{socket}") as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
 def run(options: Options) -> dict[str, list[Row]]:
     tmp = tempfile.mkdtemp(prefix="lpsync-bench-")  # our daemon's socket, gloo's file store
     try:
@@ -103,25 +88,10 @@ def _run(options: Options, tmp: str) -> dict[str, list[Row]]:
     socket = options.socket
     if socket is None or not serving(socket):
         socket = socket or os.path.join(tmp, "lpsync.sock")
-        daemon = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "lpsync.cli",
-                "daemon",
-                "--socket",
-                socket,
-                "--log-level",
-                "WARNING",
-                "--devices",
-                options.device_flag(),
-            ]
-        )
-        deadline = time.monotonic() + 30
-        while not serving(socket):
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("lpsync bench: the daemon did not start")
-            time.sleep(0.05)
+        try:
+            daemon = launch.Daemon(socket, "--log-level", "WARNING", "--devices", options.device_flag())
+        except launch.DaemonStartError as error:
+            raise SystemExit(f"lpsync bench: the daemon did not start: {error}") from None
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     job = f"bench-{os.getpid()}"
@@ -192,8 +162,7 @@ def _run(options: Options, tmp: str) -> dict[str, list[Row]]:
             if p.is_alive():
                 p.kill()
         if daemon is not None:
-            daemon.send_signal(signal.SIGTERM)
-            daemon.wait(30)
+            daemon.stop(30)
     return rows
 
 

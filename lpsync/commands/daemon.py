@@ -7,7 +7,7 @@ import faulthandler
 import signal
 import sys
 
-from lpsync.daemon import config as daemon_config
+from lpsync.daemon.control import config as daemon_config
 from lpsync.errors import LpsyncError
 
 
@@ -23,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lpsync.daemon import logs, server
+    from lpsync.daemon.control import logs, server
 
     try:
         config = daemon_config.from_args(args)

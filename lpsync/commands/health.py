@@ -11,7 +11,8 @@ import argparse
 import os
 import sys
 
-from lpsync.daemon.config import DEFAULT_SOCKET
+from lpsync.daemon import launch
+from lpsync_client import DEFAULT_SOCKET
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -26,24 +27,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def check(socket: str, timeout: float) -> str:
-    """The daemon's overall health status name (SERVING, NOT_SERVING, ...)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(f"unix:{socket}") as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=timeout
-        )
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-
-
 def run(args: argparse.Namespace) -> int:
     import grpc
 
     socket = args.socket or os.environ.get("LPSYNC_SOCKET") or DEFAULT_SOCKET
     try:
-        status = check(socket, args.timeout)
+        status = launch.health(socket, args.timeout)
     except grpc.RpcError as error:
         status = f"unreachable ({error.code().name}: {error.details()})"
     if not args.quiet:

@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from lpsync.daemon.config import DEFAULT_SOCKET
+from lpsync.daemon import launch
+from lpsync_client import DEFAULT_SOCKET
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -30,20 +31,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def fetch(socket: str, recent: int = 20, token: str = "", timeout: float = 5.0, history: int = 0):
-    import grpc
-
-    from lpsync._proto import lpsync_pb2 as pb
-    from lpsync._proto import lpsync_pb2_grpc as pb_grpc
-
-    metadata = [("authorization", f"Bearer {token}")] if token else None
-    with grpc.insecure_channel(f"unix:{socket}") as channel:
-        stub = pb_grpc.LpSyncStub(channel)
-        return stub.Status(
-            pb.StatusRequest(recent=recent, history=history), timeout=timeout, metadata=metadata
-        )
-
-
 def run(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
@@ -51,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     socket = args.socket or os.environ.get("LPSYNC_SOCKET") or DEFAULT_SOCKET
     token = Path(args.token_file).read_text().strip() if args.token_file else ""
     try:
-        status = fetch(socket, args.recent, token, history=args.history)
+        status = launch.status(socket, args.recent, token, history=args.history)
     except grpc.RpcError as error:
         print(f"lpsync status: cannot reach the daemon at {socket}: {error.details()}", file=sys.stderr)
         return 1

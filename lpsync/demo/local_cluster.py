@@ -4,16 +4,16 @@ each with its socket, its peer port and its metrics port, sharing a fresh cluste
 
 from __future__ import annotations
 
-import os
+import contextlib
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lpsync.bench.runner import serving
+from lpsync.daemon import launch
+from lpsync.daemon.launch import clean_env
 from lpsync.errors import LpsyncError
 from lpsync.transport.ports import free_ports
 
@@ -24,18 +24,20 @@ class DemoError(LpsyncError):
     """The demo could not run (a daemon or trainer failed); the message says which."""
 
 
-def clean_env() -> dict[str, str]:
-    """The environment without the user's LPSYNC_* settings (a socket, a secret)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("LPSYNC_")}
-
-
 @dataclass
 class Node:
     rank: int
-    socket: str
+    daemon: launch.Daemon
     metrics_port: int
-    log: Path
-    proc: subprocess.Popen[bytes]
+
+    @property
+    def socket(self) -> str:
+        return self.daemon.socket
+
+    @property
+    def log(self) -> Path:
+        assert self.daemon.log is not None
+        return self.daemon.log
 
     @property
     def metrics_url(self) -> str:
@@ -54,39 +56,25 @@ class LocalCluster:
         secret_file.write_text(secrets.token_hex(32))
         try:
             for rank in range(nodes):
-                sock, log = where / f"node{rank}.sock", where / f"node{rank}.log"
-                with open(log, "wb") as out:
-                    proc = subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "lpsync.cli",
-                            "daemon",
-                            "--socket",
-                            str(sock),
-                            "--node-rank",
-                            str(rank),
-                            "--peers",
-                            peers,
-                            "--secret-file",
-                            str(secret_file),
-                            "--metrics-port",
-                            str(peer_ports[nodes + rank]),
-                            "--log-level",
-                            "WARNING",
-                        ],
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        env=clean_env(),
-                        start_new_session=True,
-                    )  # Ctrl-C reaches us only; we stop them in order
-                self.nodes.append(Node(rank, str(sock), peer_ports[nodes + rank], log, proc))
+                flags = ("--node-rank", str(rank), "--peers", peers, "--secret-file", str(secret_file))
+                flags += ("--metrics-port", str(peer_ports[nodes + rank]), "--log-level", "WARNING")
+                # Started together, waited for below (they mesh with each other); in a
+                # session of their own: Ctrl-C reaches us only, and we stop them in order.
+                daemon = launch.Daemon(
+                    str(where / f"node{rank}.sock"),
+                    *flags,
+                    log=where / f"node{rank}.log",
+                    env=clean_env(),
+                    start_new_session=True,
+                    wait=False,
+                )
+                self.nodes.append(Node(rank, daemon, peer_ports[nodes + rank]))
             deadline = time.monotonic() + _START_TIMEOUT
             for node in self.nodes:
-                while not serving(node.socket):
-                    if node.proc.poll() is not None or time.monotonic() > deadline:
-                        raise DemoError(f"the daemon of node {node.rank} did not start:\n{tail(node.log)}")
-                    time.sleep(0.1)
+                try:
+                    node.daemon.wait_serving(deadline)
+                except launch.DaemonStartError as error:
+                    raise DemoError(f"node {node.rank}: {error}") from None
         except BaseException:
             self.stop()
             raise
@@ -94,21 +82,17 @@ class LocalCluster:
     def check(self) -> None:
         """Raise if a daemon has died."""
         for node in self.nodes:
-            if node.proc.poll() is not None:
-                raise DemoError(
-                    f"the daemon of node {node.rank} exited ({node.proc.returncode}):\n{tail(node.log)}"
-                )
+            if not node.daemon.alive():
+                code, log = node.daemon.proc.returncode, node.daemon.tail()
+                raise DemoError(f"the daemon of node {node.rank} exited ({code}):\n{log}")
 
     def stop(self) -> None:
         for node in self.nodes:
-            if node.proc.poll() is None:
-                node.proc.send_signal(signal.SIGTERM)
+            if node.daemon.alive():
+                node.daemon.proc.send_signal(signal.SIGTERM)
         for node in self.nodes:
-            try:
-                node.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                node.proc.kill()
-                node.proc.wait(10)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # killed by stop() then
+                node.daemon.stop(30)
 
 
 def tail(path: Path, lines: int = 30) -> str:

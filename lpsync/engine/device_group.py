@@ -33,9 +33,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lpsync.algorithms.schedule import Kind, Schedule
-from lpsync.engine.reduce import Reduction
 from lpsync.errors import InvalidArgumentError, ScheduleError
 from lpsync.memory.kind import MemoryKind, Span
+from lpsync.reduction import Reduction
 
 _SEND, _RECV, _RECV_REDUCE, _COPY = (int(k) for k in Kind)
 HOST_SLOTS = 2  # host staging buffers per link without peer access: double-buffered

@@ -24,9 +24,9 @@ from typing import Protocol
 import numpy as np
 
 from lpsync.algorithms.schedule import Kind, Schedule
-from lpsync.engine.reduce import Reduction
 from lpsync.engine.transport import Endpoint, PostingEndpoint, RecvRequest, SendRequest
 from lpsync.errors import InvalidArgumentError
+from lpsync.reduction import Reduction
 
 _SEND, _RECV, _RECV_REDUCE, _COPY = (int(k) for k in Kind)
 RECV_WINDOW = 4  # receives posted ahead: enough to keep a pipeline's next chunks flowing

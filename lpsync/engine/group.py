@@ -15,10 +15,10 @@ import numpy as np
 
 from lpsync.algorithms.schedule import Schedule
 from lpsync.engine.executor import Plan, deadline_after
-from lpsync.engine.reduce import Reduction
 from lpsync.engine.routing import Placement, RoutedEndpoint
 from lpsync.engine.transport import Endpoint
 from lpsync.errors import AbortedError, InvalidArgumentError, LpsyncError
+from lpsync.reduction import Reduction
 from lpsync.transport.inproc import InprocFabric
 from lpsync.types import Collective
 

@@ -43,7 +43,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lpsync.engine.reduce import Reduction
 from lpsync.errors import (
     CollectiveTimeoutError,
     ConfigError,
@@ -52,6 +51,7 @@ from lpsync.errors import (
     UnavailableError,
 )
 from lpsync.memory.kind import Link, Span, Topology
+from lpsync.reduction import Reduction
 from lpsync.types import ReduceOp
 
 try:

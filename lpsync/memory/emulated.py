@@ -13,7 +13,7 @@ What stands in for what:
     ``recover`` (the engine calls it once the failed run has drained);
   * an event: a record counter; ``wait`` captures the latest record at call time, so a
     wait enqueued before its record is a no-op exactly as cudaStreamWaitEvent's;
-  * copies and reductions: numpy on the mapped bytes (lpsync.engine.reduce), GIL
+  * copies and reductions: numpy on the mapped bytes (lpsync.reduction), GIL
     released, so streams of different devices overlap.
 ``opens``/``closes`` count IPC opens and closes per device for tests and status.
 """
@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lpsync.engine.reduce import Reduction
 from lpsync.errors import (
     CollectiveTimeoutError,
     InvalidArgumentError,
@@ -40,18 +39,16 @@ from lpsync.errors import (
     NotFoundError,
     UnavailableError,
 )
-from lpsync.memory import futex
 from lpsync.memory.kind import Span, Topology
+from lpsync.reduction import Reduction
+from lpsync_client import futex
+from lpsync_client.wire import EMULATED_EVENT_HANDLE as EVENT_HANDLE
+from lpsync_client.wire import EMULATED_EVENT_MAGIC as EVENT_MAGIC
+from lpsync_client.wire import EMULATED_HANDLE as HANDLE
+from lpsync_client.wire import EMULATED_MAGIC as MAGIC
 
-# The IPC handle: magic, exporter pid, fd in the exporter, inode, allocation bytes, device.
-# lpsync_client.emulated packs the same layout (the client does not import lpsync).
-HANDLE = struct.Struct("<4sIIQQI")
-MAGIC = b"LPEM"
+# The handles' layouts are the client's (lpsync_client.wire): it packs them, we unpack.
 _MEMFD_PREFIX = "/memfd:lpsync-"  # memfd_create names: lpsync-emu<d>, lpsync-client-emu<d>
-# An interprocess event's handle: magic, exporter pid, fd, inode of its 8-byte record
-# (u32 records enqueued, u32 records completed: the futex word), as the client packs it.
-EVENT_HANDLE = struct.Struct("<4sIIQ")
-EVENT_MAGIC = b"LPEV"
 _EVENT_PREFIX = "/memfd:lpsync-event"
 _EVENT_BYTES = 8
 

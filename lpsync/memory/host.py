@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lpsync.engine.reduce import Reduction
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.kind import Span, Topology
 from lpsync.memory.shm import SharedSegment
+from lpsync.reduction import Reduction
 
 
 @dataclass(eq=False)

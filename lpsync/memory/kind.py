@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from lpsync.engine.reduce import Reduction
+from lpsync.reduction import Reduction
 
 
 class Link(IntEnum):

@@ -5,85 +5,42 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from lpsync.daemon import launch
 from lpsync.transport.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class DaemonProcess:
+class DaemonProcess(launch.Daemon):
+    """A daemon for a test: its own socket in ``tmp``, a DEBUG log there, the repository as
+    its working directory. ``wrap``: a command prefix that execs it (``ip netns exec NS``)."""
+
     def __init__(
         self, tmp: Path, *extra: str, env: dict[str, str] | None = None, wrap: tuple[str, ...] = ()
     ) -> None:
-        """``wrap``: a command prefix that execs the daemon (``ip netns exec NS``)."""
-        self.socket = str(tmp / "lpsync.sock")
-        self.log = tmp / f"daemon-{time.monotonic_ns()}.log"
-        self._log = open(self.log, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [
-                *wrap,
-                sys.executable,
-                "-m",
-                "lpsync.cli",
-                "daemon",
-                "--socket",
-                self.socket,
-                "--log-level",
-                "DEBUG",
-                *extra,
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
+        super().__init__(
+            str(tmp / "lpsync.sock"),
+            "--log-level",
+            "DEBUG",
+            *extra,
+            log=tmp / f"daemon-{time.monotonic_ns()}.log",
             env={**os.environ, **(env or {})},
+            wrap=wrap,
+            cwd=ROOT,
+            start_timeout=20,
         )
-        self.pid = self.proc.pid
-        deadline = time.monotonic() + 20
-        while not serving(self.socket):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError(f"daemon did not start:\n{self.log.read_text()}")
-            time.sleep(0.05)
-
-    def stop(self, timeout: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-            raise
-        finally:
-            self._log.close()
-        return rc
 
     def stop_and_check(self) -> None:
         rc = self.stop()
         leaked = shm_segments(self.pid)
+        assert self.log is not None
         assert rc == 0, f"daemon exited with {rc}:\n{self.log.read_text()[-4000:]}"
         assert not leaked, f"shared memory left behind: {leaked}"
         assert not Path(self.socket).exists(), "socket left behind"
         assert not Path(self.socket + ".trigger").exists(), "trigger socket left behind"
-
-
-def serving(socket: str) -> bool:
-    if not Path(socket).exists():
-        return False
-    try:
-        with grpc.insecure_channel(f"unix:{socket}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
 
 
 def shm_segments(pid: int | None = None) -> list[str]:

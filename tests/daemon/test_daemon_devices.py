@@ -16,7 +16,8 @@ from collective_cases import assert_matches, every_case, make_inputs, reference
 from harness import DaemonProcess, PeeredDaemons, run_ranks
 
 import lpsync_client
-from lpsync.types import DTYPES, Collective, ReduceOp
+from lpsync.daemon.launch import DaemonStartError
+from lpsync.types import DATA_COLLECTIVES, DTYPES, Collective, ReduceOp
 from lpsync_client import emulated
 
 
@@ -56,7 +57,7 @@ def test_every_op_dtype_in_and_out_of_place(emu):
     empty buffers)."""
     world, count = 3, 67
     cases = every_case(world, count, root=1, seed=10)
-    for op in Collective:  # count 0: empty allocations register and run too
+    for op in DATA_COLLECTIVES:  # count 0: empty allocations register and run too
         cases.append((op.value, "float32", "sum", False, 0, 0, [b""] * world))
     results = run_ranks(world, device_workers.run_cases, emu.socket, world, [0, 1, 0], cases, timeout=240)
     for index, (op, dtype, reduce_op, in_place, root, n, raw) in enumerate(cases):
@@ -248,7 +249,7 @@ def test_cpu_daemon_refuses_device_buffers(daemon):
 
 
 def test_bad_devices_flag_is_refused(tmp_path):
-    with pytest.raises(RuntimeError, match="emulated:N"):
+    with pytest.raises(DaemonStartError, match="emulated:N"):
         _daemon(tmp_path, "gpu:7")
 
 
@@ -287,7 +288,7 @@ def test_device_buffers_across_two_nodes(tmp_path):
             ("int64", "prod"),
         ]
         cases = []
-        for op in Collective:
+        for op in DATA_COLLECTIVES:
             for in_place in (False, True):
                 dtype, reduce_op = kinds[len(cases) % len(kinds)]
                 if op not in (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER):

@@ -10,12 +10,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from harness import DaemonProcess, run_ranks, serving, shm_segments
+from harness import DaemonProcess, run_ranks, shm_segments
 from workers import attach_and_wait, isolated, mismatch
 
 import lpsync_client
 from lpsync._proto import lpsync_pb2 as pb
 from lpsync._proto import lpsync_pb2_grpc as pb_grpc
+from lpsync.daemon.launch import serving
 
 
 def test_mismatch_names_ranks_and_fields(daemon) -> None:

@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from harness import ROOT, DaemonProcess, shm_segments
 
 import lpsync_client
-from lpsync.daemon.config import load
+from lpsync.daemon.control.config import load
 from lpsync.errors import InvalidArgumentError
 
 

@@ -111,7 +111,7 @@ def test_node_0_learns_the_schedule_and_every_node_follows(cluster: PeeredDaemon
     """On the job's first calls of a size node 0 tries the tuner's shortlist (each twice),
     timed across nodes; then every node runs the one node 0 keeps. Every node ran the
     same algorithm for every call, and every result is right (checked in the workers)."""
-    from lpsync.daemon.learning import MAX_CANDIDATES, TRIALS
+    from lpsync.daemon.collectives.learning import MAX_CANDIDATES, TRIALS
 
     calls = 16
     results = run_ranks(

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import ROOT, DaemonProcess, serving, shm_segments
+from harness import ROOT, DaemonProcess, shm_segments
 from probes import SERVICE, health_seconds, raw_stream, raw_unary, usage
 
 import lpsync_client
 from lpsync._proto import lpsync_pb2 as pb
 from lpsync._proto import lpsync_pb2_grpc as pb_grpc
+from lpsync.daemon.launch import serving
 
 S = grpc.StatusCode
 GARBAGE = {

@@ -37,7 +37,7 @@ class NetCluster:
     def __init__(self, cluster: Cluster, tmp: Path) -> None:
         self.cluster, self.spec = cluster, cluster.spec
         peers = ",".join(f"{cluster.address(i)}:{PORT}" for i in range(NODES))
-        env = {"LPSYNC_SECRET": secrets.token_hex(16), "LPSYNC_PEER_TLS": "tcp"}
+        env = {"LPSYNC_SECRET": secrets.token_hex(16), "LPSYNC_UCX_TLS": "tcp"}
         self.daemons: list[DaemonProcess] = []
         for node in range(NODES):
             where = tmp / f"node{node}"

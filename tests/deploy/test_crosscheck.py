@@ -18,9 +18,9 @@ from deploy_files import DEPLOY, ROOT, compose, k8s_resource
 from dockerfile_parse import DockerfileParser
 
 from lpsync.cli import build_parser
-from lpsync.daemon import config as daemon_config
-from lpsync.daemon.config import DaemonConfig
-from lpsync.daemon.peers import from_dns
+from lpsync.daemon.control import config as daemon_config
+from lpsync.daemon.control.config import DaemonConfig
+from lpsync.daemon.peers.discovery import from_dns
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -11,7 +11,7 @@ from pathlib import Path
 import deploy_files  # noqa: F401 - puts tests/daemon (harness) on sys.path
 from harness import ROOT, DaemonProcess
 
-from lpsync.daemon.metrics import _BUCKETS, size_class
+from lpsync.daemon.control.metrics import _BUCKETS, size_class
 
 
 def _health(socket: str) -> subprocess.CompletedProcess:

@@ -17,7 +17,7 @@ import pytest
 from deploy_files import DEPLOY
 
 from lpsync.cli import build_parser
-from lpsync.daemon import config as daemon_config
+from lpsync.daemon.control import config as daemon_config
 
 SCRIPT = DEPLOY / "slurm" / "lpsync-train.sbatch"
 NODELIST, NODES = "node[01-02]", 2
@@ -56,7 +56,7 @@ sys.exit(worst)
 
 SCONTROL = r"""
 import sys
-from lpsync.daemon.peers import expand_nodelist
+from lpsync.daemon.peers.discovery import expand_nodelist
 assert sys.argv[1:3] == ["show", "hostnames"], sys.argv
 print("\n".join(expand_nodelist(sys.argv[3])))
 """

@@ -25,9 +25,11 @@ from lpsync_client.errors import (
     UnavailableError,
     UnimplementedError,
 )
+from lpsync_client.wire import DEFAULT_SOCKET
 
 __version__ = "0.1.0"
 __all__ = [
+    "DEFAULT_SOCKET",
     "AbortedError",
     "AlreadyExistsError",
     "Client",

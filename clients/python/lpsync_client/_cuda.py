@@ -15,7 +15,6 @@ import functools
 from lpsync_client.errors import InvalidArgumentError
 
 _DEVICE_ORDINAL = 9  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
-_CONTEXT = 1  # CU_POINTER_ATTRIBUTE_CONTEXT
 
 
 class _IpcHandle(ctypes.Structure):

@@ -44,8 +44,8 @@ from lpsync_client.errors import (
     from_rpc_error,
     from_status,
 )
+from lpsync_client.wire import DEFAULT_SOCKET
 
-DEFAULT_SOCKET = "/run/lpsync/lpsync.sock"
 DEFAULT_TIMEOUT = 300.0
 _STATES = {pb.INTACT: "INTACT", pb.PARTIAL: "PARTIAL"}
 _SCRATCH_KEEP = 8  # staging segments kept for reuse by unregistered arrays
@@ -781,8 +781,9 @@ class Client:
             raise InvalidArgumentError("this client has no trigger socket")
         path.submit(pb.SessionRequest(ping=pb.Ping()), lambda r: None).result(timeout)
 
-    def status(self) -> pb.StatusResponse:
-        return self._call(self._stub.Status, pb.StatusRequest())
+    def status(self, recent: int = 0) -> pb.StatusResponse:
+        """The daemon's status; ``recent``: also its last collectives (up to that many)."""
+        return self._call(self._stub.Status, pb.StatusRequest(recent=recent))
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:

@@ -24,7 +24,6 @@ import contextlib
 import mmap
 import os
 import queue
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -32,14 +31,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lpsync_client import _futex
+from lpsync_client import futex
 from lpsync_client._convert import dtype_name, numpy_dtype
 from lpsync_client.errors import InvalidArgumentError
-
-HANDLE = struct.Struct("<4sIIQQI")  # the layout lpsync.memory.emulated unpacks
-MAGIC = b"LPEM"
-EVENT_HANDLE = struct.Struct("<4sIIQ")  # an interprocess event's (lpsync.memory.emulated)
-EVENT_MAGIC = b"LPEV"
+from lpsync_client.wire import EMULATED_EVENT_HANDLE as EVENT_HANDLE
+from lpsync_client.wire import EMULATED_EVENT_MAGIC as EVENT_MAGIC
+from lpsync_client.wire import EMULATED_HANDLE as HANDLE
+from lpsync_client.wire import EMULATED_MAGIC as MAGIC
 
 
 class Allocation:
@@ -124,7 +122,7 @@ class IpcEvent:
 
     def _complete(self, generation: int) -> None:
         self._words[1] = generation
-        _futex.wake(self._words.__array_interface__["data"][0] + 4)
+        futex.wake(self._words.__array_interface__["data"][0] + 4)
 
     @property
     def recorded(self) -> int:

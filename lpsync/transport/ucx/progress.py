@@ -117,10 +117,6 @@ class ProgressThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    @property
-    def on_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
     # -- on the progress thread ------------------------------------------------------------
 
     def after_progress(self, fn: Callable[[], None]) -> None:

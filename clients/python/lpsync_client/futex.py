@@ -1,7 +1,7 @@
 """Linux futexes on shared memory, through ctypes: the emulated device's interprocess
 events block on them (a waiter sleeps in the kernel until the word changes; no polling).
 
-The daemon keeps the same module as lpsync/memory/futex.py (the client does not import lpsync).
+The daemon's emulated device uses this module too (lpsync.memory.emulated): one copy.
 """
 
 from __future__ import annotations

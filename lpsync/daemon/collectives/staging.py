@@ -1,8 +1,8 @@
-"""Multi-node collectives on device buffers: the cross-node pipeline over host mirrors.
+"""The "staged" stage: multi-node collectives on device buffers, over host mirrors.
 
-multinode.py runs one LocalGroup over host arrays; for device buffers this module gives
-it host mirrors of the local participants' spans (kept in the job's GroupCache, so the
-pipeline's plans, keyed by address, are reused) and a ChunkStager per participant that
+The cross-node pipeline (path.py) runs one LocalGroup over host arrays; for device
+buffers this module gives it host mirrors of the local participants' spans (kept in the
+job's plans, so the pipeline's plans, keyed by address, are reused) and a ChunkStager per participant that
 fills and drains them chunk by chunk on the participant's staging stream while the
 pipeline runs (lpsync.engine.staging). The spans' allocations are marked busy for the
 run, so a client dying mid-collective has its IPC mappings closed only after the staging
@@ -17,29 +17,21 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import replace
 
-from lpsync.daemon.devices import DeviceRegistry
-from lpsync.daemon.execute import GroupCache
-from lpsync.daemon.matching import Arrival, Job, Pending
+from lpsync.daemon.collectives.task import Task
+from lpsync.daemon.device_registry import DeviceRegistry
+from lpsync.daemon.values import Arrival
 from lpsync.engine.group import LocalGroup
 from lpsync.engine.staging import ChunkStager, HostMirrors
 from lpsync.errors import InvalidArgumentError
-from lpsync.memory.kind import Span
 from lpsync.types import Collective
 
 
 class Staged:
     """This run's local participants over host mirrors of their device spans."""
 
-    def __init__(
-        self,
-        job: Job,
-        pending: Pending,
-        devices: DeviceRegistry,
-        mirrors: HostMirrors,
-        arrivals: list[Arrival],
-    ) -> None:
-        self.job, self.pending, self.devices, self.mirrors = job, pending, devices, mirrors
-        self.device_arrivals = arrivals
+    def __init__(self, task: Task, devices: DeviceRegistry, mirrors: HostMirrors) -> None:
+        self.spec, self.devices, self.mirrors = task.spec, devices, mirrors
+        arrivals = self.device_arrivals = task.arrivals
         self.arrivals = []  # the same arrivals with host arrays (what the pipeline runs over)
         for a, i in zip(arrivals, range(0, 2 * len(arrivals), 2), strict=True):
             data, out = mirrors.mirrors[i], mirrors.mirrors[i + 1]
@@ -48,7 +40,7 @@ class Staged:
 
     def attach(self, group: LocalGroup) -> None:
         """Give every plan of a newly built group its stager (kept with the group)."""
-        spec = self.pending.spec
+        spec = self.spec
         context = self.devices.context
         slots: dict[int, int] = defaultdict(int)
         for index, (plan, a) in enumerate(zip(group.plans, self.device_arrivals, strict=True)):
@@ -93,15 +85,12 @@ class Staged:
             self.mirrors.release()
 
 
-def stage(job: Job, pending: Pending, devices: DeviceRegistry, cache: GroupCache) -> Staged | None:
+def stage(task: Task, devices: DeviceRegistry) -> Staged | None:
     """The local participants over host mirrors (None: host buffers, nothing to stage);
-    the job's ``cache`` keeps the mirrors."""
-    arrivals = [pending.arrivals[r] for r in job.local_ranks]
-    on_device = [isinstance(a.data, Span) for a in arrivals]
-    if not any(on_device):
+    the job's plans keep the mirrors."""
+    if not task.on_device:
         return None
-    if not all(on_device):
-        raise InvalidArgumentError("every participant of a collective must pass device buffers, or none")
+    arrivals = task.arrivals
     # The handles last: GroupCache.forget drops the mirrors with the buffers' groups.
     key = (
         tuple(
@@ -115,26 +104,24 @@ def stage(job: Job, pending: Pending, devices: DeviceRegistry, cache: GroupCache
         ),
         tuple(h for a in arrivals for h in a.handles),
     )
-    mirrors = cache.mirrors(
+    mirrors = task.job.plans.mirrors(
         key, lambda: HostMirrors(devices.kind, [s for a in arrivals for s in (a.data, a.out)])
     )
-    return Staged(job, pending, devices, mirrors, arrivals)
+    return Staged(task, devices, mirrors)
 
 
 @contextlib.contextmanager
-def whole(
-    pending: Pending, arrivals: list[Arrival], devices: DeviceRegistry, deadline: float
-) -> Iterator[list[Arrival]]:
+def whole(task: Task, devices: DeviceRegistry | None, deadline: float) -> Iterator[list[Arrival]]:
     """A small collective's participants on host copies of their device spans (whole:
     small collectives only, agreement.py carries their data), written back on success.
     Yields ``arrivals`` unchanged for host buffers. Each client's ready event is waited
     for first (the copies are synchronous)."""
-    on_device = [isinstance(a.data, Span) for a in arrivals]
-    if not any(on_device):
+    arrivals = task.arrivals
+    if not task.on_device:
         yield arrivals
         return
-    if not all(on_device):
-        raise InvalidArgumentError("every participant of a collective must pass device buffers, or none")
+    if devices is None:
+        raise InvalidArgumentError("this daemon serves no devices (--devices)")
     kind = devices.kind
     busy = devices.use([span.memory for a in arrivals for span in (a.data, a.out) if span is not None])
     try:
@@ -149,7 +136,7 @@ def whole(
             for a in arrivals
         ]
         yield hosts
-        spec = pending.spec
+        spec = task.spec
         for device, host in zip(arrivals, hosts, strict=True):
             if spec.op == Collective.REDUCE and device.rank != spec.root:
                 continue  # a non-root's buffers of reduce are never written

@@ -28,12 +28,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
+from prometheus_client import Counter, Gauge
 
 from lpsync.algorithms import LinkModel
-from lpsync.daemon.metrics import Metrics
-from lpsync.daemon.peers import PeerSet
+from lpsync.daemon.peers.discovery import PeerSet
 from lpsync.engine.transport import PostingEndpoint, RecvRequest, SendRequest
 from lpsync.errors import LpsyncError, UnavailableError
 from lpsync.transport import backends
@@ -51,6 +52,16 @@ HEARTBEAT, PROBE, SPEC, VERDICT = 1, 2, 3, 4  # SPEC/VERDICT: agreement.py, up/d
 _PROBES = ((8, 20), (4 << 20, 3))
 
 
+class PeerMetrics(Protocol):
+    """The series the peer plane records (the control plane's Metrics has them): the peer
+    plane stands below the control plane and knows only these."""
+
+    peers_expected: Gauge
+    peers_connected: Gauge
+    peer_link_bw: Gauge
+    peer_heartbeats: Counter
+
+
 def control_tag(kind: int, value: int) -> int:
     """A peer-plane control tag: bit 63, the kind in bits 56..62, ``value`` below."""
     return CONTROL | (kind << _KIND_SHIFT) | (value & ((1 << _KIND_SHIFT) - 1))
@@ -66,6 +77,7 @@ class PeerPlaneOptions:
     tls: str | None = "tcp"  # UCX_TLS of the peer plane; None: UCX chooses
     transport: str = "ucx"  # lpsync.transport.backends.TRANSPORTS
     probe: bool = True  # measure alpha/beta to every peer after connecting
+    agreement_radix: int = 8  # the agreement tree's fan-out (collectives/agreement.py)
 
 
 class SharedEndpoint:
@@ -109,8 +121,10 @@ class Link:
         endpoint: MeshEndpoint,
         peers: tuple[PeerAddress, ...] = (),
         heartbeat_interval: float = 1.0,
+        agreement_radix: int = 8,
     ) -> None:
         self.generation = generation
+        self.agreement_radix = agreement_radix  # the same on every node (--agreement-radix)
         self.mesh = endpoint
         self._peers, self._interval = peers, heartbeat_interval
         self.endpoint: PostingEndpoint = SharedEndpoint(endpoint)
@@ -149,7 +163,7 @@ class Link:
 
 
 class PeerPlane:
-    def __init__(self, options: PeerPlaneOptions, metrics: Metrics) -> None:
+    def __init__(self, options: PeerPlaneOptions, metrics: PeerMetrics) -> None:
         self.options = options
         self.rank, self.size = options.peers.node_rank, len(options.peers.peers)
         self._metrics = metrics
@@ -232,7 +246,13 @@ class PeerPlane:
                 continue
             pause = 0.2
             self._generation += 1
-            link = Link(self._generation, endpoint, self.options.peers.peers, self.options.heartbeat_interval)
+            link = Link(
+                self._generation,
+                endpoint,
+                self.options.peers.peers,
+                self.options.heartbeat_interval,
+                self.options.agreement_radix,
+            )
             self._serve(link)
 
     def _mesh_options(self) -> MeshOptions:

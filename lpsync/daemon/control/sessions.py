@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from lpsync.daemon.devices import DeviceBuffer, DeviceRegistry
-from lpsync.daemon.limits import Limits, check_bytes, check_session_id
+from lpsync.daemon.control.limits import Limits, check_bytes, check_session_id
+from lpsync.daemon.device_registry import DeviceBuffer, DeviceRegistry
 from lpsync.errors import (
     InvalidArgumentError,
     NotFoundError,

@@ -38,7 +38,7 @@ from collections import deque
 from pathlib import Path
 
 from lpsync._proto import lpsync_pb2 as pb
-from lpsync.daemon.servicer import Service
+from lpsync.daemon.control.handlers import Service
 from lpsync.errors import InvalidArgumentError, LpsyncError, ResourceExhaustedError
 
 log = logging.getLogger("lpsync.daemon")

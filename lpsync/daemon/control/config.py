@@ -14,14 +14,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from lpsync.daemon.limits import MAX_TIMEOUT, Limits
-from lpsync.daemon.peers import PeerSet, discover
+from lpsync.daemon.control.limits import MAX_TIMEOUT, Limits
+from lpsync.daemon.peers.discovery import PeerSet, discover
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.devices import parse_devices
 from lpsync.transport.backends import TRANSPORTS
 from lpsync.units import format_size
-
-DEFAULT_SOCKET = "/run/lpsync/lpsync.sock"
+from lpsync_client import DEFAULT_SOCKET
 
 
 @dataclass(frozen=True)
@@ -60,8 +59,14 @@ class DaemonConfig:
     secret_file: str = ""  # the cluster secret; else LPSYNC_SECRET (never a flag value)
     heartbeat_interval: float = 1.0  # seconds between heartbeats to each peer
     heartbeat_timeout: float = 5.0  # a peer silent this long is declared gone
-    peer_tls: str = "tcp"  # UCX_TLS of the peer plane; "" lets UCX choose
+    ucx_tls: str = "tcp"  # UCX_TLS of the UCX peer transport; "" lets UCX choose
     peer_transport: str = "ucx"  # the peer plane's transport: ucx or tcp (lpsync.transport.backends)
+    # The agreement tree's fan-out (collectives/agreement.py): flat up to 8 nodes (2 hops),
+    # then 8-nomial. On the 2-core emulated cluster binomial and flat cost the same (CPU
+    # bound: the messages are the same 2(P-1)); where cores are plenty, fewer hops win. It
+    # must be the same on every daemon: a node that waits on another parent hangs until
+    # its timeout.
+    agreement_radix: int = 8
 
     def token(self) -> str:
         return Path(self.token_file).read_text().strip() if self.token_file else ""
@@ -84,6 +89,8 @@ class DaemonConfig:
             raise InvalidArgumentError(
                 f"stall_seconds must be a positive number of seconds, got {self.stall_seconds}"
             )
+        if self.agreement_radix < 2:
+            raise InvalidArgumentError(f"agreement_radix must be at least 2, got {self.agreement_radix}")
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
             raise InvalidArgumentError("need 0 < heartbeat_interval < heartbeat_timeout")
         if self.peer_transport not in TRANSPORTS:
@@ -183,7 +190,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "cupy) or emulated:N[,slow=A-B+..][,host=A-B+..][,islands=K] "
         "(host-emulated devices for tests)",
     )
-    add("--timeout", type=float, help="default collective timeout in seconds")
+    add(
+        "--timeout",
+        type=float,
+        help=f"default collective timeout in seconds (default {DaemonConfig.timeout:g})",
+    )
     limits = parser.add_argument_group(
         "request limits",
         "Every request is checked against these before anything is sized "
@@ -202,14 +213,14 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--flight-recorder",
         type=int,
         metavar="N",
-        help="finished collectives `lpsync status` shows per job (default 32)",
+        help=f"finished collectives `lpsync status` shows per job (default {DaemonConfig.flight_recorder})",
     )
     add(
         "--stall-seconds",
         type=float,
         metavar="S",
         help="warn (log and `lpsync status`) when a collective has waited S seconds for "
-        "missing ranks or nodes, before its timeout (default 60)",
+        f"missing ranks or nodes, before its timeout (default {DaemonConfig.stall_seconds:g})",
     )
     add(
         "--trigger",
@@ -235,19 +246,51 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="peers from SLURM_JOB_NODELIST, node rank from SLURM_NODEID",
     )
-    add("--peer-port", type=int, help="peer port with --peers-slurm (default 13337)")
+    add("--peer-port", type=int, help=f"peer port with --peers-slurm (default {DaemonConfig.peer_port})")
     add("--secret-file", help="file holding the cluster secret (else env LPSYNC_SECRET)")
     add(
         "--peer-transport",
         choices=TRANSPORTS,
-        help="the transport between daemons: ucx (default) or tcp (plain sockets: less CPU "
-        "per message on TCP networks; docs/multinode.md). Every daemon of a cluster "
-        "must use the same",
+        help=f"the transport between daemons: ucx or tcp (default {DaemonConfig.peer_transport}; "
+        "tcp: plain sockets, less CPU per message on TCP networks; docs/multinode.md). "
+        "Every daemon of a cluster must use the same",
     )
     add(
         "--heartbeat-timeout",
         type=float,
-        help="seconds of silence before a peer daemon is declared gone (default 5)",
+        help=f"seconds of silence before a peer daemon is declared gone "
+        f"(default {DaemonConfig.heartbeat_timeout:g})",
+    )
+    add(
+        "--heartbeat-interval",
+        type=float,
+        help=f"seconds between heartbeats to each peer (default {DaemonConfig.heartbeat_interval:g})",
+    )
+    add(
+        "--ucx-tls",
+        help=f"UCX_TLS of the UCX peer transport; empty lets UCX choose (default {DaemonConfig.ucx_tls!r})",
+    )
+    add(
+        "--agreement-radix",
+        type=int,
+        help="fan-out of the cross-node agreement tree; the same on every daemon "
+        f"(default {DaemonConfig.agreement_radix})",
+    )
+    add(
+        "--workers",
+        type=int,
+        help=f"threads that run pipelined collectives off the event loop (default {DaemonConfig.workers})",
+    )
+    add(
+        "--drain-seconds",
+        type=float,
+        help=f"SIGTERM waits this long for running collectives (default {DaemonConfig.drain_seconds:g})",
+    )
+    add(
+        "--stream-grace",
+        type=float,
+        help="seconds an attached session may go without its Session stream before it is dropped "
+        f"(default {DaemonConfig.stream_grace:g})",
     )
 
 

@@ -24,18 +24,18 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import struct
-import zlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
 from lpsync.algorithms import LinkModel
-from lpsync.daemon.matching import SPEC_FIELDS, Job, Pending, Spec
-from lpsync.daemon.peer_plane import SPEC, VERDICT, Link, control_tag
-from lpsync.daemon.small import SMALL_MAX_BYTES, SmallCollective
+from lpsync.daemon.collectives.matching import Job
+from lpsync.daemon.collectives.small import SMALL_MAX_BYTES, SmallCollective
+from lpsync.daemon.collectives.task import job_hash
+from lpsync.daemon.peers.plane import SPEC, VERDICT, Link, control_tag
+from lpsync.daemon.values import SPEC_FIELDS, Pending, Spec
 from lpsync.errors import (
     AbortedError,
     CollectiveTimeoutError,
@@ -55,11 +55,6 @@ _ERRORS = {
     "ABORTED": AbortedError,
 }
 EXCHANGE_MAX_NODES = 2  # up to this many nodes, every node sends to every other
-# The tree's fan-out: flat up to 8 nodes (2 hops), then 8-nomial. On the 2-core emulated
-# cluster binomial and flat cost the same (CPU-bound: the messages are the same 2(P-1));
-# where cores are plenty, fewer hops win. LPSYNC_AGREEMENT_RADIX (tests, tuning) must be
-# the same on every node: a node that waits on another parent hangs until its timeout.
-TREE_RADIX = max(2, int(os.environ.get("LPSYNC_AGREEMENT_RADIX", "8")))
 
 
 @dataclass(frozen=True)
@@ -70,10 +65,6 @@ class Verdict:
     trial: bool = False  # node 0 times this run
     # (node, sequence, seconds) of earlier trials, where the summaries were judged
     reports: tuple[tuple[int, int, float], ...] = ()
-
-
-def job_hash(name: str) -> int:
-    return zlib.crc32(name.encode())
 
 
 # -- the tree ------------------------------------------------------------------------------
@@ -345,7 +336,7 @@ def _tree(
 ) -> Verdict:
     assert job.layout is not None
     nodes, node = job.layout.nodes, job.layout.node
-    tree = Tree(nodes, TREE_RADIX)
+    tree = Tree(nodes, link.agreement_radix)
     kids = tree.children(node)
     incoming = [
         _Incoming(link, kid, up, SUMMARY_BYTES * tree.subtree(kid) + _FRAME + SMALL_MAX_BYTES) for kid in kids

@@ -22,12 +22,26 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-import numpy as np
-
-from lpsync.daemon.watcher import Timer, Watcher
+from lpsync.daemon.collectives.learning import Learner
+from lpsync.daemon.collectives.plans import GroupCache
+from lpsync.daemon.values import (
+    AGREEING,
+    ARRIVING,
+    INTACT,
+    PARTIAL,
+    QUEUED,
+    RUNNING,
+    UNSPECIFIED,
+    Arrival,
+    FlightRecord,
+    NodeLayout,
+    Outcome,
+    Pending,
+    Waiting,
+)
+from lpsync.daemon.watcher import Watcher
 from lpsync.errors import (
     AbortedError,
     AlreadyExistsError,
@@ -40,130 +54,10 @@ from lpsync.errors import (
 
 log = logging.getLogger("lpsync.daemon")
 
-INTACT, PARTIAL, UNSPECIFIED = "INTACT", "PARTIAL", ""
 _REMEMBERED_FAILURES = 64
 
 
-@dataclass(frozen=True)
-class NodeLayout:
-    """A multi-node job, node-major: node n serves ranks n*L .. n*L+L-1 (torchrun's
-    RANK = node_rank * LOCAL_WORLD_SIZE + LOCAL_RANK); node n is daemon n of --peers."""
-
-    ranks_per_node: int  # L, LOCAL_WORLD_SIZE (uniform across nodes)
-    nodes: int  # WORLD_SIZE // L
-    node: int  # this daemon's node rank
-
-    @property
-    def local_ranks(self) -> range:
-        return range(self.node * self.ranks_per_node, (self.node + 1) * self.ranks_per_node)
-
-
-@dataclass(frozen=True)
-class Spec:
-    """What every participant of one collective must agree on."""
-
-    op: str
-    dtype: str
-    count: int
-    root: int
-    reduce_op: str
-    algorithm: str
-    name: str
-
-    def differences(self, other: Spec) -> list[str]:
-        return [f for f in SPEC_FIELDS if getattr(self, f) != getattr(other, f)]
-
-
-# The fields participants must agree on, in the order errors name them.
-SPEC_FIELDS = ("op", "count", "dtype", "root", "reduce_op", "algorithm", "name")
-
-
-@dataclass
-class Outcome:
-    error: LpsyncError | None = None
-    buffer_state: str = UNSPECIFIED
-    algorithm: str = ""
-    chunks: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
-class Arrival:
-    rank: int
-    sequence: int
-    spec: Spec
-    timeout: float
-    data: np.ndarray | None  # the input (in place: the one buffer); None for barrier
-    out: np.ndarray | None  # None: in place
-    handles: tuple[tuple[str, int], ...]  # (session id, handle) of the buffers, for caches
-    done: Callable[[Outcome], None]
-    at: float = 0.0  # time.monotonic() of the arrival (set by Job.submit)
-    ready: Any = None  # device buffers: the client's opened event the streams wait on first
-
-    @property
-    def in_place(self) -> bool:
-        return self.out is None and self.data is not None
-
-
-# Stages of a collective as the flight recorder names them.
-ARRIVING, QUEUED, AGREEING, RUNNING = "arriving", "queued", "agreeing", "running"
-
-
-@dataclass
-class Pending:
-    sequence: int
-    spec: Spec
-    arrivals: dict[int, Arrival] = field(default_factory=dict)
-    timer: Timer | None = None
-    stall_timer: Timer | None = None
-    opened: float = field(default_factory=time.monotonic)  # the first arrival
-    opened_wall: float = field(default_factory=time.time)
-    # Where it is now, and since when (monotonic); written by its one running thread.
-    stage: str = ARRIVING
-    stage_since: float = 0.0
-    stages: list[tuple[str, float]] = field(default_factory=list)  # finished: (name, seconds)
-    waiting_nodes: tuple[int, ...] = ()  # multi-node agreement: nodes not heard from yet
-    stalled: bool = False
-
-    def enter(self, stage: str, now: float | None = None) -> None:
-        """Close the current stage and open ``stage`` (the runner calls this)."""
-        now = time.monotonic() if now is None else now
-        self.stages.append((self.stage, now - (self.stage_since or self.opened)))
-        self.stage, self.stage_since = stage, now
-
-
-@dataclass(frozen=True)
-class FlightRecord:
-    """One finished collective as ``lpsync status`` shows it."""
-
-    sequence: int
-    spec: Spec
-    started_at: float  # unix time of the first arrival
-    arrivals: tuple[tuple[int, float], ...]  # (rank, seconds after the first arrival)
-    stages: tuple[tuple[str, float], ...]  # (stage, seconds), in order
-    seconds: float  # first arrival to outcome
-    algorithm: str
-    chunks: int
-    code: str
-    message: str
-
-
-@dataclass(frozen=True)
-class Waiting:
-    """A collective of a job that has not finished yet."""
-
-    sequence: int
-    op: str
-    stage: str
-    started_at: float  # unix time of the first arrival
-    seconds: float  # since the first arrival
-    arrived: tuple[int, ...]
-    missing_ranks: tuple[int, ...]  # local ranks not arrived, or the ranks of missing nodes
-    missing_nodes: tuple[int, ...]
-    stalled: bool
-
-
-# Runs a complete collective and returns each rank's outcome (execute.py).
+# Runs a complete collective and returns each rank's outcome (path.py).
 Runner = Callable[["Job", Pending], Outcome]
 # Decides where a complete collective runs: call the thunk inline or on another thread.
 Dispatch = Callable[["Job", Pending, Callable[[], None]], None]
@@ -188,7 +82,7 @@ class Job:
     ) -> None:
         self.name, self.world_size = name, world_size
         # A multi-node job: the ranks this daemon serves; its collectives run when these
-        # arrived (multinode.py agrees with the other nodes before data moves).
+        # arrived (path.py agrees with the other nodes before data moves).
         self.layout = layout
         # A range, never a materialized tuple: the world size is what a request claimed,
         # and state must grow only with what attached (limits.py).
@@ -207,14 +101,14 @@ class Job:
         self._failed: OrderedDict[int, LpsyncError] = OrderedDict()
         self._watcher, self._runner, self._record = watcher, runner, record
         self._dispatch = dispatch
-        self.cache: object = None  # the executor's plan cache for this job (execute.py)
-        self.learner: object = None  # multi-node: what node 0 learned of schedules (learning.py)
+        self.plans = GroupCache()  # this job's built plans, reused across calls (plans.py)
+        self.learner: Learner | None = None  # multi-node: what node 0 learned (learning.py)
         # For metrics (read at scrape time): the unix time the job last completed a
         # collective (its creation before that).
         self.last_progress = time.time()
         # Multi-node jobs: called (no lock held) when a collective fails on this node before
         # it could run (a mismatch, a local rank missing or gone), so that the other nodes
-        # fail it too instead of waiting for this node (multinode.notify_failure).
+        # fail it too instead of waiting for this node (path.notify_failure).
         self.on_local_failure: Callable[[Job, Pending, LpsyncError], None] | None = None
 
     # -- membership ---------------------------------------------------------------------
@@ -454,7 +348,7 @@ class Job:
 
     def _run(self, pending: Pending) -> None:
         with self.run_lock:
-            # A multi-node collective first agrees with the other nodes (multinode.py).
+            # A multi-node collective first agrees with the other nodes (path.py).
             pending.enter(RUNNING if self.layout is None else AGREEING)
             try:
                 outcome = self._runner(self, pending)
@@ -537,9 +431,7 @@ class Jobs:
             with self._lock:
                 if self._jobs.get(name) is job and not job.sessions:
                     del self._jobs[name]
-                    closer = getattr(job.cache, "close", None)
-                    if closer is not None:
-                        closer()
+                    job.plans.close()
 
     def get(self, name: str) -> Job | None:
         with self._lock:

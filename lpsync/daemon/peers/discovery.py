@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from lpsync.errors import ConfigError
 from lpsync.transport.addresses import PeerAddress, parse_address, parse_peers
 
-DEFAULT_PEER_PORT = 13337
-
 
 @dataclass(frozen=True)
 class PeerSet:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lpsync.algorithms.registry import DIRECT
 from lpsync.errors import InvalidArgumentError, ResourceExhaustedError
 from lpsync.types import DTYPES, Collective, ReduceOp
 
-BARRIER, DIRECT = "barrier", "direct"
-OPS = frozenset({c.value for c in Collective} | {BARRIER})
+OPS = frozenset(c.value for c in Collective)
 REDUCE_OPS = frozenset(r.value for r in ReduceOp)
 # Linux's PID_MAX_LIMIT (2**22): no process id is larger.
 MAX_PID = 1 << 22
@@ -33,17 +33,18 @@ MAX_KEYWORD = 32
 
 @dataclass(frozen=True)
 class Limits:
-    """The daemon's bounds (DaemonConfig fields of the same names; flags --max-…)."""
+    """The daemon's bounds: DaemonConfig.limits() fills them from the config's fields of
+    the same names (where their defaults and flags --max-… live)."""
 
-    max_world_size: int = 65536  # ranks of one job
-    max_sessions: int = 1024  # attached processes on this daemon
-    max_buffer_bytes: int = 1 << 34  # one Allocate/Register
-    max_session_bytes: int = 1 << 35  # bytes one session holds in buffers
-    max_total_bytes: int = 1 << 36  # bytes all sessions together hold
-    max_session_buffers: int = 1024  # buffers one session holds (each is a mapping)
-    max_name_length: int = 256  # job and collective names, in UTF-8 bytes
-    max_pending: int = 4096  # collectives of one job waiting for participants
-    max_queued: int = 1024  # replies a Session stream holds for a client not reading
+    max_world_size: int  # ranks of one job
+    max_sessions: int  # attached processes on this daemon
+    max_buffer_bytes: int  # one Allocate/Register
+    max_session_bytes: int  # bytes one session holds in buffers
+    max_total_bytes: int  # bytes all sessions together hold
+    max_session_buffers: int  # buffers one session holds (each is a mapping)
+    max_name_length: int  # job and collective names, in UTF-8 bytes
+    max_pending: int  # collectives of one job waiting for participants
+    max_queued: int  # replies a Session stream holds for a client not reading
 
     def validate(self) -> None:
         for name in self.__dataclass_fields__:
@@ -149,7 +150,7 @@ def check_collective(request, world_size: int, limits: Limits, algorithms) -> No
     check_keyword("op", request.op, OPS)
     check_timeout(request.timeout)
     check_name("name", request.name, limits)
-    if request.op == BARRIER:
+    if request.op == Collective.BARRIER:
         return
     check_keyword("dtype", request.dtype, DTYPES)
     itemsize = DTYPES[request.dtype].itemsize

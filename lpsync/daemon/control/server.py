@@ -20,12 +20,12 @@ from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from lpsync._proto import lpsync_pb2 as pb
-from lpsync.daemon import decoding
-from lpsync.daemon.config import DaemonConfig
-from lpsync.daemon.metrics import Metrics
-from lpsync.daemon.peer_plane import PeerPlane, PeerPlaneOptions
-from lpsync.daemon.servicer import Service
-from lpsync.daemon.trigger import TriggerServer
+from lpsync.daemon.control import decoding
+from lpsync.daemon.control.config import DaemonConfig
+from lpsync.daemon.control.handlers import Service
+from lpsync.daemon.control.metrics import Metrics
+from lpsync.daemon.control.trigger import TriggerServer
+from lpsync.daemon.peers.plane import PeerPlane, PeerPlaneOptions
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory import reclaim_stale
 from lpsync.transport.auth import load_secret
@@ -192,7 +192,8 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> PeerPlane | None:
             secret,
             heartbeat_interval=config.heartbeat_interval,
             heartbeat_timeout=config.heartbeat_timeout,
-            tls=config.peer_tls or None,
+            tls=config.ucx_tls or None,
+            agreement_radix=config.agreement_radix,
             transport=config.peer_transport,
         ),
         metrics,

@@ -15,23 +15,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from lpsync.daemon.execute import _REDUCING, BARRIER, _buffers, nccl_bytes
-from lpsync.daemon.matching import Arrival, Spec
-from lpsync.engine.reduce import Reduction
-from lpsync.types import Collective, ReduceOp, dtype_of
+from lpsync.daemon.collectives.task import Task
+from lpsync.daemon.collectives.views import buffers, reduction
+from lpsync.daemon.values import Arrival
+from lpsync.types import Collective
 
 # Up to this size the data rides the agreement (a 64 KiB broadcast on 8 nodes: see
 # docs/benchmarks.md); the same constant on every node, so all decide alike.
 SMALL_MAX_BYTES = 64 * 1024
 
 
-def rides(spec: Spec, world_size: int) -> bool:
+def rides(task: Task) -> bool:
     """Whether this collective's data rides the agreement: small, and no algorithm forced
     (a forced one runs as asked). Decided from the spec alone, so nodes that agree on the
     spec decide alike."""
-    if spec.op == BARRIER or spec.algorithm:
+    if task.op is Collective.BARRIER or task.spec.algorithm:
         return False
-    return nccl_bytes(spec.op, spec.count, dtype_of(spec.dtype).itemsize, world_size) <= SMALL_MAX_BYTES
+    return task.nbytes <= SMALL_MAX_BYTES
 
 
 class SmallCollective:
@@ -40,14 +40,11 @@ class SmallCollective:
     ``arrivals`` are this node's participants (host arrays: device buffers are staged
     first), in rank order."""
 
-    def __init__(self, spec: Spec, world_size: int, arrivals: list[Arrival]) -> None:
-        self.op, self.root, self.count = Collective(spec.op), spec.root, spec.count
-        self.dtype = dtype_of(spec.dtype)
+    def __init__(self, task: Task, arrivals: list[Arrival]) -> None:
+        self.op, self.root, self.count, self.dtype = task.op, task.spec.root, task.spec.count, task.dtype
         self.ranks = [a.rank for a in arrivals]
-        self.buffers = [_buffers(self.op, a, world_size, spec.count) for a in arrivals]
-        self.reduction = (
-            Reduction(ReduceOp(spec.reduce_op), self.dtype, world_size) if self.op in _REDUCING else None
-        )
+        self.buffers = [buffers(self.op, a, task.participants, self.count) for a in arrivals]
+        self.reduction = reduction(task.spec, self.dtype, task.participants)
 
     def part(self) -> np.ndarray:
         """This node's contribution: its ranks' inputs reduced (reducing ops), laid end to

@@ -32,22 +32,18 @@ from lpsync import __version__
 from lpsync._proto import lpsync_pb2 as pb
 from lpsync._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync.algorithms import ALGORITHMS
-from lpsync.daemon import execute, limits, multinode
-from lpsync.daemon.config import DaemonConfig
-from lpsync.daemon.devices import DeviceRegistry
-from lpsync.daemon.matching import (
-    Arrival,
-    Job,
-    Jobs,
-    NodeLayout,
-    Outcome,
-    Pending,
-    Recorder,
-    Spec,
-)
-from lpsync.daemon.metrics import JobState, Metrics
-from lpsync.daemon.peer_plane import PeerPlane
-from lpsync.daemon.sessions import Session, SessionTable
+from lpsync.algorithms.registry import DIRECT
+from lpsync.daemon.collectives import path
+from lpsync.daemon.collectives.local import is_inline
+from lpsync.daemon.collectives.matching import Job, Jobs, Recorder
+from lpsync.daemon.collectives.views import bus_factor, nccl_bytes
+from lpsync.daemon.control import limits
+from lpsync.daemon.control.config import DaemonConfig
+from lpsync.daemon.control.metrics import JobState, Metrics
+from lpsync.daemon.control.sessions import Session, SessionTable
+from lpsync.daemon.device_registry import DeviceRegistry
+from lpsync.daemon.peers.plane import PeerPlane
+from lpsync.daemon.values import Arrival, NodeLayout, Outcome, Pending, Spec
 from lpsync.daemon.watcher import Watcher
 from lpsync.errors import (
     InvalidArgumentError,
@@ -124,9 +120,9 @@ class Service(pb_grpc.LpSyncServicer):
         self.jobs.leave(session.job, session.rank, reason)
         buffers = self.sessions.remove(session)
         job = self.jobs.get(session.job)
-        if job is not None and job.cache is not None:
+        if job is not None:
             for buffer in buffers:
-                job.cache.forget(session.id, buffer.handle)
+                job.plans.forget(session.id, buffer.handle)
         for callback in session.on_close:
             callback()
         self.metrics.sessions.set(len(self.sessions.all()))
@@ -191,7 +187,7 @@ class Service(pb_grpc.LpSyncServicer):
         # nodes, a device one on streams).
         if (
             job.layout is None
-            and execute.is_inline(pending.spec, job.world_size)
+            and is_inline(pending.spec, job.world_size)
             and not _on_device(pending)
             and job.run_lock.acquire(blocking=False)
         ):
@@ -249,7 +245,7 @@ class Service(pb_grpc.LpSyncServicer):
                 if job.layout is not None and self.plane is not None:
                     plane = self.plane
                     job.on_local_failure = lambda j, p, e: self._workers.submit(
-                        multinode.notify_failure, j, p, e, plane
+                        path.notify_failure, j, p, e, plane
                     )
             except LpsyncError:
                 self.sessions.remove(session)
@@ -344,8 +340,8 @@ class Service(pb_grpc.LpSyncServicer):
         except LpsyncError as error:
             await _abort(context, error)
         job = self.jobs.get(session.job)
-        if job is not None and job.cache is not None:
-            job.cache.forget(session.id, request.handle)
+        if job is not None:
+            job.plans.forget(session.id, request.handle)
         return pb.ReleaseResponse()
 
     async def Collective(
@@ -546,7 +542,7 @@ class Service(pb_grpc.LpSyncServicer):
         op, p = request.op, session.world_size
         limits.check_collective(request, p, self.limits, ALGORITHMS)
         timeout = request.timeout or self.config.timeout
-        if op == execute.BARRIER:
+        if op == Collective.BARRIER:
             spec = Spec(op, "", 0, 0, "", "", request.name)
             return Arrival(session.rank, request.sequence, spec, timeout, None, None, (), done)
         dtype = dtype_of(request.dtype)
@@ -555,16 +551,12 @@ class Service(pb_grpc.LpSyncServicer):
         reducing = op in (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER)
         reduce_op = (request.reduce_op or ReduceOp.SUM) if reducing else ""
         algorithm = request.algorithm
-        if algorithm == execute.DIRECT and session.local_world_size:
+        if algorithm == DIRECT and session.local_world_size:
             raise InvalidArgumentError(
                 "algorithm='direct' serves single-node jobs only; this "
                 "job spans nodes (use lp, ring, mst, be or the tuner)"
             )
-        if (
-            algorithm
-            and algorithm != execute.DIRECT
-            and Collective(op) not in ALGORITHMS[algorithm].generators
-        ):
+        if algorithm and algorithm != DIRECT and Collective(op) not in ALGORITHMS[algorithm].generators:
             raise InvalidArgumentError(f"algorithm {algorithm!r} has no {op}")
         blocks = p if op in (Collective.ALLGATHER, Collective.REDUCE_SCATTER) else 1
         in_place = request.output.handle == 0
@@ -594,10 +586,7 @@ class Service(pb_grpc.LpSyncServicer):
         with self._idle:
             self._running += 1
         try:
-            if job.layout is not None:
-                assert self.plane is not None
-                return multinode.run(job, pending, self.plane, self.devices)
-            return execute.run(job, pending, self.devices)
+            return path.run(job, pending, self.plane, self.devices)
         finally:
             with self._idle:
                 self._running -= 1
@@ -634,14 +623,14 @@ class Service(pb_grpc.LpSyncServicer):
             )
             return
         itemsize = _ITEMSIZE.get(spec.dtype, 0)
-        nbytes = execute.nccl_bytes(spec.op, spec.count, itemsize, job.world_size) if itemsize else 0
+        nbytes = nccl_bytes(spec.op, spec.count, itemsize, job.world_size) if itemsize else 0
         self.metrics.collective_done(
             spec.op,
             outcome.algorithm,
             spec.dtype,
             nbytes,
             outcome.seconds,
-            execute.bus_factor(spec.op, job.world_size),
+            bus_factor(spec.op, job.world_size),
         )
 
 

@@ -1,0 +1,1 @@
+"""A collective's path through the daemon: matched, agreed, planned, staged, run."""

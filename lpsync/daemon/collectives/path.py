@@ -1,0 +1,131 @@
+"""A collective's path through the daemon: one Task moving forward through its stages.
+
+    matched (matching.py: every local participant arrived, specs agree; Task.matched)
+      single node:  run (local.py: direct, host pipeline or device chain) -> finished
+      multi-node:   agreed   (agreement.py: summaries up a tree, node 0's verdict down;
+                              a small collective's data rides it and is done there)
+                    planned  (planning.py: the forced algorithm, node 0's learned choice
+                              or the tuner's pick for the slowest link of all)
+                    staged   (staging.py: device spans over host mirrors, chunk by chunk)
+                    run      (the plan bound to this run's buffers: local stage ->
+                              inter-node chain -> local stage, one chunk pipeline)
+                    finished (an Outcome, or the error every node reports alike)
+Each stage takes what the earlier ones produced and hands its own result on; none calls
+back into another. A peer lost mid-way breaks the mesh and every waiting participant
+fails at once with UnavailableError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from lpsync.daemon.collectives import agreement, local, planning
+from lpsync.daemon.collectives.learning import Learner
+from lpsync.daemon.collectives.matching import Job
+from lpsync.daemon.collectives.small import SmallCollective, rides
+from lpsync.daemon.collectives.staging import stage, whole
+from lpsync.daemon.collectives.task import Task
+from lpsync.daemon.device_registry import DeviceRegistry
+from lpsync.daemon.peers.plane import PeerPlane
+from lpsync.daemon.values import RUNNING, Outcome, Pending
+from lpsync.errors import CollectiveTimeoutError, LpsyncError, MismatchError, UnavailableError
+from lpsync.types import Collective
+
+_NOTIFY_TIMEOUT = 5.0  # seconds a failed node waits at least for its part in the agreement
+
+
+def run(job: Job, pending: Pending, plane: PeerPlane | None, devices: DeviceRegistry | None) -> Outcome:
+    """Run ``pending`` from matched to finished (the Runner of matching.py)."""
+    task = Task.matched(job, pending)
+    if job.layout is None or plane is None:
+        return local.run(task, devices)
+    return _across_nodes(task, plane, devices)
+
+
+def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) -> Outcome:
+    job, pending = task.job, task.pending
+    assert job.layout is not None
+    deadline = time.monotonic() + task.timeout
+    link = plane.link(deadline)
+    learner = _learner(job)
+    last = learner.take_last()  # an earlier trial's time, for node 0
+    proposal = None
+    try:
+        proposal = planning.propose(task, learner, link, last)
+        mine = agreement.summary(job, task.spec, link, proposal.extras)
+        if rides(task):  # agreed and finished in one: the data rides the agreement
+            staging = whole(task, devices, deadline)
+            with staging as hosts:
+                small = SmallCollective(task, hosts)
+                verdict = agreement.agree(job, pending, link, deadline, mine, small)
+                _learn(learner, verdict)
+                pending.enter(RUNNING)
+                assert verdict.result is not None
+                small.write(verdict.result)
+            shape = "exchange" if job.layout.nodes <= agreement.EXCHANGE_MAX_NODES else "tree"
+            return Outcome(algorithm=shape, chunks=1, seconds=task.elapsed())
+        verdict = agreement.agree(job, pending, link, deadline, mine)
+        _learn(learner, verdict)
+        pending.enter(RUNNING)
+        if task.op is Collective.BARRIER:
+            return Outcome(algorithm="exchange", chunks=1, seconds=task.elapsed())
+        algorithm, chunks = planning.choose(task, verdict.model, verdict.use)
+        staged = stage(task, devices) if devices is not None else None
+        group = planning.bind(task, link, algorithm, chunks, staged)
+        began = time.perf_counter()
+        timeout, tags = max(0.0, deadline - time.monotonic()), planning.tag_base(job.name, pending.sequence)
+        if staged is None:
+            group.run(timeout, tags)
+        else:
+            staged.run(group, deadline, timeout, tags)
+        if verdict.trial:
+            learner.ran(pending.sequence, time.perf_counter() - began)
+    except LpsyncError as error:
+        if proposal is not None and proposal.trial:
+            learner.abandon(pending.sequence)
+        if last is not None:
+            learner.ran(*last)  # node 0 may not have it: it goes again with the next one
+        if link.error is not None and not isinstance(error, MismatchError):
+            if isinstance(link.error, CollectiveTimeoutError):
+                raise type(link.error)(
+                    f"collective #{pending.sequence} of job {job.name!r} timed out across nodes: {link.error}"
+                ) from None
+            raise UnavailableError(
+                f"collective #{pending.sequence} of job {job.name!r} lost a peer node: {link.failure()}"
+            ) from None
+        raise
+    return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
+
+
+def notify_failure(job: Job, pending: Pending, error: LpsyncError, plane: PeerPlane) -> None:
+    """This node failed ``pending`` before running it: take this node's part in the
+    agreement with a summary that carries the error in place of the Spec, so that the
+    other nodes fail it too instead of timing out (a timeout would break the mesh).
+    Best effort: without a mesh there is nothing to tell."""
+    if job.layout is None:
+        return
+    try:
+        link = plane.link(time.monotonic())
+    except LpsyncError:
+        return
+    # The other nodes wait for this node as long as their own timeouts allow.
+    timeout = min((a.timeout for a in pending.arrivals.values()), default=_NOTIFY_TIMEOUT)
+    deadline = time.monotonic() + max(_NOTIFY_TIMEOUT, timeout)
+    # The verdict names this error (or an earlier node's), or the mesh broke: either way
+    # this node's participants already have their error.
+    with contextlib.suppress(LpsyncError):
+        agreement.agree(job, pending, link, deadline, agreement.failure_summary(job, error))
+
+
+def _learner(job: Job) -> Learner:
+    assert job.layout is not None
+    if job.learner is None:
+        job.learner = Learner(job.layout.nodes)
+    return job.learner
+
+
+def _learn(learner: Learner, verdict: agreement.Verdict) -> None:
+    """Node 0: the trial times the other nodes reported in their summaries."""
+    for node, sequence, seconds in verdict.reports:
+        learner.report(node, sequence, seconds)

@@ -1,0 +1,116 @@
+"""The "planned" stage of a multi-node collective: which schedule, and its built plan.
+
+Before the agreement node 0 proposes (``propose``): a pipelined collective whose algorithm
+is not forced runs the learning tuner's choice (learning.py), carried to every node in
+the verdict. After it, every node resolves the same (algorithm, chunks) (``choose``):
+the forced algorithm, node 0's word, or the tuner's pick for the slowest link of all.
+``bind`` then takes the job's plan for that schedule over this run's buffers, built once
+per (spec, schedule, buffers, mesh generation) and reused (plans.py).
+Invariant: message tags of collectives stay below 2**39 (bit 63 is the peer plane's
+control space): tag = job hash (7 bits) | sequence (12 bits) | step (20 bits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lpsync.algorithms import LinkModel, generate, select
+from lpsync.algorithms.tuner import chunks_for
+from lpsync.daemon.collectives.learning import Key, Learner, candidates
+from lpsync.daemon.collectives.small import rides
+from lpsync.daemon.collectives.staging import Staged
+from lpsync.daemon.collectives.task import Task, job_hash
+from lpsync.daemon.collectives.views import buffers, reduction
+from lpsync.daemon.peers.plane import Link
+from lpsync.engine.group import LocalGroup
+from lpsync.engine.routing import Placement
+from lpsync.errors import InvalidArgumentError
+from lpsync.types import Collective
+
+_STEP_BITS, _SEQ_BITS, _JOB_BITS = 20, 12, 7
+
+
+def tag_base(job: str, sequence: int) -> int:
+    return (
+        (job_hash(job) & ((1 << _JOB_BITS) - 1)) << _SEQ_BITS | (sequence & ((1 << _SEQ_BITS) - 1))
+    ) << _STEP_BITS
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What this node says of the schedule in its agreement summary."""
+
+    extras: tuple[tuple[str, Any], ...]  # the summary's learning fields ("use", "trial", "last")
+    trial: bool  # node 0 times this run
+
+
+def learns(task: Task) -> bool:
+    """Node 0 picks (and times) the schedule: a pipelined collective, algorithm not forced."""
+    return task.op is not Collective.BARRIER and not task.spec.algorithm and not rides(task)
+
+
+def propose(task: Task, learner: Learner, link: Link, last: tuple[int, float] | None) -> Proposal:
+    """This node's learning fields; ``last``: its latest trial's (sequence, seconds)."""
+    assert task.job.layout is not None
+    extras: list[tuple[str, Any]] = []
+    if last is not None:
+        extras.append(("last", last))  # a trial's time for node 0 (learning.py)
+    trial = False
+    if task.job.layout.node == 0 and learns(task):
+        model = link.model
+        assert model is not None
+        key = _key(task)
+        choice, trial = learner.choose(key, lambda: candidates(task.op, key[1], task.participants, model))
+        extras += [("use", (choice.algorithm, choice.chunks)), ("trial", trial)]
+        if trial:
+            learner.issued(task.pending.sequence, key, choice)
+    return Proposal(tuple(extras), trial)
+
+
+def _key(task: Task) -> Key:
+    return (task.spec.op, 0 if task.op is Collective.BARRIER else task.nbytes)
+
+
+def choose(task: Task, model: LinkModel, use: tuple[str, int] | None) -> tuple[str, int]:
+    """(algorithm, chunks): the forced algorithm, node 0's ``use``, else the tuner's pick."""
+    spec, p = task.spec, task.participants
+    if spec.algorithm:
+        return spec.algorithm, chunks_for(spec.algorithm, p, task.nbytes, model, op=task.op)
+    if use is not None:
+        return use
+    choice = select(task.op, task.nbytes, p, model)
+    return choice.algorithm, choice.chunks
+
+
+def bind(task: Task, link: Link, algorithm: str, chunks: int, staged: Staged | None) -> LocalGroup:
+    """This node's plan of the schedule over this run's buffers (host arrays or mirrors)."""
+    layout = task.job.layout
+    assert layout is not None
+    spec, op, p = task.spec, task.op, task.participants
+    arrivals = staged.arrivals if staged is not None else task.arrivals
+    views = [buffers(op, a, p, spec.count) for a in arrivals]
+    # The mesh generation is part of the key: a rebuilt mesh is another remote endpoint.
+    key = (
+        spec,
+        algorithm,
+        chunks,
+        link.generation,
+        tuple(arr.__array_interface__["data"][0] for pair in views for arr in pair),
+        staged.mirrors.serial if staged is not None else 0,  # plans bound to these mirrors
+        tuple(h for a in arrivals for h in a.handles),
+    )
+
+    def build() -> LocalGroup:
+        schedule = generate(op, algorithm, p, spec.count, spec.root, chunks)
+        if schedule.tags.size and int(schedule.tags.max()) >= 1 << _STEP_BITS:
+            raise InvalidArgumentError(
+                f"{algorithm} {op} of {spec.count} elements needs more than 2**{_STEP_BITS} messages per pair"
+            )
+        placement = Placement.node_major([layout.ranks_per_node] * layout.nodes, layout.node)
+        group = LocalGroup(schedule, views, reduction(spec, task.dtype, p), placement, link.endpoint)
+        if staged is not None:
+            staged.attach(group)
+        return group
+
+    return task.job.plans.get(key, build)

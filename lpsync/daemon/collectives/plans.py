@@ -1,0 +1,82 @@
+"""Plans built once and reused: a job's LocalGroups (and device mirrors) by key.
+
+Plan once, run many (Gloo's constructors, UCC's init/invoke): a collective's schedule,
+chunk views, transports and threads are built the first time its (spec, algorithm,
+buffers) is seen and reused by every later call with the same key. Keys end with the
+(session id, handle) pairs of the buffers, so that a released buffer's plans go with it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from lpsync.engine.group import LocalGroup
+
+_CACHE_SIZE = 8  # plans per job; the least recently used beyond it are closed
+
+
+class GroupCache:
+    """LocalGroups of one job, least recently used evicted (their threads shut down)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._groups: OrderedDict[tuple, LocalGroup] = OrderedDict()
+        # Multi-node device collectives: host mirrors of device spans (device_staging.py),
+        # keyed by the spans' addresses and, last, their handles (so ``forget`` finds them).
+        self.staging: OrderedDict[tuple, Any] = OrderedDict()
+
+    def mirrors(self, key: tuple, make):
+        """The mirrors under ``key``, made on first use; the least recently used beyond
+        _CACHE_SIZE are closed (they free themselves once no run uses them)."""
+        with self._lock:
+            found = self.staging.get(key)
+            if found is not None:
+                self.staging.move_to_end(key)
+                return found
+        made = make()
+        with self._lock:
+            self.staging[key] = made
+            evicted = [self.staging.popitem(last=False)[1] for _ in range(len(self.staging) - _CACHE_SIZE)]
+        for old in evicted:
+            old.close()
+        return made
+
+    def get(self, key: tuple, build):
+        with self._lock:
+            group = self._groups.get(key)
+            if group is not None:
+                self._groups.move_to_end(key)
+                return group
+        group = build()
+        evicted = []
+        with self._lock:
+            self._groups[key] = group
+            while len(self._groups) > _CACHE_SIZE:
+                evicted.append(self._groups.popitem(last=False)[1])
+        for old in evicted:
+            old.close(wait=False)
+        return group
+
+    def forget(self, session_id: str, handle: int) -> None:
+        """Drop the groups bound to a released buffer, so its memory can be unmapped."""
+        with self._lock:
+            stale = [k for k in self._groups if (session_id, handle) in k[-1]]
+            groups = [self._groups.pop(k) for k in stale]
+            mirrors = [self.staging.pop(k) for k in list(self.staging) if (session_id, handle) in k[-1]]
+        for group in groups:
+            group.close(wait=False)  # may run on the event loop: never wait for a schedule
+        for mirror in mirrors:
+            mirror.close()  # frees once the run using it ended
+
+    def close(self) -> None:
+        with self._lock:
+            groups = list(self._groups.values())
+            self._groups.clear()
+            mirrors = list(self.staging.values())
+            self.staging.clear()
+        for group in groups:
+            group.close(wait=False)
+        for mirror in mirrors:
+            mirror.close()

@@ -1,0 +1,43 @@
+"""A collective's buffers as the engine sees them, and its size as nccl-tests counts it.
+
+The bottom of collectives/: every stage reads a participant's (input, output) views and
+the collective's size the same way, from here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lpsync.algorithms.cost import busbw_factor
+from lpsync.daemon.values import Arrival, Spec
+from lpsync.engine.group import layout
+from lpsync.reduction import Reduction
+from lpsync.types import Collective, ReduceOp
+
+REDUCING = frozenset({Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER})
+
+
+def nccl_bytes(op: str, count: int, itemsize: int, participants: int) -> int:
+    """nccl-tests' "size": the whole buffer (the gathered output, the scattered input)."""
+    if op in (Collective.ALLGATHER, Collective.REDUCE_SCATTER):
+        return count * itemsize * participants
+    return count * itemsize
+
+
+def bus_factor(op: str, participants: int) -> float:
+    return 1.0 if op == Collective.BARRIER else busbw_factor(Collective(op), participants)
+
+
+def buffers(op: Collective, arrival: Arrival, p: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The participant's (input, output) views; in place, both are views of its one buffer."""
+    assert arrival.data is not None
+    if arrival.out is None:
+        return layout(op, arrival.rank, p, count, arrival.data, in_place=True)
+    return arrival.data, arrival.out
+
+
+def reduction(spec: Spec, dtype: np.dtype, participants: int) -> Reduction | None:
+    """The reduction of a reducing collective (None for the others)."""
+    if Collective(spec.op) not in REDUCING:
+        return None
+    return Reduction(ReduceOp(spec.reduce_op), dtype, participants)

@@ -1,0 +1,1 @@
+"""The control plane: what training processes talk to (gRPC, the trigger socket)."""

@@ -1,0 +1,156 @@
+"""One way to start and probe a daemon process: spawn it, wait until it serves, read its
+health and status, stop it. The demo, the benchmarks, ``lpsync health``/``status`` and
+the test harness all use this module (a second copy drifts: another timeout, another
+probe, another way to find out why a daemon did not come up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from lpsync.errors import LpsyncError
+
+START_TIMEOUT = 30.0  # seconds for a daemon to serve after its process started
+
+
+class DaemonStartError(LpsyncError):
+    """A daemon process exited or did not serve in time; the message has its log's end."""
+
+
+def health(socket: str, timeout: float = 1.0) -> str:
+    """The daemon's overall gRPC health status name (SERVING, NOT_SERVING, ...); raises
+    grpc.RpcError when nothing answers on ``socket``."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"unix:{socket}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout
+        )
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def serving(socket: str, timeout: float = 1.0) -> bool:
+    """Whether a daemon serves on ``socket`` now."""
+    import grpc
+
+    if not Path(socket).exists():
+        return False
+    try:
+        return health(socket, timeout) == "SERVING"
+    except grpc.RpcError:
+        return False
+
+
+def status(socket: str, recent: int = 20, token: str = "", timeout: float = 5.0, history: int = 0) -> Any:
+    """The daemon's StatusResponse (sessions, jobs, the flight recorder)."""
+    import grpc
+
+    from lpsync._proto import lpsync_pb2 as pb
+    from lpsync._proto import lpsync_pb2_grpc as pb_grpc
+
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    with grpc.insecure_channel(f"unix:{socket}") as channel:
+        return pb_grpc.LpSyncStub(channel).Status(
+            pb.StatusRequest(recent=recent, history=history), timeout=timeout, metadata=metadata
+        )
+
+
+def command(socket: str, *flags: str) -> list[str]:
+    """The command line of a daemon serving ``socket`` (this interpreter, this lpsync)."""
+    return [sys.executable, "-m", "lpsync.cli", "daemon", "--socket", socket, *flags]
+
+
+class Daemon:
+    """One daemon process: started at once, serving when the constructor returns.
+
+    ``log``: its stdout and stderr go there (else they are inherited); ``wrap``: a command
+    prefix that execs it (``ip netns exec NS``); ``start_new_session``: keep the terminal's
+    Ctrl-C from reaching it (the caller stops it in order)."""
+
+    def __init__(
+        self,
+        socket: str,
+        *flags: str,
+        log: Path | None = None,
+        env: Mapping[str, str] | None = None,
+        wrap: Sequence[str] = (),
+        cwd: str | Path | None = None,
+        start_new_session: bool = False,
+        start_timeout: float = START_TIMEOUT,
+        wait: bool = True,
+    ) -> None:
+        self.socket, self.log = socket, log
+        self._log: IO[str] | None = open(log, "w") if log is not None else None  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [*wrap, *command(socket, *flags)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT if self._log is not None else None,
+            cwd=cwd,
+            env=dict(env) if env is not None else None,
+            start_new_session=start_new_session,
+        )
+        self.pid = self.proc.pid
+        if wait:
+            try:
+                self.wait_serving(time.monotonic() + start_timeout)
+            except BaseException:
+                self.kill()
+                raise
+
+    def wait_serving(self, deadline: float) -> None:
+        """Return once the daemon serves; DaemonStartError if it exits or ``deadline`` passes."""
+        while not serving(self.socket):
+            if self.proc.poll() is not None:
+                raise DaemonStartError(
+                    f"the daemon exited ({self.proc.returncode}) before serving:\n{self.tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise DaemonStartError(f"the daemon did not serve on {self.socket} in time:\n{self.tail()}")
+            time.sleep(0.05)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, lines: int = 40) -> str:
+        """The end of the daemon's log (empty without one)."""
+        if self.log is None or not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM, then wait for the exit (SIGKILL if it does not come: TimeoutExpired)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        finally:
+            self._close_log()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # an unkillable process: move on
+            self.proc.wait(5)
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without the user's LPSYNC_* settings (a socket, a secret)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("LPSYNC_")}

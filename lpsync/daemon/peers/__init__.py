@@ -1,0 +1,1 @@
+"""The peer plane: which daemons form the cluster, and the mesh between them."""
