@@ -21,6 +21,7 @@ from lpsync.algorithms.cost import DEFAULT_MIN_CHUNK_BYTES
 from lpsync.algorithms.schedule import Buf, ScheduleBuilder
 from lpsync.algorithms.tuner import TIE_MARGIN
 from lpsync.errors import SimulationError
+from lpsync.types import DATA_COLLECTIVES
 
 ITEMSIZE = 4
 LINK = LinkModel.from_bandwidth(alpha=5e-6, bandwidth=1.25e8)
@@ -174,7 +175,7 @@ def test_lp_allreduce_chunks_minimise_its_closed_form(p: int, shared_nic: bool) 
 
 
 def test_select_is_the_minimum_over_candidates_up_to_the_tie_margin() -> None:
-    for op in C:
+    for op in DATA_COLLECTIVES:
         for nbytes in (8, 10**5, 10**8):
             for p in (2, 3, 8, 17):
                 choice = select(op, nbytes, p, LINK)
