@@ -1,12 +1,20 @@
 # Two entry points for a fresh machine; both create or reuse .venv in the checkout.
 #   make demo   the main job (lpsync demo): a two-node cluster on this machine trains a CNN
 #               on scikit-learn's digits through the DDP hook, beside one process and gloo
-#   make test   ruff, then the test suite
+#   make test   lint, format, types, then the whole test suite in parallel (<= 8 min)
+#   make check  the fast lane for every edit: lint, format, types and the unit tier (<= 90 s)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench fuzz clean
+# The unit tier: no daemons, processes or namespaces (CONTRIBUTING.md).
+UNIT := tests/algorithms tests/engine tests/memory tests/daemon/test_agreement.py \
+	tests/daemon/test_learning.py tests/daemon/test_multinode_tags.py tests/daemon/test_peers.py \
+	tests/transport/test_auth.py tests/transport/test_addresses.py
+# Workers for the whole suite: most tests wait on daemons, sockets and timeouts, not on CPU.
+JOBS ?= 3
+
+.PHONY: demo test check lint bench fuzz clean
 
 $(BIN)/.installed: pyproject.toml clients/python/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,9 +25,16 @@ $(BIN)/.installed: pyproject.toml clients/python/pyproject.toml
 demo: $(BIN)/.installed
 	$(BIN)/lpsync demo
 
-test: $(BIN)/.installed
-	$(BIN)/ruff check lpsync tests clients
-	$(BIN)/python -m pytest -q
+lint: $(BIN)/.installed
+	$(BIN)/ruff check lpsync tests clients examples scripts protos deploy
+	$(BIN)/ruff format --check lpsync tests clients examples scripts protos deploy
+	cd clients/python && ../../$(BIN)/mypy
+
+check: lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(UNIT)
+
+test: lint
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m lpsync.bench.executor --procs 4 --bytes 64MiB --algorithm lp,ring,be,mst

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "daemon"))  # harness, workers: import by name
-
-from harness import DaemonProcess
+from tests.daemon.harness import DaemonProcess
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ import os
 import time
 
 import numpy as np
-from workers import check_cases
 
 import lpsync_client
+from tests.daemon.workers import check_cases
 
 
 def _node_env(rank: int, per_node: int) -> None:

@@ -6,9 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from harness import DaemonProcess
-
 import lpsync_client
+from tests.daemon.harness import DaemonProcess
 
 
 def main(tmp: Path) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from harness import run_ranks
-from workers import check_cases
+from tests.daemon.harness import run_ranks
+from tests.daemon.workers import check_cases
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "int32", "int64", "uint8"]
 REDUCE_OPS = ["sum", "prod", "min", "max", "avg"]
@@ -70,7 +70,7 @@ def test_two_ranks_over_the_grpc_session_stream(daemon) -> None:
 
 
 def test_async_calls_in_flight_together(daemon) -> None:
-    from workers import async_and_barrier
+    from tests.daemon.workers import async_and_barrier
 
     r0, r1 = run_ranks(2, async_and_barrier, daemon.socket, "async")
     assert r0 == r1 == [3, 6, 9, 12, 15, 18, 2.0]
@@ -81,7 +81,7 @@ def test_bench_smoke(daemon) -> None:
     import subprocess
     import sys
 
-    from harness import ROOT
+    from tests.daemon.harness import ROOT
 
     out = subprocess.run(
         [

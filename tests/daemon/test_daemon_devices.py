@@ -9,16 +9,16 @@ import os
 import time
 from pathlib import Path
 
-import device_workers
 import numpy as np
 import pytest
-from collective_cases import assert_matches, every_case, make_inputs, reference
-from harness import DaemonProcess, PeeredDaemons, run_ranks
 
 import lpsync_client
+import tests.daemon.device_workers as device_workers
 from lpsync.daemon.launch import DaemonStartError
 from lpsync.types import DATA_COLLECTIVES, DTYPES, Collective, ReduceOp
 from lpsync_client import emulated
+from tests.collective_cases import assert_matches, every_case, make_inputs, reference
+from tests.daemon.harness import DaemonProcess, PeeredDaemons, run_ranks
 
 
 def _daemon(tmp_path: Path, devices: str) -> DaemonProcess:
@@ -399,7 +399,7 @@ def test_status_and_metrics_show_devices(tmp_path):
     import sys
     import urllib.request
 
-    from ports import free_ports
+    from tests.ports import free_ports
 
     port = free_ports(1)[0]
     proc = DaemonProcess(tmp_path, "--devices", "emulated:3,islands=3", "--metrics-port", str(port))

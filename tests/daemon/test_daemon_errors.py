@@ -10,13 +10,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from harness import DaemonProcess, run_ranks, shm_segments
-from workers import attach_and_wait, isolated, mismatch
 
 import lpsync_client
 from lpsync._proto import lpsync_pb2 as pb
 from lpsync._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync.daemon.launch import serving
+from tests.daemon.harness import DaemonProcess, run_ranks, shm_segments
+from tests.daemon.workers import attach_and_wait, isolated, mismatch
 
 
 def test_mismatch_names_ranks_and_fields(daemon) -> None:
@@ -259,7 +259,7 @@ def test_jobs_run_concurrently_without_crosstalk(daemon) -> None:
 
 
 def test_failed_inplace_collective_reports_partial(daemon) -> None:
-    from workers import partial_inplace
+    from tests.daemon.workers import partial_inplace
 
     states = run_ranks(2, partial_inplace, daemon.socket, "partial")
     for s in states:

@@ -10,14 +10,14 @@ import multiprocessing as mp
 import time
 from pathlib import Path
 
-import device_workers
 import numpy as np
 import pytest
-from collective_cases import assert_matches, every_case, reference
-from harness import DaemonProcess, run_ranks
 
 import lpsync_client
+import tests.daemon.device_workers as device_workers
 from lpsync.types import DTYPES, Collective, ReduceOp
+from tests.collective_cases import assert_matches, every_case, reference
+from tests.daemon.harness import DaemonProcess, run_ranks
 
 
 def _no_gpu() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 import threading
@@ -16,22 +17,18 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from harness import ROOT, DaemonProcess, shm_segments
 
 import lpsync_client
 from lpsync.daemon.control.config import load
 from lpsync.errors import InvalidArgumentError
+from tests.daemon.harness import ROOT, DaemonProcess, shm_segments
 
 
 def test_generated_code_is_fresh(tmp_path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "protos"))
-    try:
-        import generate
-    finally:
-        sys.path.pop(0)
-    for committed in generate.TARGETS.values():
+    generate = runpy.run_path(str(ROOT / "protos" / "generate.py"), run_name="lpsync_protos_generate")
+    for committed in generate["TARGETS"].values():
         fresh = tmp_path / committed.name
-        for path in generate.generate(fresh):
+        for path in generate["generate"](fresh):
             old = committed / path.name
             assert old.exists() and old.read_text() == path.read_text(), (
                 f"{old} is stale: run python protos/generate.py"
@@ -246,8 +243,8 @@ def _threads(pid: int) -> int:
 
 
 def test_sessions_leave_no_threads_behind(daemon) -> None:
-    from harness import run_ranks
-    from workers import isolated
+    from tests.daemon.harness import run_ranks
+    from tests.daemon.workers import isolated
 
     run_ranks(2, isolated, daemon.socket, "warm", 1)
     time.sleep(0.5)

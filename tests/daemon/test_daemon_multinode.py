@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import PeeredDaemons, run_ranks
-from multinode_workers import (
+
+from tests.daemon.harness import PeeredDaemons, run_ranks
+from tests.daemon.multinode_workers import (
     cases_on_nodes,
     learning_allreduces,
     mismatch_on_nodes,

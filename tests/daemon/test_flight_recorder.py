@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import ROOT, DaemonProcess, PeeredDaemons
 
 import lpsync_client
+from tests.daemon.harness import ROOT, DaemonProcess, PeeredDaemons
 
 STALL = 0.5
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fuzzing import SERVICE, Pool, Stream, Unary, build, cases, substitute
-from harness import DaemonProcess, shm_segments
 from hypothesis import HealthCheck, given, settings
-from probes import FORBIDDEN, health_seconds, usage
 
 from lpsync._proto import lpsync_pb2 as pb
 from lpsync.bench.runner import _pct as percentile
+from tests.daemon.fuzzing import SERVICE, Pool, Stream, Unary, build, cases, substitute
+from tests.daemon.harness import DaemonProcess, shm_segments
+from tests.daemon.probes import FORBIDDEN, health_seconds, usage
 
 EXAMPLES = int(os.environ.get("LPSYNC_FUZZ_EXAMPLES", "300"))
 # Small limits, so that fuzzed sizes stay cheap and every limit is reached now and then.

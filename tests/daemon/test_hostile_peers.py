@@ -15,9 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import DaemonProcess, run_ranks
-from ports import free_ports
-from security_workers import allreduces, ucx_garbage
 
 from lpsync.errors import UnauthenticatedError
 from lpsync.transport.auth import (
@@ -26,6 +23,9 @@ from lpsync.transport.auth import (
     authenticate_server_socket,
     client_handshake,
 )
+from tests.daemon.harness import DaemonProcess, run_ranks
+from tests.daemon.security_workers import allreduces, ucx_garbage
+from tests.ports import free_ports
 
 pytest.importorskip("ucxx")
 

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import ROOT, DaemonProcess, shm_segments
-from probes import SERVICE, health_seconds, raw_stream, raw_unary, usage
 
 import lpsync_client
 from lpsync._proto import lpsync_pb2 as pb
 from lpsync._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync.daemon.launch import serving
+from tests.daemon.harness import ROOT, DaemonProcess, shm_segments
+from tests.daemon.probes import SERVICE, health_seconds, raw_stream, raw_unary, usage
 
 S = grpc.StatusCode
 GARBAGE = {
@@ -428,7 +428,6 @@ def test_a_full_dev_shm_is_resource_exhausted_not_sigbus(tmp_path: Path) -> None
     the buffer killed the writer (the daemon) with SIGBUS. Pages are reserved at creation."""
     if os.geteuid() != 0 or not Path("/usr/bin/unshare").exists():
         pytest.skip("needs root and unshare for a private, 4 MiB /dev/shm")
-    script = Path(__file__).parent / "shm_full.py"
     out = subprocess.run(
         [
             "/usr/bin/unshare",
@@ -437,7 +436,8 @@ def test_a_full_dev_shm_is_resource_exhausted_not_sigbus(tmp_path: Path) -> None
             "private",
             "sh",
             "-c",
-            f"mount -t tmpfs -o size=4m tmpfs /dev/shm && exec {sys.executable} {script} {tmp_path}",
+            "mount -t tmpfs -o size=4m tmpfs /dev/shm && "
+            f"exec {sys.executable} -m tests.daemon.shm_full {tmp_path}",
         ],
         capture_output=True,
         text=True,

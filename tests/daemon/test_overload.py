@@ -15,14 +15,14 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from harness import DaemonProcess, run_ranks, shm_segments
-from overload_workers import churn, pending_partner, steady
-from probes import health_seconds, usage
 
 import lpsync_client
 from lpsync._proto import lpsync_pb2 as pb
 from lpsync._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync.daemon.launch import serving
+from tests.daemon.harness import DaemonProcess, run_ranks, shm_segments
+from tests.daemon.overload_workers import churn, pending_partner, steady
+from tests.daemon.probes import health_seconds, usage
 
 
 @contextmanager

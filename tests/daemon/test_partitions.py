@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import DaemonProcess, run_ranks, shm_segments
-from multinode_workers import attempt, through_partition, until_unavailable
-from security_workers import allreduces
+
+from tests.daemon.harness import DaemonProcess, run_ranks, shm_segments
+from tests.daemon.multinode_workers import attempt, through_partition, until_unavailable
+from tests.daemon.security_workers import allreduces
 
 pytest.importorskip("ucxx")
 if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:

@@ -21,12 +21,12 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from harness import ROOT, DaemonProcess, run_ranks, shm_segments
-from ports import free_ports
-from security_workers import allreduces, as_user
 
 import lpsync_client
 from lpsync._proto import lpsync_pb2 as pb
+from tests.daemon.harness import ROOT, DaemonProcess, run_ranks, shm_segments
+from tests.daemon.security_workers import allreduces, as_user
+from tests.ports import free_ports
 
 NOBODY = 65534
 

@@ -1,17 +1,13 @@
 """Shared pieces of the deploy/ checks: the artifacts, and the real tools that check them.
 
-Debian's ``prometheus`` (prometheus, promtool) and ``docker-compose`` are found on PATH or,
-when the tests run as root with apt (CI), installed once; otherwise the tests that need
-them skip and say why.
+Debian's ``prometheus`` (prometheus, promtool) and ``docker-compose`` are found on PATH
+(.ci/run installs them before the suite); where they are absent the tests that need them
+skip and say why.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -19,44 +15,16 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-sys.path.insert(0, str(ROOT / "tests" / "daemon"))  # harness: real daemons
-
-_apt_lock = threading.Lock()
-_apt_tried: dict[str, str] = {}  # package -> why it could not be installed ("" = done)
 
 
 def tool(binary: str, package: str) -> str:
-    """The path of ``binary``; installs Debian ``package`` for it when possible, else skips."""
-    found = shutil.which(binary)
-    if found:
-        return found
-    with _apt_lock:
-        if package not in _apt_tried:
-            _apt_tried[package] = _apt_install(package)
+    """The path of ``binary``, else skip saying which Debian package has it. Tests install
+    nothing: .ci/run installs the packages before the suite (`apt-get install prometheus
+    docker-compose` on a machine of your own)."""
     found = shutil.which(binary)
     if not found:
-        pytest.skip(
-            f"{binary} (Debian package {package}) is not installed and could not be: "
-            f"{_apt_tried[package] or 'installed, but the binary is missing'}"
-        )
+        pytest.skip(f"{binary} is not installed: apt-get install {package} (.ci/run does, before the suite)")
     return found
-
-
-def _apt_install(package: str) -> str:
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        return "not root or no apt-get: `apt-get install " + package + "` as root"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for argv in (
-        ["apt-get", "update", "-qq"],
-        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", package],
-    ):
-        try:
-            done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
-        except subprocess.TimeoutExpired:
-            return f"{' '.join(argv)} timed out"
-        if done.returncode != 0:
-            return f"{' '.join(argv)} failed: {done.stderr.strip()[-500:]}"
-    return ""
 
 
 def load_yaml_documents(path: Path) -> list[dict]:

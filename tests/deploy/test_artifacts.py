@@ -14,8 +14,9 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from deploy_files import DEPLOY, ROOT, k8s_resources, tool
 from dockerfile_parse import DockerfileParser
+
+from tests.deploy.deploy_files import DEPLOY, ROOT, k8s_resources, tool
 
 K8S_VERSION = "1.30.0"  # the oldest Kubernetes the manifests promise to work on
 

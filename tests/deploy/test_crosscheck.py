@@ -14,13 +14,13 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
-from deploy_files import DEPLOY, ROOT, compose, k8s_resource
 from dockerfile_parse import DockerfileParser
 
 from lpsync.cli import build_parser
 from lpsync.daemon.control import config as daemon_config
 from lpsync.daemon.control.config import DaemonConfig
 from lpsync.daemon.peers.discovery import from_dns
+from tests.deploy.deploy_files import DEPLOY, ROOT, compose, k8s_resource
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

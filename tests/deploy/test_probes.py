@@ -8,10 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import deploy_files  # noqa: F401 - puts tests/daemon (harness) on sys.path
-from harness import ROOT, DaemonProcess
-
 from lpsync.daemon.control.metrics import _BUCKETS, size_class
+from tests.daemon.harness import ROOT, DaemonProcess
 
 
 def _health(socket: str) -> subprocess.CompletedProcess:

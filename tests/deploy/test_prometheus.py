@@ -19,14 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from deploy_files import DEPLOY, tool
-from harness import DaemonProcess, shm_segments
-from ports import free_ports
 from prometheus_client.parser import text_string_to_metric_families
 
 import lpsync_client
 from lpsync.memory import reclaim_stale
 from lpsync_client.errors import CollectiveTimeoutError
+from tests.daemon.harness import DaemonProcess, shm_segments
+from tests.deploy.deploy_files import DEPLOY, tool
+from tests.ports import free_ports
 
 SECRET = "deploy-test-secret"
 HEARTBEAT = 3.0

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-from deploy_files import DEPLOY
 
 from lpsync.cli import build_parser
 from lpsync.daemon.control import config as daemon_config
+from tests.deploy.deploy_files import DEPLOY
 
 SCRIPT = DEPLOY / "slurm" / "lpsync-train.sbatch"
 NODELIST, NODES = "node[01-02]", 2

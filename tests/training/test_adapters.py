@@ -8,8 +8,9 @@ import sys
 
 import numpy as np
 import pytest
-from adapter_workers import cupy_ranks, inputs, jax_ranks
-from harness import DaemonProcess, run_ranks
+
+from tests.daemon.harness import DaemonProcess, run_ranks
+from tests.training.adapter_workers import cupy_ranks, inputs, jax_ranks
 
 WORLD = 3
 

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import DaemonProcess
-from ports import free_ports
+
+from tests.daemon.harness import DaemonProcess
+from tests.ports import free_ports
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 LAST_LINE = {

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import DaemonProcess
 from torch import nn
 
 import lpsync_client
 import lpsync_client.torch as lpt
+from tests.daemon.harness import DaemonProcess
 
 
 @pytest.fixture

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import DaemonProcess, PeeredDaemons, run_ranks
-from ports import free_ports
-from trainers import (
+
+from tests.daemon.harness import DaemonProcess, PeeredDaemons, run_ranks
+from tests.ports import free_ports
+from tests.training.trainers import (
     broadcasts,
     ddp_gloo_and_lpsync,
     distributed_optimizer,

@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 import pytest
-from collective_cases import C
 
 from lpsync.algorithms import ALGORITHMS, Schedule, generate
 from lpsync.algorithms.schedule import Buf, ScheduleBuilder
@@ -24,6 +23,7 @@ from lpsync.errors import (
 from lpsync.reduction import Reduction
 from lpsync.transport.inproc import InprocFabric
 from lpsync.types import ReduceOp
+from tests.collective_cases import C
 
 
 def plans_for(op: C, algorithm: str, p: int, count: int, ranks: list[int], root: int = 0) -> list[Plan]:

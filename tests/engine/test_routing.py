@@ -9,7 +9,6 @@ import threading
 
 import numpy as np
 import pytest
-from collective_cases import OPS_ALGS, OPS_ALGS_IDS, REDUCING, ROOTED, assert_matches, make_inputs, reference
 
 from lpsync.algorithms import Kind, generate
 from lpsync.engine.group import LocalGroup, layout
@@ -18,6 +17,15 @@ from lpsync.errors import CollectiveTimeoutError, InvalidArgumentError
 from lpsync.reduction import Reduction
 from lpsync.transport.inproc import InprocFabric
 from lpsync.types import Collective, ReduceOp
+from tests.collective_cases import (
+    OPS_ALGS,
+    OPS_ALGS_IDS,
+    REDUCING,
+    ROOTED,
+    assert_matches,
+    make_inputs,
+    reference,
+)
 
 
 def run_nodes(

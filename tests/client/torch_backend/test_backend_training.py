@@ -9,9 +9,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from harness import ROOT, run_ranks
-from ports import free_ports
-from torch_workers import ddp_against_gloo, fsdp_against_gloo
+from tests.client.torch_backend.torch_workers import ddp_against_gloo, fsdp_against_gloo
+from tests.daemon.harness import ROOT, run_ranks
+from tests.ports import free_ports
 
 
 def test_ddp_without_hook_equals_gloo_through_one_daemon(daemon) -> None:

@@ -8,16 +8,6 @@ import time
 
 import numpy as np
 import pytest
-from collective_cases import (
-    OPS_ALGS,
-    OPS_ALGS_IDS,
-    REDUCING,
-    assert_matches,
-    in_place_buffer,
-    make_inputs,
-    reference,
-    roots_for,
-)
 
 from lpsync.algorithms import generate
 from lpsync.engine.device_group import DeviceContext, DeviceGroup
@@ -30,6 +20,16 @@ from lpsync.memory.host import HostKind
 from lpsync.memory.kind import Span
 from lpsync.reduction import Reduction
 from lpsync.types import DTYPES, Collective, ReduceOp
+from tests.collective_cases import (
+    OPS_ALGS,
+    OPS_ALGS_IDS,
+    REDUCING,
+    assert_matches,
+    in_place_buffer,
+    make_inputs,
+    reference,
+    roots_for,
+)
 
 C = Collective
 

@@ -10,9 +10,9 @@ import subprocess
 import sys
 import textwrap
 
-from harness import ROOT, run_ranks
-from ports import free_ports
-from torch_workers import errors, killed_rank
+from tests.client.torch_backend.torch_workers import errors, killed_rank
+from tests.daemon.harness import ROOT, run_ranks
+from tests.ports import free_ports
 
 
 def test_a_killed_rank_fails_the_others_with_an_error(daemon) -> None:

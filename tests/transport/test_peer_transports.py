@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from collective_cases import assert_matches, reference
-from ucx_worker import Case, case_inputs, participant
 
 from lpsync.types import Collective, ReduceOp
+from tests.collective_cases import assert_matches, reference
+from tests.transport.ucx_worker import Case, case_inputs, participant
 
 pytest.importorskip("ucxx")
 
-from ports import free_ports
+from tests.ports import free_ports
 
 SECRET = b"test cluster secret"
 SPAWN = multiprocessing.get_context("spawn")

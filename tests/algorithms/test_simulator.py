@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-from collective_cases import C
 
 from lpsync.algorithms import (
     LinkModel,
@@ -22,6 +21,7 @@ from lpsync.algorithms.schedule import Buf, ScheduleBuilder
 from lpsync.algorithms.tuner import TIE_MARGIN
 from lpsync.errors import SimulationError
 from lpsync.types import DATA_COLLECTIVES
+from tests.collective_cases import C
 
 ITEMSIZE = 4
 LINK = LinkModel.from_bandwidth(alpha=5e-6, bandwidth=1.25e8)

@@ -1,6 +1,6 @@
 """One participant as a plain script, for running inside a cluster namespace:
 
-    ip netns exec lpsync-n0 python tests/ucx_node.py --rank 0 --peers 198.18.0.1:13337,...
+    ip netns exec lpsync-n0 python -m tests.transport.ucx_node --rank 0 --peers 198.18.0.1:13337,...
 
 Runs LP broadcast and LP allreduce over the UCX endpoint (UCX forced to TCP), checks
 both against numpy itself and prints one JSON line: ok, and each op's seconds.
@@ -14,8 +14,6 @@ import sys
 import time
 
 import numpy as np
-from collective_cases import assert_matches, reference
-from ucx_worker import Case, case_inputs
 
 from lpsync.algorithms import generate
 from lpsync.engine.executor import Plan
@@ -23,6 +21,8 @@ from lpsync.reduction import Reduction
 from lpsync.transport.addresses import parse_peers
 from lpsync.transport.ucx import UcxEndpoint, UcxOptions
 from lpsync.types import Collective, ReduceOp, dtype_of
+from tests.collective_cases import assert_matches, reference
+from tests.transport.ucx_worker import Case, case_inputs
 
 
 def main() -> int:

@@ -15,12 +15,12 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from ports import free_ports
 
 from lpsync.errors import InvalidArgumentError, UnavailableError
 from lpsync.transport.addresses import PeerAddress
 from lpsync.transport.mesh import MeshOptions
 from lpsync.transport.tcp import TcpEndpoint
+from tests.ports import free_ports
 
 SECRET = b"tcp test secret"
 

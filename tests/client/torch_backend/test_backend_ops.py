@@ -4,9 +4,9 @@ through one daemon (3 ranks) and through two daemons (4 ranks, 2 per node)."""
 
 from __future__ import annotations
 
-from harness import run_ranks
-from ports import free_ports
-from torch_workers import ops_against_gloo, uneven_group
+from tests.client.torch_backend.torch_workers import ops_against_gloo, uneven_group
+from tests.daemon.harness import run_ranks
+from tests.ports import free_ports
 
 
 def test_ops_equal_gloo_through_one_daemon(daemon) -> None:

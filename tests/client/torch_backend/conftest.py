@@ -3,12 +3,7 @@ loopback) and real rank processes."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 pytest.importorskip("torch")
 
@@ -19,7 +14,7 @@ def two_nodes(tmp_path_factory):
     starts them), shared by this folder's tests (each job has its own name, and a killed
     rank leaves the daemons serving); stopped at the end, each required to exit cleanly."""
     pytest.importorskip("ucxx")
-    from harness import PeeredDaemons
+    from tests.daemon.harness import PeeredDaemons
 
     cluster = PeeredDaemons(tmp_path_factory.mktemp("torch-two-nodes"), 2)
     try:

@@ -8,7 +8,10 @@ import zlib
 
 import numpy as np
 import pytest
-from collective_cases import (
+
+from lpsync.algorithms import generate
+from lpsync.types import DTYPES, ReduceOp
+from tests.collective_cases import (
     OPS_ALGS,
     OPS_ALGS_IDS,
     PARTICIPANTS,
@@ -23,9 +26,6 @@ from collective_cases import (
     roots_for,
     run_collective,
 )
-
-from lpsync.algorithms import generate
-from lpsync.types import DTYPES, ReduceOp
 
 
 def check_outcomes(

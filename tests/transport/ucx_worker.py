@@ -34,9 +34,8 @@ class Case:
 
 def case_inputs(case: Case, participants: int) -> list[np.ndarray]:
     """Every rank's input, the same on the parent and in every child."""
-    from collective_cases import make_inputs
-
     from lpsync.types import Collective, ReduceOp, dtype_of
+    from tests.collective_cases import make_inputs
 
     rng = np.random.default_rng(case.seed)
     return make_inputs(

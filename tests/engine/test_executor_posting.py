@@ -14,7 +14,16 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from collective_cases import (
+
+from lpsync.algorithms import generate
+from lpsync.algorithms.schedule import Buf, ScheduleBuilder
+from lpsync.engine.executor import Plan
+from lpsync.engine.group import layout
+from lpsync.errors import CollectiveTimeoutError, LpsyncError
+from lpsync.reduction import Reduction
+from lpsync.transport.inproc import InprocEndpoint, InprocFabric
+from lpsync.types import ReduceOp
+from tests.collective_cases import (
     OPS_ALGS,
     OPS_ALGS_IDS,
     C,
@@ -25,15 +34,6 @@ from collective_cases import (
     reference,
     roots_for,
 )
-
-from lpsync.algorithms import generate
-from lpsync.algorithms.schedule import Buf, ScheduleBuilder
-from lpsync.engine.executor import Plan
-from lpsync.engine.group import layout
-from lpsync.errors import CollectiveTimeoutError, LpsyncError
-from lpsync.reduction import Reduction
-from lpsync.transport.inproc import InprocEndpoint, InprocFabric
-from lpsync.types import ReduceOp
 
 
 class _Early:

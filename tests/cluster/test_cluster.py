@@ -28,7 +28,7 @@ from lpsync.cluster import (
 )
 from lpsync.errors import ClusterError, InvalidArgumentError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 RATE = 100_000_000  # 100mbit: 12.5 MB/s, measurable in ~1.5 s
 
@@ -186,7 +186,17 @@ def test_ucx_endpoint_across_namespaces(cluster3: Cluster) -> None:
     procs = [
         cluster3.run_in(
             i,
-            [PY, "tests/ucx_node.py", "--rank", str(i), "--peers", peers, "--count", str(1 << 19)],
+            [
+                PY,
+                "-m",
+                "tests.transport.ucx_node",
+                "--rank",
+                str(i),
+                "--peers",
+                peers,
+                "--count",
+                str(1 << 19),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

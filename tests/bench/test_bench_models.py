@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
-from test_cluster import needs_netns, prefix
 
 from lpsync.bench import models
 from lpsync.cluster import existing
+from tests.cluster.test_cluster import needs_netns, prefix
 
 PUBLISHED = {
     "alexnet": (61_100_840, 16),

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-from test_cluster import needs_netns, prefix
 
 from lpsync.bench.cluster import ClusterOptions
 from lpsync.bench.cluster_report import STAGES, Point, emit, key, label, scaling, table
@@ -26,8 +25,9 @@ from lpsync.bench.cpu import CpuMeter, cpu_seconds
 from lpsync.cli import main
 from lpsync.cluster import existing
 from lpsync.errors import LpsyncError
+from tests.cluster.test_cluster import needs_netns, prefix
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"op", "algorithm", "nodes", "bytes", "seconds", "wire_seconds"}
 
 

@@ -11,15 +11,6 @@ import time
 import ml_dtypes
 import numpy as np
 import pytest
-from collective_cases import (
-    OPS_ALGS,
-    REDUCING,
-    assert_matches,
-    in_place_buffer,
-    make_inputs,
-    out_elements,
-    reference,
-)
 
 from lpsync.algorithms import generate
 from lpsync.engine.device_group import DeviceContext
@@ -32,6 +23,15 @@ from lpsync.memory.kind import Span
 from lpsync.reduction import Reduction
 from lpsync.transport.inproc import InprocFabric
 from lpsync.types import Collective, ReduceOp
+from tests.collective_cases import (
+    OPS_ALGS,
+    REDUCING,
+    assert_matches,
+    in_place_buffer,
+    make_inputs,
+    out_elements,
+    reference,
+)
 
 
 class CountingKind(EmulatedKind):

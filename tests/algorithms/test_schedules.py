@@ -15,7 +15,11 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
-from collective_cases import (
+
+from lpsync.algorithms import Buf, Kind, Schedule, generate
+from lpsync.algorithms.schedule import ceil_log2, split
+from lpsync.engine.group import layout
+from tests.collective_cases import (
     OPS_ALGS,
     OPS_ALGS_IDS,
     PARTICIPANTS,
@@ -24,10 +28,6 @@ from collective_cases import (
     chunk_options,
     roots_for,
 )
-
-from lpsync.algorithms import Buf, Kind, Schedule, generate
-from lpsync.algorithms.schedule import ceil_log2, split
-from lpsync.engine.group import layout
 
 SEND, RECV, RECV_REDUCE, COPY = (int(k) for k in Kind)
 

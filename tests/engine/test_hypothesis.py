@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-from collective_cases import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lpsync.algorithms import generate
+from lpsync.types import ReduceOp
+from tests.collective_cases import (
     OPS_ALGS,
     REDUCING,
     ROOTED,
@@ -14,11 +19,6 @@ from collective_cases import (
     reference,
     run_collective,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from lpsync.algorithms import generate
-from lpsync.types import ReduceOp
 
 
 @st.composite

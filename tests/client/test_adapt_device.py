@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import DaemonProcess
 
 import lpsync_client
 from lpsync_client import _adapt, emulated
+from tests.daemon.harness import DaemonProcess
 
 
 @pytest.fixture
