@@ -15,7 +15,7 @@ packet (a frame never fits the bucket). ``restore`` puts the original shaping ba
 from __future__ import annotations
 
 from lpsync.cluster import netns
-from lpsync.cluster.emulated import ClusterSpec, _shape
+from lpsync.cluster.testbed import ClusterSpec, _shape
 from lpsync.errors import InvalidArgumentError
 
 MODES = ("down", "drop", "drop-out")

@@ -7,7 +7,7 @@ import json
 import sys
 
 from lpsync.cluster import ClusterSpec, down, format_rate, parse_delay, parse_rate, up
-from lpsync.cluster.emulated import SUBNET
+from lpsync.cluster.testbed import SUBNET
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from lpsync.algorithms.schedule import Kind, Schedule
-from lpsync.engine.transport import Endpoint, PostingEndpoint, RecvRequest, SendRequest
+from lpsync.engine.endpoint import Endpoint, PostingEndpoint, RecvRequest, SendRequest
 from lpsync.errors import InvalidArgumentError
 from lpsync.reduction import Reduction
 

@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from lpsync.algorithms.schedule import Schedule
+from lpsync.engine.endpoint import Endpoint
 from lpsync.engine.executor import Plan, deadline_after
 from lpsync.engine.routing import Placement, RoutedEndpoint
-from lpsync.engine.transport import Endpoint
 from lpsync.errors import AbortedError, InvalidArgumentError, LpsyncError
 from lpsync.reduction import Reduction
 from lpsync.transport.inproc import InprocFabric

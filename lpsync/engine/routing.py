@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lpsync.engine.transport import Endpoint, RecvRequest, SendRequest
+from lpsync.engine.endpoint import Endpoint, RecvRequest, SendRequest
 from lpsync.errors import InvalidArgumentError
 
 # Folded tag: message tag (40 bits) | sender (12 bits) | receiver (12 bits) = 64 bits,

@@ -1,1 +1,1 @@
-"""Transport backends behind lpsync.engine.transport.Endpoint: inproc (tests, one process)."""
+"""Transport backends behind lpsync.engine.endpoint.Endpoint: inproc (tests, one process)."""

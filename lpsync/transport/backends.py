@@ -1,6 +1,6 @@
 """Choosing the peer plane's transport: ``ucx`` (the default) or ``tcp`` (plain sockets).
 
-Both give the same Endpoint (lpsync.engine.transport) over the same mesh and failure
+Both give the same Endpoint (lpsync.engine.endpoint) over the same mesh and failure
 model (lpsync.transport.mesh); a runtime (listener, and UCX's worker) outlives the
 meshes built on it. Callers pick one by name and never import a backend themselves.
 """

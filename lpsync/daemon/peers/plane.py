@@ -35,7 +35,7 @@ from prometheus_client import Counter, Gauge
 
 from lpsync.algorithms import LinkModel
 from lpsync.daemon.peers.discovery import PeerSet
-from lpsync.engine.transport import PostingEndpoint, RecvRequest, SendRequest
+from lpsync.engine.endpoint import PostingEndpoint, RecvRequest, SendRequest
 from lpsync.errors import LpsyncError, UnavailableError
 from lpsync.transport import backends
 from lpsync.transport.addresses import PeerAddress

@@ -1,4 +1,4 @@
-"""The Endpoint of lpsync.engine.transport over plain TCP sockets, one per participant.
+"""The Endpoint of lpsync.engine.endpoint over plain TCP sockets, one per participant.
 
 The mesh and its failure model are lpsync.transport.mesh's; each connection is one TCP
 socket, authenticated (lpsync.transport.auth) before it carries anything else, with

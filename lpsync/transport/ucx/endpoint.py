@@ -1,4 +1,4 @@
-"""The Endpoint of lpsync.engine.transport over UCX (ucxx), one per participant.
+"""The Endpoint of lpsync.engine.endpoint over UCX (ucxx), one per participant.
 
 The mesh and its failure model are lpsync.transport.mesh's. Each connection is
 authenticated over UCX stream messages; the handshake also gives both ends a session
