@@ -7,6 +7,8 @@ the buffer protocol. bfloat16 torch tensors are viewed as uint16 bits with dtype
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 from lpsync_client.errors import InvalidArgumentError
@@ -54,13 +56,13 @@ def as_numpy(x: object) -> tuple[np.ndarray, str]:
     elif type(x).__module__.startswith("torch"):
         import torch
 
-        t = x  # type: ignore[assignment]
-        if t.device.type != "cpu":  # type: ignore[attr-defined]
+        t = cast(torch.Tensor, x)  # the torch objects passed here are tensors (Tensor, Parameter)
+        if t.device.type != "cpu":
             raise InvalidArgumentError("only CPU tensors can be registered in this version")
-        if t.dtype == torch.bfloat16:  # type: ignore[attr-defined]
+        if t.dtype == torch.bfloat16:
             arr, name = t.detach().view(torch.int16).numpy().view(np.uint16), "bfloat16"
         else:
-            arr = t.detach().numpy()  # type: ignore[attr-defined]
+            arr = t.detach().numpy()
     elif hasattr(x, "__dlpack__"):
         arr = np.from_dlpack(x)
     else:

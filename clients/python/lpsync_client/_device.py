@@ -21,10 +21,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, cast
 
 from lpsync_client._convert import DTYPES
 from lpsync_client.emulated import DeviceArrayInfo
 from lpsync_client.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    import torch
 
 _KDL_CUDA = (2, 13)
 # __cuda_array_interface__ typestr -> lpsync dtype (bfloat16 has no typestr: torch only)
@@ -37,6 +41,15 @@ _TYPESTR = {
     "<i8": "int64",
     "|u1": "uint8",
 }
+
+
+class _LpsyncDeviceArray(Protocol):
+    """What ``__lpsync_device__`` promises (lpsync_client.emulated.EmulatedArray);
+    ``__lpsync_ready__`` is optional."""
+
+    def __lpsync_device__(self) -> DeviceArrayInfo: ...
+
+    def __lpsync_sync__(self) -> None: ...
 
 
 @dataclass
@@ -69,10 +82,11 @@ def is_device_array(x: object) -> bool:
 
 def describe(x: object) -> DeviceOperand:
     if hasattr(x, "__lpsync_device__"):
+        emulated = cast(_LpsyncDeviceArray, x)
         return DeviceOperand(
-            x.__lpsync_device__(),
-            x.__lpsync_sync__,
-            x,  # type: ignore[attr-defined]
+            emulated.__lpsync_device__(),
+            emulated.__lpsync_sync__,
+            x,
             getattr(x, "__lpsync_ready__", None),
         )
     module = type(x).__module__
@@ -138,7 +152,7 @@ def _cupy_ready(device: int) -> Callable[[], bytes]:
     return ready
 
 
-def _torch_ready(device: object) -> Callable[[], bytes]:
+def _torch_ready(device: torch.device) -> Callable[[], bytes]:
     """The same with torch's current stream and torch.cuda.Event(interprocess=True); torch
     creates the event at its first record, so the handle is taken after it."""
     import torch
@@ -177,7 +191,8 @@ def _cai(x: object, sync: Callable[[], None], keep: object = None, dtype: str | 
         count *= n
     itemsize = int(cai["typestr"][2:])
     if strides is not None and count > 1:
-        expected, step = [], itemsize
+        expected: list[int] = []
+        step = itemsize
         for n in reversed(shape):
             expected.insert(0, step)
             step *= n

@@ -116,8 +116,8 @@ class _Operand:
     ref: pb.BufferRef
     array: np.ndarray | _Sized  # the 1-D typed view the daemon reads/writes; its size
     dtype: str
-    copy_in: object = None  # (staging, source) pairs to copy before / after
-    copy_out: object = None
+    copy_in: tuple[np.ndarray, np.ndarray] | None = None  # (staging, source) pairs to copy before / after
+    copy_out: tuple[np.ndarray, np.ndarray] | None = None
     scratch: _Segment | None = None
     device: DeviceOperand | None = None  # a device array: its stream is ordered in _submit
 

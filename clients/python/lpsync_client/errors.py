@@ -90,7 +90,7 @@ class UnimplementedError(LpsyncError):
     code = "UNIMPLEMENTED"
 
 
-_BY_CODE = {
+_BY_CODE: dict[str, type[LpsyncError]] = {
     cls.code: cls
     for cls in (
         InvalidArgumentError,

@@ -47,7 +47,9 @@ def _host(leaf: Any) -> np.ndarray:
         and all(d.platform == "cpu" for d in leaf.devices())
     ):
         try:
-            return np.from_dlpack(leaf)  # zero copy
+            # jax's stub declares __dlpack__(self) without the stream keyword that
+            # ArrayImpl.__dlpack__ takes (and numpy's protocol asks for).
+            return np.from_dlpack(leaf)  # type: ignore[arg-type]  # zero copy
         except (TypeError, ValueError, BufferError, RuntimeError):
             pass  # a layout DLPack cannot export: copy
     return np.asarray(jax.device_get(leaf))
@@ -70,8 +72,8 @@ def allreduce(
     if on_gpu:
         copies = [jnp.array(leaves[i], copy=True) for i in on_gpu]
         _adapt.allreduce_arrays(client, copies, op, name=f"{name or 'jax'}/gpu", timeout=timeout)
-        for i, result in zip(on_gpu, copies, strict=True):
-            out[i] = result
+        for i, leaf_copy in zip(on_gpu, copies, strict=True):
+            out[i] = leaf_copy
     rest = [i for i in range(len(leaves)) if out[i] is None]
     reduced = (
         _fused.allreduce(client, [_host(leaves[i]) for i in rest], op, name=name or "jax", timeout=timeout)

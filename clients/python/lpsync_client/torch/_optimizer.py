@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from typing import cast
 
 import torch
 
@@ -153,8 +154,9 @@ class _Distributed:
             for bucket in buckets:
                 bucket.future, bucket.copied = None, set()
 
-    def step(self, closure=None):  # type: ignore[no-untyped-def]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         self.synchronize()
+        # The made class's next base is the wrapped optimizer's class, which a mixin cannot name.
         return super().step(closure)  # type: ignore[misc]
 
     def remove_hooks(self) -> None:
@@ -201,8 +203,8 @@ def DistributedOptimizer(
         seen.add(id(p))
         chosen.append((name, p))
     cls = type(optimizer)
-    wrapped_cls = type(f"Distributed{cls.__name__}", (_Distributed, cls), {})
+    wrapped_cls = cast(type[_Distributed], type(f"Distributed{cls.__name__}", (_Distributed, cls), {}))
     wrapped = wrapped_cls.__new__(wrapped_cls)
     wrapped.__dict__.update(optimizer.__dict__)  # same param_groups, state and hooks
     wrapped._lpsync_init(chosen, resolve(client), bucket_bytes, op, timeout)
-    return wrapped
+    return cast(torch.optim.Optimizer, wrapped)  # an instance of cls too

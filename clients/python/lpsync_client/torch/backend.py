@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -37,11 +37,14 @@ from lpsync_client import _adapt
 from lpsync_client.client import Client
 from lpsync_client.errors import LpsyncError
 
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
+
 BACKEND = "lpsync"
 # Free staging bytes kept for reuse per process group (in-flight staging is never capped).
 STAGING_BYTES = int(os.environ.get("LPSYNC_TORCH_STAGING_BYTES", 1 << 30))
 
-_OPS = {
+_OPS: dict[object, str] = {  # by RedOpType; looked up with whatever the caller passed
     ReduceOp.SUM: "sum",
     ReduceOp.PRODUCT: "prod",
     ReduceOp.MIN: "min",
@@ -161,7 +164,7 @@ class LpsyncWork(dist.Work):
         self._error: dist.DistBackendError | None = None
 
     def track(
-        self, future: Future, finish: Callable[[], None], staging: Sequence[_Staged], pool: _StagingPool
+        self, future: Future, finish: Callable[[], object], staging: Sequence[_Staged], pool: _StagingPool
     ) -> None:
         """Complete this work when ``future`` (an lpsync collective) is done: on success run
         ``finish`` (copies results out of staging), then give the staging back."""
@@ -247,23 +250,25 @@ class ProcessGroupLpsync(dist.ProcessGroup):
     Made by torch through the registered creator, not by hand."""
 
     def __init__(self, client: Client, rank: int, size: int, timeout: float) -> None:
-        super().__init__(rank, size)
+        # torch binds ProcessGroup(rank, size) as well; its stub lists only (store, rank, size).
+        super().__init__(rank, size)  # type: ignore[call-arg]
         self.client, self._timeout = client, timeout
         self._pool = _StagingPool(client, STAGING_BYTES)
         self._bound = 2 * timeout + 30  # the client's own bound on an unanswered collective
         self._closed = False
-        self._group_name = self._group_desc = ""
+        self._group_name = cast("GroupName", "")  # GroupName is a NewType of str
+        self._group_desc = ""
 
     def getBackendName(self) -> str:
         return BACKEND
 
     # torch's C++ ProcessGroup keeps the group's name and description in its backends, and
     # a Python group has none: keep them here (DeviceMesh, FSDP2 and c10d's registry ask).
-    def _set_group_name(self, name: str) -> None:
+    def _set_group_name(self, name: GroupName) -> None:
         self._group_name = name
 
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> GroupName:
         return self._group_name
 
     def _set_group_desc(self, desc: str) -> None:
@@ -314,9 +319,9 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         self,
         work: LpsyncWork,
         staged: _Staged,
-        fill: Callable[[], None],
+        fill: Callable[[], object],
         start: Callable[[Any], Future],
-        finish: Callable[[], None],
+        finish: Callable[[], object],
     ) -> None:
         """Copy in (``fill``), start the collective on the staging and let ``work`` track
         it; the staging goes back to the pool if either step fails."""
@@ -448,7 +453,12 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         )
 
     # -- collectives (torch's ProcessGroup method names) -------------------------------------
-    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> LpsyncWork:
+    # allreduce, broadcast, reduce, allgather and reduce_scatter: torch's C++ dispatcher calls
+    # them as (tensors, opts), while the .pyi overloads describe the Python-facing API, which
+    # this backend does not serve: hence their type: ignore[override].
+    def allreduce(  # type: ignore[override]  # (tensors, opts): see above
+        self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions | None = None
+    ) -> LpsyncWork:
         op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
 
         def pieces(work: LpsyncWork) -> None:
@@ -469,7 +479,9 @@ class ProcessGroupLpsync(dist.ProcessGroup):
 
         return self._run("all_reduce_coalesced", tensors, pieces)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts=None) -> LpsyncWork:
+    def broadcast(  # type: ignore[override]  # (tensors, opts): see above
+        self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions | None = None
+    ) -> LpsyncWork:
         root = opts.rootRank if opts is not None else 0
 
         def pieces(work: LpsyncWork) -> None:
@@ -478,7 +490,9 @@ class ProcessGroupLpsync(dist.ProcessGroup):
 
         return self._run("broadcast", tensors, pieces)
 
-    def reduce(self, tensors: list[torch.Tensor], opts=None) -> LpsyncWork:
+    def reduce(  # type: ignore[override]  # (tensors, opts): see above
+        self, tensors: list[torch.Tensor], opts: dist.ReduceOptions | None = None
+    ) -> LpsyncWork:
         root = opts.rootRank if opts is not None else 0
         op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
 
@@ -488,8 +502,8 @@ class ProcessGroupLpsync(dist.ProcessGroup):
 
         return self._run("reduce", tensors, pieces)
 
-    def allgather(
-        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None
+    def allgather(  # type: ignore[override]  # (tensors, opts): see above
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: object = None
     ) -> LpsyncWork:
         def pieces(work: LpsyncWork) -> None:
             for outs, inp in zip(output_lists, inputs, strict=True):
@@ -532,8 +546,11 @@ class ProcessGroupLpsync(dist.ProcessGroup):
     ) -> LpsyncWork:
         return self.all_gather_single_coalesced(outputs, inputs, opts)
 
-    def reduce_scatter(
-        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None
+    def reduce_scatter(  # type: ignore[override]  # (tensors, opts): see above
+        self,
+        outputs: list[torch.Tensor],
+        input_lists: list[list[torch.Tensor]],
+        opts: dist.ReduceScatterOptions | None = None,
     ) -> LpsyncWork:
         op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
 
