@@ -12,7 +12,7 @@ average of the ranks' gradients is the combined batch's gradient: the data-paral
 the one-process run (--single --world P) end with the same parameters up to rounding.
 Rank 0 prints one line per epoch: loss, test accuracy, step time and the time the step's
 collectives were in flight (they overlap backward). --save writes the final parameters
-(.npy), --report the per-epoch figures (JSON).
+(.npy), --report the per-epoch figures (JSON), with each step's loss and batch accuracy.
 """
 
 from __future__ import annotations
@@ -130,23 +130,25 @@ def main(argv: list[str] | None = None) -> None:
     epochs = []
     for epoch in range(args.epochs):
         order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(epoch))
-        losses, steps, comms = [], [], []
+        losses, steps, comms, hits = [], [], [], []
         for start in range(0, len(order) - per_step + 1, per_step):
             rows = order[start : start + per_step][mine]
             began = time.perf_counter()
             comm_before = clock.seconds
             optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(net(train_x[rows]), train_y[rows])
+            out = net(train_x[rows])
+            loss = nn.functional.cross_entropy(out, train_y[rows])
             loss.backward()
             optimizer.step()
             steps.append(time.perf_counter() - began)
             comms.append(clock.seconds - comm_before)
             losses.append(loss.item())
-        mean_loss = float(np.mean(losses))
-        if not args.single:  # the loss over every rank's samples
-            total = torch.tensor([mean_loss])
-            dist.all_reduce(total)
-            mean_loss = total.item() / world
+            hits.append((out.argmax(1) == train_y[rows]).float().mean().item())  # the batch, before the step
+        step_figures = torch.tensor([losses, hits], dtype=torch.float64)
+        if not args.single:  # every rank's samples: one collective per epoch, outside the timed steps
+            dist.all_reduce(step_figures)
+            step_figures /= world
+        mean_loss = float(step_figures[0].mean())
         with torch.no_grad():
             accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()
         row = {
@@ -156,6 +158,9 @@ def main(argv: list[str] | None = None) -> None:
             "step_ms": 1e3 * statistics.median(steps),
             "comm_ms": 1e3 * statistics.median(comms),
             "steps": len(steps),
+            # per step, over the combined batch: its loss and its accuracy before the update
+            "step_loss": step_figures[0].tolist(),
+            "step_accuracy": step_figures[1].tolist(),
         }
         epochs.append(row)
         if rank == 0:
