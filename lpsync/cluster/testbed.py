@@ -14,8 +14,8 @@ ends shapes each direction to RATE, so a node has a full-duplex NIC of RATE: its
 uploads queue at eth0, its downloads at p{i}. With --delay, a netem child under
 each tbf adds half the one-way delay per end.
 
-The state (spec and names) is written to STATE_DIR/cluster-PREFIX.json so that
-``down`` works from any process; ``down`` also finds namespaces by their exact name
+The state (spec and names) is written to cluster-PREFIX.json in $LPSYNC_STATE_DIR
+(default /run/lpsync) so that ``down`` works from any process; ``down`` also finds namespaces by their exact name
 pattern, so a cluster whose ``up`` was killed halfway is still removed.
 """
 
@@ -41,7 +41,14 @@ from lpsync.errors import ClusterError, InvalidArgumentError
 
 SUBNET = "198.18.0.0/24"  # RFC 2544 benchmarking range; never any other address
 MAX_NODES = 254
-STATE_DIR = Path(os.environ.get("LPSYNC_STATE_DIR", "/run/lpsync"))
+DEFAULT_STATE_DIR = Path("/run/lpsync")
+
+
+def default_state_dir() -> Path:
+    """Where cluster state files go: LPSYNC_STATE_DIR, read when a cluster is made."""
+    return Path(os.environ.get("LPSYNC_STATE_DIR") or DEFAULT_STATE_DIR)
+
+
 _PREFIX = re.compile(r"[a-z][a-z0-9]{0,11}")
 # tbf: the bucket must hold a GSO super-packet and ~2 ms of traffic; the queue may hold
 # 50 ms before tbf drops, like a switch port's buffer. A super-packet is 64 KiB of payload
@@ -99,8 +106,8 @@ def _ours(prefix: str) -> re.Pattern[str]:
     return re.compile(rf"{re.escape(prefix)}-(?:sw|n\d+)")
 
 
-def state_path(prefix: str, state_dir: Path = STATE_DIR) -> Path:
-    return state_dir / f"cluster-{prefix}.json"
+def state_path(prefix: str, state_dir: Path | None = None) -> Path:
+    return (state_dir or default_state_dir()) / f"cluster-{prefix}.json"
 
 
 def existing(prefix: str) -> list[str]:
@@ -109,7 +116,7 @@ def existing(prefix: str) -> list[str]:
     return sorted(n for n in netns.namespaces() if pattern.fullmatch(n))
 
 
-def up(spec: ClusterSpec, state_dir: Path = STATE_DIR) -> ClusterSpec:
+def up(spec: ClusterSpec, state_dir: Path | None = None) -> ClusterSpec:
     """Build the cluster. Refuses when any part of a cluster with this prefix exists;
     a failure halfway removes what this call made before raising."""
     netns.require_root()
@@ -125,7 +132,7 @@ def up(spec: ClusterSpec, state_dir: Path = STATE_DIR) -> ClusterSpec:
         )
     try:
         _build(spec)
-        state_dir.mkdir(parents=True, exist_ok=True)
+        state_path(spec.prefix, state_dir).parent.mkdir(parents=True, exist_ok=True)
         state_path(spec.prefix, state_dir).write_text(json.dumps(spec.describe(), indent=1))
     except BaseException:
         down(spec.prefix, state_dir)
@@ -186,7 +193,7 @@ def _shape(spec: ClusterSpec, ns: str, dev: str) -> None:
         )
 
 
-def down(prefix: str = "lpsync", state_dir: Path = STATE_DIR) -> list[str]:
+def down(prefix: str = "lpsync", state_dir: Path | None = None) -> list[str]:
     """Remove cluster ``prefix``: stop the processes inside its namespaces, delete the
     namespaces (their veths and the bridge go with them) and the state file. Returns
     the namespaces removed; safe to call when nothing exists."""
@@ -248,7 +255,7 @@ class Cluster:
         rate_bits: int,
         delay_s: float | None = None,
         prefix: str = "lpsync",
-        state_dir: Path = STATE_DIR,
+        state_dir: Path | None = None,
     ) -> None:
         self.spec = ClusterSpec(nodes, rate_bits, delay_s, prefix)
         self.state_dir = state_dir

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import lpsync_client
 from lpsync._proto import lpsync_pb2 as pb
+from lpsync.daemon import launch
 from tests.daemon.harness import ROOT, DaemonProcess, run_ranks, shm_segments
 from tests.daemon.security_workers import allreduces, as_user
 from tests.ports import free_ports
@@ -147,7 +148,7 @@ def test_tcp_listener_without_tls_and_token_is_refused_at_start(
         argv += [files[name], str(tmp_path / name)]
     sock = tmp_path / "d.sock"
     done = subprocess.run(
-        [sys.executable, "-m", "lpsync.cli", "daemon", "--socket", str(sock), *argv],
+        launch.command(str(sock), *argv),
         capture_output=True,
         text=True,
         timeout=60,
