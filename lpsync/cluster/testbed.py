@@ -15,8 +15,9 @@ uploads queue at eth0, its downloads at p{i}. With --delay, a netem child under
 each tbf adds half the one-way delay per end.
 
 The state (spec and names) is written to cluster-PREFIX.json in $LPSYNC_STATE_DIR
-(default /run/lpsync) so that ``down`` works from any process; ``down`` also finds namespaces by their exact name
-pattern, so a cluster whose ``up`` was killed halfway is still removed.
+(default /run/lpsync) so that ``down`` works from any process; ``down`` also finds
+namespaces by their exact name pattern, so a cluster whose ``up`` was killed halfway is
+still removed.
 """
 
 from __future__ import annotations
