@@ -1,5 +1,8 @@
-"""Choosing the peer plane's transport: ``ucx`` (the default) or ``tcp`` (plain sockets).
+"""Choosing the peer plane's transport: ``ucx`` or ``tcp`` (plain sockets), or ``auto``.
 
+``auto`` (the daemon's default) takes UCX where the node has an RDMA device, which is
+what UCX brings over plain sockets, and the TCP backend elsewhere: on Ethernet, UCX over
+TCP measured slower and costlier per message than plain sockets (docs/benchmarks.md).
 Both give the same Endpoint (lpsync.engine.endpoint) over the same mesh and failure
 model (lpsync.transport.mesh); a runtime (listener, and UCX's worker) outlives the
 meshes built on it. Callers pick one by name and never import a backend themselves.
@@ -8,12 +11,18 @@ meshes built on it. Callers pick one by name and never import a backend themselv
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 from typing import Protocol
 
 from lpsync.errors import ConfigError
 from lpsync.transport.mesh import MeshEndpoint, MeshOptions
 
 TRANSPORTS = ("ucx", "tcp")
+AUTO = "auto"
+CHOICES = (AUTO, *TRANSPORTS)  # what --peer-transport accepts
+# Where the kernel lists RDMA devices (InfiniBand, RoCE, iWARP): UCX's verbs transports
+# find them there too.
+RDMA_CLASS = Path("/sys/class/infiniband")
 
 
 class Runtime(Protocol):
@@ -27,6 +36,24 @@ def check(transport: str) -> str:
     if transport not in TRANSPORTS:
         raise ConfigError(f"unknown peer transport {transport!r}; one of {', '.join(TRANSPORTS)}")
     return transport
+
+
+def rdma_devices(where: Path = RDMA_CLASS) -> list[str]:
+    """The node's RDMA devices by name (mlx5_0, ...); empty without any."""
+    try:
+        return sorted(entry.name for entry in where.iterdir())
+    except OSError:  # no such class: no RDMA stack loaded
+        return []
+
+
+def resolve(transport: str, where: Path = RDMA_CLASS) -> tuple[str, str]:
+    """(the transport to run, why): ``auto`` becomes ucx with an RDMA device, else tcp."""
+    if transport != AUTO:
+        return check(transport), "asked for (--peer-transport)"
+    devices = rdma_devices(where)
+    if devices:
+        return "ucx", f"auto: RDMA device(s) {', '.join(devices)} under {where}"
+    return "tcp", f"auto: no RDMA device under {where} (plain sockets cost less per message on Ethernet)"
 
 
 def open_runtime(transport: str, port: int, tls: str | None = None) -> Runtime:

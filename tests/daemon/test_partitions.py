@@ -52,6 +52,8 @@ class NetCluster:
                     str(node),
                     "--heartbeat-timeout",
                     str(HEARTBEAT),
+                    "--peer-transport",
+                    "ucx",  # what these cuts were written against; tcp: test_daemon_multinode.py
                     env=env,
                     wrap=("ip", "netns", "exec", self.spec.namespace(node)),
                 )

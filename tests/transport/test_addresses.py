@@ -28,3 +28,19 @@ def test_duplicates_and_empty_lists_are_refused() -> None:
         parse_peers("a:1,b:2,a:1")
     with pytest.raises(ConfigError, match="empty"):
         parse_peers(" , ")
+
+
+def test_auto_transport_takes_ucx_only_where_an_rdma_device_exists(tmp_path) -> None:
+    from lpsync.transport import backends
+
+    empty = tmp_path / "infiniband"
+    assert backends.resolve("auto", empty)[0] == "tcp"  # no RDMA stack at all
+    empty.mkdir()
+    chosen, why = backends.resolve("auto", empty)
+    assert chosen == "tcp" and "no RDMA device" in why
+    (empty / "mlx5_0").mkdir()
+    (empty / "mlx5_1").mkdir()
+    chosen, why = backends.resolve("auto", empty)
+    assert chosen == "ucx" and "mlx5_0, mlx5_1" in why
+    assert backends.resolve("tcp", empty) == ("tcp", "asked for (--peer-transport)")
+    assert backends.resolve("ucx", tmp_path / "none")[0] == "ucx"

@@ -18,7 +18,7 @@ from lpsync.daemon.control.limits import MAX_TIMEOUT, Limits
 from lpsync.daemon.peers.discovery import PeerSet, discover
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.devices import parse_devices
-from lpsync.transport.backends import TRANSPORTS
+from lpsync.transport.backends import CHOICES as TRANSPORT_CHOICES
 from lpsync.units import format_size
 from lpsync_client import DEFAULT_SOCKET
 
@@ -60,7 +60,9 @@ class DaemonConfig:
     heartbeat_interval: float = 1.0  # seconds between heartbeats to each peer
     heartbeat_timeout: float = 5.0  # a peer silent this long is declared gone
     ucx_tls: str = "tcp"  # UCX_TLS of the UCX peer transport; "" lets UCX choose
-    peer_transport: str = "ucx"  # the peer plane's transport: ucx or tcp (lpsync.transport.backends)
+    # The peer plane's transport: auto (UCX where an RDMA device exists, else TCP), ucx or
+    # tcp (lpsync.transport.backends); every daemon of a cluster must end up on the same.
+    peer_transport: str = "auto"
     # The agreement tree's fan-out (collectives/agreement.py): flat up to 8 nodes (2 hops),
     # then 8-nomial. On the 2-core emulated cluster binomial and flat cost the same (CPU
     # bound: the messages are the same 2(P-1)); where cores are plenty, fewer hops win. It
@@ -93,9 +95,9 @@ class DaemonConfig:
             raise InvalidArgumentError(f"agreement_radix must be at least 2, got {self.agreement_radix}")
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
             raise InvalidArgumentError("need 0 < heartbeat_interval < heartbeat_timeout")
-        if self.peer_transport not in TRANSPORTS:
+        if self.peer_transport not in TRANSPORT_CHOICES:
             raise InvalidArgumentError(
-                f"peer_transport must be one of {', '.join(TRANSPORTS)}, got {self.peer_transport!r}"
+                f"peer_transport must be one of {', '.join(TRANSPORT_CHOICES)}, got {self.peer_transport!r}"
             )
 
     def limits(self) -> Limits:
@@ -250,10 +252,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     add("--secret-file", help="file holding the cluster secret (else env LPSYNC_SECRET)")
     add(
         "--peer-transport",
-        choices=TRANSPORTS,
-        help=f"the transport between daemons: ucx or tcp (default {DaemonConfig.peer_transport}; "
-        "tcp: plain sockets, less CPU per message on TCP networks; docs/multinode.md). "
-        "Every daemon of a cluster must use the same",
+        choices=TRANSPORT_CHOICES,
+        help=f"the transport between daemons (default {DaemonConfig.peer_transport}): auto takes "
+        "ucx where the node has an RDMA device (/sys/class/infiniband), else tcp (plain "
+        "sockets, less CPU per message on Ethernet; docs/multinode.md). Every daemon of a "
+        "cluster must end up on the same",
     )
     add(
         "--heartbeat-timeout",

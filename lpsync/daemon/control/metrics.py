@@ -14,7 +14,7 @@ import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -110,6 +110,9 @@ class Metrics:
         )
         self.peer_heartbeats = Counter(
             "lpsync_peer_heartbeats", "Heartbeats received from each peer daemon", ["peer"], registry=r
+        )
+        self.peer_transport = Info(
+            "lpsync_peer_transport", "The peer plane's transport and why it was chosen", registry=r
         )
         self.device_registered_bytes = Gauge(
             "lpsync_device_registered_bytes",

@@ -28,6 +28,7 @@ from lpsync.daemon.control.trigger import TriggerServer
 from lpsync.daemon.peers.plane import PeerPlane, PeerPlaneOptions
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory import reclaim_stale
+from lpsync.transport import backends
 from lpsync.transport.auth import load_secret
 
 log = logging.getLogger("lpsync.daemon")
@@ -185,7 +186,17 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> PeerPlane | None:
     if peers is None:
         return None
     secret = load_secret(config.secret_file or None)
-    log.info("peers", extra={"node_rank": peers.node_rank, "peers": ",".join(str(p) for p in peers.peers)})
+    transport, why = backends.resolve(config.peer_transport)
+    log.info(
+        "peers",
+        extra={
+            "node_rank": peers.node_rank,
+            "peers": ",".join(str(p) for p in peers.peers),
+            "peer_transport": transport,
+            "why": why,
+        },
+    )
+    metrics.peer_transport.info({"transport": transport, "why": why})
     return PeerPlane(
         PeerPlaneOptions(
             peers,
@@ -194,7 +205,7 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> PeerPlane | None:
             heartbeat_timeout=config.heartbeat_timeout,
             tls=config.ucx_tls or None,
             agreement_radix=config.agreement_radix,
-            transport=config.peer_transport,
+            transport=transport,
         ),
         metrics,
     )
