@@ -14,7 +14,7 @@ UNIT := tests/algorithms tests/engine tests/memory tests/daemon/test_agreement.p
 # Workers for the whole suite: most tests wait on daemons, sockets and timeouts, not on CPU.
 JOBS ?= 3
 
-.PHONY: demo test check lint bench fuzz clean
+.PHONY: demo test check lint bench fuzz clean image test-deploy
 
 $(BIN)/.installed: pyproject.toml clients/python/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,3 +47,13 @@ fuzz: $(BIN)/.installed
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis
+
+# The images without a registry or index (docs/deploy.md): wheelhouse, debootstrap base,
+# lpsync:dev, lpsync-trainer:dev, lpsync-prometheus:dev. Root and a Docker engine.
+image:
+	scripts/build_images.sh
+
+# docker-compose.yml end to end on a Docker engine (builds the images; skips with the
+# reason where no engine answers; .ci/run starts dockerd for it). ~6 min warm.
+test-deploy: $(BIN)/.installed
+	LPSYNC_DEPLOY_E2E=1 $(BIN)/python -m pytest -q -s -m deploy_e2e tests/deploy/test_compose_e2e.py

@@ -21,6 +21,9 @@ from the builds (docs/deploy.md, "Building without a registry"):
      lpsync-trainer:TAG   deploy/Dockerfile, target trainer  } pip --no-index from (1)
   4. lpsync-prometheus:TAG  Debian's prometheus binary (apt-get download) on the base, for
                           deploy/compose/offline.override.yml (prom/prometheus's place)
+  5. lpsync-stage:build-TAG, lpsync-stage:build-trainer-TAG keep the layer cache (a change
+                          of the source reinstalls only the project); untagged layers of
+                          earlier builds of these images (label org.lpsync.image) are pruned
 
 Then:  docker compose -f docker-compose.yml -f deploy/compose/offline.override.yml up
 
@@ -85,7 +88,13 @@ make_wheelhouse() {
         echo "build_images.sh: $PY is Python $version; the images run 3.11 (bookworm): pass --python" >&2
         exit 1
     fi
-    inputs=$(cat "$ROOT/pyproject.toml" "$ROOT/clients/python/pyproject.toml"; echo "${TRAINER_SPECS[*]}")
+    # What decides the wheels: both distributions' requirements and the trainer's.
+    inputs=$("$PY" -c 'import sys, tomllib
+for path in sys.argv[1:]:
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    print(data["build-system"]["requires"], data["project"]["dependencies"])' \
+        "$ROOT/pyproject.toml" "$ROOT/clients/python/pyproject.toml"; echo "${TRAINER_SPECS[*]}")
     stamp=$(printf '%s' "$inputs" | sha256sum | cut -c1-16)
     if [ -f "$WHEELHOUSE/.stamp" ] && [ "$(cat "$WHEELHOUSE/.stamp")" = "$stamp" ]; then
         echo "   up to date (inputs unchanged: $stamp)"
@@ -133,11 +142,25 @@ make_base() {
     done_step
 }
 
-build_target() {  # target, image name
-    step "image $2:$TAG (deploy/Dockerfile, target $1)"
-    $DOCKER build -q -f "$ROOT/deploy/Dockerfile" --target "$1" \
-        --build-arg PYTHON_IMAGE="$BASE" --build-arg WHEELHOUSE=1 \
-        -t "$2:$TAG" "$ROOT" >/dev/null
+build_target() {  # stage that builds the venv, target, image name
+    step "image $3:$TAG (deploy/Dockerfile, target $2)"
+    local stage
+    # The stage that installs is tagged too (lpsync-stage:NAME-TAG): the legacy builder's
+    # cache is its chain of layers, which the pruning below must keep.
+    for stage in "$1" "$2"; do
+        local name="$3:$TAG"
+        [ "$stage" = "$2" ] || name="lpsync-stage:$stage-$TAG"
+        $DOCKER build -q --force-rm -f "$ROOT/deploy/Dockerfile" --target "$stage" \
+            --build-arg PYTHON_IMAGE="$BASE" --build-arg WHEELHOUSE=1 \
+            -t "$name" "$ROOT" 2> >(grep -v -e DEPRECATED -e buildx -e '^ *$' >&2) >/dev/null
+    done
+    done_step
+}
+
+prune() {
+    # Superseded layers of earlier builds of these images (untagged now), and only those.
+    step "removing superseded layers of earlier builds"
+    $DOCKER image prune -f --filter label=org.lpsync.image >/dev/null
     done_step
 }
 
@@ -153,14 +176,16 @@ build_prometheus() {
     dpkg-deb -x "$context"/prometheus_*.deb "$context/root"
     cp "$context/root/usr/bin/prometheus" "$context/prometheus"
     cp "$ROOT/deploy/compose/prometheus.Dockerfile" "$context/Dockerfile"
-    $DOCKER build -q --build-arg BASE_IMAGE="$BASE" -t "lpsync-prometheus:$TAG" "$context" >/dev/null
+    $DOCKER build -q --force-rm --build-arg BASE_IMAGE="$BASE" -t "lpsync-prometheus:$TAG" "$context" \
+        2> >(grep -v -e DEPRECATED -e buildx -e '^ *$' >&2) >/dev/null
     done_step
 }
 
 total=$SECONDS
 if wants wheelhouse; then make_wheelhouse; fi
 if wants base || wants daemon || wants trainer || wants prometheus; then make_base; fi
-if wants daemon; then build_target daemon lpsync; fi
-if wants trainer; then build_target trainer lpsync-trainer; fi
+if wants daemon; then build_target build daemon lpsync; fi
+if wants trainer; then build_target build-trainer trainer lpsync-trainer; fi
 if wants prometheus; then build_prometheus; fi
+prune
 echo "== images built in $((SECONDS - total)) s"

@@ -6,6 +6,7 @@
 # directory /prometheus holds the data, it runs as nobody.
 ARG BASE_IMAGE=lpsync-base:bookworm
 FROM ${BASE_IMAGE}
+LABEL org.lpsync.image=1
 COPY prometheus /bin/prometheus
 # Debian's build keeps its data in /var/lib/prometheus/metrics2 unless told otherwise.
 RUN install -d -o nobody -g nogroup /prometheus /etc/prometheus /var/lib/prometheus \
