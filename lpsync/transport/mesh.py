@@ -49,6 +49,11 @@ class MeshOptions:
     connect_timeout: float = 30.0  # the whole mesh must be up within this many seconds
     handshake_timeout: float = 5.0  # one connection: wire-up plus authentication
     close_timeout: float = 5.0  # how long close() waits for the other participants' goodbyes
+    # Bytes of messages that arrived before their receive, held per connection (TCP
+    # backend): past it the reader stops reading that connection until a receive is
+    # posted or a held message is taken, so the sender meets TCP's flow control instead
+    # of this process's memory growing. One message larger than this is still taken alone.
+    early_bytes: int = 256 << 20
 
 
 class Request:

@@ -129,3 +129,41 @@ def test_a_header_announcing_more_than_memory_breaks_the_endpoint_cleanly() -> N
         with pytest.raises(UnavailableError, match="rank 0"):
             b.recv_into(0, 7, np.zeros(8, np.uint8), time.monotonic() + 10)
         assert b.error is not None
+
+
+def test_messages_before_their_receive_are_held_within_the_bound_and_push_back() -> None:
+    """A sender far ahead of its receiver: the receiver holds at most early_bytes (or one
+    message) of them, the rest waits in the sender (its sends stay unfinished: TCP's
+    flow control), and once the receives are posted every message lands whole, in order."""
+    # 128 MiB against a 4 MiB bound: more than the kernel buffers on both sides (tcp_rmem
+    # autotunes to 32 MiB here) can take while the receiver holds back.
+    limit, size, count = 4 << 20, 1 << 20, 128
+    peers = tuple(PeerAddress("127.0.0.1", port) for port in free_ports(2))
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(
+                TcpEndpoint.connect, MeshOptions(r, peers, SECRET, connect_timeout=20.0, early_bytes=limit)
+            )
+            for r in range(2)
+        ]
+        a, b = (f.result() for f in futures)
+    try:
+        rng = np.random.default_rng(7)
+        messages = [rng.integers(0, 255, size, dtype=np.uint8) for _ in range(count)]
+        sends = [a.send(1, 100 + i, m) for i, m in enumerate(messages)]
+        time.sleep(1.0)  # long enough for loopback to move it all if nothing held it back
+        held = b.early_bytes(0)
+        assert 0 < held <= limit, held
+        assert not all(request.done() for request in sends), "no back-pressure reached the sender"
+        deadline = time.monotonic() + 30
+        outs = [np.zeros(size, np.uint8) for _ in range(count)]
+        receives = [b.post_recv(0, 100 + i, out) for i, out in enumerate(outs)]
+        for request in [*receives, *sends]:
+            request.wait(deadline)
+        for i, (sent, got) in enumerate(zip(messages, outs, strict=True)):
+            assert np.array_equal(sent, got), f"message {i}"
+        assert b.early_bytes(0) == 0
+    finally:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda e: e.close(), (a, b)))
+    assert _threads() == set()

@@ -14,7 +14,9 @@ and back (two thread hand-offs per message on each side); here a send is one
 connection takes over only when it has not), and each connection's reader thread
 receives straight into the buffer a receive was posted with (one hand-off, none for the
 bytes). Messages that arrive before their receive is posted wait in memory, per tag, in
-order. On the emulated cluster that halves the hand-offs of a small collective and takes
+order, at most MeshOptions.early_bytes per connection: beyond it the reader stops reading
+until a receive is posted or a kept message taken (back-pressure through TCP itself).
+On the emulated cluster this backend halves the hand-offs of a small collective and takes
 the progress thread out of large ones (docs/multinode.md, "Peer transports").
 
 ``close`` is collective, as in the UCX backend: a goodbye frame follows everything sent
@@ -53,9 +55,12 @@ class _Conn:
         self.rank, self.address, self.sock = rank, address, sock
         self.departed = False  # said goodbye: its connection closing is no failure
         self.goodbye = threading.Event()
-        self.lock = threading.Lock()  # guards posted and unexpected
+        self.lock = threading.Lock()  # guards posted, unexpected and early
+        # Signalled when a receive is posted, a kept message is taken, or the connection stops.
+        self.room = threading.Condition(self.lock)
         self.posted: dict[int, collections.deque[Request]] = {}
         self.unexpected: dict[int, collections.deque[np.ndarray]] = {}
+        self.early = 0  # bytes held in unexpected (and being read into it)
         self.out_lock = threading.Lock()
         self.out_ready = threading.Condition(self.out_lock)
         self.outbox: collections.deque[tuple[list[memoryview], Request]] = collections.deque()
@@ -76,8 +81,24 @@ class _Conn:
             del self.posted[tag]
         return request
 
+    def wait_room(self, tag: int, nbytes: int, limit: int) -> Request | None:
+        """Before reading a message nobody has asked for yet: a receive posted for ``tag``
+        meanwhile (read into it), or None once ``nbytes`` more fit under ``limit`` (they are
+        counted as held). Blocks the reader, and so the sender, while neither holds."""
+        with self.lock:
+            while True:
+                request = self.take_posted_locked(tag)
+                if request is not None:
+                    return request
+                if self.early == 0 or self.early + nbytes <= limit or self.stopped:
+                    self.early += nbytes
+                    return None
+                self.room.wait(1.0)
+
     def stop(self) -> None:
         """Wake both threads: the writer's wait, and any blocking socket call."""
+        with self.lock:
+            self.room.notify_all()
         with self.out_lock:
             self.stopped = True
             self.out_ready.notify_all()
@@ -163,7 +184,7 @@ class TcpEndpoint(MeshEndpoint):
                     conn.departed = True
                     conn.goodbye.set()
                     continue
-                request = conn.take_posted(tag)
+                request = conn.take_posted(tag) or conn.wait_room(tag, nbytes, self.options.early_bytes)
                 if request is None:
                     data = np.empty(nbytes, np.uint8)
                     if not _read_exactly(conn.sock, memoryview(data)):
@@ -205,6 +226,8 @@ class TcpEndpoint(MeshEndpoint):
             if request is None:
                 conn.unexpected.setdefault(tag, collections.deque()).append(data)
                 return
+            conn.early -= data.nbytes
+            conn.room.notify_all()
         _deliver(request, data)
 
     def _write(self, conn: _Conn) -> None:
@@ -268,9 +291,19 @@ class TcpEndpoint(MeshEndpoint):
                 del conn.unexpected[tag]
             if data is None:
                 conn.posted.setdefault(tag, collections.deque()).append(request)
+            else:
+                conn.early -= data.nbytes
+            conn.room.notify_all()  # a reader waiting for room, or for this very receive
         if data is not None:
             _deliver(request, data)
         return InFlight(self, request, f"message {tag} from rank {peer}")
+
+    def early_bytes(self, peer: int) -> int:
+        """Bytes of messages from ``peer`` held before their receive (bounded by
+        MeshOptions.early_bytes, or one larger message)."""
+        conn = self._conn(peer)
+        with conn.lock:
+            return conn.early
 
     # -- failure and teardown ------------------------------------------------------------
 
