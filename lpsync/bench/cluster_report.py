@@ -98,6 +98,15 @@ class Point:
         barriers = self.cpu["rank_barriers"] + self.cpu["daemon_barriers"]
         return max(0.0, loop - barriers)
 
+    def cpu_us_per_call(self, who: str) -> float | None:
+        """Microseconds of CPU per collective of one process: ``who`` "daemon" (the mean
+        daemon; gloo has none) or "rank" (the mean rank); the barriers' share taken out."""
+        if self.cpu is None or not self.times or (who == "daemon" and not self.cpu["daemon"]):
+            return None
+        spent = max(0.0, self.cpu[who] - self.cpu[f"{who}_barriers"])
+        processes = self.nodes if who == "daemon" else self.ranks
+        return spent / processes / len(self.times) * 1e6
+
     def cpu_per_gb(self) -> float | None:
         """CPU seconds of every node process per GB (1e9 bytes) of message: nbytes x iters."""
         cpu = self.cpu_seconds()
@@ -145,6 +154,8 @@ class Point:
             "times": self.times,
             "cpu_seconds": self.cpu_seconds(),
             "cpu_s_per_gb": self.cpu_per_gb(),
+            "daemon_cpu_us_per_call": self.cpu_us_per_call("daemon"),
+            "rank_cpu_us_per_call": self.cpu_us_per_call("rank"),
             "cpu": self.cpu,
             "fixed_cost": fixed.to_json() if fixed else None,
         }
@@ -191,13 +202,13 @@ def _block(rows: list[Point], fewest: dict[Key, Point]) -> list[str]:
         f"# {op}: {nodes} nodes x {k} rank{'s' if k > 1 else ''} per node, "
         f"{format_rate(first.rate_bits)} full-duplex NIC per node, {DTYPE}; time = median "
         f"of {len(first.times)} iterations of the slowest rank; cpu = CPU seconds of every "
-        "node process per GB of message; wire = bytes / link rate"
-        + ("; vs Nn = time / the same point's on N nodes" if base else ""),
+        "node process per GB of message; dmn/rank = CPU us per call of the mean daemon / "
+        "rank; wire = bytes / link rate" + ("; vs Nn = time / the same point's on N nodes" if base else ""),
         f"#{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} "
-        f"{'algorithm':>13} | {'time':>12} {'cpu':>8} {'algbw':>7} {'busbw':>7} "
+        f"{'algorithm':>13} | {'time':>12} {'cpu':>8} {'dmn':>7} {'rank':>7} {'algbw':>7} {'busbw':>7} "
         f"{'#wrong':>6} | {'wire':>12} {'x wire':>6}" + (f" {vs:>6}" if base else ""),
         f"#{'(B)':>12} {'(elements)':>12} {'':>8} {'':>6} {'':>5} {'':>13} | "
-        f"{'(us)':>12} {'(s/GB)':>8} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} | "
+        f"{'(us)':>12} {'(s/GB)':>8} {'(us)':>7} {'(us)':>7} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} | "
         f"{'(us)':>12} {'':>6}" + (f" {'':>6}" if base else ""),
     ]
     for p in rows:
@@ -205,6 +216,7 @@ def _block(rows: list[Point], fewest: dict[Key, Point]) -> list[str]:
         lines.append(
             f" {p.nbytes:>12} {p.count:>12} {DTYPE:>8} {redop:>6} {root:>5} "
             f"{label(p):>13} | {p.seconds * 1e6:>12.1f} {_fmt(p.cpu_per_gb(), '.4g', 8)} "
+            f"{_fmt(p.cpu_us_per_call('daemon'), '.0f', 7)} {_fmt(p.cpu_us_per_call('rank'), '.0f', 7)} "
             f"{p.algbw():>7.3f} {p.busbw():>7.3f} {p.wrong:>6} | "
             f"{p.wire_seconds * 1e6:>12.1f} {p.seconds / p.wire_seconds:>6.2f}"
             + (f" {_fmt(ratio, '.2f', 6)}" if base else "")

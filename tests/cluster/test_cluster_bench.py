@@ -320,6 +320,15 @@ def test_three_node_cluster_bench_end_to_end() -> None:
         assert 0 <= p["cpu_seconds"] < (os.cpu_count() or 1) * (sum(p["times"]) + 2.0)
         assert p["cpu_seconds"] > 0 or p["algorithm"] == "gloo"
         assert p["cpu_s_per_gb"] == pytest.approx(p["cpu_seconds"] / (2 * p["bytes"] / 1e9))
+        # Per call and process: the daemons' mean (none for gloo) and the ranks' mean.
+        ranks, calls = p["nodes"] * p["procs_per_node"], len(p["times"])
+        rank_us = max(0.0, p["cpu"]["rank"] - p["cpu"]["rank_barriers"]) / ranks / calls * 1e6
+        assert p["rank_cpu_us_per_call"] == pytest.approx(rank_us)
+        if p["algorithm"] == "gloo":
+            assert p["daemon_cpu_us_per_call"] is None
+        else:
+            daemon_us = max(0.0, p["cpu"]["daemon"] - p["cpu"]["daemon_barriers"]) / p["nodes"] / calls * 1e6
+            assert p["daemon_cpu_us_per_call"] == pytest.approx(daemon_us)
         fixed = p["fixed_cost"]
         if p["algorithm"] == "gloo":
             assert fixed is None
