@@ -43,7 +43,7 @@ class ModelOptions:
     warmup: int = 1
     compare: str | None = None
     socket: str | None = None  # a running daemon; else one is started
-    local_nodes: int = 1  # >1: that many daemons on this machine joined over UCX on loopback
+    local_nodes: int = 1  # >1: that many daemons on this machine joined over loopback
     timeout: float = 1800.0
 
 
@@ -316,7 +316,7 @@ def report(options: ModelOptions, results: list[ModeResult], as_json: bool) -> s
         f"# lpsync bench --model {options.model}: {len(counts)} parameter tensors, "
         f"{sum(counts):,} parameters ({_size(4 * sum(counts))} of float32 "
         f"gradients), {options.procs} processes"
-        + (f" on {options.local_nodes} daemons (UCX over loopback)" if options.local_nodes > 1 else "")
+        + (f" on {options.local_nodes} daemons (joined over loopback)" if options.local_nodes > 1 else "")
         + f", median of {options.iters} steps",
         f"#{'mode':>12} {'messages':>8} {'sizes':>19}"
         + "".join(f" | {e + ' step':>12} {'algbw':>7} {'#wrong':>6}" for e in engines)

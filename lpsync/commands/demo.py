@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 
 _DESCRIPTION = """\
-Start two lpsync daemons on this machine as two nodes (UCX over loopback, a fresh cluster
+Start two lpsync daemons on this machine as two nodes (joined over loopback, a fresh cluster
 secret), launch --per-node trainers per node with torchrun, and train a small CNN on
 scikit-learn's digits (no download) with DDP whose gradients go through lpsync (the comm
 hook). Rank 0 prints loss, test accuracy, step time and communication time per epoch.

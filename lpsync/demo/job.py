@@ -54,7 +54,7 @@ def run(options: DemoOptions) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     cluster: LocalCluster | None = None
     try:
-        say(f"== starting {options.nodes} lpsync daemons (UCX over loopback, a fresh secret)")
+        say(f"== starting {options.nodes} lpsync daemons (peers over loopback, a fresh secret)")
         cluster = LocalCluster(tmp, options.nodes)
         for node in cluster.nodes:
             say(f"   node {node.rank}: socket {node.socket}, metrics {node.metrics_url}")

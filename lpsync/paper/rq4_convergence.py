@@ -150,7 +150,7 @@ def _figure(ctx: Run, section: Section, demo: dict[str, Any], world: int) -> Non
                 "BSP-SGD on scikit-learn's digits: loss and accuracy of every step over the combined batch "
                 "(the three curves coincide when the result is kept; dots: test accuracy after each epoch) "
                 "and the median step time with the collectives' time in flight.",
-                f"`lpsync demo`: {ctx.options.demo_nodes} lpsync daemon(s) (UCX over loopback) and {world} "
+                f"`lpsync demo`: {ctx.options.demo_nodes} lpsync daemon(s) (on loopback) and {world} "
                 f"torchrun trainers on this machine; one process; the same trainers with DDP over gloo",
             ),
         )
