@@ -14,6 +14,7 @@ from lpsync.algorithms import LinkModel, closed_form
 from lpsync.algorithms.tuner import chunks_for
 from lpsync.bench.cluster_report import Point
 from lpsync.cluster import format_rate, parse_rate
+from lpsync.errors import LpsyncError
 from lpsync.paper import figures, measure
 from lpsync.paper.context import Figure, Run, Section
 from lpsync.types import Collective
@@ -54,16 +55,20 @@ def run(ctx: Run) -> Section:
             f"RQ1: measuring LP, MST, BE broadcast of {format_size(o.scaling_bytes)} on "
             f"{','.join(map(str, o.nodes))} emulated nodes at {o.scaling_link}"
         )
-        points = measure.cluster_points(
-            nodes=o.nodes,
-            rate_bits=parse_rate(o.scaling_link),
-            ops=("broadcast",),
-            algorithms=ALGORITHMS,
-            sizes=(o.scaling_bytes,),
-            iters=o.iters,
-            transports=(o.transport,),
-            prefix="lppaper",
-        )
+        try:
+            points = measure.cluster_points(
+                nodes=o.nodes,
+                rate_bits=parse_rate(o.scaling_link),
+                ops=("broadcast",),
+                algorithms=ALGORITHMS,
+                sizes=(o.scaling_bytes,),
+                iters=o.iters,
+                transports=(o.transport,),
+                prefix="lppaper",
+            )
+        except LpsyncError as error:  # reported; the other questions still run
+            section.lines += [f"*Measured:* failed in this run: {_last_line(error)}", ""]
+            return section
         _measured(ctx, section, points)
     else:
         section.lines.append(
@@ -243,3 +248,7 @@ def _model(algorithm: str, p: int, nbytes: int, link: LinkModel) -> float:
 
 def _cores() -> int:
     return os.cpu_count() or 1
+
+
+def _last_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[-1]
