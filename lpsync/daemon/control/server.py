@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import hmac
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
 import grpc
@@ -90,6 +92,7 @@ class Daemon:
         self.service.trigger_path = str(self.trigger.path) if self.trigger else ""
         self.server: grpc.aio.Server | None = None
         self._stop: asyncio.Event | None = None
+        self.wedged = False  # a transport thread did not stop (see serve)
 
     async def start(self) -> None:
         self.service.bind_loop(asyncio.get_running_loop())
@@ -171,7 +174,7 @@ class Daemon:
         if self.trigger is not None:
             await loop.run_in_executor(None, self.trigger.stop)
         if self.plane is not None:
-            await loop.run_in_executor(None, self.plane.stop)
+            self.wedged = not await loop.run_in_executor(None, self.plane.stop)
         if self.server is not None:
             await self.server.stop(grace=1.0)
         if self.socket is not None:
@@ -223,7 +226,7 @@ def _socket_alive(path: Path) -> bool:
     return True
 
 
-async def _serve(config: DaemonConfig) -> int:
+async def _serve(config: DaemonConfig) -> Daemon:
     daemon = Daemon(config)
     loop = asyncio.get_running_loop()
     await daemon.start()
@@ -233,8 +236,17 @@ async def _serve(config: DaemonConfig) -> int:
         await daemon.wait()
     finally:
         await daemon.stop()
-    return 0
+    return daemon
 
 
 def serve(config: DaemonConfig) -> int:
-    return asyncio.run(_serve(config))
+    daemon = asyncio.run(_serve(config))
+    if daemon.wedged:
+        # Sessions, shared memory and sockets are gone; only a thread stuck inside a ucxx
+        # call remains, and the interpreter's finalization would free UCX objects under
+        # it (a hang or a crash). Leave now, as a daemon stopped in time should.
+        faulthandler.dump_traceback(all_threads=True)  # where it is stuck, into the log
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
+    return 0

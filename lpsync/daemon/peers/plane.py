@@ -162,6 +162,9 @@ class Link:
         return text
 
 
+STOP_BOUND = 3.0  # seconds for the peer plane's part of a daemon's 5-s SIGTERM budget
+
+
 class PeerPlane:
     def __init__(self, options: PeerPlaneOptions, metrics: PeerMetrics) -> None:
         self.options = options
@@ -210,19 +213,30 @@ class PeerPlane:
                     )
                 self._changed.wait(remaining)
 
-    def stop(self) -> None:
+    def stop(self, bound: float = STOP_BOUND) -> bool:
+        """Close the mesh and the runtime within ``bound`` seconds in all; False when a
+        thread is still inside the transport by then (a ucxx call that never returned:
+        seen when every daemon stops while meshes form), so that the caller exits
+        without waiting for it."""
+        deadline = time.monotonic() + bound
         self._stop.set()
         with self._changed:
             link, self._link = self._link, None
             self._changed.notify_all()
         if link is not None:
             link.broken.set()
-            _close(link, bound=5.0)
+            _close(link, bound=bound / 2)
         for _ in range(2):  # closing the runtime also ends a connect attempt in progress
             if self._runtime is not None:
-                self._runtime.close()
-            self._thread.join(5.0)
-        self._runtime = None
+                self._runtime.close(max(0.1, (deadline - time.monotonic()) / 2))
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+        runtime, self._runtime = self._runtime, None
+        stuck = self._thread.is_alive() or (runtime is not None and runtime.alive)
+        if stuck:
+            log.error(
+                "node %d: the peer plane did not stop within %.0f s; exiting without it", self.rank, bound
+            )
+        return not stuck
 
     # -- the background thread ----------------------------------------------------------------
     def _main(self) -> None:

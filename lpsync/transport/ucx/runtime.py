@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -100,11 +101,14 @@ class UcxRuntime:
         def unlisten() -> None:
             self._listener = None
 
+        # One deadline for both steps: a progress thread stuck inside a ucxx call would
+        # otherwise cost the timeout twice.
+        deadline = time.monotonic() + timeout
         try:
             self.progress.call(unlisten).result(timeout)
         except Exception as error:  # stopping anyway
-            log.warning("port %d: closing the listener: %s", self.options.port, error)
-        self.progress.stop(timeout)
+            log.warning("port %d: closing the listener: %r", self.options.port, error)
+        self.progress.stop(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> UcxRuntime:
         return self
