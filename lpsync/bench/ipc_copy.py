@@ -29,7 +29,7 @@ def _exporter(nbytes: int, device: int, conn) -> None:
 
 def _time_copies(kind, dst, src, stream) -> float:
     kind.copy_async(dst, src, stream)  # warm-up
-    start, end = kind.event(), kind.event()
+    start, end = kind.event(stream.lpsync_device), kind.event(stream.lpsync_device)
     kind.record(start, stream)
     for _ in range(ROUNDS):
         kind.copy_async(dst, src, stream)

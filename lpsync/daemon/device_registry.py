@@ -14,8 +14,9 @@ import threading
 from dataclasses import dataclass
 
 from lpsync.engine.device_group import DeviceContext
-from lpsync.errors import InvalidArgumentError
+from lpsync.errors import InvalidArgumentError, NotFoundError
 from lpsync.memory.kind import MemoryKind
+from lpsync_client.wire import split_device_uuid
 
 MAX_HANDLE_BYTES = 1024  # CUDA IPC handles are 64 bytes, emulated ones shorter
 
@@ -51,6 +52,7 @@ class DeviceRegistry:
         self._open: dict[tuple[int, bytes], OpenAllocation] = {}
         self._by_memory: dict[int, OpenAllocation] = {}  # id(memory) -> its entry
         self.registered = [0] * kind.devices
+        self._uuids: dict[bytes, int] | None = None  # device UUID -> this daemon's ordinal
 
     def register(
         self, kind: str, device: int, handle: bytes, offset: int, nbytes: int, allocation_bytes: int
@@ -60,6 +62,9 @@ class DeviceRegistry:
                 f"a {kind} buffer cannot be registered with a daemon serving {self.kind.name} "
                 f"devices (--devices)"
             )
+        handle, uuid = split_device_uuid(bytes(handle))
+        if uuid is not None:  # the client's ordinal is its own numbering: the UUID decides
+            device = self._device_of(uuid)
         if not 0 <= device < self.kind.devices:
             raise InvalidArgumentError(
                 f"device {device} does not exist: this daemon has "
@@ -100,6 +105,18 @@ class DeviceRegistry:
             self.registered[device] += nbytes
         return DeviceBuffer(entry, offset, nbytes)
 
+    def _device_of(self, uuid: bytes) -> int:
+        with self._lock:
+            if self._uuids is None:
+                self._uuids = {self.kind.uuid(d): d for d in range(self.kind.devices)}
+            device = self._uuids.get(uuid)
+        if device is None:
+            raise InvalidArgumentError(
+                f"the buffer is on device {uuid.hex()}, which this daemon does not serve "
+                "(--devices): a GPU of another node or hidden from the daemon"
+            )
+        return device
+
     def release(self, buffer: DeviceBuffer) -> None:
         with self._lock:
             self.registered[buffer.device] -= buffer.nbytes
@@ -119,14 +136,24 @@ class DeviceRegistry:
     def use(self, memories: list) -> list[OpenAllocation]:
         """Mark the allocations of ``memories`` busy: a release (or a client's death) while a
         collective's streams still touch them defers their close to ``done`` — closing an
-        IPC mapping under a running kernel faults the daemon's whole CUDA context."""
+        IPC mapping under a running kernel faults the daemon's whole CUDA context. An
+        opened allocation already closed (released between arrival and run) refuses the
+        run: on CUDA it would read and write through an unmapped address."""
         with self._lock:
-            entries = list(
-                {id(e): e for m in memories if (e := self._by_memory.get(id(m))) is not None}.values()
-            )
-            for entry in entries:
+            entries = {}
+            for memory in memories:
+                entry = self._by_memory.get(id(memory))
+                if entry is None:
+                    if getattr(memory, "closed", False):
+                        raise NotFoundError(
+                            "a device buffer of this collective was released (or its session "
+                            "ended) before it ran"
+                        )
+                    continue  # the daemon's own memory (staging): not the registry's
+                entries[id(entry)] = entry
+            for entry in entries.values():
                 entry.active += 1
-        return entries
+        return list(entries.values())
 
     def done(self, entries: list[OpenAllocation]) -> None:
         closing = []
@@ -152,11 +179,13 @@ class DeviceRegistry:
         return (list(getattr(self.kind, "opens", [0] * n)), list(getattr(self.kind, "closes", [0] * n)))
 
     def close(self) -> None:
+        """Daemon shutdown: the streams drain first (destroying one waits for its work),
+        then the mappings close; unmapping under queued work faults on CUDA."""
+        self.context.close()
         with self._lock:
             entries = list(self._by_memory.values())
             self._open.clear()
             self._by_memory.clear()
         for entry in entries:
             self.kind.close(entry.memory)
-        self.context.close()
         self.kind.close_kind()

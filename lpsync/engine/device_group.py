@@ -34,7 +34,7 @@ from typing import Any
 
 from lpsync.algorithms.schedule import Kind, Schedule
 from lpsync.errors import InvalidArgumentError, ScheduleError
-from lpsync.memory.kind import MemoryKind, Span
+from lpsync.memory.kind import MemoryKind, Span, Topology
 from lpsync.reduction import Reduction
 
 _SEND, _RECV, _RECV_REDUCE, _COPY = (int(k) for k in Kind)
@@ -94,6 +94,21 @@ class DeviceContext:
         self.enqueue_lock = threading.Lock()
         self._lock = threading.Lock()
         self._streams: dict[tuple[int, int, str], Any] = {}
+        # Peer access is enabled once per pair, not per plan; a pair refused for too many
+        # peers (cudaErrorTooManyPeers) is then a HOST link in this topology.
+        self.topology: Topology = kind.topology
+        self._peers: set[tuple[int, int]] = set()
+
+    def enable_peers(self, devices: Sequence[int]) -> None:
+        """Enable peer access between ``devices`` where their link allows it, once."""
+        with self._lock:
+            for a in devices:
+                for b in devices:
+                    if a == b or (a, b) in self._peers or not self.topology.peer_access(a, b):
+                        continue
+                    self._peers.add((a, b))
+                    if not self.kind.enable_peer_access(a, b):
+                        self.topology = self.topology.without_peer_access(a, b)
 
     def stream(self, device: int, slot: int, role: str = "main") -> Any:
         """``role``: "main" runs a participant's program, "copy" its incoming pulls."""
@@ -129,7 +144,7 @@ class DeviceGroup:
         self.context, self.kind, self.schedule = context, context.kind, schedule
         kind = self.kind
         devices = [inp.device for inp, _ in buffers]
-        kind.enable_peer_access(sorted(set(devices)))
+        context.enable_peers(sorted(set(devices)))
         programs = [schedule.program(r) for r in range(p)]
         reduces = [any(step[0] == _RECV_REDUCE for step in prog) for prog in programs]
         slots: dict[int, int] = defaultdict(int)
@@ -165,13 +180,17 @@ class DeviceGroup:
         self.ops: list[tuple[Callable[..., None], tuple]] = []
         self._compile(programs, bufs, devices, staging, host_slots, chunk, reduction)
         self.finals = []
-        for stream in self.all_streams():
-            event = kind.event()
+        for stream, device in self._streams_with_devices(devices):
+            event = kind.event(device)
             self.ops.append((kind.record, (event, stream)))
             self.finals.append(event)
 
     def all_streams(self) -> list[Any]:
         return self.streams + [s for s in self.copy_streams if s is not None]
+
+    def _streams_with_devices(self, devices: list[int]) -> list[tuple[Any, int]]:
+        pairs = list(zip(self.streams, devices, strict=True))
+        return pairs + [(s, d) for s, d in zip(self.copy_streams, devices, strict=True) if s is not None]
 
     def _take(self, device: int, nbytes: int) -> Any:
         memory = self.context.pool.take(device, nbytes)
@@ -179,7 +198,7 @@ class DeviceGroup:
         return memory
 
     def _compile(self, programs, bufs, devices, staging, host_slots, chunk, reduction) -> None:
-        kind, streams, ops, topo = self.kind, self.streams, self.ops, self.kind.topology
+        kind, streams, ops, topo = self.kind, self.streams, self.ops, self.context.topology
         p = len(programs)
         ready: dict[tuple[int, int, int], tuple[Any, Span]] = {}  # (src, dst, tag) -> event, data
         consumed: dict[tuple[int, int, int], Any] = {}
@@ -217,12 +236,12 @@ class DeviceGroup:
             if slot_free[r][slot] is not None:  # the reduction that read it last is done
                 ops.append((kind.wait, (copier, slot_free[r][slot])))
             ops.append((kind.copy_async, (incoming, data, copier)))
-            landed = kind.event()  # also: the sender's span was read (consumed)
+            landed = kind.event(devices[r])  # also: the sender's span was read (consumed)
             ops.append((kind.record, (landed, copier)))
             consumed[key] = landed
             ops.append((kind.wait, (streams[r], landed)))
             ops.append((kind.reduce_async, (reduction, dst, acc, incoming, final, streams[r])))
-            free = kind.event()
+            free = kind.event(devices[r])
             ops.append((kind.record, (free, streams[r])))
             slot_free[r][slot] = free
 
@@ -232,7 +251,7 @@ class DeviceGroup:
             stream = streams[r]
             if kind_ == _SEND:
                 key = (r, peer, tag)
-                event = kind.event()
+                event = kind.event(devices[r])
                 if direct(r, peer):
                     ops.append((kind.record, (event, stream)))
                     ready[key] = (event, dst)
@@ -271,7 +290,7 @@ class DeviceGroup:
                 else:  # the sender shares this device: reduce straight from its span
                     acc = bufs[r][src][src_lo : src_lo + hi - lo]
                     ops.append((kind.reduce_async, (reduction, dst, acc, data, bool(final), stream)))
-                done = kind.event()
+                done = kind.event(devices[r])
                 ops.append((kind.record, (done, stream)))
                 consumed[key] = done
                 return True
@@ -300,22 +319,33 @@ class DeviceGroup:
 
     def run(self, deadline: float, ready: Sequence[Any] = ()) -> None:
         """Replay the plan; returns once every participant's stream has finished it.
-        ``ready``: per participant (schedule order) an event its streams wait on first (the
-        client's interprocess event: its own stream's work on the buffers), or None."""
+        ``ready``: per participant (schedule order) the client's interprocess event (its
+        own stream's work on the buffers), or None. They are polled from this thread before
+        anything is enqueued, never waited on by the streams: those are shared by every job,
+        and a client that dies with its event pending must cost only its own collective.
+        A failed run returns (raises) only once its streams drained: the caller answers
+        the error then, and the client may free its memory."""
         kind = self.kind
-        with self.context.enqueue_lock:
-            for i, event in enumerate(ready):
+        try:
+            for event in ready:
                 if event is not None:
-                    kind.wait(self.streams[i], event)
-                    if self.copy_streams[i] is not None:
-                        kind.wait(self.copy_streams[i], event)
-            for function, args in self.ops:
-                function(*args)
-        for event in self.finals:
-            self.kind.synchronize(event, deadline)
+                    kind.wait_ready(event, deadline)
+            with self.context.enqueue_lock:
+                for function, args in self.ops:
+                    function(*args)
+            for event in self.finals:
+                kind.synchronize(event, deadline)
+        except BaseException:
+            self.drain()
+            self.recover()
+            raise
 
     def drain(self, patience: float = 3600.0) -> None:
-        """Wait for the streams to finish what a failed run left queued (errors ignored)."""
+        """Wait for the streams to finish what a failed run left queued (errors ignored):
+        a fresh record on every stream, so that a run stopped half-way is covered too."""
+        with self.context.enqueue_lock, contextlib.suppress(Exception):
+            for event, stream in zip(self.finals, self.all_streams(), strict=True):
+                self.kind.record(event, stream)
         for event in self.finals:
             with contextlib.suppress(Exception):  # the run already reported its failure
                 self.kind.synchronize(event, time.monotonic() + patience)

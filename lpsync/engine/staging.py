@@ -157,9 +157,18 @@ class ChunkStager:
     (a non-root's buffers of reduce)."""
 
     def __init__(
-        self, kind: MemoryKind, stream: Any, plan: Plan, mirrors: Sequence[Mirror], write_back: bool = True
+        self,
+        kind: MemoryKind,
+        stream: Any,
+        plan: Plan,
+        mirrors: Sequence[Mirror],
+        write_back: bool = True,
+        device: int | None = None,
     ) -> None:
+        """``device``: the stream's (default: the first mirror's span's); the events are made
+        on it, since an event can only be recorded on its own device's streams."""
         self.kind, self.stream = kind, stream
+        on = device if device is not None else (mirrors[0].device.device if mirrors else 0)
         self._mirrors = sorted(mirrors, key=lambda m: m.lo)
         accesses = plan.accesses()
         self.loads: list[tuple[Span, Span]] = []  # (host, device) per chunk, first use first
@@ -191,8 +200,8 @@ class ChunkStager:
                     for host, device, _, _ in self._pieces(a, b)
                 )
                 _add(*write, covered)
-        self.events = [kind.event() for _ in self.loads]
-        self.final = kind.event()
+        self.events = [kind.event(on) for _ in self.loads]
+        self.final = kind.event(on)
         self._waited = -1
         self._deadline = 0.0
 
@@ -227,11 +236,12 @@ class ChunkStager:
     # -- one run -----------------------------------------------------------------------------
     def start(self, deadline: float, ready: Any = None) -> None:
         """Enqueue every chunk's device-to-host copy (first use first), after ``ready``
-        (the client's interprocess event) when given."""
+        (the client's interprocess event, polled from the host: the staging streams are
+        shared by every job) when given."""
         self._deadline, self._waited = deadline, -1
         kind, stream = self.kind, self.stream
         if ready is not None:
-            kind.wait(stream, ready)
+            kind.wait_ready(ready, deadline)
         for (host, device), event in zip(self.loads, self.events, strict=True):
             kind.copy_async(host, device, stream)
             kind.record(event, stream)

@@ -65,6 +65,8 @@ except ImportError as error:  # pragma: no cover - depends on the install
 _H2D, _D2H, _D2D = 1, 2, 3  # cudaMemcpyKind
 _LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
 _PEER_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
+_NOT_READY = 600  # cudaErrorNotReady
+_TOO_MANY_PEERS = 711  # cudaErrorTooManyPeers
 
 
 @dataclass(eq=False)
@@ -73,6 +75,7 @@ class CudaMemory:
     nbytes: int
     address: int
     how: str  # "malloc", "ipc", "host"
+    closed: bool = False  # an IPC mapping closed: the address is no longer ours
 
 
 @dataclass(eq=False)
@@ -155,6 +158,11 @@ class CudaKind:
                 f"(--devices cuda:{','.join(map(str, sorted(self.allowed)))})"
             )
 
+    def uuid(self, device: int) -> bytes:
+        from lpsync_client._cuda import device_uuid  # the driver's cuDeviceGetUuid
+
+        return device_uuid(device)
+
     # -- memory ------------------------------------------------------------------------------
     def allocate(self, device: int, nbytes: int) -> CudaMemory:
         self._check(device)
@@ -198,6 +206,7 @@ class CudaKind:
             return
         with cupy.cuda.Device(memory.device):
             runtime.ipcCloseMemHandle(memory.address)
+        memory.closed = True
         with self._lock:
             self.closes[memory.device] += 1
 
@@ -223,8 +232,13 @@ class CudaKind:
     def destroy_stream(self, stream: cupy.cuda.Stream) -> None:
         stream.synchronize()
 
-    def event(self) -> cupy.cuda.Event:
-        return cupy.cuda.Event(block=True, disable_timing=True)
+    def event(self, device: int) -> cupy.cuda.Event:
+        # An event belongs to the device current when it is made: make it on ``device``.
+        self._check(device)
+        with cupy.cuda.Device(device):
+            event = cupy.cuda.Event(block=True, disable_timing=True)
+        event.lpsync_device = device
+        return event
 
     def open_event(self, handle: bytes, device: int) -> CudaIpcEvent:
         self._check(device)
@@ -243,7 +257,32 @@ class CudaKind:
         with cupy.cuda.Device(event.device):
             runtime.eventDestroy(event.pointer)  # pending waits on it still complete
 
+    def wait_ready(self, event: CudaIpcEvent, deadline: float) -> None:
+        # Polled from the host (cudaEventQuery, backing off to 1 ms), never a daemon stream's
+        # cudaStreamWaitEvent: those streams are shared by every job.
+        import time
+
+        pause = 20e-6
+        with cupy.cuda.Device(event.device):
+            while True:
+                try:
+                    status = runtime.eventQuery(event.pointer)
+                except runtime.CUDARuntimeError as error:
+                    status = getattr(error, "status", -1)
+                    if status != _NOT_READY:
+                        raise UnavailableError(f"the client's ready event failed: {error}") from None
+                if status == 0:
+                    return
+                if time.monotonic() >= deadline:
+                    raise CollectiveTimeoutError("the client's stream did not reach its ready event in time")
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+
     def record(self, event: cupy.cuda.Event, stream: cupy.cuda.Stream) -> None:
+        if event.lpsync_device != stream.lpsync_device:  # CUDA would fail the record
+            raise InvalidArgumentError(
+                f"an event of GPU {event.lpsync_device} recorded on a stream of GPU {stream.lpsync_device}"
+            )
         with cupy.cuda.Device(stream.lpsync_device):
             event.record(stream)
 
@@ -335,17 +374,17 @@ class CudaKind:
             if divide:
                 self._kernel(reduction.op, dtype, "divide")(np.int64(reduction.participants), arrays[2])
 
-    def enable_peer_access(self, devices: Sequence[int]) -> None:
-        for a in devices:
-            for b in devices:
-                if a == b or not self.topology.peer_access(a, b):
-                    continue
-                with cupy.cuda.Device(a):
-                    try:
-                        runtime.deviceEnablePeerAccess(b)
-                    except runtime.CUDARuntimeError as error:
-                        if getattr(error, "status", None) != _PEER_ALREADY_ENABLED:
-                            raise
+    def enable_peer_access(self, device: int, peer: int) -> bool:
+        with cupy.cuda.Device(device):
+            try:
+                runtime.deviceEnablePeerAccess(peer)
+            except runtime.CUDARuntimeError as error:
+                status = getattr(error, "status", None)
+                if status == _TOO_MANY_PEERS:
+                    return False  # DeviceContext stages this pair through host memory
+                if status != _PEER_ALREADY_ENABLED:
+                    raise
+        return True
 
     def close_kind(self) -> None:
         self._waiters.shutdown(wait=False)

@@ -27,7 +27,7 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +46,7 @@ from lpsync_client.wire import EMULATED_EVENT_HANDLE as EVENT_HANDLE
 from lpsync_client.wire import EMULATED_EVENT_MAGIC as EVENT_MAGIC
 from lpsync_client.wire import EMULATED_HANDLE as HANDLE
 from lpsync_client.wire import EMULATED_MAGIC as MAGIC
+from lpsync_client.wire import emulated_uuid
 
 # The handles' layouts are the client's (lpsync_client.wire): it packs them, we unpack.
 _MEMFD_PREFIX = "/memfd:lpsync-"  # memfd_create names: lpsync-emu<d>, lpsync-client-emu<d>
@@ -63,6 +64,7 @@ class EmulatedMemory:
     fd: int = -1  # kept open by allocations we made (so that they can be exported)
     inode: int = 0
     opened: bool = False
+    closed: bool = False  # an IPC mapping closed: using it is a fault on CUDA
 
     def release(self) -> None:
         mapping, self._mmap = self._mmap, None
@@ -100,7 +102,8 @@ def _view(span: Span) -> np.ndarray:
 
 
 class EmulatedEvent:
-    def __init__(self) -> None:
+    def __init__(self, device: int) -> None:
+        self.device = device  # as a CUDA event, it belongs to one device
         self._cond = threading.Condition()
         self.recorded = 0  # records enqueued
         self.completed = 0  # records whose stream reached them
@@ -194,9 +197,17 @@ class EmulatedStream:
 class EmulatedKind:
     name = "emulated"
 
-    def __init__(self, devices: int, topology: Topology | None = None, copy_bandwidth: float = 0.0) -> None:
+    def __init__(
+        self,
+        devices: int,
+        topology: Topology | None = None,
+        copy_bandwidth: float = 0.0,
+        max_peers: int = 8,
+    ) -> None:
         """``copy_bandwidth`` (bytes/s, 0: as fast as memcpy) slows every copy down to a
-        link's rate, for tests that need copies to take time."""
+        link's rate, for tests that need copies to take time. ``max_peers``: peers one
+        device may enable (CUDA: 8 over PCIe); past it cudaErrorTooManyPeers, and a copy
+        over a refused pair fails."""
         if devices < 1:
             raise InvalidArgumentError("an emulated device set needs at least one device")
         self.devices = devices
@@ -209,6 +220,9 @@ class EmulatedKind:
         self.closes = [0] * devices
         self._streams: set[EmulatedStream] = set()
         self.peer_enabled: set[tuple[int, int]] = set()
+        self.peer_refused: set[tuple[int, int]] = set()
+        self.peer_enables = 0  # calls, for tests: once per pair, not per plan
+        self.max_peers = max_peers
 
     # -- memory ------------------------------------------------------------------------------
     def _check(self, device: int) -> None:
@@ -216,6 +230,10 @@ class EmulatedKind:
             raise InvalidArgumentError(
                 f"device {device} does not exist: this daemon has emulated devices 0..{self.devices - 1}"
             )
+
+    def uuid(self, device: int) -> bytes:
+        self._check(device)
+        return emulated_uuid(device)
 
     def allocate(self, device: int, nbytes: int) -> EmulatedMemory:
         self._check(device)
@@ -273,7 +291,7 @@ class EmulatedKind:
 
     def close(self, memory: EmulatedMemory) -> None:
         if memory.opened:
-            memory.opened = False
+            memory.opened, memory.closed = False, True
             with self._lock:
                 self.closes[memory.device] += 1
             memory.release()
@@ -297,10 +315,15 @@ class EmulatedKind:
             self._streams.discard(stream)
         stream.stop()
 
-    def event(self) -> EmulatedEvent:
-        return EmulatedEvent()
+    def event(self, device: int) -> EmulatedEvent:
+        self._check(device)
+        return EmulatedEvent(device)
 
     def record(self, event: EmulatedEvent, stream: EmulatedStream) -> None:
+        if event.device != stream.device:  # CUDA: cudaErrorInvalidResourceHandle
+            raise InvalidArgumentError(
+                f"an event of device {event.device} recorded on a stream of device {stream.device}"
+            )
         with event._cond:
             event.recorded += 1
             generation = event.recorded
@@ -360,6 +383,23 @@ class EmulatedKind:
 
         stream.put(waiter)
 
+    def wait_ready(self, event: EmulatedEvent | EmulatedIpcEvent, deadline: float) -> None:
+        if isinstance(event, EmulatedEvent):
+            event.wait_for(event.recorded, deadline)
+            return
+        generation = event.recorded()  # the latest record now, as cudaEventQuery sees it
+        if generation == 0:
+            return
+        while not event.reached(generation):  # sleeps on the futex; close() wakes it
+            if event.closed:
+                raise UnavailableError(
+                    "the client's event was closed before it completed (the client has gone)"
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CollectiveTimeoutError("the client's stream did not reach its ready event in time")
+            event.wait_for(generation, min(left, 1.0))
+
     def synchronize(self, event: EmulatedEvent, deadline: float) -> None:
         event.wait_for(event.recorded, deadline)
         if event.error is not None:
@@ -390,6 +430,8 @@ class EmulatedKind:
         each other fails (the engine stages those through host memory)."""
         if device >= 0 and device != on and not self.topology.peer_access(device, on):
             raise InvalidArgumentError(f"device {on} has no peer access to device {device}")
+        if (on, device) in self.peer_refused or (device, on) in self.peer_refused:
+            raise InvalidArgumentError(f"peer access {on} -> {device} was refused (too many peers)")
 
     def reduce_async(
         self, reduction: Reduction, out: Span, acc: Span, incoming: Span, final: bool, stream: EmulatedStream
@@ -406,11 +448,16 @@ class EmulatedKind:
 
         stream.put(reduce)
 
-    def enable_peer_access(self, devices: Sequence[int]) -> None:
-        for a in devices:
-            for b in devices:
-                if a != b and self.topology.peer_access(a, b):
-                    self.peer_enabled.add((a, b))
+    def enable_peer_access(self, device: int, peer: int) -> bool:
+        with self._lock:
+            self.peer_enables += 1
+            if (device, peer) in self.peer_enabled:
+                return True
+            if sum(1 for a, _ in self.peer_enabled if a == device) >= self.max_peers:
+                self.peer_refused.add((device, peer))  # cudaErrorTooManyPeers
+                return False
+            self.peer_enabled.add((device, peer))
+            return True
 
     def recover(self, stream: EmulatedStream) -> None:
         """Clear a poisoned stream once what failed has drained (CUDA cannot: a sticky

@@ -12,7 +12,6 @@ device engine run on plain host memory (tests cross-check the two engines).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,13 +88,16 @@ class HostKind:
     def write(self, span: Span, data: np.ndarray) -> None:
         np.copyto(_view(span), np.ascontiguousarray(data).view(np.uint8).reshape(-1))
 
+    def uuid(self, device: int) -> bytes:
+        return b""
+
     def stream(self, device: int) -> HostStream:
         return HostStream(device)
 
     def destroy_stream(self, stream: HostStream) -> None:
         pass
 
-    def event(self) -> object:
+    def event(self, device: int) -> object:
         return object()
 
     def record(self, event: object, stream: HostStream) -> None:
@@ -105,6 +107,9 @@ class HostKind:
         pass
 
     def synchronize(self, event: object, deadline: float) -> None:
+        pass
+
+    def wait_ready(self, event: object, deadline: float) -> None:
         pass
 
     def copy_async(self, dst: Span, src: Span, stream: HostStream) -> None:
@@ -120,8 +125,8 @@ class HostKind:
         if final:
             reduction.finalize(target)
 
-    def enable_peer_access(self, devices: Sequence[int]) -> None:
-        pass
+    def enable_peer_access(self, device: int, peer: int) -> bool:
+        return True
 
     def close_kind(self) -> None:
         pass

@@ -19,7 +19,6 @@ Semantics follow the CUDA runtime so that the emulation tests what CUDA will do:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Protocol
@@ -53,6 +52,12 @@ class Topology:
 
     def peer_access(self, a: int, b: int) -> bool:
         return self.links[a][b] != Link.HOST
+
+    def without_peer_access(self, a: int, b: int) -> Topology:
+        """The same with a and b staged through host memory (both ways)."""
+        links = [list(row) for row in self.links]
+        links[a][b] = links[b][a] = Link.HOST
+        return Topology(tuple(tuple(row) for row in links))
 
     def describe(self) -> list[str]:
         names = {Link.SAME: "X", Link.FAST: "NV", Link.SLOW: "PCIe", Link.HOST: "HOST"}
@@ -114,6 +119,10 @@ class MemoryKind(Protocol):
     devices: int  # device count; indices 0..devices-1 are this daemon's devices
     topology: Topology
 
+    def uuid(self, device: int) -> bytes:
+        """The device's 16-byte UUID (cuDeviceGetUuid): how clients name it, whatever
+        ordinal they see it under."""
+
     def allocate(self, device: int, nbytes: int) -> Memory:
         """Device memory owned by the caller (staging, TMP); freed by ``free``."""
 
@@ -137,17 +146,26 @@ class MemoryKind(Protocol):
 
     def destroy_stream(self, stream: Any) -> None: ...
 
-    def event(self) -> Any:
-        """A new event (no timing), reusable: recorded again on every run."""
+    def event(self, device: int) -> Any:
+        """A new event (no timing) of ``device``, reusable: recorded again on every run.
+        An event belongs to the device it was made on (cudaEventRecord needs event and
+        stream in one context): recording it on another device's stream fails."""
 
     def open_event(self, handle: bytes, device: int) -> Any:
         """Open an event another process exported (cudaIpcOpenEventHandle); ``wait`` takes
         it like an own event. InvalidArgumentError/NotFoundError for a bad or dead handle."""
 
+    def wait_ready(self, event: Any, deadline: float) -> None:
+        """Block the host until an opened client event's latest record completed, by
+        polling it (cudaEventQuery), never through a daemon stream: the streams are shared
+        by every job, and a stream waiting on the event of a client that died may never
+        move again. CollectiveTimeoutError at ``deadline``; UnavailableError once closed."""
+
     def close_event(self, event: Any) -> None:
         """Release an opened event; a stream still waiting on it is released too."""
 
-    def record(self, event: Any, stream: Any) -> None: ...
+    def record(self, event: Any, stream: Any) -> None:
+        """Mark ``stream``'s work so far; the event must be of the stream's device."""
 
     def wait(self, stream: Any, event: Any) -> None:
         """Later work on ``stream`` waits for ``event``'s latest record enqueued so far."""
@@ -166,8 +184,10 @@ class MemoryKind(Protocol):
     ) -> None:
         """out = acc (op) incoming, then (``final``) the avg division; on ``stream``'s device."""
 
-    def enable_peer_access(self, devices: Sequence[int]) -> None:
-        """Let every pair of ``devices`` with a peer link read each other's memory."""
+    def enable_peer_access(self, device: int, peer: int) -> bool:
+        """Let ``device`` read ``peer``'s memory (a pair with a peer link); False when the
+        device has no room for another peer (cudaErrorTooManyPeers: 8 on PCIe boxes), the
+        pair is then staged through host memory. Called once per pair (DeviceContext)."""
 
     def read(self, span: Span) -> np.ndarray:
         """A host copy of ``span`` (synchronous; host staging and the bench's verification)."""

@@ -41,12 +41,12 @@ def test_stream_runs_in_order_and_events_order_streams(kind):
         a, b, c = (slow.allocate(d, 400_000) for d in (0, 0, 1))
         a.array[:] = 7
         s0, s1 = slow.stream(0), slow.stream(1)
-        done = slow.event()
+        done = slow.event(0)
         slow.copy_async(_span(b), _span(a), s0)  # slow
         slow.record(done, s0)
         slow.wait(s1, done)
         slow.copy_async(_span(c)[:4], _span(b)[:4], s1)  # fast; must see b's new contents
-        end = slow.event()
+        end = slow.event(1)
         slow.record(end, s1)
         slow.synchronize(end, time.monotonic() + 10)
         assert (c.array[:16] == 7).all()
@@ -56,9 +56,9 @@ def test_stream_runs_in_order_and_events_order_streams(kind):
 
 def test_a_wait_enqueued_before_its_record_is_a_no_op(kind):
     """As cudaStreamWaitEvent: only records enqueued before the wait count."""
-    event, stream = kind.event(), kind.stream(0)
+    event, stream = kind.event(0), kind.stream(0)
     kind.wait(stream, event)  # never recorded: ignored, the stream does not block
-    marker = kind.event()
+    marker = kind.event(0)
     kind.record(marker, stream)
     kind.synchronize(marker, time.monotonic() + 5)
 
@@ -67,7 +67,7 @@ def test_synchronize_has_a_deadline(kind):
     blocker = threading.Event()
     stream = kind.stream(0)
     stream.put(lambda: blocker.wait(10))
-    event = kind.event()
+    event = kind.event(0)
     kind.record(event, stream)
     with pytest.raises(CollectiveTimeoutError):
         kind.synchronize(event, time.monotonic() + 0.2)
@@ -81,12 +81,12 @@ def test_a_failed_operation_poisons_the_stream(kind):
     ran = []
     stream.put(lambda: 1 / 0)
     stream.put(lambda: ran.append(1))  # skipped: the stream is poisoned
-    event = kind.event()
+    event = kind.event(1)
     kind.record(event, stream)
     with pytest.raises(UnavailableError, match="ZeroDivision"):
         kind.synchronize(event, time.monotonic() + 5)
     assert not ran
-    again = kind.event()
+    again = kind.event(1)
     kind.record(again, stream)
     with pytest.raises(UnavailableError):  # sticky until recovered
         kind.synchronize(again, time.monotonic() + 5)
@@ -106,7 +106,7 @@ def test_reduce_and_reach_rules(kind):
     kind.reduce_async(
         Reduction(ReduceOp.AVG, np.dtype(np.float32), 2), _span(a), _span(a), _span(b), True, stream
     )
-    event = kind.event()
+    event = kind.event(0)
     kind.record(event, stream)
     kind.synchronize(event, time.monotonic() + 5)
     assert a.array.view(np.float32).tolist() == [2.5] * 10
@@ -210,7 +210,7 @@ def test_an_interprocess_event_orders_the_daemon_stream_after_the_client_stream(
     try:
         handle = parent.recv()
         event = kind.open_event(handle, 0)
-        stream, after = kind.stream(0), kind.event()
+        stream, after = kind.stream(0), kind.event(0)
         ran = threading.Event()
         kind.wait(stream, event)
         stream.put(ran.set)
@@ -228,7 +228,7 @@ def test_an_interprocess_event_orders_the_daemon_stream_after_the_client_stream(
         fake = client_emulated.IpcEvent()
         stuck = kind.open_event(fake.handle, 1)
         fake._words[0] = 5  # a record "made" whose completion never comes
-        s1, done = kind.stream(1), kind.event()
+        s1, done = kind.stream(1), kind.event(1)
         kind.wait(s1, stuck)
         kind.record(done, s1)
         with pytest.raises(CollectiveTimeoutError):

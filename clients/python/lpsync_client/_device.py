@@ -18,14 +18,16 @@ host for the array's stream, never a device-wide synchronize.
 
 from __future__ import annotations
 
-import threading
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from lpsync_client._convert import DTYPES
+from lpsync_client._ready import ReadyEvents
 from lpsync_client.emulated import DeviceArrayInfo
 from lpsync_client.errors import InvalidArgumentError
+from lpsync_client.wire import with_device_uuid
 
 if TYPE_CHECKING:
     import torch
@@ -104,38 +106,34 @@ def describe(x: object) -> DeviceOperand:
             f"{type(x).__name__} lives on a CUDA device; registering it through __dlpack__ "
             "needs cupy (pip install 'lpsync-client[cuda12]')"
         ) from None
-    return _cai(cupy.from_dlpack(x), _block(x), keep=x)
+    # cupy.from_dlpack hands cupy's current stream to __dlpack__(stream=...): the producer
+    # orders its pending work before that stream, so waiting for it orders the array.
+    return _cai(cupy.from_dlpack(x), _cupy_stream_sync(), keep=x)
+
+
+def _cupy_stream_sync() -> Callable[[], None]:
+    import cupy
+
+    def sync() -> None:
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record(cupy.cuda.get_current_stream())
+        event.synchronize()
+
+    return sync
 
 
 def _stream_sync_for(x: object) -> Callable[[], None]:
     if type(x).__module__.startswith("cupy"):
-        import cupy
-
-        def sync() -> None:
-            event = cupy.cuda.Event(disable_timing=True)
-            event.record(cupy.cuda.get_current_stream())
-            event.synchronize()
-
-        return sync
+        return _cupy_stream_sync()
     return _block(x)
 
 
-_events: dict[tuple[str, int], tuple[object, bytes]] = {}  # (framework, device) -> event, handle
-_events_lock = threading.Lock()
-
-
-def _cached_event(
-    framework: str, device: int, make: Callable[[], tuple[object, bytes]]
-) -> tuple[object, bytes]:
-    with _events_lock:
-        entry = _events.get((framework, device))
-        if entry is None:
-            entry = _events[(framework, device)] = make()
-        return entry
+# Interprocess events per (framework, device, stream), one per outstanding collective.
+_events: ReadyEvents[Any] = ReadyEvents()
 
 
 def _cupy_ready(device: int) -> Callable[[], bytes]:
-    """Record cupy's interprocess event of ``device`` on the current stream (cudaEventRecord
+    """Record an interprocess event on ``device``'s current cupy stream (cudaEventRecord
     on an event made with cudaEventInterprocess | cudaEventDisableTiming)."""
     import cupy
 
@@ -144,9 +142,10 @@ def _cupy_ready(device: int) -> Callable[[], bytes]:
         return event, bytes(cupy.cuda.runtime.ipcGetEventHandle(event.ptr))
 
     def ready() -> bytes:
-        with cupy.cuda.Device(device):
-            event, handle = _cached_event("cupy", device, make)
-            event.record(cupy.cuda.get_current_stream())  # type: ignore[attr-defined]
+        with cupy.cuda.Device(device):  # the event is made on, and recorded on, this device
+            stream = cupy.cuda.get_current_stream()
+            event, handle = _events.take(("cupy", device, stream.ptr), make, lambda e: bool(e.done))
+            event.record(stream)
             return handle
 
     return ready
@@ -154,20 +153,21 @@ def _cupy_ready(device: int) -> Callable[[], bytes]:
 
 def _torch_ready(device: torch.device) -> Callable[[], bytes]:
     """The same with torch's current stream and torch.cuda.Event(interprocess=True); torch
-    creates the event at its first record, so the handle is taken after it."""
+    creates the event at its first record, so the handle is taken after one."""
     import torch
 
     def ready() -> bytes:
         stream = torch.cuda.current_stream(device)
-        with _events_lock:
-            entry = _events.get(("torch", stream.device_index))
-            if entry is None:
-                event = torch.cuda.Event(enable_timing=False, blocking=True, interprocess=True)
-                event.record(stream)
-                entry = _events[("torch", stream.device_index)] = (event, bytes(event.ipc_handle()))
-                return entry[1]
-        entry[0].record(stream)  # type: ignore[attr-defined]
-        return entry[1]
+
+        def make() -> tuple[object, bytes]:
+            event = torch.cuda.Event(enable_timing=False, blocking=True, interprocess=True)
+            event.record(stream)
+            return event, bytes(event.ipc_handle())
+
+        key = ("torch", stream.device_index, stream.cuda_stream)
+        event, handle = _events.take(key, make, lambda e: bool(e.query()))
+        event.record(stream)
+        return handle
 
     return ready
 
@@ -199,9 +199,16 @@ def _cai(x: object, sync: Callable[[], None], keep: object = None, dtype: str | 
         if tuple(strides) != tuple(expected):
             raise InvalidArgumentError("the device array must be C-contiguous")
     pointer = int(cai["data"][0])
-    device, base, size, handle = _cuda.allocation_of(pointer)
+    found = _cuda.allocation_of(pointer)
+    stream = cai.get("stream") if cai.get("version", 0) >= 3 else None
+    if stream is not None and dtype is None and keep is None:
+        # CAI v3: the producer's stream must be synchronized on before the data is used.
+        sync = functools.partial(_cuda.stream_synchronize, found.ordinal, int(stream))
+    handle = with_device_uuid(found.handle, found.uuid)  # the daemon maps it by UUID
     return DeviceOperand(
-        DeviceArrayInfo("cuda", device, handle, size, pointer - base, count * itemsize, count, name),
+        DeviceArrayInfo(
+            "cuda", found.ordinal, handle, found.size, pointer - found.base, count * itemsize, count, name
+        ),
         sync,
         keep if keep is not None else x,
     )

@@ -33,20 +33,49 @@ import numpy as np
 
 from lpsync_client import futex
 from lpsync_client._convert import dtype_name, numpy_dtype
+from lpsync_client._ready import ReadyEvents
 from lpsync_client.errors import InvalidArgumentError
 from lpsync_client.wire import EMULATED_EVENT_HANDLE as EVENT_HANDLE
 from lpsync_client.wire import EMULATED_EVENT_MAGIC as EVENT_MAGIC
 from lpsync_client.wire import EMULATED_HANDLE as HANDLE
 from lpsync_client.wire import EMULATED_MAGIC as MAGIC
+from lpsync_client.wire import emulated_uuid, with_device_uuid
+
+NOT_EXPORTABLE = (
+    "this allocation cannot be exported through CUDA IPC (memory from cudaMallocAsync pools, "
+    "expandable segments or managed memory): use torch without "
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, cupy's default MemoryPool rather than "
+    "MemoryAsyncPool, or register a host buffer"
+)
+
+
+def visible_devices() -> list[int] | None:
+    """The emulated CUDA_VISIBLE_DEVICES: LPSYNC_EMULATED_VISIBLE_DEVICES="2,0" makes this
+    process's device 0 the daemon's device 2 (read when a device is named, not at import)."""
+    value = os.environ.get("LPSYNC_EMULATED_VISIBLE_DEVICES", "").strip()
+    return [int(x) for x in value.split(",")] if value else None
+
+
+def physical_device(device: int) -> int:
+    """The daemon's number of this process's device ``device``."""
+    visible = visible_devices()
+    if visible is None:
+        return device
+    if not 0 <= device < len(visible):
+        raise InvalidArgumentError(f"device {device} is not visible (LPSYNC_EMULATED_VISIBLE_DEVICES)")
+    return visible[device]
 
 
 class Allocation:
-    """``nbytes`` of device memory on ``device``; freed by ``free`` or when collected."""
+    """``nbytes`` of device memory on ``device`` (this process's ordinal); freed by
+    ``free`` or when collected. ``exportable=False`` stands for memory CUDA IPC cannot
+    export (cudaMallocAsync pools, expandable segments, managed memory)."""
 
-    def __init__(self, nbytes: int, device: int = 0) -> None:
+    def __init__(self, nbytes: int, device: int = 0, exportable: bool = True) -> None:
         if nbytes < 0:
             raise InvalidArgumentError(f"cannot allocate {nbytes} bytes")
-        self.nbytes, self.device = nbytes, device
+        self.nbytes, self.device, self.exportable = nbytes, device, exportable
+        self.physical = physical_device(device)
         self._fd = os.memfd_create(f"lpsync-client-emu{device}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self._fd, nbytes)
@@ -62,7 +91,10 @@ class Allocation:
     def ipc_handle(self) -> bytes:
         if self._fd < 0:
             raise InvalidArgumentError("the allocation was freed")
-        return HANDLE.pack(MAGIC, os.getpid(), self._fd, self._inode, self.nbytes, self.device)
+        if not self.exportable:
+            raise InvalidArgumentError(NOT_EXPORTABLE)
+        handle = HANDLE.pack(MAGIC, os.getpid(), self._fd, self._inode, self.nbytes, self.physical)
+        return with_device_uuid(handle, emulated_uuid(self.physical))
 
     def array(self, offset: int, count: int, dtype: str | np.dtype) -> EmulatedArray:
         """A typed span of this allocation (a sub-allocation, as a caching allocator hands out)."""
@@ -132,17 +164,24 @@ class IpcEvent:
     def completed(self) -> int:
         return int(self._words[1])
 
+    def idle(self) -> bool:
+        """Its last record completed (cudaEventQuery): it may be recorded again."""
+        return self.completed == self.recorded
 
-_ready_events: dict[int, IpcEvent] = {}
+
+_ready_events: ReadyEvents[IpcEvent] = ReadyEvents()
+
+
+def _new_event() -> tuple[IpcEvent, bytes]:
+    event = IpcEvent()
+    return event, event.handle
 
 
 def ready_event(device: int = 0) -> IpcEvent:
-    """The process's interprocess event of ``device`` (one, recorded before every collective)."""
-    with _streams_lock:
-        event = _ready_events.get(device)
-        if event is None:
-            event = _ready_events[device] = IpcEvent()
-        return event
+    """An interprocess event of ``device``'s current stream that is free to record: one
+    per outstanding collective (lpsync_client._ready)."""
+    stream = current_stream(device)
+    return _ready_events.take((device, id(stream)), _new_event, IpcEvent.idle)[0]
 
 
 class Stream:

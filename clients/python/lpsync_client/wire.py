@@ -23,3 +23,26 @@ EMULATED_MAGIC = b"LPEM"
 # record (u32 records enqueued, u32 records completed: the futex word).
 EMULATED_EVENT_HANDLE = struct.Struct("<4sIIQ")
 EMULATED_EVENT_MAGIC = b"LPEV"
+
+# A device handle may end with the 16-byte UUID of the GPU it lives on (tag + uuid): the
+# daemon maps the allocation on the device of that UUID, whatever ordinal the client sees
+# it under (CUDA_VISIBLE_DEVICES differs between processes under Slurm and Kubernetes).
+DEVICE_UUID_TAG = b"UUID"
+DEVICE_UUID_BYTES = 16
+
+
+def with_device_uuid(handle: bytes, uuid: bytes) -> bytes:
+    return handle + DEVICE_UUID_TAG + uuid
+
+
+def split_device_uuid(handle: bytes) -> tuple[bytes, bytes | None]:
+    """(the kind's handle, the device's UUID or None for a handle without one)."""
+    n = len(DEVICE_UUID_TAG) + DEVICE_UUID_BYTES
+    if len(handle) > n and handle[-n:].startswith(DEVICE_UUID_TAG):
+        return handle[:-n], handle[-DEVICE_UUID_BYTES:]
+    return handle, None
+
+
+def emulated_uuid(device: int) -> bytes:
+    """The UUID of emulated device ``device`` (the daemon's numbering: all devices)."""
+    return b"LPSYNC-EMU-" + device.to_bytes(5, "little")

@@ -13,7 +13,6 @@ Pipelines are built once per (spec, algorithm, buffers) and reused (plans.py).
 
 from __future__ import annotations
 
-import threading
 import time
 
 from lpsync.algorithms import LinkModel, generate, select
@@ -116,7 +115,7 @@ def _on_devices(task: Task, devices: DeviceRegistry) -> Outcome:
         choice = select(op, task.nbytes, p, DEVICE_LINK)
         algorithm, chunks = choice.algorithm, choice.chunks
     views = [buffers(op, a, p, spec.count) for a in task.arrivals]
-    order = device_chain(op, spec.root, [inp.device for inp, _ in views], devices.kind.topology)
+    order = device_chain(op, spec.root, [inp.device for inp, _ in views], devices.context.topology)
     key = (
         spec,
         algorithm,
@@ -135,24 +134,12 @@ def _on_devices(task: Task, devices: DeviceRegistry) -> Outcome:
     group = task.job.plans.get(key, build)
     busy = devices.use([span.memory for pair in views for span in pair])
     try:
+        # A failed run returns only once its streams drained: the error is answered after
+        # the last write into the clients' memory, and the mappings close after that.
         group.run(time.monotonic() + task.timeout, [task.arrivals[r].ready for r in order])
-    except BaseException:
-        # The streams may still be running (a timeout): free the allocations only once
-        # they have drained, off this thread.
-        threading.Thread(
-            target=_drain_then_done, args=(group, devices, busy), daemon=True, name="lpsync-device-drain"
-        ).start()
-        raise
-    devices.done(busy)
-    return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
-
-
-def _drain_then_done(group: DeviceGroup, devices: DeviceRegistry, busy: list) -> None:
-    try:
-        group.drain()
-        group.recover()
     finally:
         devices.done(busy)
+    return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
 
 
 def device_chain(op: Collective, root: int, devices: list[int], topology: Topology) -> list[int]:

@@ -12,7 +12,6 @@ streams drained (DeviceRegistry.use/done).
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import replace
@@ -49,7 +48,7 @@ class Staged:
             slots[device] += 1
             mine = [m for m in self.mirrors.mirrors[2 * index : 2 * index + 2] if m is not None]
             write_back = not (spec.op == Collective.REDUCE and a.rank != spec.root)
-            plan.hooks = ChunkStager(self.devices.kind, stream, plan, mine, write_back)
+            plan.hooks = ChunkStager(self.devices.kind, stream, plan, mine, write_back, device)
 
     def run(self, group: LocalGroup, deadline: float, timeout: float, tag_base: int) -> None:
         stagers = [plan.hooks for plan in group.plans]
@@ -67,11 +66,9 @@ class Staged:
             for stager in started:
                 stager.finish()
         except BaseException:
-            # Copies may still be queued: unmap and free only once they drained, off this
-            # thread (the daemon answers the failure at once).
-            threading.Thread(
-                target=self._drain, args=(started, busy), daemon=True, name="lpsync-stage-drain"
-            ).start()
+            # Copies may still be queued: the failure is answered only once they drained
+            # (the client may free its memory then), and unmapped and freed after that.
+            self._drain(started, busy)
             raise
         self.devices.done(busy)
         self.mirrors.release()
@@ -126,11 +123,8 @@ def whole(task: Task, devices: DeviceRegistry | None, deadline: float) -> Iterat
     busy = devices.use([span.memory for a in arrivals for span in (a.data, a.out) if span is not None])
     try:
         for a in arrivals:
-            if a.ready is not None:  # the host waits for the client's stream, via one of ours
-                stream, done = devices.context.stream(a.data.device, 0, "stage"), kind.event()
-                kind.wait(stream, a.ready)
-                kind.record(done, stream)
-                kind.synchronize(done, deadline)
+            if a.ready is not None:  # polled: never a shared stream waiting on a client
+                kind.wait_ready(a.ready, deadline)
         hosts = [
             replace(a, data=kind.read(a.data), out=None if a.out is None else kind.read(a.out))
             for a in arrivals

@@ -1,0 +1,60 @@
+"""The daemon's device registry against CUDA's rules (issue 25, points 5 and 12), on the
+emulated device: an IPC mapping is never used after it closed, nor closed under queued
+work."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lpsync.daemon.device_registry import DeviceRegistry
+from lpsync.errors import NotFoundError
+from lpsync.memory.emulated import EmulatedKind
+from lpsync.memory.kind import Span
+from lpsync_client import emulated as client_emulated
+
+
+def _registered(registry: DeviceRegistry, allocation: client_emulated.Allocation):
+    return registry.register(
+        "emulated", allocation.device, allocation.ipc_handle(), 0, allocation.nbytes, allocation.nbytes
+    )
+
+
+def test_cuda_contract_shutdown_drains_the_streams_before_closing_mappings():
+    """Queued work that writes into a client's memory lands before its mapping closes
+    (point 12): unmapping first would fault on CUDA (here: the write is lost)."""
+    kind = EmulatedKind(1, copy_bandwidth=2e6)  # 200 kB: ~0.1 s of copy
+    registry = DeviceRegistry(kind)
+    allocation = client_emulated.Allocation(200_000, 0)
+    buffer = _registered(registry, allocation)
+    source = kind.allocate(0, 200_000)
+    source.array[:] = 7
+    target = Span(buffer.allocation.memory, 0, 200_000, np.dtype(np.uint8))
+    kind.copy_async(target, Span(source, 0, 200_000, np.dtype(np.uint8)), registry.context.stream(0, 0))
+    registry.close()
+    assert (allocation.bytes == 7).all(), "the mapping closed before the stream drained"
+    kind.free(source)
+    allocation.free()
+
+
+def test_cuda_contract_a_buffer_released_before_its_run_refuses_it():
+    """A Release (or the session's end) between a collective's arrival and its run closes
+    the mapping; the run is then refused instead of touching an unmapped address (point 5)."""
+    kind = EmulatedKind(1)
+    registry = DeviceRegistry(kind)
+    allocation = client_emulated.Allocation(4096, 0)
+    try:
+        buffer = _registered(registry, allocation)
+        memory = buffer.allocation.memory
+        busy = registry.use([memory])  # while registered: marked busy, and released by done
+        registry.done(busy)
+        registry.release(buffer)
+        assert kind.closes[0] == 1
+        with pytest.raises(NotFoundError, match="released"):
+            registry.use([memory])
+        staging = kind.allocate(0, 64)  # the daemon's own memory is not the registry's
+        assert registry.use([staging]) == []
+        kind.free(staging)
+    finally:
+        registry.close()
+        allocation.free()
