@@ -64,13 +64,13 @@ def run(socket: str, rank: int, world: int, per_node: int, timeout: float) -> No
     epochs = Epochs()
     epoch = epochs.newer_than(-1)
     client: lpsync_client.Client | None = None
-    step = 0
+    joined, step = -1, 0  # the epoch whose job ``client`` is in
     while epoch is not None:
-        if epochs.value > epoch or client is None:  # a new job: all ranks start it even
-            epoch = max(epoch, epochs.value)
+        epoch = max(epoch, epochs.value)
+        if epoch != joined:  # a new job: all ranks start it even
             if client is not None:
                 client.close()
-            client, step = None, 0
+            client, joined, step = None, epoch, 0
             try:
                 client = lpsync_client.connect(
                     socket, job=f"chaos-{epoch}", rank=rank, world_size=world, timeout=timeout
@@ -78,9 +78,9 @@ def run(socket: str, rank: int, world: int, per_node: int, timeout: float) -> No
                 x = client.zeros(COUNT, "int64")
             except lpsync_client.LpsyncError as error:
                 _report(rank, epoch, "connect", time.monotonic(), type(error).__name__, str(error))
-                client = None
                 epoch = epochs.newer_than(epoch)
                 continue
+        assert client is not None
         op = "allreduce" if step % 3 else "broadcast"
         x[:] = np.arange(COUNT, dtype=np.int64) * (rank + 1) + step
         start = time.monotonic()

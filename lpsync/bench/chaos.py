@@ -1,0 +1,267 @@
+"""A chaos run: trainers keep checking collectives while daemons, clients and links fail.
+
+    sudo python -m lpsync.bench.chaos --seconds 60 --seed 1 [--json]
+
+On an emulated cluster (default 4 nodes x 2 ranks, plain TCP peers) every trainer runs
+allreduces and broadcasts whose results it checks against numpy on every call
+(lpsync.bench.chaos_trainer). A seeded schedule injects one fault at a time: SIGKILL or
+SIGSTOP a daemon or a trainer, cut a node's link in one direction or both; holds it a
+while; then releases it (SIGCONT, restore, restart what it killed). After each release
+every trainer moves to a fresh job (an epoch) and the run waits until a collective of all
+ranks succeeds again. The checks and the table: lpsync.bench.chaos_report. Everything is
+torn down at the end, also on failure and Ctrl-C; exit status 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from lpsync.bench.chaos_report import Bounds, Record, table
+from lpsync.bench.netnodes import Nodes, Trainer, shm_segments
+from lpsync.cluster import Cluster, ClusterSpec, existing, faults
+from lpsync.daemon import launch
+
+KINDS = ("kill-daemon", "stop-daemon", "kill-client", "stop-client", "cut-both", "cut-one")
+CUT_MODES = {"cut-both": "drop", "cut-one": "drop-out"}
+
+
+class Chaos:
+    def __init__(self, spec: ClusterSpec, tmp: Path, args: argparse.Namespace) -> None:
+        self.args, self.spec = args, spec
+        self.per_node, self.world = args.per_node, spec.nodes * args.per_node
+        self.rng = random.Random(args.seed)
+        self.record = Record(Bounds(args.heartbeat_timeout, args.timeout, args.rejoin_bound, args.slack))
+        self.nodes = Nodes(spec, tmp, args.transport, args.heartbeat_timeout)
+        self.reports: queue.Queue[Any] = queue.Queue()
+        self.trainers: list[Trainer] = []
+        self.epoch = 0
+        self._seen = threading.Condition()
+        self._ok: dict[int, set[int]] = {}  # epoch -> ranks with an OK collective in it
+        self._failed: set[int] = set()  # epochs in which some rank failed
+        self._pids: list[int] = []  # every process we started, checked at the end
+        self._cut: tuple[int, str] | None = None
+
+    # -- processes -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.nodes.start_all()
+        self._pids += [d.pid for d in self.nodes.daemons if d is not None]
+        self.trainers = [self._trainer(r) for r in range(self.world)]
+        threading.Thread(target=self._collect, name="reports", daemon=True).start()
+        self._new_epoch()
+        if not self._rejoined(self.epoch, time.monotonic() + 120.0):
+            raise RuntimeError("the first collective of all ranks never succeeded")
+
+    def _trainer(self, rank: int) -> Trainer:
+        node = rank // self.per_node
+        t = Trainer(self.nodes.socket(node), rank, self.world, self.per_node, self.args.timeout, self.reports)
+        self._pids.append(t.proc.pid)
+        return t
+
+    def _collect(self) -> None:
+        while True:
+            report = self.reports.get()  # blocks
+            with self._seen:
+                self.record.reports.append(report)
+                if report["outcome"] == "ok":
+                    self._ok.setdefault(report["epoch"], set()).add(report["rank"])
+                else:
+                    self._failed.add(report["epoch"])
+                self._seen.notify_all()
+
+    def _new_epoch(self) -> None:
+        with self._seen:
+            self.epoch += 1
+        for t in self.trainers:
+            t.epoch(self.epoch)
+
+    def _rejoined(self, epoch: int, deadline: float) -> bool:
+        """Wait until every rank succeeded in ``epoch`` (True) or one failed in it (False)."""
+        with self._seen:
+            self._seen.wait_for(
+                lambda: len(self._ok.get(epoch, ())) == self.world or epoch in self._failed,
+                max(0.0, deadline - time.monotonic()),
+            )
+            return len(self._ok.get(epoch, ())) == self.world
+
+    # -- one fault -----------------------------------------------------------------------
+
+    def one_fault(self) -> None:
+        kind = self.rng.choice(KINDS)
+        node = self.rng.randrange(self.spec.nodes)
+        rank = self.rng.randrange(self.world)
+        hold = self.rng.uniform(0.5, 2.0 * self.args.heartbeat_timeout)
+        self.record.faults[kind] += 1
+        self.record.event(time.monotonic())
+        if kind == "kill-daemon":
+            self.nodes.kill(node)
+        elif kind == "stop-daemon":
+            self.nodes.signal(node, signal.SIGSTOP)
+        elif kind == "kill-client":
+            self.trainers[rank].proc.kill()
+        elif kind == "stop-client":
+            self.trainers[rank].proc.send_signal(signal.SIGSTOP)
+        else:
+            self._cut = (node, CUT_MODES[kind])
+            faults.cut(self.spec, node, CUT_MODES[kind])
+        time.sleep(hold / 2)
+        self._survivors_serve(node if kind.endswith("daemon") or kind.startswith("cut") else None)
+        time.sleep(hold / 2)
+        self._release(kind, node, rank)
+        released = time.monotonic()
+        self.record.event(released)
+        deadline = released + self.args.rejoin_bound
+        while True:  # a fresh job until one collective of all ranks succeeds
+            self._new_epoch()
+            if self._rejoined(self.epoch, deadline):
+                self.record.rejoins.append(time.monotonic() - released)
+                return
+            if time.monotonic() >= deadline:
+                self.record.rejoin_failures.append(
+                    f"{kind} node {node} rank {rank}: not within {self.args.rejoin_bound:.0f} s"
+                )
+                return
+            time.sleep(0.5)  # the meshes are still healing: try again shortly
+
+    def _release(self, kind: str, node: int, rank: int) -> None:
+        if kind == "kill-daemon":
+            daemon = self.nodes.start(node)
+            self._pids.append(daemon.pid)
+        elif kind == "stop-daemon":
+            self.nodes.signal(node, signal.SIGCONT)
+        elif kind == "kill-client":
+            self.trainers[rank].proc.wait(5)
+            self.trainers[rank] = self._trainer(rank)
+        elif kind == "stop-client":
+            self.trainers[rank].proc.send_signal(signal.SIGCONT)
+        elif self._cut is not None:
+            faults.restore(self.spec, *self._cut)
+            self._cut = None
+
+    def _survivors_serve(self, faulted: int | None) -> None:
+        for n in range(self.spec.nodes):
+            if n == faulted:
+                continue
+            self.record.health_checks += 1
+            if not launch.serving(self.nodes.socket(n), timeout=5.0):
+                self.record.health_failures.append(
+                    f"node {n} did not answer health while node {faulted} was faulted"
+                )
+
+    # -- the end -------------------------------------------------------------------------
+
+    def teardown(self) -> None:
+        """Undo a fault in progress, stop trainers and daemons, record how they ended."""
+        if self._cut is not None:
+            faults.restore(self.spec, *self._cut)
+            self._cut = None
+        for d in self.nodes.daemons:
+            if d is not None and d.alive():
+                d.proc.send_signal(signal.SIGCONT)
+        for t in self.trainers:
+            t.stop(grace=self.args.timeout + 5.0)
+        self.record.exits = self.nodes.stop_all()
+        self.record.reclaimed = self.nodes.reclaim()
+
+    def leaks(self, prefix: str) -> None:
+        """After the cluster is down: what is left of anything we started."""
+        self.record.leaks = {
+            "shared memory": [s for pid in self._pids for s in shm_segments(pid)],
+            "sockets": [
+                p
+                for n in range(self.spec.nodes)
+                for p in (self.nodes.socket(n), self.nodes.socket(n) + ".trigger")
+                if Path(p).exists()
+            ],
+            "namespaces": existing(prefix),
+            "processes": [str(pid) for pid in self._pids if _alive(pid)],
+        }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    prefix = args.prefix or f"lpc{os.getpid() % 100000}"
+    with tempfile.TemporaryDirectory(prefix="lpsync-chaos-") as tmp:
+        with Cluster(args.nodes, 1_000_000_000, prefix=prefix) as cluster:
+            chaos = Chaos(cluster.spec, Path(tmp), args)
+            try:
+                chaos.start()
+                end = time.monotonic() + args.seconds
+                while time.monotonic() < end:
+                    time.sleep(chaos.rng.uniform(0.5, 2.0))  # quiet: the job trains
+                    chaos.one_fault()
+            finally:
+                chaos.teardown()
+        chaos.leaks(prefix)
+    return chaos.record.summary()
+
+
+def options(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m lpsync.bench.chaos", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=60.0, help="how long faults are injected (default 60)"
+    )
+    parser.add_argument("--seed", type=int, default=1, help="the schedule's seed (default 1)")
+    parser.add_argument("--nodes", type=int, default=4, help="emulated nodes (default 4)")
+    parser.add_argument("--per-node", type=int, default=2, help="trainers per node (default 2)")
+    parser.add_argument(
+        "--transport", default="tcp", choices=("tcp", "ucx"), help="peer transport (default tcp)"
+    )
+    parser.add_argument(
+        "--heartbeat-timeout", type=float, default=2.0, help="the daemons' (default 2; theirs is 5)"
+    )
+    parser.add_argument("--timeout", type=float, default=8.0, help="each collective's timeout (default 8)")
+    parser.add_argument(
+        "--rejoin-bound",
+        type=float,
+        default=45.0,
+        help="seconds for all ranks to succeed again after a release (default 45)",
+    )
+    parser.add_argument(
+        "--slack",
+        type=float,
+        default=2.0,
+        help="seconds added to every bound on a loaded machine (default 2)",
+    )
+    parser.add_argument("--prefix", default="", help="the cluster's namespace prefix (default lpc<pid>)")
+    parser.add_argument("--json", action="store_true", help="the summary as one JSON object")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = options(argv)
+    summary = run(args)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        header = (
+            f"chaos: {args.nodes} nodes x {args.per_node} ranks, {args.transport}, "
+            f"{args.seconds:g} s, seed {args.seed}, "
+            f"heartbeat timeout {args.heartbeat_timeout:g} s, collective timeout {args.timeout:g} s"
+        )
+        print(table(summary, header))
+    return 0 if summary["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
