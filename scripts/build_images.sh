@@ -21,7 +21,7 @@ from the builds (docs/deploy.md, "Building without a registry"):
      lpsync-trainer:TAG   deploy/Dockerfile, target trainer  } pip --no-index from (1)
   4. lpsync-prometheus:TAG  Debian's prometheus binary (apt-get download) on the base, for
                           deploy/compose/offline.override.yml (prom/prometheus's place)
-  5. lpsync-stage:build-TAG, lpsync-stage:build-trainer-TAG keep the layer cache (a change
+  5. lpsync-stage:deps-TAG, lpsync-stage:deps-trainer-TAG keep the layer cache (a change
                           of the source reinstalls only the project); untagged layers of
                           earlier builds of these images (label org.lpsync.image) are pruned
 
@@ -184,8 +184,8 @@ build_prometheus() {
 total=$SECONDS
 if wants wheelhouse; then make_wheelhouse; fi
 if wants base || wants daemon || wants trainer || wants prometheus; then make_base; fi
-if wants daemon; then build_target build daemon lpsync; fi
-if wants trainer; then build_target build-trainer trainer lpsync-trainer; fi
+if wants daemon; then build_target deps daemon lpsync; fi
+if wants trainer; then build_target deps-trainer trainer lpsync-trainer; fi
 if wants prometheus; then build_prometheus; fi
 prune
 echo "== images built in $((SECONDS - total)) s"
