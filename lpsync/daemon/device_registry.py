@@ -64,7 +64,7 @@ class DeviceRegistry:
             )
         handle, uuid = split_device_uuid(bytes(handle))
         if uuid is not None:  # the client's ordinal is its own numbering: the UUID decides
-            device = self._device_of(uuid)
+            device = self._device_of(uuid, device)
         if not 0 <= device < self.kind.devices:
             raise InvalidArgumentError(
                 f"device {device} does not exist: this daemon has "
@@ -105,15 +105,15 @@ class DeviceRegistry:
             self.registered[device] += nbytes
         return DeviceBuffer(entry, offset, nbytes)
 
-    def _device_of(self, uuid: bytes) -> int:
+    def _device_of(self, uuid: bytes, client_ordinal: int) -> int:
         with self._lock:
             if self._uuids is None:
                 self._uuids = {self.kind.uuid(d): d for d in range(self.kind.devices)}
             device = self._uuids.get(uuid)
         if device is None:
             raise InvalidArgumentError(
-                f"the buffer is on device {uuid.hex()}, which this daemon does not serve "
-                "(--devices): a GPU of another node or hidden from the daemon"
+                f"the buffer is on the client's device {client_ordinal} (UUID {uuid.hex()}), which "
+                "this daemon does not serve (--devices): a GPU of another node or hidden from the daemon"
             )
         return device
 

@@ -22,6 +22,7 @@ from lpsync.memory.kind import Span
 from lpsync.reduction import Reduction
 from lpsync.types import ReduceOp
 from lpsync_client import emulated as client_emulated
+from lpsync_client.wire import split_device_uuid
 
 
 @pytest.fixture
@@ -126,7 +127,8 @@ def test_reduce_and_reach_rules(kind):
 def _export_and_wait(conn) -> None:
     alloc = client_emulated.Allocation(4096, device=1)
     alloc.bytes[:] = np.arange(4096) % 251
-    conn.send(alloc.ipc_handle())
+    handle, _ = split_device_uuid(alloc.ipc_handle())  # the registry takes the UUID off
+    conn.send(handle)
     conn.recv()  # until told to exit
 
 
