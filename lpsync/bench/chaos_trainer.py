@@ -65,7 +65,7 @@ def run(socket: str, rank: int, world: int, per_node: int, timeout: float) -> No
     epoch = epochs.newer_than(-1)
     client: lpsync_client.Client | None = None
     joined, step = -1, 0  # the epoch whose job ``client`` is in
-    while epoch is not None:
+    while epoch is not None and not epochs.closed:
         epoch = max(epoch, epochs.value)
         if epoch != joined:  # a new job: all ranks start it even
             if client is not None:

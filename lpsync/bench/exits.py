@@ -2,9 +2,10 @@
 
     sudo python -m lpsync.bench.exits --nodes 2,5,8,16 --transport tcp,ucx [--json]
 
-For each point: a cluster of N namespaces, one daemon per node, and (busy) one trainer
-per node running verified allreduces across all nodes; once every trainer has completed
-a collective, SIGTERM goes to every daemon at once. Each daemon's time to exit, its exit
+For each point: a cluster of N namespaces, one daemon per node, and one trainer per node
+running verified allreduces across all nodes. Once every trainer has completed a
+collective (the meshes are up), SIGTERM goes to every daemon at once: mid-collective with
+the trainers still running, idle after they detached and exited. Each daemon's time to exit, its exit
 code, and what it left (shared memory, its sockets) are recorded; afterwards no process
 and no namespace may remain. Exit status 1 when any daemon took over ``--bound`` seconds
 or left something.
@@ -71,12 +72,15 @@ def measure(nodes: int, transport: str, busy: bool, prefix: str | None = None) -
         net = Nodes(cluster.spec, Path(tmp), transport)
         try:
             net.start_all()
-            if busy:
-                reports: queue.Queue[Any] = queue.Queue()
-                trainers = [Trainer(net.socket(n), n, nodes, 1, 30.0, reports) for n in range(nodes)]
+            # Both states start from meshes that are up: one job of every node completed.
+            reports: queue.Queue[Any] = queue.Queue()
+            trainers = [Trainer(net.socket(n), n, nodes, 1, 30.0, reports) for n in range(nodes)]
+            for t in trainers:
+                t.epoch(0)
+            _wait_all_ok(reports, nodes, time.monotonic() + 120.0)
+            if not busy:  # idle: the job has left (its trainers detached and exited)
                 for t in trainers:
-                    t.epoch(0)
-                _wait_all_ok(reports, nodes, time.monotonic() + 120.0)
+                    t.stop(grace=40.0)
             exits = net.stop_all()
         finally:
             for t in trainers:

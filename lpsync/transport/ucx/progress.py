@@ -21,6 +21,7 @@ import logging
 import os
 import select
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -67,6 +68,7 @@ class ProgressThread:
         self._epoll.register(self.worker.epoll_file_descriptor, select.EPOLLIN)
         self._epoll.register(self._wake, select.EPOLLIN)
         self._stopping = False
+        self._adopted: weakref.WeakSet[Any] = weakref.WeakSet()  # endpoints: closed before the worker
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -125,6 +127,11 @@ class ProgressThread:
         message arrived)."""
         self._after_progress.append(fn)
 
+    def adopt(self, endpoint: Any) -> None:
+        """On the progress thread: ``endpoint`` (with a ``close()`` for this thread) is
+        closed at teardown, before the worker and context go, if it is still open."""
+        self._adopted.add(endpoint)
+
     def _post(self, run: Callable[[], None], fail: Callable[[BaseException], None]) -> None:
         with self._wake_lock:
             if not self._closed:
@@ -182,6 +189,11 @@ class ProgressThread:
             request.ucx = None
             request.finish(stopped)
         self._in_flight.clear()
+        for endpoint in list(self._adopted):
+            try:
+                endpoint.close()
+            except Exception as error:  # the others still need closing
+                log.warning("closing a UCX endpoint at teardown: %r", error)
         self._epoll.close()
         os.close(self._wake)
         # UCX objects die on the thread that made them.
