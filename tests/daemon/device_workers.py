@@ -116,12 +116,55 @@ def kill_self_after_register(socket: str, ready_file: str) -> None:
 
 
 def run_cases_on_nodes(
-    rank: int, sockets: list[str], per_node: int, world: int, devices: list[int], cases: list[tuple]
+    rank: int,
+    sockets: list[str],
+    per_node: int,
+    world: int,
+    devices: list[int],
+    cases: list[tuple],
+    framework: str = "emulated",
 ) -> list:
     """run_cases for a multi-node job: node-major ranks, each on its node's daemon."""
     os.environ["LOCAL_RANK"] = str(rank % per_node)
     os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
-    return run_cases(rank, sockets[rank // per_node], world, devices, cases)
+    return run_cases(rank, sockets[rank // per_node], world, devices, cases, framework)
+
+
+def under_another_ordinal(rank: int, socket: str, framework: str = "emulated") -> dict:
+    """A client whose registrations name its GPU as device 7 (as a rank would under
+    another CUDA_VISIBLE_DEVICES): the daemon must map it by the UUID the handle carries.
+    Then a handle whose UUID names no GPU of the daemon: refused, not mapped somewhere."""
+    import dataclasses
+
+    import lpsync_client.client as client_module
+    from lpsync_client.wire import split_device_uuid, with_device_uuid
+
+    real = client_module.describe
+    lie: dict[str, bytes | None] = {"uuid": None}
+
+    def describe(x: object):
+        operand = real(x)
+        info = dataclasses.replace(operand.info, device=7)
+        if lie["uuid"] is not None:
+            handle, _ = split_device_uuid(info.handle)
+            info = dataclasses.replace(info, handle=with_device_uuid(handle, lie["uuid"]))
+        return dataclasses.replace(operand, info=info)
+
+    client_module.describe = describe
+    seen: dict = {}
+    with _client(rank, socket, 1, "ordinals") as client:
+        x = to_device(np.arange(5, dtype=np.float32), 0, "float32", framework)
+        client.allreduce(x)
+        seen["allreduce"] = to_host(x, framework).tolist()
+        client.release(x)
+        lie["uuid"] = bytes(16)  # no GPU has the nil UUID
+        y = to_device(np.ones(5, dtype=np.float32), 0, "float32", framework)
+        try:
+            client.allreduce(y)
+            seen["refused"] = ""
+        except lpsync_client.InvalidArgumentError as error:
+            seen["refused"] = str(error)
+    return seen
 
 
 def cupy_register_and_sleep(rank: int, socket: str, ready_file: str) -> None:

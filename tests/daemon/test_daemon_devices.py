@@ -241,6 +241,14 @@ def test_bad_ready_events_are_refused(emu, monkeypatch):
     assert all(r.open_allocations == 0 for r in _device_rows(emu.socket).values())
 
 
+def test_a_device_named_under_another_ordinal_is_mapped_by_its_uuid(emu):
+    """The client's ordinal is made to lie (7): the UUID in the handle decides; an unknown
+    UUID is refused by name (test_daemon_gpu.py runs the same on a GPU)."""
+    (seen,) = run_ranks(1, device_workers.under_another_ordinal, emu.socket)
+    assert seen["allreduce"] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert "does not serve" in seen["refused"] and "device 7" in seen["refused"], seen
+
+
 def test_cpu_daemon_refuses_device_buffers(daemon):
     with lpsync_client.connect(daemon.socket, job="cpu", rank=0, world_size=1) as client:
         with pytest.raises(lpsync_client.InvalidArgumentError, match="--devices"):

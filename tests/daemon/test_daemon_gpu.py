@@ -15,9 +15,9 @@ import pytest
 
 import lpsync_client
 import tests.daemon.device_workers as device_workers
-from lpsync.types import DTYPES, Collective, ReduceOp
-from tests.collective_cases import assert_matches, every_case, reference
-from tests.daemon.harness import DaemonProcess, run_ranks
+from lpsync.types import DATA_COLLECTIVES, DTYPES, Collective, ReduceOp
+from tests.collective_cases import assert_matches, every_case, make_inputs, reference
+from tests.daemon.harness import DaemonProcess, PeeredDaemons, run_ranks
 
 
 def _no_gpu() -> str:
@@ -124,3 +124,60 @@ def test_a_killed_client_releases_its_ipc_mappings(gpu_daemon, tmp_path):
     while _rows(gpu_daemon.socket)[0].open_allocations:
         assert time.monotonic() < deadline, "the killed client's allocation stayed open"
         time.sleep(0.05)
+
+
+def test_cuda_buffers_across_two_daemons_on_loopback(tmp_path):
+    """Two daemons on loopback peers (the TCP peer transport: no ucxx needed) serving the
+    same GPU, two cupy ranks on each: every collective in and out of place crosses the
+    peer plane through the chunk-wise staging, checked against numpy."""
+    daemons = PeeredDaemons(tmp_path, 2, "--devices", "cuda:0", "--peer-transport", "tcp")
+    try:
+        world, count = 4, 100_003
+        rng = np.random.default_rng(25)
+        kinds = [("float32", "sum"), ("float64", "max"), ("int32", "sum"), ("float16", "min")]
+        cases = []
+        for op in DATA_COLLECTIVES:
+            for in_place in (False, True):
+                dtype, reduce_op = kinds[len(cases) % len(kinds)]
+                if op not in (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER):
+                    reduce_op = "sum"
+                root = 3 if op in (Collective.BROADCAST, Collective.REDUCE) else 0
+                inputs = make_inputs(op, world, count, DTYPES[dtype], ReduceOp(reduce_op), rng)
+                cases.append(
+                    (op.value, dtype, reduce_op, in_place, root, count, [x.tobytes() for x in inputs])
+                )
+        results = run_ranks(
+            world,
+            device_workers.run_cases_on_nodes,
+            daemons.sockets,
+            2,
+            world,
+            [0, 0, 0, 0],
+            cases,
+            "cupy",
+            timeout=300,
+        )
+        for index, (op, dtype, reduce_op, in_place, root, _, raw) in enumerate(cases):
+            inputs = [np.frombuffer(b, DTYPES[dtype]) for b in raw]
+            want = reference(Collective(op), ReduceOp(reduce_op), inputs, root, count)
+            for rank in range(world):
+                got, after = results[rank][index]
+                if op == "reduce" and in_place and rank != root:
+                    assert after == raw[rank]
+                    continue
+                assert_matches(
+                    np.frombuffer(got, DTYPES[dtype]),
+                    want[rank],
+                    f"{op} {dtype} {reduce_op} in_place={in_place} rank {rank}",
+                )
+    finally:
+        daemons.stop_and_check()
+
+
+def test_a_gpu_named_under_another_ordinal_is_mapped_by_its_uuid(gpu_daemon):
+    """On one GPU the daemon cannot be given another CUDA_VISIBLE_DEVICES order, so the
+    client's ordinal is made to lie (7): the UUID in the handle decides; an unknown UUID
+    is refused by name (issue 25, point 2)."""
+    (seen,) = run_ranks(1, device_workers.under_another_ordinal, gpu_daemon.socket, "cupy")
+    assert seen["allreduce"] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert "does not serve" in seen["refused"] and "device 7" in seen["refused"], seen
