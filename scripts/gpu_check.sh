@@ -48,21 +48,15 @@ echo "== gpu tests (pytest -m gpu)"
 set +e
 # Only the files that hold gpu tests: the others may import what this image lacks.
 mapfile -t gpu_tests < <(grep -rlE "mark\.gpu|kinds\(" tests --include='test_*.py' | sort)
-timeout 330 "$py" -m pytest -q -m gpu "${gpu_tests[@]}" -rs -p no:cacheprovider --timeout 240 \
+timeout 280 "$py" -m pytest -q -m gpu "${gpu_tests[@]}" -rs -p no:cacheprovider --timeout 200 \
     --junitxml="$out/junit.xml" 2>&1 | tail -40
 tests_rc=${PIPESTATUS[0]}
 
 echo "== 256 MiB copy: through CUDA IPC vs device to device"
-timeout 90 "$py" - "$out/copy.json" <<'PY'
-import json, sys
-from lpsync.bench import ipc_copy
-result = ipc_copy.measure(256 << 20)
-print(ipc_copy.report(result))
-json.dump(result, open(sys.argv[1], "w"))
-PY
+timeout 60 "$py" -m lpsync.bench.ipc_copy --mib 256 --json "$out/copy.json"
 
 echo "== allreduce, 4 processes sharing GPU 0"
-timeout 150 "$py" -m lpsync.cli bench --memory cuda --devices cuda:0 --procs 4 --op allreduce \
+timeout 120 "$py" -m lpsync.cli bench --memory cuda --devices cuda:0 --procs 4 --op allreduce \
     --bytes "${GPU_CHECK_SIZES:-1MiB:256MiB}" --iters 10 --warmup 2 --json > "$out/allreduce.json"
 set -e
 

@@ -144,7 +144,7 @@ def reference(
         tol = None
     else:
         wide = stack.astype(np.float64)
-        eps = float(np.finfo(dtype).eps)
+        eps = float(ml_dtypes.finfo(dtype).eps)  # numpy's finfo refuses bfloat16 (numpy 2.5)
         if reduce_op is ReduceOp.PROD:
             total = np.prod(wide, axis=0)
             tol = 4 * (p + 1) * eps * np.abs(total)

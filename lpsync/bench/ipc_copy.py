@@ -4,7 +4,7 @@ Both copies run on one GPU through the cuda memory kind (lpsync.memory.cuda), on
 stream, timed by events: the D2D copy reads memory this process allocated; the IPC copy
 reads an allocation another process exported (cudaIpcGetMemHandle) and this one opened
 (cudaIpcOpenMemHandle) — the daemon's path. Bandwidth counts the bytes once.
-NOT YET RUN ON A GPU (docs/gpu.md).
+    python -m lpsync.bench.ipc_copy [--mib 256] [--json FILE]
 """
 
 from __future__ import annotations
@@ -80,3 +80,22 @@ def report(result: dict[str, float]) -> str:
         f"{result['d2d_gbps']:.1f} GB/s, through CUDA IPC {result['ipc_gbps']:.1f} GB/s "
         f"({100 * result['ipc_over_d2d']:.0f}% of D2D)"
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256, help="bytes copied, in MiB (default 256)")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    result = measure(args.mib << 20)
+    print(report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":  # a module, so that spawned processes can import it
+    main()

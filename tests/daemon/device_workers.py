@@ -48,6 +48,14 @@ def to_host(array, framework: str) -> np.ndarray:
     return array.cpu().numpy()
 
 
+def _jax_for_ipc() -> None:
+    """JAX's default allocator (cuMemCreate, 75% of the GPU taken at start) gives memory
+    CUDA IPC cannot export, and several processes cannot share a GPU under it: the
+    platform allocator (cudaMalloc) is what lpsync needs (docs/gpu.md)."""
+    os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+
+
 def run_cases(
     rank: int, socket: str, world: int, devices: list[int], cases: list[tuple], framework: str = "emulated"
 ) -> list:
@@ -233,6 +241,7 @@ def frameworks_register(rank: int, socket: str) -> dict[str, list]:
         except ImportError:
             pass
         try:
+            _jax_for_ipc()
             import jax
             import jax.numpy as jnp
 
@@ -323,6 +332,7 @@ def gpu_adapters(rank: int, socket: str, world: int) -> dict:
         out["cupy"] = [float(tree["w"][0]), int(tree["b"][0][0])]
         out["registrations"] = client.device_registrations()
         try:
+            _jax_for_ipc()
             import jax
             import jax.numpy as jnp
 
