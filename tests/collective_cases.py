@@ -153,7 +153,7 @@ def reference(
             tol = 4 * (p + 1) * eps * np.sum(np.abs(wide), axis=0)
             if reduce_op is ReduceOp.AVG:
                 total, tol = total / p, tol / p
-        tol = tol + float(np.finfo(dtype).tiny)
+        tol = tol + float(ml_dtypes.finfo(dtype).tiny)
     if op is C.REDUCE_SCATTER:
         return [Expected(total[r], None if tol is None else tol[r]) for r in range(p)]
     if op is C.REDUCE:

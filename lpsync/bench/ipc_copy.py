@@ -47,7 +47,14 @@ def measure(nbytes: int, device: int = 0) -> dict[str, float]:
     from lpsync.memory.kind import Span
 
     kind = CudaKind((device,))
-    kind.event = lambda: cupy.cuda.Event(block=True)  # timing events for this measurement
+
+    def timing_event(device: int) -> cupy.cuda.Event:  # kind.event's, with timing on
+        with cupy.cuda.Device(device):
+            event = cupy.cuda.Event(block=True)
+        event.lpsync_device = device
+        return event
+
+    kind.event = timing_event
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_exporter, args=(nbytes, device, child))

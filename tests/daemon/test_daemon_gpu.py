@@ -87,8 +87,8 @@ def test_frameworks_register_device_memory(gpu_daemon):
         assert seen["cupy"] == [0.0, 1.0, 2.0]
     if "torch" in seen:
         assert seen["torch"] == [1000.0, 1001.0, 1002.0]
-    if "jax" in seen:
-        assert seen["jax"] == [0.0, 2.0, 4.0]
+    if "jax" in seen:  # JAX's GPU memory may not be exportable: then refused by name
+        assert seen["jax"] == [0.0, 2.0, 4.0] or "cannot be exported" in seen["jax"], seen["jax"]
     assert {"cupy", "torch", "jax"} & set(seen), "no CUDA framework installed"
 
 

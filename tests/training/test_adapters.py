@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+import lpsync_client
 from tests.daemon.harness import DaemonProcess, run_ranks
 from tests.training.adapter_workers import cupy_ranks, inputs, jax_ranks
 
@@ -71,3 +72,24 @@ def test_missing_framework_says_what_to_install(module: str, framework: str, ext
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     ).stdout
     assert extra in out and "not installed" in out, out
+
+
+def test_jax_gpu_memory_that_cannot_be_exported_takes_the_host_path(monkeypatch) -> None:
+    """JAX 0.11's GPU allocators give memory CUDA IPC cannot export (seen on an H200): the
+    adapter asks once, warns once, and sends GPU leaves through host memory."""
+    pytest.importorskip("jax")
+    import lpsync_client.jax as lpj
+    from lpsync_client._cuda import NOT_EXPORTABLE
+
+    asked: list[object] = []
+
+    def refuse(leaf: object) -> None:
+        asked.append(leaf)
+        raise lpsync_client.InvalidArgumentError(NOT_EXPORTABLE)
+
+    monkeypatch.setattr(lpj, "describe", refuse)
+    monkeypatch.setattr(lpj, "_EXPORTABLE", [])
+    with pytest.warns(RuntimeWarning, match="through host memory"):
+        assert lpj._exportable("leaf 1") is False
+    assert lpj._exportable("leaf 2") is False
+    assert asked == ["leaf 1"]

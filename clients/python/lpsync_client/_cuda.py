@@ -32,7 +32,8 @@ NOT_EXPORTABLE = (
     "this allocation cannot be exported through CUDA IPC (memory from cudaMallocAsync pools, "
     "expandable segments or cuMemCreate): use torch without "
     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, cupy's default MemoryPool rather than "
-    "MemoryAsyncPool, JAX with XLA_PYTHON_CLIENT_ALLOCATOR=platform, or register a host buffer"
+    "MemoryAsyncPool, or register a host buffer (JAX's GPU memory is not exportable: "
+    "lpsync_client.jax stages it through host memory)"
 )
 
 

@@ -6,18 +6,23 @@ steps and outside ``jit`` (a collective is a side effect).
     grads = lpj.pmean(grads)                       # the average over every rank
     params = jax.tree_util.tree_map(lambda p, g: p - lr * g, params, grads)
 
-Leaves on a GPU, when the daemon serves cuda, take the device path: each is copied on
+Leaves on a GPU, when the daemon serves cuda and JAX's allocator gives memory CUDA IPC
+can export, take the device path: each is copied on
 its GPU into a fresh buffer (JAX arrays are immutable; the copy is ours to write), which
 the daemon reduces in place through CUDA IPC (registered per allocation span, released
 when the copy is collected; ordered after XLA's work by ``block_until_ready``); the copies
 are the results. Other leaves are read through DLPack (zero copy on CPU), packed into one
 shared-memory buffer per dtype (one collective per dtype, not per leaf) and returned as
-new arrays on the leaves' devices. The client attaches from the environment (RANK, WORLD_SIZE, LPSYNC_SOCKET,
-LPSYNC_JOB...) unless ``client=`` is given.
+new arrays on the leaves' devices. JAX 0.11's GPU allocators (the default and
+``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` alike, seen on an H200) give memory that CUDA
+IPC cannot export: GPU leaves then take the host path too, said once in a warning. The
+client attaches from the environment (RANK, WORLD_SIZE, LPSYNC_SOCKET, LPSYNC_JOB...)
+unless ``client=`` is given.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 try:
@@ -32,8 +37,11 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess by 
 import numpy as np
 
 from lpsync_client import _adapt, _fused
+from lpsync_client._cuda import NOT_EXPORTABLE
 from lpsync_client._default import default_client, resolve, set_default_client
+from lpsync_client._device import describe
 from lpsync_client.client import Client
+from lpsync_client.errors import InvalidArgumentError
 
 _DEVICE_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int32", "int64", "uint8"})
 
@@ -98,7 +106,29 @@ def _gpu_leaf(client: Client, leaf: Any) -> bool:
         return False
     if leaf.dtype.name not in _DEVICE_DTYPES:  # no __cuda_array_interface__ typestr (bfloat16)
         return False
-    return "cuda" in _adapt.served_kinds(client)
+    return "cuda" in _adapt.served_kinds(client) and _exportable(leaf)
+
+
+_EXPORTABLE: list[bool] = []  # JAX's allocator decides for every array: asked once
+
+
+def _exportable(leaf: Any) -> bool:
+    """Whether JAX's GPU memory can go through CUDA IPC (the first GPU leaf tells)."""
+    if not _EXPORTABLE:
+        try:
+            describe(leaf)
+            _EXPORTABLE.append(True)
+        except InvalidArgumentError as error:
+            if str(error) != NOT_EXPORTABLE:
+                raise
+            _EXPORTABLE.append(False)
+            warnings.warn(
+                "JAX's GPU memory cannot be exported through CUDA IPC: lpsync_client.jax "
+                "copies GPU leaves through host memory (slower, still correct)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    return _EXPORTABLE[0]
 
 
 def pmean(tree: Any, *, client: Client | None = None, timeout: float | None = None) -> Any:
