@@ -75,6 +75,11 @@ class LpSyncStub:
                 request_serializer=lpsync_dot_v1_dot_lpsync__pb2.StatusRequest.SerializeToString,
                 response_deserializer=lpsync_dot_v1_dot_lpsync__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Node = channel.unary_unary(
+                '/lpsync.v1.LpSync/Node',
+                request_serializer=lpsync_dot_v1_dot_lpsync__pb2.NodeRequest.SerializeToString,
+                response_deserializer=lpsync_dot_v1_dot_lpsync__pb2.NodeInfo.FromString,
+                _registered_method=True)
 
 
 class LpSyncServicer:
@@ -132,6 +137,14 @@ class LpSyncServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Node(self, request, context):
+        """Which node this daemon is, before attaching: the ranks of a job exchange it (through
+        a store) to discover which ranks share a node (docs/training.md, "The layout").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LpSyncServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +187,11 @@ def add_LpSyncServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=lpsync_dot_v1_dot_lpsync__pb2.StatusRequest.FromString,
                     response_serializer=lpsync_dot_v1_dot_lpsync__pb2.StatusResponse.SerializeToString,
+            ),
+            'Node': grpc.unary_unary_rpc_method_handler(
+                    servicer.Node,
+                    request_deserializer=lpsync_dot_v1_dot_lpsync__pb2.NodeRequest.FromString,
+                    response_serializer=lpsync_dot_v1_dot_lpsync__pb2.NodeInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -392,6 +410,33 @@ class LpSync:
             '/lpsync.v1.LpSync/Status',
             lpsync_dot_v1_dot_lpsync__pb2.StatusRequest.SerializeToString,
             lpsync_dot_v1_dot_lpsync__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Node(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lpsync.v1.LpSync/Node',
+            lpsync_dot_v1_dot_lpsync__pb2.NodeRequest.SerializeToString,
+            lpsync_dot_v1_dot_lpsync__pb2.NodeInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,31 +17,49 @@ BUFFER_STATE_UNSPECIFIED: BufferState
 INTACT: BufferState
 PARTIAL: BufferState
 
+class NodeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_rank", "nodes", "cluster")
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    node_rank: int
+    nodes: int
+    cluster: str
+    def __init__(self, node_rank: _Optional[int] = ..., nodes: _Optional[int] = ..., cluster: _Optional[str] = ...) -> None: ...
+
 class AttachRequest(_message.Message):
-    __slots__ = ("job", "rank", "world_size", "local_rank", "local_world_size", "pid")
+    __slots__ = ("job", "rank", "world_size", "local_rank", "local_world_size", "pid", "rank_nodes")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    RANK_NODES_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     world_size: int
     local_rank: int
     local_world_size: int
     pid: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    rank_nodes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., pid: _Optional[int] = ..., rank_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("session_id", "daemon_version", "trigger_socket")
+    __slots__ = ("session_id", "daemon_version", "trigger_socket", "node")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRIGGER_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     daemon_version: str
     trigger_socket: str
-    def __init__(self, session_id: _Optional[str] = ..., daemon_version: _Optional[str] = ..., trigger_socket: _Optional[str] = ...) -> None: ...
+    node: NodeInfo
+    def __init__(self, session_id: _Optional[str] = ..., daemon_version: _Optional[str] = ..., trigger_socket: _Optional[str] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
 
 class DetachRequest(_message.Message):
     __slots__ = ("session_id",)
