@@ -8,7 +8,7 @@ recorder of ``lpsync status``). These types carry no behaviour beyond their own 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,16 +22,50 @@ INTACT, PARTIAL, UNSPECIFIED = "INTACT", "PARTIAL", ""
 
 @dataclass(frozen=True)
 class NodeLayout:
-    """A multi-node job, node-major: node n serves ranks n*L .. n*L+L-1 (torchrun's
-    RANK = node_rank * LOCAL_WORLD_SIZE + LOCAL_RANK); node n is daemon n of --peers."""
+    """A multi-node job: the node of every rank and which node this daemon is; node n is
+    daemon n of --peers. Any map: ranks need not be node-major and nodes may serve
+    different numbers of ranks (the ranks discover it, control/layout.py)."""
 
-    ranks_per_node: int  # L, LOCAL_WORLD_SIZE (uniform across nodes)
-    nodes: int  # WORLD_SIZE // L
+    node_of: tuple[int, ...]  # by rank: the node serving it
     node: int  # this daemon's node rank
+    # Derived once (a job asks for them on every collective); not part of equality.
+    nodes: int = field(init=False, compare=False)  # nodes 0..nodes-1 serve the job
+    local_ranks: tuple[int, ...] = field(init=False, compare=False)  # this node's, ascending
+    by_node: tuple[int, ...] = field(init=False, compare=False)  # node 0's ranks, node 1's...
+    node_major: bool = field(init=False, compare=False)  # by_node is rank order
 
-    @property
-    def local_ranks(self) -> range:
-        return range(self.node * self.ranks_per_node, (self.node + 1) * self.ranks_per_node)
+    def __post_init__(self) -> None:
+        by_node = tuple(sorted(range(len(self.node_of)), key=lambda r: (self.node_of[r], r)))
+        object.__setattr__(self, "nodes", max(self.node_of) + 1)
+        object.__setattr__(self, "local_ranks", self.ranks_of(self.node))
+        object.__setattr__(self, "by_node", by_node)
+        object.__setattr__(self, "node_major", by_node == tuple(range(len(by_node))))
+
+    @classmethod
+    def uniform(cls, ranks_per_node: int, nodes: int, node: int) -> NodeLayout:
+        """torchrun's numbering: node n serves ranks n*L .. n*L+L-1."""
+        return cls(tuple(r // ranks_per_node for r in range(ranks_per_node * nodes)), node)
+
+    def ranks_of(self, node: int) -> tuple[int, ...]:
+        return tuple(r for r, n in enumerate(self.node_of) if n == node)
+
+    def describe(self) -> str:
+        """'node 0: ranks 0-2; node 1: rank 3', for error messages."""
+        return "; ".join(f"node {n}: {ranks_text(self.ranks_of(n))}" for n in range(self.nodes))
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """'ranks 0-2, 5' / 'rank 3' / 'no ranks': runs of consecutive ranks folded."""
+    if not ranks:
+        return "no ranks"
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,13 @@
 """Routing one collective's messages between the participants of several nodes.
 
-A multi-node collective is one schedule over every participant of the job, numbered
-node-major (node 0's local ranks first, then node 1's, ...), so an LP or ring chain
-crosses each node boundary once and its local and inter-node stages form one chunk
-pipeline. On each node the daemon runs the plans of its own participants; a message
-between two of them goes through the node's inproc fabric, a message to another node
-through the node-level transport (one Endpoint per daemon, peers = node indices) with
-sender, receiver and tag folded into the transport's tag.
+A multi-node collective is one schedule over every participant of the job. Numbered
+node-major (node 0's local ranks first, then node 1's, ...), an LP or ring chain crosses
+each node boundary once and its local and inter-node stages form one chunk pipeline;
+any other map of ranks to nodes runs too, crossing more often. On each node the daemon
+runs the plans of its own participants; a message between two of them goes through the
+node's inproc fabric, a message to another node through the node-level transport (one
+Endpoint per daemon, peers = node indices) with sender, receiver and tag folded into the
+transport's tag.
 """
 
 from __future__ import annotations
@@ -34,20 +35,29 @@ def fold(src: int, dst: int, tag: int) -> int:
 
 @dataclass(frozen=True)
 class Placement:
-    """The node of every participant (node-major), and which node this is."""
+    """The node of every participant, and which node this is."""
 
     node_of: tuple[int, ...]
     node: int
 
     @classmethod
+    def of(cls, node_of: Sequence[int], node: int) -> Placement:
+        """Any map of participants to nodes 0..N-1 (a job's ranks need not be node-major;
+        the chain then crosses node boundaries more often, and stays correct)."""
+        if len(node_of) > MAX_PARTICIPANTS:
+            raise InvalidArgumentError(f"at most {MAX_PARTICIPANTS} participants per job")
+        nodes = max(node_of, default=-1) + 1
+        if min(node_of, default=0) < 0 or len(set(node_of)) != nodes:
+            raise InvalidArgumentError("every node needs at least one participant")
+        if not 0 <= node < nodes:
+            raise InvalidArgumentError(f"node {node} is not one of {nodes}")
+        return cls(tuple(node_of), node)
+
+    @classmethod
     def node_major(cls, ranks_per_node: Sequence[int], node: int) -> Placement:
         if any(n < 1 for n in ranks_per_node):
             raise InvalidArgumentError("every node needs at least one participant")
-        if sum(ranks_per_node) > MAX_PARTICIPANTS:
-            raise InvalidArgumentError(f"at most {MAX_PARTICIPANTS} participants per job")
-        if not 0 <= node < len(ranks_per_node):
-            raise InvalidArgumentError(f"node {node} is not one of {len(ranks_per_node)}")
-        return cls(tuple(i for i, n in enumerate(ranks_per_node) for _ in range(n)), node)
+        return cls.of([i for i, n in enumerate(ranks_per_node) for _ in range(n)], node)
 
     @property
     def local_ranks(self) -> list[int]:

@@ -70,7 +70,7 @@ def _summary(node: int, **spec) -> dict:
     }
     return {
         "node": node,
-        "ranks": [2 * node, 2 * node + 1],
+        "ranks": f"ranks {2 * node}-{2 * node + 1}",
         "spec": {**base, **spec},
         "alpha": 1e-4 * (node + 1),
         "beta": 1e-8 / (node + 1),
@@ -93,8 +93,8 @@ def test_judge_names_fields_nodes_and_ranks_of_a_mismatch() -> None:
 def test_judge_reports_the_lowest_failed_node() -> None:
     failed = [
         _summary(0),
-        {"node": 2, "ranks": [4, 5], "error": ["ABORTED", "two"]},
-        {"node": 1, "ranks": [2, 3], "error": ["DEADLINE_EXCEEDED", "one"]},
+        {"node": 2, "ranks": "ranks 4-5", "error": ["ABORTED", "two"]},
+        {"node": 1, "ranks": "ranks 2-3", "error": ["DEADLINE_EXCEEDED", "one"]},
     ]
     code, message = judge(failed, 1, "j")["error"]
     assert code == "DEADLINE_EXCEEDED" and message.endswith("one")

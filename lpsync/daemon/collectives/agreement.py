@@ -35,7 +35,7 @@ from lpsync.daemon.collectives.matching import Job
 from lpsync.daemon.collectives.small import SMALL_MAX_BYTES, SmallCollective
 from lpsync.daemon.collectives.task import job_hash
 from lpsync.daemon.peers.plane import SPEC, VERDICT, Link, control_tag
-from lpsync.daemon.values import SPEC_FIELDS, Pending, Spec
+from lpsync.daemon.values import SPEC_FIELDS, Pending, Spec, ranks_text
 from lpsync.errors import (
     AbortedError,
     CollectiveTimeoutError,
@@ -46,6 +46,7 @@ from lpsync.errors import (
 )
 
 SUMMARY_BYTES = 4096  # one node's summary, JSON (a collective's name is most of it)
+_RANKS_CHARS = 200  # a node's ranks in its summary ('ranks 0, 2-3'), cut beyond
 _VERDICT_BYTES = 4096
 _LENGTHS = struct.Struct("<II")  # the frame: header bytes, payload bytes
 _FRAME = _LENGTHS.size
@@ -143,16 +144,22 @@ def summary(job: Job, spec: Spec, link: Link, extras: tuple[tuple[str, Any], ...
     """This node's summary of ``spec`` (cached: a job repeats its collectives); ``extras``
     are learning.py's fields ("use", "trial", "last"), hashable."""
     assert job.layout is not None and link.model is not None
-    ranks = job.local_ranks
-    return _summary(spec, job.layout.node, ranks[0], ranks[-1], link.model.alpha, link.model.beta, extras)
+    return _summary(spec, job.layout.node, _ranks(job), link.model.alpha, link.model.beta, extras)
+
+
+def _ranks(job: Job) -> str:
+    """This node's ranks of ``job`` as error messages name them ('ranks 0, 2-3'): any set,
+    since a job's ranks need not be node-major; bounded, for the summary's size."""
+    text = ranks_text(job.local_ranks)
+    return text if len(text) <= _RANKS_CHARS else text[:_RANKS_CHARS] + "..."
 
 
 @functools.lru_cache(maxsize=256)
 def _summary(
-    spec: Spec, node: int, lo: int, hi: int, alpha: float, beta: float, extras: tuple[tuple[str, Any], ...]
+    spec: Spec, node: int, ranks: str, alpha: float, beta: float, extras: tuple[tuple[str, Any], ...]
 ) -> Summary:
     mine = Summary.of(
-        {"node": node, "ranks": [lo, hi], "spec": asdict(spec), "alpha": alpha, "beta": beta, **dict(extras)}
+        {"node": node, "ranks": ranks, "spec": asdict(spec), "alpha": alpha, "beta": beta, **dict(extras)}
     )
     if len(mine.alone) > SUMMARY_BYTES:
         raise InvalidArgumentError(f"collective name too long ({len(spec.name)} characters)")
@@ -162,9 +169,9 @@ def _summary(
 def failure_summary(job: Job, error: LpsyncError) -> Summary:
     """A summary that carries the error that failed the collective on this node."""
     assert job.layout is not None
-    lo, hi = job.local_ranks[0], job.local_ranks[-1]
-    message = f"node {job.layout.node} (ranks {lo}-{hi}): {error}"[: SUMMARY_BYTES // 2]
-    return Summary.of({"node": job.layout.node, "ranks": [lo, hi], "error": [error.code, message]})
+    ranks = _ranks(job)
+    message = f"node {job.layout.node} ({ranks}): {error}"[: SUMMARY_BYTES // 2]
+    return Summary.of({"node": job.layout.node, "ranks": ranks, "error": [error.code, message]})
 
 
 def _tags(job_hash: int, sequence: int) -> tuple[int, int]:
@@ -190,8 +197,7 @@ def judge(summaries: list[dict[str, Any]], sequence: int, job: str) -> dict[str,
     if fields:
 
         def who(n: int) -> str:
-            lo, hi = by_node[n]["ranks"]
-            return f"node {n} (ranks {lo}-{hi})"
+            return f"node {n} ({by_node[n]['ranks']})"
 
         detail = "; ".join(f"{f}: " + ", ".join(f"{who(n)}={specs[n][f]!r}" for n in nodes) for f in fields)
         message = f"collective #{sequence} of job {job!r}: nodes disagree on {', '.join(fields)} ({detail})"
@@ -301,7 +307,7 @@ def _exchange(
     for i, (n, message) in enumerate(zip(others, incoming, strict=True)):
         got = message.take(deadline)
         if isinstance(got, str):
-            summaries.append({"node": n, "ranks": [-1, -1], "error": ["INVALID_ARGUMENT", got]})
+            summaries.append({"node": n, "ranks": "ranks unknown", "error": ["INVALID_ARGUMENT", got]})
         else:
             header, payload, _ = got
             summaries.extend(header["summaries"])
@@ -349,7 +355,7 @@ def _tree(
     for kid, message in zip(kids, incoming, strict=True):
         got = message.take(deadline)
         if isinstance(got, str):
-            summaries.append({"node": kid, "ranks": [-1, -1], "error": ["INVALID_ARGUMENT", got]})
+            summaries.append({"node": kid, "ranks": "ranks unknown", "error": ["INVALID_ARGUMENT", got]})
             acc = None
             continue
         header, payload, _ = got

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lpsync.daemon.collectives.learning import Learner
@@ -40,6 +40,7 @@ from lpsync.daemon.values import (
     Outcome,
     Pending,
     Waiting,
+    ranks_text,
 )
 from lpsync.daemon.watcher import Watcher
 from lpsync.errors import (
@@ -84,9 +85,10 @@ class Job:
         # A multi-node job: the ranks this daemon serves; its collectives run when these
         # arrived (path.py agrees with the other nodes before data moves).
         self.layout = layout
-        # A range, never a materialized tuple: the world size is what a request claimed,
-        # and state must grow only with what attached (limits.py).
-        self.local_ranks: range = layout.local_ranks if layout is not None else range(world_size)
+        # Single node: a range, never a materialized tuple (the world size is what a request
+        # claimed; state grows only with what attached, limits.py). Multi-node: the layout's
+        # ranks of this node, which its attaches carried.
+        self.local_ranks: Sequence[int] = layout.local_ranks if layout is not None else range(world_size)
         self.max_pending = max_pending
         self.lock = threading.Lock()
         # One collective of a job runs at a time, in order. Reentrant so that the event loop
@@ -120,9 +122,11 @@ class Job:
                     f"attached with {world_size}"
                 )
             if rank not in self.local_ranks:
+                assert self.layout is not None  # a single-node job serves every rank
                 raise InvalidArgumentError(
-                    f"rank {rank} of job {self.name!r} belongs to another node (this node "
-                    f"serves ranks {self.local_ranks[0]}..{self.local_ranks[-1]})"
+                    f"rank {rank} of job {self.name!r} belongs to node "
+                    f"{self.layout.node_of[rank]}, not to this node {self.layout.node} (it serves "
+                    f"{ranks_text(self.local_ranks)})"
                 )
             if rank in self.sessions:
                 raise AlreadyExistsError(
@@ -252,8 +256,7 @@ class Job:
             if p.stage == ARRIVING:
                 missing = tuple(r for r in self.local_ranks if r not in p.arrivals)
             elif missing_nodes and self.layout is not None:
-                per = self.layout.ranks_per_node
-                missing = tuple(r for n in missing_nodes for r in range(n * per, (n + 1) * per))
+                missing = tuple(sorted(r for n in missing_nodes for r in self.layout.ranks_of(n)))
             else:
                 missing = ()
             out.append(
@@ -412,10 +415,7 @@ class Jobs:
                     self.max_pending,
                 )
             elif job.layout != layout:
-                raise InvalidArgumentError(
-                    f"job {name!r}: rank {rank} attached with another node layout "
-                    f"({layout}) than the job's ({job.layout})"
-                )
+                raise InvalidArgumentError(_other_layout(job, rank, layout))
             try:
                 job.join(rank, world_size, session_id)
             except LpsyncError:
@@ -440,3 +440,18 @@ class Jobs:
     def all(self) -> list[Job]:
         with self._lock:
             return list(self._jobs.values())
+
+
+def _other_layout(job: Job, rank: int, layout: NodeLayout | None) -> str:
+    """Why ``rank`` cannot join ``job``: it brought another layout than the job's ranks on
+    this node (they discovered, or claimed, different ones)."""
+
+    def text(lay: NodeLayout | None) -> str:
+        said = "one node (no layout)" if lay is None else lay.describe()
+        return said if len(said) <= 400 else said[:400] + "…"
+
+    others = ranks_text(sorted(job.sessions)) if job.sessions else "its earlier ranks"
+    return (
+        f"job {job.name!r}: rank {rank} attached with another node layout than {others} on "
+        f"this node: rank {rank} says {text(layout)}; {others} said {text(job.layout)}"
+    )

@@ -107,7 +107,7 @@ def bind(task: Task, link: Link, algorithm: str, chunks: int, staged: Staged | N
             raise InvalidArgumentError(
                 f"{algorithm} {op} of {spec.count} elements needs more than 2**{_STEP_BITS} messages per pair"
             )
-        placement = Placement.node_major([layout.ranks_per_node] * layout.nodes, layout.node)
+        placement = Placement.of(layout.node_of, layout.node)
         group = LocalGroup(schedule, views, reduction(spec, task.dtype, p), placement, link.endpoint)
         if staged is not None:
             staged.attach(group)

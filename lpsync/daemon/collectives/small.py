@@ -44,6 +44,10 @@ class SmallCollective:
         self.op, self.root, self.count, self.dtype = task.op, task.spec.root, task.spec.count, task.dtype
         self.ranks = [a.rank for a in arrivals]
         self.buffers = [buffers(self.op, a, task.participants, self.count) for a in arrivals]
+        # The ranks in the order their allgather blocks are folded (node by node); None
+        # when that is rank order (node-major ranks).
+        layout = task.job.layout
+        self.order = None if layout is None or layout.node_major else list(layout.by_node)
         self.reduction = reduction(task.spec, self.dtype, task.participants)
 
     def part(self) -> np.ndarray:
@@ -92,5 +96,10 @@ class SmallCollective:
                     np.copyto(out, result)
             elif self.op is Collective.REDUCE_SCATTER:
                 np.copyto(out, result[rank * self.count : (rank + 1) * self.count])
+            elif self.op is Collective.ALLGATHER and self.order is not None:
+                # Blocks came node by node: put each at its rank's place.
+                out.reshape(len(self.order), self.count)[self.order] = result.reshape(
+                    len(self.order), self.count
+                )
             elif not np.shares_memory(out, result):
                 np.copyto(out, result)

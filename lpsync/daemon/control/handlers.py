@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import secrets
+import socket
 import threading
 import time
 from collections import deque
@@ -37,13 +40,14 @@ from lpsync.daemon.collectives import path
 from lpsync.daemon.collectives.local import is_inline
 from lpsync.daemon.collectives.matching import Job, Jobs, Recorder
 from lpsync.daemon.collectives.views import bus_factor, nccl_bytes
+from lpsync.daemon.control import layout as layouts
 from lpsync.daemon.control import limits
 from lpsync.daemon.control.config import DaemonConfig
 from lpsync.daemon.control.metrics import JobState, Metrics
 from lpsync.daemon.control.sessions import Session, SessionTable
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.peers.plane import PeerPlane
-from lpsync.daemon.values import Arrival, NodeLayout, Outcome, Pending, Spec
+from lpsync.daemon.values import Arrival, Outcome, Pending, Spec
 from lpsync.daemon.watcher import Watcher
 from lpsync.errors import (
     InvalidArgumentError,
@@ -68,6 +72,8 @@ class Service(pb_grpc.LpSyncServicer):
     def __init__(self, config: DaemonConfig, metrics: Metrics, plane: PeerPlane | None = None) -> None:
         self.config, self.metrics = config, metrics
         self.plane = plane  # the peer manager; None: a single-node daemon
+        # Which node this is, for the ranks that discover their job's layout (layout.py).
+        self.node_info = _node_info(plane)
         self.started = time.time()
         kind = open_kind(parse_devices(config.devices))
         self.devices = DeviceRegistry(kind) if kind is not None else None
@@ -198,21 +204,6 @@ class Service(pb_grpc.LpSyncServicer):
         else:
             self._workers.submit(run)
 
-    def _layout(self, session: Session) -> NodeLayout | None:
-        """The node layout of a multi-node job: node n of the job is daemon n of --peers."""
-        per_node = session.local_world_size
-        if not per_node or self.plane is None:
-            return None
-        nodes, node = session.world_size // per_node, session.rank // per_node
-        if node != self.plane.rank or nodes > self.plane.size:
-            raise InvalidArgumentError(
-                f"rank {session.rank} of job {session.job!r} ({nodes} nodes of {per_node} "
-                f"ranks) belongs on node {node}, but this daemon is node {self.plane.rank} of "
-                f"{self.plane.size}: attach each node's ranks to daemon RANK // "
-                "LOCAL_WORLD_SIZE of --peers"
-            )
-        return NodeLayout(per_node, nodes, node)
-
     # -- RPCs ----------------------------------------------------------------------------------
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
         try:
@@ -227,20 +218,25 @@ class Service(pb_grpc.LpSyncServicer):
                 request.pid,
                 self.limits,
             )
-            session = self.sessions.create(
+            info = self.node_info
+            limits.check_rank_nodes(request.rank_nodes, request.world_size, info.nodes)
+            layout = layouts.resolve(
                 request.job,
                 request.rank,
                 request.world_size,
                 request.local_rank,
                 request.local_world_size,
-                request.pid,
-                multinode=self.plane is not None,
+                request.rank_nodes,
+                info.node_rank,
+                info.nodes,
+            )
+            limits.check_local_world(
+                request.job, len(layout.local_ranks) if layout else request.world_size, self.limits
+            )
+            session = self.sessions.create(
+                request.job, request.rank, request.world_size, request.pid, multinode=layout is not None
             )
             try:
-                layout = self._layout(session)
-                limits.check_local_world(
-                    session.job, layout.ranks_per_node if layout else session.world_size, self.limits
-                )
                 job = self.jobs.join(session.job, session.rank, session.world_size, session.id, layout)
                 if job.layout is not None and self.plane is not None:
                     plane = self.plane
@@ -268,8 +264,14 @@ class Service(pb_grpc.LpSyncServicer):
             extra={"session": session.id, "job": session.job, "rank": session.rank, "pid": session.pid},
         )
         return pb.AttachResponse(
-            session_id=session.id, daemon_version=__version__, trigger_socket=self.trigger_path
+            session_id=session.id,
+            daemon_version=__version__,
+            trigger_socket=self.trigger_path,
+            node=self.node_info,
         )
+
+    async def Node(self, request: pb.NodeRequest, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
+        return self.node_info
 
     async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:
         try:
@@ -551,7 +553,7 @@ class Service(pb_grpc.LpSyncServicer):
         reducing = op in (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER)
         reduce_op = (request.reduce_op or ReduceOp.SUM) if reducing else ""
         algorithm = request.algorithm
-        if algorithm == DIRECT and session.local_world_size:
+        if algorithm == DIRECT and session.multinode:
             raise InvalidArgumentError(
                 "algorithm='direct' serves single-node jobs only; this "
                 "job spans nodes (use lp, ring, mst, be or the tuner)"
@@ -632,6 +634,17 @@ class Service(pb_grpc.LpSyncServicer):
             outcome.seconds,
             bus_factor(spec.op, job.world_size),
         )
+
+
+def _node_info(plane: PeerPlane | None) -> pb.NodeInfo:
+    """This daemon as the Node RPC and Attach describe it. The cluster identity is the
+    --peers list (node-rank order, the same on every daemon of a cluster); a daemon without
+    peers is a cluster of its own: its host and a token drawn at start."""
+    if plane is None:
+        return pb.NodeInfo(node_rank=0, nodes=1, cluster=f"{socket.gethostname()}/{secrets.token_hex(4)}")
+    peers = ",".join(str(p) for p in plane.options.peers.peers)
+    digest = hashlib.sha256(peers.encode()).hexdigest()[:12]
+    return pb.NodeInfo(node_rank=plane.rank, nodes=plane.size, cluster=f"peers-{digest}")
 
 
 def _job_info(info: pb.JobInfo, job: Job, history: int) -> None:

@@ -114,6 +114,26 @@ def check_attach(
         raise _invalid("pid", pid, f"is not a process id (at most {MAX_PID})")
 
 
+def check_rank_nodes(rank_nodes, world_size: int, nodes: int) -> None:
+    """A discovered layout (AttachRequest.rank_nodes): no entries, or one node per rank, each
+    a node of this daemon's cluster. Call after check_attach (world_size is bounded), before
+    anything is built from it."""
+    if not rank_nodes:
+        return
+    if len(rank_nodes) != world_size:
+        raise InvalidArgumentError(
+            f"rank_nodes has {len(rank_nodes)} entries for a world of size {world_size}: give "
+            "the node of every rank, or none"
+        )
+    top = max(rank_nodes)
+    if top >= nodes:
+        raise InvalidArgumentError(
+            f"rank_nodes puts rank {list(rank_nodes).index(top)} on node {top}, but this daemon's "
+            f"cluster has {nodes} node(s)"
+            + (" (it has no peers: --peers, --peers-dns or --peers-slurm)" if nodes == 1 else " (--peers)")
+        )
+
+
 def check_local_world(job: str, local_ranks: int, limits: Limits) -> None:
     """The ranks of a job this daemon must serve all attach here: more than the session
     limit could never complete."""

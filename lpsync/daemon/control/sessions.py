@@ -24,7 +24,6 @@ from lpsync.errors import (
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
-    UnimplementedError,
 )
 from lpsync.memory import SharedSegment
 from lpsync.memory.kind import Span
@@ -56,7 +55,7 @@ class Session:
     rank: int
     world_size: int
     pid: int
-    local_world_size: int = 0  # > 0: a multi-node job with this many ranks per node
+    multinode: bool = False  # its job spans nodes
     attached_at: float = field(default_factory=time.time)
     buffers: dict[int, Buffer] = field(default_factory=dict)
     # Interprocess events the client's collectives wait on, opened once: (device, handle).
@@ -87,40 +86,10 @@ class SessionTable:
         self._total = 0
         self._on_bytes = on_bytes or (lambda total: None)
 
-    def create(
-        self,
-        job: str,
-        rank: int,
-        world_size: int,
-        local_rank: int,
-        local_world_size: int,
-        pid: int,
-        multinode: bool = False,
-    ) -> Session:
-        """``multinode``: this daemon has peers, so a job may span nodes (node-major ranks,
-        LOCAL_WORLD_SIZE ranks on every node). The fields were checked (limits.py)."""
-        spans = bool(local_world_size) and (local_world_size != world_size or local_rank != rank)
-        if spans and not multinode:
-            raise UnimplementedError(
-                f"job {job!r} spans several nodes (world size {world_size}, local world size "
-                f"{local_world_size}) but this daemon has no peers: start it with --peers, "
-                "--peers-dns or --peers-slurm"
-            )
-        if spans and (world_size % local_world_size or local_rank != rank % local_world_size):
-            raise InvalidArgumentError(
-                f"job {job!r}: rank {rank}, local rank {local_rank}, local world size "
-                f"{local_world_size}, world size {world_size} is not a node-major layout "
-                "(RANK = node_rank * LOCAL_WORLD_SIZE + LOCAL_RANK, the same "
-                "LOCAL_WORLD_SIZE on every node)"
-            )
-        session = Session(
-            secrets.token_hex(16),
-            job,
-            rank,
-            world_size,
-            pid,
-            local_world_size=local_world_size if spans else 0,
-        )
+    def create(self, job: str, rank: int, world_size: int, pid: int, multinode: bool = False) -> Session:
+        """``multinode``: the job spans nodes (its layout, control/layout.py). The fields
+        were checked (limits.py)."""
+        session = Session(secrets.token_hex(16), job, rank, world_size, pid, multinode=multinode)
         with self._lock:
             if len(self._sessions) >= self.limits.max_sessions:
                 raise ResourceExhaustedError(
