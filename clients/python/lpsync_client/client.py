@@ -21,6 +21,7 @@ import functools
 import os
 import queue
 import threading
+import warnings
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from lpsync_client import layout
 from lpsync_client._convert import as_numpy, numpy_dtype
 from lpsync_client._device import DeviceOperand, describe, is_device_array
 from lpsync_client._proto import lpsync_pb2 as pb
@@ -157,6 +159,21 @@ def _copy(message: pb.SessionRequest) -> pb.SessionRequest:
     return fresh
 
 
+def _ready(channel: grpc.Channel, where: str, tcp: bool, timeout: float) -> None:
+    """Wait until the daemon answers; UnavailableError saying why not."""
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+    except grpc.FutureTimeoutError:
+        reason = None if tcp else _refusal(where)
+        raise from_status(
+            "UNAVAILABLE", f"no lpsync daemon answers at {where} ({reason or 'is it running?'})"
+        ) from None
+
+
+def _node(info: pb.NodeInfo) -> layout.Node:
+    return layout.Node(info.node_rank, info.nodes or 1, info.cluster)
+
+
 def _plain(result: object, response: pb.SessionResponse) -> object:
     """Completion of a collective over shared-memory arrays: nothing to copy back."""
     r = response.result
@@ -166,7 +183,9 @@ def _plain(result: object, response: pb.SessionResponse) -> object:
 
 
 class Client:
-    """One attached rank. Prefer :func:`connect`, which reads torchrun's environment."""
+    """One attached rank. Prefer :func:`connect`, which reads torchrun's environment.
+    ``node`` is the daemon it attached to (node rank, node count, cluster); ``rank_nodes``
+    the node of every rank when they were discovered through a store (else None)."""
 
     def __init__(
         self,
@@ -183,6 +202,7 @@ class Client:
         timeout: float = DEFAULT_TIMEOUT,
         connect_timeout: float = 10.0,
         trigger: str = "auto",
+        store: layout.Store | None = None,
     ) -> None:
         if trigger not in ("auto", "grpc", "socket"):
             raise InvalidArgumentError(f"trigger must be 'auto', 'grpc' or 'socket', got {trigger!r}")
@@ -206,21 +226,41 @@ class Client:
         self._closed = False
         # Prepared requests by (op, spans, parameters) for arrays in shared memory.
         self._prepared: dict[tuple, pb.SessionRequest] = {}
+        where = target or socket or DEFAULT_SOCKET
+
+        def ask() -> layout.Node:
+            _ready(self._channel, where, bool(target), connect_timeout)
+            return _node(self._call(self._stub.Node, pb.NodeRequest(), connect_timeout))
+
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
+            if store is not None:  # discovered: local_rank/local_world_size are hints
+                hints = layout.Hints(local_rank or 0, local_world_size or 0)
+                # A daemon that does not answer is published too: the other ranks fail at once.
+                rank_nodes = layout.discover(store, f"lpsync/layout/{job}", job, rank, world_size, ask, hints)
+            else:  # claimed: node-major from local_world_size; without it, one node
+                _ready(self._channel, where, bool(target), connect_timeout)
+                hints = layout.Hints(
+                    rank if local_rank is None else local_rank,
+                    world_size if local_world_size is None else local_world_size,
+                )
+                rank_nodes = []
             attached = self._call(
                 self._stub.Attach,
                 pb.AttachRequest(
                     job=job,
                     rank=rank,
                     world_size=world_size,
-                    local_rank=rank if local_rank is None else local_rank,
-                    local_world_size=world_size if local_world_size is None else local_world_size,
+                    local_rank=hints.local_rank,
+                    local_world_size=hints.local_world_size,
                     pid=os.getpid(),
+                    rank_nodes=rank_nodes,
                 ),
                 connect_timeout,
             )
             self.session_id = attached.session_id
+            # The daemon this rank attached to, and the node of every rank when discovered.
+            self.node = _node(attached.node)
+            self.rank_nodes: list[int] | None = list(rank_nodes) or None
             self._stream = SessionStream(self._stub, self.session_id, self._metadata, connect_timeout)
             # Collectives and pings go through the trigger socket when asked for (and
             # offered); the gRPC stream above stays open either way: it is the lifeline.
@@ -239,13 +279,6 @@ class Client:
                     # auto: e.g. the socket is not reachable from this container; gRPC works
             self._path = self._trigger or self._stream
             self.trigger = "socket" if self._trigger is not None else "grpc"
-        except grpc.FutureTimeoutError:
-            self._channel.close()
-            where = target or socket or DEFAULT_SOCKET
-            reason = None if target else _refusal(where)
-            raise from_status(
-                "UNAVAILABLE", f"no lpsync daemon answers at {where} ({reason or 'is it running?'})"
-            ) from None
         except BaseException:
             self._channel.close()
             raise
@@ -850,6 +883,7 @@ def connect(
     root_certificates: bytes | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     trigger: str | None = None,
+    store: layout.Store | None = None,
 ) -> Client:
     """Attach to the node's daemon. Unset arguments come from the environment as torchrun
     sets it: LPSYNC_SOCKET, LPSYNC_JOB, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
@@ -858,6 +892,13 @@ def connect(
     "socket" the daemon's trigger socket (the Session messages without gRPC: several
     times lower latency for small collectives), "grpc" the gRPC Session stream, "auto"
     (default) the socket when the daemon offers one (Unix socket), else gRPC.
+
+    ``store``: a store every rank of the job reaches (``set(key, bytes)``, ``get(key)``
+    waiting for the key; torch.distributed's TCPStore and FileStore qualify), fresh for
+    the job or under a job name of its own. With it the ranks discover which node serves
+    each of them (lpsync_client.layout) and LOCAL_RANK / LOCAL_WORLD_SIZE are only checked:
+    any launcher, any numbering of ranks, any number of ranks per node. Without it a job
+    spans nodes only as LOCAL_WORLD_SIZE says (node-major), and is on one node when unset.
 
     >>> with lpsync_client.connect(job="demo", rank=0, world_size=2) as client:
     ...     client.allreduce(client.zeros(8))
@@ -876,7 +917,11 @@ def connect(
 
     rank = pick(rank, "RANK", cast=int)
     world_size = pick(world_size, "WORLD_SIZE", cast=int)
-    return Client(
+    if store is not None:  # hints only: 0 where the launcher said nothing
+        local_rank = pick(local_rank, "LOCAL_RANK", 0, int)
+        local_world_size = pick(local_world_size, "LOCAL_WORLD_SIZE", 0, int)
+    unplaced = store is None and local_world_size is None and not env.get("LOCAL_WORLD_SIZE")
+    client = Client(
         socket=pick(socket, "LPSYNC_SOCKET", DEFAULT_SOCKET),
         target=target or env.get("LPSYNC_TARGET") or None,
         job=pick(job, "LPSYNC_JOB", "default"),
@@ -888,4 +933,17 @@ def connect(
         root_certificates=root_certificates,
         timeout=timeout,
         trigger=trigger or env.get("LPSYNC_TRIGGER") or "auto",
+        store=store,
     )
+    if unplaced and world_size > 1 and client.node.nodes > 1:
+        # Nothing says where the other ranks are: were they on other nodes, this one would
+        # wait for them at its first collective until the timeout.
+        warnings.warn(
+            f"lpsync: job {client.job!r} ({world_size} ranks) attached to node "
+            f"{client.node.node_rank} of a {client.node.nodes}-node cluster with no layout: "
+            "it runs as a single-node job of this daemon. If its ranks are on several nodes, "
+            "pass store= to connect() (the ranks then discover their layout) or set "
+            "LOCAL_WORLD_SIZE",
+            stacklevel=2,
+        )
+    return client

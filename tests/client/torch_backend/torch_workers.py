@@ -409,11 +409,15 @@ def errors(rank: int, world: int, sockets: list[str], per_node: int, port: int) 
 
 def uneven_group(rank: int, world: int, sockets: list[str], per_node: int, port: int) -> str:
     """new_group over ranks 0..world-2: on two nodes of two, an uneven layout (two ranks
-    on node 0, one on node 1) the daemons refuse; each member reports what it got."""
+    on node 0, one on node 1); each member all-reduces its rank in it and reports the sum."""
     init(rank, world, sockets, per_node, port)
     try:
-        dist.new_group(list(range(world - 1)))
+        group = dist.new_group(list(range(world - 1)))
         outcome = "created"
+        if rank < world - 1:
+            t = torch.full((4,), float(rank))
+            dist.all_reduce(t, group=group)
+            outcome = f"sum {t[0].item()}"
     except dist.DistBackendError as error:
         outcome = f"DistBackendError: {error}"
     dist.barrier()  # the default group is unaffected

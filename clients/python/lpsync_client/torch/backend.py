@@ -5,9 +5,10 @@ the node's lpsync daemon, so that unchanged PyTorch code (DDP, FSDP, ``dist.*``)
     dist.init_process_group("lpsync")           # under torchrun; LPSYNC_SOCKET from env
 
 Each process group (the default one and every ``new_group``) is its own lpsync job,
-attached as (job, group rank, group size, local rank, local world size). The job name is
-the only thing the daemon cannot give: group rank 0 draws it and shares it through the
-group's rendezvous store, so concurrent runs and groups never collide.
+attached as (job, group rank, group size). Through the group's rendezvous store, group
+rank 0 draws the job name (so concurrent runs and groups never collide) and the ranks
+discover which node serves each (lpsync_client.layout: every rank asks its daemon, any
+launcher, any numbering); torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE are only checked.
 
 Tensors are staged through shared-memory arrays of the daemon (client.empty()), kept in
 a pool by size and reused across calls, so a tensor reduced every step (a DDP bucket)
@@ -630,18 +631,15 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         self.shutdown()
 
 
-def _node_layout(group_rank: int, global_ranks: Sequence[int]) -> tuple[int, int]:
-    """(local rank, local world size) of this process within its group, from torchrun's
-    node-major layout (global rank // LOCAL_WORLD_SIZE is the node): the daemon serves a
-    job's ranks on its node, and a group within one node is a single-node job."""
+def _hints(global_ranks: Sequence[int]) -> tuple[int, int]:
+    """(LOCAL_RANK, LOCAL_WORLD_SIZE) to check against the discovered layout: the
+    launcher's, for the group of every rank; (0, 0), nothing to check, for a sub-group
+    (they describe the whole world) or where the launcher set none."""
     env = os.environ
-    rank = int(env.get("RANK", global_ranks[group_rank]))
-    per_node = int(env.get("LOCAL_WORLD_SIZE", 0) or 0)
-    if per_node <= 0:  # no torchrun layout: treat the whole group as one node
-        return group_rank, len(global_ranks)
-    node = rank // per_node
-    mine = [g for g in global_ranks if g // per_node == node]
-    return mine.index(rank), len(mine)
+    world = int(env.get("WORLD_SIZE", 0) or 0)
+    if list(global_ranks) != list(range(world)) or not env.get("LOCAL_WORLD_SIZE"):
+        return 0, 0
+    return int(env.get("LOCAL_RANK", 0) or 0), int(env["LOCAL_WORLD_SIZE"])
 
 
 _incarnations: dict[str, int] = {}  # groups made per name in this process (see _job_name)
@@ -678,8 +676,9 @@ def _create(opts, backend_options=None) -> ProcessGroupLpsync:
         raise dist.DistBackendError(
             f"lpsync: could not agree on a job name through the rendezvous store: {error}"
         ) from error
-    local_rank, local_size = _node_layout(rank, global_ranks)
+    local_rank, local_size = _hints(global_ranks)
     try:
+        # The group's ranks discover which node serves each through the group's store.
         client = lpsync_client.connect(
             job=job,
             rank=rank,
@@ -687,10 +686,11 @@ def _create(opts, backend_options=None) -> ProcessGroupLpsync:
             local_rank=local_rank,
             local_world_size=local_size,
             timeout=timeout,
+            store=opts.store,
         )
     except LpsyncError as error:
         raise dist.DistBackendError(
-            f"lpsync: rank {rank} of group {opts.group_id!r} could not attach to its daemon "
+            f"lpsync: rank {rank} of group {opts.group_id!r} could not join its job on its daemon "
             f"(LPSYNC_SOCKET={os.environ.get('LPSYNC_SOCKET', lpsync_client.client.DEFAULT_SOCKET)}"
             f"): {error}"
         ) from error

@@ -1,0 +1,119 @@
+"""Client bodies of the layout tests (test_layout.py): each rank attaches to the daemon
+its test names (any node, any numbering), with or without LOCAL_RANK/LOCAL_WORLD_SIZE,
+and discovers its job's layout through a torch TCPStore (the plain client, no torch
+backend); results are checked against numpy."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import numpy as np
+
+import lpsync_client
+
+COUNT_SMALL, COUNT_LARGE = 37, 40_000  # 40 000 float32 (160 KB) is past the riding size
+
+
+def _env(hints: tuple[int, int] | None) -> None:
+    """torchrun's LOCAL_* variables as the test sets them; none at all by default."""
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(name, None)
+    if hints is not None:
+        os.environ.update(LOCAL_RANK=str(hints[0]), LOCAL_WORLD_SIZE=str(hints[1]))
+
+
+def _store(rank: int, world: int, port: int):
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
+
+
+def _input(rank: int, count: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(1000 * seed + rank).standard_normal(count).astype(np.float32)
+
+
+def ops(rank: int, world: int, sockets: list[str], port: int, job: str) -> dict:
+    """Every data collective, small (riding the agreement) and large (the pipeline), with
+    roots on every node; returns what each rank saw and the numpy reference's verdict."""
+    _env(None)
+    started = time.monotonic()
+    with lpsync_client.connect(
+        sockets[rank], job=job, rank=rank, world_size=world, store=_store(rank, world, port)
+    ) as c:
+        attached = time.monotonic() - started
+        failures: list[str] = []
+        for count in (COUNT_SMALL, COUNT_LARGE):
+            inputs = [_input(r, count, 1) for r in range(world)]
+            x = c.zeros(count, "float32")
+            x[:] = inputs[rank]
+            c.allreduce(x)
+            _close(failures, f"allreduce {count}", x, np.sum(inputs, axis=0))
+            for root in range(world) if count == COUNT_SMALL else (world - 1,):
+                x[:] = inputs[rank]
+                c.broadcast(x, root=root)
+                _close(failures, f"broadcast {count} root {root}", x, inputs[root], exact=True)
+            root = world - 1
+            x[:] = inputs[rank]
+            c.reduce(x, root=root)
+            if rank == root:
+                _close(failures, f"reduce {count} root {root}", x, np.sum(inputs, axis=0))
+            gathered = c.zeros(count * world, "float32")
+            x[:] = inputs[rank]
+            c.allgather(x, gathered)
+            _close(failures, f"allgather {count}", gathered, np.concatenate(inputs), exact=True)
+            blocks = [_input(r, count * world, 2) for r in range(world)]
+            full = c.zeros(count * world, "float32")
+            full[:] = blocks[rank]
+            c.reduce_scatter(full, out=x)
+            want = np.sum(blocks, axis=0)[rank * count : (rank + 1) * count]
+            _close(failures, f"reduce_scatter {count}", x, want)
+        c.barrier()
+        return {
+            "node": c.node.node_rank,
+            "rank_nodes": c.rank_nodes,
+            "attach_seconds": attached,
+            "failures": failures,
+        }
+
+
+def one_allreduce(rank: int, world: int, sockets: list[str], port: int, job: str) -> dict:
+    """Attach with no LOCAL_* variables, one allreduce: how long from connect() to result."""
+    _env(None)
+    store = _store(rank, world, port)  # torch imported and the store up: not timed
+    started = time.monotonic()
+    with lpsync_client.connect(sockets[rank], job=job, rank=rank, world_size=world, store=store) as c:
+        x = c.zeros(1000, "float64")
+        x[:] = rank + 1
+        c.allreduce(x)
+        return {"seconds": time.monotonic() - started, "ok": bool((x == world * (world + 1) / 2).all())}
+
+
+def refused(
+    rank: int, world: int, sockets: list[str], port: int, job: str, hints: list[tuple[int, int]] | None = None
+) -> dict:
+    """Attach (hints[rank] as LOCAL_RANK/LOCAL_WORLD_SIZE) and run one allreduce: the error
+    this rank got, and after how many seconds."""
+    _env(hints[rank] if hints else None)
+    store = _store(rank, world, port)
+    started = time.monotonic()
+    try:
+        with lpsync_client.connect(
+            sockets[rank], job=job, rank=rank, world_size=world, store=store, timeout=60
+        ) as c:
+            x = c.zeros(8, "float32")
+            c.allreduce(x)
+        return {"error": None, "seconds": time.monotonic() - started}
+    except lpsync_client.LpsyncError as error:
+        return {
+            "error": f"{type(error).__name__}: {error}",
+            "code": error.code,
+            "seconds": time.monotonic() - started,
+        }
+
+
+def _close(failures: list[str], what: str, got: np.ndarray, want: np.ndarray, exact: bool = False) -> None:
+    ok = np.array_equal(got, want) if exact else np.allclose(got, want, rtol=1e-5, atol=1e-5)
+    if not ok:
+        failures.append(f"{what}: largest difference {np.max(np.abs(got - want)) if got.size else 0}")
