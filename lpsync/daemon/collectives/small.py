@@ -8,7 +8,8 @@ then a schedule would pay twice the hops; measured on 8 emulated nodes (docs/ben
 
 Parts are folded in node order, own part first (a subtree of the binomial tree is a
 contiguous run of nodes whose children come in ascending order), so allgather blocks
-land in rank order; every node takes node 0's one result, so all get the same bits.
+come node by node: rank order where ranks are node-major, else write() puts each block
+at its rank's place; every node takes node 0's one result, so all get the same bits.
 """
 
 from __future__ import annotations
