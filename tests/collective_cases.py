@@ -100,6 +100,46 @@ def every_case(world: int, count: int, root: int, seed: int) -> list[tuple]:
     return cases
 
 
+def rotating_cases(world: int, count: int, kinds: list[tuple[str, str]], root: int, seed: int) -> list[tuple]:
+    """Every op in and out of place, each on the next (dtype, reduce op) of ``kinds`` in
+    turn (reduce ops only where the op reduces): every_case's tuples, fewer of them."""
+    rng = np.random.default_rng(seed)
+    cases: list[tuple] = []
+    for op in DATA_COLLECTIVES:
+        for in_place in (False, True):
+            dtype, reduce_op = kinds[len(cases) % len(kinds)]
+            if op not in REDUCING:
+                reduce_op = "sum"
+            op_root = root if op in (C.BROADCAST, C.REDUCE) else 0
+            inputs = make_inputs(op, world, count, DTYPES[dtype], ReduceOp(reduce_op), rng)
+            cases.append(
+                (op.value, dtype, reduce_op, in_place, op_root, count, [x.tobytes() for x in inputs])
+            )
+    return cases
+
+
+def check_case_results(cases: list[tuple], results: list, world: int, inputs_kept: bool = False) -> None:
+    """Every rank's (output bytes, input bytes after) for each case against numpy: a
+    non-root's in-place reduce buffer is untouched, and with ``inputs_kept`` so is every
+    out-of-place input."""
+    for index, (op, dtype, reduce_op, in_place, root, count, raw) in enumerate(cases):
+        dt = DTYPES[dtype]
+        inputs = [np.frombuffer(b, dt) for b in raw]
+        want = reference(C(op), ReduceOp(reduce_op), inputs, root, count)
+        for rank in range(world):
+            got, after = results[rank][index]
+            if op == "reduce" and in_place and rank != root:
+                assert after == raw[rank], "a non-root's reduce buffer was written"
+                continue
+            assert_matches(
+                np.frombuffer(got, dt),
+                want[rank],
+                f"{op} {dtype} {reduce_op} in_place={in_place} rank {rank}",
+            )
+            if inputs_kept and not in_place:
+                assert after == raw[rank], f"{op}: an out-of-place input was modified"
+
+
 def _reduce_exact(stack: np.ndarray, reduce_op: ReduceOp, p: int) -> np.ndarray:
     """The reduction of the rows of ``stack`` in its own dtype (integers wrap)."""
     dtype = stack.dtype

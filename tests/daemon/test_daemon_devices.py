@@ -15,9 +15,16 @@ import pytest
 import lpsync_client
 import tests.daemon.device_workers as device_workers
 from lpsync.daemon.launch import DaemonStartError
-from lpsync.types import DATA_COLLECTIVES, DTYPES, Collective, ReduceOp
+from lpsync.types import DATA_COLLECTIVES, Collective, ReduceOp
 from lpsync_client import emulated
-from tests.collective_cases import assert_matches, every_case, make_inputs, reference
+from tests.collective_cases import (
+    assert_matches,
+    check_case_results,
+    every_case,
+    make_inputs,
+    reference,
+    rotating_cases,
+)
 from tests.daemon.harness import DaemonProcess, PeeredDaemons, run_ranks
 
 
@@ -60,22 +67,7 @@ def test_every_op_dtype_in_and_out_of_place(emu):
     for op in DATA_COLLECTIVES:  # count 0: empty allocations register and run too
         cases.append((op.value, "float32", "sum", False, 0, 0, [b""] * world))
     results = run_ranks(world, device_workers.run_cases, emu.socket, world, [0, 1, 0], cases, timeout=240)
-    for index, (op, dtype, reduce_op, in_place, root, n, raw) in enumerate(cases):
-        dt = DTYPES[dtype]
-        inputs = [np.frombuffer(b, dt) for b in raw]
-        want = reference(Collective(op), ReduceOp(reduce_op), inputs, root, n)
-        for rank in range(world):
-            got, input_after = results[rank][index]
-            if op == "reduce" and in_place and rank != root:
-                assert input_after == raw[rank], "a non-root's reduce buffer was written"
-                continue
-            assert_matches(
-                np.frombuffer(got, dt),
-                want[rank],
-                f"{op} {dtype} {reduce_op} in_place={in_place} rank {rank}",
-            )
-            if not in_place:
-                assert input_after == raw[rank], f"{op}: an out-of-place input was modified"
+    check_case_results(cases, results, world, inputs_kept=True)
     # Every registration was released: nothing stays open, every open was closed.
     rows = _device_rows(emu.socket)
     assert all(r.open_allocations == 0 and r.registered_bytes == 0 for r in rows.values())
@@ -285,7 +277,6 @@ def test_device_buffers_across_two_nodes(tmp_path):
     daemons = PeeredDaemons(tmp_path, 2, "--devices", "emulated:2")
     try:
         world, count = 4, 1001
-        rng = np.random.default_rng(8)
         # Several dtypes and reduce ops, rotating over the cases (one daemon pair for all).
         kinds = [
             ("float64", "sum"),
@@ -295,17 +286,7 @@ def test_device_buffers_across_two_nodes(tmp_path):
             ("float16", "min"),
             ("int64", "prod"),
         ]
-        cases = []
-        for op in DATA_COLLECTIVES:
-            for in_place in (False, True):
-                dtype, reduce_op = kinds[len(cases) % len(kinds)]
-                if op not in (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER):
-                    reduce_op = "sum"
-                root = 3 if op in (Collective.BROADCAST, Collective.REDUCE) else 0
-                inputs = make_inputs(op, world, count, DTYPES[dtype], ReduceOp(reduce_op), rng)
-                cases.append(
-                    (op.value, dtype, reduce_op, in_place, root, count, [x.tobytes() for x in inputs])
-                )
+        cases = rotating_cases(world, count, kinds, root=3, seed=8)
         results = run_ranks(
             world,
             device_workers.run_cases_on_nodes,
@@ -316,19 +297,7 @@ def test_device_buffers_across_two_nodes(tmp_path):
             cases,
             timeout=120,
         )
-        for index, (op, dtype, reduce_op, in_place, root, _, raw) in enumerate(cases):
-            inputs = [np.frombuffer(b, DTYPES[dtype]) for b in raw]
-            want = reference(Collective(op), ReduceOp(reduce_op), inputs, root, count)
-            for rank in range(world):
-                got, after = results[rank][index]
-                if op == "reduce" and in_place and rank != root:
-                    assert after == raw[rank]
-                    continue
-                assert_matches(
-                    np.frombuffer(got, DTYPES[dtype]),
-                    want[rank],
-                    f"{op} {dtype} {reduce_op} in_place={in_place} rank {rank}",
-                )
+        check_case_results(cases, results, world)
         # Across nodes too, the staging streams wait on the clients' interprocess events.
         for r in run_ranks(2, device_workers.ordered_without_host_wait, daemons.sockets, 2, 1.0, 1):
             assert r["pending_at_submit"] and r["submitted"] < 0.5

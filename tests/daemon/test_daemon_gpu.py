@@ -10,13 +10,12 @@ import multiprocessing as mp
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import lpsync_client
 import tests.daemon.device_workers as device_workers
-from lpsync.types import DATA_COLLECTIVES, DTYPES, Collective, ReduceOp
-from tests.collective_cases import assert_matches, every_case, make_inputs, reference
+from lpsync.types import DTYPES
+from tests.collective_cases import check_case_results, every_case, rotating_cases
 from tests.daemon.harness import DaemonProcess, PeeredDaemons, run_ranks
 
 
@@ -58,20 +57,7 @@ def test_every_op_dtype_through_cuda_ipc_with_processes_sharing_a_gpu(gpu_daemon
     results = run_ranks(
         world, device_workers.run_cases, gpu_daemon.socket, world, [0, 0, 0], cases, "cupy", timeout=400
     )
-    for index, (op, dtype, reduce_op, in_place, root, _, raw) in enumerate(cases):
-        dt = DTYPES[dtype]
-        inputs = [np.frombuffer(b, dt) for b in raw]
-        want = reference(Collective(op), ReduceOp(reduce_op), inputs, root, count)
-        for rank in range(world):
-            got, after = results[rank][index]
-            if op == "reduce" and in_place and rank != root:
-                assert after == raw[rank]
-                continue
-            assert_matches(
-                np.frombuffer(got, dt),
-                want[rank],
-                f"{op} {dtype} {reduce_op} in_place={in_place} rank {rank}",
-            )
+    check_case_results(cases, results, world)
     row = _rows(gpu_daemon.socket)[0]
     assert row.open_allocations == 0 and row.ipc_opens == row.ipc_closes > 0
 
@@ -133,19 +119,8 @@ def test_cuda_buffers_across_two_daemons_on_loopback(tmp_path):
     daemons = PeeredDaemons(tmp_path, 2, "--devices", "cuda:0", "--peer-transport", "tcp")
     try:
         world, count = 4, 100_003
-        rng = np.random.default_rng(25)
         kinds = [("float32", "sum"), ("float64", "max"), ("int32", "sum"), ("float16", "min")]
-        cases = []
-        for op in DATA_COLLECTIVES:
-            for in_place in (False, True):
-                dtype, reduce_op = kinds[len(cases) % len(kinds)]
-                if op not in (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER):
-                    reduce_op = "sum"
-                root = 3 if op in (Collective.BROADCAST, Collective.REDUCE) else 0
-                inputs = make_inputs(op, world, count, DTYPES[dtype], ReduceOp(reduce_op), rng)
-                cases.append(
-                    (op.value, dtype, reduce_op, in_place, root, count, [x.tobytes() for x in inputs])
-                )
+        cases = rotating_cases(world, count, kinds, root=3, seed=25)
         results = run_ranks(
             world,
             device_workers.run_cases_on_nodes,
@@ -157,19 +132,7 @@ def test_cuda_buffers_across_two_daemons_on_loopback(tmp_path):
             "cupy",
             timeout=300,
         )
-        for index, (op, dtype, reduce_op, in_place, root, _, raw) in enumerate(cases):
-            inputs = [np.frombuffer(b, DTYPES[dtype]) for b in raw]
-            want = reference(Collective(op), ReduceOp(reduce_op), inputs, root, count)
-            for rank in range(world):
-                got, after = results[rank][index]
-                if op == "reduce" and in_place and rank != root:
-                    assert after == raw[rank]
-                    continue
-                assert_matches(
-                    np.frombuffer(got, DTYPES[dtype]),
-                    want[rank],
-                    f"{op} {dtype} {reduce_op} in_place={in_place} rank {rank}",
-                )
+        check_case_results(cases, results, world)
     finally:
         daemons.stop_and_check()
 
