@@ -27,8 +27,8 @@ ALPHA, BANDWIDTH = 5e-6, 1.25e8  # the paper's setting in `lpsync claims`: 5 us,
 
 def simulate(nodes: tuple[int, ...]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The claims' sweep (broadcast and reduce, LP/MST/BE, 64 MiB and 1 GiB) and its checks."""
-    from lpsync.commands.claims import checks
-    from lpsync.commands.simulate import sweep
+    from lpsync.algorithms.claims import checks
+    from lpsync.algorithms.sweep import sweep
     from lpsync.types import dtype_of
 
     rows = sweep(

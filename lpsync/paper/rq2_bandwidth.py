@@ -27,7 +27,7 @@ ALLREDUCE_BYTES = 64 << 20
 
 
 def run(ctx: Run) -> Section:
-    from lpsync.commands.simulate import sweep
+    from lpsync.algorithms.sweep import sweep
 
     o = ctx.options
     section = Section(
