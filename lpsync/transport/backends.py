@@ -10,6 +10,7 @@ meshes built on it. Callers pick one by name and never import a backend themselv
 
 from __future__ import annotations
 
+import sys
 from dataclasses import fields
 from pathlib import Path
 from typing import Protocol
@@ -56,15 +57,24 @@ def resolve(transport: str, where: Path = RDMA_CLASS) -> tuple[str, str]:
     return "tcp", f"auto: no RDMA device under {where} (plain sockets cost less per message on Ethernet)"
 
 
-def open_runtime(transport: str, port: int, tls: str | None = None) -> Runtime:
-    """Listen on ``port`` for ``transport``'s meshes; ``tls`` is UCX_TLS (ucx only)."""
+def open_runtime(transport: str, port: int, tls: str | None = None, until_exit: bool = False) -> Runtime:
+    """Listen on ``port`` for ``transport``'s meshes; ``tls`` is UCX_TLS (ucx only).
+    ``until_exit``: the runtime lives as long as the process, which then must end with
+    os._exit once ``exit_needs_os_exit()`` (UCX keeps its objects until then)."""
     if check(transport) == "tcp":
         from lpsync.transport.tcp import TcpRuntime
 
         return TcpRuntime(port)
     from lpsync.transport.ucx import RuntimeOptions, UcxRuntime
 
-    return UcxRuntime(RuntimeOptions(port, tls))
+    return UcxRuntime(RuntimeOptions(port, tls, until_exit=until_exit))
+
+
+def exit_needs_os_exit() -> bool:
+    """True when a runtime opened ``until_exit`` kept UCX objects that the interpreter's
+    finalization must not destroy."""
+    progress = sys.modules.get("lpsync.transport.ucx.progress")
+    return progress is not None and progress.kept_until_exit()
 
 
 def connect(

@@ -242,11 +242,14 @@ async def _serve(config: DaemonConfig) -> Daemon:
 def serve(config: DaemonConfig) -> int:
     daemon = asyncio.run(_serve(config))
     if daemon.wedged:
-        # Sessions, shared memory and sockets are gone; only a thread stuck inside a ucxx
-        # call remains, and the interpreter's finalization would free UCX objects under
-        # it (a hang or a crash). Leave now, as a daemon stopped in time should.
         faulthandler.dump_traceback(all_threads=True)  # where it is stuck, into the log
+    if daemon.wedged or backends.exit_needs_os_exit():
+        # Sessions, shared memory and sockets are gone; what remains is UCX's: a thread
+        # stuck inside a ucxx call (wedged), or the listener, worker and context that are
+        # never destroyed while peers may dial (transport/ucx/progress.py). The
+        # interpreter's finalization would free them under UCX's async thread (a crash).
         logging.shutdown()
         sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(0)
     return 0

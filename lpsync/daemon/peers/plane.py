@@ -246,7 +246,10 @@ class PeerPlane:
             try:
                 if self._runtime is None:
                     self._runtime = backends.open_runtime(
-                        self.options.transport, self.options.peers.peers[self.rank].port, self.options.tls
+                        self.options.transport,
+                        self.options.peers.peers[self.rank].port,
+                        self.options.tls,
+                        until_exit=True,  # the daemon's: it exits through serve()'s os._exit
                     )
                 endpoint = backends.connect(
                     self.options.transport, self._mesh_options(), self._runtime, self.options.tls

@@ -33,11 +33,28 @@ log = logging.getLogger("lpsync.ucx")
 T = TypeVar("T")
 _IDLE_WAKE_S = 1.0  # a safety net only: every event that matters wakes the thread
 
+# UCX objects of runtimes that live as long as their process (a daemon's), kept from
+# destruction until it exits: destroying a listener while a peer dials crashes UCX's async
+# thread (ucp_cm_server_conn_request_cb on the freed listener, openucx/ucx#11087; seen as
+# SIGSEGV in 3 of 15 five-daemon stops under load). Such a process leaves by os._exit.
+_KEPT_UNTIL_EXIT: list[Any] = []
+
+
+def keep_until_exit(*objects: Any) -> None:
+    """Never destroy ``objects`` (UCX listener, worker, context) in this process."""
+    _KEPT_UNTIL_EXIT.extend(o for o in objects if o is not None)
+
+
+def kept_until_exit() -> bool:
+    """True when this process holds UCX objects that must not be destroyed: it must end
+    with os._exit, not the interpreter's finalization."""
+    return bool(_KEPT_UNTIL_EXIT)
+
 
 class ProgressThread:
     """Owns one ucxx context and worker; ``config`` holds UCX options without the UCX_ prefix."""
 
-    def __init__(self, config: dict[str, str], name: str) -> None:
+    def __init__(self, config: dict[str, str], name: str, until_exit: bool = False) -> None:
         # Imported here: importing ucxx exports UCX variables into os.environ, which an
         # import of lpsync must not do. ucxx's C++ layer prints every endpoint error to
         # stdout ("Endpoint is not connected" for each dial a peer drops while its mesh is
@@ -68,6 +85,7 @@ class ProgressThread:
         self._epoll.register(self.worker.epoll_file_descriptor, select.EPOLLIN)
         self._epoll.register(self._wake, select.EPOLLIN)
         self._stopping = False
+        self._until_exit = until_exit  # keep the worker and context (keep_until_exit)
         self._adopted: weakref.WeakSet[Any] = weakref.WeakSet()  # endpoints: closed before the worker
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -196,6 +214,8 @@ class ProgressThread:
                 log.warning("closing a UCX endpoint at teardown: %r", error)
         self._epoll.close()
         os.close(self._wake)
+        if self._until_exit:
+            keep_until_exit(self.worker, self.context)
         # UCX objects die on the thread that made them.
         self.worker = None
         self.context = None

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lpsync.errors import UnavailableError
-from lpsync.transport.ucx.progress import ProgressThread
+from lpsync.transport.ucx.progress import ProgressThread, keep_until_exit
 
 log = logging.getLogger("lpsync.ucx")
 
@@ -37,6 +37,9 @@ class RuntimeOptions:
     tls: str | None = None  # UCX_TLS ("tcp" forces TCP); None: the environment / UCX default
     ucx_config: tuple[tuple[str, str], ...] = ()  # further UCX options, e.g. (("RNDV_THRESH", "64K"),)
     start_timeout: float = 30.0
+    # A daemon's runtime: at close, the listener, worker and context are kept until the
+    # process exits (progress.keep_until_exit) instead of destroyed while peers may dial.
+    until_exit: bool = False
 
 
 class UcxRuntime:
@@ -52,7 +55,7 @@ class UcxRuntime:
         }
         if options.tls is not None:
             config["TLS"] = options.tls
-        self.progress = ProgressThread(config, f"lpsync-ucx:{options.port}")
+        self.progress = ProgressThread(config, f"lpsync-ucx:{options.port}", options.until_exit)
         self._lock = threading.Lock()
         self._acceptor: Acceptor | None = None
         self._listener: Any = None
@@ -99,6 +102,8 @@ class UcxRuntime:
             return
 
         def unlisten() -> None:
+            if self.options.until_exit:
+                keep_until_exit(self._listener)
             self._listener = None
 
         # One deadline for both steps: a progress thread stuck inside a ucxx call would
