@@ -9,6 +9,24 @@ import numpy as np
 
 from lpsync.errors import InvalidArgumentError
 
+# Every op's buffer sizes, which ops have a root and which run out of place only: the
+# client's contract (lpsync_client.wire), defined there once.
+from lpsync_client.wire import OUT_OF_PLACE_ONLY, ROOTED_OPS, blocks
+
+__all__ = [
+    "BLOCKED",
+    "DATA_COLLECTIVES",
+    "DTYPES",
+    "OUT_OF_PLACE_ONLY",
+    "ROOTED_OPS",
+    "Collective",
+    "ReduceOp",
+    "blocks",
+    "dtype_name",
+    "dtype_of",
+    "parse_collective",
+]
+
 
 class Collective(StrEnum):
     ALLREDUCE = "allreduce"
@@ -17,10 +35,23 @@ class Collective(StrEnum):
     ALLGATHER = "allgather"
     REDUCE_SCATTER = "reduce_scatter"
     BARRIER = "barrier"  # moves no data: every participant arrives, then all leave
+    GATHER = "gather"  # every rank's block into root's output, in rank order
+    SCATTER = "scatter"  # block r of root's input to rank r
+    ALLTOALL = "alltoall"  # block j of rank i's input to block i of rank j's output
 
 
 # The collectives that move data: the ones with schedules, sizes and bandwidths.
 DATA_COLLECTIVES = tuple(c for c in Collective if c is not Collective.BARRIER)
+# The collectives whose size (as nccl-tests counts it) is P blocks of count elements.
+BLOCKED = frozenset(
+    {
+        Collective.ALLGATHER,
+        Collective.REDUCE_SCATTER,
+        Collective.GATHER,
+        Collective.SCATTER,
+        Collective.ALLTOALL,
+    }
+)
 
 
 class ReduceOp(StrEnum):

@@ -12,7 +12,7 @@ import numpy as np
 from lpsync.algorithms import ALGORITHMS, Schedule
 from lpsync.engine.group import LocalGroup, layout
 from lpsync.reduction import Reduction
-from lpsync.types import DATA_COLLECTIVES, DTYPES, Collective, ReduceOp
+from lpsync.types import DATA_COLLECTIVES, DTYPES, OUT_OF_PLACE_ONLY, ROOTED_OPS, Collective, ReduceOp, blocks
 
 C = Collective
 
@@ -21,11 +21,14 @@ OPS_ALGS: list[tuple[Collective, str]] = [
     (op, name) for name, algo in ALGORITHMS.items() for op in algo.generators
 ]
 OPS_ALGS_IDS = [f"{op}-{name}" for op, name in OPS_ALGS]
+# The ones that also run in place (all-to-all runs out of place only).
+IN_PLACE_OPS_ALGS = [(op, name) for op, name in OPS_ALGS if op not in OUT_OF_PLACE_ONLY]
+IN_PLACE_OPS_ALGS_IDS = [f"{op}-{name}" for op, name in IN_PLACE_OPS_ALGS]
 
 # World sizes: 1, every small size (primes and non-powers of two included), 16 and 17.
 PARTICIPANTS = [*range(1, 10), 16, 17]
 
-ROOTED = frozenset({C.BROADCAST, C.REDUCE})
+ROOTED = frozenset(C(op) for op in ROOTED_OPS)
 REDUCING = frozenset({C.ALLREDUCE, C.REDUCE, C.REDUCE_SCATTER})
 
 
@@ -38,12 +41,16 @@ def chunk_options(algorithm: str, options: Sequence[int] = (1, 3, 8)) -> list[in
     return list(options) if ALGORITHMS[algorithm].pipelined else [1]
 
 
-def in_elements(op: Collective, p: int, count: int) -> int:
-    return count * p if op is C.REDUCE_SCATTER else count
+def in_elements(op: Collective, p: int, count: int, rank: int = 0, root: int = 0) -> int:
+    return count * blocks(op, p, rank, root)[0]
 
 
-def out_elements(op: Collective, p: int, count: int) -> int:
-    return count * p if op is C.ALLGATHER else count
+def out_elements(op: Collective, p: int, count: int, rank: int = 0, root: int = 0) -> int:
+    return count * blocks(op, p, rank, root)[1]
+
+
+def in_place_options(op: Collective) -> tuple[bool, ...]:
+    return (False,) if op in OUT_OF_PLACE_ONLY else (False, True)
 
 
 FLOAT_DTYPES = frozenset(
@@ -52,17 +59,23 @@ FLOAT_DTYPES = frozenset(
 
 
 def make_inputs(
-    op: Collective, p: int, count: int, dtype: np.dtype, reduce_op: ReduceOp, rng: np.random.Generator
+    op: Collective,
+    p: int,
+    count: int,
+    dtype: np.dtype,
+    reduce_op: ReduceOp,
+    rng: np.random.Generator,
+    root: int = 0,
 ) -> list[np.ndarray]:
-    """Every rank's own input (IN-sized), distinct per rank.
+    """Every rank's own input (IN-sized: a scatter's non-roots have none), distinct per rank.
 
     Integers span the whole range of the type (sums and products wrap); floats lie in
     [-1, 1], or near 1 for prod so that products neither overflow nor vanish.
     """
-    n = in_elements(op, p, count)
     dtype = np.dtype(dtype)
     inputs = []
-    for _ in range(p):
+    for rank in range(p):
+        n = in_elements(op, p, count, rank, root)
         if np.issubdtype(dtype, np.integer):
             info = np.iinfo(dtype)
             x = rng.integers(info.min, info.max, size=n, endpoint=True, dtype=dtype)
@@ -81,11 +94,11 @@ def every_case(world: int, count: int, root: int, seed: int) -> list[tuple]:
     cases = []
     for op in DATA_COLLECTIVES:
         reduce_ops = list(ReduceOp) if op in REDUCING else [ReduceOp.SUM]
-        op_root = root if op in (C.BROADCAST, C.REDUCE) else 0
+        op_root = root if op in ROOTED else 0
         for dtype in DTYPES:
             for reduce_op in reduce_ops:
-                for in_place in (False, True):
-                    inputs = make_inputs(op, world, count, DTYPES[dtype], reduce_op, rng)
+                for in_place in in_place_options(op):
+                    inputs = make_inputs(op, world, count, DTYPES[dtype], reduce_op, rng, op_root)
                     cases.append(
                         (
                             op.value,
@@ -106,12 +119,12 @@ def rotating_cases(world: int, count: int, kinds: list[tuple[str, str]], root: i
     rng = np.random.default_rng(seed)
     cases: list[tuple] = []
     for op in DATA_COLLECTIVES:
-        for in_place in (False, True):
+        for in_place in in_place_options(op):
             dtype, reduce_op = kinds[len(cases) % len(kinds)]
             if op not in REDUCING:
                 reduce_op = "sum"
-            op_root = root if op in (C.BROADCAST, C.REDUCE) else 0
-            inputs = make_inputs(op, world, count, DTYPES[dtype], ReduceOp(reduce_op), rng)
+            op_root = root if op in ROOTED else 0
+            inputs = make_inputs(op, world, count, DTYPES[dtype], ReduceOp(reduce_op), rng, op_root)
             cases.append(
                 (op.value, dtype, reduce_op, in_place, op_root, count, [x.tobytes() for x in inputs])
             )
@@ -175,6 +188,12 @@ def reference(
         return [Expected(inputs[root].copy()) for _ in range(p)]
     if op is C.ALLGATHER:
         return [Expected(np.concatenate(inputs)) for _ in range(p)]
+    if op is C.GATHER:
+        return [Expected(np.concatenate(inputs) if r == root else None) for r in range(p)]
+    if op is C.SCATTER:
+        return [Expected(inputs[root][r * count : (r + 1) * count].copy()) for r in range(p)]
+    if op is C.ALLTOALL:
+        return [Expected(np.concatenate([x[r * count : (r + 1) * count] for x in inputs])) for r in range(p)]
     stack = np.stack(inputs)
     if op is C.REDUCE_SCATTER:
         stack = stack.reshape(p, p, count)  # [rank, block, element]
@@ -235,11 +254,15 @@ class Outcome:
     buffers: list[np.ndarray]  # in place: the one buffer of each rank, after
 
 
-def in_place_buffer(op: Collective, rank: int, p: int, count: int, data: np.ndarray) -> np.ndarray:
+def in_place_buffer(
+    op: Collective, rank: int, p: int, count: int, data: np.ndarray, root: int = 0
+) -> np.ndarray:
     """The one buffer a rank passes in place, holding its input where layout() wants it."""
-    if op is C.ALLGATHER:
-        buf = np.zeros(p * count, data.dtype)
-        buf[rank * count : (rank + 1) * count] = data
+    n_in, n_out = blocks(op, p, rank, root)
+    if n_in < n_out:  # the input is the rank's block of the output (or nothing)
+        buf = np.zeros(n_out * count, data.dtype)
+        if n_in:
+            buf[rank * count : (rank + 1) * count] = data
         return buf
     return data.copy()
 
@@ -254,14 +277,14 @@ def run_collective(
 ) -> list[Outcome]:
     """Run ``schedule`` over the ranks' ``inputs`` with LocalGroup, ``runs`` times on the
     same plans (in place, the buffers are refilled with the inputs before each run)."""
-    op, p, count = schedule.op, schedule.participants, schedule.count
+    op, p, count, root = schedule.op, schedule.participants, schedule.count, schedule.root
     dtype = inputs[0].dtype
     if in_place:
-        datas = [in_place_buffer(op, r, p, count, x) for r, x in enumerate(inputs)]
+        datas = [in_place_buffer(op, r, p, count, x, root) for r, x in enumerate(inputs)]
         pristine = [d.copy() for d in datas]
     else:
         datas = [x.copy() for x in inputs]
-    pairs = [layout(op, r, p, count, d, in_place) for r, d in enumerate(datas)]
+    pairs = [layout(op, r, p, count, d, in_place, root) for r, d in enumerate(datas)]
     outcomes = []
     with LocalGroup(schedule, pairs, Reduction(reduce_op, dtype, p)) as group:
         for _ in range(runs):

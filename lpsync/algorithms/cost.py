@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from lpsync.algorithms.patterns import is_power_of_two
 from lpsync.algorithms.schedule import ceil_log2
 from lpsync.errors import InvalidArgumentError
-from lpsync.types import Collective
+from lpsync.types import BLOCKED, Collective
 
 DEFAULT_MIN_CHUNK_BYTES = 64 * 1024
 
@@ -141,6 +141,10 @@ def closed_form(
         ("ring", C.ALLREDUCE): lambda: _reduce_scatter(p, n, link, True) + _allgather(p, n, link, True),
         ("ring", C.ALLGATHER): lambda: _allgather(p, n, link, True),
         ("ring", C.REDUCE_SCATTER): lambda: _reduce_scatter(p, n, link, True),
+        # n is the whole buffer (P blocks); (P-1) blocks cross the root's (or each) link.
+        ("linear", C.GATHER): lambda: (p - 1) * a + (p - 1) / p * n * b,
+        ("linear", C.SCATTER): lambda: (p - 1) * a + (p - 1) / p * n * b,
+        ("pairwise", C.ALLTOALL): lambda: (p - 1) * a + (p - 1) / p * n * b,
     }
     try:
         return table[(algorithm, op)]()
@@ -157,6 +161,6 @@ def busbw_factor(op: Collective, participants: int) -> float:
     p = participants
     if op is Collective.ALLREDUCE:
         return 2 * (p - 1) / p
-    if op in (Collective.ALLGATHER, Collective.REDUCE_SCATTER):
+    if op in BLOCKED:
         return (p - 1) / p
     return 1.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from lpsync.algorithms import be, lp, mst, ring
+from lpsync.algorithms import be, linear, lp, mst, ring
 from lpsync.algorithms.schedule import Buf, Schedule, ScheduleBuilder
 from lpsync.errors import InvalidArgumentError
 from lpsync.types import Collective
@@ -68,6 +68,20 @@ ALGORITHMS: dict[str, Algorithm] = {
                 C.ALLGATHER: be.allgather_be,
                 C.REDUCE_SCATTER: be.reduce_scatter_be,
             },
+        ),
+        Algorithm(
+            "linear",
+            "every block straight between its owner and the root",
+            "gather and scatter: (P-1) blocks on the root's link, one hop each",
+            False,
+            {C.GATHER: linear.gather_linear, C.SCATTER: linear.scatter_linear},
+        ),
+        Algorithm(
+            "pairwise",
+            "pairwise exchange: in step s, v sends to v+s and receives from v-s",
+            "all-to-all: every link busy both ways, (P-1) steps",
+            False,
+            {C.ALLTOALL: linear.alltoall_pairwise},
         ),
     )
 }

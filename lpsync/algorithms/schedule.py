@@ -23,7 +23,7 @@ from enum import IntEnum
 import numpy as np
 
 from lpsync.errors import ScheduleError
-from lpsync.types import Collective
+from lpsync.types import Collective, blocks
 
 
 class Kind(IntEnum):
@@ -86,11 +86,11 @@ class Schedule:
     def num_messages(self) -> int:
         return len(self.send_op)
 
-    def in_elements(self) -> int:
-        return self.count * (self.participants if self.op is Collective.REDUCE_SCATTER else 1)
+    def in_elements(self, rank: int) -> int:
+        return self.count * blocks(self.op, self.participants, rank, self.root)[0]
 
-    def out_elements(self) -> int:
-        return self.count * (self.participants if self.op is Collective.ALLGATHER else 1)
+    def out_elements(self, rank: int) -> int:
+        return self.count * blocks(self.op, self.participants, rank, self.root)[1]
 
     def program(self, rank: int) -> list[tuple[int, int, int, int, int, int, int, bool, int]]:
         """Rank's ops in program order as tuples (kind, peer, buf, lo, hi, src, src_lo, final, tag)."""

@@ -22,7 +22,7 @@ from lpsync.algorithms.registry import ALGORITHMS, algorithms_for, generate
 from lpsync.algorithms.simulate import simulate
 from lpsync.algorithms.tuner import chunks_for
 from lpsync.errors import InvalidArgumentError
-from lpsync.types import Collective
+from lpsync.types import BLOCKED, Collective
 from lpsync.units import format_size
 
 
@@ -46,7 +46,7 @@ def sweep(
                 print(f"note: {name} has no {op}; skipped", file=sys.stderr)
         for p in nodes:
             for size in sizes:
-                blocks = p if op in (Collective.ALLGATHER, Collective.REDUCE_SCATTER) else 1
+                blocks = p if op in BLOCKED else 1
                 count = size // dtype.itemsize // blocks
                 nbytes = count * blocks * dtype.itemsize
                 for name in algos:

@@ -61,8 +61,8 @@ def node_main(args: argparse.Namespace) -> int:
             for algorithm in args.algorithm.split(","):
                 chunks = args.chunks or chunks_for(algorithm, p, args.bytes, link, op=op)
                 schedule = generate(op, algorithm, p, count, 0, chunks)
-                inp = np.full(schedule.in_elements(), rank + 1, dtype)
-                out = np.zeros(schedule.out_elements(), dtype)
+                inp = np.full(schedule.in_elements(rank), rank + 1, dtype)
+                out = np.zeros(schedule.out_elements(rank), dtype)
                 plan = Plan(schedule, rank, (inp, out), Reduction(ReduceOp.SUM, dtype, p))
                 times = []
                 cpu_before = _cpu_seconds()

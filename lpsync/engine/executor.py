@@ -69,8 +69,8 @@ class Plan:
         if inp.dtype != out.dtype:
             raise InvalidArgumentError(f"input is {inp.dtype} but output is {out.dtype}")
         for name, arr, need in (
-            ("input", inp, schedule.in_elements()),
-            ("output", out, schedule.out_elements()),
+            ("input", inp, schedule.in_elements(rank)),
+            ("output", out, schedule.out_elements(rank)),
         ):
             if arr.ndim != 1 or not arr.flags.c_contiguous or arr.size != need:
                 raise InvalidArgumentError(

@@ -20,29 +20,34 @@ from lpsync.engine.routing import Placement, RoutedEndpoint
 from lpsync.errors import AbortedError, InvalidArgumentError, LpsyncError
 from lpsync.reduction import Reduction
 from lpsync.transport.inproc import InprocFabric
-from lpsync.types import Collective
+from lpsync.types import Collective, blocks
 
 
 def layout(
-    op: Collective, rank: int, participants: int, count: int, data: np.ndarray, in_place: bool
+    op: Collective,
+    rank: int,
+    participants: int,
+    count: int,
+    data: np.ndarray,
+    in_place: bool,
+    root: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(IN, OUT) for one participant.
+    """(IN, OUT) for one participant (sizes: lpsync_client.wire.blocks).
 
     Out of place, ``data`` is the input and a new OUT is allocated. In place, ``data``
-    is the one buffer: the input and the result of allreduce/broadcast/reduce (a
-    non-root's buffer is left as it was by reduce); for allgather it is the P*count
-    output holding the rank's block at rank*count; for reduce_scatter the P*count input
-    whose block rank*count receives the result.
+    is the one buffer, as large as the larger side: the input and the result of
+    allreduce/broadcast/reduce (a non-root's buffer is left as it was by reduce); where
+    the sides differ (allgather, reduce_scatter, gather, scatter) the smaller side is the
+    rank's own block of it, at rank*count (or nothing: a gather's non-root output, a
+    scatter's non-root input).
     """
+    n_in, n_out = blocks(op, participants, rank, root)
     if not in_place:
-        size = count * participants if op is Collective.ALLGATHER else count
-        return data, np.empty(size, data.dtype)
-    block = slice(rank * count, (rank + 1) * count)
-    if op is Collective.ALLGATHER:
-        return data[block], data
-    if op is Collective.REDUCE_SCATTER:
-        return data, data[block]
-    return data, data
+        return data, np.empty(count * n_out, data.dtype)
+    if n_in == n_out:
+        return data, data
+    block = data[rank * count : (rank + 1) * count] if min(n_in, n_out) == 1 else data[:0]
+    return (block, data) if n_in < n_out else (data, block)
 
 
 class LocalGroup:

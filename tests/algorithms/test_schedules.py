@@ -26,6 +26,9 @@ from tests.collective_cases import (
     REDUCING,
     C,
     chunk_options,
+    in_elements,
+    in_place_buffer,
+    in_place_options,
     roots_for,
 )
 
@@ -38,7 +41,7 @@ def bit(r: int) -> np.uint64:
 
 def initial_masks(op: C, rank: int, p: int, count: int, root: int) -> np.ndarray:
     """The masks of a rank's input: its own bit where it contributes, 0 where it has nothing."""
-    n = count * p if op is C.REDUCE_SCATTER else count
+    n = in_elements(op, p, count, rank, root)
     if op is C.BROADCAST and rank != root:
         return np.zeros(n, np.uint64)
     return np.full(n, bit(rank), np.uint64)
@@ -50,8 +53,12 @@ def expected_out(op: C, rank: int, p: int, count: int, root: int, in_place: bool
         return np.full(count, full, np.uint64)
     if op is C.BROADCAST:
         return np.full(count, bit(root), np.uint64)
-    if op is C.ALLGATHER:
+    if op is C.ALLGATHER or op is C.ALLTOALL or (op is C.GATHER and rank == root):
         return np.repeat(np.array([bit(b) for b in range(p)], np.uint64), count)
+    if op is C.GATHER:
+        return np.zeros(0, np.uint64)  # a non-root has no output
+    if op is C.SCATTER:
+        return np.full(count, bit(root), np.uint64)
     if rank == root:
         return np.full(count, full, np.uint64)
     # A non-root's reduce buffer: in place it must be left as it was; out of place the
@@ -70,14 +77,11 @@ class Interpreter:
         for r in range(p):
             masks = initial_masks(op, r, p, count, s.root)
             if in_place:
-                data = masks
-                if op is C.ALLGATHER:
-                    data = np.zeros(p * count, np.uint64)
-                    data[r * count : (r + 1) * count] = masks
-                inp, out = layout(op, r, p, count, data, True)
+                data = in_place_buffer(op, r, p, count, masks, s.root)
+                inp, out = layout(op, r, p, count, data, True, s.root)
             else:
                 inp = masks
-                out = np.zeros(s.out_elements(), np.uint64)
+                out = np.zeros(s.out_elements(r), np.uint64)
             self.bufs.append((inp, out, np.zeros(s.tmp_elements, np.uint64)))
         self.initial_in = [b[0].copy() for b in self.bufs]
 
@@ -92,8 +96,10 @@ class Interpreter:
         s = self.s
         where = f"rank {rank} sends {Buf(buf).name}[{lo}:{lo + masks.size}]"
         assert np.all(masks != 0), f"{where}: it does not have elements {np.flatnonzero(masks == 0)[:5]}"
-        if s.op is C.BROADCAST:
+        if s.op in (C.BROADCAST, C.SCATTER):
             assert np.all(masks == bit(s.root)), f"{where}: not the root's data"
+        elif s.op in (C.GATHER, C.ALLTOALL) and buf == Buf.IN:
+            assert np.all(masks == bit(rank)), f"{where}: not its own data"
         elif s.op is C.ALLGATHER:
             if buf == Buf.IN:
                 want = np.full(masks.size, bit(rank), np.uint64)
@@ -181,7 +187,7 @@ def test_schedule_invariants(op: C, algorithm: str, p: int) -> None:
             for chunks in chunk_options(algorithm):
                 s = generate(op, algorithm, p, count, root, chunks)
                 assert (s.op, s.participants, s.count) == (op, p, count)
-                for in_place in (False, True):
+                for in_place in in_place_options(op):
                     interp = Interpreter(s, in_place)
                     try:
                         interp.run()

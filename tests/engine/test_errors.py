@@ -30,7 +30,7 @@ def plans_for(op: C, algorithm: str, p: int, count: int, ranks: list[int], root:
     s = generate(op, algorithm, p, count, root, 4)
     reduction = Reduction(ReduceOp.SUM, np.dtype(np.float32), p)
     return [
-        Plan(s, r, layout(op, r, p, count, np.ones(s.in_elements(), np.float32), False), reduction)
+        Plan(s, r, layout(op, r, p, count, np.ones(s.in_elements(r), np.float32), False, root), reduction)
         for r in ranks
     ]
 
@@ -69,7 +69,10 @@ CASES = [(op, name) for name, algo in ALGORITHMS.items() for op in algo.generato
 def test_a_missing_participant_times_out(op: C, algorithm: str) -> None:
     p, missing, timeout = 4, 2, 0.5
     present = [r for r in range(p) if r != missing]
-    errors, ended = run_in_threads(plans_for(op, algorithm, p, 64, present), InprocFabric(p), timeout)
+    # A scatter needs nothing from a non-root: its missing participant is the root.
+    root = missing if op is C.SCATTER else 0
+    plans = plans_for(op, algorithm, p, 64, present, root)
+    errors, ended = run_in_threads(plans, InprocFabric(p), timeout)
     # Everyone who depends on the missing rank fails with the timeout type, in time.
     failed = {r: e for r, e in errors.items() if e is not None}
     assert failed, "nobody noticed the missing participant"

@@ -12,15 +12,19 @@ import pytest
 from lpsync.algorithms import generate
 from lpsync.types import DTYPES, ReduceOp
 from tests.collective_cases import (
+    IN_PLACE_OPS_ALGS,
+    IN_PLACE_OPS_ALGS_IDS,
     OPS_ALGS,
     OPS_ALGS_IDS,
     PARTICIPANTS,
     REDUCING,
+    ROOTED,
     C,
     Outcome,
     assert_matches,
     bits,
     chunk_options,
+    in_place_options,
     make_inputs,
     reference,
     roots_for,
@@ -44,7 +48,11 @@ def check_outcomes(
     for r in range(p):
         assert_matches(first.results[r], want[r], f"{what} rank {r}")
     # Every participant holds the same bits (reduce_scatter: each its own block).
-    holders = [root] if op is C.REDUCE else ([] if op is C.REDUCE_SCATTER else range(p))
+    holders = (
+        [root]
+        if op in (C.REDUCE, C.GATHER)
+        else ([] if op in (C.REDUCE_SCATTER, C.SCATTER, C.ALLTOALL) else range(p))
+    )
     for r in holders:
         assert bits(first.results[r]) == bits(first.results[holders[0]]), f"{what} rank {r}"
     # The same bits on every run.
@@ -77,7 +85,7 @@ def test_every_size_root_and_count_int64_sum(op: C, algorithm: str) -> None:
             for count in ragged_counts(p):
                 for chunks in chunk_options(algorithm, (1, 4)):
                     s = generate(op, algorithm, p, count, root, chunks)
-                    inputs = make_inputs(op, p, count, np.dtype(np.int64), ReduceOp.SUM, rng)
+                    inputs = make_inputs(op, p, count, np.dtype(np.int64), ReduceOp.SUM, rng, root)
                     outcomes = run_collective(s, inputs, ReduceOp.SUM, in_place=False)
                     check_outcomes(
                         op,
@@ -100,12 +108,12 @@ def test_every_dtype_and_reduce_op(op: C, algorithm: str, dtype_name: str) -> No
     reduce_ops = list(ReduceOp) if op in REDUCING else [ReduceOp.SUM]
     for reduce_op in reduce_ops:
         for p in (3, 4):
-            root = p - 1 if op in (C.BROADCAST, C.REDUCE) else 0
+            root = p - 1 if op in ROOTED else 0
             count = 37
             chunks = 5 if algorithm == "lp" else 1
             s = generate(op, algorithm, p, count, root, chunks)
-            inputs = make_inputs(op, p, count, dtype, reduce_op, rng)
-            for in_place in (False, True):
+            inputs = make_inputs(op, p, count, dtype, reduce_op, rng, root)
+            for in_place in in_place_options(op):
                 outcomes = run_collective(s, inputs, reduce_op, in_place=in_place, runs=2)
                 check_outcomes(
                     op,
@@ -119,7 +127,7 @@ def test_every_dtype_and_reduce_op(op: C, algorithm: str, dtype_name: str) -> No
                 )
 
 
-@pytest.mark.parametrize(("op", "algorithm"), OPS_ALGS, ids=OPS_ALGS_IDS)
+@pytest.mark.parametrize(("op", "algorithm"), IN_PLACE_OPS_ALGS, ids=IN_PLACE_OPS_ALGS_IDS)
 def test_in_place_every_size(op: C, algorithm: str) -> None:
     """In place over every P and root: the aliasing of IN and OUT must not corrupt data."""
     rng = np.random.default_rng(7)
@@ -128,7 +136,7 @@ def test_in_place_every_size(op: C, algorithm: str) -> None:
             count = 2 * p + 3
             for chunks in chunk_options(algorithm, (1, 4)):
                 s = generate(op, algorithm, p, count, root, chunks)
-                inputs = make_inputs(op, p, count, np.dtype(np.int32), ReduceOp.SUM, rng)
+                inputs = make_inputs(op, p, count, np.dtype(np.int32), ReduceOp.SUM, rng, root)
                 outcomes = run_collective(s, inputs, ReduceOp.SUM, in_place=True)
                 check_outcomes(
                     op,

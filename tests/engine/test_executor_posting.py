@@ -30,6 +30,7 @@ from tests.collective_cases import (
     assert_matches,
     chunk_options,
     in_place_buffer,
+    in_place_options,
     make_inputs,
     reference,
     roots_for,
@@ -92,9 +93,11 @@ def run_posting(
     rng: np.random.Generator,
 ) -> int:
     schedule = generate(op, algorithm, p, count, root, chunks)
-    inputs = make_inputs(op, p, count, np.dtype(np.int64), ReduceOp.SUM, rng)
-    datas = [in_place_buffer(op, r, p, count, x) if in_place else x.copy() for r, x in enumerate(inputs)]
-    pairs = [layout(op, r, p, count, d, in_place) for r, d in enumerate(datas)]
+    inputs = make_inputs(op, p, count, np.dtype(np.int64), ReduceOp.SUM, rng, root)
+    datas = [
+        in_place_buffer(op, r, p, count, x, root) if in_place else x.copy() for r, x in enumerate(inputs)
+    ]
+    pairs = [layout(op, r, p, count, d, in_place, root) for r, d in enumerate(datas)]
     fabric = InprocFabric(p)
     endpoints = [PostingInproc(fabric, r) for r in range(p)]
     plans = [
@@ -131,7 +134,7 @@ def test_receives_posted_ahead_give_numpy_results(op: C, algorithm: str) -> None
         for root in roots_for(op, p)[:2]:
             for count in (0, 7, 1001):
                 for chunks in chunk_options(algorithm, (1, 4, 9)):
-                    for in_place in (False, True):
+                    for in_place in in_place_options(op):
                         posted += run_posting(op, algorithm, p, root, count, chunks, in_place, rng)
     assert posted > 0  # the look-ahead was exercised, not bypassed
 
@@ -149,7 +152,7 @@ def test_a_receive_is_not_posted_over_a_span_still_to_be_sent() -> None:
     schedule = b.build()
     for _ in range(10):  # the hazard is a race: give it chances
         fabric = InprocFabric(2)
-        ins = [np.zeros(schedule.in_elements(), np.int64) for _ in (0, 1)]
+        ins = [np.zeros(schedule.in_elements(r), np.int64) for r in (0, 1)]
         ins[1][:n] = 2
         outs = [np.full(n, 1, np.int64), np.zeros(n, np.int64)]
         endpoints = [PostingInproc(fabric, r) for r in (0, 1)]

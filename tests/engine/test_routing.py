@@ -42,10 +42,10 @@ def run_nodes(
     p = sum(ranks_per_node)
     schedule = generate(op, algorithm, p, count, root, chunks)
     rng = np.random.default_rng(p * 1000 + count)
-    inputs = make_inputs(op, p, count, np.dtype(dtype), ReduceOp.SUM, rng)
+    inputs = make_inputs(op, p, count, np.dtype(dtype), ReduceOp.SUM, rng, root)
     network = InprocFabric(len(ranks_per_node))
     reduction = Reduction(ReduceOp.SUM, np.dtype(dtype), p) if op in REDUCING else None
-    pairs = [layout(op, r, p, count, x.copy(), in_place=False) for r, x in enumerate(inputs)]
+    pairs = [layout(op, r, p, count, x.copy(), False, root) for r, x in enumerate(inputs)]
     errors: list[BaseException | None] = [None] * len(ranks_per_node)
 
     def node(n: int) -> None:

@@ -42,7 +42,7 @@ def main() -> int:
             dtype, p = dtype_of(case.dtype), ep.size
             inputs = case_inputs(case, p)
             schedule = generate(Collective(case.op), case.algorithm, p, case.count, case.root, case.chunks)
-            out = np.zeros(schedule.out_elements(), dtype)
+            out = np.zeros(schedule.out_elements(args.rank), dtype)
             plan = Plan(schedule, args.rank, (inputs[args.rank], out), Reduction(ReduceOp.SUM, dtype, p))
             start = time.perf_counter()
             plan.run(ep, time.monotonic() + 60, tag_base=index << 32)

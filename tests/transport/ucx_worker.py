@@ -142,7 +142,7 @@ def participant(
             op, dtype = Collective(case.op), dtype_of(case.dtype)
             schedule = generate(op, case.algorithm, endpoint.size, case.count, case.root, case.chunks)
             inp = case_inputs(case, endpoint.size)[rank]
-            out = np.zeros(schedule.out_elements(), dtype)
+            out = np.zeros(schedule.out_elements(rank), dtype)
             plan = Plan(schedule, rank, (inp, out), Reduction(ReduceOp(case.reduce_op), dtype, endpoint.size))
             start = time.monotonic()
             try:

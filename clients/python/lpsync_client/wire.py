@@ -46,3 +46,29 @@ def split_device_uuid(handle: bytes) -> tuple[bytes, bytes | None]:
 def emulated_uuid(device: int) -> bytes:
     """The UUID of emulated device ``device`` (the daemon's numbering: all devices)."""
     return b"LPSYNC-EMU-" + device.to_bytes(5, "little")
+
+
+# The collectives whose buffers hold several count-element blocks ("count" is one rank's
+# block, NCCL's sendcount/recvcount), and whose result or data lives at one root.
+ROOTED_OPS = frozenset({"broadcast", "reduce", "gather", "scatter"})
+OUT_OF_PLACE_ONLY = frozenset({"alltoall"})  # blocks move between ranks in both directions
+
+
+def blocks(op: str, participants: int, rank: int, root: int) -> tuple[int, int]:
+    """(input blocks, output blocks) of one participant's buffers, out of place; the sizes
+    both the client and the daemon check. In place one buffer holds the larger side, and
+    the smaller one is the participant's own block of it (or nothing)."""
+    p, is_root = participants, rank == root
+    if op == "barrier":
+        return 0, 0
+    if op == "allgather":
+        return 1, p
+    if op == "reduce_scatter":
+        return p, 1
+    if op == "gather":
+        return 1, p if is_root else 0
+    if op == "scatter":
+        return p if is_root else 0, 1
+    if op == "alltoall":
+        return p, p
+    return 1, 1

@@ -32,12 +32,26 @@ def run(
             if out is not source:
                 np.copyto(out, source)
         return
-    if op is Collective.ALLGATHER:
-        for _, out in buffers:
+    if op in (Collective.ALLGATHER, Collective.GATHER):
+        for r, (_, out) in enumerate(buffers):
+            if op is Collective.GATHER and r != root:
+                continue
             for q, (inp, _) in enumerate(buffers):
                 block = out[q * count : (q + 1) * count]
                 if not np.shares_memory(block, inp):
                     np.copyto(block, inp)
+        return
+    if op is Collective.SCATTER:
+        source = buffers[root][0]
+        for r, (_, out) in enumerate(buffers):
+            block = source[r * count : (r + 1) * count]
+            if not np.shares_memory(block, out):
+                np.copyto(out, block)
+        return
+    if op is Collective.ALLTOALL:  # out of place only: no output overlaps an input
+        for r, (_, out) in enumerate(buffers):
+            for q, (inp, _) in enumerate(buffers):
+                np.copyto(out[q * count : (q + 1) * count], inp[r * count : (r + 1) * count])
         return
     assert reduction is not None
     # Reduce into a scratch array first: in place, the inputs are also the outputs.

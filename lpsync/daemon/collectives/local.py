@@ -29,7 +29,7 @@ from lpsync.engine.device_group import DeviceGroup
 from lpsync.engine.group import LocalGroup
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.kind import Topology
-from lpsync.types import Collective, dtype_of
+from lpsync.types import BLOCKED, Collective, dtype_of
 
 # Local memory as the tuner sees it: a thread hand-off per message, memcpy bandwidth,
 # and a link of its own between every pair of participants (no shared NIC).
@@ -72,7 +72,7 @@ def run(task: Task, devices: DeviceRegistry | None) -> Outcome:
 
 def _on_host(task: Task) -> Outcome:
     spec, op, p = task.spec, task.op, task.participants
-    views = [buffers(op, a, p, spec.count) for a in task.arrivals]
+    views = [buffers(spec, a, p) for a in task.arrivals]
     reducing = reduction(spec, task.dtype, p)
     algorithm = spec.algorithm
     if algorithm == DIRECT or (not algorithm and (task.nbytes <= DIRECT_MAX_BYTES or p == 1)):
@@ -114,7 +114,7 @@ def _on_devices(task: Task, devices: DeviceRegistry) -> Outcome:
     else:
         choice = select(op, task.nbytes, p, DEVICE_LINK)
         algorithm, chunks = choice.algorithm, choice.chunks
-    views = [buffers(op, a, p, spec.count) for a in task.arrivals]
+    views = [buffers(spec, a, p) for a in task.arrivals]
     order = device_chain(op, spec.root, [inp.device for inp, _ in views], devices.context.topology)
     key = (
         spec,
@@ -145,8 +145,8 @@ def _on_devices(task: Task, devices: DeviceRegistry) -> Outcome:
 def device_chain(op: Collective, root: int, devices: list[int], topology: Topology) -> list[int]:
     """Ranks in schedule order: for broadcast, reduce and allreduce the chain over the
     devices with the fewest slow crossings (a broadcast's root heads it, a reduce's root
-    ends it); allgather and reduce_scatter keep rank order (their blocks are rank-indexed)."""
-    if op in (Collective.ALLGATHER, Collective.REDUCE_SCATTER):
+    ends it); the blocked collectives keep rank order (their blocks are rank-indexed)."""
+    if op in BLOCKED:
         return list(range(len(devices)))
     links = [[int(x) for x in row] for row in topology.links]
     return chain_order(

@@ -89,7 +89,7 @@ def bind(task: Task, link: Link, algorithm: str, chunks: int, staged: Staged | N
     assert layout is not None
     spec, op, p = task.spec, task.op, task.participants
     arrivals = staged.arrivals if staged is not None else task.arrivals
-    views = [buffers(op, a, p, spec.count) for a in arrivals]
+    views = [buffers(spec, a, p) for a in arrivals]
     # The mesh generation is part of the key: a rebuilt mesh is another remote endpoint.
     key = (
         spec,

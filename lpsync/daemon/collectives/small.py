@@ -24,14 +24,16 @@ from lpsync.types import Collective
 # Up to this size the data rides the agreement (a 64 KiB broadcast on 8 nodes: see
 # docs/benchmarks.md); the same constant on every node, so all decide alike.
 SMALL_MAX_BYTES = 64 * 1024
+_FROM_ROOT = frozenset({Collective.BROADCAST, Collective.SCATTER})  # the root's input is the result
+_END_TO_END = frozenset({Collective.ALLGATHER, Collective.GATHER})  # every rank's block, in order
 
 
 def rides(task: Task) -> bool:
     """Whether this collective's data rides the agreement: small, and no algorithm forced
     (a forced one runs as asked). Decided from the spec alone, so nodes that agree on the
     spec decide alike."""
-    if task.op is Collective.BARRIER or task.spec.algorithm:
-        return False
+    if task.op in (Collective.BARRIER, Collective.ALLTOALL) or task.spec.algorithm:
+        return False  # all-to-all's parts would carry every block to node 0 and back
     return task.nbytes <= SMALL_MAX_BYTES
 
 
@@ -44,7 +46,7 @@ class SmallCollective:
     def __init__(self, task: Task, arrivals: list[Arrival]) -> None:
         self.op, self.root, self.count, self.dtype = task.op, task.spec.root, task.spec.count, task.dtype
         self.ranks = [a.rank for a in arrivals]
-        self.buffers = [buffers(self.op, a, task.participants, self.count) for a in arrivals]
+        self.buffers = [buffers(task.spec, a, task.participants) for a in arrivals]
         # The ranks in the order their allgather blocks are folded (node by node); None
         # when that is rank order (node-major ranks).
         layout = task.job.layout
@@ -53,13 +55,14 @@ class SmallCollective:
 
     def part(self) -> np.ndarray:
         """This node's contribution: its ranks' inputs reduced (reducing ops), laid end to
-        end (allgather), or the root's input (broadcast; empty on other nodes)."""
+        end (allgather, gather), or the root's input (broadcast, scatter; empty on other
+        nodes)."""
         inputs = [inp for inp, _ in self.buffers]
-        if self.op is Collective.BROADCAST:
+        if self.op in _FROM_ROOT:
             if self.root in self.ranks:
                 return inputs[self.ranks.index(self.root)]
             return np.empty(0, self.dtype)
-        if self.op is Collective.ALLGATHER:
+        if self.op in _END_TO_END:
             return np.concatenate(inputs)
         part = inputs[0].copy()
         for inp in inputs[1:]:
@@ -69,9 +72,9 @@ class SmallCollective:
     def fold(self, acc: np.ndarray, part: np.ndarray) -> np.ndarray:
         """``acc`` (the nodes before) with ``part`` (the next nodes) folded in; acc may be
         reused as the result."""
-        if self.op is Collective.BROADCAST:
+        if self.op in _FROM_ROOT:
             return acc if acc.size else part
-        if self.op is Collective.ALLGATHER:
+        if self.op in _END_TO_END:
             return np.concatenate((acc, part))
         if part.shape != acc.shape:
             raise ValueError(f"a part of {part.size} elements where {acc.size} were expected")
@@ -90,14 +93,17 @@ class SmallCollective:
 
     def write(self, result: np.ndarray) -> None:
         """Each local participant's output from the result (a non-root's buffer of reduce
-        is never written)."""
+        or gather is never written)."""
         for rank, (_, out) in zip(self.ranks, self.buffers, strict=True):
+            if self.op in (Collective.REDUCE, Collective.GATHER) and rank != self.root:
+                continue
             if self.op is Collective.REDUCE:
-                if rank == self.root:
-                    np.copyto(out, result)
-            elif self.op is Collective.REDUCE_SCATTER:
-                np.copyto(out, result[rank * self.count : (rank + 1) * self.count])
-            elif self.op is Collective.ALLGATHER and self.order is not None:
+                np.copyto(out, result)
+            elif self.op in (Collective.REDUCE_SCATTER, Collective.SCATTER):
+                block = result[rank * self.count : (rank + 1) * self.count]
+                if not np.shares_memory(out, block):
+                    np.copyto(out, block)
+            elif self.op in _END_TO_END and self.order is not None:
                 # Blocks came node by node: put each at its rank's place.
                 out.reshape(len(self.order), self.count)[self.order] = result.reshape(
                     len(self.order), self.count

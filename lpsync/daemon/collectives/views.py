@@ -12,14 +12,14 @@ from lpsync.algorithms.cost import busbw_factor
 from lpsync.daemon.values import Arrival, Spec
 from lpsync.engine.group import layout
 from lpsync.reduction import Reduction
-from lpsync.types import Collective, ReduceOp
+from lpsync.types import BLOCKED, Collective, ReduceOp
 
 REDUCING = frozenset({Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER})
 
 
 def nccl_bytes(op: str, count: int, itemsize: int, participants: int) -> int:
     """nccl-tests' "size": the whole buffer (the gathered output, the scattered input)."""
-    if op in (Collective.ALLGATHER, Collective.REDUCE_SCATTER):
+    if op in BLOCKED:
         return count * itemsize * participants
     return count * itemsize
 
@@ -28,11 +28,12 @@ def bus_factor(op: str, participants: int) -> float:
     return 1.0 if op == Collective.BARRIER else busbw_factor(Collective(op), participants)
 
 
-def buffers(op: Collective, arrival: Arrival, p: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+def buffers(spec: Spec, arrival: Arrival, p: int) -> tuple[np.ndarray, np.ndarray]:
     """The participant's (input, output) views; in place, both are views of its one buffer."""
     assert arrival.data is not None
     if arrival.out is None:
-        return layout(op, arrival.rank, p, count, arrival.data, in_place=True)
+        op = Collective(spec.op)
+        return layout(op, arrival.rank, p, spec.count, arrival.data, in_place=True, root=spec.root)
     return arrival.data, arrival.out
 
 

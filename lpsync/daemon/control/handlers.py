@@ -39,7 +39,7 @@ from lpsync.algorithms.registry import DIRECT
 from lpsync.daemon.collectives import path
 from lpsync.daemon.collectives.local import is_inline
 from lpsync.daemon.collectives.matching import Job, Jobs, Recorder
-from lpsync.daemon.collectives.views import bus_factor, nccl_bytes
+from lpsync.daemon.collectives.views import REDUCING, bus_factor, nccl_bytes
 from lpsync.daemon.control import layout as layouts
 from lpsync.daemon.control import limits
 from lpsync.daemon.control.config import DaemonConfig
@@ -57,7 +57,7 @@ from lpsync.errors import (
 )
 from lpsync.memory.devices import open_kind, parse_devices
 from lpsync.memory.kind import Span
-from lpsync.types import DTYPES, Collective, ReduceOp, dtype_of
+from lpsync.types import DTYPES, OUT_OF_PLACE_ONLY, ROOTED_OPS, Collective, ReduceOp, blocks, dtype_of
 
 log = logging.getLogger("lpsync.daemon")
 
@@ -549,8 +549,8 @@ class Service(pb_grpc.LpSyncServicer):
             return Arrival(session.rank, request.sequence, spec, timeout, None, None, (), done)
         dtype = dtype_of(request.dtype)
         count = request.count
-        root = request.root if op in (Collective.BROADCAST, Collective.REDUCE) else 0
-        reducing = op in (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER)
+        root = request.root if op in ROOTED_OPS else 0
+        reducing = op in REDUCING
         reduce_op = (request.reduce_op or ReduceOp.SUM) if reducing else ""
         algorithm = request.algorithm
         if algorithm == DIRECT and session.multinode:
@@ -560,10 +560,13 @@ class Service(pb_grpc.LpSyncServicer):
             )
         if algorithm and algorithm != DIRECT and Collective(op) not in ALGORITHMS[algorithm].generators:
             raise InvalidArgumentError(f"algorithm {algorithm!r} has no {op}")
-        blocks = p if op in (Collective.ALLGATHER, Collective.REDUCE_SCATTER) else 1
         in_place = request.output.handle == 0
-        n_in = count * (blocks if in_place or op == Collective.REDUCE_SCATTER else 1)
-        n_out = count * (blocks if op == Collective.ALLGATHER else 1)
+        if in_place and op in OUT_OF_PLACE_ONLY:
+            raise InvalidArgumentError(f"{op} runs out of place only: pass an output buffer")
+        b_in, b_out = blocks(op, p, session.rank, root)
+        # In place, the one buffer holds the larger side (lpsync.engine.group.layout).
+        n_in = count * (max(b_in, b_out) if in_place else b_in)
+        n_out = count * b_out
         data = self.sessions.view(session, request.input.handle, request.input.offset, dtype, n_in)
         out = None
         handles = [(session.id, request.input.handle)]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from lpsync.algorithms.registry import DIRECT
 from lpsync.errors import InvalidArgumentError, ResourceExhaustedError
-from lpsync.types import DTYPES, Collective, ReduceOp
+from lpsync.types import BLOCKED, DTYPES, ROOTED_OPS, Collective, ReduceOp
 
 OPS = frozenset(c.value for c in Collective)
 REDUCE_OPS = frozenset(r.value for r in ReduceOp)
@@ -174,7 +174,7 @@ def check_collective(request, world_size: int, limits: Limits, algorithms) -> No
         return
     check_keyword("dtype", request.dtype, DTYPES)
     itemsize = DTYPES[request.dtype].itemsize
-    blocks = world_size if request.op in (Collective.ALLGATHER, Collective.REDUCE_SCATTER) else 1
+    blocks = world_size if request.op in BLOCKED else 1  # the largest buffer of any rank
     if request.count < 0:
         raise _invalid("count", request.count, "is negative")
     if request.count * itemsize * blocks > limits.max_buffer_bytes:
@@ -184,7 +184,7 @@ def check_collective(request, world_size: int, limits: Limits, algorithms) -> No
             f"of {request.dtype} spans more than a buffer may hold "
             f"({limits.max_buffer_bytes} bytes, --max-buffer-bytes)",
         )
-    if request.op in (Collective.BROADCAST, Collective.REDUCE) and request.root >= world_size:
+    if request.op in ROOTED_OPS and request.root >= world_size:
         raise InvalidArgumentError(f"root {request.root} is not a rank of a world of {world_size}")
     if request.reduce_op:
         check_keyword("reduce_op", request.reduce_op, REDUCE_OPS)
