@@ -9,8 +9,10 @@ import time
 import numpy as np
 
 import lpsync_client
+from lpsync.types import ROOTED_OPS, Collective, blocks
 from lpsync_client import emulated
 from lpsync_client._convert import numpy_dtype
+from tests.collective_cases import in_place_buffer
 
 
 def _client(rank: int, socket: str, world: int, job: str) -> lpsync_client.Client:
@@ -66,29 +68,32 @@ def run_cases(
             dt = numpy_dtype(dtype)
             make = "torch" if dtype == "bfloat16" and framework == "cupy" else framework
             mine = np.frombuffer(inputs[rank], dt)
-            if in_place and op == "allgather":
-                buf = np.zeros(world * count, dt)
-                buf[rank * count : (rank + 1) * count] = mine
-                x, out = to_device(buf, device, dtype, make), None
+            c = Collective(op)
+            n_in, n_out = blocks(op, world, rank, root)
+            if in_place:
+                x, out = (
+                    to_device(in_place_buffer(c, rank, world, count, mine, root), device, dtype, make),
+                    None,
+                )
             else:
-                x = to_device(mine, device, dtype, make)
-                out = None
-                if not in_place:
-                    size = count * world if op == "allgather" else count
-                    out = to_device(np.zeros(size, dt), device, dtype, make)
+                # A scatter's non-root has no input, a gather's no output: None (the
+                # client then receives into out, or sends x).
+                x = to_device(mine, device, dtype, make) if n_in else None
+                out = to_device(np.zeros(count * n_out, dt), device, dtype, make) if n_out else None
             kwargs = {"out": out}
             if op in ("allreduce", "reduce", "reduce_scatter"):
                 kwargs["op"] = reduce_op
-            if op in ("broadcast", "reduce"):
+            if op in ROOTED_OPS:
                 kwargs["root"] = root
             getattr(client, op)(x, **kwargs)
             target = x if out is None else out
-            if in_place and op == "reduce_scatter":
-                target = x[rank * count : (rank + 1) * count]
-            results.append((to_host(target, make).tobytes(), to_host(x, make).tobytes()))
-            client.release(x)
-            if out is not None:
-                client.release(out)
+            got = b"" if target is None or not n_out else to_host(target, make).tobytes()
+            if in_place and n_out < n_in:  # this rank's block of the one buffer
+                got = got[rank * count * dt.itemsize : (rank + 1) * count * dt.itemsize]
+            results.append((got, b"" if x is None else to_host(x, make).tobytes()))
+            for array in (x, out):
+                if array is not None:
+                    client.release(array)
     return results
 
 

@@ -8,8 +8,9 @@ import ml_dtypes
 import numpy as np
 
 import lpsync_client
+from lpsync_client.wire import ROOTED_OPS, blocks
 
-OPS = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
+OPS = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "gather", "scatter", "alltoall")
 _REDUCE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "avg": np.add}
 
 
@@ -17,10 +18,10 @@ def dtype(name: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
-def inputs(op: str, dt: np.dtype, rank: int, world: int, count: int, seed: int) -> np.ndarray:
+def inputs(op: str, dt: np.dtype, rank: int, world: int, count: int, seed: int, root: int = 0) -> np.ndarray:
     """Integer values in 1..3: every reduction of a few ranks is exact in every dtype, so
     results can be compared bit for bit whatever order the algorithm reduces in."""
-    n = count * world if op == "reduce_scatter" else count
+    n = count * blocks(op, world, rank, root)[0]
     rng = np.random.default_rng(seed * 1000 + rank)
     return rng.integers(1, 4, n).astype(dt)
 
@@ -28,11 +29,18 @@ def inputs(op: str, dt: np.dtype, rank: int, world: int, count: int, seed: int) 
 def expected(
     op: str, rop: str, dt: np.dtype, rank: int, world: int, count: int, root: int, seed: int
 ) -> np.ndarray | None:
-    all_in = [inputs(op, dt, r, world, count, seed) for r in range(world)]
+    all_in = [inputs(op, dt, r, world, count, seed, root) for r in range(world)]
+    mine = slice(rank * count, (rank + 1) * count)
     if op == "broadcast":
         return all_in[root]
-    if op == "allgather":
+    if op == "allgather" or (op == "gather" and rank == root):
         return np.concatenate(all_in)
+    if op == "gather":
+        return None  # a non-root receives nothing
+    if op == "scatter":
+        return all_in[root][mine]
+    if op == "alltoall":
+        return np.concatenate([x[mine] for x in all_in])
     acc = all_in[0].copy()
     for x in all_in[1:]:
         _REDUCE[rop](acc, x, out=acc)
@@ -61,32 +69,28 @@ def check_cases(
         for seed, (op, dname, rop, count, in_place, algorithm, root, shm) in enumerate(cases):
             dt = dtype(dname)
             label = f"{op} {dname} {rop} n={count} in_place={in_place} algo={algorithm} root={root} shm={shm}"
-            x = inputs(op, dt, rank, world, count, seed)
+            x = inputs(op, dt, rank, world, count, seed, root)
             make = (lambda n, d=dt: client.zeros(n, d.name)) if shm else (lambda n, d=dt: np.zeros(n, d))
             kwargs: dict = {"algorithm": algorithm}
             if op in ("allreduce", "reduce", "reduce_scatter"):
                 kwargs["op"] = rop
-            if op in ("broadcast", "reduce"):
+            if op in ROOTED_OPS:
                 kwargs["root"] = root
+            n_in, n_out = blocks(op, world, rank, root)
             if in_place:
-                if op == "allgather":
-                    buf = make(count * world)
+                # One buffer, the larger side; the smaller is this rank's block of it.
+                buf = make(count * max(n_in, n_out))
+                if n_in < n_out and n_in:
                     buf[rank * count : (rank + 1) * count] = x
-                else:
-                    buf = make(x.size)
+                elif n_in >= n_out:
                     buf[:] = x
                 before = buf.copy()
                 getattr(client, op)(buf, **kwargs)
-                if op == "allgather":
-                    result = buf
-                elif op == "reduce_scatter":
-                    result = buf[rank * count : (rank + 1) * count]
-                else:
-                    result = buf
+                result = buf[rank * count : (rank + 1) * count] if n_out < n_in else buf
             else:
-                src = make(x.size)
+                src = make(max(x.size, 1))[: x.size]  # a scatter's non-root has no input
                 src[:] = x
-                out = make(count * world if op == "allgather" else count)
+                out = make(count * n_out)
                 getattr(client, op)(src, out=out, **kwargs)
                 if not np.array_equal(src.view(np.uint8), x.view(np.uint8)):
                     failures.append(f"{label}: out-of-place input was modified")
@@ -186,3 +190,26 @@ def async_and_barrier(rank: int, socket: str, job: str) -> list:
         results = [f.result(timeout=20) for f in futures]
         assert results[-1] is big
         return [int(b[0]) for b in bufs] + [float(big[0])]
+
+
+def bad_data_movement(rank: int, socket: str, job: str) -> list[str]:
+    """Requests the client or the daemon must refuse with a reason; then one that works."""
+    got = []
+    with lpsync_client.connect(socket, job=job, rank=rank, world_size=2, timeout=10) as client:
+        x = client.zeros(4, "float32")
+        try:
+            client.alltoall(x, None)
+            got.append("no error")
+        except lpsync_client.InvalidArgumentError as error:
+            got.append(str(error))
+        try:
+            client.gather(x[:2], root=5, out=x if rank == 5 else None)
+            got.append("no error")
+        except lpsync_client.InvalidArgumentError as error:
+            got.append(str(error))
+        y = client.zeros(4, "float32")
+        y[:] = rank + 1
+        out = client.zeros(4, "float32")
+        client.alltoall(y, out)
+        got.append("ok" if list(out) == [1, 1, 2, 2] else f"wrong: {list(out)}")
+    return got

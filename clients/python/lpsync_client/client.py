@@ -799,6 +799,116 @@ class Client:
         """
         return self._wait(self.reduce_scatter_async(x, op, out, algorithm, timeout, name), timeout)
 
+    def gather_async(
+        self,
+        x,
+        root: int = 0,
+        out=None,
+        algorithm: str | None = None,
+        timeout: float | None = None,
+        name: str = "",
+    ) -> Future:
+        if self.rank != root:
+            out = None  # only the root receives: another rank's out is ignored, as in MPI
+
+        def count(n: int, m: int | None) -> int:
+            if self.rank != root:
+                return n
+            if m is None:  # in place: x is the whole output, the root's block at root*count
+                return self._blocks(n, "the gather buffer")
+            if m != n * self.world_size:
+                raise InvalidArgumentError(f"out must have {n * self.world_size} elements")
+            return n
+
+        return self._submit(
+            "gather", x, out, count_of=count, root=root, algorithm=algorithm, timeout=timeout, name=name
+        )
+
+    def gather(
+        self,
+        x,
+        root: int = 0,
+        out=None,
+        algorithm: str | None = None,
+        timeout: float | None = None,
+        name: str = "",
+    ):
+        """Gather every rank's block ``x`` into the root's output, in rank order.
+
+        At the root: ``out`` of P*count elements, or in place ``x`` is the P*count output
+        holding the root's block at root*count. Other ranks pass their count elements;
+        their ``out`` is ignored.
+
+        >>> everything = client.empty(client.world_size * 4) if client.rank == 0 else None
+        >>> client.gather(mine, root=0, out=everything)
+        """
+        return self._wait(self.gather_async(x, root, out, algorithm, timeout, name), timeout)
+
+    def scatter_async(
+        self,
+        x,
+        root: int = 0,
+        out=None,
+        algorithm: str | None = None,
+        timeout: float | None = None,
+        name: str = "",
+    ) -> Future:
+        if self.rank != root and out is not None:
+            x, out = out, None  # another rank only receives: into out
+
+        def count(n: int, m: int | None) -> int:
+            if self.rank != root:
+                return n
+            c = self._blocks(n, "the scatter input")
+            if m is not None and m != c:
+                raise InvalidArgumentError(f"out must have {c} elements")
+            return c
+
+        return self._submit(
+            "scatter", x, out, count_of=count, root=root, algorithm=algorithm, timeout=timeout, name=name
+        )
+
+    def scatter(
+        self,
+        x,
+        root: int = 0,
+        out=None,
+        algorithm: str | None = None,
+        timeout: float | None = None,
+        name: str = "",
+    ):
+        """Send block r of the root's P*count ``x`` to rank r.
+
+        At the root: into ``out`` (count elements), or in place (its block of ``x`` is
+        already there). Other ranks receive into ``out`` or, without one, into ``x``.
+
+        >>> mine = client.empty(4); client.scatter(shards if client.rank == 0 else mine, out=mine)
+        """
+        return self._wait(self.scatter_async(x, root, out, algorithm, timeout, name), timeout)
+
+    def alltoall_async(
+        self, x, out, algorithm: str | None = None, timeout: float | None = None, name: str = ""
+    ) -> Future:
+        if out is None:
+            raise InvalidArgumentError("alltoall runs out of place: pass out (as large as x)")
+
+        def count(n: int, m: int | None) -> int:
+            if m != n:
+                raise InvalidArgumentError(f"out has {m} elements, x {n}: they must be equal")
+            return self._blocks(n, "the alltoall input")
+
+        return self._submit(
+            "alltoall", x, out, count_of=count, algorithm=algorithm, timeout=timeout, name=name
+        )
+
+    def alltoall(self, x, out, algorithm: str | None = None, timeout: float | None = None, name: str = ""):
+        """Block j of this rank's ``x`` goes to rank j, and block i of ``out`` comes from
+        rank i (P blocks of count elements each; out of place).
+
+        >>> client.alltoall(tokens_by_expert, out=tokens_for_me)
+        """
+        return self._wait(self.alltoall_async(x, out, algorithm, timeout, name), timeout)
+
     def barrier_async(self, timeout: float | None = None, name: str = "") -> Future:
         return self._submit("barrier", None, None, count_of=None, timeout=timeout, name=name)
 
