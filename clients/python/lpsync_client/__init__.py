@@ -6,8 +6,8 @@
         x[:] = client.rank
         client.allreduce(x)                    # x == sum of ranks, on every rank
 
-Blocking calls: allreduce, broadcast, reduce, allgather, reduce_scatter, barrier; each
-has an ``*_async`` twin returning a concurrent.futures.Future.
+Blocking calls: allreduce, broadcast, reduce, allgather, reduce_scatter, gather, scatter,
+alltoall, barrier; each has an ``*_async`` twin returning a concurrent.futures.Future.
 """
 
 from lpsync_client.client import Client, DeviceRegistered, Registered, connect

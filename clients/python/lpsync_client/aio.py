@@ -52,6 +52,15 @@ class Client:
     def reduce_scatter(self, *args, **kwargs) -> asyncio.Future:
         return asyncio.wrap_future(self.sync.reduce_scatter_async(*args, **kwargs))
 
+    def gather(self, *args, **kwargs) -> asyncio.Future:
+        return asyncio.wrap_future(self.sync.gather_async(*args, **kwargs))
+
+    def scatter(self, *args, **kwargs) -> asyncio.Future:
+        return asyncio.wrap_future(self.sync.scatter_async(*args, **kwargs))
+
+    def alltoall(self, *args, **kwargs) -> asyncio.Future:
+        return asyncio.wrap_future(self.sync.alltoall_async(*args, **kwargs))
+
     def barrier(self, *args, **kwargs) -> asyncio.Future:
         return asyncio.wrap_future(self.sync.barrier_async(*args, **kwargs))
 
