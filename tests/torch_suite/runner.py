@@ -227,6 +227,16 @@ class Runner:
         queue = list(shards)
         running: list[dict] = []
         results: list[Result] = []
+        try:
+            self._loop(queue, running, results)
+        finally:  # interrupted: no worker (nor its ranks) outlives the runner
+            for w in running:
+                if w["proc"].poll() is None:
+                    os.killpg(w["proc"].pid, signal.SIGKILL)
+                    w["proc"].wait()
+        return results
+
+    def _loop(self, queue: list[Shard], running: list[dict], results: list[Result]) -> None:
         while queue or running:
             while queue and len(running) < self.args.jobs:
                 running.append(self._start(queue.pop(0)))
@@ -277,7 +287,6 @@ class Runner:
                         )
                 elif rest:
                     queue.insert(0, Shard(w["shard"].backend, w["shard"].world_size, rest, w["shard"].lifted))
-        return results
 
     def _start(self, shard: Shard) -> dict:
         results, log = self._files(f"{shard.backend}-{shard.world_size}")
@@ -513,8 +522,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    signal.signal(signal.SIGTERM, _terminate)  # stop the workers and the daemon first
     known = load_known(args.known)
     started = time.monotonic()
     out = args.out or ROOT / "out" / "torch-suite" / time.strftime("%Y%m%d-%H%M%S")

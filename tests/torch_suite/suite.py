@@ -41,7 +41,9 @@ if BACKEND == "lpsync":
         DistTestCases.backend_feature[_feature].add("lpsync")
 
 import torch  # noqa: E402
-from torch.testing._internal.distributed.distributed_test import (  # noqa: E402 - after the above
+from torch.testing._internal.common_utils import FILE_SCHEMA  # noqa: E402
+from torch.testing._internal.distributed import distributed_test  # noqa: E402 - after the above
+from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest,
     TestDistBackend,
 )
@@ -55,7 +57,8 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
     imports torch and the suite, ~3.5 CPU-seconds a rank) or ``forkserver`` (each rank forked
     from a server that imported them once, when the worker's first test starts). A
     forked rank inherits the server's environment, not the test's: it finds the test's
-    TEMP_DIR (the suite's file barrier) from its store file, which setUp puts inside it."""
+    TEMP_DIR (the suite's file barrier) and INIT_METHOD from its store file, which setUp
+    puts inside TEMP_DIR."""
 
     def setUp(self) -> None:
         super().setUp()
@@ -71,7 +74,13 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
     @classmethod
     def _run(cls, rank, test_name, file_name, pipe, **kwargs):  # type: ignore[override]
         if START_METHOD == "forkserver":
-            os.environ["TEMP_DIR"] = os.path.dirname(os.path.dirname(file_name))
+            # What a spawned rank would have read from the test's environment: TEMP_DIR and
+            # INIT_METHOD (the second as torch's module constant too: the barrier-timeout
+            # test re-initializes the default group with it).
+            temp_dir = os.path.dirname(os.path.dirname(file_name))
+            init = FILE_SCHEMA + os.path.join(temp_dir, "init_dir", "shared_init_file")
+            os.environ["TEMP_DIR"], os.environ["INIT_METHOD"] = temp_dir, init
+            distributed_test.INIT_METHOD = init
         super()._run(rank, test_name, file_name, pipe, **kwargs)
 
 

@@ -27,13 +27,13 @@ _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrup
 
 
 def _reason(text: str) -> str:
-    """The most telling line of a failure: the first rank's exception, else the last line."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    for line in lines:
-        match = _EXCEPTION_LINE.match(line)
-        if match and not line.startswith("RuntimeError: Process "):
-            return match.group(1)[:300]
-    return lines[-1][:300] if lines else ""
+    """The most telling line of a failure: the exception the first failing rank ended with
+    (the last of a chain), else the last exception line, else the last line."""
+    ranks = re.split(r"Process \d+ exited with error code \d+ and exception:\n", text)
+    body = ranks[1] if len(ranks) > 1 else text
+    lines = [line.strip() for line in body.splitlines() if line.strip()]
+    raised = [line for line in lines if _EXCEPTION_LINE.match(line)]
+    return (raised or lines or [""])[-1][:300]
 
 
 def _write(results: Path, record: dict) -> None:
