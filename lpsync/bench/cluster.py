@@ -38,6 +38,7 @@ from types import FrameType
 from typing import Any
 
 from lpsync.algorithms import algorithms_for
+from lpsync.bench import OPS
 from lpsync.bench.cluster_report import AUTO, Point, label
 from lpsync.cluster import ClusterSpec, down, format_rate, netns, run_in, up
 from lpsync.daemon import launch
@@ -47,7 +48,6 @@ from lpsync.transport.backends import check as check_transport
 from lpsync.types import Collective
 from lpsync.units import format_size
 
-OPS = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
 PEER_PORT = 13337  # every daemon listens on its own namespace's address
 GLOO_PORT = 29500  # torch.distributed's store on node 0
 _START_TIMEOUT = 60.0  # seconds for every daemon to serve its socket (8 imports, 2 cores)

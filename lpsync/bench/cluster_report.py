@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lpsync.algorithms.cost import busbw_factor
-from lpsync.bench.worker import DTYPE
+from lpsync.bench.worker import DTYPE, columns
 from lpsync.cluster import format_rate
 from lpsync.types import Collective
 from lpsync.units import format_size
@@ -194,8 +194,7 @@ def _fmt(value: float | None, spec: str, width: int) -> str:
 def _block(rows: list[Point], fewest: dict[Key, Point]) -> list[str]:
     first = rows[0]
     nodes, op, k = first.nodes, first.op, first.procs_per_node
-    root = 0 if op in ("broadcast", "reduce") else -1
-    redop = "sum" if op in ("allreduce", "reduce", "reduce_scatter") else "none"
+    redop, root = columns(op)
     base = {key(p): fewest[key(p)] for p in rows if key(p) in fewest and fewest[key(p)].nodes < nodes}
     vs = f"vs {min(b.nodes for b in base.values())}n" if base else ""
     lines = [

@@ -33,7 +33,7 @@ from typing import Any
 from lpsync.bench.cpu import CpuMeter
 from lpsync.bench.worker import (
     DTYPE,
-    buffer_elements,
+    buffers,
     count_wrong,
     element_count,
     fill,
@@ -44,7 +44,7 @@ from lpsync.bench.worker import (
 )
 from lpsync.daemon.collectives.learning import MAX_CANDIDATES, TRIALS
 
-ROOT = 0  # of broadcast and reduce
+ROOT = 0  # of the rooted ops: broadcast, reduce, gather, scatter
 # Node 0's trials, each timed once the next call reports: learning.py
 LEARNING_CALLS = MAX_CANDIDATES * TRIALS + 1
 
@@ -110,20 +110,21 @@ def run_lpsync(args: argparse.Namespace, rank: int, world: int) -> None:
         client.barrier()  # waits for the peer mesh; not timed
         for op in args.ops:
             for nbytes in args.sizes:
-                count = element_count(op, nbytes, world)
-                buf = client.zeros(buffer_elements(op, world, count), DTYPE)
+                count = element_count(op, nbytes, world, ROOT)
+                # The buffer, and alltoall's out
+                bufs = [client.zeros(n, DTYPE) for n in buffers(op, world, count, rank, ROOT) if n]
                 for algorithm in args.algorithms[op]:
                     forced = None if algorithm == "auto" else algorithm
-                    call = lpsync_call(client, op, buf, forced, ROOT)
+                    call = lpsync_call(client, op, bufs[0], forced, ROOT, bufs[1] if len(bufs) > 1 else None)
                     # auto: the daemons' first calls of a size are node 0's trials
                     # (lpsync/daemon/collectives/learning.py); time what it keeps, not the trials.
                     warmup = args.warmup + (LEARNING_CALLS if forced is None else 0)
                     got = measure(call, client.barrier, warmup, args.iters, meter)
                     records = flight_records(client, op, got.window) if node is not None else []
-                    fill(op, buf, rank, world, count)
+                    fill(op, bufs, rank, world, count, ROOT)
                     client.barrier()
                     call()
-                    wrong = count_wrong(op, buf, rank, world, count, ROOT)
+                    wrong = count_wrong(op, bufs, rank, world, count, ROOT)
                     _emit(
                         engine="lpsync",
                         op=op,
@@ -138,8 +139,9 @@ def run_lpsync(args: argparse.Namespace, rank: int, world: int) -> None:
                         records=records,
                         ran=_ran(client, op, count) if rank == 0 else "",
                     )
-                client.release(buf)
-                del buf
+                for buf in bufs:
+                    client.release(buf)
+                del bufs, buf
 
 
 def flight_records(client, op: str, window: tuple[float, float]) -> list[dict[str, Any]]:
@@ -230,10 +232,10 @@ def run_gloo(args: argparse.Namespace, rank: int, world: int) -> None:
     try:
         for op in args.ops:
             for nbytes in args.sizes:
-                count = element_count(op, nbytes, world)
-                full, mine = gloo_tensors(op, rank, world, count)
-                got = measure(gloo_call(dist, op, full, mine), dist.barrier, args.warmup, args.iters)
-                wrong = gloo_verify(dist, op, full, mine, rank, world, count)
+                count = element_count(op, nbytes, world, ROOT)
+                tensors = gloo_tensors(op, rank, world, count, ROOT)
+                got = measure(gloo_call(dist, op, *tensors, ROOT), dist.barrier, args.warmup, args.iters)
+                wrong = gloo_verify(dist, op, tensors, rank, world, count, ROOT)
                 _emit(
                     engine="gloo",
                     op=op,

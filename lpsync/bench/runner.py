@@ -168,8 +168,7 @@ def _run(options: Options, tmp: str) -> dict[str, list[Row]]:
 
 def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
     factor = busbw_factor(Collective(options.op), options.procs)
-    root = 0 if options.op in ("broadcast", "reduce") else -1
-    redop = "sum" if options.op in ("allreduce", "reduce", "reduce_scatter") else "none"
+    redop, root = worker.columns(options.op)
 
     def metrics(row: Row) -> dict:
         t = row.median()

@@ -1,9 +1,15 @@
 """One benchmark rank: the same sizes through lpsync, then (optionally) through gloo.
 
-Each timed iteration is one blocking collective on a buffer set up once per size; the
+Each timed iteration is one blocking collective on buffers set up once per size; the
 per-iteration times go back to the runner, which takes the slowest rank per iteration
-(a collective is as slow as its last participant). The verify pass fills the buffer
+(a collective is as slow as its last participant). The verify pass fills the buffers
 with known values, runs once more and counts wrong elements.
+
+Sizes follow nccl-tests: a size is the whole buffer of P blocks for the blocked ops
+(allgather, reduce_scatter, gather, scatter, alltoall) and ``count`` one rank's block.
+Every buffer's length comes from the client's rule (lpsync_client.wire.blocks): in place
+one buffer holds the larger side, the smaller being this rank's block of it (or nothing);
+alltoall, out of place only, gets an input and an output buffer.
 """
 
 from __future__ import annotations
@@ -13,54 +19,104 @@ from collections.abc import Callable
 
 import numpy as np
 
+from lpsync_client.wire import OUT_OF_PLACE_ONLY, ROOTED_OPS, blocks
+
 DTYPE = "float32"
 ROUNDS = 5
+REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
 
 
 def iterations(nbytes: int, forced: int) -> int:
     return forced or int(min(1000, max(10, (1 << 30) // max(nbytes, 1))))
 
 
-def fill(op: str, buf: np.ndarray, rank: int, world: int, count: int) -> None:
-    if op == "allgather":
-        buf[:] = -1
-        buf[rank * count : (rank + 1) * count] = rank + 1
+def columns(op: str) -> tuple[str, int]:
+    """nccl-tests' redop and root columns for ``op`` (root -1: none)."""
+    return ("sum" if op in REDUCING else "none"), (0 if op in ROOTED_OPS else -1)
+
+
+def element_count(op: str, nbytes: int, world: int, root: int = 0) -> int:
+    """``count``: one rank's block of an ``nbytes`` message (the root's largest buffer)."""
+    return max(1, max(1, nbytes // 4) // max(blocks(op, world, root, root)))
+
+
+def buffers(op: str, world: int, count: int, rank: int, root: int = 0) -> tuple[int, int]:
+    """Elements of the buffer a collective gets and of its ``out`` (0: in place)."""
+    n_in, n_out = blocks(op, world, rank, root)
+    if op in OUT_OF_PLACE_ONLY:
+        return count * n_in, count * n_out
+    return count * max(n_in, n_out), 0
+
+
+def expected(
+    op: str, rank: int, world: int, count: int, root: int = 0
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The verify pass: what this rank's buffers hold before it (the in-place buffer,
+    then alltoall's out) and what they must hold after it (NaN: not checked).
+
+    Reductions: every rank sends rank+1 everywhere and the result is the sum (reduce's
+    other ranks keep their input; reduce_scatter's other blocks are scratch). The other
+    ops move blocks: block i of rank s's input holds s+1 + i*P; output block b comes from
+    rank b where there are several (else from the root), and is the source's block
+    ``rank`` where it sends several (else its only one)."""
+    n_in, n_out = blocks(op, world, rank, root)
+    if op in REDUCING:
+        sent = np.full(n_in * count, rank + 1.0)
+        keeps = op == "reduce" and rank != root
+        got = np.full(n_out * count, rank + 1.0 if keeps else world * (world + 1) / 2)
+        rest = np.full(n_in * count, np.nan)
     else:
-        buf[:] = rank + 1
+
+        def value(src: int, block: int) -> float:
+            return src + 1.0 + block * world
+
+        def source(b: int) -> tuple[int, int]:
+            src = b if n_out > 1 else root
+            return src, (rank if blocks(op, world, src, root)[0] > 1 else 0)
+
+        sent = np.repeat([value(rank, i) for i in range(n_in)], count).astype(float)
+        got = np.repeat([value(*source(b)) for b in range(n_out)], count).astype(float)
+        rest = sent  # in place, the input outside this rank's output stays
+    if op in OUT_OF_PLACE_ONLY:
+        return [sent, np.full(got.size, -1.0)], [sent, got]
+    size = max(sent.size, got.size)
+    return [_embed(sent, size, rank * count, None)], [_embed(got, size, rank * count, rest)]
 
 
-def count_wrong(op: str, buf: np.ndarray, rank: int, world: int, count: int, root: int) -> int:
-    if op == "allreduce":
-        want: np.ndarray | float = world * (world + 1) / 2
-    elif op == "broadcast":
-        want = root + 1
-    elif op == "reduce":
-        want = world * (world + 1) / 2 if rank == root else rank + 1
-    elif op == "allgather":
-        want = np.repeat(np.arange(1, world + 1, dtype=buf.dtype), count)
-    else:  # reduce_scatter: this rank's block holds the sum
-        block = buf[rank * count : (rank + 1) * count]
-        return int(np.count_nonzero(block != world * (world + 1) / 2))
-    return int(np.count_nonzero(buf != want))
+def _embed(part: np.ndarray, size: int, at: int, base: np.ndarray | None) -> np.ndarray:
+    """``part`` as a buffer of ``size`` elements: itself, or placed at ``at`` in a copy of
+    ``base`` (None: -1, what a receiving side holds before)."""
+    if part.size == size:
+        return part
+    whole = np.full(size, -1.0) if base is None else base.copy()
+    whole[at : at + part.size] = part
+    return whole
 
 
-def element_count(op: str, nbytes: int, world: int) -> int:
-    elements = max(1, nbytes // 4)
-    return elements // world if op in ("allgather", "reduce_scatter") else elements
+def fill(op: str, bufs: list[np.ndarray], rank: int, world: int, count: int, root: int = 0) -> None:
+    """Write the verify pass's inputs into ``bufs`` (the buffer, then any out)."""
+    for buf, values in zip(bufs, expected(op, rank, world, count, root)[0], strict=True):
+        buf[:] = values
 
 
-def buffer_elements(op: str, world: int, count: int) -> int:
-    return count * world if op in ("allgather", "reduce_scatter") else count
+def count_wrong(op: str, bufs: list[np.ndarray], rank: int, world: int, count: int, root: int = 0) -> int:
+    """Elements of ``bufs`` that differ from what the verify pass must leave."""
+    wrong = 0
+    for buf, want in zip(bufs, expected(op, rank, world, count, root)[1], strict=True):
+        wrong += int(np.count_nonzero(~np.isnan(want) & (buf != want)))
+    return wrong
 
 
-def lpsync_call(
-    client, op: str, buf: np.ndarray, algorithm: str | None, root: int = 0
-) -> Callable[[], object]:
-    """One blocking, in-place collective on ``buf``; ``algorithm`` None: the tuner picks."""
+def lpsync_call(client, op: str, buf, algorithm: str | None, root: int = 0, out=None) -> Callable[[], object]:
+    """One blocking collective on ``buf`` (in place, or into ``out``); ``algorithm`` None:
+    the tuner picks."""
     method = getattr(client, op)
-    if op in ("broadcast", "reduce"):
-        return lambda: method(buf, root=root, algorithm=algorithm)
-    return lambda: method(buf, algorithm=algorithm)
+    kwargs = {"algorithm": algorithm}
+    if op in ROOTED_OPS:
+        kwargs["root"] = root
+    if out is not None:
+        kwargs["out"] = out
+    return lambda: method(buf, **kwargs)
 
 
 class Buffer:
@@ -127,10 +183,13 @@ def run(
         socket, job=job, rank=rank, world_size=world, timeout=600, trigger=trigger
     ) as client:
         for nbytes in sizes:
-            count = element_count(op, nbytes, world)
-            buffer = Buffer(client, memory, buffer_elements(op, world, count), rank % devices)
-            buf = buffer.array
-            call = lpsync_call(client, op, buf, algorithm, root)
+            count = element_count(op, nbytes, world, root)
+            # The buffer, and alltoall's out
+            held = [
+                Buffer(client, memory, n, rank % devices) for n in buffers(op, world, count, rank, root) if n
+            ]
+            out = held[1].array if len(held) > 1 else None
+            call = lpsync_call(client, op, held[0].array, algorithm, root, out)
             n = iterations(nbytes, iters)
             for _ in range(warmup):
                 call()
@@ -155,12 +214,13 @@ def run(
                     t = time.perf_counter()
                     call()
                     times.append(time.perf_counter() - t)
-            values = buffer.load()
-            fill(op, values, rank, world, count)
-            buffer.store(values)
+            values = [b.load() for b in held]
+            fill(op, values, rank, world, count, root)
+            for b, v in zip(held, values, strict=True):
+                b.store(v)
             client.barrier()
             call()
-            wrong = count_wrong(op, buffer.load(), rank, world, count, root)
+            wrong = count_wrong(op, [b.load() for b in held], rank, world, count, root)
             recent = client.status().recent if rank == 0 else []
             mine = [r for r in recent if r.job == job]
             queue.put(
@@ -175,8 +235,9 @@ def run(
                     mine[-1].algorithm if mine else "",
                 )
             )
-            buffer.release(client)
-            del buf, buffer
+            for b in held:
+                b.release(client)
+            del call, held, out
     if compare == "gloo":
         _gloo(rank, world, socket, job, op, sizes, iters, warmup, queue)
 
@@ -195,8 +256,8 @@ def _gloo(
     try:
         for nbytes in sizes:
             count = element_count(op, nbytes, world)
-            full, mine = gloo_tensors(op, rank, world, count)
-            call = gloo_call(dist, op, full, mine)
+            tensors = gloo_tensors(op, rank, world, count)
+            call = gloo_call(dist, op, *tensors)
             n = iterations(nbytes, iters)
             for _ in range(warmup):
                 call()
@@ -206,47 +267,54 @@ def _gloo(
                 t = time.perf_counter()
                 call()
                 times.append(time.perf_counter() - t)
-            wrong = gloo_verify(dist, op, full, mine, rank, world, count)
+            wrong = gloo_verify(dist, op, tensors, rank, world, count)
             queue.put(("gloo", rank, nbytes, count, times, wrong, ([], []), "gloo"))
     finally:
         dist.destroy_process_group()
 
 
-def gloo_tensors(op: str, rank: int, world: int, count: int):
-    """(full, mine): the whole buffer and this rank's block, laid out as lpsync's."""
+def gloo_tensors(op: str, rank: int, world: int, count: int, root: int = 0):
+    """(full, mine, out): the buffer as lpsync's (``buffers``), this rank's block of it
+    (or all of it) and alltoall's output (else None)."""
     import torch
 
-    if op in ("allgather", "reduce_scatter"):
-        full = torch.zeros(count * world)
-        return full, full[rank * count : (rank + 1) * count]
-    full = torch.zeros(count)
-    return full, full
+    size, out = buffers(op, world, count, rank, root)
+    full = torch.zeros(size)
+    mine = full[rank * count : (rank + 1) * count] if size > count else full
+    return full, mine, (torch.zeros(out) if out else None)
 
 
-def gloo_verify(dist, op: str, full, mine, rank: int, world: int, count: int) -> int:
+def gloo_verify(dist, op: str, tensors, rank: int, world: int, count: int, root: int = 0) -> int:
     """Fill known values, run ``op`` once more through gloo, count wrong elements."""
-    arr = full.numpy()
-    fill(op, arr, rank, world, count)
-    call = gloo_call(dist, op, full, mine)  # its staged copies see the new values
+    full, mine, out = tensors
+    arrays = [t.numpy() for t in (full, out) if t is not None]
+    fill(op, arrays, rank, world, count, root)
+    call = gloo_call(dist, op, full, mine, out, root)  # its staged copies see the new values
     dist.barrier()
     call()
-    if op == "reduce_scatter":
-        return int(np.count_nonzero(mine.numpy() != world * (world + 1) / 2))
-    if op == "reduce" and rank != 0:
+    if op == "reduce" and rank != root:
         return 0  # gloo leaves partial sums in non-root buffers (documented)
-    return count_wrong(op, arr, rank, world, count, 0)
+    return count_wrong(op, arrays, rank, world, count, root)
 
 
-def gloo_call(dist, op: str, full, mine):
+def gloo_call(dist, op: str, full, mine, out=None, root: int = 0):
     """The torch.distributed call for ``op`` on a size's tensors (same layout as lpsync's)."""
     if op == "allreduce":
         return lambda: dist.all_reduce(full)
     if op == "broadcast":
-        return lambda: dist.broadcast(full, 0)
+        return lambda: dist.broadcast(full, root)
     if op == "reduce":
-        return lambda: dist.reduce(full, 0)
+        return lambda: dist.reduce(full, root)
     if op == "allgather":
         block = mine.clone()
         return lambda: dist.all_gather_into_tensor(full, block)
-    source = full.clone()
-    return lambda: dist.reduce_scatter_tensor(mine, source)
+    if op == "reduce_scatter":
+        source = full.clone()
+        return lambda: dist.reduce_scatter_tensor(mine, source)
+    # The root's list is its buffer's P blocks (views: in place, as lpsync's)
+    parts = list(full.chunk(dist.get_world_size())) if dist.get_rank() == root else None
+    if op == "gather":
+        return lambda: dist.gather(mine, parts, dst=root)
+    if op == "scatter":
+        return lambda: dist.scatter(mine, parts, src=root)
+    return lambda: dist.all_to_all_single(out, full)

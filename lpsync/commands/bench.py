@@ -6,14 +6,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lpsync.bench import OPS
 from lpsync.errors import LpsyncError
-
-_OPS = ["allreduce", "broadcast", "reduce", "allgather", "reduce_scatter"]
 
 _DESCRIPTION = """\
 Measure collectives through lpsync daemons and print nccl-tests' table: size, count,
 type, redop, root, time, algbw, busbw (nccl-tests' formulas) and #wrong (elements that
 differ from numpy's answer after a final verified iteration). Progress goes to stderr.
+As in nccl-tests, a size is the whole buffer of P blocks for allgather, reduce_scatter,
+gather, scatter and alltoall, and count one rank's block; gather and scatter are rooted
+at rank 0 (in place there), alltoall runs out of place (a second buffer).
 
 Local (default): starts a daemon (unless --socket names a running one) and --procs client
 processes on this machine.
@@ -58,7 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--op",
         default="allreduce",
-        help=f"one of {', '.join(_OPS)}; with --cluster a comma list (default allreduce)",
+        help=f"one of {', '.join(OPS)}; with --cluster a comma list (default allreduce)",
     )
     parser.add_argument(
         "--bytes",
@@ -66,7 +68,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--algorithm",
-        help="force lp, ring, mst, be (or direct: local only); with --cluster a "
+        help="force lp, ring, mst, be, linear (gather, scatter), pairwise (alltoall) "
+        "(or direct: local only); with --cluster a "
         "comma list, where auto is the tuner's pick (default: the tuner)",
     )
     parser.add_argument(
@@ -246,9 +249,9 @@ def run_local(args: argparse.Namespace) -> int:
     ]
     if given:
         raise InvalidArgumentError(f"{', '.join(given)} need --cluster")
-    if args.op not in _OPS:
+    if args.op not in OPS:
         raise InvalidArgumentError(
-            f"--op {args.op!r}: expected one of {', '.join(_OPS)} (comma lists need --cluster)"
+            f"--op {args.op!r}: expected one of {', '.join(OPS)} (comma lists need --cluster)"
         )
     options = runner.Options(
         args.op,

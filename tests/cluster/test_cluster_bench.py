@@ -40,7 +40,7 @@ KEYS = {"op", "algorithm", "nodes", "bytes", "seconds", "wire_seconds"}
         (["--nodes", ""], "--cluster needs --nodes"),
         (["--link", "fast"], "cannot read link rate"),
         (["--procs-per-node", "0"], "--procs-per-node must be >= 1"),
-        (["--op", "gather"], "--op gather"),
+        (["--op", "gatter"], "--op gatter"),
         (["--op", "broadcast", "--algorithm", "ring"], "runs none of the ops"),
         (["--algorithm", "direct"], "runs none of the ops"),
         (["--iters", "0"], "--iters must be >= 1"),
@@ -274,7 +274,7 @@ def test_three_node_cluster_bench_end_to_end() -> None:
             "--procs-per-node",
             "2",
             "--op",
-            "broadcast,reduce,allreduce",
+            "broadcast,reduce,allreduce,gather,scatter,alltoall",
             "--algorithm",
             "lp,be,ring,auto",
             "--bytes",
@@ -301,8 +301,16 @@ def test_three_node_cluster_bench_end_to_end() -> None:
         for n in (262144, 100004)
     }
     expected |= {("allreduce", "ring", n) for n in (262144, 100004)}
+    # gather, scatter and alltoall have none of lp, be, ring: the tuner's pick and gloo
+    expected |= {
+        (op, a, n)
+        for op in ("gather", "scatter", "alltoall")
+        for a in ("auto", "gloo")
+        for n in (262144, 100004)
+    }
     assert {(p["op"], p["algorithm"], p["bytes"]) for p in points} == expected
     assert "skipped: ring has no broadcast" in done.stderr
+    assert "skipped: lp has no alltoall" in done.stderr
     for p in points:
         assert set(p) >= KEYS, p
         assert p["wrong"] == 0, p
@@ -310,7 +318,7 @@ def test_three_node_cluster_bench_end_to_end() -> None:
         assert 0 < p["seconds"] < 30 and p["wire_seconds"] == pytest.approx(p["bytes"] / 1.25e8)
         # The daemon ran what was forced; auto reports the tuner's pick.
         assert p["ran"] == p["algorithm"] or (
-            p["algorithm"] == "auto" and p["ran"] in ("lp", "ring", "be", "mst")
+            p["algorithm"] == "auto" and p["ran"] in ("lp", "ring", "be", "mst", "linear", "pairwise")
         )
         # CPU: every rank's, and for lpsync every daemon's; at most what 2 iterations' wall
         # time on every core could hold (+ the barriers' own time, generously). lpsync's
