@@ -11,52 +11,43 @@ import threading
 import time
 from concurrent.futures import Future as ClientFuture
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from lpsync_client.client import Client
 from lpsync_client.torch._client import note_device, resolve
+from lpsync_client.torch._pieces import Pieced
 
-_DTYPES = {
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-}
+# Bucket dtypes the hook reduces as they are; any other is carried as float32.
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 class HookState:
     """What the hook keeps between steps: the client, one shared-memory buffer per bucket
     (registered once, reused every step; replaced when DDP rebuilds its buckets after the
-    first iteration) and the time spent in communication."""
+    first iteration; in pieces when a bucket exceeds the daemon's buffer limit) and the
+    time spent in communication."""
 
     def __init__(self, client: Client, op: str = "avg", timeout: float | None = None) -> None:
         self.client, self.op, self.timeout = client, op, timeout
-        # bucket index -> (numpy view the daemon reads/writes, torch view of the same bytes)
-        self._buffers: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+        self._buffers: dict[int, Pieced] = {}  # by bucket index
         self._lock = threading.Lock()  # guards the counters (written by the completion thread)
         self.comm_seconds = 0.0  # submit -> completion, summed over buckets (may overlap backward)
         self.collectives = 0
         self.bytes = 0
         self.replaced = 0  # bucket buffers given back because DDP rebuilt its buckets
 
-    def buffer(self, index: int, like: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    def buffer(self, index: int, like: torch.Tensor) -> Pieced:
         """The shared-memory buffer of bucket ``index``, sized and typed like ``like``."""
+        dtype = like.dtype if like.dtype in _DTYPES else torch.float32
         held = self._buffers.get(index)
-        if held is not None and held[1].numel() == like.numel() and held[1].dtype == like.dtype:
+        if held is not None and held.numel == like.numel() and held.dtype == dtype:
             return held
         if held is not None:  # DDP rebuilt its buckets: this index now holds other gradients
-            self.client.release(held[0])
+            held.release()
             self.replaced += 1
-        if like.dtype == torch.bfloat16:
-            array = self.client.empty(like.numel(), "bfloat16")  # torch sees its bits
-            view = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-        else:
-            array = self.client.empty(like.numel(), _DTYPES.get(like.dtype, "float32"))
-            view = torch.from_numpy(array)
-        self._buffers[index] = (array, view)
-        return array, view
+        self._buffers[index] = Pieced(self.client, like.numel(), dtype)
+        return self._buffers[index]
 
     def take_stats(self) -> tuple[float, int, int]:
         """(communication seconds, collectives, bytes) since the last call; resets them."""
@@ -73,8 +64,8 @@ class HookState:
 
     def release(self) -> None:
         """Give the bucket buffers back to the daemon (the client stays attached)."""
-        for array, _ in self._buffers.values():
-            self.client.release(array)
+        for held in self._buffers.values():
+            held.release()
         self._buffers.clear()
 
 
@@ -90,18 +81,17 @@ def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
     """DDP comm hook: average the bucket over every rank through lpsync. Returns at once;
     the Future completes from the client's completion thread."""
     gradients = bucket.buffer()
-    array, view = state.buffer(bucket.index(), gradients)
+    buffer = state.buffer(bucket.index(), gradients)
     note_device(gradients)
-    view.copy_(gradients)  # from any device into shared memory; copied back on completion
+    buffer.write(0, gradients)  # from any device into shared memory; copied back on completion
     # The outcome travels as a value and is raised in a then() callback: DDP's C++ side
     # reads an exception put with Future.set_exception as a value ("Unable to cast").
     outcome: torch.futures.Future = torch.futures.Future()
     result = outcome.then(_unwrap)
     started = time.perf_counter()
     try:
-        pending = state.client.allreduce_async(
-            array, op=state.op, timeout=state.timeout, name=f"ddp/bucket{bucket.index()}"
-        )
+        # One allreduce per piece where the bucket exceeds the daemon's buffer limit.
+        pending = buffer.allreduce_async(state.op, state.timeout, f"ddp/bucket{bucket.index()}")
     except BaseException as error:
         outcome.set_result(error)
         return result
@@ -112,7 +102,7 @@ def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
             # Safe from this thread: autograd wrote this bucket's gradients before DDP
             # called the hook and touches them again only after the Future completes.
             with torch.no_grad():
-                gradients.copy_(view)
+                buffer.read(0, gradients)
             state._record(time.perf_counter() - started, gradients.numel() * gradients.element_size())
             outcome.set_result(gradients)
         except BaseException as error:

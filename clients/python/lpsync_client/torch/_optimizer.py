@@ -21,13 +21,15 @@ import torch
 from lpsync_client.client import Client
 from lpsync_client.errors import InvalidArgumentError
 from lpsync_client.torch._client import resolve
+from lpsync_client.torch._pieces import Pieced
 
 DEFAULT_BUCKET_BYTES = 25 << 20
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16"}
 
 
 class _Bucket:
-    """Parameters whose gradients travel together, in one shared-memory buffer."""
+    """Parameters whose gradients travel together, in one shared-memory buffer (in pieces
+    where it exceeds the daemon's buffer limit)."""
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], client: Client) -> None:
         self.index, self.params = index, params
@@ -36,24 +38,25 @@ class _Bucket:
         for p in params:
             self.offsets.append(total)
             total += p.numel()
-        self.array = client.zeros(total, _DTYPES[params[0].dtype])
-        self.view = torch.from_numpy(self.array)
+        self.buffer = Pieced(client, total, params[0].dtype)
         self.copied: set[int] = set()  # positions in params whose gradient is in the buffer
         self.future: Future | None = None
         self.started = 0.0
 
-    def slot(self, position: int) -> torch.Tensor:
-        p = self.params[position]
-        return self.view[self.offsets[position] : self.offsets[position] + p.numel()].view_as(p)
-
     def copy_in(self, position: int) -> None:
-        grad = self.params[position].grad
-        target = self.slot(position)
-        if grad is None:  # unused in this step on this rank: contributes zeros
-            target.zero_()
+        p, start = self.params[position], self.offsets[position]
+        if p.grad is None:  # unused in this step on this rank: contributes zeros
+            self.buffer.zero(start, start + p.numel())
         else:
-            target.copy_(grad.detach().to("cpu") if grad.device.type != "cpu" else grad.detach())
+            self.buffer.write(start, p.grad)
         self.copied.add(position)
+
+    def copy_out(self, position: int) -> None:
+        """The averaged gradient into ``p.grad``."""
+        p = self.params[position]
+        if p.grad is None:
+            p.grad = torch.empty_like(p)
+        self.buffer.read(self.offsets[position], p.grad)
 
     @property
     def ready(self) -> bool:
@@ -123,11 +126,8 @@ class _Distributed:
                     if position not in bucket.copied:
                         bucket.copy_in(position)
             bucket.started = time.perf_counter()
-            bucket.future = self._lpsync_client.allreduce_async(
-                bucket.array,
-                op=self._lpsync_op,
-                timeout=self._lpsync_timeout,
-                name=f"optimizer/bucket{bucket.index}",
+            bucket.future = bucket.buffer.allreduce_async(
+                self._lpsync_op, self._lpsync_timeout, f"optimizer/bucket{bucket.index}"
             )
             self._lpsync_next += 1
 
@@ -144,12 +144,8 @@ class _Distributed:
                 bucket.future.result()
                 self.comm_seconds += time.perf_counter() - bucket.started
                 with torch.no_grad():
-                    for position, p in enumerate(bucket.params):
-                        averaged = bucket.slot(position)
-                        if p.grad is None:
-                            p.grad = averaged.to(p.device, copy=True)
-                        else:
-                            p.grad.copy_(averaged)
+                    for position in range(len(bucket.params)):
+                        bucket.copy_out(position)
         finally:
             for bucket in buckets:
                 bucket.future, bucket.copied = None, set()

@@ -14,11 +14,18 @@ Tensors are staged through shared-memory arrays of the daemon (client.empty()), 
 a pool by size and reused across calls, so a tensor reduced every step (a DDP bucket)
 costs two memory copies and no registration after its first step. The staging copy is
 what makes non-contiguous tensors and any device work: ``copy_`` does the strides.
+
+Tensors of any size: a tensor whose staging exceeds the daemon's buffer limit (learned
+from its first refusal, lpsync_client.torch._pieces) or the staging budget runs as
+several collectives over consecutive element ranges (allgather and reduce_scatter: the
+same range of every rank's block), issued in order on every rank, at most
+PIECES_IN_FLIGHT of one call at a time; one work completes when all have.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import secrets
 import threading
@@ -36,14 +43,19 @@ from torch.distributed import ReduceOp
 import lpsync_client
 from lpsync_client import _adapt
 from lpsync_client.client import Client
-from lpsync_client.errors import LpsyncError
+from lpsync_client.errors import LpsyncError, ResourceExhaustedError
+from lpsync_client.torch._pieces import bounds, buffer_limit, learn
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
 
 BACKEND = "lpsync"
-# Free staging bytes kept for reuse per process group (in-flight staging is never capped).
+# Free staging bytes kept for reuse per process group; also the largest piece a tensor is
+# staged in (a larger one is split). Set it alike on every rank: it decides the pieces.
 STAGING_BYTES = int(os.environ.get("LPSYNC_TORCH_STAGING_BYTES", 1 << 30))
+# Pieces of one call in flight at once (the next waits for the oldest): bounds the staging
+# and the daemon buffers a huge tensor holds.
+PIECES_IN_FLIGHT = 4
 
 _OPS: dict[object, str] = {  # by RedOpType; looked up with whatever the caller passed
     ReduceOp.SUM: "sum",
@@ -160,9 +172,10 @@ class LpsyncWork(dist.Work):
         self._op, self._outputs, self._bound = op, outputs, bound
         self._future: torch.futures.Future = torch.futures.Future()
         self._done = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # notified as pieces complete
         self._pending = 1  # released by seal(): no completion before every piece is in
         self._error: dist.DistBackendError | None = None
+        self._on_success: list[Callable[[], object]] = []
 
     def track(
         self, future: Future, finish: Callable[[], object], staging: Sequence[_Staged], pool: _StagingPool
@@ -185,6 +198,22 @@ class LpsyncWork(dist.Work):
 
         future.add_done_callback(done)
 
+    def on_success(self, finish: Callable[[], object]) -> None:
+        """Run ``finish`` once every piece succeeded, before the work completes."""
+        self._on_success.append(finish)
+
+    def wait_pieces(self, at_most: int) -> bool:
+        """Block until at most ``at_most`` pieces are in flight; False once one failed
+        (issue no more: the work reports the failure)."""
+        with self._lock:
+            if not self._lock.wait_for(
+                lambda: self._pending - 1 <= at_most or self._error is not None, self._bound
+            ):
+                raise dist.DistBackendError(
+                    f"lpsync {self._op}: a piece did not complete within {self._bound:g} s"
+                )
+            return self._error is None
+
     def seal(self) -> LpsyncWork:
         self._piece_done(None)
         return self
@@ -196,8 +225,16 @@ class LpsyncWork(dist.Work):
                 self._error.__cause__ = error
             self._pending -= 1
             last = self._pending == 0
+            self._lock.notify_all()
         if not last:
             return
+        for finish in self._on_success if self._error is None else ():
+            try:
+                finish()
+            except BaseException as failure:
+                self._error = _failure(self._op, failure)
+                self._error.__cause__ = failure
+                break
         # The future first: whoever wait() releases may read get_future().value() at once.
         try:
             if self._error is not None:
@@ -254,7 +291,8 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         # torch binds ProcessGroup(rank, size) as well; its stub lists only (store, rank, size).
         super().__init__(rank, size)  # type: ignore[call-arg]
         self.client, self._timeout = client, timeout
-        self._pool = _StagingPool(client, STAGING_BYTES)
+        self._staging_bytes = STAGING_BYTES  # as set when the group was made
+        self._pool = _StagingPool(client, self._staging_bytes)
         self._bound = 2 * timeout + 30  # the client's own bound on an unanswered collective
         self._closed = False
         self._group_name = cast("GroupName", "")  # GroupName is a NewType of str
@@ -300,16 +338,60 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             raise _failure(op, error) from error
         return work.seal()
 
+    def _split(self, work: LpsyncWork, total: int, unit: int, issue: Callable[[int, int], None]) -> None:
+        """``issue(start, stop)`` for consecutive element ranges covering [0, total), in the
+        same order on every rank, each within the piece size (``unit``: staging bytes per
+        element of a range): the daemon's buffer limit once known, and the staging budget.
+        Waits while PIECES_IN_FLIGHT of the work's pieces are in flight; stops once one
+        failed. A first piece refused as larger than the daemon's buffers (only a first one
+        can be: the others are no larger) teaches the limit, and the ranges are cut again:
+        nothing was issued, and every rank of that daemon learns the same."""
+        limit = buffer_limit(self.client)
+        piece = self._staging_bytes if limit is None else min(limit, self._staging_bytes)
+        issued = False
+        try:
+            for start, stop in bounds(total, piece // unit):
+                if not work.wait_pieces(PIECES_IN_FLIGHT - 1):
+                    return
+                issue(start, stop)
+                issued = True
+        except ResourceExhaustedError as error:
+            if issued or not learn(self.client, error):
+                raise
+            self._split(work, total, unit, issue)
+
+    def _flat_out(self, work: LpsyncWork, t: torch.Tensor) -> torch.Tensor:
+        """A flat view of ``t`` that pieces can write to; for a strided ``t``, a contiguous
+        copy that is written back once every piece has succeeded."""
+        if t.is_contiguous():
+            return t.view(-1)
+        flat = t.contiguous().view(-1)
+        work.on_success(lambda: t.copy_(flat.view(t.shape)))
+        return flat
+
     def _on_device(self, t: torch.Tensor) -> bool:
         """The device path (docs/gpu.md): a contiguous CUDA tensor of a dtype the daemon
-        reduces, on a daemon serving cuda; the collective then runs on the tensor itself,
-        after the current stream (interprocess event), done when the daemon finished."""
-        return (
+        reduces, within its buffer limit, on a daemon serving cuda, registered here; the
+        collective then runs on the tensor itself, after the current stream (interprocess
+        event), done when the daemon finished. A larger one is staged in pieces."""
+        if not (
             t.device.type == "cuda"
             and t.dtype != torch.bool
             and t.is_contiguous()
             and _adapt.on_device_path(self.client, t)
-        )
+        ):
+            return False
+        limit = buffer_limit(self.client)
+        if limit is not None and t.nbytes > limit:
+            return False
+        _check(t)
+        try:
+            _adapt.ensure_registered(self.client, t)  # the lasting object, not a detached view
+        except ResourceExhaustedError as error:
+            if learn(self.client, error):
+                return False
+            raise
+        return True
 
     def _barrier_piece(self, work: LpsyncWork) -> None:
         """Zero elements: nothing to move, but the ranks still meet, so that the job's
@@ -341,33 +423,46 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             return self._barrier_piece(work)
         op = _op_for(tensors[0].dtype, op)
         if len(tensors) == 1 and self._on_device(tensors[0]):
-            _check(tensors[0])
-            t = tensors[0].detach()
-            _adapt.ensure_registered(self.client, tensors[0])  # the lasting object, not t
             work.track(
-                self.client.allreduce_async(t, op=op, timeout=self._timeout), lambda: None, (), self._pool
+                self.client.allreduce_async(tensors[0].detach(), op=op, timeout=self._timeout),
+                lambda: None,
+                (),
+                self._pool,
             )
             return None
-        staged = self._stage(tensors[0], numel)
+        _check(tensors[0])
+        flats = [self._flat_out(work, t) for t in tensors]
+        firsts = list(itertools.accumulate((f.numel() for f in flats), initial=0))
 
-        def spans() -> list[tuple[torch.Tensor, torch.Tensor]]:
-            at, out = 0, []
-            for t in tensors:
-                out.append((t, staged.flat[at : at + t.numel()].view(t.shape)))
-                at += t.numel()
-            return out
+        def issue(a: int, b: int) -> None:
+            staged = self._stage(tensors[0], b - a)
 
-        def fill() -> None:
-            for t, view in spans():
-                view.copy_(t)
+            def spans() -> list[tuple[torch.Tensor, torch.Tensor]]:
+                """(part of a tensor, its place in the staging) over elements [a, b)."""
+                out = []
+                for flat, first in zip(flats, firsts, strict=False):
+                    lo, hi = max(a, first), min(b, first + flat.numel())
+                    if lo < hi:
+                        out.append((flat[lo - first : hi - first], staged.flat[lo - a : hi - a]))
+                return out
 
-        def finish() -> None:
-            for t, view in spans():
-                t.copy_(view)
+            def fill() -> None:
+                for t, view in spans():
+                    view.copy_(t)
 
-        self._launch(
-            work, staged, fill, lambda x: self.client.allreduce_async(x, op=op, timeout=self._timeout), finish
-        )
+            def finish() -> None:
+                for t, view in spans():
+                    t.copy_(view)
+
+            self._launch(
+                work,
+                staged,
+                fill,
+                lambda x: self.client.allreduce_async(x, op=op, timeout=self._timeout),
+                finish,
+            )
+
+        self._split(work, numel, tensors[0].element_size(), issue)
 
     def _gather_piece(self, work: LpsyncWork, outputs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
         """Allgather ``inp`` into ``outputs`` (one tensor per rank, each inp.numel())."""
@@ -378,19 +473,26 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             )
         if n == 0:
             return self._barrier_piece(work)
-        staged = self._stage(inp, n * self.size())
+        _check(inp)
+        source, flats = inp.reshape(-1), [self._flat_out(work, o) for o in outputs]
 
-        def finish() -> None:
-            for i, o in enumerate(outputs):
-                o.copy_(staged.block(i, n).view(o.shape))
+        def issue(a: int, b: int) -> None:
+            m = b - a
+            staged = self._stage(inp, m * self.size())
 
-        self._launch(
-            work,
-            staged,
-            lambda: staged.block(self.rank(), n).view(inp.shape).copy_(inp),
-            lambda x: self.client.allgather_async(x, timeout=self._timeout),
-            finish,
-        )
+            def finish() -> None:
+                for i, o in enumerate(flats):
+                    o[a:b].copy_(staged.block(i, m))
+
+            self._launch(
+                work,
+                staged,
+                lambda: staged.block(self.rank(), m).copy_(source[a:b]),
+                lambda x: self.client.allgather_async(x, timeout=self._timeout),
+                finish,
+            )
+
+        self._split(work, n, inp.element_size() * self.size(), issue)
 
     def _scatter_piece(
         self, work: LpsyncWork, out: torch.Tensor, inputs: Sequence[torch.Tensor], op: str
@@ -404,19 +506,26 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         if n == 0:
             return self._barrier_piece(work)
         op = _op_for(out.dtype, op)
-        staged = self._stage(out, n * self.size())
+        _check(out)
+        sources, flat = [i.reshape(-1) for i in inputs], self._flat_out(work, out)
 
-        def fill() -> None:
-            for i, t in enumerate(inputs):
-                staged.block(i, n).view(t.shape).copy_(t)
+        def issue(a: int, b: int) -> None:
+            m = b - a
+            staged = self._stage(out, m * self.size())
 
-        self._launch(
-            work,
-            staged,
-            fill,
-            lambda x: self.client.reduce_scatter_async(x, op=op, timeout=self._timeout),
-            lambda: out.copy_(staged.block(self.rank(), n).view(out.shape)),
-        )
+            def fill() -> None:
+                for i, source in enumerate(sources):
+                    staged.block(i, m).copy_(source[a:b])
+
+            self._launch(
+                work,
+                staged,
+                fill,
+                lambda x: self.client.reduce_scatter_async(x, op=op, timeout=self._timeout),
+                lambda: flat[a:b].copy_(staged.block(self.rank(), m)),
+            )
+
+        self._split(work, n, out.element_size() * self.size(), issue)
 
     def _rooted_piece(self, work: LpsyncWork, kind: str, t: torch.Tensor, root: int, op: str = "") -> None:
         """broadcast or reduce in place on ``t``; only the receiving ranks copy back."""
@@ -427,31 +536,33 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         op = _op_for(t.dtype, op) if kind == "reduce" else op
         _check(t)
         if kind == "broadcast" and self._on_device(t):
-            plain = t.detach()
-            _adapt.ensure_registered(self.client, t)
             work.track(
-                self.client.broadcast_async(plain, root=root, timeout=self._timeout),
+                self.client.broadcast_async(t.detach(), root=root, timeout=self._timeout),
                 lambda: None,
                 (),
                 self._pool,
             )
             return None
-        staged = self._stage(t)
         sends = kind == "reduce" or self.rank() == root
         receives = (kind == "broadcast") != (self.rank() == root)
+        flat = self._flat_out(work, t) if receives else t.reshape(-1)
 
         def start(x: Any) -> Future:
             if kind == "broadcast":
                 return self.client.broadcast_async(x, root=root, timeout=self._timeout)
             return self.client.reduce_async(x, root=root, op=op, timeout=self._timeout)
 
-        self._launch(
-            work,
-            staged,
-            lambda: staged.flat.view(t.shape).copy_(t) if sends else None,
-            start,
-            lambda: t.copy_(staged.flat.view(t.shape)) if receives else None,
-        )
+        def issue(a: int, b: int) -> None:
+            staged = self._stage(t, b - a)
+            self._launch(
+                work,
+                staged,
+                lambda: staged.flat.copy_(flat[a:b]) if sends else None,
+                start,
+                lambda: flat[a:b].copy_(staged.flat) if receives else None,
+            )
+
+        self._split(work, t.numel(), t.element_size(), issue)
 
     # -- collectives (torch's ProcessGroup method names) -------------------------------------
     # allreduce, broadcast, reduce, allgather and reduce_scatter: torch's C++ dispatcher calls
