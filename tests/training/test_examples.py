@@ -26,6 +26,24 @@ LAST_LINE = {
 def test_example_runs_under_torchrun(daemon: DaemonProcess, example: str) -> None:
     if example.startswith("jax"):
         pytest.importorskip("jax")
+    assert LAST_LINE[example] in _torchrun(daemon, example)
+
+
+def test_the_moe_layer_trains_as_on_gloo(daemon: DaemonProcess) -> None:
+    """Tokens move to their expert and back with uneven all_to_all_single: the losses
+    equal gloo's bit for bit (nothing is reduced on the way but the router's 2-rank sum)."""
+    lines = {
+        backend: _torchrun(daemon, "moe_all_to_all", "--backend", backend, "--steps", "10")
+        .strip()
+        .splitlines()[-1]
+        for backend in ("lpsync", "gloo")
+    }
+    assert lines["lpsync"].startswith("lpsync: final loss of 2 ranks"), lines
+    assert lines["lpsync"].split(" ranks ")[1] == lines["gloo"].split(" ranks ")[1], lines
+
+
+def _torchrun(daemon: DaemonProcess, example: str, *args: str) -> str:
+    """Run examples/EXAMPLE.py under torchrun with 2 processes; its stdout."""
     (port,) = free_ports(1)
     env = {
         **os.environ,
@@ -44,6 +62,7 @@ def test_example_runs_under_torchrun(daemon: DaemonProcess, example: str) -> Non
             "--master-port",
             str(port),
             str(EXAMPLES / f"{example}.py"),
+            *args,
         ],
         capture_output=True,
         text=True,
@@ -51,4 +70,4 @@ def test_example_runs_under_torchrun(daemon: DaemonProcess, example: str) -> Non
         timeout=240,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert LAST_LINE[example] in done.stdout, done.stdout
+    return done.stdout

@@ -106,6 +106,7 @@ def ops_against_gloo(rank: int, world: int, sockets: list[str], per_node: int, p
         for dtype in DTYPES:
             _one_dtype(failures, both, rank, world, dtype, f"{mode} {dtype}")
     _float_inputs(failures, gloo, rank, world)
+    _objects(failures, gloo, rank, world)
     _coalesced(failures, gloo, rank, world)
     _subgroups(failures, rank, world)
     dist.destroy_process_group()
@@ -196,6 +197,7 @@ def _one_layout(
         )
     )
     _same(failures, f"{tag} {layout} reduce_scatter_single", red["a"], red["b"])
+    _data_movement(failures, both, rank, world, tag, layout, pair, ins)
     many = {k: [base.clone(), base.clone() * 2, base.clone()[:1]] for k in "ab"}
     if dtype != torch.bool and dtype.itemsize > 1:  # doubling stays exact
         both(
@@ -205,6 +207,106 @@ def _one_layout(
         )
         for x, y in zip(many["a"], many["b"], strict=True):
             _same(failures, f"{tag} {layout} all_reduce_coalesced", x, y)
+
+
+def _data_movement(
+    failures: list[str],
+    both: Both,
+    rank: int,
+    world: int,
+    tag: str,
+    layout: str,
+    pair: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    ins: list[torch.Tensor],
+) -> None:
+    """gather, scatter, all_to_all and all_to_all_single (even and uneven splits)."""
+    a, b = pair()
+    shape = a.shape
+    got = {k: [torch.full_like(ins[0], 9) for _ in range(world)] if rank == 0 else None for k in "ab"}
+    both(
+        lambda group, async_op: dist.gather(
+            a if group is None else b,
+            got["a" if group is None else "b"],
+            group_dst=0,
+            group=group,
+            async_op=async_op,
+        )
+    )
+    for i in range(world if rank == 0 else 0):
+        _same(failures, f"{tag} {layout} gather[{i}]", got["a"][i], got["b"][i])
+    a, b = pair()
+    both(
+        lambda group, async_op: dist.scatter(
+            a if group is None else b,
+            [t.clone() for t in ins] if rank == world - 1 else None,
+            group_src=world - 1,
+            group=group,
+            async_op=async_op,
+        )
+    )
+    _same(failures, f"{tag} {layout} scatter", a, b)
+    lists = {k: [torch.full_like(ins[0], 9) for _ in range(world)] for k in "ab"}
+    both(
+        lambda group, async_op: dist.all_to_all(
+            lists["a" if group is None else "b"], [t.clone() for t in ins], group=group, async_op=async_op
+        )
+    )
+    for i in range(world):
+        _same(failures, f"{tag} {layout} all_to_all[{i}]", lists["a"][i], lists["b"][i])
+    whole = torch.cat(ins)
+    single = {k: torch.full_like(whole, 9) for k in "ab"}
+    both(
+        lambda group, async_op: dist.all_to_all_single(
+            single["a" if group is None else "b"], whole.clone(), group=group, async_op=async_op
+        )
+    )
+    _same(failures, f"{tag} {layout} all_to_all_single", single["a"], single["b"])
+    if len(shape) < 2:
+        return
+
+    # Uneven: rank i sends rows(i, j) rows to rank j (some none at all).
+    def rows(i: int, j: int) -> int:
+        return (i + 2 * j) % 3
+
+    sent = [rows(rank, j) for j in range(world)]
+    received = [rows(i, rank) for i in range(world)]
+    src = _inputs(rank * 13 + 5, ins[0].dtype, (sum(sent), *shape[1:]))
+    uneven = {k: torch.full((sum(received), *shape[1:]), 9, dtype=ins[0].dtype) for k in "ab"}
+    both(
+        lambda group, async_op: dist.all_to_all_single(
+            uneven["a" if group is None else "b"],
+            src.clone(),
+            output_split_sizes=received,
+            input_split_sizes=sent,
+            group=group,
+            async_op=async_op,
+        )
+    )
+    _same(failures, f"{tag} {layout} all_to_all_single uneven", uneven["a"], uneven["b"])
+
+
+def _objects(failures: list[str], gloo: dist.ProcessGroup, rank: int, world: int) -> None:
+    """gather_object and scatter_object_list (pickles of uneven sizes, padded by torch)."""
+    mine = {"rank": rank, "payload": "x" * (rank * 37 + 1)}
+    for group in (None, gloo):
+        got = [None] * world if rank == 0 else None
+        dist.gather_object(mine, got, dst=0, group=group)
+        if rank == 0 and got != [{"rank": r, "payload": "x" * (r * 37 + 1)} for r in range(world)]:
+            failures.append(f"gather_object on {group or 'lpsync'}: {got}")
+        out: list = [None]
+        objs = [[r, "y" * (5 * r)] for r in range(world)] if rank == world - 1 else None
+        dist.scatter_object_list(out, objs, src=world - 1, group=group)
+        if out[0] != [rank, "y" * (5 * rank)]:
+            failures.append(f"scatter_object_list on {group or 'lpsync'}: {out}")
+    # all_gather_coalesced: outputs rank-major, inputs of different shapes.
+    ins = [torch.full((2,), float(rank)), torch.full((3, 2), rank + 10.0)]
+    got = {}
+    for name, group in (("lpsync", None), ("gloo", gloo)):
+        got[name] = [[torch.zeros_like(t) for t in ins] for _ in range(world)]
+        dist.all_gather_coalesced(got[name], ins, group=group)
+    for r in range(world):
+        for j in range(len(ins)):
+            _same(failures, f"all_gather_coalesced[{r}][{j}]", got["lpsync"][r][j], got["gloo"][r][j])
 
 
 def _float_inputs(failures: list[str], gloo: dist.ProcessGroup, rank: int, world: int) -> None:
@@ -364,12 +466,7 @@ def errors(rank: int, world: int, sockets: list[str], per_node: int, port: int) 
     attempts: dict[str, Callable[[], object]] = {
         "send": lambda: dist.send(t, dst=(rank + 1) % world),
         "recv": lambda: dist.recv(t, src=(rank + 1) % world),
-        "all_to_all": lambda: dist.all_to_all(
-            [t.clone() for _ in range(world)], [t.clone() for _ in range(world)]
-        ),
-        "all_to_all_single": lambda: dist.all_to_all_single(torch.ones(world), torch.ones(world)),
-        "scatter": lambda: dist.scatter(t, [t.clone() for _ in range(world)] if rank == 0 else None, src=0),
-        "gather": lambda: dist.gather(t, [t.clone() for _ in range(world)] if rank == 0 else None, dst=0),
+        "all_to_all of a short list": lambda: dist.all_to_all([t.clone()], [t.clone()]),
         "band": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=R.BAND),
         "premul_sum": lambda: dist.all_reduce(t, op=R.PREMUL_SUM(2.0)),
         "complex64 dtype": lambda: dist.broadcast(torch.ones(2, dtype=torch.cfloat), 0),

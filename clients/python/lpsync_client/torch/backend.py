@@ -275,11 +275,17 @@ class LpsyncWork(dist.Work):
         self.wait()
 
 
+def _one(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise ValueError(f"lpsync {op} takes one tensor per process, got {len(tensors)}")
+    return tensors[0]
+
+
 def _unsupported(op: str, why: str = "") -> UnsupportedOperationError:
     return UnsupportedOperationError(
         f"the lpsync backend does not support {op}{why}; lpsync offers all_reduce, "
-        "broadcast, reduce, all_gather, reduce_scatter and barrier (create a gloo group "
-        f"with dist.new_group(backend='gloo') for {op})"
+        "broadcast, reduce, all_gather, reduce_scatter, gather, scatter, all_to_all and "
+        f"barrier (create a gloo group with dist.new_group(backend='gloo') for {op})"
     )
 
 
@@ -626,7 +632,14 @@ class ProcessGroupLpsync(dist.ProcessGroup):
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None
     ) -> LpsyncWork:
-        return self.allgather(output_lists, inputs, opts)
+        """``output_lists[r][j]``: rank r's tensor j (rank-major, as gloo takes them; inputs
+        may differ in shape); allgather takes one list per input, of every rank's."""
+        if len(output_lists) != self.size() or any(len(o) != len(inputs) for o in output_lists):
+            raise ValueError(
+                f"all_gather_coalesced needs {self.size()} output lists of {len(inputs)} tensors each"
+            )
+        per_input = [[output_lists[r][j] for r in range(self.size())] for j in range(len(inputs))]
+        return self.allgather(per_input, inputs, opts)
 
     def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork:
         return self.all_gather_single_coalesced([output], [inp], opts)
@@ -713,20 +726,183 @@ class ProcessGroupLpsync(dist.ProcessGroup):
     def recv_anysource(self, *args, **kwargs):
         raise _unsupported("recv", " (point-to-point)")
 
-    def alltoall(self, *args, **kwargs):
-        raise _unsupported("all_to_all")
+    def gather(  # type: ignore[override]  # (output lists, inputs, opts): see above
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts=None
+    ) -> LpsyncWork:
+        root = opts.rootRank if opts is not None else 0
+        inp = _one(input_tensors, "gather")
+        outs = list(output_tensors[0]) if self.rank() == root else []
+        p, n = self.size(), inp.numel()
+        if self.rank() == root and (
+            len(outs) != p or any(o.numel() != n or o.dtype != inp.dtype for o in outs)
+        ):
+            raise ValueError(f"gather needs {p} output tensors of {n} {inp.dtype} elements each at the root")
 
-    def alltoall_base(self, *args, **kwargs):
-        raise _unsupported("all_to_all_single")
+        def pieces(work: LpsyncWork) -> None:
+            if n == 0:
+                return self._barrier_piece(work)
+            _check(inp)
+            source, flats = inp.reshape(-1), [self._flat_out(work, o) for o in outs]
+            at_root = self.rank() == root
+
+            def issue(a: int, b: int) -> None:
+                m = b - a
+                staged = self._stage(inp, m * p if at_root else m)  # the root's: the whole output
+
+                def finish() -> None:
+                    for i, o in enumerate(flats):
+                        o[a:b].copy_(staged.block(i, m))
+
+                self._launch(
+                    work,
+                    staged,
+                    lambda: staged.block(self.rank() if at_root else 0, m).copy_(source[a:b]),
+                    lambda x: self.client.gather_async(x, root=root, timeout=self._timeout),
+                    finish,
+                )
+
+            # The same cuts on every rank: the root's staging (p blocks) sets the unit.
+            self._split(work, n, inp.element_size() * p, issue)
+            return None
+
+        return self._run("gather", outs, pieces)
+
+    def scatter(  # type: ignore[override]  # (outputs, input lists, opts): see above
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts=None
+    ) -> LpsyncWork:
+        root = opts.rootRank if opts is not None else 0
+        out = _one(output_tensors, "scatter")
+        ins = list(input_tensors[0]) if self.rank() == root else []
+        p, n = self.size(), out.numel()
+        if self.rank() == root and (
+            len(ins) != p or any(i.numel() != n or i.dtype != out.dtype for i in ins)
+        ):
+            raise ValueError(f"scatter needs {p} input tensors of {n} {out.dtype} elements each at the root")
+
+        def pieces(work: LpsyncWork) -> None:
+            if n == 0:
+                return self._barrier_piece(work)
+            _check(out)
+            sources, flat = [i.reshape(-1) for i in ins], self._flat_out(work, out)
+            at_root = self.rank() == root
+
+            def issue(a: int, b: int) -> None:
+                m = b - a
+                staged = self._stage(out, m * p if at_root else m)  # the root's: the whole input
+
+                def fill() -> None:
+                    for i, source in enumerate(sources):
+                        staged.block(i, m).copy_(source[a:b])
+
+                self._launch(
+                    work,
+                    staged,
+                    fill,
+                    lambda x: self.client.scatter_async(x, root=root, timeout=self._timeout),
+                    lambda: flat[a:b].copy_(staged.block(self.rank() if at_root else 0, m)),
+                )
+
+            self._split(work, n, out.element_size() * p, issue)
+            return None
+
+        return self._run("scatter", [out], pieces)
+
+    def alltoall(  # type: ignore[override]  # (outputs, inputs, opts): see above
+        self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts=None
+    ) -> LpsyncWork:
+        p = self.size()
+        if len(output_tensors) != p or len(input_tensors) != p:
+            raise ValueError(f"all_to_all needs {p} output and {p} input tensors")
+        dtypes = {t.dtype for t in (*output_tensors, *input_tensors)}
+        if len(dtypes) != 1:
+            raise ValueError(f"all_to_all needs one dtype, got {sorted(map(str, dtypes))}")
+
+        def pieces(work: LpsyncWork) -> None:
+            outs = [self._flat_out(work, o) for o in output_tensors]
+            self._alltoall_pieces(work, outs, [i.reshape(-1) for i in input_tensors], even=False)
+
+        return self._run("all_to_all", list(output_tensors), pieces)
+
+    def alltoall_base(  # type: ignore[override]  # (output, input, splits, opts): see above
+        self,
+        output: torch.Tensor,
+        inp: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts=None,
+    ) -> LpsyncWork:
+        p = self.size()
+        if output.dtype != inp.dtype:
+            raise ValueError(f"all_to_all_single: output is {output.dtype}, input {inp.dtype}")
+        even = not output_split_sizes and not input_split_sizes
+
+        def rows(t: torch.Tensor, splits: list[int], what: str) -> list[int]:
+            """Element offsets of the p blocks along dim 0 (torch's split sizes are rows)."""
+            if not splits:
+                if t.numel() % p:
+                    raise ValueError(
+                        f"all_to_all_single: the {what} of {t.numel()} elements is not {p} equal parts"
+                    )
+                return [t.numel() // p * i for i in range(p + 1)]
+            per_row = t.numel() // t.shape[0] if t.dim() and t.shape[0] else 0
+            if len(splits) != p or sum(splits) != (t.shape[0] if t.dim() else 0):
+                raise ValueError(
+                    f"all_to_all_single: {what} split sizes {splits} do not cut dim 0 into {p} parts"
+                )
+            return list(itertools.accumulate((s * per_row for s in splits), initial=0))
+
+        out_at, in_at = rows(output, output_split_sizes, "output"), rows(inp, input_split_sizes, "input")
+
+        def pieces(work: LpsyncWork) -> None:
+            flat_out, flat_in = self._flat_out(work, output), inp.reshape(-1)
+            outs = [flat_out[out_at[i] : out_at[i + 1]] for i in range(p)]
+            ins = [flat_in[in_at[i] : in_at[i + 1]] for i in range(p)]
+            self._alltoall_pieces(work, outs, ins, even=even)
+
+        return self._run("all_to_all_single", [output], pieces)
+
+    def _alltoall_pieces(
+        self, work: LpsyncWork, outs: list[torch.Tensor], ins: list[torch.Tensor], even: bool
+    ) -> None:
+        """All-to-all of flat blocks: ins[j] goes to rank j, outs[i] comes from rank i.
+        Uneven blocks are padded to the largest of the whole group (learned with one small
+        allreduce of max: no rank knows what the others send each other), and each block's
+        element range is cut into the same pieces on every rank."""
+        p = self.size()
+        block = max((t.numel() for t in (*outs, *ins)), default=0)
+        if not even:
+            longest = np.array([block], np.int64)
+            self.client.allreduce(longest, op="max", timeout=self._timeout)
+            block = int(longest[0])
+        if block == 0:
+            return self._barrier_piece(work)
+        ref = ins[0] if ins else outs[0]
+        _check(ref)
+
+        def issue(a: int, b: int) -> None:
+            m = b - a
+            staged = self._stage(ref, 2 * m * p)  # the input's p blocks, then the output's
+
+            def fill() -> None:
+                for j, source in enumerate(ins):
+                    part = source[a:b]
+                    staged.block(j, m)[: part.numel()].copy_(part)
+
+            def finish() -> None:
+                for i, o in enumerate(outs):
+                    part = o[a:b]
+                    part.copy_(staged.block(p + i, m)[: part.numel()])
+
+            def start(x: Any) -> Future:
+                return self.client.alltoall_async(x[: m * p], out=x[m * p :], timeout=self._timeout)
+
+            self._launch(work, staged, fill, start, finish)
+
+        self._split(work, block, ref.element_size() * 2 * p, issue)
+        return None
 
     def all_to_all_single(self, *args, **kwargs):
-        raise _unsupported("all_to_all_single")
-
-    def scatter(self, *args, **kwargs):
-        raise _unsupported("scatter")
-
-    def gather(self, *args, **kwargs):
-        raise _unsupported("gather")
+        return self.alltoall_base(*args, **kwargs)
 
     def monitored_barrier(self, *args, **kwargs):
         raise _unsupported("monitored_barrier")
