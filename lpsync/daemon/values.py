@@ -22,12 +22,15 @@ INTACT, PARTIAL, UNSPECIFIED = "INTACT", "PARTIAL", ""
 
 @dataclass(frozen=True)
 class NodeLayout:
-    """A multi-node job: the node of every rank and which node this daemon is; node n is
-    daemon n of --peers. Any map: ranks need not be node-major and nodes may serve
-    different numbers of ranks (the ranks discover it, control/layout.py)."""
+    """A multi-node job: the node of every rank and which node this daemon is, in the
+    job's own node numbers 0..nodes-1; ``cluster`` maps them to daemons of --peers (empty:
+    the same numbers, the job on daemons 0..nodes-1). Any map: ranks need not be
+    node-major and nodes may serve different numbers of ranks (the ranks discover it,
+    control/layout.py); a job on daemons 2 and 5 is the job's nodes 0 and 1."""
 
-    node_of: tuple[int, ...]  # by rank: the node serving it
-    node: int  # this daemon's node rank
+    node_of: tuple[int, ...]  # by rank: the job's node serving it
+    node: int  # this daemon's node in the job's numbers
+    cluster: tuple[int, ...] = ()  # job node -> daemon of --peers; () where they are equal
     # Derived once (a job asks for them on every collective); not part of equality.
     nodes: int = field(init=False, compare=False)  # nodes 0..nodes-1 serve the job
     local_ranks: tuple[int, ...] = field(init=False, compare=False)  # this node's, ascending
@@ -49,9 +52,13 @@ class NodeLayout:
     def ranks_of(self, node: int) -> tuple[int, ...]:
         return tuple(r for r, n in enumerate(self.node_of) if n == node)
 
+    def daemon(self, node: int) -> int:
+        """The daemon (node rank in --peers) serving the job's node ``node``."""
+        return self.cluster[node] if self.cluster else node
+
     def describe(self) -> str:
-        """'node 0: ranks 0-2; node 1: rank 3', for error messages."""
-        return "; ".join(f"node {n}: {ranks_text(self.ranks_of(n))}" for n in range(self.nodes))
+        """'node 0: ranks 0-2; node 1: rank 3' (daemons' node ranks), for error messages."""
+        return "; ".join(f"node {self.daemon(n)}: {ranks_text(self.ranks_of(n))}" for n in range(self.nodes))
 
 
 def ranks_text(ranks: Sequence[int]) -> str:

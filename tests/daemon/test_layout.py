@@ -43,6 +43,10 @@ def test_a_discovered_layout_is_any_map_of_ranks_to_nodes() -> None:
     assert resolve("j", 1, 2, 0, 0, [1, 1], node=1, nodes=3) is None
     # Hints that agree are accepted.
     assert resolve("j", 3, 4, 1, 2, [0, 1, 0, 1], node=1, nodes=2) == NodeLayout((0, 1, 0, 1), 1)
+    # Any daemons of the cluster: the job numbers its nodes 0..N-1 and keeps the map.
+    spread = resolve("j", 1, 3, 0, 0, [4, 2, 4], node=2, nodes=6)
+    assert spread == NodeLayout((1, 0, 1), 0, (2, 4))
+    assert spread is not None and spread.describe() == "node 2: rank 1; node 4: ranks 0, 2"
 
 
 @pytest.mark.parametrize(
@@ -52,8 +56,6 @@ def test_a_discovered_layout_is_any_map_of_ranks_to_nodes() -> None:
         (("j", 1, 2, 0, 0, [0, 1], 0, 2), ["attached to node 0", "puts it on node 1"]),
         # LOCAL_WORLD_SIZE=2 says node 1 serves two ranks; the map gives it one
         (("j", 1, 2, 1, 2, [0, 1], 1, 2), ["LOCAL_WORLD_SIZE=2", "LOCAL_RANK=1", "node 1 serves rank 1"]),
-        # a job on nodes 0 and 2: node 1 serves none of its ranks
-        (("j", 0, 2, 0, 0, [0, 2], 0, 3), ["spans nodes 0, 2", "node(s) 1 serve none"]),
         # torchrun's numbering: rank 1 of LOCAL_WORLD_SIZE=1 belongs on node 1, not 0
         (("j", 1, 2, 0, 1, [], 0, 2), ["LOCAL_WORLD_SIZE=1", "belongs on node 1", "node 0 of 2"]),
         # not node-major: RANK 1 with LOCAL_RANK 0 of 2
@@ -160,11 +162,12 @@ def test_a_wrong_local_world_size_fails_every_rank_at_once(cluster: PeeredDaemon
         assert result["seconds"] < 30, result
 
 
-def test_a_job_that_skips_node_0_fails_every_rank(cluster: PeeredDaemons) -> None:
-    results = run_ranks(2, refused, 2, cluster.sockets[1:], _port(), "skips-0", timeout=60)
-    for result in results:
-        assert result["code"] == "INVALID_ARGUMENT", result
-        assert "spans nodes 1-2" in result["error"] and "daemons 0..N-1" in result["error"], result
+def test_a_job_on_daemons_1_and_2_runs_every_op(cluster: PeeredDaemons) -> None:
+    """A job need not include daemon 0: it numbers its own nodes (values.NodeLayout)."""
+    results = run_ranks(3, ops, 3, [cluster.sockets[n] for n in (2, 1, 2)], _port(), "skips-0", timeout=180)
+    for rank, result in enumerate(results):
+        assert result["rank_nodes"] == [2, 1, 2], result
+        assert not result["failures"], f"rank {rank}: {result['failures']}"
 
 
 def test_a_missing_daemon_fails_every_rank_at_once(cluster: PeeredDaemons, tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ table; every rank judges that same table, so a contradiction fails every rank al
 before the first collective, naming the ranks, the nodes and the variables:
   * ranks attached to daemons of different clusters (daemons that are not peers, each of
     which would serve its ranks as if the job were single-node);
-  * a job spanning nodes other than 0..N-1 (the daemons' agreement needs the first N);
   * LOCAL_WORLD_SIZE / LOCAL_RANK that disagree with what the daemons said: they are
     hints, checked, never used to place a rank.
 Ranks need not be node-major, and nodes may serve different numbers of ranks.
@@ -135,14 +134,6 @@ def judge(table: Sequence[dict[str, Any]], job: str) -> list[int]:
             "if the job ran on one node and wait for the others until the timeout. Start every "
             "node's daemon with the same --peers (--peers-dns, --peers-slurm), or attach all "
             "ranks to one daemon (LPSYNC_SOCKET)"
-        )
-    used = sorted(set(node_of))
-    if len(used) > 1 and used != list(range(len(used))):
-        idle = sorted(set(range(used[-1] + 1)) - set(used))
-        raise InvalidArgumentError(
-            f"job {job!r} spans nodes {_ranks(used)} ({_layout(node_of)}), but a multi-node "
-            f"job must use daemons 0..N-1 of --peers, and node(s) {_ranks(idle)} serve none "
-            "of its ranks: place its ranks on the first nodes"
         )
     wrong = _contradicted_hints(table, node_of)
     if wrong:

@@ -47,7 +47,7 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
     job, pending = task.job, task.pending
     assert job.layout is not None
     deadline = time.monotonic() + task.timeout
-    link = plane.link(deadline)
+    link = plane.link(deadline).for_job(job.layout.cluster)
     learner = _learner(job)
     last = learner.take_last()  # an earlier trial's time, for node 0
     proposal = None
@@ -106,7 +106,7 @@ def notify_failure(job: Job, pending: Pending, error: LpsyncError, plane: PeerPl
     if job.layout is None:
         return
     try:
-        link = plane.link(time.monotonic())
+        link = plane.link(time.monotonic()).for_job(job.layout.cluster)
     except LpsyncError:
         return
     # The other nodes wait for this node as long as their own timeouts allow.

@@ -57,14 +57,10 @@ def _discovered(
             f"job {job!r} of {len(rank_nodes)} ranks spans nodes; a multi-node job has at "
             f"most {MAX_PARTICIPANTS} ranks"
         )
-    layout = NodeLayout(tuple(rank_nodes), node)
-    if used != list(range(len(used))):
-        idle = sorted(set(range(used[-1] + 1)) - set(used))
-        raise InvalidArgumentError(
-            f"job {job!r} spans nodes {', '.join(map(str, used))}, but a multi-node job must "
-            f"use daemons 0..N-1 of --peers, and node(s) {', '.join(map(str, idle))} serve none "
-            f"of its ranks ({_short(layout)}); attach its ranks to the first daemons"
-        )
+    # Any daemons of the cluster: the job numbers its own nodes 0..N-1 (values.NodeLayout).
+    index = {daemon: i for i, daemon in enumerate(used)}
+    cluster = () if used == list(range(len(used))) else tuple(used)
+    layout = NodeLayout(tuple(index[n] for n in rank_nodes), index[node], cluster)
     _check_hints(job, rank, local_rank, local_world_size, layout.local_ranks, node, _short(layout))
     return layout
 

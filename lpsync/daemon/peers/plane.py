@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from prometheus_client import Counter, Gauge
@@ -112,6 +112,29 @@ class SharedEndpoint:
         yield lent
 
 
+class _Renumbered:
+    """The shared endpoint in a job's own node numbers: peer i is daemon ``daemons[i]``."""
+
+    def __init__(self, endpoint: PostingEndpoint, daemons: tuple[int, ...]) -> None:
+        self._endpoint, self._daemons = endpoint, daemons
+        self.rank, self.size = daemons.index(endpoint.rank), len(daemons)
+
+    def send(self, peer: int, tag: int, data: np.ndarray) -> SendRequest:
+        return self._endpoint.send(self._daemons[peer], tag, data)
+
+    def recv_into(self, peer: int, tag: int, out: np.ndarray, deadline: float) -> None:
+        self._endpoint.recv_into(self._daemons[peer], tag, out, deadline)
+
+    def post_recv(self, peer: int, tag: int, out: np.ndarray) -> RecvRequest | None:
+        return self._endpoint.post_recv(self._daemons[peer], tag, out)
+
+    def recv_borrow(self, peer: int, tag: int, nbytes: int, deadline: float):
+        return self._endpoint.recv_borrow(self._daemons[peer], tag, nbytes, deadline)
+
+    def abort(self, error: BaseException) -> None:
+        self._endpoint.abort(error)
+
+
 class Link:
     """One generation of the mesh: the shared endpoint and the probed link model."""
 
@@ -135,6 +158,11 @@ class Link:
     @property
     def error(self) -> LpsyncError | None:
         return self.mesh.error
+
+    def for_job(self, daemons: tuple[int, ...]) -> Link:
+        """This link as a job on ``daemons`` sees it (its nodes 0..N-1 are those daemons;
+        values.NodeLayout.cluster); itself where the numbers are the same (empty)."""
+        return _JobLink(self, daemons) if daemons else self
 
     def check(self) -> None:
         if self.mesh.error is not None:
@@ -468,3 +496,14 @@ def _ping_pong(endpoint: MeshEndpoint, peer: int, initiator: bool, deadline: flo
     else:
         endpoint.recv_into(peer, control_tag(PROBE, tag), result, deadline)
     return float(result[0]), float(result[1])
+
+
+class _JobLink(Link):
+    """A Link whose endpoint speaks a job's node numbers; everything else is the link's."""
+
+    def __init__(self, link: Link, daemons: tuple[int, ...]) -> None:  # no Link.__init__: a view
+        self._link = link
+        self.endpoint = _Renumbered(link.endpoint, daemons)  # type: ignore[assignment]
+
+    def __getattr__(self, name: str) -> Any:  # the attributes a view has not: the link's
+        return getattr(self._link, name)
