@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -33,6 +34,7 @@ import numpy as np
 from lpsync_client import layout
 from lpsync_client._convert import as_numpy, numpy_dtype
 from lpsync_client._device import DeviceOperand, describe, is_device_array
+from lpsync_client._p2p import PairJobs
 from lpsync_client._proto import lpsync_pb2 as pb
 from lpsync_client._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync_client._shm import Mapping
@@ -203,7 +205,10 @@ class Client:
         connect_timeout: float = 10.0,
         trigger: str = "auto",
         store: layout.Store | None = None,
+        rank_nodes: Sequence[int] | None = None,
     ) -> None:
+        """``rank_nodes``: the node of every rank, known already (a pair job of send/recv
+        takes its ranks' nodes from its main job); ``store``: discover them."""
         if trigger not in ("auto", "grpc", "socket"):
             raise InvalidArgumentError(f"trigger must be 'auto', 'grpc' or 'socket', got {trigger!r}")
         self.job, self.rank, self.world_size = job, rank, world_size
@@ -227,13 +232,27 @@ class Client:
         # Prepared requests by (op, spans, parameters) for arrays in shared memory.
         self._prepared: dict[tuple, pb.SessionRequest] = {}
         where = target or socket or DEFAULT_SOCKET
+        # What a pair job of send/recv attaches with (_p2p.py): this client's daemon.
+        self._settings: dict[str, Any] = {
+            "socket": socket,
+            "target": target,
+            "token": token,
+            "root_certificates": root_certificates,
+            "timeout": timeout,
+            "connect_timeout": connect_timeout,
+            "trigger": trigger,
+        }
 
         def ask() -> layout.Node:
             _ready(self._channel, where, bool(target), connect_timeout)
             return _node(self._call(self._stub.Node, pb.NodeRequest(), connect_timeout))
 
         try:
-            if store is not None:  # discovered: local_rank/local_world_size are hints
+            if rank_nodes is not None:  # known (a pair job): nothing to discover
+                _ready(self._channel, where, bool(target), connect_timeout)
+                hints = layout.Hints(local_rank or 0, local_world_size or 0)
+                rank_nodes = list(rank_nodes)
+            elif store is not None:  # discovered: local_rank/local_world_size are hints
                 hints = layout.Hints(local_rank or 0, local_world_size or 0)
                 # A daemon that does not answer is published too: the other ranks fail at once.
                 rank_nodes = layout.discover(store, f"lpsync/layout/{job}", job, rank, world_size, ask, hints)
@@ -261,6 +280,15 @@ class Client:
             # The daemon this rank attached to, and the node of every rank when discovered.
             self.node = _node(attached.node)
             self.rank_nodes: list[int] | None = list(rank_nodes) or None
+            per_node = max(1, hints.local_world_size or world_size)
+            self._p2p = PairJobs(
+                job,
+                rank,
+                world_size,
+                # The node of a rank: discovered, or node-major by LOCAL_WORLD_SIZE.
+                lambda r: self.rank_nodes[r] if self.rank_nodes else r // per_node,
+                self._open_pair,
+            )
             self._stream = SessionStream(self._stub, self.session_id, self._metadata, connect_timeout)
             # Collectives and pings go through the trigger socket when asked for (and
             # offered); the gRPC stream above stays open either way: it is the lifeline.
@@ -909,6 +937,42 @@ class Client:
         """
         return self._wait(self.alltoall_async(x, out, algorithm, timeout, name), timeout)
 
+    def send_async(self, x, dst: int, tag: int = 0, timeout: float | None = None) -> Future:
+        return self._p2p.send(x, dst, tag, timeout)
+
+    def send(self, x, dst: int, tag: int = 0, timeout: float | None = None) -> None:
+        """Send ``x`` to rank ``dst``; returns once ``dst`` received it (its recv with the
+        same tag, the same count and dtype). Messages keep their order per (source,
+        destination, tag); another tag never waits on this one.
+
+        >>> client.send(activations, dst=client.rank + 1)
+        """
+        self._wait(self.send_async(x, dst, tag, timeout), timeout)
+
+    def recv_async(self, x, src: int, tag: int = 0, timeout: float | None = None) -> Future:
+        return self._p2p.recv(x, src, tag, timeout)
+
+    def recv(self, x, src: int, tag: int = 0, timeout: float | None = None):
+        """Receive rank ``src``'s message with ``tag`` into ``x`` (as many elements of the
+        same dtype as were sent: another size fails on both sides, naming both counts).
+
+        >>> client.recv(activations, src=client.rank - 1)
+        """
+        return self._wait(self.recv_async(x, src, tag, timeout), timeout)
+
+    def _open_pair(self, job: str, rank: int, rank_nodes: list[int]) -> Client:
+        """Attach a pair job of send/recv (_p2p.py) to this client's daemon."""
+        local = sum(1 for n in rank_nodes if n == rank_nodes[rank])
+        return Client(
+            **self._settings,
+            job=job,
+            rank=rank,
+            world_size=2,
+            local_rank=rank if local == 2 else 0,
+            local_world_size=local,
+            rank_nodes=rank_nodes if rank_nodes[0] != rank_nodes[1] else None,
+        )
+
     def barrier_async(self, timeout: float | None = None, name: str = "") -> Future:
         return self._submit("barrier", None, None, count_of=None, timeout=timeout, name=name)
 
@@ -935,6 +999,7 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        self._p2p.close()
         # The daemon may be gone or have ended the session already: nothing to free then.
         with contextlib.suppress(Exception):
             self._call(self._stub.Detach, pb.DetachRequest(session_id=self.session_id), 10.0)

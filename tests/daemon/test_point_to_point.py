@@ -1,0 +1,41 @@
+"""send/recv through real daemons: a ring of async sends, tags received out of their
+sending order, a large message, on one daemon and across daemons 1 and 2 of three (a job
+that skips daemon 0); a receive of the wrong size and a sender that dies fail at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.daemon.harness import PeeredDaemons, run_ranks
+from tests.daemon.p2p_workers import dies_before_sending, ring_and_tags, wrong_size
+from tests.ports import free_ports
+
+
+def test_send_recv_on_one_daemon(daemon) -> None:
+    results = run_ranks(3, ring_and_tags, 3, [daemon.socket] * 3, free_ports(1)[0], "p2p-one", timeout=120)
+    assert results == [[], [], []], results
+
+
+def test_send_recv_across_daemons_1_and_2(tmp_path: Path) -> None:
+    cluster = PeeredDaemons(tmp_path, 3, "--peer-transport", "tcp")
+    try:
+        sockets = [cluster.sockets[n] for n in (1, 2, 2)]
+        results = run_ranks(3, ring_and_tags, 3, sockets, free_ports(1)[0], "p2p-nodes", timeout=180)
+        assert results == [[], [], []], results
+    finally:
+        unclean = cluster.stop()
+    assert not unclean, "\n".join(unclean)
+
+
+def test_a_receive_of_another_size_fails_both_sides(daemon) -> None:
+    for rank, (message, seconds) in enumerate(run_ranks(2, wrong_size, daemon.socket, "p2p-size")):
+        assert message.startswith("MismatchError"), (rank, message)
+        assert "count" in message and "8" in message and "6" in message, message
+        assert seconds < 5.0, seconds
+
+
+def test_a_sender_that_dies_fails_the_receive(daemon) -> None:
+    (result,) = [r for r in run_ranks(2, dies_before_sending, daemon.socket, "p2p-dies", dies=(0,)) if r]
+    message, seconds = result
+    assert message.startswith("AbortedError") and "rank 0" in message, message
+    assert seconds < 5.0, seconds
