@@ -107,6 +107,7 @@ def ops_against_gloo(rank: int, world: int, sockets: list[str], per_node: int, p
             _one_dtype(failures, both, rank, world, dtype, f"{mode} {dtype}")
     _float_inputs(failures, gloo, rank, world)
     _objects(failures, gloo, rank, world)
+    _point_to_point(failures, gloo, rank, world)
     _coalesced(failures, gloo, rank, world)
     _subgroups(failures, rank, world)
     dist.destroy_process_group()
@@ -283,6 +284,46 @@ def _data_movement(
         )
     )
     _same(failures, f"{tag} {layout} all_to_all_single uneven", uneven["a"], uneven["b"])
+
+
+def _point_to_point(failures: list[str], gloo: dist.ProcessGroup, rank: int, world: int) -> None:
+    """isend/irecv around a ring, batch_isend_irecv both ways, tags, a strided tensor and a
+    send inside a sub-group, each compared with gloo's."""
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for name, group in (("lpsync", None), ("gloo", gloo)):
+        got = torch.zeros(6, 3)
+        out = torch.arange(18.0).reshape(6, 3) + 100 * rank
+        works = [dist.isend(out, right, group=group, tag=4), dist.irecv(got, left, group=group, tag=4)]
+        for w in works:
+            w.wait()
+        _same(failures, f"isend/irecv ring on {name}", got, torch.arange(18.0).reshape(6, 3) + 100 * left)
+        both_ways = [torch.zeros(5, dtype=torch.int64) for _ in range(2)]
+        ops = [
+            dist.P2POp(dist.isend, torch.full((5,), rank, dtype=torch.int64), right, group),
+            dist.P2POp(dist.isend, torch.full((5,), -rank, dtype=torch.int64), left, group),
+            dist.P2POp(dist.irecv, both_ways[0], left, group),
+            dist.P2POp(dist.irecv, both_ways[1], right, group),
+        ]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        want = [torch.full((5,), left, dtype=torch.int64), torch.full((5,), -right, dtype=torch.int64)]
+        for got_one, w in zip(both_ways, want, strict=True):
+            _same(failures, f"batch_isend_irecv on {name}", got_one, w)
+        # lpsync receives into a strided view (written back); gloo refuses one
+        strided = torch.zeros(4, 6)[:, ::2] if group is None else torch.zeros(4, 3)
+        if rank == 0:
+            dist.send(torch.ones(4, 3) * 7, 1, group=group, tag=2)
+        elif rank == 1:
+            dist.recv(strided, 0, group=group, tag=2)
+            _same(failures, f"send into a strided tensor on {name}", strided, torch.ones(4, 3) * 7)
+    pair = dist.new_group([0, world - 1])  # group ranks 0 and 1: global 0 and world-1
+    if rank in (0, world - 1):
+        x = torch.full((3,), float(rank))
+        if rank == 0:
+            dist.send(x, world - 1, group=pair)
+        else:
+            dist.recv(x, 0, group=pair)
+            _same(failures, "recv in a sub-group", x, torch.zeros(3))
 
 
 def _objects(failures: list[str], gloo: dist.ProcessGroup, rank: int, world: int) -> None:
@@ -464,8 +505,7 @@ def errors(rank: int, world: int, sockets: list[str], per_node: int, port: int) 
     seen: dict[str, str] = {}
     t = torch.ones(4)
     attempts: dict[str, Callable[[], object]] = {
-        "send": lambda: dist.send(t, dst=(rank + 1) % world),
-        "recv": lambda: dist.recv(t, src=(rank + 1) % world),
+        "recv from any source": lambda: dist.recv(t),
         "all_to_all of a short list": lambda: dist.all_to_all([t.clone()], [t.clone()]),
         "band": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=R.BAND),
         "premul_sum": lambda: dist.all_reduce(t, op=R.PREMUL_SUM(2.0)),

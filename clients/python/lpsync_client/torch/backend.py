@@ -717,14 +717,49 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         return self._run("barrier", [], self._barrier_piece)
 
     # -- what lpsync does not offer: a clear error, never a hang -----------------------------
-    def send(self, *args, **kwargs):
-        raise _unsupported("send", " (point-to-point)")
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> LpsyncWork:  # type: ignore[override]
+        t = _one(tensors, "send")
+        return self._run("send", [], lambda work: self._p2p_piece(work, t, dst, tag, sending=True))
 
-    def recv(self, *args, **kwargs):
-        raise _unsupported("recv", " (point-to-point)")
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> LpsyncWork:  # type: ignore[override]
+        t = _one(tensors, "recv")
+        return self._run("recv", [t], lambda work: self._p2p_piece(work, t, src, tag, sending=False))
 
     def recv_anysource(self, *args, **kwargs):
-        raise _unsupported("recv", " (point-to-point)")
+        raise _unsupported("recv from any source", " (src=None: name the sender)")
+
+    def _p2p_piece(self, work: LpsyncWork, t: torch.Tensor, peer: int, tag: int, sending: bool) -> None:
+        """A message to or from ``peer`` (client.send/recv: a two-rank job per pair and tag),
+        in pieces cut alike on both sides. It completes when the receiver has it."""
+        if not 0 <= peer < self.size() or peer == self.rank():
+            raise ValueError(
+                f"{'send to' if sending else 'recv from'} rank {peer}: not another rank of this group"
+            )
+        _check(t)
+        flat = t.reshape(-1) if sending else self._flat_out(work, t)
+        move = self.client.send_async if sending else self.client.recv_async
+
+        def issue(a: int, b: int) -> None:
+            staged = self._stage(t, b - a)
+            self._launch(
+                work,
+                staged,
+                lambda: staged.flat.copy_(flat[a:b]) if sending else None,
+                lambda x: move(x, peer, tag, timeout=self._timeout),
+                lambda: None if sending else flat[a:b].copy_(staged.flat),
+            )
+
+        self._split(work, max(t.numel(), 1), t.element_size(), issue) if t.numel() else self._empty_message(
+            work, t, peer, tag, sending
+        )
+
+    def _empty_message(self, work: LpsyncWork, t: torch.Tensor, peer: int, tag: int, sending: bool) -> None:
+        """Zero elements still meet, so that the pair's later messages stay matched."""
+        staged = self._stage(t, 0)
+        move = self.client.send_async if sending else self.client.recv_async
+        self._launch(
+            work, staged, lambda: None, lambda x: move(x, peer, tag, timeout=self._timeout), lambda: None
+        )
 
     def gather(  # type: ignore[override]  # (output lists, inputs, opts): see above
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts=None
