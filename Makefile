@@ -57,3 +57,11 @@ image:
 # reason where no engine answers; .ci/run starts dockerd for it). ~6 min warm.
 test-deploy: $(BIN)/.installed
 	LPSYNC_DEPLOY_E2E=1 $(BIN)/python -m pytest -q -s -m deploy_e2e tests/deploy/test_compose_e2e.py
+
+# PyTorch's own distributed tests (torch's DistributedTest suite, in the torch wheel) on
+# gloo and on lpsync (a local daemon), world sizes 2 and 3; fails on a test that passes on
+# gloo and not on lpsync unless tests/torch_suite/known_gaps.toml lists it with its reason
+# (docs/training.md, "PyTorch's own test suite"). `make test` runs a selection of it.
+.PHONY: torch-suite
+torch-suite: $(BIN)/.installed
+	$(BIN)/python -m tests.torch_suite.runner --world-sizes 2,3
