@@ -42,8 +42,21 @@ def test_the_moe_layer_trains_as_on_gloo(daemon: DaemonProcess) -> None:
     assert lines["lpsync"].split(" ranks ")[1] == lines["gloo"].split(" ranks ")[1], lines
 
 
-def _torchrun(daemon: DaemonProcess, example: str, *args: str) -> str:
-    """Run examples/EXAMPLE.py under torchrun with 2 processes; its stdout."""
+def test_pipeline_stages_train_as_on_gloo(daemon: DaemonProcess) -> None:
+    """torch.distributed.pipelining's GPipe and 1F1B over 4 stages (batch_isend_irecv of
+    activations and gradients): every loss equals gloo's bit for bit."""
+    lines = {
+        backend: _torchrun(daemon, "pipeline_parallel", "--backend", backend, "--steps", "3", procs=4)
+        .strip()
+        .splitlines()[-1]
+        for backend in ("lpsync", "gloo")
+    }
+    assert lines["lpsync"].startswith("lpsync losses: gpipe"), lines
+    assert lines["lpsync"].split(" losses: ")[1] == lines["gloo"].split(" losses: ")[1], lines
+
+
+def _torchrun(daemon: DaemonProcess, example: str, *args: str, procs: int = 2) -> str:
+    """Run examples/EXAMPLE.py under torchrun with ``procs`` processes; its stdout."""
     (port,) = free_ports(1)
     env = {
         **os.environ,
@@ -58,7 +71,7 @@ def _torchrun(daemon: DaemonProcess, example: str, *args: str) -> str:
             "-m",
             "torch.distributed.run",
             "--nproc-per-node",
-            "2",
+            str(procs),
             "--master-port",
             str(port),
             str(EXAMPLES / f"{example}.py"),

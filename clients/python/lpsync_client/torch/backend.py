@@ -368,7 +368,10 @@ class ProcessGroupLpsync(dist.ProcessGroup):
 
     def _flat_out(self, work: LpsyncWork, t: torch.Tensor) -> torch.Tensor:
         """A flat view of ``t`` that pieces can write to; for a strided ``t``, a contiguous
-        copy that is written back once every piece has succeeded."""
+        copy that is written back once every piece has succeeded. Detached: the backend
+        writes data as torch's C++ backends do, unseen by autograd (a pipeline stage
+        receives into tensors that require grad)."""
+        t = t.detach()
         if t.is_contiguous():
             return t.view(-1)
         flat = t.contiguous().view(-1)
@@ -480,7 +483,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         if n == 0:
             return self._barrier_piece(work)
         _check(inp)
-        source, flats = inp.reshape(-1), [self._flat_out(work, o) for o in outputs]
+        source, flats = inp.detach().reshape(-1), [self._flat_out(work, o) for o in outputs]
 
         def issue(a: int, b: int) -> None:
             m = b - a
@@ -513,7 +516,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             return self._barrier_piece(work)
         op = _op_for(out.dtype, op)
         _check(out)
-        sources, flat = [i.reshape(-1) for i in inputs], self._flat_out(work, out)
+        sources, flat = [i.detach().reshape(-1) for i in inputs], self._flat_out(work, out)
 
         def issue(a: int, b: int) -> None:
             m = b - a
@@ -551,7 +554,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             return None
         sends = kind == "reduce" or self.rank() == root
         receives = (kind == "broadcast") != (self.rank() == root)
-        flat = self._flat_out(work, t) if receives else t.reshape(-1)
+        flat = self._flat_out(work, t) if receives else t.detach().reshape(-1)
 
         def start(x: Any) -> Future:
             if kind == "broadcast":
@@ -660,7 +663,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                     )
                 self._gather_piece(
                     work,
-                    list(out.reshape(-1).chunk(self.size())) if inp.numel() else [out] * self.size(),
+                    list(out.detach().reshape(-1).chunk(self.size())) if inp.numel() else [out] * self.size(),
                     inp,
                 )
 
@@ -703,7 +706,9 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                         f"reduce_scatter_tensor needs an input of {out.numel() * self.size()}"
                         f" elements (world size x output), got {inp.numel()}"
                     )
-                blocks = list(inp.reshape(-1).chunk(self.size())) if out.numel() else [inp] * self.size()
+                blocks = (
+                    list(inp.detach().reshape(-1).chunk(self.size())) if out.numel() else [inp] * self.size()
+                )
                 self._scatter_piece(work, out, blocks, op)
 
         return self._run("reduce_scatter_tensor", outputs, pieces)
@@ -736,7 +741,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                 f"{'send to' if sending else 'recv from'} rank {peer}: not another rank of this group"
             )
         _check(t)
-        flat = t.reshape(-1) if sending else self._flat_out(work, t)
+        flat = t.detach().reshape(-1) if sending else self._flat_out(work, t)
         move = self.client.send_async if sending else self.client.recv_async
 
         def issue(a: int, b: int) -> None:
@@ -777,7 +782,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             if n == 0:
                 return self._barrier_piece(work)
             _check(inp)
-            source, flats = inp.reshape(-1), [self._flat_out(work, o) for o in outs]
+            source, flats = inp.detach().reshape(-1), [self._flat_out(work, o) for o in outs]
             at_root = self.rank() == root
 
             def issue(a: int, b: int) -> None:
@@ -818,7 +823,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             if n == 0:
                 return self._barrier_piece(work)
             _check(out)
-            sources, flat = [i.reshape(-1) for i in ins], self._flat_out(work, out)
+            sources, flat = [i.detach().reshape(-1) for i in ins], self._flat_out(work, out)
             at_root = self.rank() == root
 
             def issue(a: int, b: int) -> None:
@@ -854,7 +859,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
 
         def pieces(work: LpsyncWork) -> None:
             outs = [self._flat_out(work, o) for o in output_tensors]
-            self._alltoall_pieces(work, outs, [i.reshape(-1) for i in input_tensors], even=False)
+            self._alltoall_pieces(work, outs, [i.detach().reshape(-1) for i in input_tensors], even=False)
 
         return self._run("all_to_all", list(output_tensors), pieces)
 
@@ -889,7 +894,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         out_at, in_at = rows(output, output_split_sizes, "output"), rows(inp, input_split_sizes, "input")
 
         def pieces(work: LpsyncWork) -> None:
-            flat_out, flat_in = self._flat_out(work, output), inp.reshape(-1)
+            flat_out, flat_in = self._flat_out(work, output), inp.detach().reshape(-1)
             outs = [flat_out[out_at[i] : out_at[i + 1]] for i in range(p)]
             ins = [flat_in[in_at[i] : in_at[i + 1]] for i in range(p)]
             self._alltoall_pieces(work, outs, ins, even=even)
