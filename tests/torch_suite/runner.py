@@ -44,8 +44,8 @@ KNOWN = Path(__file__).with_name("known_gaps.toml")
 BACKENDS = ("gloo", "lpsync")
 
 # The selection `pytest tests/torch_suite` runs (<= 3 min on 2 cores, both backends, world
-# size 2): every collective lpsync offers, on the default group and a new one, async and
-# complex, DDP, tests lifted from gloo-only decorators, and three known gaps so that the
+# size 2): every kind of collective lpsync offers, on the default group and a new one, async
+# and complex, DDP, tests lifted from gloo-only decorators, and two known gaps so that the
 # comparison itself is exercised.
 QUICK = (
     "test_all_reduce_sum",
@@ -57,14 +57,18 @@ QUICK = (
     "test_broadcast_full_group",
     "test_reduce_full_group_min",
     "test_all_gather",
+    "test_all_gather_coalesced_simple",
     "test_all_gather_object_subgroup",
+    "test_gather_full_group",
+    "test_scatter",
+    "test_send_recv_with_tag",
+    "test_batch_isend_irecv_gloo",  # lifted
     "test_barrier_full_group",
     "test_get_future",  # lifted
     "test_DistributedDataParallelCPU",
     "test_static_graph_api_cpu",
     "test_ddp_create_graph",
-    "test_send_recv",  # known gap: unsupported
-    "test_all_gather_coalesced_simple",  # known gap: a backend bug
+    "test_send_recv_any_source",  # known gap: unsupported
     "test_barrier_timeout_full_group",  # known gap, lifted: the timeout message
 )
 
