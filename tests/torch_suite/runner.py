@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -450,7 +451,7 @@ def report(cmp: Comparison, known: dict[str, Gap]) -> list[str]:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m tests.torch_suite.runner",
-        description=__doc__.split("\n\n")[0] + "\n\n" + "\n\n".join(__doc__.split("\n\n")[1:]),
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
             "examples:\n"
@@ -539,6 +540,14 @@ def _terminate(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     signal.signal(signal.SIGTERM, _terminate)  # stop the workers and the daemon first
+    try:
+        return _main(args)
+    except KeyboardInterrupt as why:
+        print(f"torch-suite: interrupted ({why or 'Ctrl-C'}); workers and daemon stopped", flush=True)
+        return 130
+
+
+def _main(args: argparse.Namespace) -> int:
     known = load_known(args.known)
     started = time.monotonic()
     out = args.out or ROOT / "out" / "torch-suite" / time.strftime("%Y%m%d-%H%M%S")
@@ -608,13 +617,15 @@ def main(argv: list[str] | None = None) -> int:
                         fresh[r.key].reruns = r.reruns + 1
                         results[i] = fresh[r.key]
     finally:
-        rc = None
+        rc: int | str | None = None
+        left: list[str] = []
         if daemon is not None:
-            rc = daemon.stop()
+            try:
+                rc = daemon.stop()
+            except Exception as error:  # it did not stop in time: stop() killed it
+                rc = repr(error)
             left = sorted(p.name for p in Path("/dev/shm").glob(f"lpsync-{daemon.pid}-*"))
-        for leftover in Path(sockdir).iterdir() if os.path.isdir(sockdir) else []:
-            leftover.unlink(missing_ok=True)
-        os.rmdir(sockdir) if os.path.isdir(sockdir) else None
+        shutil.rmtree(sockdir, ignore_errors=True)
 
     results.sort(key=lambda r: (r.backend, r.world_size, r.test))
     (out / "results.json").write_text(json.dumps([r.__dict__ for r in results], indent=1) + "\n")
