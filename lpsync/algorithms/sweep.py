@@ -37,10 +37,11 @@ def sweep(
     min_chunk: int = DEFAULT_MIN_CHUNK_BYTES,
     progress: bool = False,
 ) -> list[dict[str, Any]]:
-    """One simulated row per (op, P, size, algorithm), with x_lp filled in."""
+    """One simulated row per (op, P, size, algorithm), with x_lp filled in; ``wanted``
+    empty: every algorithm that offers the op."""
     rows: list[dict[str, Any]] = []
     for op in ops:
-        algos = [a for a in wanted if a in algorithms_for(op)]
+        algos = [a for a in wanted if a in algorithms_for(op)] if wanted else algorithms_for(op)
         for name in wanted:
             if name not in algos:
                 print(f"note: {name} has no {op}; skipped", file=sys.stderr)

@@ -35,11 +35,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--op",
         default="broadcast",
         help="collective(s), comma separated: allreduce, broadcast, reduce, "
-        "allgather, reduce_scatter (default broadcast)",
+        "allgather, reduce_scatter, gather, scatter, alltoall (default broadcast)",
     )
     p.add_argument(
         "--algorithms",
-        default=",".join(ALGORITHMS),
+        default="",
         help=f"comma list from {', '.join(ALGORITHMS)} (default: all that offer the op)",
     )
     p.add_argument("--nodes", default="2,4,8", help="participant counts, comma list (default 2,4,8)")

@@ -104,10 +104,6 @@ def test_rank_0_gathers_with_one_multi_get_where_the_store_has_it() -> None:
             ],
         ),
         (
-            [_entry(0, 3), _entry(2, 3)],
-            ["spans nodes 0, 2", "node 0: rank 0; node 2: rank 1", "node(s) 1 serve none"],
-        ),
-        (
             [_entry(0, hints=(0, 2)), _entry(1, hints=(1, 2))],
             [
                 "rank 0 has LOCAL_WORLD_SIZE=2, LOCAL_RANK=0, but node 0 serves rank 0 (so 1 and 0)",
@@ -143,3 +139,4 @@ def test_hints_that_agree_and_layouts_that_fit_are_accepted() -> None:
     ]
     assert judge(table, "j") == [0, 0, 1, 0]
     assert judge([_entry(1, 3), _entry(1, 3)], "j") == [1, 1]  # one node, whichever
+    assert judge([_entry(0, 3), _entry(2, 3)], "j") == [0, 2]  # any daemons (NodeLayout.cluster)
