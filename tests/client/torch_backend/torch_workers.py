@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 R = dist.ReduceOp
 DTYPES = (
@@ -108,6 +109,7 @@ def ops_against_gloo(rank: int, world: int, sockets: list[str], per_node: int, p
     _float_inputs(failures, gloo, rank, world)
     _objects(failures, gloo, rank, world)
     _point_to_point(failures, gloo, rank, world)
+    _sparse(failures, gloo, rank, world)
     _coalesced(failures, gloo, rank, world)
     _subgroups(failures, rank, world)
     dist.destroy_process_group()
@@ -284,6 +286,36 @@ def _data_movement(
         )
     )
     _same(failures, f"{tag} {layout} all_to_all_single uneven", uneven["a"], uneven["b"])
+
+
+def _sparse(failures: list[str], gloo: dist.ProcessGroup, rank: int, world: int) -> None:
+    """A sparse (COO) all_reduce, overlapping and distinct indices and nnz per rank, and
+    DDP over an nn.Embedding(sparse=True): gloo's coalesced result, bit for bit."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def coo() -> torch.Tensor:
+        indices = torch.tensor([[rank, 3, 5 + rank, 9][: 2 + rank % 3], [0, 1, 2, 3][: 2 + rank % 3]])
+        values = torch.arange(1.0, 3.0 + rank % 3) * (rank + 1)
+        return torch.sparse_coo_tensor(indices, values, (12, 4))
+
+    got = {}
+    for name, group in (("lpsync", None), ("gloo", gloo)):
+        got[name] = coo()
+        dist.all_reduce(got[name], group=group)
+    if not got["lpsync"].is_coalesced():
+        failures.append("sparse all_reduce: the result is not coalesced")
+    _same(failures, "sparse all_reduce (indices)", got["lpsync"].indices(), got["gloo"].coalesce().indices())
+    _same(failures, "sparse all_reduce (values)", got["lpsync"].values(), got["gloo"].coalesce().values())
+    weights = {}
+    for name, group in (("lpsync", None), ("gloo", gloo)):
+        torch.manual_seed(0)
+        embedding = nn.Embedding(20, 3, sparse=True)
+        model = DDP(embedding, process_group=group)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.tensor([rank, 4, 7 + rank])).sum().backward()
+        optimizer.step()
+        weights[name] = embedding.weight.detach()
+    _same(failures, "DDP over a sparse embedding", weights["lpsync"], weights["gloo"])
 
 
 def _point_to_point(failures: list[str], gloo: dist.ProcessGroup, rank: int, world: int) -> None:

@@ -584,9 +584,41 @@ class ProcessGroupLpsync(dist.ProcessGroup):
 
         def pieces(work: LpsyncWork) -> None:
             for t in tensors:
-                self._allreduce_piece(work, [t], op)
+                if t.is_sparse:
+                    self._sparse_allreduce(t, op)
+                else:
+                    self._allreduce_piece(work, [t], op)
 
         return self._run("all_reduce", tensors, pieces)
+
+    def _sparse_allreduce(self, t: torch.Tensor, op: str) -> None:
+        """A sparse (COO) sum, as gloo does it: every rank's indices and values are
+        gathered (padded to the largest count of non-zeros) and summed into one coalesced
+        tensor, which replaces ``t``'s contents. Blocking: the result is built here."""
+        if op != "sum":
+            raise ValueError(f"a sparse all_reduce sums only (got {op}), as gloo's")
+        local = t.detach().coalesce()
+        indices, values = local.indices(), local.values()
+        p = self.size()
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(p)]
+        self.allgather([counts], [torch.tensor([indices.shape[1]])]).wait()
+        nnz = [int(c.item()) for c in counts]
+        most = max(nnz)
+
+        def gathered(x: torch.Tensor, dim: int) -> list[torch.Tensor]:
+            """Every rank's ``x``, padded along ``dim`` to ``most`` and cut back."""
+            pad = list(x.shape)
+            pad[dim] = most - x.shape[dim]
+            mine = torch.cat([x, x.new_zeros(pad)], dim).contiguous()
+            outs = [torch.empty_like(mine) for _ in range(p)]
+            self.allgather([outs], [mine]).wait()
+            return [o.narrow(dim, 0, n) for o, n in zip(outs, nnz, strict=True)]
+
+        total = torch.sparse_coo_tensor(
+            torch.cat(gathered(indices, 1), 1), torch.cat(gathered(values, 0), 0), t.shape
+        ).coalesce()
+        with torch.no_grad():  # into t itself: a sparse copy_ replaces its indices and values
+            t.copy_(total)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> LpsyncWork:
         op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
