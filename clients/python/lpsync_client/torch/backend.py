@@ -43,7 +43,7 @@ from torch.distributed import ReduceOp
 import lpsync_client
 from lpsync_client import _adapt
 from lpsync_client.client import Client
-from lpsync_client.errors import LpsyncError, ResourceExhaustedError
+from lpsync_client.errors import CollectiveTimeoutError, LpsyncError, ResourceExhaustedError
 from lpsync_client.torch._pieces import bounds, buffer_limit, learn
 
 if TYPE_CHECKING:
@@ -111,7 +111,9 @@ def _op_for(dtype: torch.dtype, op: str) -> str:
 
 
 def _failure(op: str, error: BaseException) -> dist.DistBackendError:
-    return dist.DistBackendError(f"lpsync {op} failed: {error}")
+    # A timeout says so in the words torch's other backends use (code matches on them).
+    timed_out = "Timed out waiting for the other ranks: " if isinstance(error, CollectiveTimeoutError) else ""
+    return dist.DistBackendError(f"lpsync {op} failed: {timed_out}{error}")
 
 
 class _StagingPool:
