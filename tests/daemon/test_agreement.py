@@ -90,6 +90,13 @@ def test_judge_names_fields_nodes_and_ranks_of_a_mismatch() -> None:
     assert "node 1 (ranks 2-3)=8" in message and "node 2 (ranks 4-5)='int32'" in message
 
 
+def test_judge_names_the_daemons_of_a_job_on_any_nodes() -> None:
+    # A job on daemons 3 and 5 numbers them 0 and 1 (NodeLayout.cluster); messages say 3 and 5.
+    verdict = judge([_summary(0), _summary(1, count=8)], 2, "j", (3, 5).__getitem__)
+    _, message = verdict["error"]
+    assert "node 3 (ranks 0-1)" in message and "node 5 (ranks 2-3)=8" in message, message
+
+
 def test_judge_reports_the_lowest_failed_node() -> None:
     failed = [
         _summary(0),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -182,8 +183,11 @@ def _tags(job_hash: int, sequence: int) -> tuple[int, int]:
 # -- judging -------------------------------------------------------------------------------
 
 
-def judge(summaries: list[dict[str, Any]], sequence: int, job: str) -> dict[str, Any]:
-    """The verdict on every node's summary: {"error": [code, message]} or {"alpha", "beta"}."""
+def judge(
+    summaries: list[dict[str, Any]], sequence: int, job: str, daemon: Callable[[int], int] = int
+) -> dict[str, Any]:
+    """The verdict on every node's summary: {"error": [code, message]} or {"alpha", "beta"}.
+    ``daemon`` names a job's node as the daemon of --peers it is (NodeLayout.daemon)."""
     by_node = {s["node"]: s for s in summaries}
     nodes = sorted(by_node)
     failed = [n for n in nodes if "error" in by_node[n]]
@@ -197,7 +201,7 @@ def judge(summaries: list[dict[str, Any]], sequence: int, job: str) -> dict[str,
     if fields:
 
         def who(n: int) -> str:
-            return f"node {n} ({by_node[n]['ranks']})"
+            return f"node {daemon(n)} ({by_node[n]['ranks']})"
 
         detail = "; ".join(f"{f}: " + ", ".join(f"{who(n)}={specs[n][f]!r}" for n in nodes) for f in fields)
         message = f"collective #{sequence} of job {job!r}: nodes disagree on {', '.join(fields)} ({detail})"
@@ -315,7 +319,7 @@ def _exchange(
         pending.waiting_nodes = tuple(others[i + 1 :])
     for request in sends:
         request.wait(deadline)
-    verdict = judge(summaries, pending.sequence, job.name)
+    verdict = judge(summaries, pending.sequence, job.name, job.layout.daemon)
     result = None
     if small is not None and "error" not in verdict:
         acc = _as(small, parts[0])
@@ -367,7 +371,7 @@ def _tree(
             acc = small.fold(acc, _as(small, payload)) if _same_data(mine.fields, theirs) else None
         pending.waiting_nodes = tuple(range(kid + tree.subtree(kid), node + tree.subtree(node)))
     if node == 0:
-        verdict = judge(summaries, pending.sequence, job.name)
+        verdict = judge(summaries, pending.sequence, job.name, job.layout.daemon)
         result = None
         if small is not None and "error" not in verdict:
             assert acc is not None  # every node agreed, so every node sent its part

@@ -268,7 +268,8 @@ class Job:
                     now - p.opened,
                     arrived,
                     missing,
-                    missing_nodes,
+                    # As daemons of --peers (a job on daemons 2 and 5 numbers them 0, 1).
+                    tuple(self.layout.daemon(n) for n in missing_nodes) if self.layout else missing_nodes,
                     p.stalled or now - p.opened >= stall,
                 )
             )
