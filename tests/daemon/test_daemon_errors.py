@@ -309,3 +309,81 @@ def test_unary_collective_reports_status_and_buffer_state(daemon) -> None:
         assert trailers["lpsync-error"] == "CollectiveTimeoutError"
         assert trailers["lpsync-buffer-state"] == "INTACT"
         stub.Detach(pb.DetachRequest(session_id=sid))
+
+
+def test_a_cancelled_unary_collective_leaves_at_once(daemon) -> None:
+    """Rank 0's unary call gives up after 0.5 s (its gRPC deadline; the collective's own
+    timeout is 60 s): within 1 s the collective is no longer waiting, and rank 1, arriving
+    later, gets the same AbortedError at once instead of waiting for a rank that left."""
+    channel, stub = _stub(daemon.socket)
+    with channel:
+        sids = [stub.Attach(pb.AttachRequest(job="cancel", rank=r, world_size=2)).session_id for r in (0, 1)]
+        buffers = [stub.Allocate(pb.AllocateRequest(session_id=s, nbytes=16)) for s in sids]
+
+        def request(r: int) -> pb.CollectiveRequest:
+            return pb.CollectiveRequest(
+                session_id=sids[r],
+                sequence=1,
+                op="allreduce",
+                dtype="float32",
+                count=4,
+                timeout=60,
+                input=pb.BufferRef(handle=buffers[r].handle),
+            )
+
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Collective(request(0), timeout=0.5)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        gave_up = time.monotonic()
+
+        def waiting() -> int:
+            (job,) = [j for j in stub.Status(pb.StatusRequest()).jobs if j.job == "cancel"]
+            return len(job.waiting)
+
+        while waiting() and time.monotonic() - gave_up < 5:
+            time.sleep(0.05)
+        assert waiting() == 0
+        assert time.monotonic() - gave_up < 1.0, "the cancelled collective stayed pending"
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as late:
+            stub.Collective(request(1), timeout=10)
+        assert late.value.code() == grpc.StatusCode.ABORTED, late.value.details()
+        assert "rank 0 cancelled its call" in late.value.details()
+        assert time.monotonic() - started < 1.0
+        # The job goes on: its next collective runs.
+        replies = []
+        for r in (0, 1):
+            next_one = request(r)
+            next_one.sequence = 2
+            replies.append(stub.Collective.future(next_one, timeout=10))
+        assert [f.result().algorithm for f in replies] == ["direct", "direct"]
+
+
+@pytest.mark.parametrize("trigger", ["grpc", "socket"])
+def test_a_cancelled_session_collective_leaves_at_once(daemon, trigger: str) -> None:
+    """The same through a client's Session stream or trigger socket: cancelling the
+    Future of a collective still waiting for rank 1 withdraws it within 1 s."""
+    with (
+        lpsync_client.connect(daemon.socket, job="cancel-s", rank=0, world_size=2, trigger=trigger) as c0,
+        lpsync_client.connect(daemon.socket, job="cancel-s", rank=1, world_size=2, trigger=trigger) as c1,
+    ):
+        x0, x1 = c0.zeros(4), c1.zeros(4)
+        future = c0.allreduce_async(x0, timeout=60)
+        time.sleep(0.2)
+        assert future.cancel()
+        gave_up = time.monotonic()
+
+        def waiting() -> int:
+            return sum(len(j.waiting) for j in c0.status().jobs if j.job == "cancel-s")
+
+        while waiting() and time.monotonic() - gave_up < 5:
+            time.sleep(0.05)
+        assert waiting() == 0 and time.monotonic() - gave_up < 1.0
+        with pytest.raises(lpsync_client.AbortedError, match="rank 0 cancelled its call"):
+            c1.allreduce(x1, timeout=10)
+        # Both go on with the next collective.
+        x0[:], x1[:] = 1, 2
+        both = [c0.allreduce_async(x0), c1.allreduce_async(x1)]
+        for f in both:
+            f.result(10)
+        assert x0.tolist() == x1.tolist() == [3, 3, 3, 3]

@@ -14,6 +14,15 @@ from lpsync_client.errors import LpsyncError, UnavailableError
 
 Hook = Callable[[pb.SessionResponse], object]
 
+# Set while this thread completes Futures (their done-callbacks run here): code that would
+# wait for another collective must not, from here (that collective completes here too).
+_completing = threading.local()
+
+
+def completing_here() -> bool:
+    """Whether the current thread is completing a collective's Future right now."""
+    return getattr(_completing, "depth", 0) > 0
+
 
 class PendingRequests:
     def __init__(self, what: str) -> None:
@@ -57,10 +66,16 @@ class PendingRequests:
         future, hook = entry
         if not future.set_running_or_notify_cancel():
             return  # the caller cancelled it: nobody wants the answer
+        _completing.depth = getattr(_completing, "depth", 0) + 1
         try:
-            future.set_result(hook(response))
-        except BaseException as failure:  # the hook's error belongs to the caller
-            future.set_exception(failure)
+            try:
+                result = hook(response)
+            except BaseException as failure:  # the hook's error belongs to the caller
+                future.set_exception(failure)
+            else:
+                future.set_result(result)
+        finally:
+            _completing.depth -= 1
 
     def fail_all(self, error: LpsyncError | None = None) -> None:
         """The transport ended: refuse new requests and fail every pending one."""
@@ -70,6 +85,10 @@ class PendingRequests:
                 self._error = error
             pending = list(self._pending.values())
             self._pending.clear()
-        for future, _ in pending:
-            if future.set_running_or_notify_cancel():  # not cancelled by its caller
-                future.set_exception(error)
+        _completing.depth = getattr(_completing, "depth", 0) + 1
+        try:
+            for future, _ in pending:
+                if future.set_running_or_notify_cancel():  # not cancelled by its caller
+                    future.set_exception(error)
+        finally:
+            _completing.depth -= 1

@@ -34,6 +34,7 @@ import numpy as np
 from lpsync_client import layout
 from lpsync_client._convert import as_numpy, numpy_dtype
 from lpsync_client._device import DeviceOperand, describe, is_device_array
+from lpsync_client._order import InFlight, array_spans
 from lpsync_client._p2p import PairJobs
 from lpsync_client._proto import lpsync_pb2 as pb
 from lpsync_client._proto import lpsync_pb2_grpc as pb_grpc
@@ -231,6 +232,7 @@ class Client:
         self._closed = False
         # Prepared requests by (op, spans, parameters) for arrays in shared memory.
         self._prepared: dict[tuple, pb.SessionRequest] = {}
+        self._in_flight = InFlight()  # staged collectives not finished yet (_order.py)
         where = target or socket or DEFAULT_SOCKET
         # What a pair job of send/recv attaches with (_p2p.py): this client's daemon.
         self._settings: dict[str, Any] = {
@@ -581,6 +583,11 @@ class Client:
                     request.count = count_of(a.array.size, b.array.size)
                 else:
                     request.count = count_of(a.array.size, None)
+            # Staged buffers wait for earlier staged collectives on the same memory (_order.py).
+            staged = array_spans(
+                pair[1] for o in operands for pair in (o.copy_in, o.copy_out) if pair is not None
+            )
+            self._in_flight.wait_before(staged, 2 * timeout + 10)
             for operand in operands:
                 if operand.copy_in is not None:
                     staging, source = operand.copy_in
@@ -593,6 +600,7 @@ class Client:
         result = out if out is not None else x
         if isinstance(result, Registered | DeviceRegistered):
             result = result.original
+        finished = threading.Event()  # the staged buffers are final (before the Future is)
 
         def complete(response: pb.SessionResponse) -> object:
             try:
@@ -605,6 +613,7 @@ class Client:
                         np.copyto(source, staging)
                 return result
             finally:
+                finished.set()
                 self._recycle(operands)
 
         if key is not None and all(o.copy_in is None and o.scratch is None for o in operands):
@@ -612,13 +621,29 @@ class Client:
                 if len(self._prepared) > 1024:
                     self._prepared.clear()
                 self._prepared[key] = _copy(message)  # unnumbered; copied for each call
-        return self._send(message, complete)
+        try:
+            future = self._send(message, complete)
+        except BaseException:
+            finished.set()
+            raise
+        self._in_flight.add(finished, staged)
+        return future
 
     def _send(self, message: pb.SessionRequest, hook) -> Future:
         with self._lock:  # sequence numbers leave in submission order
             self._sequence += 1
-            message.collective.sequence = self._sequence
-            return self._path.submit(message, hook)
+            message.collective.sequence = sequence = self._sequence
+            future = self._path.submit(message, hook)
+        future.add_done_callback(lambda f: self._cancelled(f, sequence))
+        return future
+
+    def _cancelled(self, future: Future, sequence: int) -> None:
+        """A collective's Future was cancelled: tell the daemon, which fails it for every
+        participant if it still waits for some (a queued or running one completes)."""
+        if not future.cancelled():
+            return
+        with contextlib.suppress(LpsyncError):  # the session is gone: nothing waits on it
+            self._path.submit(pb.SessionRequest(cancel=pb.Cancel(sequence=sequence)), lambda r: None)
 
     def _recycle(self, operands: list[_Operand]) -> None:
         for operand in operands:

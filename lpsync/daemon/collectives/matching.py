@@ -3,12 +3,16 @@
 Every participant issues its collectives in the same order and numbers them; the
 first arrival of a sequence number opens a Pending collective, each later arrival is
 checked against it (op, count, dtype, root, reduce-op, algorithm, name) and the last
-one runs it, in its own thread, then completes every participant. Failures:
+one queues it. Complete collectives run one at a time in sequence order (DESIGN:
+overlapping buffers in issue order): each completion dispatches one run, and every run
+takes the lowest queued sequence number, whichever thread gets there first. Failures:
   * a field differs  -> MismatchError to every arrived participant at once, and to the
     late ones when they come (the sequence number is remembered as failed);
   * the first arrival's timeout passes -> CollectiveTimeoutError naming the missing ranks;
   * a participant's session ends -> AbortedError to everyone waiting in the job, and
-    every later collective of the job fails at once until that rank attaches again.
+    every later collective of the job fails at once until that rank attaches again;
+  * a participant cancels its call while others still arrive -> AbortedError to every
+    participant of that collective (``withdraw``), so nothing waits for its timeout.
 The flight recorder: each Job keeps its last collectives (FlightRecord: arrival times,
 stage times, outcome) and knows what it still waits for (``waiting()``); a collective
 still waiting on ranks past the stall threshold logs a warning naming them, once.
@@ -17,6 +21,7 @@ Lock order: Job.lock is taken alone; callbacks run with no lock held.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -91,9 +96,11 @@ class Job:
         self.local_ranks: Sequence[int] = layout.local_ranks if layout is not None else range(world_size)
         self.max_pending = max_pending
         self.lock = threading.Lock()
-        # One collective of a job runs at a time, in order. Reentrant so that the event loop
-        # can take it without waiting (servicer._dispatch) and then run the collective.
+        # One collective of a job runs at a time, the lowest queued sequence number first.
+        # Reentrant so that the event loop can take it without waiting (handlers._dispatch)
+        # and then run the collective.
         self.run_lock = threading.RLock()
+        self._queued: list[tuple[int, Pending]] = []  # complete, not yet running: a heap
         self.sessions: dict[int, str] = {}  # rank -> session id
         self.gone: dict[int, str] = {}  # rank -> why it left
         self._pending: dict[int, Pending] = {}
@@ -205,6 +212,7 @@ class Job:
                         del self._pending[seq]
                         self._active[seq] = pending
                         pending.enter(QUEUED, arrival.at)
+                        heapq.heappush(self._queued, (seq, pending))
                         ready = pending
                     elif pending.timer is None:
                         pending.timer = self._watcher.at(
@@ -218,7 +226,27 @@ class Job:
         elif ready is not None:
             if ready.timer is not None:
                 ready.timer.cancel()
-            self._dispatch(self, ready, lambda: self._run(ready))
+            self._dispatch(self, ready, self._run_next)
+
+    def withdraw(self, rank: int, sequence: int, why: str, arrival: Arrival | None = None) -> bool:
+        """``rank`` gave up on collective ``sequence`` (a cancelled call; ``arrival``: that
+        call's own, when known): if it is still waiting for participants, fail it now for
+        everyone, and for the late ones when they come, instead of holding it until its
+        timeout. One that is queued or running completes (its reply is dropped). True when
+        it was withdrawn."""
+        with self.lock:
+            pending = self._pending.get(sequence)
+            mine = None if pending is None else pending.arrivals.get(rank)
+            if mine is None or (arrival is not None and mine is not arrival):
+                return False
+            del self._pending[sequence]
+            error = AbortedError(
+                f"collective #{sequence} ({pending.spec.op}) of job {self.name!r} was "
+                f"abandoned: rank {rank} {why} before every rank had arrived"
+            )
+            self._remember(sequence, error)
+        self._fail(pending, error)
+        return True
 
     # -- the flight recorder ------------------------------------------------------------------
     def _stall_check(self, pending: Pending) -> None:
@@ -350,8 +378,17 @@ class Job:
         """Collectives arriving, queued or running (a racy read: for metrics)."""
         return len(self._pending) + len(self._active)
 
-    def _run(self, pending: Pending) -> None:
+    def is_next(self, pending: Pending) -> bool:
+        """Whether ``pending`` is the collective the next run takes."""
+        with self.lock:
+            return bool(self._queued) and self._queued[0][1] is pending
+
+    def _run_next(self) -> None:
+        """Run the lowest queued collective: the one dispatched may be a later one, which
+        a later run takes (there is one run per queued collective)."""
         with self.run_lock:
+            with self.lock:
+                _, pending = heapq.heappop(self._queued)
             # A multi-node collective first agrees with the other nodes (path.py).
             pending.enter(RUNNING if self.layout is None else AGREEING)
             try:

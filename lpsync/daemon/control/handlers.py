@@ -189,8 +189,8 @@ class Service(pb_grpc.LpSyncServicer):
             run()
             return
         # On the loop only what is short and never waits: a small single-node host
-        # collective whose job is not running another one (a multi-node one waits on other
-        # nodes, a device one on streams).
+        # collective whose job is not running another one and has no earlier one queued
+        # (a multi-node one waits on other nodes, a device one on streams).
         if (
             job.layout is None
             and is_inline(pending.spec, job.world_size)
@@ -198,11 +198,14 @@ class Service(pb_grpc.LpSyncServicer):
             and job.run_lock.acquire(blocking=False)
         ):
             try:
-                run()
+                inline = job.is_next(pending)
+                if inline:
+                    run()
             finally:
                 job.run_lock.release()
-        else:
-            self._workers.submit(run)
+            if inline:
+                return
+        self._workers.submit(run)
 
     # -- RPCs ----------------------------------------------------------------------------------
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
@@ -375,6 +378,11 @@ class Service(pb_grpc.LpSyncServicer):
             outcome = await asyncio.wait_for(finished, 2 * arrival.timeout + 5)
         except TimeoutError:
             outcome = Outcome(UnavailableError("collective did not complete: daemon overloaded"))
+        except asyncio.CancelledError:  # the client cancelled the call or its deadline passed
+            job = self.jobs.get(session.job)
+            if job is not None:
+                job.withdraw(session.rank, arrival.sequence, "cancelled its call", arrival)
+            raise
         if outcome.error is not None:
             await _abort(context, outcome.error, outcome.buffer_state)
         return pb.CollectiveResponse(
@@ -466,6 +474,12 @@ class Service(pb_grpc.LpSyncServicer):
         rid, body = request.request_id, request.WhichOneof("body")
         if body == "ping":
             reply(pb.SessionResponse(request_id=rid, pong=request.ping))
+            return
+        if body == "cancel":
+            job = self.jobs.get(session.job)
+            if job is not None:
+                job.withdraw(session.rank, request.cancel.sequence, "cancelled its call")
+            reply(_result(rid, Outcome()))
             return
         if body != "collective":
             reply(

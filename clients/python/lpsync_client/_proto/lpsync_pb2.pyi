@@ -183,17 +183,25 @@ class Ping(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class Cancel(_message.Message):
+    __slots__ = ("sequence",)
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    def __init__(self, sequence: _Optional[int] = ...) -> None: ...
+
 class SessionRequest(_message.Message):
-    __slots__ = ("request_id", "open", "collective", "ping")
+    __slots__ = ("request_id", "open", "collective", "ping", "cancel")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     open: SessionOpen
     collective: CollectiveRequest
     ping: Ping
-    def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[SessionOpen, _Mapping]] = ..., collective: _Optional[_Union[CollectiveRequest, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ...) -> None: ...
+    cancel: Cancel
+    def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[SessionOpen, _Mapping]] = ..., collective: _Optional[_Union[CollectiveRequest, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
 
 class CollectiveResult(_message.Message):
     __slots__ = ("code", "message", "buffer_state", "response", "error")

@@ -30,7 +30,7 @@ import os
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
@@ -42,6 +42,7 @@ from torch.distributed import ReduceOp
 
 import lpsync_client
 from lpsync_client import _adapt
+from lpsync_client._order import InFlight, Span, span
 from lpsync_client.client import Client
 from lpsync_client.errors import CollectiveTimeoutError, LpsyncError, ResourceExhaustedError
 from lpsync_client.torch._pieces import bounds, buffer_limit, learn
@@ -116,6 +117,18 @@ def _failure(op: str, error: BaseException) -> dist.DistBackendError:
     return dist.DistBackendError(f"lpsync {op} failed: {timed_out}{error}")
 
 
+def _spans(tensors: Iterable[torch.Tensor]) -> list[Span]:
+    """The memory each tensor can touch, by device (_order.py). Sparse tensors are left
+    out: their collectives are blocking."""
+    return [
+        span(
+            str(t.device), t.data_ptr(), t.shape, [s * t.element_size() for s in t.stride()], t.element_size()
+        )
+        for t in tensors
+        if not t.is_sparse and t.numel()
+    ]
+
+
 class _StagingPool:
     """Shared-memory arrays of the group's daemon session, by exact byte size. An array is
     owned by one collective from acquire() until release(); free ones are reused most
@@ -178,6 +191,9 @@ class LpsyncWork(dist.Work):
         self._pending = 1  # released by seal(): no completion before every piece is in
         self._error: dist.DistBackendError | None = None
         self._on_success: list[Callable[[], object]] = []
+        # Set once its tensors are final, before the future completes (whose callbacks may
+        # issue the next collective on them: _order.py).
+        self.finished = threading.Event()
 
     def track(
         self, future: Future, finish: Callable[[], object], staging: Sequence[_Staged], pool: _StagingPool
@@ -237,6 +253,7 @@ class LpsyncWork(dist.Work):
                 self._error = _failure(self._op, failure)
                 self._error.__cause__ = failure
                 break
+        self.finished.set()
         # The future first: whoever wait() releases may read get_future().value() at once.
         try:
             if self._error is not None:
@@ -301,6 +318,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         self.client, self._timeout = client, timeout
         self._staging_bytes = STAGING_BYTES  # as set when the group was made
         self._pool = _StagingPool(client, self._staging_bytes)
+        self._in_flight = InFlight()  # what its staged collectives still touch
         self._bound = 2 * timeout + 30  # the client's own bound on an unanswered collective
         self._closed = False
         self._group_name = cast("GroupName", "")  # GroupName is a NewType of str
@@ -333,17 +351,28 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         _check(t)
         return _Staged(self._pool, t.dtype, t.numel() if numel is None else numel)
 
-    def _run(self, op: str, outputs: list[torch.Tensor], pieces: Callable[[LpsyncWork], None]) -> LpsyncWork:
-        """Build a work and let ``pieces`` submit its collectives into it; errors raised
+    def _run(
+        self,
+        op: str,
+        outputs: list[torch.Tensor],
+        pieces: Callable[[LpsyncWork], None],
+        inputs: Sequence[torch.Tensor] = (),
+    ) -> LpsyncWork:
+        """Build a work and let ``pieces`` submit its collectives into it, once the group's
+        earlier collectives on overlapping memory have finished (_order.py); errors raised
         while submitting leave the work's earlier pieces to finish and release staging."""
         if self._closed:
             raise dist.DistBackendError(f"lpsync {op}: the process group was shut down")
+        touched = _spans([*outputs, *inputs])
+        self._in_flight.wait_before(touched, self._bound)
         work = LpsyncWork(op, outputs, self._bound)
         try:
             pieces(work)
         except LpsyncError as error:
+            self._in_flight.add(work.finished, touched)  # its issued pieces still run
             work.seal()
             raise _failure(op, error) from error
+        self._in_flight.add(work.finished, touched)
         return work.seal()
 
     def _split(self, work: LpsyncWork, total: int, unit: int, issue: Callable[[int, int], None]) -> None:
@@ -664,7 +693,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             for outs, inp in zip(output_lists, inputs, strict=True):
                 self._gather_piece(work, outs, inp)
 
-        return self._run("all_gather", [o for outs in output_lists for o in outs], pieces)
+        return self._run("all_gather", [o for outs in output_lists for o in outs], pieces, inputs)
 
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None
@@ -701,7 +730,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                     inp,
                 )
 
-        return self._run("all_gather_into_tensor", outputs, pieces)
+        return self._run("all_gather_into_tensor", outputs, pieces, inputs)
 
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None
@@ -720,7 +749,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             for out, inputs in zip(outputs, input_lists, strict=True):
                 self._scatter_piece(work, out, inputs, op)
 
-        return self._run("reduce_scatter", outputs, pieces)
+        return self._run("reduce_scatter", outputs, pieces, [i for ins in input_lists for i in ins])
 
     def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork:
         return self.reduce_scatter_single_coalesced([output], [inp], opts)
@@ -745,7 +774,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                 )
                 self._scatter_piece(work, out, blocks, op)
 
-        return self._run("reduce_scatter_tensor", outputs, pieces)
+        return self._run("reduce_scatter_tensor", outputs, pieces, inputs)
 
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None
@@ -758,7 +787,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
     # -- what lpsync does not offer: a clear error, never a hang -----------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> LpsyncWork:  # type: ignore[override]
         t = _one(tensors, "send")
-        return self._run("send", [], lambda work: self._p2p_piece(work, t, dst, tag, sending=True))
+        return self._run("send", [], lambda work: self._p2p_piece(work, t, dst, tag, sending=True), [t])
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> LpsyncWork:  # type: ignore[override]
         t = _one(tensors, "recv")
@@ -839,7 +868,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             self._split(work, n, inp.element_size() * p, issue)
             return None
 
-        return self._run("gather", outs, pieces)
+        return self._run("gather", outs, pieces, [inp])
 
     def scatter(  # type: ignore[override]  # (outputs, input lists, opts): see above
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts=None
@@ -879,7 +908,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             self._split(work, n, out.element_size() * p, issue)
             return None
 
-        return self._run("scatter", [out], pieces)
+        return self._run("scatter", [out], pieces, ins)
 
     def alltoall(  # type: ignore[override]  # (outputs, inputs, opts): see above
         self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts=None
@@ -895,7 +924,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             outs = [self._flat_out(work, o) for o in output_tensors]
             self._alltoall_pieces(work, outs, [i.detach().reshape(-1) for i in input_tensors], even=False)
 
-        return self._run("all_to_all", list(output_tensors), pieces)
+        return self._run("all_to_all", list(output_tensors), pieces, input_tensors)
 
     def alltoall_base(  # type: ignore[override]  # (output, input, splits, opts): see above
         self,
@@ -933,7 +962,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             ins = [flat_in[in_at[i] : in_at[i + 1]] for i in range(p)]
             self._alltoall_pieces(work, outs, ins, even=even)
 
-        return self._run("all_to_all_single", [output], pieces)
+        return self._run("all_to_all_single", [output], pieces, [inp])
 
     def _alltoall_pieces(
         self, work: LpsyncWork, outs: list[torch.Tensor], ins: list[torch.Tensor], even: bool
