@@ -2,4 +2,15 @@
 
 # The collectives `lpsync bench` measures (locally and with --cluster). Here, not in a
 # heavier module: the CLI's parser lists them at every start.
-OPS = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "gather", "scatter", "alltoall")
+# sendrecv is point-to-point in a ring (send to the next rank, receive from the previous).
+OPS = (
+    "allreduce",
+    "broadcast",
+    "reduce",
+    "allgather",
+    "reduce_scatter",
+    "gather",
+    "scatter",
+    "alltoall",
+    "sendrecv",
+)

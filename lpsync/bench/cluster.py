@@ -37,15 +37,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from lpsync.algorithms import algorithms_for
-from lpsync.bench import OPS
+from lpsync.bench import OPS, worker
 from lpsync.bench.cluster_report import AUTO, Point, label
 from lpsync.cluster import ClusterSpec, down, format_rate, netns, run_in, up
 from lpsync.daemon import launch
 from lpsync.errors import ClusterError, InvalidArgumentError
 from lpsync.memory.shm import PREFIX as SHM_PREFIX
 from lpsync.transport.backends import check as check_transport
-from lpsync.types import Collective
 from lpsync.units import format_size
 
 PEER_PORT = 13337  # every daemon listens on its own namespace's address
@@ -103,7 +101,7 @@ class ClusterOptions:
 
     @staticmethod
     def offered(op: str) -> list[str]:
-        return [*algorithms_for(Collective(op)), AUTO]
+        return [*worker.algorithms_of(op), AUTO]
 
     def algorithms_of(self, op: str) -> list[str]:
         """The requested algorithms that have ``op`` (ring has no broadcast, for one)."""

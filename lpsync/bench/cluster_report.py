@@ -10,10 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lpsync.algorithms.cost import busbw_factor
-from lpsync.bench.worker import DTYPE, columns
+from lpsync.bench.worker import DTYPE, bus_factor, columns
 from lpsync.cluster import format_rate
-from lpsync.types import Collective
 from lpsync.units import format_size
 
 AUTO = "auto"  # the daemon's tuner picks; the point reports what it ran
@@ -87,7 +85,7 @@ class Point:
         return self.nbytes / self.seconds / 1e9
 
     def busbw(self) -> float:
-        return self.algbw() * busbw_factor(Collective(self.op), self.ranks)
+        return self.algbw() * bus_factor(self.op, self.ranks)
 
     def cpu_seconds(self) -> float | None:
         """The timed collectives' CPU: the loop's minus the barriers' alone (never below 0:

@@ -17,11 +17,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from lpsync.algorithms.cost import busbw_factor
 from lpsync.bench import worker
 from lpsync.daemon import launch
 from lpsync.daemon.launch import serving
-from lpsync.types import Collective
 from lpsync.units import format_size
 
 
@@ -167,7 +165,7 @@ def _run(options: Options, tmp: str) -> dict[str, list[Row]]:
 
 
 def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
-    factor = busbw_factor(Collective(options.op), options.procs)
+    factor = worker.bus_factor(options.op, options.procs)
     redop, root = worker.columns(options.op)
 
     def metrics(row: Row) -> dict:

@@ -9,7 +9,9 @@ Sizes follow nccl-tests: a size is the whole buffer of P blocks for the blocked 
 (allgather, reduce_scatter, gather, scatter, alltoall) and ``count`` one rank's block.
 Every buffer's length comes from the client's rule (lpsync_client.wire.blocks): in place
 one buffer holds the larger side, the smaller being this rank's block of it (or nothing);
-alltoall, out of place only, gets an input and an output buffer.
+alltoall, out of place only, gets an input and an output buffer. sendrecv is not a daemon
+collective but point-to-point in a ring, as nccl-tests' sendrecv: every rank sends its
+buffer to the next rank and receives the previous rank's into its second buffer.
 """
 
 from __future__ import annotations
@@ -19,11 +21,28 @@ from collections.abc import Callable
 
 import numpy as np
 
+from lpsync.algorithms.cost import busbw_factor
+from lpsync.algorithms.registry import algorithms_for
+from lpsync.types import Collective
 from lpsync_client.wire import OUT_OF_PLACE_ONLY, ROOTED_OPS, blocks
 
 DTYPE = "float32"
 ROUNDS = 5
 REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
+TWO_BUFFERS = OUT_OF_PLACE_ONLY | {"sendrecv"}  # an input and an output buffer
+
+
+def bus_factor(op: str, participants: int) -> float:
+    """nccl-tests' bus bandwidth factor (sendrecv: 1, every byte crosses one link)."""
+    if op == "sendrecv":
+        return 1.0
+    return busbw_factor(Collective(op), participants)
+
+
+def algorithms_of(op: str) -> list[str]:
+    """The daemon's algorithms for ``op`` (sendrecv rides broadcasts in two-rank jobs and
+    has none of its own)."""
+    return [] if op == "sendrecv" else list(algorithms_for(Collective(op)))
 
 
 def iterations(nbytes: int, forced: int) -> int:
@@ -43,7 +62,7 @@ def element_count(op: str, nbytes: int, world: int, root: int = 0) -> int:
 def buffers(op: str, world: int, count: int, rank: int, root: int = 0) -> tuple[int, int]:
     """Elements of the buffer a collective gets and of its ``out`` (0: in place)."""
     n_in, n_out = blocks(op, world, rank, root)
-    if op in OUT_OF_PLACE_ONLY:
+    if op in TWO_BUFFERS:
         return count * n_in, count * n_out
     return count * max(n_in, n_out), 0
 
@@ -60,6 +79,11 @@ def expected(
     rank b where there are several (else from the root), and is the source's block
     ``rank`` where it sends several (else its only one)."""
     n_in, n_out = blocks(op, world, rank, root)
+    if op == "sendrecv":  # from the previous rank of the ring
+        return [np.full(count, rank + 1.0), np.full(count, -1.0)], [
+            np.full(count, rank + 1.0),
+            np.full(count, (rank - 1) % world + 1.0),
+        ]
     if op in REDUCING:
         sent = np.full(n_in * count, rank + 1.0)
         keeps = op == "reduce" and rank != root
@@ -110,6 +134,15 @@ def count_wrong(op: str, bufs: list[np.ndarray], rank: int, world: int, count: i
 def lpsync_call(client, op: str, buf, algorithm: str | None, root: int = 0, out=None) -> Callable[[], object]:
     """One blocking collective on ``buf`` (in place, or into ``out``); ``algorithm`` None:
     the tuner picks."""
+    if op == "sendrecv":
+        world, rank = client.world_size, client.rank
+
+        def ring() -> None:
+            sent = client.send_async(buf, (rank + 1) % world)
+            client.recv(out, (rank - 1) % world)
+            sent.result()
+
+        return ring
     method = getattr(client, op)
     kwargs = {"algorithm": algorithm}
     if op in ROOTED_OPS:
@@ -311,6 +344,13 @@ def gloo_call(dist, op: str, full, mine, out=None, root: int = 0):
     if op == "reduce_scatter":
         source = full.clone()
         return lambda: dist.reduce_scatter_tensor(mine, source)
+    if op == "sendrecv":
+        world, rank = dist.get_world_size(), dist.get_rank()
+        ring = [
+            dist.P2POp(dist.isend, full, (rank + 1) % world),
+            dist.P2POp(dist.irecv, out, (rank - 1) % world),
+        ]
+        return lambda: [w.wait() for w in dist.batch_isend_irecv(ring)]
     # The root's list is its buffer's P blocks (views: in place, as lpsync's)
     parts = list(full.chunk(dist.get_world_size())) if dist.get_rank() == root else None
     if op == "gather":

@@ -268,6 +268,10 @@ def run_local(args: argparse.Namespace) -> int:
     )
     if options.procs < 1:
         raise InvalidArgumentError("--procs must be >= 1")
+    if options.op == "sendrecv" and (options.algorithm or options.procs < 2):
+        raise InvalidArgumentError(
+            "--op sendrecv is point-to-point (no --algorithm) and needs --procs of 2 or more"
+        )
     if options.memory != "host" and options.algorithm == "direct":
         raise InvalidArgumentError("--algorithm direct serves host memory only")
     rows = runner.run(options)

@@ -1,6 +1,7 @@
-"""``lpsync bench --op gather|scatter|alltoall``: the verify pass's expected buffers against
-a numpy model of each op, and each op's bench path once through a real daemon and gloo
-(#wrong == 0 on both). The cluster path: tests/cluster/test_cluster_bench.py."""
+"""``lpsync bench --op gather|scatter|alltoall|sendrecv``: the verify pass's expected buffers
+against a numpy model of each op, and each op's bench path once through a real daemon
+(sendrecv also through gloo; #wrong == 0 on both). The cluster path:
+tests/cluster/test_cluster_bench.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from lpsync.bench import OPS, worker
 from lpsync_client.wire import blocks
 from tests.daemon.harness import run_ranks
 
-NEW = ("gather", "scatter", "alltoall")
+NEW = ("gather", "scatter", "alltoall", "sendrecv")
 
 
 def _model(op: str, inputs: list[np.ndarray], world: int, count: int, root: int) -> list[np.ndarray]:
@@ -24,6 +25,8 @@ def _model(op: str, inputs: list[np.ndarray], world: int, count: int, root: int)
         return [np.concatenate(inputs) if r == root else np.empty(0) for r in range(world)]
     if op == "scatter":
         return [block(inputs[root], r) for r in range(world)]
+    if op == "sendrecv":  # a ring: each rank gets the previous rank's buffer
+        return [inputs[(r - 1) % world] for r in range(world)]
     return [np.concatenate([block(inputs[s], r) for s in range(world)]) for r in range(world)]  # alltoall
 
 
@@ -47,7 +50,7 @@ def test_expected_buffers_follow_the_ops_definition(op: str, world: int, root: i
             rest[mine] = False
             assert after[0][rest].tolist() == before[0][rest].tolist()
         # an untouched buffer is counted wrong wherever other ranks' data must arrive
-        receives = op == "alltoall" or (op == "gather") == (r == root)
+        receives = op in ("alltoall", "sendrecv") or (op == "gather") == (r == root)
         wrong = worker.count_wrong(op, [b.copy() for b in before], r, world, count, root)
         assert (wrong > 0) == receives or world == 1
     want = _model(op, inputs, world, count, root)
@@ -61,12 +64,14 @@ def test_size_is_the_whole_p_block_buffer_and_the_table_has_the_ops() -> None:
     from lpsync.bench.runner import Options, Row, report  # here: the ranks import this module
 
     assert set(NEW) <= set(OPS)
-    for op in NEW:
+    for op in NEW[:3]:
         assert worker.element_count(op, 4 * 4096, 4) == 1024  # count: one rank's block
     assert worker.buffers("gather", 4, 1024, 0) == (4096, 0)
     assert worker.buffers("gather", 4, 1024, 3) == (1024, 0)
     assert worker.buffers("scatter", 4, 1024, 1) == (1024, 0)
     assert worker.buffers("alltoall", 4, 1024, 1) == (4096, 4096)
+    assert worker.element_count("sendrecv", 4 * 4096, 4) == 4096  # one message
+    assert worker.buffers("sendrecv", 4, 4096, 1) == (4096, 4096)
     n = 1 << 24
     rows = {"lpsync": [Row(n, n // 16, [0.002], 0)], "gloo": [Row(n, n // 16, [0.004], 0)]}
     line = report(Options("gather", [n], 4, compare="gloo"), rows, False).splitlines()[3].split()
@@ -81,12 +86,12 @@ class _Rows(list):
     put = list.append  # worker.run's queue
 
 
-def _bench_rank(rank: int, world: int, socket: str) -> list[tuple]:
+def _bench_rank(rank: int, world: int, socket: str, ops: tuple[str, ...], compare: str | None) -> list[tuple]:
     got = []
-    for op in NEW:
+    for op in ops:
         rows = _Rows()
-        worker.run(rank, world, socket, f"bench-ops-{op}", op, [4, 65536], None, 1, 0, None, rows)
-        got += [(op, nbytes, count, wrong) for _, _, nbytes, count, _, wrong, _, _ in rows]
+        worker.run(rank, world, socket, f"bench-ops-{op}", op, [4, 65536], None, 1, 0, compare, rows)
+        got += [(engine, op, nbytes, count, wrong) for engine, _, nbytes, count, _, wrong, _, _ in rows]
     return got
 
 
@@ -94,6 +99,22 @@ def test_each_new_op_benchmarks_with_nothing_wrong(daemon) -> None:
     """worker.run, as `lpsync bench --op OP` runs it in each rank: one timed iteration per
     size, then the verify pass. The gloo side (torch's import alone takes seconds per
     rank) runs in the cluster test, tests/cluster/test_cluster_bench.py."""
-    ranks = run_ranks(3, _bench_rank, 3, daemon.socket, timeout=60)
+    ranks = run_ranks(3, _bench_rank, 3, daemon.socket, NEW[:3], None, timeout=60)
     for rank, rows in enumerate(ranks):
-        assert rows == [(op, n, max(1, n // 4 // 3), 0) for op in NEW for n in (4, 65536)], rank
+        assert rows == [("lpsync", op, n, max(1, n // 4 // 3), 0) for op in NEW[:3] for n in (4, 65536)], rank
+
+
+def test_sendrecv_benchmarks_beside_gloo_with_nothing_wrong(daemon) -> None:
+    """The ring of sends and receives through lpsync (two-rank jobs) and gloo's
+    batch_isend_irecv: every rank's receive buffer holds the previous rank's message."""
+    ranks = run_ranks(3, _bench_rank, 3, daemon.socket, ("sendrecv",), "gloo", timeout=120)
+    for rank, rows in enumerate(ranks):
+        assert rows == [(e, "sendrecv", n, n // 4, 0) for e in ("lpsync", "gloo") for n in (4, 65536)], rank
+
+
+@pytest.mark.parametrize("flags", [["--algorithm", "lp"], ["--procs", "1"]])
+def test_sendrecv_refuses_an_algorithm_and_a_single_rank(flags: list[str], capsys) -> None:
+    from lpsync.cli import main
+
+    assert main(["bench", "--op", "sendrecv", *flags]) == 2
+    assert "--op sendrecv is point-to-point" in capsys.readouterr().err
