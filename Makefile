@@ -34,7 +34,7 @@ check: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(UNIT)
 
 test: lint
-	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --durations=30
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m lpsync.bench.executor --procs 4 --bytes 64MiB --algorithm lp,ring,be,mst
