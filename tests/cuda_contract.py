@@ -47,9 +47,18 @@ def make_kind(name: str, devices: int):
     return CudaKind(tuple(range(devices)))
 
 
+def write_landed(kind, span: Span, values: np.ndarray) -> None:
+    """span = values, landed on return: ``kind.write`` is a pageable cudaMemcpy that may
+    return before its bytes landed, and the kind's streams are not ordered after it; a
+    device-to-host copy is (same legacy stream, complete on return)."""
+    kind.write(span, values)
+    if span.count:
+        kind.read(span[:1])
+
+
 def span_of(kind, device: int, values: np.ndarray, keep: list) -> Span:
     memory = kind.allocate(device, max(values.nbytes, 1))
     keep.append(memory)
     span = Span(memory, 0, values.size, values.dtype)
-    kind.write(span, values)
+    write_landed(kind, span, values)
     return span

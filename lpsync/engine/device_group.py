@@ -52,7 +52,9 @@ class StagingPool:
         self.allocated = 0  # allocations made (tests: reuse keeps this flat)
         self.outstanding = 0
 
-    def take(self, device: int, nbytes: int) -> Any:
+    def take(self, device: int, nbytes: int, near: int = -1) -> Any:
+        """Device memory on ``device``, or (``device`` < 0) pinned host memory allocated in
+        ``near``'s context (never a device the daemon does not serve: kind.py)."""
         size = 1 << max(12, (max(nbytes, 1) - 1).bit_length())  # power-of-two classes
         with self._lock:
             self.outstanding += 1
@@ -61,7 +63,7 @@ class StagingPool:
                 return free.pop()
             self.allocated += 1
         try:
-            return self.kind.allocate_host(size) if device < 0 else self.kind.allocate(device, size)
+            return self.kind.allocate_host(size, near) if device < 0 else self.kind.allocate(device, size)
         except BaseException:
             with self._lock:
                 self.outstanding -= 1
@@ -192,8 +194,8 @@ class DeviceGroup:
         pairs = list(zip(self.streams, devices, strict=True))
         return pairs + [(s, d) for s, d in zip(self.copy_streams, devices, strict=True) if s is not None]
 
-    def _take(self, device: int, nbytes: int) -> Any:
-        memory = self.context.pool.take(device, nbytes)
+    def _take(self, device: int, nbytes: int, near: int = -1) -> Any:
+        memory = self.context.pool.take(device, nbytes, near)
         self._held.append(memory)
         return memory
 
@@ -264,7 +266,7 @@ class DeviceGroup:
                 if previous is not None and previous not in consumed:
                     return False
                 if link not in host_slots:
-                    host_slots[link] = [self._take(-1, chunk) for _ in range(HOST_SLOTS)]
+                    host_slots[link] = [self._take(-1, chunk, devices[r]) for _ in range(HOST_SLOTS)]
                 slot = Span(host_slots[link][n % HOST_SLOTS], 0, dst.count, dst.dtype)
                 if previous is not None:
                     ops.append((kind.wait, (stream, consumed[previous])))

@@ -85,7 +85,7 @@ class HostMirrors:
             raise
 
     def _mirror(self, span: Span) -> Mirror:
-        host = self.kind.allocate_host(span.nbytes)
+        host = self.kind.allocate_host(span.nbytes, span.device)  # in the span's device context
         # Both kinds hand out host memory of this process: view it without a copy.
         array = (
             np.ctypeslib.as_array((ctypes.c_ubyte * span.nbytes).from_address(host.address))

@@ -7,7 +7,9 @@ as the daemon sees it; clients must see the same numbering (same CUDA_VISIBLE_DE
 
   allocate / free          cupy.cuda.runtime.malloc / free (not cupy's pool: a staging
                            buffer is ours for the daemon's lifetime)
-  allocate_host            cupy.cuda.runtime.hostAlloc (pinned: async D2H/H2D need it)
+  allocate_host            cupy.cuda.runtime.hostAlloc(n, cudaHostAllocPortable) in the
+                           named device's context (pinned: async D2H/H2D need it; portable:
+                           pinned for every device's context, not only the allocating one)
   export                   runtime.ipcGetMemHandle(base) (64 bytes naming the allocation)
   open / close             runtime.ipcOpenMemHandle(handle, cudaIpcMemLazyEnablePeerAccess)
                            on the allocation's device / runtime.ipcCloseMemHandle; one open
@@ -32,6 +34,14 @@ as the daemon sees it; clients must see the same numbering (same CUDA_VISIBLE_DE
                            ignored)
   topology                 nvidia-ml-py when installed: nvmlDeviceGetP2PStatus(NVLINK) ->
                            FAST; else deviceCanAccessPeer -> SLOW; else HOST (staged)
+
+Every call runs with the device it concerns current in the calling thread (``_use``), and
+never with device 0 current unless device 0 is served: a runtime call that needs a context
+creates the current device's primary context (~300-500 MB of GPU memory), and a thread
+starts with device 0 current. So no ``with cupy.cuda.Device(d)``: its ``__exit__`` calls
+cudaSetDevice(previous), which in a fresh thread is device 0 and since CUDA 12 initializes
+its primary context. The device is set and left set (the daemon's threads have no other
+use for a current device); the sync helper threads set the event's device first.
 """
 
 from __future__ import annotations
@@ -67,6 +77,14 @@ _LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
 _PEER_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 _NOT_READY = 600  # cudaErrorNotReady
 _TOO_MANY_PEERS = 711  # cudaErrorTooManyPeers
+_HOST_ALLOC_PORTABLE = 1  # cudaHostAllocPortable
+
+
+def _use(device: int) -> None:
+    """Make ``device`` current in this thread and leave it current (module docstring).
+    cudaGetDevice only reads the thread's setting; it makes no context."""
+    if runtime.getDevice() != device:
+        runtime.setDevice(device)
 
 
 @dataclass(eq=False)
@@ -76,6 +94,7 @@ class CudaMemory:
     address: int
     how: str  # "malloc", "ipc", "host"
     closed: bool = False  # an IPC mapping closed: the address is no longer ours
+    context: int = -1  # pinned host memory: the device whose context allocated it
 
 
 @dataclass(eq=False)
@@ -142,6 +161,10 @@ class CudaKind:
         if missing:
             raise ConfigError(f"--devices cuda: GPUs {missing} do not exist ({count} visible)")
         self.devices, self.allowed = count, frozenset(allowed)
+        # A served device current first: whatever the queries below need, no context on an
+        # unserved device (device 0 is current in a fresh thread).
+        self.home = min(allowed)
+        _use(self.home)
         self.topology = _topology(count)
         self._kernels: dict[tuple, object] = {}
         self._lock = threading.Lock()
@@ -166,30 +189,34 @@ class CudaKind:
     # -- memory ------------------------------------------------------------------------------
     def allocate(self, device: int, nbytes: int) -> CudaMemory:
         self._check(device)
-        with cupy.cuda.Device(device):
-            return CudaMemory(device, nbytes, runtime.malloc(max(nbytes, 1)), "malloc")
+        _use(device)
+        return CudaMemory(device, nbytes, runtime.malloc(max(nbytes, 1)), "malloc")
 
-    def allocate_host(self, nbytes: int) -> CudaMemory:
-        return CudaMemory(-1, nbytes, runtime.hostAlloc(max(nbytes, 1), 0), "host")
+    def allocate_host(self, nbytes: int, device: int = -1) -> CudaMemory:
+        on = device if device in self.allowed else self.home
+        _use(on)
+        address = runtime.hostAlloc(max(nbytes, 1), _HOST_ALLOC_PORTABLE)
+        return CudaMemory(-1, nbytes, address, "host", context=on)
 
     def free(self, memory: CudaMemory) -> None:
         if memory.how == "host":
+            _use(memory.context)
             runtime.freeHost(memory.address)
         elif memory.how == "malloc":
-            with cupy.cuda.Device(memory.device):
-                runtime.free(memory.address)
+            _use(memory.device)
+            runtime.free(memory.address)
 
     def export(self, memory: CudaMemory) -> bytes:
-        with cupy.cuda.Device(memory.device):
-            return bytes(runtime.ipcGetMemHandle(memory.address))
+        _use(memory.device)
+        return bytes(runtime.ipcGetMemHandle(memory.address))
 
     def open(self, handle: bytes, device: int) -> CudaMemory:
         self._check(device)
         if len(handle) != 64:
             raise InvalidArgumentError(f"a CUDA IPC handle has 64 bytes, not {len(handle)}")
         try:
-            with cupy.cuda.Device(device):
-                address = runtime.ipcOpenMemHandle(handle, _LAZY_PEER)
+            _use(device)
+            address = runtime.ipcOpenMemHandle(handle, _LAZY_PEER)
         except runtime.CUDARuntimeError as error:
             raise NotFoundError(
                 f"cannot open the CUDA IPC handle on GPU {device}: {error} "
@@ -204,39 +231,41 @@ class CudaKind:
     def close(self, memory: CudaMemory) -> None:
         if memory.how != "ipc":
             return
-        with cupy.cuda.Device(memory.device):
-            runtime.ipcCloseMemHandle(memory.address)
+        _use(memory.device)
+        runtime.ipcCloseMemHandle(memory.address)
         memory.closed = True
         with self._lock:
             self.closes[memory.device] += 1
 
     def read(self, span: Span) -> np.ndarray:
         host = np.empty(span.nbytes, np.uint8)
-        with cupy.cuda.Device(span.device):
-            runtime.memcpy(host.ctypes.data, span.lo, span.nbytes, _D2H)
+        _use(span.device)
+        runtime.memcpy(host.ctypes.data, span.lo, span.nbytes, _D2H)  # complete on return
         return host.view(span.dtype)
 
     def write(self, span: Span, data: np.ndarray) -> None:
+        # Pageable: may return before the DMA landed (kind.py); tests and verification only.
         host = np.ascontiguousarray(data)
-        with cupy.cuda.Device(span.device):
-            runtime.memcpy(span.lo, host.ctypes.data, span.nbytes, _H2D)
+        _use(span.device)
+        runtime.memcpy(span.lo, host.ctypes.data, span.nbytes, _H2D)
 
     # -- streams and events ------------------------------------------------------------------
     def stream(self, device: int) -> cupy.cuda.Stream:
         self._check(device)
-        with cupy.cuda.Device(device):
-            stream = cupy.cuda.Stream(non_blocking=True)
+        _use(device)
+        stream = cupy.cuda.Stream(non_blocking=True)
         stream.lpsync_device = device
         return stream
 
     def destroy_stream(self, stream: cupy.cuda.Stream) -> None:
+        _use(stream.lpsync_device)
         stream.synchronize()
 
     def event(self, device: int) -> cupy.cuda.Event:
         # An event belongs to the device current when it is made: make it on ``device``.
         self._check(device)
-        with cupy.cuda.Device(device):
-            event = cupy.cuda.Event(block=True, disable_timing=True)
+        _use(device)
+        event = cupy.cuda.Event(block=True, disable_timing=True)
         event.lpsync_device = device
         return event
 
@@ -245,8 +274,8 @@ class CudaKind:
         if len(handle) != 64:
             raise InvalidArgumentError(f"a CUDA IPC event handle has 64 bytes, not {len(handle)}")
         try:
-            with cupy.cuda.Device(device):
-                return CudaIpcEvent(device, runtime.ipcOpenEventHandle(handle))
+            _use(device)
+            return CudaIpcEvent(device, runtime.ipcOpenEventHandle(handle))
         except runtime.CUDARuntimeError as error:
             raise NotFoundError(
                 f"cannot open the client's CUDA IPC event on GPU {device}: "
@@ -254,8 +283,8 @@ class CudaKind:
             ) from None
 
     def close_event(self, event: CudaIpcEvent) -> None:
-        with cupy.cuda.Device(event.device):
-            runtime.eventDestroy(event.pointer)  # pending waits on it still complete
+        _use(event.device)
+        runtime.eventDestroy(event.pointer)  # pending waits on it still complete
 
     def wait_ready(self, event: CudaIpcEvent, deadline: float) -> None:
         # Polled from the host (cudaEventQuery, backing off to 1 ms), never a daemon stream's
@@ -263,40 +292,45 @@ class CudaKind:
         import time
 
         pause = 20e-6
-        with cupy.cuda.Device(event.device):
-            while True:
-                try:
-                    status = runtime.eventQuery(event.pointer)
-                except runtime.CUDARuntimeError as error:
-                    status = getattr(error, "status", -1)
-                    if status != _NOT_READY:
-                        raise UnavailableError(f"the client's ready event failed: {error}") from None
-                if status == 0:
-                    return
-                if time.monotonic() >= deadline:
-                    raise CollectiveTimeoutError("the client's stream did not reach its ready event in time")
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
+        _use(event.device)
+        while True:
+            try:
+                status = runtime.eventQuery(event.pointer)
+            except runtime.CUDARuntimeError as error:
+                status = getattr(error, "status", -1)
+                if status != _NOT_READY:
+                    raise UnavailableError(f"the client's ready event failed: {error}") from None
+            if status == 0:
+                return
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeoutError("the client's stream did not reach its ready event in time")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
     def record(self, event: cupy.cuda.Event, stream: cupy.cuda.Stream) -> None:
         if event.lpsync_device != stream.lpsync_device:  # CUDA would fail the record
             raise InvalidArgumentError(
                 f"an event of GPU {event.lpsync_device} recorded on a stream of GPU {stream.lpsync_device}"
             )
-        with cupy.cuda.Device(stream.lpsync_device):
-            event.record(stream)
+        _use(stream.lpsync_device)
+        event.record(stream)
 
     def wait(self, stream: cupy.cuda.Stream, event: cupy.cuda.Event | CudaIpcEvent) -> None:
-        with cupy.cuda.Device(stream.lpsync_device):
-            if isinstance(event, CudaIpcEvent):
-                runtime.streamWaitEvent(stream.ptr, event.pointer, 0)
-            else:
-                stream.wait_event(event)
+        _use(stream.lpsync_device)
+        if isinstance(event, CudaIpcEvent):
+            runtime.streamWaitEvent(stream.ptr, event.pointer, 0)
+        else:
+            stream.wait_event(event)
+
+    @staticmethod
+    def _synchronize(event: cupy.cuda.Event) -> None:
+        _use(event.lpsync_device)  # a helper thread starts with device 0 current
+        event.synchronize()
 
     def synchronize(self, event: cupy.cuda.Event, deadline: float) -> None:
         import time
 
-        future = self._waiters.submit(event.synchronize)
+        future = self._waiters.submit(self._synchronize, event)
         try:
             future.result(timeout=max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
@@ -311,19 +345,20 @@ class CudaKind:
             raise InvalidArgumentError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
         if not n:
             return
-        with cupy.cuda.Device(stream.lpsync_device):
-            if dst.device >= 0 and src.device >= 0 and dst.device != src.device:
-                runtime.memcpyPeerAsync(dst.lo, dst.device, src.lo, src.device, n, stream.ptr)
-            else:
-                kind = _D2D if dst.device >= 0 and src.device >= 0 else (_D2H if dst.device < 0 else _H2D)
-                runtime.memcpyAsync(dst.lo, src.lo, n, kind, stream.ptr)
+        _use(stream.lpsync_device)
+        if dst.device >= 0 and src.device >= 0 and dst.device != src.device:
+            runtime.memcpyPeerAsync(dst.lo, dst.device, src.lo, src.device, n, stream.ptr)
+        else:
+            kind = _D2D if dst.device >= 0 and src.device >= 0 else (_D2H if dst.device < 0 else _H2D)
+            runtime.memcpyAsync(dst.lo, src.lo, n, kind, stream.ptr)
 
     def _array(self, span: Span, dtype: np.dtype) -> cupy.ndarray:
         memory = cupy.cuda.UnownedMemory(span.lo, span.nbytes, None, span.device)
         return cupy.ndarray((span.nbytes // dtype.itemsize,), dtype, cupy.cuda.MemoryPointer(memory, 0))
 
-    def _kernel(self, op: ReduceOp, dtype: np.dtype, what: str) -> object:
-        key = (op, dtype, what)
+    def _kernel(self, op: ReduceOp, dtype: np.dtype, what: str, device: int) -> object:
+        # Per device: a RawModule's function is loaded into one device's context.
+        key = (op, dtype, what, device)
         kernel = self._kernels.get(key)
         if kernel is not None:
             return kernel
@@ -361,29 +396,33 @@ class CudaKind:
         view = np.dtype(np.uint16) if bf16 else dtype
         arrays = [self._array(s, view) for s in (acc, incoming, out)]
         divide = final and reduction.op is ReduceOp.AVG and reduction.participants > 1
-        with cupy.cuda.Device(stream.lpsync_device), stream:
+        device = stream.lpsync_device
+        _use(device)
+        with stream:  # the current stream for the launches (restores cupy's, not the device)
             if bf16:
                 grid = (min(4096, (n + 255) // 256),)
-                self._kernel(reduction.op, dtype, "combine")(grid, (256,), (*arrays, np.int64(n)))
+                self._kernel(reduction.op, dtype, "combine", device)(grid, (256,), (*arrays, np.int64(n)))
                 if divide:
-                    self._kernel(reduction.op, dtype, "divide")(
+                    self._kernel(reduction.op, dtype, "divide", device)(
                         grid, (256,), (arrays[2], np.int64(n), np.float32(reduction.participants))
                     )
                 return
-            self._kernel(reduction.op, dtype, "combine")(*arrays)
+            self._kernel(reduction.op, dtype, "combine", device)(*arrays)
             if divide:
-                self._kernel(reduction.op, dtype, "divide")(np.int64(reduction.participants), arrays[2])
+                self._kernel(reduction.op, dtype, "divide", device)(
+                    np.int64(reduction.participants), arrays[2]
+                )
 
     def enable_peer_access(self, device: int, peer: int) -> bool:
-        with cupy.cuda.Device(device):
-            try:
-                runtime.deviceEnablePeerAccess(peer)
-            except runtime.CUDARuntimeError as error:
-                status = getattr(error, "status", None)
-                if status == _TOO_MANY_PEERS:
-                    return False  # DeviceContext stages this pair through host memory
-                if status != _PEER_ALREADY_ENABLED:
-                    raise
+        _use(device)
+        try:
+            runtime.deviceEnablePeerAccess(peer)
+        except runtime.CUDARuntimeError as error:
+            status = getattr(error, "status", None)
+            if status == _TOO_MANY_PEERS:
+                return False  # DeviceContext stages this pair through host memory
+            if status != _PEER_ALREADY_ENABLED:
+                raise
         return True
 
     def close_kind(self) -> None:

@@ -15,12 +15,27 @@ What stands in for what:
     wait enqueued before its record is a no-op exactly as cudaStreamWaitEvent's;
   * copies and reductions: numpy on the mapped bytes (lpsync.reduction), GIL
     released, so streams of different devices overlap.
+  * a context: ``contexts[d]`` counts the contexts made on device d (one, at the first
+    operation that needs one there, as CUDA's primary context); an operation that names
+    no device (``allocate_host`` without one) runs on device 0, as a CUDA runtime call
+    does in a thread where no device was made current, so a daemon serving only other
+    devices that touches device 0 shows it (~300-500 MB of GPU memory on CUDA);
+  * ``write`` with ``copy_bandwidth`` set is a pageable cudaMemcpy host-to-device: it
+    returns once the bytes are staged and lands them after the link's time on the
+    device's legacy stream (``read`` is ordered after it, the kind's streams are not),
+    so a daemon that answers on its strength answers before the result is there;
+  * a client freeing an allocation this process still maps (cudaFree before
+    cudaIpcCloseMemHandle: undefined behaviour on CUDA) is detected: every mapping holds
+    a shared lock on the allocation's memfd that the client's ``free`` tests
+    (lpsync_client.emulated), and a mapping whose allocation was freed fails the next
+    operation that touches it (``check_mapped``) instead of reading freed memory.
 ``opens``/``closes`` count IPC opens and closes per device for tests and status.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import queue
@@ -65,6 +80,10 @@ class EmulatedMemory:
     inode: int = 0
     opened: bool = False
     closed: bool = False  # an IPC mapping closed: using it is a fault on CUDA
+    # An IPC mapping: the exporter's (pid, fd) and a descriptor of the allocation holding
+    # a shared flock for as long as it is mapped (the client's free() tests for it).
+    origin: tuple[int, int] | None = None
+    lock_fd: int = -1
 
     def release(self) -> None:
         mapping, self._mmap = self._mmap, None
@@ -75,6 +94,9 @@ class EmulatedMemory:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)  # drops the shared lock: the exporter may free it now
+            self.lock_fd = -1
 
 
 def _map(fd: int, nbytes: int) -> tuple[np.ndarray, mmap.mmap | None]:
@@ -223,6 +245,14 @@ class EmulatedKind:
         self.peer_refused: set[tuple[int, int]] = set()
         self.peer_enables = 0  # calls, for tests: once per pair, not per plan
         self.max_peers = max_peers
+        self.contexts = [0] * devices  # contexts made per device (one at most, as CUDA's primary)
+        self._legacy: dict[int, EmulatedStream] = {}  # per device: where pageable writes land
+
+    def _context(self, device: int) -> None:
+        """An operation needs ``device``'s context: made at the first (CUDA: ~300-500 MB)."""
+        if device >= 0 and not self.contexts[device]:
+            with self._lock:
+                self.contexts[device] = 1
 
     # -- memory ------------------------------------------------------------------------------
     def _check(self, device: int) -> None:
@@ -237,6 +267,7 @@ class EmulatedKind:
 
     def allocate(self, device: int, nbytes: int) -> EmulatedMemory:
         self._check(device)
+        self._context(device)
         fd = os.memfd_create(f"lpsync-emu{device}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
@@ -247,7 +278,9 @@ class EmulatedKind:
         address = array.__array_interface__["data"][0] if nbytes else 0
         return EmulatedMemory(device, nbytes, array, address, mapping, fd, os.fstat(fd).st_ino)
 
-    def allocate_host(self, nbytes: int) -> EmulatedMemory:
+    def allocate_host(self, nbytes: int, device: int | None = None) -> EmulatedMemory:
+        # cudaHostAlloc runs in the current device's context: with none named, device 0's.
+        self._context(0 if device is None else device)
         array = np.empty(nbytes, np.uint8)
         return EmulatedMemory(-1, nbytes, array, array.__array_interface__["data"][0], None)
 
@@ -282,12 +315,18 @@ class EmulatedKind:
             if st.st_ino != inode or st.st_size < nbytes:
                 raise NotFoundError(f"process {pid} no longer holds that allocation")
             array, mapping = _map(opened, nbytes)
-        finally:
+            fcntl.flock(opened, fcntl.LOCK_SH)  # mapped here: the exporter's free() sees it
+        except BaseException:
             os.close(opened)
+            raise
+        lock = opened
+        self._context(device)
         with self._lock:
             self.opens[device] += 1
         address = array.__array_interface__["data"][0] if nbytes else 0
-        return EmulatedMemory(device, nbytes, array, address, mapping, opened=True)
+        return EmulatedMemory(
+            device, nbytes, array, address, mapping, inode=inode, opened=True, origin=(pid, fd), lock_fd=lock
+        )
 
     def close(self, memory: EmulatedMemory) -> None:
         if memory.opened:
@@ -296,15 +335,65 @@ class EmulatedKind:
                 self.closes[memory.device] += 1
             memory.release()
 
+    def check_mapped(self, memory: EmulatedMemory) -> None:
+        """InvalidArgumentError if the process that exported ``memory`` freed it while it
+        is mapped here (its exit is not this: the session's end closes the mapping)."""
+        if memory.origin is None or memory.closed:
+            return
+        pid, fd = memory.origin
+        try:
+            freed = os.stat(f"/proc/{pid}/fd/{fd}").st_ino != memory.inode
+        except FileNotFoundError:
+            freed = os.path.exists(f"/proc/{pid}")  # the process lives, its descriptor not
+        except OSError:
+            freed = False
+        if freed:
+            raise InvalidArgumentError(
+                f"process {pid} freed a device allocation while this daemon still maps it "
+                "(cudaFree before the registration's release: undefined behaviour on CUDA); "
+                "keep the memory alive until release()"
+            )
+
+    def _legacy_stream(self, device: int) -> EmulatedStream:
+        with self._lock:
+            stream = self._legacy.get(device)
+            if stream is None:
+                stream = self._legacy[device] = EmulatedStream(device)
+                self._streams.add(stream)
+            return stream
+
     def read(self, span: Span) -> np.ndarray:
+        """A pageable device-to-host cudaMemcpy: complete on return, ordered after the
+        device's pageable writes (the legacy default stream), not after the kind's streams."""
+        self._context(span.device)
+        stream = self._legacy.get(span.device)
+        if stream is not None:
+            done = threading.Event()
+            stream.put(done.set)
+            done.wait()
         return _view(span).view(span.dtype).copy()
 
     def write(self, span: Span, data: np.ndarray) -> None:
-        np.copyto(_view(span), np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+        """A pageable host-to-device cudaMemcpy: with ``copy_bandwidth`` the bytes land
+        after the link's time, after the call returned (CUDA: "the DMA to final destination
+        may not have completed"); nothing but ``read`` is ordered after them."""
+        self._context(span.device)
+        staged = np.ascontiguousarray(data).view(np.uint8).reshape(-1).copy()
+        if not self.copy_bandwidth:
+            np.copyto(_view(span), staged)
+            return
+        rate = self.copy_bandwidth
+
+        def land() -> None:
+            time.sleep(staged.nbytes / rate)
+            np.copyto(_view(span), staged)
+
+        self._legacy_stream(span.device).put(land)
 
     # -- streams and events ------------------------------------------------------------------
     def stream(self, device: int) -> EmulatedStream:
         self._check(device)
+        self._context(device)
         stream = EmulatedStream(device)
         with self._lock:
             self._streams.add(stream)
@@ -317,6 +406,7 @@ class EmulatedKind:
 
     def event(self, device: int) -> EmulatedEvent:
         self._check(device)
+        self._context(device)
         return EmulatedEvent(device)
 
     def record(self, event: EmulatedEvent, stream: EmulatedStream) -> None:
@@ -331,6 +421,7 @@ class EmulatedKind:
 
     def open_event(self, handle: bytes, device: int) -> EmulatedIpcEvent:
         self._check(device)
+        self._context(device)
         try:
             magic, pid, fd, inode = EVENT_HANDLE.unpack(handle)
         except struct.error:
@@ -449,6 +540,8 @@ class EmulatedKind:
         stream.put(reduce)
 
     def enable_peer_access(self, device: int, peer: int) -> bool:
+        self._context(device)
+        self._context(peer)
         with self._lock:
             self.peer_enables += 1
             if (device, peer) in self.peer_enabled:

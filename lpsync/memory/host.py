@@ -56,7 +56,7 @@ class HostKind:
         segment = SharedSegment.create(nbytes)
         return _memory(segment, segment.array)
 
-    def allocate_host(self, nbytes: int) -> HostMemory:
+    def allocate_host(self, nbytes: int, device: int | None = None) -> HostMemory:
         return _memory(None, np.empty(nbytes, np.uint8), device=-1)
 
     def free(self, memory: HostMemory) -> None:

@@ -13,8 +13,12 @@ Semantics follow the CUDA runtime so that the emulation tests what CUDA will do:
     record enqueued before the call* (a wait on a never-recorded event is a no-op, as
     cudaStreamWaitEvent's is) — so a plan must enqueue every record before its waits;
   * an IPC handle names a whole allocation; it opens in another process (never in the
-    exporting one on CUDA) and stays valid until closed there, whatever the exporter does
-    with its own pointer meanwhile (cudaIpcOpenMemHandle / cudaIpcCloseMemHandle).
+    exporting one on CUDA) and stays valid until closed there (cudaIpcOpenMemHandle /
+    cudaIpcCloseMemHandle) provided the exporter does not free the allocation first:
+    "calling cudaFree on an exported memory region before calling cudaIpcCloseMemHandle
+    in the importing context will result in undefined behavior" (the client's part);
+  * every operation runs in the context of the device it names; the daemon must make no
+    context on a device it does not serve (CUDA: ~300-500 MB each).
 """
 
 from __future__ import annotations
@@ -126,8 +130,9 @@ class MemoryKind(Protocol):
     def allocate(self, device: int, nbytes: int) -> Memory:
         """Device memory owned by the caller (staging, TMP); freed by ``free``."""
 
-    def allocate_host(self, nbytes: int) -> Memory:
-        """Host memory the devices copy to and from asynchronously (pinned on CUDA)."""
+    def allocate_host(self, nbytes: int, device: int) -> Memory:
+        """Host memory the devices copy to and from asynchronously (pinned on CUDA, usable
+        by every device); allocated in ``device``'s context, a device the daemon serves."""
 
     def free(self, memory: Memory) -> None: ...
 
@@ -193,7 +198,10 @@ class MemoryKind(Protocol):
         """A host copy of ``span`` (synchronous; host staging and the bench's verification)."""
 
     def write(self, span: Span, data: np.ndarray) -> None:
-        """span = data (synchronous, ordered after every stream of the device)."""
+        """span = data, as a pageable cudaMemcpy: it may return before the bytes landed
+        (only a later ``read`` is ordered after them, not the kind's streams). Tests and
+        verification only: a result a client is answered on goes through pinned host
+        memory, ``copy_async`` and an event (lpsync.engine.staging.move)."""
 
     def close_kind(self) -> None:
         """End every stream and free what the kind holds (daemon shutdown)."""

@@ -32,6 +32,7 @@ from tests.collective_cases import (
     out_elements,
     reference,
 )
+from tests.cuda_contract import write_landed
 
 
 class CountingKind(EmulatedKind):
@@ -96,13 +97,13 @@ def run_staged(
         first = in_place_buffer(op, r, p, count, x) if in_place else x
         memory = kind.allocate(r % kind.devices, first.nbytes)
         data = Span(memory, 0, first.size, first.dtype)
-        kind.write(data, first)
+        write_landed(kind, data, first)
         firsts.append(first)
         out = None
         if not in_place:
             n = out_elements(op, p, count)
             out = Span(kind.allocate(r % kind.devices, n * first.dtype.itemsize), 0, n, first.dtype)
-            kind.write(out, np.zeros(n, first.dtype))
+            write_landed(kind, out, np.zeros(n, first.dtype))
         spans.append((data, out))
     errors: list[BaseException | None] = [None] * len(per_node)
     stagers_of: dict[int, list[ChunkStager]] = {}
@@ -129,7 +130,7 @@ def run_staged(
                 stagers_of[n] = stagers
                 for _ in range(runs):
                     for r in ranks:  # in place, a run overwrites its input: refill it
-                        kind.write(spans[r][0], firsts[r])
+                        write_landed(kind, spans[r][0], firsts[r])
                     deadline = time.monotonic() + timeout
                     try:
                         for s in stagers:

@@ -1,4 +1,4 @@
-"""The device engine against CUDA's rules (issue 25, points 1, 4, 8, 13), on the emulated
+"""The device engine against CUDA's rules (issue 25, points 1, 4, 8, 11, 13), on the emulated
 device made as strict as CUDA, and where one process can do it on a real GPU (``gpu``)."""
 
 from __future__ import annotations
@@ -11,13 +11,15 @@ import pytest
 
 from lpsync.algorithms import generate
 from lpsync.engine.device_group import DeviceContext, DeviceGroup
+from lpsync.engine.staging import HostMirrors
 from lpsync.errors import CollectiveTimeoutError, InvalidArgumentError
 from lpsync.memory.emulated import EmulatedKind
-from lpsync.memory.kind import Link
+from lpsync.memory.kind import Link, Span, Topology
 from lpsync.reduction import Reduction
 from lpsync.types import Collective, ReduceOp
 from lpsync_client import emulated as client_emulated
-from tests.cuda_contract import kinds, make_kind, span_of
+from lpsync_client.wire import split_device_uuid
+from tests.cuda_contract import gpus, kinds, make_kind, span_of
 
 
 def _allreduce(context: DeviceContext, devices: list[int], keep: list, count: int = 1000) -> tuple:
@@ -139,3 +141,85 @@ def test_cuda_contract_peer_access_once_per_pair_and_too_many_peers_go_through_h
         for memory in keep:
             kind.free(memory)
         kind.close_kind()
+
+
+def _off_device_0(kind, context: DeviceContext, keep: list) -> None:
+    """What a daemon does on devices 1 and 2 only: an allreduce over a host-staged pair
+    (pinned host slots), an opened client allocation, host mirrors of device spans (the
+    cross-node stage and small collectives), events, synchronize and free."""
+    group, spans, want = _allreduce(context, [1, 2, 2, 1], keep)
+    group.run(time.monotonic() + 30)
+    for span in spans:
+        np.testing.assert_array_equal(kind.read(span), want)
+    group.close()
+    mirrors = HostMirrors(kind, [spans[0], None, spans[1], None])
+    for mirror in mirrors.mirrors:
+        if mirror is not None:
+            on = mirror.device.device
+            stream, event = context.stream(on, 0, "small"), kind.event(on)
+            host = Span(mirror.host, 0, mirror.device.count, mirror.device.dtype)
+            kind.copy_async(host, mirror.device, stream)
+            kind.record(event, stream)
+            kind.synchronize(event, time.monotonic() + 30)
+    mirrors.close()
+
+
+def test_cuda_contract_a_daemon_off_device_0_makes_no_context_there():
+    """A daemon serving other GPUs must make no context on GPU 0 (point 11: ~300-500 MB):
+    every operation names the device it runs on, pinned host memory included (CUDA
+    allocates it in the current device's context, device 0 in a thread that set none)."""
+    topology = Topology(
+        (
+            (Link.SAME, Link.FAST, Link.FAST),
+            (Link.FAST, Link.SAME, Link.HOST),
+            (Link.FAST, Link.HOST, Link.SAME),
+        )
+    )
+    kind = EmulatedKind(3, topology)
+    context, keep = DeviceContext(kind), []
+    allocation = client_emulated.Allocation(4096, 1)
+    try:
+        opened = kind.open(split_device_uuid(allocation.ipc_handle())[0], 1)
+        _off_device_0(kind, context, keep)
+        kind.close(opened)
+        assert context.pool.allocated, "no staging memory was taken: the test covers nothing"
+        assert kind.contexts == [0, 1, 1], f"contexts made per device: {kind.contexts}"
+    finally:
+        context.close()
+        for memory in keep:
+            kind.free(memory)
+        kind.close_kind()
+        allocation.free()
+
+
+_NO_CONTEXT_ON_0 = """
+import ctypes, time
+import numpy as np
+from lpsync.memory.cuda import CudaKind
+from lpsync.engine.device_group import DeviceContext
+from tests.engine.test_cuda_contract_engine import _off_device_0
+kind = CudaKind((1, 2))
+context, keep = DeviceContext(kind), []
+_off_device_0(kind, context, keep)
+context.close()
+for memory in keep:
+    kind.free(memory)
+cuda = ctypes.CDLL("libcuda.so.1")
+flags, active = ctypes.c_uint(), ctypes.c_int()
+assert cuda.cuDevicePrimaryCtxGetState(0, ctypes.byref(flags), ctypes.byref(active)) == 0
+print("ACTIVE", active.value)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpus()[0] < 3, reason=gpus()[1] or f"needs 3 GPUs, {gpus()[0]} visible")
+def test_cuda_contract_a_daemon_off_device_0_makes_no_context_there_on_gpus():
+    """The same on GPUs 1 and 2 in a fresh process; GPU 0's primary context stays inactive."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_CONTEXT_ON_0], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "ACTIVE 0" in done.stdout, done.stdout

@@ -12,17 +12,24 @@ streams drained (DeviceRegistry.use/done).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
+
+import numpy as np
 
 from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.values import Arrival
 from lpsync.engine.group import LocalGroup
-from lpsync.engine.staging import ChunkStager, HostMirrors
+from lpsync.engine.staging import ChunkStager, HostMirrors, Mirror
 from lpsync.errors import InvalidArgumentError
+from lpsync.memory.kind import Span
 from lpsync.types import Collective
+
+_BYTE = np.dtype(np.uint8)
 
 
 class Staged:
@@ -82,11 +89,8 @@ class Staged:
             self.mirrors.release()
 
 
-def stage(task: Task, devices: DeviceRegistry) -> Staged | None:
-    """The local participants over host mirrors (None: host buffers, nothing to stage);
-    the job's plans keep the mirrors."""
-    if not task.on_device:
-        return None
+def _mirrors(task: Task, devices: DeviceRegistry) -> HostMirrors:
+    """The pinned host mirrors of this task's local spans, kept in the job's plans."""
     arrivals = task.arrivals
     # The handles last: GroupCache.forget drops the mirrors with the buffers' groups.
     key = (
@@ -101,42 +105,100 @@ def stage(task: Task, devices: DeviceRegistry) -> Staged | None:
         ),
         tuple(h for a in arrivals for h in a.handles),
     )
-    mirrors = task.job.plans.mirrors(
+    return task.job.plans.mirrors(
         key, lambda: HostMirrors(devices.kind, [s for a in arrivals for s in (a.data, a.out)])
     )
-    return Staged(task, devices, mirrors)
+
+
+def stage(task: Task, devices: DeviceRegistry) -> Staged | None:
+    """The local participants over host mirrors (None: host buffers, nothing to stage);
+    the job's plans keep the mirrors."""
+    if not task.on_device:
+        return None
+    return Staged(task, devices, _mirrors(task, devices))
+
+
+def _bytes(mirror: Mirror) -> tuple[Span, Span]:
+    """(device span, host span) of a mirror, as bytes."""
+    span = mirror.device
+    return Span(span.memory, span.offset, span.nbytes, _BYTE), Span(mirror.host, 0, span.nbytes, _BYTE)
+
+
+def _settle(kind: Any, lanes: list[tuple[Any, Any]], deadline: float) -> None:
+    """Until every lane's stream finished what was queued on it so far."""
+    for stream, event in lanes:
+        kind.record(event, stream)
+    for _, event in lanes:
+        kind.synchronize(event, deadline)
 
 
 @contextlib.contextmanager
 def whole(task: Task, devices: DeviceRegistry | None, deadline: float) -> Iterator[list[Arrival]]:
     """A small collective's participants on host copies of their device spans (whole:
     small collectives only, agreement.py carries their data), written back on success.
-    Yields ``arrivals`` unchanged for host buffers. Each client's ready event is waited
-    for first (the copies are synchronous)."""
+    Yields ``arrivals`` unchanged for host buffers.
+
+    Each client's ready event is polled first; the spans are copied into the job's pinned
+    host mirrors (the same as stage()'s) on a stream per participant, and back after the
+    collective, and the caller answers only once those copies completed (an event per
+    stream, waited for with the collective's deadline). A pageable cudaMemcpy
+    (``kind.write``) may return before its bytes landed (CUDA's "the DMA to final
+    destination may not have completed"): answering after it would let the client read
+    its old values."""
     arrivals = task.arrivals
     if not task.on_device:
         yield arrivals
         return
     if devices is None:
         raise InvalidArgumentError("this daemon serves no devices (--devices)")
-    kind = devices.kind
+    kind, context = devices.kind, devices.context
     busy = devices.use([span.memory for a in arrivals for span in (a.data, a.out) if span is not None])
+    mirrors: HostMirrors | None = None
+    lanes: list[tuple[Any, Any]] = []  # (stream, event) per participant
     try:
+        mirrors = _mirrors(task, devices)
+        mirrors.acquire()
         for a in arrivals:
             if a.ready is not None:  # polled: never a shared stream waiting on a client
                 kind.wait_ready(a.ready, deadline)
-        hosts = [
-            replace(a, data=kind.read(a.data), out=None if a.out is None else kind.read(a.out))
-            for a in arrivals
-        ]
+        slots: dict[int, int] = defaultdict(int)
+        mine = [mirrors.mirrors[i : i + 2] for i in range(0, 2 * len(arrivals), 2)]
+        for a, pair in zip(arrivals, mine, strict=True):
+            device = a.data.device
+            # Streams of their own: a small collective never queues behind a staged one.
+            stream = context.stream(device, slots[device], "small")
+            slots[device] += 1
+            lanes.append((stream, kind.event(device)))
+            for mirror in pair:
+                if mirror is not None:
+                    on_device, on_host = _bytes(mirror)
+                    kind.copy_async(on_host, on_device, stream)
+        _settle(kind, lanes, deadline)
+        hosts = []
+        for a, (data, out) in zip(arrivals, mine, strict=True):
+            assert data is not None
+            hosts.append(replace(a, data=data.typed(), out=None if out is None else out.typed()))
         yield hosts
         spec = task.spec
-        for device, host in zip(arrivals, hosts, strict=True):
-            if spec.op == Collective.REDUCE and device.rank != spec.root:
+        for a, (data, out), (stream, _) in zip(arrivals, mine, lanes, strict=True):
+            if spec.op == Collective.REDUCE and a.rank != spec.root:
                 continue  # a non-root's buffers of reduce are never written
-            if device.out is not None:
-                kind.write(device.out, host.out)
-            else:
-                kind.write(device.data, host.data)
+            on_device, on_host = _bytes(out if out is not None else data)
+            kind.copy_async(on_device, on_host, stream)
+        _settle(kind, lanes, deadline)  # landed on the devices: only now may it be answered
+    except BaseException:
+        _drain(kind, lanes)  # nothing of it may still touch the spans once answered
+        raise
     finally:
         devices.done(busy)
+        if mirrors is not None:
+            mirrors.release()
+
+
+def _drain(kind: Any, lanes: list[tuple[Any, Any]], patience: float = 3600.0) -> None:
+    with contextlib.suppress(Exception):  # the failure itself is what is reported
+        _settle(kind, lanes, time.monotonic() + patience)
+    recover = getattr(kind, "recover", None)  # the emulated stream's error cleared
+    if recover is not None:
+        for stream, _ in lanes:
+            recover(stream)
