@@ -7,14 +7,17 @@ allreduces and broadcasts whose results it checks against numpy on every call
 (lpsync.bench.chaos_trainer). A seeded schedule injects one fault at a time: SIGKILL or
 SIGSTOP a daemon or a trainer, cut a node's link in one direction or both; holds it a
 while; then releases it (SIGCONT, restore, restart what it killed). After each release
-every trainer moves to a fresh job (an epoch) and the run waits until a collective of all
-ranks succeeds again. The checks and the table: lpsync.bench.chaos_report. Everything is
-torn down at the end, also on failure and Ctrl-C; exit status 1 when a check fails.
+the run waits until a collective of all ranks succeeds again: in the same job if the fault
+broke nothing, else in a fresh job (an epoch), announced once every rank has failed in the
+old one (or a collective's timeout has passed). The checks and the table:
+lpsync.bench.chaos_report. Everything is torn down at the end, also on failure and Ctrl-C;
+exit status 1 when a check fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -47,8 +50,8 @@ class Chaos:
         self.trainers: list[Trainer] = []
         self.epoch = 0
         self._seen = threading.Condition()
-        self._ok: dict[int, set[int]] = {}  # epoch -> ranks with an OK collective in it
-        self._failed: set[int] = set()  # epochs in which some rank failed
+        self._ok: dict[int, dict[int, float]] = {}  # epoch -> rank -> start of its last OK collective
+        self._failed: dict[int, set[int]] = {}  # epoch -> ranks that failed in it
         self._pids: list[int] = []  # every process we started, checked at the end
         self._cut: tuple[int, str] | None = None
 
@@ -75,9 +78,9 @@ class Chaos:
             with self._seen:
                 self.record.reports.append(report)
                 if report["outcome"] == "ok":
-                    self._ok.setdefault(report["epoch"], set()).add(report["rank"])
+                    self._ok.setdefault(report["epoch"], {})[report["rank"]] = report["start"]
                 else:
-                    self._failed.add(report["epoch"])
+                    self._failed.setdefault(report["epoch"], set()).add(report["rank"])
                 self._seen.notify_all()
 
     def _new_epoch(self) -> None:
@@ -95,6 +98,32 @@ class Chaos:
             )
             return len(self._ok.get(epoch, ())) == self.world
 
+    def _carried_on(self, epoch: int, since: float, deadline: float) -> bool:
+        """Wait until every rank succeeded in ``epoch`` with a collective that started
+        after ``since`` (True: the fault did not break the job) or one failed in it."""
+        with self._seen:
+            self._seen.wait_for(
+                lambda: self._all_ok_since(epoch, since) or epoch in self._failed,
+                max(0.0, deadline - time.monotonic()),
+            )
+            return self._all_ok_since(epoch, since)
+
+    def _all_ok_since(self, epoch: int, since: float) -> bool:
+        ok = self._ok.get(epoch, {})
+        return len(ok) == self.world and min(ok.values()) >= since
+
+    def _settled(self, epoch: int) -> None:
+        """After a failure in ``epoch``: wait until every rank has left it (reported its
+        failure), at most a collective's timeout plus slack (a rank that was killed and
+        restarted never reports one). A rank still inside the epoch's collective when the
+        next epoch is announced would join that one late, after the others failed it again
+        without it: the ranks would chase each other from epoch to epoch and never meet."""
+        with self._seen:
+            self._seen.wait_for(
+                lambda: len(self._failed.get(epoch, ())) == self.world,
+                self.args.timeout + self.args.slack,
+            )
+
     # -- one fault -----------------------------------------------------------------------
 
     def one_fault(self) -> None:
@@ -103,7 +132,8 @@ class Chaos:
         rank = self.rng.randrange(self.world)
         hold = self.rng.uniform(0.5, 2.0 * self.args.heartbeat_timeout)
         self.record.faults[kind] += 1
-        self.record.event(time.monotonic())
+        injected = time.monotonic()
+        self.record.event(injected)
         if kind == "kill-daemon":
             self.nodes.kill(node)
         elif kind == "stop-daemon":
@@ -121,18 +151,25 @@ class Chaos:
         self._release(kind, node, rank)
         released = time.monotonic()
         self.record.event(released)
+        self.record.log.append(
+            {"fault": kind, "node": node, "rank": rank, "injected": injected, "released": released}
+        )
         deadline = released + self.args.rejoin_bound
-        while True:  # a fresh job until one collective of all ranks succeeds
-            self._new_epoch()
-            if self._rejoined(self.epoch, deadline):
-                self.record.rejoins.append(time.monotonic() - released)
-                return
+        # A fault that broke nothing: the job goes on. A job is only left once every rank
+        # failed in it: a rank that moved to a new job while the others were still in a
+        # collective of the old one would leave them waiting out their timeout for it.
+        rejoined = self._carried_on(self.epoch, released, deadline)
+        while not rejoined:  # a fresh job until one collective of all ranks succeeds
             if time.monotonic() >= deadline:
                 self.record.rejoin_failures.append(
                     f"{kind} node {node} rank {rank}: not within {self.args.rejoin_bound:.0f} s"
                 )
                 return
-            time.sleep(0.5)  # the meshes are still healing: try again shortly
+            self._settled(self.epoch)
+            time.sleep(0.5)  # the meshes may still be healing: try again shortly
+            self._new_epoch()
+            rejoined = self._rejoined(self.epoch, deadline)
+        self.record.rejoins.append(time.monotonic() - released)
 
     def _release(self, kind: str, node: int, rank: int) -> None:
         if kind == "kill-daemon":
@@ -199,7 +236,12 @@ def _alive(pid: int) -> bool:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     prefix = args.prefix or f"lpc{os.getpid() % 100000}"
-    with tempfile.TemporaryDirectory(prefix="lpsync-chaos-") as tmp:
+    with contextlib.ExitStack() as stack:
+        if args.keep:
+            tmp = args.keep
+            Path(tmp).mkdir(parents=True, exist_ok=True)
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="lpsync-chaos-"))
         with Cluster(args.nodes, 1_000_000_000, prefix=prefix) as cluster:
             chaos = Chaos(cluster.spec, Path(tmp), args)
             try:
@@ -211,6 +253,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 chaos.teardown()
         chaos.leaks(prefix)
+        if args.keep:  # every fault and every trainer's report, for a post-mortem
+            with open(Path(tmp) / "chaos.jsonl", "w") as out:
+                for entry in sorted(
+                    chaos.record.log + chaos.record.reports,
+                    key=lambda e: e.get("injected", e.get("start", 0.0)),
+                ):
+                    out.write(json.dumps(entry) + "\n")
     return chaos.record.summary()
 
 
@@ -244,6 +293,11 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds added to every bound on a loaded machine (default 2)",
     )
     parser.add_argument("--prefix", default="", help="the cluster's namespace prefix (default lpc<pid>)")
+    parser.add_argument(
+        "--keep",
+        default="",
+        help="keep the daemons' logs and every fault and report (chaos.jsonl) in this folder",
+    )
     parser.add_argument("--json", action="store_true", help="the summary as one JSON object")
     return parser.parse_args(argv)
 

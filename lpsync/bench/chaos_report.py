@@ -37,6 +37,7 @@ class Record:
     health_failures: list[str] = field(default_factory=list)
     exits: list[Any] = field(default_factory=list)  # netnodes.Exit of the final stop
     leaks: dict[str, list[str]] = field(default_factory=dict)
+    log: list[dict[str, Any]] = field(default_factory=list)  # each fault: kind, where, when
     reclaimed: int = 0  # segments of SIGKILLed daemons that no one else removed
 
     def event(self, at: float) -> None:

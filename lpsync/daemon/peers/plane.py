@@ -7,8 +7,8 @@ serves single-node jobs meanwhile), probe alpha/beta to every peer,
 start heartbeats, then wait until the mesh breaks (a peer killed, cut off, silent for
 ``heartbeat_timeout``, or any transport error). A broken mesh is closed, logged and
 rebuilt on the same runtime in the background (only connections are made anew),
-retrying until the peers are back; collectives waiting for a
-mesh wait (bounded by their own deadline) for the next one.
+retrying until the peers are back; meanwhile a collective fails UNAVAILABLE at once
+(before the first mesh it waits for one, bounded by its own deadline).
 
 Invariants:
   * a Link is one generation of the mesh; once broken it stays broken (the endpoint is a
@@ -213,11 +213,13 @@ class PeerPlane:
 
     # -- for collectives ----------------------------------------------------------------------
     def link(self, deadline: float) -> Link:
-        """The current healthy mesh, waiting for one until ``deadline``; UnavailableError
-        naming the peers when there is none by then. Once a mesh has been lost, a
-        collective waits at most ``heartbeat_timeout`` for its rebuild: a peer cut off
-        or dead is UNAVAILABLE within that bound, not at the collective's own timeout."""
-        bound = time.monotonic() + self.options.heartbeat_timeout
+        """The current healthy mesh, waiting for one until ``deadline`` while none has
+        been up yet (the daemons start); UnavailableError naming the peers when there is
+        none by then. Once a mesh has been lost, a collective that finds none fails at
+        once, UNAVAILABLE, instead of waiting for the rebuild: the nodes whose meshes broke
+        earlier failed their part of it already (and cannot tell anyone: no mesh), so on
+        the next mesh it would wait out its own timeout for them (seen in the chaos run:
+        7-8 s instead of the heartbeat bound) and then break that mesh with a timeout."""
         with self._changed:
             while True:
                 link = self._link
@@ -225,8 +227,8 @@ class PeerPlane:
                     return link
                 # Lost: said so by _serve, or broken and about to be (its watchdog ticks).
                 lost = self._lost or (link.failure() if link is not None and link.error is not None else None)
-                remaining = (deadline if lost is None else min(deadline, bound)) - time.monotonic()
-                if remaining <= 0 or self._stop.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stop.is_set() or lost is not None:
                     if lost is not None:
                         raise UnavailableError(
                             f"node {self.rank}: the peer mesh is down and rebuilding (lost: {lost})"
