@@ -178,6 +178,12 @@ class Job:
                     f"job {self.name!r} lost rank(s) {ranks}; collective #{seq} cannot run "
                     "until they attach again"
                 )
+                # Failed for every local rank (remembered), and through _fail the other
+                # nodes learn it at once (on_local_failure) instead of waiting out their
+                # timeout for this node's part (seen in the chaos run: a killed trainer).
+                failed_pending = self._pending.pop(seq, None) or Pending(seq, arrival.spec, opened=arrival.at)
+                failed_pending.arrivals[arrival.rank] = arrival
+                self._remember(seq, error)
             else:
                 pending = self._pending.get(seq)
                 if pending is None and len(self._pending) >= self.max_pending:

@@ -45,7 +45,7 @@ log = logging.getLogger("lpsync.peers")
 
 CONTROL = 1 << 63
 _KIND_SHIFT = 56
-HEARTBEAT, PROBE, SPEC, VERDICT = 1, 2, 3, 4  # SPEC/VERDICT: agreement.py, up/down
+HEARTBEAT, PROBE, SPEC, VERDICT, HISTORY = 1, 2, 3, 4, 5  # SPEC/VERDICT: agreement.py, up/down
 # (bytes, round trips; the best one counts). Small round trips are cheap, and a daemon
 # that has just started shares its cores with the others starting: best of 3 measured
 # alpha at 0.5-2.9 ms on links whose quiet round trip is a few hundred us.
@@ -154,6 +154,9 @@ class Link:
         self.model: LinkModel | None = None  # the slowest probed peer link
         self.broken = threading.Event()  # set once: the heartbeat threads then end
         self.last_heard: dict[int, float] = {}  # peer -> monotonic time of its last heartbeat
+        # Some node of this mesh had one before: a rebuild, not the cluster's start
+        # (PeerPlane._history); the same on every node of the mesh.
+        self.rebuilt = False
 
     @property
     def error(self) -> LpsyncError | None:
@@ -206,6 +209,7 @@ class PeerPlane:
         self._stop = threading.Event()
         self._generation = 0
         self._lost: str | None = None  # why the last mesh broke, until a new one is up
+        self._had_mesh = False  # a mesh was up once (this daemon's own history)
         self._thread = threading.Thread(target=self._main, name="lpsync-peers", daemon=True)
 
     def start(self) -> None:
@@ -219,11 +223,21 @@ class PeerPlane:
         once, UNAVAILABLE, instead of waiting for the rebuild: the nodes whose meshes broke
         earlier failed their part of it already (and cannot tell anyone: no mesh), so on
         the next mesh it would wait out its own timeout for them (seen in the chaos run:
-        7-8 s instead of the heartbeat bound) and then break that mesh with a timeout."""
+        7-8 s instead of the heartbeat bound) and then break that mesh with a timeout.
+        For the same reason a collective that waited on a restarted daemon for its first
+        mesh fails when that mesh turns out to be a rebuild (the survivors, whose mesh was
+        lost, failed it at once); at the cluster's start every node waits alike."""
+        waited = False
         with self._changed:
             while True:
                 link = self._link
                 if link is not None and link.error is None and link.model is not None:
+                    if waited and link.rebuilt:
+                        raise UnavailableError(
+                            f"node {self.rank}: this collective waited for the peer mesh, which "
+                            "was rebuilt meanwhile (a peer daemon restarted or came back): the "
+                            "other nodes, whose mesh was lost, failed it already"
+                        )
                     return link
                 # Lost: said so by _serve, or broken and about to be (its watchdog ticks).
                 lost = self._lost or (link.failure() if link is not None and link.error is not None else None)
@@ -241,6 +255,7 @@ class PeerPlane:
                         "is every daemon of --peers running, with the same secret and "
                         f"--peer-transport ({self.options.transport} here)?"
                     )
+                waited = True
                 self._changed.wait(remaining)
 
     def stop(self, bound: float = STOP_BOUND) -> bool:
@@ -330,6 +345,7 @@ class PeerPlane:
                 if self.options.probe
                 else LinkModel.from_bandwidth(alpha=50e-6, bandwidth=1.25e9)
             )
+            link.rebuilt = self._history(link, others)
         except LpsyncError as error:
             log.warning("node %d: probing the peer links failed: %s", self.rank, error)
             _close(link)
@@ -337,7 +353,7 @@ class PeerPlane:
         for worker in workers:
             worker.start()
         with self._changed:
-            self._link, self._lost = link, None
+            self._link, self._lost, self._had_mesh = link, None, True
             self._changed.notify_all()
         self._metrics.peers_connected.set(len(others))
         log.info(
@@ -418,6 +434,18 @@ class PeerPlane:
                     log.warning("node %d: %s", self.rank, error)
                     link.mesh.abort(error)
                     return
+
+    def _history(self, link: Link, others: list[int]) -> bool:
+        """Whether any node of this mesh had a mesh before (each tells every other): a
+        rebuild after a loss, not the cluster's start. Every node computes the same."""
+        mine = np.array([self._had_mesh], np.uint8)  # never written: safe while in flight
+        theirs = {p: np.zeros(1, np.uint8) for p in others}
+        deadline = time.monotonic() + self.options.connect_timeout
+        requests = [link.mesh.post_recv(p, control_tag(HISTORY, 0), theirs[p]) for p in others]
+        requests += [link.mesh.send(p, control_tag(HISTORY, 0), mine) for p in others]
+        for request in requests:
+            request.wait(deadline)
+        return self._had_mesh or any(bool(t[0]) for t in theirs.values())
 
     def _probe(self, link: Link, others: list[int]) -> LinkModel:
         """Ping-pong a small and a large message with every peer (the lower rank pings);
