@@ -53,6 +53,8 @@ class DeviceRegistry:
         self._by_memory: dict[int, OpenAllocation] = {}  # id(memory) -> its entry
         self.registered = [0] * kind.devices
         self._uuids: dict[bytes, int] | None = None  # device UUID -> this daemon's ordinal
+        # Kinds that can tell a mapping whose exporter freed it (emulated; CUDA cannot).
+        self._check_mapped = getattr(kind, "check_mapped", None)
 
     def register(
         self, kind: str, device: int, handle: bytes, offset: int, nbytes: int, allocation_bytes: int
@@ -138,7 +140,8 @@ class DeviceRegistry:
         collective's streams still touch them defers their close to ``done`` — closing an
         IPC mapping under a running kernel faults the daemon's whole CUDA context. An
         opened allocation already closed (released between arrival and run) refuses the
-        run: on CUDA it would read and write through an unmapped address."""
+        run: on CUDA it would read and write through an unmapped address. So is one whose
+        client freed the memory while registered, where the kind can tell (emulated)."""
         with self._lock:
             entries = {}
             for memory in memories:
@@ -151,6 +154,9 @@ class DeviceRegistry:
                         )
                     continue  # the daemon's own memory (staging): not the registry's
                 entries[id(entry)] = entry
+            if self._check_mapped is not None:  # the emulated device: freed under us?
+                for entry in entries.values():
+                    self._check_mapped(entry.memory)
             for entry in entries.values():
                 entry.active += 1
         return list(entries.values())

@@ -6,7 +6,9 @@ daemon as a device buffer when the daemon serves its memory kind (`lpsync daemon
 adapter stages it through host memory as before. On the device path:
   * the array is registered once per allocation span (the client's registrations are
     looked up by span, Client._device) with ``hold=False``: the registration does not keep
-    the array alive, and is released after the array is collected (or the client closes);
+    the array alive, only its memory (so the allocator cannot free it while the daemon maps
+    it), and is released by the client's reaper thread once the array is collected (or
+    when the client closes);
   * the collective runs on the array itself: the client records its interprocess event on
     the framework's current stream (the daemon's streams wait on it) and the call returns
     once the daemon's streams finished, so work queued afterwards sees the result.

@@ -60,6 +60,12 @@ class DeviceOperand:
     sync: Callable[[], None]  # orders the array's current stream before the collective (host)
     keep: object  # the user's array: holds the allocation alive while registered
     ready: Callable[[], bytes] | None = None  # records an interprocess event: its handle
+    # What keeps the array's memory allocated without keeping the array (torch: its
+    # storage, cupy: its Memory, emulated: its Allocation): a hold=False registration
+    # holds it until released, so the caching allocator can neither reuse the block nor
+    # cudaFree its segment (empty_cache, an OOM retry, free_all_blocks) while the daemon
+    # maps it. None where the framework does not say (JAX, numba): the array is held.
+    memory: object = None
 
     def order(self) -> bytes:
         """Order the current stream before the collective: the event handle the daemon
@@ -90,6 +96,7 @@ def describe(x: object) -> DeviceOperand:
             emulated.__lpsync_sync__,
             x,
             getattr(x, "__lpsync_ready__", None),
+            getattr(x, "allocation", None),
         )
     module = type(x).__module__
     if module.startswith("torch"):
@@ -98,6 +105,7 @@ def describe(x: object) -> DeviceOperand:
         operand = _cai(x, _stream_sync_for(x))
         if type(x).__module__.startswith("cupy"):
             operand.ready = _cupy_ready(operand.info.device)
+            operand.memory = _cupy_memory(x)
         return operand
     try:
         import cupy
@@ -108,7 +116,16 @@ def describe(x: object) -> DeviceOperand:
         ) from None
     # cupy.from_dlpack hands cupy's current stream to __dlpack__(stream=...): the producer
     # orders its pending work before that stream, so waiting for it orders the array.
-    return _cai(cupy.from_dlpack(x), _cupy_stream_sync(), keep=x)
+    imported = cupy.from_dlpack(x)  # its Memory holds the DLPack capsule, so the producer's memory
+    operand = _cai(imported, _cupy_stream_sync(), keep=x)
+    operand.memory = _cupy_memory(imported)
+    return operand
+
+
+def _cupy_memory(x: object) -> object:
+    """A cupy array's Memory (PooledMemory from the pool: its block returns to the pool
+    when this is collected, not when the array is)."""
+    return x.data.mem  # type: ignore[attr-defined]
 
 
 def _cupy_stream_sync() -> Callable[[], None]:
@@ -235,4 +252,7 @@ def _torch(t: object) -> DeviceOperand:
     else:
         operand = _cai(plain, sync, keep=t)
     operand.ready = _torch_ready(device)
+    # The storage, not the tensor: its block returns to the caching allocator only when
+    # the last reference to the storage goes.
+    operand.memory = t.untyped_storage()  # type: ignore[attr-defined]
     return operand

@@ -90,10 +90,13 @@ class DeviceRegistered:
     def __init__(self, client: Client, operand: DeviceOperand, handle: int, hold: bool = True) -> None:
         self.client, self.handle, self.info = client, handle, operand.info
         # hold=False (the framework adapters): the array is not kept alive; a finalizer
-        # releases this registration once it is collected (Client.register).
+        # releases this registration once it is collected (Client.register). Its memory
+        # is (the storage, not the array): the daemon maps it until the release, and
+        # CUDA leaves a cudaFree before the daemon's cudaIpcCloseMemHandle undefined.
         self.operand: DeviceOperand | None = operand if hold else None
         self.original = operand.keep if hold else None
         self.sync = operand.sync if hold else None  # (a bound method would hold the array)
+        self.memory = operand.memory
 
     @property
     def size(self) -> int:
@@ -132,6 +135,26 @@ def _release_later(client_ref: weakref.ref, handle: int) -> None:
     client = client_ref()
     if client is not None:
         client._dead.put(handle)
+
+
+def _reap_forever(dead: queue.SimpleQueue, client_ref: weakref.ref) -> None:
+    """The reaper thread: releases hold=False registrations as their arrays go, so their
+    memory returns to the allocator within one Release call of the array's death (a
+    gradient dropped by zero_grad(set_to_none=True) is not held into the next backward).
+    A threading.Event in the queue is set once everything queued before it is released."""
+    while True:
+        item = dead.get()
+        if item is None:
+            return
+        if isinstance(item, threading.Event):
+            item.set()
+            continue
+        client = client_ref()
+        if client is None:
+            return
+        with contextlib.suppress(Exception):  # a closed channel: the session's end frees it
+            client._release_dead(item)
+        del client
 
 
 def _order_streams(request: pb.CollectiveRequest, operands: list[_Operand]) -> None:
@@ -225,7 +248,8 @@ class Client:
         self._device: dict[int, DeviceRegistered] = {}  # device registrations by handle
         # Handles of hold=False registrations whose array died (a finalizer may run inside
         # any locked region of this thread: a queue, not self._lock).
-        self._dead: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._dead: queue.SimpleQueue[int | threading.Event | None] = queue.SimpleQueue()
+        self._reaper: threading.Thread | None = None  # started by the first hold=False registration
         self._scratch: dict[int, list[_Segment]] = {}
         self._lock = threading.Lock()
         self._sequence = 0
@@ -371,9 +395,13 @@ class Client:
             registered = self._register_device(operand, hold)
             if not hold:
                 try:
+                    if operand.memory is None:  # its memory cannot be held apart from it
+                        raise TypeError
                     weakref.finalize(x, _release_later, weakref.ref(self), registered.handle)
-                except TypeError:  # not weakly referenceable: released with the client
+                except TypeError:  # held: released with the client (or by the adapter)
                     registered.operand, registered.original = operand, x
+                else:
+                    self._start_reaper()
             return registered
         source, dtype = as_numpy(x)
         buffer = self._call(
@@ -382,25 +410,52 @@ class Client:
         )
         return Registered(self, source, dtype, self._map(buffer), x)
 
-    def _reap(self) -> None:
+    def _start_reaper(self) -> None:
+        with self._lock:
+            if self._reaper is not None or self._closed:
+                return
+            self._reaper = threading.Thread(
+                target=_reap_forever,
+                args=(self._dead, weakref.ref(self)),
+                name="lpsync-client-reaper",
+                daemon=True,
+            )
+        self._reaper.start()
+
+    def _reap(self, wait: bool = False) -> None:
         """Release the registrations whose arrays were collected (queued by finalizers,
-        which must not call the daemon from whatever thread the GC runs in)."""
+        which must not call the daemon from whatever thread the GC runs in): the reaper
+        thread does once started (``wait``: until what is queued now is released), else
+        this thread. Each holds its memory until released: it goes back to the allocator
+        only once the daemon answered the release, having closed its mapping."""
+        if self._reaper is not None:
+            if wait and self._reaper.is_alive():
+                flushed = threading.Event()
+                self._dead.put(flushed)
+                flushed.wait(self.timeout)
+            return
         dead = []
         with contextlib.suppress(queue.Empty):
             while True:
-                dead.append(self._dead.get_nowait())
+                item = self._dead.get_nowait()
+                if isinstance(item, int):
+                    dead.append(item)
         for handle in dead:
-            with self._lock:
-                registered = self._device.pop(handle, None)
-            if registered is not None and not self._closed:
-                with contextlib.suppress(LpsyncError):
-                    self._call(
-                        self._stub.Release, pb.ReleaseRequest(session_id=self.session_id, handle=handle)
-                    )
+            self._release_dead(handle)
+
+    def _release_dead(self, handle: int) -> None:
+        with self._lock:
+            if self._closed:  # close() detaches, then drops every registration and its memory
+                return
+            registered = self._device.pop(handle, None)
+        if registered is not None:
+            with contextlib.suppress(LpsyncError):
+                self._call(self._stub.Release, pb.ReleaseRequest(session_id=self.session_id, handle=handle))
+        del registered  # its memory goes now: the daemon has closed its mapping
 
     def device_registrations(self) -> int:
         """Device spans registered now (after releasing those of collected arrays)."""
-        self._reap()
+        self._reap(wait=True)
         with self._lock:
             return len(self._device)
 
@@ -1024,6 +1079,11 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        reaper = self._reaper
+        if reaper is not None:  # (its pending releases: the Detach below frees them all)
+            self._dead.put(None)
+            if reaper is not threading.current_thread():
+                reaper.join(5.0)
         self._p2p.close()
         # The daemon may be gone or have ended the session already: nothing to free then.
         with contextlib.suppress(Exception):

@@ -16,16 +16,24 @@ ordered after, as a cupy array's collective is ordered after cupy's current stre
 
 The IPC handle is the exporter's (pid, fd, inode, size, device): the daemon opens
 /proc/<pid>/fd/<fd>, so it opens only while this process is alive, like a CUDA handle.
+
+Freeing an allocation while a daemon still maps it is cudaFree before the daemon's
+cudaIpcCloseMemHandle: undefined behaviour on CUDA. Here it is detected (the daemon holds
+a shared flock on the memfd while mapped; ``free`` tries for an exclusive one) and
+reported: a RuntimeWarning, an entry in ``freed_while_mapped``, and the daemon refuses
+the next collective on that mapping.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +55,9 @@ NOT_EXPORTABLE = (
     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, cupy's default MemoryPool rather than "
     "MemoryAsyncPool, or register a host buffer"
 )
+
+
+freed_while_mapped: list[str] = []  # what free() found mapped by another process (tests read it)
 
 
 def visible_devices() -> list[int] | None:
@@ -100,8 +111,28 @@ class Allocation:
         """A typed span of this allocation (a sub-allocation, as a caching allocator hands out)."""
         return EmulatedArray(self, offset, count, dtype)
 
+    def mapped_elsewhere(self) -> bool:
+        """Whether another process (a daemon) maps this allocation now."""
+        if self._fd < 0:
+            return False
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return False
+
     def free(self) -> None:
-        """Give the memory back; a daemon that opened it keeps its mapping until it closes it."""
+        """Give the memory back. A daemon that still maps it keeps its mapping, but that is
+        undefined behaviour on CUDA: reported (module docstring)."""
+        if self.mapped_elsewhere():
+            what = f"{self.nbytes} bytes on emulated:{self.device} freed while a daemon maps them"
+            freed_while_mapped.append(what)
+            warnings.warn(
+                f"{what} (cudaFree before the registration's release: undefined behaviour on CUDA)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self.bytes = np.empty(0, np.uint8)
         if self._mmap is not None:
             with contextlib.suppress(BufferError):
