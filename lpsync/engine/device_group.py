@@ -96,6 +96,7 @@ class DeviceContext:
         self.enqueue_lock = threading.Lock()
         self._lock = threading.Lock()
         self._streams: dict[tuple[int, int, str], Any] = {}
+        self._events: dict[tuple[int, int, str], Any] = {}
         # Peer access is enabled once per pair, not per plan; a pair refused for too many
         # peers (cudaErrorTooManyPeers) is then a HOST link in this topology.
         self.topology: Topology = kind.topology
@@ -121,10 +122,23 @@ class DeviceContext:
                 stream = self._streams[key] = self.kind.stream(device)
             return stream
 
+    def event(self, device: int, slot: int, role: str) -> Any:
+        """An event of the stream (device, slot, role), made once and recorded again by
+        each run that uses that stream (a wait sees its latest record: a later run's record
+        on the same stream covers this run's work too). Kept: on CUDA an event destroyed by
+        the garbage collector in a thread with no device set could make a context on GPU 0."""
+        key = (device, slot, role)
+        with self._lock:
+            event = self._events.get(key)
+            if event is None:
+                event = self._events[key] = self.kind.event(device)
+            return event
+
     def close(self) -> None:
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()
+            self._events.clear()
         for stream in streams:
             self.kind.destroy_stream(stream)
         self.pool.close()

@@ -167,8 +167,8 @@ def whole(task: Task, devices: DeviceRegistry | None, deadline: float) -> Iterat
             device = a.data.device
             # Streams of their own: a small collective never queues behind a staged one.
             stream = context.stream(device, slots[device], "small")
+            lanes.append((stream, context.event(device, slots[device], "small")))
             slots[device] += 1
-            lanes.append((stream, kind.event(device)))
             for mirror in pair:
                 if mirror is not None:
                     on_device, on_host = _bytes(mirror)
