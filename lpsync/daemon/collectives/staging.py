@@ -12,6 +12,7 @@ streams drained (DeviceRegistry.use/done).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -124,6 +125,18 @@ def _bytes(mirror: Mirror) -> tuple[Span, Span]:
     return Span(span.memory, span.offset, span.nbytes, _BYTE), Span(mirror.host, 0, span.nbytes, _BYTE)
 
 
+def _pinned(context: Any, span: Span) -> Mirror:
+    """A pinned host buffer from the staging pool for ``span`` (allocated in its device's
+    context when the pool has none of the size)."""
+    host = context.pool.take(-1, span.nbytes, span.device)
+    array = (
+        np.ctypeslib.as_array((ctypes.c_ubyte * span.nbytes).from_address(host.address))
+        if span.nbytes
+        else np.empty(0, np.uint8)
+    )
+    return Mirror(span, host, array)
+
+
 def _settle(kind: Any, lanes: list[tuple[Any, Any]], deadline: float) -> None:
     """Until every lane's stream finished what was queued on it so far."""
     for stream, event in lanes:
@@ -138,10 +151,11 @@ def whole(task: Task, devices: DeviceRegistry | None, deadline: float) -> Iterat
     small collectives only, agreement.py carries their data), written back on success.
     Yields ``arrivals`` unchanged for host buffers.
 
-    Each client's ready event is polled first; the spans are copied into the job's pinned
-    host mirrors (the same as stage()'s) on a stream per participant, and back after the
-    collective, and the caller answers only once those copies completed (an event per
-    stream, waited for with the collective's deadline). A pageable cudaMemcpy
+    Each client's ready event is polled first; the spans are copied into pinned host
+    buffers from the staging pool (reused across calls: no cudaHostAlloc per collective,
+    whichever buffers come) on a stream per participant, and back after the collective,
+    and the caller answers only once those copies completed (an event per stream, waited
+    for with the collective's deadline). A pageable cudaMemcpy
     (``kind.write``) may return before its bytes landed (CUDA's "the DMA to final
     destination may not have completed"): answering after it would let the client read
     its old values."""
@@ -153,16 +167,18 @@ def whole(task: Task, devices: DeviceRegistry | None, deadline: float) -> Iterat
         raise InvalidArgumentError("this daemon serves no devices (--devices)")
     kind, context = devices.kind, devices.context
     busy = devices.use([span.memory for a in arrivals for span in (a.data, a.out) if span is not None])
-    mirrors: HostMirrors | None = None
+    taken: list[Mirror] = []
     lanes: list[tuple[Any, Any]] = []  # (stream, event) per participant
     try:
-        mirrors = _mirrors(task, devices)
-        mirrors.acquire()
         for a in arrivals:
             if a.ready is not None:  # polled: never a shared stream waiting on a client
                 kind.wait_ready(a.ready, deadline)
+        mine = []
+        for a in arrivals:
+            pair = [None if span is None else _pinned(context, span) for span in (a.data, a.out)]
+            taken.extend(m for m in pair if m is not None)
+            mine.append(pair)
         slots: dict[int, int] = defaultdict(int)
-        mine = [mirrors.mirrors[i : i + 2] for i in range(0, 2 * len(arrivals), 2)]
         for a, pair in zip(arrivals, mine, strict=True):
             device = a.data.device
             # Streams of their own: a small collective never queues behind a staged one.
@@ -191,8 +207,8 @@ def whole(task: Task, devices: DeviceRegistry | None, deadline: float) -> Iterat
         raise
     finally:
         devices.done(busy)
-        if mirrors is not None:
-            mirrors.release()
+        for mirror in taken:  # drained (or never used): back to the pool
+            context.pool.give(mirror.host)
 
 
 def _drain(kind: Any, lanes: list[tuple[Any, Any]], patience: float = 3600.0) -> None:
