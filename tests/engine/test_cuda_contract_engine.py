@@ -143,11 +143,11 @@ def test_cuda_contract_peer_access_once_per_pair_and_too_many_peers_go_through_h
         kind.close_kind()
 
 
-def _off_device_0(kind, context: DeviceContext, keep: list) -> None:
+def _off_device_0(kind, context: DeviceContext, keep: list, devices: tuple[int, ...] = (1, 2, 2, 1)) -> None:
     """What a daemon does on devices 1 and 2 only: an allreduce over a host-staged pair
     (pinned host slots), an opened client allocation, host mirrors of device spans (the
     cross-node stage and small collectives), events, synchronize and free."""
-    group, spans, want = _allreduce(context, [1, 2, 2, 1], keep)
+    group, spans, want = _allreduce(context, list(devices), keep)
     group.run(time.monotonic() + 30)
     for span in spans:
         np.testing.assert_array_equal(kind.read(span), want)
@@ -198,9 +198,9 @@ import numpy as np
 from lpsync.memory.cuda import CudaKind
 from lpsync.engine.device_group import DeviceContext
 from tests.engine.test_cuda_contract_engine import _off_device_0
-kind = CudaKind((1, 2))
+kind = CudaKind((1,))
 context, keep = DeviceContext(kind), []
-_off_device_0(kind, context, keep)
+_off_device_0(kind, context, keep, (1, 1, 1))
 context.close()
 for memory in keep:
     kind.free(memory)
@@ -212,9 +212,9 @@ print("ACTIVE", active.value)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(gpus()[0] < 3, reason=gpus()[1] or f"needs 3 GPUs, {gpus()[0]} visible")
+@pytest.mark.skipif(gpus()[0] < 2, reason=gpus()[1] or f"needs 2 GPUs, {gpus()[0]} visible")
 def test_cuda_contract_a_daemon_off_device_0_makes_no_context_there_on_gpus():
-    """The same on GPUs 1 and 2 in a fresh process; GPU 0's primary context stays inactive."""
+    """The same on GPU 1 in a fresh process; GPU 0's primary context stays inactive."""
     import subprocess
     import sys
 
