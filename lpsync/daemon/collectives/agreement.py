@@ -175,6 +175,39 @@ def failure_summary(job: Job, error: LpsyncError) -> Summary:
     return Summary.of({"node": job.layout.node, "ranks": ranks, "error": [error.code, message]})
 
 
+def announce(job: Job, sequence: int, link: Link, failure: Summary) -> None:
+    """This node failed collective ``sequence`` without a mesh (failure_summary): on
+    the next one, send what the nodes that run it there wait for from this node, so
+    that they fail it at once instead of timing out: the summary to its tree parent
+    (or, in an exchange, to the other node) and an error verdict to its children.
+    Sent, never waited for (a wait that times out would break the mesh); where no one
+    waits, the message lies unread until this mesh generation closes."""
+    assert job.layout is not None
+    nodes, node = job.layout.nodes, job.layout.node
+    up, down = _tags(job_hash(job.name), sequence)
+    if nodes <= EXCHANGE_MAX_NODES:
+        for other in range(nodes):
+            if other != node:
+                link.endpoint.send(other, up, encode(failure.alone))
+        return
+    tree = Tree(nodes, link.agreement_radix)
+    if node:
+        link.endpoint.send(tree.parent(node), up, encode(failure.alone))
+    code, message = failure.fields["error"]
+    verdict = encode(
+        {
+            "verdict": {
+                "error": [
+                    code,
+                    f"collective #{sequence} of job {job.name!r} failed on another node: {message}",
+                ]
+            }
+        }
+    )
+    for kid in tree.children(node):
+        link.endpoint.send(kid, down, verdict)
+
+
 def _tags(job_hash: int, sequence: int) -> tuple[int, int]:
     value = (job_hash << 32) | (sequence & 0xFFFFFFFF)
     return control_tag(SPEC, value), control_tag(VERDICT, value)

@@ -47,7 +47,21 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
     job, pending = task.job, task.pending
     assert job.layout is not None
     deadline = time.monotonic() + task.timeout
-    link = plane.link(deadline).for_job(job.layout.cluster)
+    try:
+        link = plane.link(deadline).for_job(job.layout.cluster)
+    except UnavailableError as error:
+        # No mesh (lost, or rebuilt while this waited): nodes whose new mesh is up by the
+        # time their ranks arrive would wait out their timeout for this node's part.
+        failure, cluster, sequence = (
+            agreement.failure_summary(job, error),
+            job.layout.cluster,
+            pending.sequence,
+        )
+        plane.owe(
+            deadline,
+            lambda link: agreement.announce(job, sequence, link.for_job(cluster), failure),
+        )
+        raise
     learner = _learner(job)
     last = learner.take_last()  # an earlier trial's time, for node 0
     proposal = None

@@ -26,7 +26,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -210,6 +210,9 @@ class PeerPlane:
         self._generation = 0
         self._lost: str | None = None  # why the last mesh broke, until a new one is up
         self._had_mesh = False  # a mesh was up once (this daemon's own history)
+        # What this node owes the next mesh: (expiry, callback) of collectives it failed
+        # without one (owe()); bounded, oldest dropped first.
+        self._owed: list[tuple[float, Callable[[Link], None]]] = []
         self._thread = threading.Thread(target=self._main, name="lpsync-peers", daemon=True)
 
     def start(self) -> None:
@@ -257,6 +260,17 @@ class PeerPlane:
                     )
                 waited = True
                 self._changed.wait(remaining)
+
+    def owe(self, until: float, tell: Callable[[Link], None]) -> None:
+        """Run ``tell(link)`` on the next healthy mesh (now, if one is up), unless
+        ``until`` (monotonic) has passed by then: a collective this node failed while its
+        mesh was down tells the nodes that may run it on the next mesh. Best effort."""
+        with self._changed:
+            link = self._link
+            if link is None or link.error is not None or link.model is None:
+                self._owed = [*self._owed, (until, tell)][-_OWED_MAX:]
+                return
+        _pay(link, [(until, tell)])
 
     def stop(self, bound: float = STOP_BOUND) -> bool:
         """Close the mesh and the runtime within ``bound`` seconds in all; False when a
@@ -354,7 +368,9 @@ class PeerPlane:
             worker.start()
         with self._changed:
             self._link, self._lost, self._had_mesh = link, None, True
+            owed, self._owed = self._owed, []
             self._changed.notify_all()
+        _pay(link, owed)
         self._metrics.peers_connected.set(len(others))
         log.info(
             "node %d: peer mesh up (generation %d, %d peers; alpha %.1f us, %.3g bytes/s)",
@@ -465,6 +481,19 @@ class PeerPlane:
         alpha = max(a for a, _ in results.values()) if results else 50e-6
         bandwidth = min(b for _, b in results.values()) if results else 1.25e9
         return LinkModel.from_bandwidth(alpha=alpha, bandwidth=bandwidth, shared_nic=True)
+
+
+_OWED_MAX = 256  # collectives failed without a mesh that the next one hears of
+
+
+def _pay(link: Link, owed: list[tuple[float, Callable[[Link], None]]]) -> None:
+    now = time.monotonic()
+    for until, tell in owed:
+        if until > now:
+            try:
+                tell(link)
+            except LpsyncError as error:  # the new mesh broke already: nothing to tell on
+                log.debug("could not tell the peers of a failed collective: %s", error)
 
 
 def probe_order(rank: int, size: int) -> list[int]:
