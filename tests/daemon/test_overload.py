@@ -232,7 +232,9 @@ def test_registering_until_the_limit(tmp_path: Path) -> None:
 @pytest.mark.parametrize("trigger", ["grpc", "socket"])
 def test_a_cancelled_collective_does_not_break_the_client(daemon, trigger: str) -> None:
     """The reply to a collective whose Future the caller cancelled used to raise in the
-    client's reader thread, which died: every later request of that client hung."""
+    client's reader thread, which died: every later request of that client hung. Rank 1
+    arrives first, so rank 0's request completes the collective before its cancel reaches
+    the daemon (same connection, in order): it runs, and its reply finds no taker."""
     with (
         lpsync_client.connect(
             daemon.socket, job="cx", rank=0, world_size=2, timeout=30, trigger=trigger
@@ -242,9 +244,16 @@ def test_a_cancelled_collective_does_not_break_the_client(daemon, trigger: str) 
         ) as b,
     ):
         x, y = a.zeros(4), b.zeros(4)
-        first = a.allreduce_async(x)
-        assert first.cancel()
-        b.allreduce(y)  # completes the collective: its reply to rank 0 finds no taker
+        cancelled = 0
+        for _ in range(20):  # until a cancel beats the reply (almost always the first)
+            other = b.allreduce_async(y)
+            time.sleep(0.05)  # rank 1's request is in
+            first = a.allreduce_async(x)
+            cancelled += first.cancel()
+            other.result(timeout=10)  # it ran: the cancel came after it was complete
+            if cancelled:
+                break
+        assert cancelled
         x[:], y[:] = 1, 2
         second = a.allreduce_async(x)
         b.allreduce(y)

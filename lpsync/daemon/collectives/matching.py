@@ -309,9 +309,10 @@ class Job:
             )
         return out
 
-    def _finish(self, pending: Pending, outcome: Outcome) -> None:
-        """Keep ``pending``'s record in the flight recorder."""
-        now = time.monotonic()
+    def _finish(self, pending: Pending, outcome: Outcome, now: float | None = None) -> None:
+        """Keep ``pending``'s record in the flight recorder; ``now``: when it finished
+        (taken before the replies, which may wait on a loaded machine)."""
+        now = time.monotonic() if now is None else now
         pending.enter("", now)
         error = outcome.error
         record = FlightRecord(
@@ -404,13 +405,14 @@ class Job:
             except Exception as error:  # a bug: report it rather than hang the participants
                 log.exception("collective failed unexpectedly")
                 outcome = Outcome(LpsyncError(f"internal error: {error!r}"))
+        finished = time.monotonic()
         for arrival in pending.arrivals.values():
             state = outcome.buffer_state
             if outcome.error is not None:
                 state = PARTIAL if arrival.in_place else UNSPECIFIED
             arrival.done(Outcome(outcome.error, state, outcome.algorithm, outcome.chunks, outcome.seconds))
         # After the replies: off the critical path.
-        self._finish(pending, outcome)
+        self._finish(pending, outcome, finished)
         self._record(self, pending, outcome)
 
 
