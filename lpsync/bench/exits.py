@@ -80,6 +80,8 @@ def measure(nodes: int, transport: str, busy: bool, prefix: str | None = None) -
             _wait_all_ok(reports, nodes, time.monotonic() + 120.0)
             if not busy:  # idle: the job has left (its trainers detached and exited)
                 for t in trainers:
+                    t.close_input()
+                for t in trainers:
                     t.stop(grace=40.0)
             exits = net.stop_all()
         finally:

@@ -205,11 +205,17 @@ class Trainer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, grace: float = 10.0) -> int | None:
-        """Close its stdin (it finishes its collective and exits), then kill if need be."""
+    def close_input(self) -> None:
+        """Close its stdin: it finishes its collective and exits. Close every trainer's
+        before waiting for any: one left running would wait, in its next collective, for
+        the ranks that left until its timeout."""
         with contextlib.suppress(OSError, ValueError):
             assert self.proc.stdin is not None
             self.proc.stdin.close()
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        """Close its stdin (it finishes its collective and exits), then kill if need be."""
+        self.close_input()
         self.proc.send_signal(signal.SIGCONT)
         try:
             return self.proc.wait(grace)
