@@ -222,8 +222,8 @@ def test_recovery_after_a_killed_daemon_returns(tmp_path: Path, transport: str) 
         for path in (Path(victim.socket), Path(victim.socket + ".trigger")):
             path.unlink(missing_ok=True)  # left by the SIGKILL; a restart would replace them
         c.start(1)
-        # A collective waits at most the heartbeat timeout for a lost mesh's rebuild
-        # (peer_plane.PeerPlane.link): run once the survivors report the new mesh.
+        # A collective that finds the mesh lost fails at once (peers.plane.PeerPlane.link):
+        # run once the survivors report the new mesh.
         deadline = time.monotonic() + 60
         while not all(c.log(node).count("peer mesh up") >= 2 for node in (0, 2)):
             assert time.monotonic() < deadline, c.log(0)[-3000:]
