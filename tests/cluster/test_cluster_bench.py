@@ -321,12 +321,12 @@ def test_three_node_cluster_bench_end_to_end() -> None:
             p["algorithm"] == "auto" and p["ran"] in ("lp", "ring", "be", "mst", "linear", "pairwise")
         )
         # CPU: every rank's, and for lpsync every daemon's; at most what 2 iterations' wall
-        # time on every core could hold (+ the barriers' own time, generously). lpsync's
-        # calls cost clearly more than its barriers; gloo's 100 KB broadcast can cost less
-        # than the noise of 3 gloo barriers on a loaded box (then 0, never negative).
+        # time on every core could hold (+ the barriers' own time, generously). The calls'
+        # CPU is the whole processes' less their 3 barriers': on a loaded box one point's
+        # 2 calls can cost less than that noise (then 0, never negative), so only the run's
+        # lpsync points together must show some (below).
         assert p["cpu"]["rank"] > 0 and (p["cpu"]["daemon"] > 0) == (p["algorithm"] != "gloo")
         assert 0 <= p["cpu_seconds"] < (os.cpu_count() or 1) * (sum(p["times"]) + 2.0)
-        assert p["cpu_seconds"] > 0 or p["algorithm"] == "gloo"
         assert p["cpu_s_per_gb"] == pytest.approx(p["cpu_seconds"] / (2 * p["bytes"] / 1e9))
         # Per call and process: the daemons' mean (none for gloo) and the ranks' mean.
         ranks, calls = p["nodes"] * p["procs_per_node"], len(p["times"])
@@ -351,6 +351,7 @@ def test_three_node_cluster_bench_end_to_end() -> None:
         assert list(fixed["stage_medians"]) == list(fixed["stages"])
         assert all(0 <= s < 30 for s in fixed["stage_medians"].values()), fixed
         assert 0 < fixed["daemon_seconds"] <= fixed["seconds"] + 1e-3  # reply before record
+    assert sum(p["cpu_seconds"] for p in points if p["algorithm"] != "gloo") > 0
     pids = _daemon_pids(done.stderr)
     assert len(pids) == 3
     assert _leftovers(name, pids) == []
