@@ -81,8 +81,11 @@ def measure(nodes: int, transport: str, busy: bool, prefix: str | None = None) -
             if not busy:  # idle: the job has left (its trainers detached and exited)
                 for t in trainers:
                     t.close_input()
+                # Each finishes its collective and exits; one that had started the next
+                # collective waits in it for ranks that already left (until its timeout):
+                # killed after a short grace, which ends its session all the same.
                 for t in trainers:
-                    t.stop(grace=40.0)
+                    t.stop(grace=3.0)
             exits = net.stop_all()
         finally:
             for t in trainers:
