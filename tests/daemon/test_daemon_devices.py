@@ -441,3 +441,32 @@ def test_a_client_killed_mid_collective_is_closed_only_after_the_streams_drain(t
             assert_matches(np.frombuffer(results[rank][0][0], np.float32), want[rank], "after")
     finally:
         proc.stop_and_check()
+
+
+def test_cuda_contract_a_buffer_released_while_its_collective_waits_stays_mapped(emu):
+    """Rank 0 releases its device buffer right after its collective arrived, before rank 1
+    does: the mapping stays open until the collective is answered (busy from arrival,
+    issue 25 point 5), the collective runs on it, and it closes after. It used to close at
+    the Release and the run was refused ("released ... before it ran")."""
+    with (
+        lpsync_client.connect(emu.socket, job="rel", rank=0, world_size=2, timeout=30) as c0,
+        lpsync_client.connect(emu.socket, job="rel", rank=1, world_size=2, timeout=30) as c1,
+    ):
+        x, y = emulated.zeros(64, "float32", device=0), emulated.zeros(64, "float32", device=1)
+        x.set(np.arange(64, dtype=np.float32))
+        y.set(np.full(64, 10, np.float32))
+        hx, hy = c0.register(x), c1.register(y)
+        pending = c0.allreduce_async(hx)
+        time.sleep(0.2)  # rank 0's collective is waiting for rank 1
+        hx.release()
+        assert _device_rows(emu.socket)[0].ipc_closes == 0, "closed under a pending collective"
+        c1.allreduce(hy)
+        pending.result(timeout=30)
+        assert x.get().tolist() == (np.arange(64) + 10).tolist()
+        assert y.get().tolist() == (np.arange(64) + 10).tolist()
+        deadline = time.monotonic() + 5
+        while _device_rows(emu.socket)[0].ipc_closes != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        row = _device_rows(emu.socket)[0]
+        assert (row.open_allocations, row.ipc_closes) == (0, 1)
+        hy.release()

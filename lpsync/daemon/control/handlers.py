@@ -341,7 +341,8 @@ class Service(pb_grpc.LpSyncServicer):
     ) -> pb.ReleaseResponse:
         try:
             session = self.sessions.get(request.session_id)
-            self.sessions.release(session, request.handle)
+            # Off the event loop: closing a device mapping can synchronize the device.
+            await self.loop.run_in_executor(None, self.sessions.release, session, request.handle)
         except LpsyncError as error:
             await _abort(context, error)
         job = self.jobs.get(session.job)
@@ -365,11 +366,14 @@ class Service(pb_grpc.LpSyncServicer):
                 with contextlib.suppress(RuntimeError):  # loop closed: nobody waits
                     self.loop.call_soon_threadsafe(settle, outcome)
 
+        arrival = None
         try:
             session = self.sessions.get(request.session_id)
             arrival = self._arrival(session, request, done)
             self._submit(session, arrival)
         except LpsyncError as error:
+            if arrival is not None:
+                arrival.done(Outcome(error))  # frees what its arrival holds
             await _abort(context, error)
             raise AssertionError from error
         # The watcher fails the collective at its timeout and execution has the same bound,
@@ -490,12 +494,13 @@ class Service(pb_grpc.LpSyncServicer):
         def done(outcome: Outcome) -> None:
             reply(_result(rid, outcome))
 
+        arrival = None
         try:
             arrival = self._arrival(session, request.collective, done)
             self._submit(session, arrival)
         except LpsyncError as error:
             self.metrics.collective_failed(request.collective.op, error.code)
-            done(Outcome(error))
+            (done if arrival is None else arrival.done)(Outcome(error))
 
     def _submit(self, session: Session, arrival: Arrival) -> None:
         self._check_open()
@@ -597,9 +602,33 @@ class Service(pb_grpc.LpSyncServicer):
             if not isinstance(data, Span):
                 raise InvalidArgumentError("a ready event goes with device buffers only")
             ready = self.sessions.ready_event(session, data.device, request.ready_event)
+        done = self._holding_devices(data, out, done)
         return Arrival(
             session.rank, request.sequence, spec, timeout, data, out, tuple(handles), done, ready=ready
         )
+
+    def _holding_devices(
+        self, data: object, out: object, done: Callable[[Outcome], None]
+    ) -> Callable[[Outcome], None]:
+        """Device buffers are busy from their arrival until the reply: a Release or the
+        session's end in between defers the close of their mappings until then (on CUDA a
+        mapping closed under a pending collective faults the daemon's context on that
+        device; issue 25, point 5). The returned ``done`` replies, then frees them."""
+        spans = [s for s in (data, out) if isinstance(s, Span)]
+        if not spans or self.devices is None:
+            return done
+        devices = self.devices
+        busy = devices.use([s.memory for s in spans])
+        once = threading.Lock()
+
+        def reply(outcome: Outcome) -> None:
+            try:
+                done(outcome)
+            finally:
+                if once.acquire(blocking=False):
+                    devices.done(busy)
+
+        return reply
 
     def _run(self, job: Job, pending: Pending) -> Outcome:
         with self._idle:
