@@ -10,13 +10,17 @@ lock is never held while this registry's is taken.
 
 from __future__ import annotations
 
+import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from lpsync.engine.device_group import DeviceContext
 from lpsync.errors import InvalidArgumentError, NotFoundError
 from lpsync.memory.kind import MemoryKind
 from lpsync_client.wire import split_device_uuid
+
+log = logging.getLogger("lpsync.daemon")
 
 MAX_HANDLE_BYTES = 1024  # CUDA IPC handles are 64 bytes, emulated ones shorter
 
@@ -55,6 +59,9 @@ class DeviceRegistry:
         self._uuids: dict[bytes, int] | None = None  # device UUID -> this daemon's ordinal
         # Kinds that can tell a mapping whose exporter freed it (emulated; CUDA cannot).
         self._check_mapped = getattr(kind, "check_mapped", None)
+        # Closes that must not run where they were asked for (the event loop): one thread.
+        self._closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpsync-unmap")
+        self._closed = False
 
     def register(
         self, kind: str, device: int, handle: bytes, offset: int, nbytes: int, allocation_bytes: int
@@ -119,12 +126,15 @@ class DeviceRegistry:
             )
         return device
 
-    def release(self, buffer: DeviceBuffer) -> None:
+    def release(self, buffer: DeviceBuffer, wait: bool = True) -> None:
+        """Drop one registration; its mapping closes with the last one, once idle.
+        ``wait=False`` (a session ending, on the event loop): the close runs on the
+        registry's closer thread, since closing a mapping can synchronize the device."""
         with self._lock:
             self.registered[buffer.device] -= buffer.nbytes
-        self._drop(buffer.allocation)
+        self._drop(buffer.allocation, wait)
 
-    def _drop(self, entry: OpenAllocation) -> None:
+    def _drop(self, entry: OpenAllocation, wait: bool = True) -> None:
         with self._lock:
             entry.refs -= 1
             last = entry.refs == 0 and entry.active == 0
@@ -133,7 +143,21 @@ class DeviceRegistry:
             if last:
                 self._by_memory.pop(id(entry.memory), None)
         if last:
-            self.kind.close(entry.memory)
+            self._close(entry.memory, wait)
+
+    def _close(self, memory: object, wait: bool) -> None:
+        with self._lock:
+            later = not wait and not self._closed
+            if later:
+                self._closer.submit(self._close_logged, memory)
+        if not later:
+            self.kind.close(memory)
+
+    def _close_logged(self, memory: object) -> None:
+        try:
+            self.kind.close(memory)
+        except Exception:  # a failed unmap must not end the closer thread
+            log.exception("closing a device mapping failed")
 
     def use(self, memories: list) -> list[OpenAllocation]:
         """Mark the allocations of ``memories`` busy: a release (or a client's death) while a
@@ -188,6 +212,9 @@ class DeviceRegistry:
         """Daemon shutdown: the streams drain first (destroying one waits for its work),
         then the mappings close; unmapping under queued work faults on CUDA."""
         self.context.close()
+        with self._lock:
+            self._closed = True  # later closes run where they are asked for
+        self._closer.shutdown(wait=True)
         with self._lock:
             entries = list(self._by_memory.values())
             self._open.clear()

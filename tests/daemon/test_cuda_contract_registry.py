@@ -58,3 +58,33 @@ def test_cuda_contract_a_buffer_released_before_its_run_refuses_it():
     finally:
         registry.close()
         allocation.free()
+
+
+def test_cuda_contract_a_session_end_closes_mappings_off_the_calling_thread():
+    """A session's end frees its device buffers on the event loop (end_session); their
+    mappings close on the registry's own thread (closing one can synchronize the device,
+    point 5). A Release waits for its close (it runs off the loop already)."""
+    import threading
+
+    kind = EmulatedKind(1)
+    registry = DeviceRegistry(kind)
+    closed_on: list[str] = []
+    close = kind.close
+
+    def recording_close(memory) -> None:
+        closed_on.append(threading.current_thread().name)
+        close(memory)
+
+    kind.close = recording_close  # type: ignore[method-assign]
+    allocations = [client_emulated.Allocation(4096, 0) for _ in range(2)]
+    try:
+        ended, released = (_registered(registry, a) for a in allocations)
+        registry.release(released)  # wait=True: closed here, before it returns
+        assert closed_on == [threading.current_thread().name]
+        registry.release(ended, wait=False)
+        registry.close()  # waits for the closer thread
+        assert len(closed_on) == 2 and closed_on[1].startswith("lpsync-unmap"), closed_on
+        assert kind.closes[0] == 2
+    finally:
+        for a in allocations:
+            a.free()

@@ -40,12 +40,13 @@ class Buffer:
     def nbytes(self) -> int:
         return self.device.nbytes if self.device is not None else self.segment.nbytes
 
-    def free(self, devices: DeviceRegistry | None) -> None:
+    def free(self, devices: DeviceRegistry | None, wait: bool = True) -> None:
+        """``wait=False``: a device mapping's close may run later, on the registry's thread."""
         if self.segment is not None:
             self.segment.unlink()
             self.segment.close()
         elif devices is not None and self.device is not None:
-            devices.release(self.device)
+            devices.release(self.device, wait)
 
 
 @dataclass
@@ -127,7 +128,7 @@ class SessionTable:
             session.nbytes = session.reserved = 0
             total = self._total
         for buffer in buffers:
-            buffer.free(self.devices)
+            buffer.free(self.devices, wait=False)  # often on the event loop (end_session)
         if self.devices is not None:
             for event in events:  # a stream still waiting on one gives up (kind.close_event)
                 self.devices.kind.close_event(event)
