@@ -116,15 +116,17 @@ class Service(pb_grpc.LpSyncServicer):
             self.metrics.device_bytes(self.devices.registered)
 
     # -- lifecycle -------------------------------------------------------------------------
-    def end_session(self, session: Session, reason: str) -> None:
-        """Idempotent: abort what waits on the session, free its buffers, end its stream."""
+    def end_session(self, session: Session, reason: str, wait: bool = False) -> None:
+        """Idempotent: abort what waits on the session, free its buffers, end its stream.
+        Device mappings close on the registry's thread unless ``wait`` (a Detach: its
+        client frees the memory once answered, so they must be closed by then)."""
         with self._ending:
             if session.ended:
                 return
             session.ended = True
         # Abort first, so the other ranks hear of it; then free the buffers.
         self.jobs.leave(session.job, session.rank, reason)
-        buffers = self.sessions.remove(session)
+        buffers = self.sessions.remove(session, wait)
         job = self.jobs.get(session.job)
         if job is not None:
             for buffer in buffers:
@@ -278,7 +280,9 @@ class Service(pb_grpc.LpSyncServicer):
 
     async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:
         try:
-            self.end_session(self.sessions.get(request.session_id), "detached")
+            session = self.sessions.get(request.session_id)
+            # Off the event loop: its device mappings close before the answer (wait=True).
+            await self.loop.run_in_executor(None, self.end_session, session, "detached", True)
         except LpsyncError as error:
             await _abort(context, error)
         return pb.DetachResponse()

@@ -112,8 +112,9 @@ class SessionTable:
         with self._lock:
             return list(self._sessions.values())
 
-    def remove(self, session: Session) -> list[Buffer]:
-        """End the session; returns its buffers, already unlinked."""
+    def remove(self, session: Session, wait: bool = False) -> list[Buffer]:
+        """End the session; returns its buffers, already unlinked (device mappings closed
+        when ``wait``, else handed to the device registry's thread)."""
         with self._lock:
             if session.closed:
                 return []
@@ -128,7 +129,7 @@ class SessionTable:
             session.nbytes = session.reserved = 0
             total = self._total
         for buffer in buffers:
-            buffer.free(self.devices, wait=False)  # often on the event loop (end_session)
+            buffer.free(self.devices, wait)  # without wait: often on the event loop
         if self.devices is not None:
             for event in events:  # a stream still waiting on one gives up (kind.close_event)
                 self.devices.kind.close_event(event)
