@@ -48,24 +48,12 @@ def three_in_flight(
 def torch_three_in_flight(rank: int, world: int, sockets: list[str], port: int, rounds: int) -> list[str]:
     """The same through the torch backend on plain tensors (staged by the backend); the
     ranks find their nodes through the store (no LOCAL_* hints)."""
-    import os
-    from datetime import timedelta
-
-    for hint in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        os.environ.pop(hint, None)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        LPSYNC_SOCKET=sockets[rank],
-    )
     import torch
     import torch.distributed as dist
 
-    import lpsync_client.torch  # noqa: F401  (registers the backend)
+    from tests.client.torch_backend.layout_workers import init
 
-    dist.init_process_group("lpsync", timeout=timedelta(seconds=60))
+    init(rank, world, sockets, port)
     wrong: list[str] = []
     try:
         for i in range(rounds):
