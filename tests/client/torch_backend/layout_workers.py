@@ -124,7 +124,9 @@ def under_torchrun() -> None:
         "sum": t[0].item(),
         "gathered": [o[0].item() for o in out],
     }
-    print("RESULT " + json.dumps(line), flush=True)
+    # One write: torchrun runs its workers unbuffered on one shared pipe, where print()'s
+    # text and newline are two writes that other ranks' lines can land between.
+    os.write(1, ("RESULT " + json.dumps(line) + "\n").encode())
     dist.destroy_process_group()
 
 
