@@ -380,7 +380,7 @@ class JobInfo(_message.Message):
     def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., nodes: _Optional[int] = ..., node: _Optional[int] = ..., attached: _Optional[_Iterable[int]] = ..., waiting: _Optional[_Iterable[_Union[WaitingCollective, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[FlightRecord, _Mapping]]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "uptime_seconds", "sessions", "buffers", "recent", "jobs", "devices")
+    __slots__ = ("version", "uptime_seconds", "sessions", "buffers", "recent", "jobs", "devices", "failed_across")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -388,6 +388,7 @@ class StatusResponse(_message.Message):
     RECENT_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_ACROSS_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_seconds: float
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
@@ -395,7 +396,28 @@ class StatusResponse(_message.Message):
     recent: _containers.RepeatedCompositeFieldContainer[CollectiveRecord]
     jobs: _containers.RepeatedCompositeFieldContainer[JobInfo]
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
-    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ..., recent: _Optional[_Iterable[_Union[CollectiveRecord, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ...) -> None: ...
+    failed_across: _containers.RepeatedCompositeFieldContainer[FailedAcross]
+    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ..., recent: _Optional[_Iterable[_Union[CollectiveRecord, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., failed_across: _Optional[_Iterable[_Union[FailedAcross, _Mapping]]] = ...) -> None: ...
+
+class NodeOutcome(_message.Message):
+    __slots__ = ("node", "code")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    node: int
+    code: str
+    def __init__(self, node: _Optional[int] = ..., code: _Optional[str] = ...) -> None: ...
+
+class FailedAcross(_message.Message):
+    __slots__ = ("job", "sequence", "nodes", "split")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    sequence: int
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeOutcome]
+    split: bool
+    def __init__(self, job: _Optional[str] = ..., sequence: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeOutcome, _Mapping]]] = ..., split: _Optional[bool] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
     __slots__ = ("index", "kind", "name", "registered_bytes", "open_allocations", "ipc_opens", "ipc_closes", "links")

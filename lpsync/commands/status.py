@@ -88,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
             f"  {c.job:<16} {c.sequence:>6} {c.op:<14} {c.dtype:<8} {c.count:>10} "
             f"{c.algorithm:<9} {c.seconds * 1e6:>8.1f}us  {c.code:<18} {when}"
         )
+    if status.failed_across:
+        _print_failed_across(status.failed_across)
     print(f"\njobs ({len(status.jobs)})")
     for job in status.jobs:
         _print_job(job)
@@ -107,6 +109,16 @@ def ranges(ranks) -> str:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}ms"
+
+
+def _print_failed_across(failed) -> None:
+    from lpsync.daemon.collectives.outcomes import describe
+
+    print(f"\ncollectives that failed on some node ({len(failed)}; as the nodes told at their last mesh-up)")
+    for f in failed:
+        codes = {n.node: n.code for n in f.nodes}
+        flag = "  SPLIT: finished on some nodes, failed on others (buffers differ)" if f.split else ""
+        print(f"  {f.job} #{f.sequence}: {describe(list(codes), codes)}{flag}")
 
 
 def _print_job(job) -> None:

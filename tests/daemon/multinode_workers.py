@@ -66,7 +66,7 @@ def until_unavailable(
             try:
                 c.allreduce(x, algorithm="lp")
             except lpsync_client.LpsyncError as error:
-                return [type(error).__name__, time.monotonic(), done, str(error)[:300]]
+                return [type(error).__name__, time.monotonic(), done, str(error)[:800]]
             done += 1
             if done == 2:
                 ready.set()

@@ -10,6 +10,8 @@ import multiprocessing as mp
 import os
 import secrets
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,6 +28,7 @@ if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None
     pytest.skip("network namespaces need root and iproute2 (ip, tc)", allow_module_level=True)
 
 from lpsync.cluster import Cluster, faults
+from lpsync.daemon import launch
 
 NODES, PER_NODE, CUT = 3, 2, 1
 WORLD = NODES * PER_NODE
@@ -171,10 +174,20 @@ def test_a_cut_node_is_unavailable_everywhere_and_the_mesh_heals(net: NetCluster
     )
 
 
+def _failed_across(socket: str, job: str) -> list[tuple[int, dict[int, str], bool]]:
+    """(sequence, code by node, split) of ``job``'s collectives that failed on some node,
+    as the daemon at ``socket`` reports them."""
+    status = launch.status(socket, recent=1000)
+    return [
+        (f.sequence, {n.node: n.code for n in f.nodes}, f.split) for f in status.failed_across if f.job == job
+    ]
+
+
 def test_a_cut_while_data_moves_fails_every_rank_within_the_bound(net: NetCluster) -> None:
     """Node 1 cut (every packet dropped) while large LP allreduces stream through it: every
     rank of every node fails with UNAVAILABLE within the heartbeat bound, nobody hangs, and
-    once the link is back the mesh heals and a job's collectives are correct again."""
+    once the link is back the mesh heals, every node's status names each node's outcome
+    of the cut collective alike, and a job's collectives are correct again."""
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     box: dict[str, Any] = {}
@@ -213,6 +226,28 @@ def test_a_cut_while_data_moves_fails_every_rank_within_the_bound(net: NetCluste
         if rank // PER_NODE != CUT:
             assert "node 1" in message, (rank, message)
     net.wait_meshes(before, 120)
+    # The nodes told each other their outcomes on the new mesh: every node's status names
+    # each node's outcome of the cut collectives alike, and each node's failure is there.
+    views = [_failed_across(socket, "cut-data") for socket in net.sockets]
+    assert views[0] == views[1] == views[2], views
+    for node in range(NODES):
+        assert any(codes[node] == "UNAVAILABLE" for _, codes, _ in views[0]), (node, views[0])
+    for _, codes, split in views[0]:
+        assert split == ("OK" in codes.values() and "UNAVAILABLE" in codes.values()), views[0]
+    printed = subprocess.run(
+        [sys.executable, "-m", "lpsync.cli", "status", "--socket", net.sockets[2], "--recent", "1000"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "collectives that failed on some node" in printed, printed
+    for sequence, _, split in views[0]:
+        line = next(x for x in printed.splitlines() if f"cut-data #{sequence}:" in x)
+        assert ("SPLIT" in line) == split and "UNAVAILABLE on node" in line, line
+    for _, _, _, message in box["results"]:
+        if "lost a peer node" in message:
+            assert "`lpsync status` on any node names each node's outcome" in message, message
     # A node that finished the cut collective before the others failed it is one
     # collective ahead of them (docs/security.md, known limits): a new job starts even.
     assert (

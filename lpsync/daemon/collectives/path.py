@@ -32,6 +32,12 @@ from lpsync.daemon.values import RUNNING, Outcome, Pending
 from lpsync.errors import CollectiveTimeoutError, LpsyncError, MismatchError, UnavailableError
 from lpsync.types import Collective
 
+# Nodes that the loss did not cut off may have finished it (the verdict or the data had
+# reached them): a report, not a second agreement round (outcomes.py says why).
+_MAY_HAVE_FINISHED = (
+    "; other nodes may have finished it: `lpsync status` on any node names each node's "
+    "outcome once the mesh is back"
+)
 _NOTIFY_TIMEOUT = 5.0  # seconds a failed node waits at least for its part in the agreement
 
 
@@ -107,6 +113,7 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
                 ) from None
             raise UnavailableError(
                 f"collective #{pending.sequence} of job {job.name!r} lost a peer node: {link.failure()}"
+                f"{_MAY_HAVE_FINISHED}"
             ) from None
         raise
     return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())

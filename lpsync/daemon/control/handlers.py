@@ -39,6 +39,7 @@ from lpsync.algorithms.registry import DIRECT
 from lpsync.daemon.collectives import path
 from lpsync.daemon.collectives.local import is_inline
 from lpsync.daemon.collectives.matching import Job, Jobs, Recorder
+from lpsync.daemon.collectives.outcomes import Outcomes
 from lpsync.daemon.collectives.views import REDUCING, bus_factor, nccl_bytes
 from lpsync.daemon.control import layout as layouts
 from lpsync.daemon.control import limits
@@ -74,6 +75,11 @@ class Service(pb_grpc.LpSyncServicer):
         self.plane = plane  # the peer manager; None: a single-node daemon
         # Which node this is, for the ranks that discover their job's layout (layout.py).
         self.node_info = _node_info(plane)
+        # Multi-node: this node's outcomes of cross-node collectives and what the other
+        # nodes told of theirs on each new mesh (outcomes.py), for Status.
+        self.outcomes = Outcomes(plane.rank) if plane is not None else None
+        if plane is not None:
+            plane.exchange = self.outcomes
         self.started = time.time()
         kind = open_kind(parse_devices(config.devices))
         self.devices = DeviceRegistry(kind) if kind is not None else None
@@ -558,6 +564,13 @@ class Service(pb_grpc.LpSyncServicer):
             response.recent.add(**dict(zip(_RECORD_FIELDS, entry, strict=True)))
         for job in sorted(self.jobs.all(), key=lambda j: j.name):
             _job_info(response.jobs.add(), job, request.history)
+        for across in self.outcomes.failed(limit) if self.outcomes is not None else ():
+            response.failed_across.add(
+                job=across.job,
+                sequence=across.sequence,
+                nodes=[pb.NodeOutcome(node=d, code=across.codes.get(d, "")) for d in across.daemons],
+                split=across.split(),
+            )
         return response
 
     # -- collectives -------------------------------------------------------------------------
@@ -647,6 +660,9 @@ class Service(pb_grpc.LpSyncServicer):
     def _record(self, job: Job, pending: Pending, outcome: Outcome) -> None:
         spec = pending.spec
         code = "OK" if outcome.error is None else outcome.error.code
+        if job.layout is not None and self.outcomes is not None:
+            daemons = tuple(job.layout.daemon(n) for n in range(job.layout.nodes))
+            self.outcomes.ran(job.name, pending.sequence, daemons, code)
         self.recent.append(
             (
                 job.name,

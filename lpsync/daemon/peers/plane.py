@@ -3,8 +3,9 @@
 Lifecycle (one background thread, ``lpsync-peers``): open the transport's runtime (UCX
 by default, or plain TCP: lpsync.transport.backends; listener on this daemon's peer
 port, kept for the daemon's life), connect the mesh on it (rank = node rank; the daemon
-serves single-node jobs meanwhile), probe alpha/beta to every peer,
-start heartbeats, then wait until the mesh breaks (a peer killed, cut off, silent for
+serves single-node jobs meanwhile), probe alpha/beta to every peer, tell each other
+whether any had a mesh before and what the Exchange carries (the outcomes of their
+last collectives), start heartbeats, then wait until the mesh breaks (a peer killed, cut off, silent for
 ``heartbeat_timeout``, or any transport error). A broken mesh is closed, logged and
 rebuilt on the same runtime in the background (only connections are made anew),
 retrying until the peers are back; meanwhile a collective fails UNAVAILABLE at once
@@ -45,7 +46,7 @@ log = logging.getLogger("lpsync.peers")
 
 CONTROL = 1 << 63
 _KIND_SHIFT = 56
-HEARTBEAT, PROBE, SPEC, VERDICT, HISTORY = 1, 2, 3, 4, 5  # SPEC/VERDICT: agreement.py, up/down
+HEARTBEAT, PROBE, SPEC, VERDICT, HISTORY, TOLD = 1, 2, 3, 4, 5, 6  # SPEC/VERDICT: agreement.py, up/down
 # (bytes, round trips; the best one counts). Small round trips are cheap, and a daemon
 # that has just started shares its cores with the others starting: best of 3 measured
 # alpha at 0.5-2.9 ms on links whose quiet round trip is a few hundred us.
@@ -196,9 +197,21 @@ class Link:
 STOP_BOUND = 3.0  # seconds for the peer plane's part of a daemon's 5-s SIGTERM budget
 
 
+class Exchange(Protocol):
+    """What every node tells every other on each new mesh before it serves a collective
+    (collectives/outcomes.py: the outcomes of their last collectives)."""
+
+    max_bytes: int  # the largest message a node sends
+
+    def message(self) -> np.ndarray: ...
+
+    def heard(self, told: dict[int, np.ndarray]) -> object: ...  # by peer
+
+
 class PeerPlane:
     def __init__(self, options: PeerPlaneOptions, metrics: PeerMetrics) -> None:
         self.options = options
+        self.exchange: Exchange | None = None  # set before start() (the collectives' side)
         self.rank, self.size = options.peers.node_rank, len(options.peers.peers)
         self._metrics = metrics
         metrics.peers_expected.set(self.size - 1)
@@ -360,6 +373,8 @@ class PeerPlane:
                 else LinkModel.from_bandwidth(alpha=50e-6, bandwidth=1.25e9)
             )
             link.rebuilt = self._history(link, others)
+            if self.exchange is not None:
+                self._tell(link, others, self.exchange)
         except LpsyncError as error:
             log.warning("node %d: probing the peer links failed: %s", self.rank, error)
             _close(link)
@@ -454,14 +469,25 @@ class PeerPlane:
     def _history(self, link: Link, others: list[int]) -> bool:
         """Whether any node of this mesh had a mesh before (each tells every other): a
         rebuild after a loss, not the cluster's start. Every node computes the same."""
-        mine = np.array([self._had_mesh], np.uint8)  # never written: safe while in flight
-        theirs = {p: np.zeros(1, np.uint8) for p in others}
+        mine = np.array([self._had_mesh], np.uint8)
+        theirs = self._all_to_all(link, others, HISTORY, mine, 1)
+        return self._had_mesh or any(bool(t[0]) for t in theirs.values())
+
+    def _tell(self, link: Link, others: list[int], exchange: Exchange) -> None:
+        exchange.heard(self._all_to_all(link, others, TOLD, exchange.message(), exchange.max_bytes))
+
+    def _all_to_all(
+        self, link: Link, others: list[int], kind: int, mine: np.ndarray, most: int
+    ) -> dict[int, np.ndarray]:
+        """Send ``mine`` (never written again: safe while in flight) to every other node
+        and receive theirs (at most ``most`` bytes each), within connect_timeout."""
+        theirs = {p: np.zeros(most, np.uint8) for p in others}
         deadline = time.monotonic() + self.options.connect_timeout
-        requests = [link.mesh.post_recv(p, control_tag(HISTORY, 0), theirs[p]) for p in others]
-        requests += [link.mesh.send(p, control_tag(HISTORY, 0), mine) for p in others]
+        requests = [link.mesh.post_recv(p, control_tag(kind, 0), theirs[p]) for p in others]
+        requests += [link.mesh.send(p, control_tag(kind, 0), mine) for p in others]
         for request in requests:
             request.wait(deadline)
-        return self._had_mesh or any(bool(t[0]) for t in theirs.values())
+        return theirs
 
     def _probe(self, link: Link, others: list[int]) -> LinkModel:
         """Ping-pong a small and a large message with every peer (the lower rank pings);
