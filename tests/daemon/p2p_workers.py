@@ -83,3 +83,76 @@ def dies_before_sending(rank: int, socket: str, job: str) -> tuple[str, float]:
             return "no error", 0.0
         except lpsync_client.LpsyncError as error:
             return f"{type(error).__name__}: {error}", time.monotonic() - started
+
+
+def any_source(rank: int, world: int, sockets: list[str], port: int, job: str) -> list[str]:
+    """Rank 0 receives from any source (checked against what each rank sent), a receive
+    from a named source issued first keeps that source's message, two async any-source
+    receives complete in order, a large message, and a receive nobody sends to times out."""
+    failures: list[str] = []
+    with lpsync_client.connect(
+        sockets[rank], job=job, rank=rank, world_size=world, store=_store(rank, world, port), timeout=30
+    ) as c:
+        # Every other rank sends two messages with tag 5: rank 0 takes them in any order,
+        # each source's in its order.
+        if rank:
+            for i in range(2):
+                c.send(np.full(4, rank * 10 + i, np.int64), 0, tag=5)
+        else:
+            seen: dict[int, int] = {}
+            for _ in range(2 * (world - 1)):
+                got = np.zeros(4, np.int64)
+                source = c.recv_any(got, tag=5)
+                i = seen.get(source, 0)
+                seen[source] = i + 1
+                if list(got) != [source * 10 + i] * 4:
+                    failures.append(f"tag 5: from {source} got {list(got)}, expected {source * 10 + i}")
+            if seen != {r: 2 for r in range(1, world)}:
+                failures.append(f"tag 5: messages by source {seen}")
+        c.barrier()
+        # A receive from rank 2 issued first keeps rank 2's message, although it is sent
+        # (and announced) before rank 1's: the any-source receive gets rank 1's.
+        if rank == 0:
+            named = np.zeros(2, np.float32)
+            pending = c.recv_async(named, 2, tag=6)
+            c.barrier()
+            anyone = np.zeros(2, np.float32)
+            source = c.recv_any(anyone, tag=6)
+            pending.result(30)
+            if source != 1 or list(anyone) != [1.0, 1.0] or list(named) != [2.0, 2.0]:
+                failures.append(f"tag 6: any source got {list(anyone)} from {source}, rank 2's {list(named)}")
+        else:
+            c.barrier()
+            if rank == 2:
+                c.send(np.full(2, 2.0, np.float32), 0, tag=6)
+            elif rank == 1:
+                time.sleep(0.3)  # after rank 2's announcement
+                c.send(np.full(2, 1.0, np.float32), 0, tag=6)
+        # Two async any-source receives, then a large message (the pipeline across nodes).
+        big = np.arange(300_000, dtype=np.float64)
+        if rank == 0:
+            a, b = np.zeros(1, np.int32), np.zeros(1, np.int32)
+            fa, fb = c.recv_any_async(a, tag=7), c.recv_any_async(b, tag=7)
+            sources = sorted([fa.result(30), fb.result(30)])
+            if sources != [1, 2] or sorted([int(a[0]), int(b[0])]) != [1, 2]:
+                failures.append(f"tag 7: sources {sources}, values {a[0]}, {b[0]}")
+            into = np.zeros_like(big)
+            source = c.recv_any(into, tag=9)
+            if source != world - 1 or not np.array_equal(into, big + source):
+                failures.append(f"tag 9: the large message from {source} differs")
+        else:
+            if rank in (1, 2):
+                c.send(np.full(1, rank, np.int32), 0, tag=7)
+            if rank == world - 1:
+                c.send(big + rank, 0, tag=9)
+        c.barrier()
+        if rank == 0:
+            started = time.monotonic()
+            try:
+                c.recv_any(np.zeros(1, np.int32), tag=8, timeout=1.0)
+                failures.append("tag 8: a receive nobody sends to returned")
+            except lpsync_client.CollectiveTimeoutError as error:
+                if "any source" not in str(error) or time.monotonic() - started > 10:
+                    failures.append(f"tag 8: {error} after {time.monotonic() - started:.1f} s")
+        c.barrier()
+    return failures

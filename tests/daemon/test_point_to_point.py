@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.daemon.harness import PeeredDaemons, run_ranks
-from tests.daemon.p2p_workers import dies_before_sending, ring_and_tags, wrong_size
+from tests.daemon.p2p_workers import any_source, dies_before_sending, ring_and_tags, wrong_size
 from tests.ports import free_ports
 
 
@@ -16,11 +16,19 @@ def test_send_recv_on_one_daemon(daemon) -> None:
     assert results == [[], [], []], results
 
 
+def test_receive_from_any_source_on_one_daemon(daemon) -> None:
+    results = run_ranks(3, any_source, 3, [daemon.socket] * 3, free_ports(1)[0], "p2p-any", timeout=120)
+    assert results == [[], [], []], results
+
+
 def test_send_recv_across_daemons_1_and_2(tmp_path: Path) -> None:
     cluster = PeeredDaemons(tmp_path, 3, "--peer-transport", "tcp")
     try:
         sockets = [cluster.sockets[n] for n in (1, 2, 2)]
         results = run_ranks(3, ring_and_tags, 3, sockets, free_ports(1)[0], "p2p-nodes", timeout=180)
+        assert results == [[], [], []], results
+        # From any source: rank 0 on daemon 1, its senders on daemon 2 (announced by note).
+        results = run_ranks(3, any_source, 3, sockets, free_ports(1)[0], "p2p-any-nodes", timeout=180)
         assert results == [[], [], []], results
     finally:
         unclean = cluster.stop()

@@ -69,7 +69,7 @@ QUICK = (
     "test_DistributedDataParallelCPU",
     "test_static_graph_api_cpu",
     "test_ddp_create_graph",
-    "test_send_recv_any_source",  # known gap: unsupported
+    "test_send_recv_any_source",
     "test_barrier_timeout_full_group",  # lifted: a barrier that times out, in torch's words
 )
 

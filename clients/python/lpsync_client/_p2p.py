@@ -9,18 +9,38 @@ destination, tag) — the job's sequence numbers — and neither the other direc
 another tag ever waits on them. A receive buffer of another size than the message is a mismatch naming both
 counts, never a truncation. The pair's ranks are placed where the main job's are (its
 discovered layout, or node-major by LOCAL_WORLD_SIZE), so no store is needed.
+
+Receive from any source: the senders' daemons announce each send to the receiver's
+daemon (its inbox, lpsync/daemon/collectives/inbox.py); the receiver asks its daemon which
+rank's message comes next (a Probe, counting the receives it issued already from each
+source as spoken for) and then receives from that rank as above. A tag's any-source
+receives run one at a time, in the order issued, each probe after the previous one's
+receives were issued: MPI's matching order.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from lpsync_client.errors import InvalidArgumentError
+from lpsync_client.errors import InvalidArgumentError, UnavailableError
 
 MAX_TAG = 1 << 31  # torch's tags are int32
+_PAIR = re.compile(r"(?P<job>.+)/p2p/(?P<src>\d+)>(?P<dst>\d+)/(?P<tag>\d+)")
+
+
+def pair_job(job: str, src: int, dst: int, tag: int) -> str:
+    """The two-rank job of messages from ``src`` to ``dst`` with ``tag`` in ``job``."""
+    return f"{job}/p2p/{src}>{dst}/{tag}"
+
+
+def parse_pair(name: str) -> tuple[str, int, int, int] | None:
+    """(job, src, dst, tag) of a pair job's name; None for any other job."""
+    m = _PAIR.fullmatch(name)
+    return None if m is None else (m["job"], int(m["src"]), int(m["dst"]), int(m["tag"]))
 
 
 class PairJobs:
@@ -34,6 +54,8 @@ class PairJobs:
         self._open = open_pair  # (job, rank 0|1, [node of pair rank 0, of pair rank 1]) -> Client
         self._pairs: dict[tuple[int, int, int], Any] = {}
         self._lock = threading.Lock()
+        self._any: dict[int, ThreadPoolExecutor] = {}  # by tag: its any-source receives, in order
+        self._closed = False
 
     def _pair(self, src: int, dst: int, tag: int):
         peer = dst if src == self.rank else src
@@ -46,7 +68,7 @@ class PairJobs:
         with self._lock:  # one attach per (source, destination, tag), whichever thread asks first
             pair = self._pairs.get((src, dst, tag))
             if pair is None:
-                job = f"{self.job}/p2p/{src}>{dst}/{tag}"
+                job = pair_job(self.job, src, dst, tag)
                 pair = self._open(job, 0 if self.rank == src else 1, [self._node_of(src), self._node_of(dst)])
                 self._pairs[(src, dst, tag)] = pair
         return pair
@@ -59,8 +81,55 @@ class PairJobs:
         pair = self._pair(peer, self.rank, tag)
         return pair.broadcast_async(x, root=0, timeout=timeout)
 
+    def issued(self, tag: int) -> dict[int, int]:
+        """By source: the receives from it with ``tag`` this rank has issued (the last
+        sequence number of that pair job), which a probe counts as spoken for."""
+        with self._lock:
+            pairs = [(s, pair) for (s, d, t), pair in self._pairs.items() if d == self.rank and t == tag]
+        return {src: pair._sequence for src, pair in pairs if pair._sequence}
+
+    def any_source(self, tag: int, receive: Callable[[], tuple[int, Future | None]]) -> Future:
+        """A Future of the sending rank: ``receive()`` probes and issues the receives from
+        the rank it found, returning (rank, a Future done when they are, or None), after
+        the earlier any-source receives of ``tag`` did the same."""
+        if not 0 <= tag < MAX_TAG:
+            raise InvalidArgumentError(f"tag {tag} is outside 0..{MAX_TAG - 1}")
+        outer: Future = Future()
+
+        def step() -> None:
+            try:
+                source, received = receive()
+            except BaseException as error:
+                outer.set_exception(error)
+                return
+            if received is None:
+                outer.set_result(source)
+                return
+
+            def done(f: Future) -> None:
+                error = None if f.cancelled() else f.exception()
+                outer.set_result(source) if error is None else outer.set_exception(error)
+
+            received.add_done_callback(done)
+
+        with self._lock:
+            if self._closed:
+                raise InvalidArgumentError("this client is closed")
+            queue = self._any.get(tag)
+            if queue is None:
+                queue = self._any[tag] = ThreadPoolExecutor(1, f"lpsync-any-source-{tag}")
+            queued = queue.submit(step)
+        # Closed before its turn: fail it rather than leave it waiting.
+        queued.add_done_callback(
+            lambda f: f.cancelled() and outer.set_exception(UnavailableError("the client was closed"))
+        )
+        return outer
+
     def close(self) -> None:
         with self._lock:
             pairs, self._pairs = list(self._pairs.values()), {}
+            queues, self._any, self._closed = list(self._any.values()), {}, True
+        for queue in queues:
+            queue.shutdown(wait=False, cancel_futures=True)
         for pair in pairs:
             pair.close()

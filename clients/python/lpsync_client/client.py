@@ -23,7 +23,7 @@ import queue
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -1039,6 +1039,51 @@ class Client:
         >>> client.recv(activations, src=client.rank - 1)
         """
         return self._wait(self.recv_async(x, src, tag, timeout), timeout)
+
+    def recv_any_async(self, x, tag: int = 0, timeout: float | None = None) -> Future:
+        """A Future of the sending rank; ``x`` holds its message once it completes."""
+        return self.any_source_async(tag, lambda source: self._p2p.recv(x, source, tag, timeout), timeout)
+
+    def any_source_async(
+        self, tag: int, issue: Callable[[int], Future | None], timeout: float | None = None
+    ) -> Future:
+        """For adapters that receive a message in pieces: find the rank whose message with
+        ``tag`` comes next, then call ``issue(rank)``, which issues the receives from it
+        (``recv_async``) and returns a Future done when they are (or None); in order with
+        this tag's other receives from any source. A Future of the rank."""
+        timeout = self.timeout if timeout is None else timeout
+
+        def receive() -> tuple[int, Future | None]:
+            source = self._wait(self._probe(tag, timeout), timeout)
+            return source, issue(source)
+
+        return self._p2p.any_source(tag, receive)
+
+    def recv_any(self, x, tag: int = 0, timeout: float | None = None) -> int:
+        """Receive the next message with ``tag`` from whichever rank sends one (torch's
+        ``recv(src=None)``) into ``x``; returns the sender's rank. Receives from any source
+        match messages in the order they were issued; a receive from a named source issued
+        earlier keeps that source's next message. Fails DEADLINE_EXCEEDED when no message
+        comes within ``timeout``.
+
+        >>> sender = client.recv_any(result)
+        """
+        return self._wait(self.recv_any_async(x, tag, timeout), timeout)
+
+    def _probe(self, tag: int, timeout: float) -> Future:
+        """Ask the daemon which rank's message with ``tag`` comes next (pb.Probe)."""
+        issued = self._p2p.issued(tag)
+        message = pb.SessionRequest(
+            probe=pb.Probe(tag=tag, sources=list(issued), issued=list(issued.values()), timeout=timeout)
+        )
+
+        def complete(response: pb.SessionResponse) -> int:
+            if response.WhichOneof("body") == "probed":
+                return response.probed.source
+            r = response.result
+            raise from_status(r.code, r.message, r.error, "")
+
+        return self._path.submit(message, complete)
 
     def _open_pair(self, job: str, rank: int, rank_nodes: list[int]) -> Client:
         """Attach a pair job of send/recv (_p2p.py) to this client's daemon."""

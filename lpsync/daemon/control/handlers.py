@@ -43,6 +43,7 @@ from lpsync.daemon.collectives.outcomes import Outcomes
 from lpsync.daemon.collectives.views import REDUCING, bus_factor, nccl_bytes
 from lpsync.daemon.control import layout as layouts
 from lpsync.daemon.control import limits
+from lpsync.daemon.control.any_source import AnySource
 from lpsync.daemon.control.config import DaemonConfig
 from lpsync.daemon.control.metrics import JobState, Metrics
 from lpsync.daemon.control.sessions import Session, SessionTable
@@ -88,6 +89,8 @@ class Service(pb_grpc.LpSyncServicer):
         if self.devices is not None:
             metrics.describe_devices(self.devices.kind.name, self.devices.kind.devices)
         self.watcher = Watcher()
+        # Receive from any source: the sends announced to this daemon's receivers.
+        self.any_source = AnySource(self.watcher, plane, self.limits.max_pending)
         self.jobs = Jobs(
             self.watcher,
             self._run,
@@ -495,6 +498,20 @@ class Service(pb_grpc.LpSyncServicer):
                 job.withdraw(session.rank, request.cancel.sequence, "cancelled its call")
             reply(_result(rid, Outcome()))
             return
+        if body == "probe":
+            try:
+                limits.check_timeout(request.probe.timeout)
+                timeout = request.probe.timeout or self.config.timeout
+                self.any_source.probe(
+                    session,
+                    timeout,
+                    request.probe,
+                    lambda response: reply(_with_id(response, rid)),
+                    lambda error: reply(_result(rid, Outcome(error))),
+                )
+            except LpsyncError as error:
+                reply(_result(rid, Outcome(error)))
+            return
         if body != "collective":
             reply(
                 _result(rid, Outcome(InvalidArgumentError(f"unexpected {body} message on an open session")))
@@ -517,6 +534,9 @@ class Service(pb_grpc.LpSyncServicer):
         job = self.jobs.get(session.job)
         if job is None or session.closed:
             raise NotFoundError(f"session {session.id} has ended")
+        # Announced first: submit may run the collective on this thread, which waits for
+        # the receiver, which waits for the announcement.
+        self.any_source.sent(job, session.rank, arrival)
         job.submit(arrival)
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
@@ -660,6 +680,7 @@ class Service(pb_grpc.LpSyncServicer):
     def _record(self, job: Job, pending: Pending, outcome: Outcome) -> None:
         spec = pending.spec
         code = "OK" if outcome.error is None else outcome.error.code
+        self.any_source.finished(job, pending)
         if job.layout is not None and self.outcomes is not None:
             daemons = tuple(job.layout.daemon(n) for n in range(job.layout.nodes))
             self.outcomes.ran(job.name, pending.sequence, daemons, code)
@@ -764,6 +785,11 @@ def _overlap(a, b) -> bool:
         return a.memory is b.memory and a.lo < b.hi and b.lo < a.hi
     a0, b0 = a.__array_interface__["data"][0], b.__array_interface__["data"][0]
     return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
+def _with_id(response: pb.SessionResponse, rid: int) -> pb.SessionResponse:
+    response.request_id = rid
+    return response
 
 
 def _result(rid: int, outcome: Outcome) -> pb.SessionResponse:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,7 +47,10 @@ log = logging.getLogger("lpsync.peers")
 
 CONTROL = 1 << 63
 _KIND_SHIFT = 56
-HEARTBEAT, PROBE, SPEC, VERDICT, HISTORY, TOLD = 1, 2, 3, 4, 5, 6  # SPEC/VERDICT: agreement.py, up/down
+HEARTBEAT, PROBE, SPEC, VERDICT, HISTORY, TOLD, NOTE = 1, 2, 3, 4, 5, 6, 7  # SPEC/VERDICT: agreement.py
+NOTE_BYTES = 4096  # the largest note (note()), framed by its length
+_NOTE_LENGTH = struct.Struct("<I")
+_FOREVER = 1e6  # seconds a note receive waits before it is posted again: notes may not come
 # (bytes, round trips; the best one counts). Small round trips are cheap, and a daemon
 # that has just started shares its cores with the others starting: best of 3 measured
 # alpha at 0.5-2.9 ms on links whose quiet round trip is a few hundred us.
@@ -158,6 +162,8 @@ class Link:
         # Some node of this mesh had one before: a rebuild, not the cluster's start
         # (PeerPlane._history); the same on every node of the mesh.
         self.rebuilt = False
+        self.notes_sent: dict[int, int] = {}  # peer -> notes sent to it (their tags' counts)
+        self.notes_lock = threading.Lock()
 
     @property
     def error(self) -> LpsyncError | None:
@@ -212,6 +218,7 @@ class PeerPlane:
     def __init__(self, options: PeerPlaneOptions, metrics: PeerMetrics) -> None:
         self.options = options
         self.exchange: Exchange | None = None  # set before start() (the collectives' side)
+        self.on_note: Callable[[int, bytes], None] | None = None  # (peer, data): note()s heard
         self.rank, self.size = options.peers.node_rank, len(options.peers.peers)
         self._metrics = metrics
         metrics.peers_expected.set(self.size - 1)
@@ -284,6 +291,23 @@ class PeerPlane:
                 self._owed = [*self._owed, (until, tell)][-_OWED_MAX:]
                 return
         _pay(link, [(until, tell)])
+
+    def note(self, peer: int, data: bytes) -> None:
+        """Send ``data`` (at most NOTE_BYTES) to ``peer``'s ``on_note`` on the current mesh,
+        in order with this node's other notes to it. Best effort: dropped without a mesh
+        (what it announces then fails anyway: UNAVAILABLE)."""
+        if len(data) > NOTE_BYTES:
+            raise ValueError(f"a note of {len(data)} bytes (at most {NOTE_BYTES})")
+        with self._lock:
+            link = self._link
+        if link is None or link.error is not None:
+            return
+        message = np.frombuffer(_NOTE_LENGTH.pack(len(data)) + data, np.uint8)  # never written
+        with link.notes_lock:
+            count = link.notes_sent.get(peer, 0)
+            link.notes_sent[peer] = count + 1
+            with contextlib.suppress(LpsyncError):  # the mesh broke: it is being rebuilt
+                link.mesh.send(peer, control_tag(NOTE, count), message)
 
     def stop(self, bound: float = STOP_BOUND) -> bool:
         """Close the mesh and the runtime within ``bound`` seconds in all; False when a
@@ -366,6 +390,16 @@ class PeerPlane:
                 target=self._heartbeats_to, args=(link, others), daemon=True, name="lpsync-hb-send"
             )
         )
+        if self.on_note is not None:
+            workers += [
+                threading.Thread(
+                    target=self._notes_from,
+                    args=(link, p, self.on_note),
+                    daemon=True,
+                    name=f"lpsync-note-{p}",
+                )
+                for p in others
+            ]
         try:
             link.model = (
                 self._probe(link, others)
@@ -447,6 +481,22 @@ class PeerPlane:
             link.last_heard[peer] = time.monotonic()
             beats.inc()
             count += 1
+
+    def _notes_from(self, link: Link, peer: int, on_note: Callable[[int, bytes], None]) -> None:
+        """Until the link breaks: hand ``peer``'s notes, in order, to ``on_note``."""
+        buf = np.zeros(_NOTE_LENGTH.size + NOTE_BYTES, np.uint8)
+        count = 0
+        while not link.broken.is_set():
+            try:
+                link.mesh.recv_into(peer, control_tag(NOTE, count), buf, time.monotonic() + _FOREVER)
+            except LpsyncError:
+                return  # the mesh broke (its watchdog and heartbeats say why)
+            count += 1
+            (size,) = _NOTE_LENGTH.unpack_from(buf)
+            try:
+                on_note(peer, buf[_NOTE_LENGTH.size : _NOTE_LENGTH.size + min(size, NOTE_BYTES)].tobytes())
+            except Exception:  # a bad note must not end this peer's notes
+                log.exception("node %d: a note from node %d failed", self.rank, peer)
 
     def _watch(self, link: Link) -> None:
         """Until the link breaks: abort it when a peer has been silent too long."""

@@ -34,10 +34,6 @@ def test_a_killed_rank_fails_the_others_across_two_daemons(two_nodes) -> None:
 def test_refused_operations_mismatch_and_timeout(daemon) -> None:
     results = run_ranks(2, errors, 2, [daemon.socket], 2, free_ports(1)[0], timeout=120)
     for rank, seen in enumerate(results):
-        any_source = seen["recv from any source"]
-        assert any_source.startswith(
-            "UnsupportedOperationError: the lpsync backend does not support recv from any source"
-        ), any_source
         short = seen["all_to_all of a short list"]
         assert short.startswith("ValueError") and f"needs {len(results)} output" in short, short
         assert "BAND" in seen["band"] and seen["band"].startswith("ValueError"), seen["band"]

@@ -537,7 +537,6 @@ def errors(rank: int, world: int, sockets: list[str], per_node: int, port: int) 
     seen: dict[str, str] = {}
     t = torch.ones(4)
     attempts: dict[str, Callable[[], object]] = {
-        "recv from any source": lambda: dist.recv(t),
         "all_to_all of a short list": lambda: dist.all_to_all([t.clone()], [t.clone()]),
         "band": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=R.BAND),
         "premul_sum": lambda: dist.all_reduce(t, op=R.PREMUL_SUM(2.0)),

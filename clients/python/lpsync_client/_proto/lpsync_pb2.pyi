@@ -189,19 +189,41 @@ class Cancel(_message.Message):
     sequence: int
     def __init__(self, sequence: _Optional[int] = ...) -> None: ...
 
+class Probe(_message.Message):
+    __slots__ = ("tag", "sources", "issued", "timeout")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    sources: _containers.RepeatedScalarFieldContainer[int]
+    issued: _containers.RepeatedScalarFieldContainer[int]
+    timeout: float
+    def __init__(self, tag: _Optional[int] = ..., sources: _Optional[_Iterable[int]] = ..., issued: _Optional[_Iterable[int]] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class Probed(_message.Message):
+    __slots__ = ("source", "sequence")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    source: int
+    sequence: int
+    def __init__(self, source: _Optional[int] = ..., sequence: _Optional[int] = ...) -> None: ...
+
 class SessionRequest(_message.Message):
-    __slots__ = ("request_id", "open", "collective", "ping", "cancel")
+    __slots__ = ("request_id", "open", "collective", "ping", "cancel", "probe")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     open: SessionOpen
     collective: CollectiveRequest
     ping: Ping
     cancel: Cancel
-    def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[SessionOpen, _Mapping]] = ..., collective: _Optional[_Union[CollectiveRequest, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+    probe: Probe
+    def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[SessionOpen, _Mapping]] = ..., collective: _Optional[_Union[CollectiveRequest, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., probe: _Optional[_Union[Probe, _Mapping]] = ...) -> None: ...
 
 class CollectiveResult(_message.Message):
     __slots__ = ("code", "message", "buffer_state", "response", "error")
@@ -218,16 +240,18 @@ class CollectiveResult(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., buffer_state: _Optional[_Union[BufferState, str]] = ..., response: _Optional[_Union[CollectiveResponse, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("request_id", "opened", "result", "pong")
+    __slots__ = ("request_id", "opened", "result", "pong", "probed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OPENED_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     PONG_FIELD_NUMBER: _ClassVar[int]
+    PROBED_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     opened: SessionOpen
     result: CollectiveResult
     pong: Ping
-    def __init__(self, request_id: _Optional[int] = ..., opened: _Optional[_Union[SessionOpen, _Mapping]] = ..., result: _Optional[_Union[CollectiveResult, _Mapping]] = ..., pong: _Optional[_Union[Ping, _Mapping]] = ...) -> None: ...
+    probed: Probed
+    def __init__(self, request_id: _Optional[int] = ..., opened: _Optional[_Union[SessionOpen, _Mapping]] = ..., result: _Optional[_Union[CollectiveResult, _Mapping]] = ..., pong: _Optional[_Union[Ping, _Mapping]] = ..., probed: _Optional[_Union[Probed, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("recent", "history")

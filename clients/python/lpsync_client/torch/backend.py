@@ -194,6 +194,7 @@ class LpsyncWork(dist.Work):
         # Set once its tensors are final, before the future completes (whose callbacks may
         # issue the next collective on them: _order.py).
         self.finished = threading.Event()
+        self.source: int | None = None  # recv from any source: the sender (group rank)
 
     def track(
         self, future: Future, finish: Callable[[], object], staging: Sequence[_Staged], pool: _StagingPool
@@ -292,6 +293,12 @@ class LpsyncWork(dist.Work):
 
     def synchronize(self) -> None:
         self.wait()
+
+    def _source_rank(self) -> int:
+        """The sender of a recv from any source (torch's dist.recv(src=None) reads it)."""
+        if self.source is None:
+            raise dist.DistBackendError(f"lpsync {self._op}: no source rank (not a receive from any source)")
+        return self.source
 
 
 def _one(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
@@ -793,8 +800,19 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         t = _one(tensors, "recv")
         return self._run("recv", [t], lambda work: self._p2p_piece(work, t, src, tag, sending=False))
 
-    def recv_anysource(self, *args, **kwargs):
-        raise _unsupported("recv from any source", " (src=None: name the sender)")
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> LpsyncWork:  # type: ignore[override]
+        """recv(src=None): the daemon names the rank whose message comes next (the client's
+        any-source receive); its pieces are then received from that rank."""
+        t = _one(tensors, "recv")
+
+        def pieces(work: LpsyncWork) -> None:
+            def issue(source: int) -> None:
+                work.source = source
+                self._p2p_piece(work, t, source, tag, sending=False)
+
+            work.track(self.client.any_source_async(tag, issue, self._timeout), lambda: None, (), self._pool)
+
+        return self._run("recv", [t], pieces)
 
     def _p2p_piece(self, work: LpsyncWork, t: torch.Tensor, peer: int, tag: int, sending: bool) -> None:
         """A message to or from ``peer`` (client.send/recv: a two-rank job per pair and tag),

@@ -1,0 +1,101 @@
+"""Receive from any source, the daemon's side: announce the sends of pair jobs to the
+receiver's daemon, answer Probes from the inbox (collectives/inbox.py), and take a
+message off it once its pair collective finished here."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+
+from lpsync._proto import lpsync_pb2 as pb
+from lpsync.daemon.collectives import inbox
+from lpsync.daemon.collectives.inbox import Inbox
+from lpsync.daemon.collectives.matching import Job
+from lpsync.daemon.control.sessions import Session
+from lpsync.daemon.peers.plane import PeerPlane
+from lpsync.daemon.values import Arrival, Pending
+from lpsync.daemon.watcher import Watcher
+from lpsync.errors import InvalidArgumentError, LpsyncError
+from lpsync_client._p2p import MAX_TAG, parse_pair
+
+log = logging.getLogger("lpsync.daemon")
+
+Reply = Callable[[pb.SessionResponse], None]
+Fail = Callable[[LpsyncError], None]
+
+
+@functools.lru_cache(maxsize=4096)
+def _pair(job: str) -> tuple[str, int, int, int] | None:
+    return parse_pair(job)
+
+
+class AnySource:
+    def __init__(self, watcher: Watcher, plane: PeerPlane | None, max_messages: int) -> None:
+        self.inbox = Inbox(watcher, max_messages)
+        self._plane = plane
+        if plane is not None:
+            plane.on_note = self._noted
+
+    def sent(self, job: Job, rank: int, arrival: Arrival) -> None:
+        """``rank`` of ``job`` issued ``arrival``: if it is the sender of a pair job,
+        announce it to the receiver's daemon."""
+        pair = _pair(job.name)
+        if pair is None or rank != 0:
+            return
+        parent, source, destination, tag = pair
+        key = (parent, destination, tag)
+        receiver = _receiver_daemon(job)
+        if receiver is None or (self._plane is not None and receiver == self._plane.rank):
+            self.inbox.announce(key, source, arrival.sequence, arrival.timeout)
+        elif self._plane is not None:
+            try:
+                self._plane.note(receiver, inbox.note(key, source, arrival.sequence, arrival.timeout))
+            except ValueError as error:  # a job name beyond the note's size
+                log.warning("could not announce a send of job %r: %s", job.name, error)
+
+    def finished(self, job: Job, pending: Pending) -> None:
+        """A collective of ``job`` finished here: a pair job's message received here (or
+        failed) leaves the inbox."""
+        pair = _pair(job.name)
+        if pair is None:
+            return
+        layout = job.layout
+        if layout is not None and layout.node_of[1] != layout.node:
+            return  # the sender's side
+        parent, source, destination, tag = pair
+        self.inbox.finished((parent, destination, tag), source, pending.sequence)
+
+    def probe(self, session: Session, timeout: float, probe: pb.Probe, reply: Reply, fail: Fail) -> None:
+        """Answer ``probe`` from ``session`` (the receiver) once a message is there."""
+        if probe.tag >= MAX_TAG:
+            raise InvalidArgumentError(f"probe: tag {probe.tag} is outside 0..{MAX_TAG - 1}")
+        if len(probe.sources) != len(probe.issued) or len(probe.sources) > session.world_size:
+            raise InvalidArgumentError(
+                f"probe: {len(probe.sources)} sources and {len(probe.issued)} counts for a job of "
+                f"{session.world_size} ranks"
+            )
+        if any(s >= session.world_size for s in probe.sources):
+            raise InvalidArgumentError(f"probe: a source beyond the job's {session.world_size} ranks")
+
+        def found(source: int, sequence: int) -> None:
+            reply(pb.SessionResponse(probed=pb.Probed(source=source, sequence=sequence)))
+
+        key = (session.job, session.rank, probe.tag)
+        issued = dict(zip(probe.sources, probe.issued, strict=True))
+        self.inbox.probe(key, issued, time.monotonic() + timeout, found, fail)
+
+    def _noted(self, peer: int, data: bytes) -> None:
+        try:
+            key, source, sequence, timeout = inbox.read_note(data)
+        except ValueError as error:
+            log.warning("an unreadable note from node %d ignored: %s", peer, error)
+            return
+        self.inbox.announce(key, source, sequence, timeout)
+
+
+def _receiver_daemon(job: Job) -> int | None:
+    """The daemon of a pair job's receiver (its rank 1); None for a job on one node."""
+    layout = job.layout
+    return None if layout is None else layout.daemon(layout.node_of[1])
