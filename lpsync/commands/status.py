@@ -131,6 +131,11 @@ def _print_job(job) -> None:
             f"    waiting #{w.sequence} {w.op} {w.stage} for {w.waiting_seconds:.1f} s{flag}: "
             f"missing ranks {ranges(w.missing_ranks)}{nodes} (arrived {ranges(w.arrived)})"
         )
+    for a in job.receiving_any:
+        print(
+            f"    waiting: rank {a.rank} receives from any source (tag {a.tag}) for "
+            f"{a.waiting_seconds:.1f} s: no rank has sent it a message yet"
+        )
     for r in job.history:
         stages = ", ".join(f"{s.stage} {_ms(s.seconds)}" for s in r.stages)
         arrivals = ", ".join(f"{a.rank}+{_ms(a.after_seconds)}" for a in r.arrivals)

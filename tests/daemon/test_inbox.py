@@ -69,6 +69,16 @@ def test_a_probe_waits_for_the_announcement(box: Inbox) -> None:
     assert answers.event.wait(5) and answers.got == [(2, 1)]
 
 
+def test_waiting_probes_are_listed_by_job_until_answered(box: Inbox) -> None:
+    answers = _probe(box, {})
+    time.sleep(0.05)
+    [(rank, tag, seconds)] = box.waiting("job")
+    assert (rank, tag) == (0, 5) and seconds >= 0.05
+    assert box.waiting("another job") == []
+    box.announce(KEY, 1, 1, 30.0)
+    assert answers.got == [(1, 1)] and box.waiting("job") == []
+
+
 def test_finished_messages_leave_and_late_announcements_are_dropped(box: Inbox) -> None:
     box.announce(KEY, 1, 1, 30.0)
     box.finished(KEY, 1, 1)  # received by a named receive

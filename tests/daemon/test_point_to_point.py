@@ -4,8 +4,14 @@ that skips daemon 0); a receive of the wrong size and a sender that dies fail at
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import numpy as np
+import pytest
+
+import lpsync_client
+from lpsync.daemon import launch
 from tests.daemon.harness import PeeredDaemons, run_ranks
 from tests.daemon.p2p_workers import any_source, dies_before_sending, ring_and_tags, wrong_size
 from tests.ports import free_ports
@@ -47,3 +53,18 @@ def test_a_sender_that_dies_fails_the_receive(daemon) -> None:
     message, seconds = result
     assert message.startswith("AbortedError") and "rank 0" in message, message
     assert seconds < 5.0, seconds
+
+
+def test_status_shows_a_receive_from_any_source_that_waits(daemon) -> None:
+    with lpsync_client.connect(daemon.socket, job="any-wait", rank=0, world_size=2, timeout=30) as c:
+        pending = c.recv_any_async(np.zeros(1, np.int32), tag=4, timeout=3.0)
+        deadline, waits = time.monotonic() + 10, []
+        while not waits and time.monotonic() < deadline:
+            jobs = {j.job: j for j in launch.status(daemon.socket).jobs}
+            waits = [(w.rank, w.tag) for w in jobs["any-wait"].receiving_any] if "any-wait" in jobs else []
+            time.sleep(0.05)
+        assert waits == [(0, 4)]
+        with pytest.raises(lpsync_client.CollectiveTimeoutError, match="from any source"):
+            pending.result(30)
+        jobs = {j.job: j for j in launch.status(daemon.socket).jobs}
+        assert not jobs["any-wait"].receiving_any  # gone with its timeout

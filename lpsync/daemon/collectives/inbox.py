@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lpsync.daemon.watcher import Timer, Watcher
 from lpsync.errors import CollectiveTimeoutError, LpsyncError, ResourceExhaustedError
@@ -44,6 +44,7 @@ class _Waiter:
     found: Found
     failed: Failed
     timer: Timer | None = None
+    since: float = field(default_factory=time.monotonic)
 
 
 class Inbox:
@@ -109,6 +110,17 @@ class Inbox:
             failed(error)
             return
         self._answer(key, None)
+
+    def waiting(self, job: str) -> list[tuple[int, int, float]]:
+        """(rank, tag, seconds waited) of ``job``'s probes that wait, for Status."""
+        now = time.monotonic()
+        with self._lock:
+            return sorted(
+                (rank, tag, now - w.since)
+                for (name, rank, tag), waiters in self._waiters.items()
+                if name == job
+                for w in waiters
+            )
 
     def _answer(self, key: Key, taken: _Waiter | None) -> None:
         """Match the key's waiters (``taken``: one already off the list) with its

@@ -583,7 +583,10 @@ class Service(pb_grpc.LpSyncServicer):
         for entry in recent[-limit:]:
             response.recent.add(**dict(zip(_RECORD_FIELDS, entry, strict=True)))
         for job in sorted(self.jobs.all(), key=lambda j: j.name):
-            _job_info(response.jobs.add(), job, request.history)
+            info = response.jobs.add()
+            _job_info(info, job, request.history)
+            for rank, tag, seconds in self.any_source.inbox.waiting(job.name):
+                info.receiving_any.add(rank=rank, tag=tag, waiting_seconds=seconds)
         for across in self.outcomes.failed(limit) if self.outcomes is not None else ():
             response.failed_across.add(
                 job=across.job,

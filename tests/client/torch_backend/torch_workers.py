@@ -348,6 +348,18 @@ def _point_to_point(failures: list[str], gloo: dist.ProcessGroup, rank: int, wor
         elif rank == 1:
             dist.recv(strided, 0, group=group, tag=2)
             _same(failures, f"send into a strided tensor on {name}", strided, torch.ones(4, 3) * 7)
+        # recv from any source: every other rank sends to rank 0, which names each sender
+        if rank == 0:
+            senders = []
+            for _ in range(world - 1):
+                got_any = torch.zeros(2)
+                senders.append(dist.recv(got_any, group=group, tag=6))
+                want_any = torch.full((2,), senders[-1] * 1.5)
+                _same(failures, f"recv from any source on {name}", got_any, want_any)
+            if sorted(senders) != list(range(1, world)):
+                failures.append(f"recv from any source on {name}: senders {senders}")
+        else:
+            dist.send(torch.full((2,), rank * 1.5), 0, group=group, tag=6)
     pair = dist.new_group([0, world - 1])  # group ranks 0 and 1: global 0 and world-1
     if rank in (0, world - 1):
         x = torch.full((3,), float(rank))
@@ -356,6 +368,15 @@ def _point_to_point(failures: list[str], gloo: dist.ProcessGroup, rank: int, wor
         else:
             dist.recv(x, 0, group=pair)
             _same(failures, "recv in a sub-group", x, torch.zeros(3))
+        # From any source in the sub-group: torch maps its group rank back to the global one.
+        y = torch.full((3,), float(rank))
+        if rank == world - 1:
+            dist.send(y, 0, group=pair, tag=3)
+        else:
+            sender = dist.recv(y, group=pair, tag=3)
+            if sender != world - 1:
+                failures.append(f"recv from any source in a sub-group: sender {sender}, not {world - 1}")
+            _same(failures, "recv from any source in a sub-group", y, torch.full((3,), float(world - 1)))
 
 
 def _objects(failures: list[str], gloo: dist.ProcessGroup, rank: int, world: int) -> None:

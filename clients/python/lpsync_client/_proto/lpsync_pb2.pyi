@@ -386,7 +386,7 @@ class WaitingCollective(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., op: _Optional[str] = ..., stage: _Optional[str] = ..., started_at: _Optional[float] = ..., waiting_seconds: _Optional[float] = ..., arrived: _Optional[_Iterable[int]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., missing_nodes: _Optional[_Iterable[int]] = ..., stalled: _Optional[bool] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job", "world_size", "nodes", "node", "attached", "waiting", "history")
+    __slots__ = ("job", "world_size", "nodes", "node", "attached", "waiting", "history", "receiving_any")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
@@ -394,6 +394,7 @@ class JobInfo(_message.Message):
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    RECEIVING_ANY_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
     nodes: int
@@ -401,7 +402,18 @@ class JobInfo(_message.Message):
     attached: _containers.RepeatedScalarFieldContainer[int]
     waiting: _containers.RepeatedCompositeFieldContainer[WaitingCollective]
     history: _containers.RepeatedCompositeFieldContainer[FlightRecord]
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., nodes: _Optional[int] = ..., node: _Optional[int] = ..., attached: _Optional[_Iterable[int]] = ..., waiting: _Optional[_Iterable[_Union[WaitingCollective, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[FlightRecord, _Mapping]]] = ...) -> None: ...
+    receiving_any: _containers.RepeatedCompositeFieldContainer[AnySourceWait]
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., nodes: _Optional[int] = ..., node: _Optional[int] = ..., attached: _Optional[_Iterable[int]] = ..., waiting: _Optional[_Iterable[_Union[WaitingCollective, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[FlightRecord, _Mapping]]] = ..., receiving_any: _Optional[_Iterable[_Union[AnySourceWait, _Mapping]]] = ...) -> None: ...
+
+class AnySourceWait(_message.Message):
+    __slots__ = ("rank", "tag", "waiting_seconds")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    tag: int
+    waiting_seconds: float
+    def __init__(self, rank: _Optional[int] = ..., tag: _Optional[int] = ..., waiting_seconds: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("version", "uptime_seconds", "sessions", "buffers", "recent", "jobs", "devices", "failed_across")
