@@ -119,10 +119,12 @@ class PairJobs:
             if queue is None:
                 queue = self._any[tag] = ThreadPoolExecutor(1, f"lpsync-any-source-{tag}")
             queued = queue.submit(step)
-        # Closed before its turn: fail it rather than leave it waiting.
-        queued.add_done_callback(
-            lambda f: f.cancelled() and outer.set_exception(UnavailableError("the client was closed"))
-        )
+
+        def closed(f: Future) -> None:  # closed before its turn: fail it, never leave it waiting
+            if f.cancelled():
+                outer.set_exception(UnavailableError("the client was closed"))
+
+        queued.add_done_callback(closed)
         return outer
 
     def close(self) -> None:

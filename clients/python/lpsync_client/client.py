@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -1054,7 +1054,7 @@ class Client:
         timeout = self.timeout if timeout is None else timeout
 
         def receive() -> tuple[int, Future | None]:
-            source = self._wait(self._probe(tag, timeout), timeout)
+            source = cast(int, self._wait(self._probe(tag, timeout), timeout))
             return source, issue(source)
 
         return self._p2p.any_source(tag, receive)
@@ -1068,7 +1068,7 @@ class Client:
 
         >>> sender = client.recv_any(result)
         """
-        return self._wait(self.recv_any_async(x, tag, timeout), timeout)
+        return cast(int, self._wait(self.recv_any_async(x, tag, timeout), timeout))
 
     def _probe(self, tag: int, timeout: float) -> Future:
         """Ask the daemon which rank's message with ``tag`` comes next (pb.Probe)."""
