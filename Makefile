@@ -12,7 +12,7 @@ UNIT := tests/algorithms tests/engine tests/memory tests/daemon/test_agreement.p
 	tests/daemon/test_learning.py tests/daemon/test_multinode_tags.py tests/daemon/test_peers.py \
 	tests/transport/test_auth.py tests/transport/test_addresses.py
 # Workers for the whole suite: most tests wait on daemons, sockets and timeouts, not on CPU.
-JOBS ?= 3
+JOBS ?= 4
 
 .PHONY: demo test check lint bench fuzz clean image test-deploy
 

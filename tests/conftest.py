@@ -19,22 +19,28 @@ def daemon(tmp_path: Path):
         proc.stop_and_check()
 
 
-# The files that take longest (`make test` prints the slowest tests), started first: under
-# `--dist loadfile` a long file begun near the end sets the suite's wall time by itself.
+# The files that take longest in all (`pytest --durations=0`, summed per file), started
+# first: under `--dist loadfile` a long file begun near the end sets the suite's wall time
+# by itself (longest first is the classic packing of jobs onto workers).
 SLOWEST_FIRST = (
-    "tests/cluster/test_chaos.py",
-    "tests/test_paper.py",
-    "tests/torch_suite/test_torch_suite.py",
-    "tests/training/test_demo.py",
-    "tests/daemon/test_daemon_multinode.py",
-    "tests/daemon/test_hostile_peers.py",
-    "tests/deploy/test_prometheus.py",
-    "tests/daemon/test_responsive.py",
-    "tests/training/test_examples.py",
-    "tests/client/torch_backend/test_backend_errors.py",
-    "tests/daemon/test_partitions.py",
-    "tests/daemon/test_daemon_devices.py",
-    "tests/cluster/test_cluster_bench.py",
+    "tests/daemon/test_daemon_multinode.py",  # 154 s
+    "tests/training/test_examples.py",  # 115 s
+    "tests/daemon/test_daemon_devices.py",  # 114 s
+    "tests/training/test_torch_training.py",  # 102 s
+    "tests/test_paper.py",  # 87 s
+    "tests/transport/test_peer_transports.py",  # 85 s
+    "tests/daemon/test_partitions.py",  # 71 s
+    "tests/cluster/test_chaos.py",  # 70 s
+    "tests/training/test_demo.py",  # 59 s
+    "tests/bench/test_bench_models.py",  # 55 s
+    "tests/daemon/test_security.py",  # 54 s
+    "tests/cluster/test_cluster_bench.py",  # 49 s
+    "tests/daemon/test_overload.py",  # 49 s
+    "tests/daemon/test_daemon_errors.py",  # 49 s
+    "tests/torch_suite/test_torch_suite.py",  # 48 s
+    "tests/client/torch_backend/test_backend_errors.py",  # 47 s
+    "tests/cluster/test_clean_exits.py",  # 47 s
+    "tests/deploy/test_prometheus.py",  # 46 s
 )
 
 
