@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator, Mapping
 from enum import StrEnum
 
-import ml_dtypes
 import numpy as np
 
 from lpsync.errors import InvalidArgumentError
@@ -17,6 +18,7 @@ __all__ = [
     "BLOCKED",
     "DATA_COLLECTIVES",
     "DTYPES",
+    "ITEMSIZE",
     "OUT_OF_PLACE_ONLY",
     "ROOTED_OPS",
     "Collective",
@@ -63,16 +65,46 @@ class ReduceOp(StrEnum):
 
 
 # The element types of DESIGN.md; bfloat16 comes from ml_dtypes (numpy has none).
-DTYPES: dict[str, np.dtype] = {
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float32": np.dtype(np.float32),
-    "float64": np.dtype(np.float64),
-    "int8": np.dtype(np.int8),
-    "int32": np.dtype(np.int32),
-    "int64": np.dtype(np.int64),
-    "uint8": np.dtype(np.uint8),
+_NUMPY_TYPES = {
+    "float16": np.float16,
+    "float32": np.float32,
+    "float64": np.float64,
+    "int8": np.int8,
+    "int32": np.int32,
+    "int64": np.int64,
+    "uint8": np.uint8,
 }
+_NAMES = ("float16", "bfloat16", "float32", "float64", "int8", "int32", "int64", "uint8")
+# Bytes per element, by name, without importing ml_dtypes.
+ITEMSIZE = {name: 2 if name == "bfloat16" else np.dtype(_NUMPY_TYPES[name]).itemsize for name in _NAMES}
+
+
+@functools.cache
+def _bfloat16() -> np.dtype:
+    import ml_dtypes  # its import is ~0.5 s of CPU: most of a CLI command's start-up
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+class _Dtypes(Mapping[str, np.dtype]):
+    """DTYPES: name -> numpy dtype; ml_dtypes is imported when bfloat16's is first read."""
+
+    def __getitem__(self, name: str) -> np.dtype:
+        if name == "bfloat16":
+            return _bfloat16()
+        return np.dtype(_NUMPY_TYPES[name])
+
+    def __contains__(self, name: object) -> bool:
+        return name in _NAMES
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_NAMES)
+
+    def __len__(self) -> int:
+        return len(_NAMES)
+
+
+DTYPES: Mapping[str, np.dtype] = _Dtypes()
 
 
 def dtype_of(name: str) -> np.dtype:
@@ -84,6 +116,8 @@ def dtype_of(name: str) -> np.dtype:
 
 
 def dtype_name(dtype: np.dtype) -> str:
+    if dtype.name in _NUMPY_TYPES:
+        return dtype.name
     for name, candidate in DTYPES.items():
         if candidate == dtype:
             return name

@@ -59,14 +59,13 @@ from lpsync.errors import (
 )
 from lpsync.memory.devices import open_kind, parse_devices
 from lpsync.memory.kind import Span
-from lpsync.types import DTYPES, OUT_OF_PLACE_ONLY, ROOTED_OPS, Collective, ReduceOp, blocks, dtype_of
+from lpsync.types import ITEMSIZE, OUT_OF_PLACE_ONLY, ROOTED_OPS, Collective, ReduceOp, blocks, dtype_of
 
 log = logging.getLogger("lpsync.daemon")
 
 OPS = limits.OPS
 _STATE = {"INTACT": pb.INTACT, "PARTIAL": pb.PARTIAL, "": pb.BUFFER_STATE_UNSPECIFIED}
 _RECENT = 256
-_ITEMSIZE = {name: dt.itemsize for name, dt in DTYPES.items()}
 _RECORD_FIELDS = ("job", "sequence", "op", "dtype", "count", "algorithm", "seconds", "code", "finished_at")
 
 
@@ -714,7 +713,7 @@ class Service(pb_grpc.LpSyncServicer):
                 },
             )
             return
-        itemsize = _ITEMSIZE.get(spec.dtype, 0)
+        itemsize = ITEMSIZE.get(spec.dtype, 0)
         nbytes = nccl_bytes(spec.op, spec.count, itemsize, job.world_size) if itemsize else 0
         self.metrics.collective_done(
             spec.op,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from lpsync.algorithms.registry import DIRECT
 from lpsync.errors import InvalidArgumentError, ResourceExhaustedError
-from lpsync.types import BLOCKED, DTYPES, ROOTED_OPS, Collective, ReduceOp
+from lpsync.types import BLOCKED, DTYPES, ITEMSIZE, ROOTED_OPS, Collective, ReduceOp
 
 OPS = frozenset(c.value for c in Collective)
 REDUCE_OPS = frozenset(r.value for r in ReduceOp)
@@ -173,7 +173,7 @@ def check_collective(request, world_size: int, limits: Limits, algorithms) -> No
     if request.op == Collective.BARRIER:
         return
     check_keyword("dtype", request.dtype, DTYPES)
-    itemsize = DTYPES[request.dtype].itemsize
+    itemsize = ITEMSIZE[request.dtype]
     blocks = world_size if request.op in BLOCKED else 1  # the largest buffer of any rank
     if request.count < 0:
         raise _invalid("count", request.count, "is negative")
