@@ -124,8 +124,9 @@ def under_torchrun() -> None:
         "sum": t[0].item(),
         "gathered": [o[0].item() for o in out],
     }
-    # One write: torchrun runs its workers unbuffered on one shared pipe, where print()'s
-    # text and newline are two writes that other ranks' lines can land between.
+    # One write: the ranks of one torchrun agent share its stdout pipe, and with unbuffered
+    # output (PYTHONUNBUFFERED, which CI environments often set) print()'s text and newline
+    # are two writes that another rank's line can land between.
     os.write(1, ("RESULT " + json.dumps(line) + "\n").encode())
     dist.destroy_process_group()
 
