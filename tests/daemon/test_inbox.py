@@ -134,3 +134,20 @@ def test_a_bad_probe_is_invalid_argument(probe: pb.Probe, words: str) -> None:
             any_source.probe(session, 1.0, probe, lambda r: None, lambda e: None)  # type: ignore[arg-type]
     finally:
         watcher.stop()
+
+
+def test_a_refused_send_leaves_the_inbox_on_one_node() -> None:
+    watcher = Watcher()
+    any_source = AnySource(watcher, None, 16)
+    try:
+        pair = SimpleNamespace(name="job/p2p/2>0/5", layout=None)
+        arrival = SimpleNamespace(sequence=1, timeout=30.0)
+        any_source.sent(pair, 0, arrival)  # type: ignore[arg-type]
+        any_source.sent(pair, 1, arrival)  # the receiver's own arrival announces nothing
+        assert any_source.inbox._match(KEY, {}) is not None
+        any_source.refused(pair, 0, arrival)  # type: ignore[arg-type]
+        assert any_source.inbox._match(KEY, {}) is None
+        any_source.sent(SimpleNamespace(name="not-a-pair", layout=None), 0, arrival)  # type: ignore[arg-type]
+        assert any_source.inbox._messages == {}
+    finally:
+        watcher.stop()

@@ -55,6 +55,18 @@ class AnySource:
             except ValueError as error:  # a job name beyond the note's size
                 log.warning("could not announce a send of job %r: %s", job.name, error)
 
+    def refused(self, job: Job, rank: int, arrival: Arrival) -> None:
+        """The send ``sent`` announced was refused (its job full, its session ended): off
+        the inbox where the receiver is here; across nodes its receiver's probe may still
+        name it, and that receive then fails at its timeout, like the send did at once."""
+        pair = _pair(job.name)
+        if pair is None or rank != 0:
+            return
+        receiver = _receiver_daemon(job)
+        if receiver is None or (self._plane is not None and receiver == self._plane.rank):
+            parent, source, destination, tag = pair
+            self.inbox.finished((parent, destination, tag), source, arrival.sequence)
+
     def finished(self, job: Job, pending: Pending) -> None:
         """A collective of ``job`` finished here: a pair job's message received here (or
         failed) leaves the inbox."""

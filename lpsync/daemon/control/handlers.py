@@ -536,7 +536,11 @@ class Service(pb_grpc.LpSyncServicer):
         # Announced first: submit may run the collective on this thread, which waits for
         # the receiver, which waits for the announcement.
         self.any_source.sent(job, session.rank, arrival)
-        job.submit(arrival)
+        try:
+            job.submit(arrival)
+        except LpsyncError:
+            self.any_source.refused(job, session.rank, arrival)
+            raise
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         now = time.time()
