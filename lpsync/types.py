@@ -66,17 +66,11 @@ class ReduceOp(StrEnum):
 
 # The element types of DESIGN.md; bfloat16 comes from ml_dtypes (numpy has none).
 _NUMPY_TYPES = {
-    "float16": np.float16,
-    "float32": np.float32,
-    "float64": np.float64,
-    "int8": np.int8,
-    "int32": np.int32,
-    "int64": np.int64,
-    "uint8": np.uint8,
+    name: np.dtype(name) for name in ("float16", "float32", "float64", "int8", "int32", "int64", "uint8")
 }
 _NAMES = ("float16", "bfloat16", "float32", "float64", "int8", "int32", "int64", "uint8")
 # Bytes per element, by name, without importing ml_dtypes.
-ITEMSIZE = {name: 2 if name == "bfloat16" else np.dtype(_NUMPY_TYPES[name]).itemsize for name in _NAMES}
+ITEMSIZE = {name: 2 if name == "bfloat16" else _NUMPY_TYPES[name].itemsize for name in _NAMES}
 
 
 @functools.cache
@@ -92,7 +86,7 @@ class _Dtypes(Mapping[str, np.dtype]):
     def __getitem__(self, name: str) -> np.dtype:
         if name == "bfloat16":
             return _bfloat16()
-        return np.dtype(_NUMPY_TYPES[name])
+        return _NUMPY_TYPES[name]
 
     def __contains__(self, name: object) -> bool:
         return name in _NAMES

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import signal
@@ -56,6 +57,7 @@ def shm_segments(pid: int | None = None) -> list[str]:
 _PRELOAD = ["numpy", "grpc", "lpsync_client", "torch", "lpsync_client.torch", "tests.daemon.harness"]
 
 
+@functools.cache
 def _context() -> mp.context.BaseContext:
     if os.environ.get("LPSYNC_TEST_SPAWN"):
         return mp.get_context("spawn")

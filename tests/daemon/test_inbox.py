@@ -151,3 +151,15 @@ def test_a_refused_send_leaves_the_inbox_on_one_node() -> None:
         assert any_source.inbox._messages == {}
     finally:
         watcher.stop()
+
+
+def test_the_bounds_hold_across_keys(box: Inbox, caplog) -> None:
+    deadline = time.monotonic() + 5
+    waiting = [Answers() for _ in range(5)]
+    for tag, answers in enumerate(waiting):
+        box.probe(("job", 0, 100 + tag), {}, deadline, answers.found, answers.failed)
+    assert [type(a.got[0]) for a in waiting if a.got] == [ResourceExhaustedError]  # the fifth
+    for tag in range(5):  # a send to each of five other tags: the fifth finds the inbox full
+        box.announce(("job", 1, tag), 2, 1, 30.0)
+    assert [t for t in range(5) if box._match(("job", 1, t), {})] == [0, 1, 2, 3]
+    assert "full" in caplog.text

@@ -8,7 +8,8 @@ many receives it has issued already (those messages are spoken for), and gets th
 announced message beyond them, or waits for one until its deadline. A message leaves the
 inbox when its pair collective finished here (either way), or at its send's deadline.
 
-Everything is keyed by (job, destination rank, tag) of the main job; bounded per key.
+Everything is keyed by (job, destination rank, tag) of the main job; the messages and
+the waiting probes are bounded in all, whatever the keys.
 """
 
 from __future__ import annotations
@@ -52,8 +53,11 @@ class Inbox:
         self._watcher = watcher
         self._max = max_messages
         self._lock = threading.Lock()
+        # Bounded in all (``max_messages`` each), not per key: a key is a (job, rank, tag).
         self._messages: dict[Key, list[_Message]] = {}
+        self._held = 0
         self._waiters: dict[Key, list[_Waiter]] = {}
+        self._waiting = 0
         # By (key, source): the highest sequence that finished here; a late announcement of
         # it (it crossed the peer plane slower than the data) is dropped.
         self._finished: dict[tuple[Key, int], int] = {}
@@ -64,12 +68,18 @@ class Inbox:
         with self._lock:
             if sequence <= self._finished.get((key, source), 0):
                 return
+            if self._held >= self._max:
+                self._keep(lambda m: m.expires > now)
             messages = self._messages.setdefault(key, [])
-            messages[:] = [m for m in messages if m.expires > now]
-            if len(messages) >= self._max:
-                log.warning("inbox of %r full (%d sends); the oldest dropped", key, self._max)
+            if self._held >= self._max:
+                log.warning("inbox full (%d sends announced, none received); the oldest dropped", self._max)
+                if not messages:  # another key's fill it: this one is refused
+                    del self._messages[key]
+                    return
                 del messages[0]
+                self._held -= 1
             messages.append(_Message(source, sequence, now + timeout))
+            self._held += 1
             waiter = self._take_waiter(key)
         if waiter is not None:
             self._answer(key, waiter)
@@ -82,11 +92,19 @@ class Inbox:
                 self._finished[key, source] = sequence
                 while len(self._finished) > _FINISHED_KEPT:
                     del self._finished[next(iter(self._finished))]
-            messages = self._messages.get(key)
-            if messages is not None:
-                messages[:] = [m for m in messages if not (m.source == source and m.sequence <= sequence)]
-                if not messages:
-                    del self._messages[key]
+            if key in self._messages:
+                self._keep(lambda m: not (m.source == source and m.sequence <= sequence), key)
+
+    def _keep(self, keep: Callable[[_Message], bool], only: Key | None = None) -> None:
+        """Drop the messages (of ``only``, or all) that ``keep`` refuses (lock held)."""
+        for key in [only] if only is not None else list(self._messages):
+            messages = self._messages[key]
+            kept = [m for m in messages if keep(m)]
+            self._held -= len(messages) - len(kept)
+            if kept:
+                self._messages[key] = kept
+            else:
+                del self._messages[key]
 
     def probe(
         self, key: Key, issued: Mapping[int, int], deadline: float, found: Found, failed: Failed
@@ -96,15 +114,15 @@ class Inbox:
         ``failed`` with DEADLINE_EXCEEDED at ``deadline``. Never blocks."""
         waiter = _Waiter(issued, found, failed)
         with self._lock:
-            waiters = self._waiters.setdefault(key, [])
-            if len(waiters) >= self._max:
+            if self._waiting >= self._max:
                 error: LpsyncError | None = ResourceExhaustedError(
-                    f"{len(waiters)} receives from any source wait for job {key[0]!r} rank "
-                    f"{key[1]} tag {key[2]} already"
+                    f"{self._waiting} receives from any source wait on this daemon already (at most "
+                    f"{self._max}); job {key[0]!r} rank {key[1]} tag {key[2]} refused"
                 )
             else:
                 error = None
-                waiters.append(waiter)
+                self._waiters.setdefault(key, []).append(waiter)
+                self._waiting += 1
                 waiter.timer = self._watcher.at(deadline, lambda: self._expire(key, waiter))
         if error is not None:
             failed(error)
@@ -123,28 +141,27 @@ class Inbox:
             )
 
     def _answer(self, key: Key, taken: _Waiter | None) -> None:
-        """Match the key's waiters (``taken``: one already off the list) with its
-        messages, in the order the waiters came."""
-        while True:
-            with self._lock:
-                waiter = taken or self._take_waiter(key)
-                taken = None
-                if waiter is None:
-                    return
-                match = self._match(key, waiter.issued)
-                if match is None:  # back to the front: it still waits
-                    self._waiters.setdefault(key, []).insert(0, waiter)
-                    return
-            if waiter.timer is not None:
-                waiter.timer.cancel()
-            waiter.found(match.source, match.sequence)
-            return  # the client probes again only after issuing this receive
+        """Answer the key's first waiter (``taken``: already off the list) if a message
+        is there for it; the client probes again only after issuing that receive."""
+        with self._lock:
+            waiter = taken or self._take_waiter(key)
+            if waiter is None:
+                return
+            match = self._match(key, waiter.issued)
+            if match is None:  # back to the front: it still waits
+                self._waiters.setdefault(key, []).insert(0, waiter)
+                self._waiting += 1
+                return
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        waiter.found(match.source, match.sequence)
 
     def _take_waiter(self, key: Key) -> _Waiter | None:
         waiters = self._waiters.get(key)
         if not waiters:
             return None
         waiter = waiters.pop(0)
+        self._waiting -= 1
         if not waiters:
             del self._waiters[key]
         return waiter
@@ -162,6 +179,7 @@ class Inbox:
             if waiter not in waiters:
                 return  # answered meanwhile
             waiters.remove(waiter)
+            self._waiting -= 1
             if not waiters:
                 del self._waiters[key]
         job, rank, tag = key

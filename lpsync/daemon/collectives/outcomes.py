@@ -72,8 +72,9 @@ class Outcomes:
     def __init__(self, me: int) -> None:
         self.me = me
         self._lock = threading.Lock()
+        # Oldest first; ran() moves its entry to the end, so this node's own entries are in
+        # the order it finished them.
         self._table: OrderedDict[tuple[str, int], Across] = OrderedDict()
-        self._mine: OrderedDict[tuple[str, int], None] = OrderedDict()  # the last TOLD
 
     def ran(self, job: str, sequence: int, daemons: tuple[int, ...], code: str) -> None:
         """This node's outcome of a cross-node collective (after its replies)."""
@@ -86,20 +87,13 @@ class Outcomes:
             self._table[key] = entry
             while len(self._table) > KEPT:
                 self._table.popitem(last=False)
-            self._mine.pop(key, None)
-            self._mine[key] = None
-            while len(self._mine) > TOLD:
-                self._mine.popitem(last=False)
 
     def message(self) -> np.ndarray:
         """What this node tells the others on a new mesh: its last outcomes, framed
         (agreement.encode), the oldest left out where they would not fit MAX_BYTES."""
         with self._lock:
-            told = [
-                [job, seq, list(self._table[job, seq].daemons), self._table[job, seq].codes[self.me]]
-                for job, seq in self._mine
-                if (job, seq) in self._table and self.me in self._table[job, seq].codes
-            ]
+            mine = [e for e in self._table.values() if self.me in e.codes]
+            told = [[e.job, e.sequence, list(e.daemons), e.codes[self.me]] for e in mine[-TOLD:]]
         while True:
             out = agreement.encode({"outcomes": told})
             if out.nbytes <= MAX_BYTES or not told:
