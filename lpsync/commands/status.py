@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     print(f"lpsync daemon {status.version} on {socket}, up {status.uptime_seconds:.0f} s")
+    _print_peer_plane(status.peer_plane)
     print(f"\nsessions ({len(status.sessions)})")
     print(f"  {'job':<16} {'rank':>4} {'world':>5} {'pid':>8} {'buffers':>7} {'bytes':>12}  session")
     for s in status.sessions:
@@ -109,6 +110,17 @@ def ranges(ranks) -> str:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}ms"
+
+
+def _print_peer_plane(peer) -> None:
+    """The peer plane's choices at the daemon's start: transport and device path, and why."""
+    if not peer.transport:
+        print("peer plane: none (a single node)")
+        return
+    print(f"peer transport: {peer.transport} ({peer.transport_reason})")
+    via = f" via {', '.join(peer.device_transports)}" if peer.device_transports else ""
+    gdr = " + GPUDirect RDMA" if peer.gpudirect_rdma else ""
+    print(f"peer device path: {peer.device_path}{via}{gdr} ({peer.device_reason})")
 
 
 def _print_failed_across(failed) -> None:

@@ -13,10 +13,13 @@ from __future__ import annotations
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from lpsync.errors import ConfigError
 from lpsync.transport.mesh import MeshEndpoint, MeshOptions
+
+if TYPE_CHECKING:
+    from lpsync.transport.ucx.device_support import DevicePath
 
 TRANSPORTS = ("ucx", "tcp")
 AUTO = "auto"
@@ -55,6 +58,16 @@ def resolve(transport: str, where: Path = RDMA_CLASS) -> tuple[str, str]:
     if devices:
         return "ucx", f"auto: RDMA device(s) {', '.join(devices)} under {where}"
     return "tcp", f"auto: no RDMA device under {where} (plain sockets cost less per message on Ethernet)"
+
+
+def device_path(transport: str, memory: str, ucx_tls: str) -> DevicePath:
+    """How device chunks cross the peer plane of ``transport``: UCX sends device memory
+    itself, or they are staged through host memory (lpsync.transport.ucx.device_support;
+    may run ``ucx_info -d``, bounded). ``memory``: the kind the daemon serves (cpu, cuda,
+    emulated); ``ucx_tls``: the daemon's setting ("" defers to the environment's)."""
+    from lpsync.transport.ucx import device_support
+
+    return device_support.decide(check(transport), memory, device_support.effective_tls(ucx_tls))
 
 
 def open_runtime(transport: str, port: int, tls: str | None = None, until_exit: bool = False) -> Runtime:

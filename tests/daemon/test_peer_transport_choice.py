@@ -1,23 +1,37 @@
 """``--peer-transport auto`` (the default): UCX where the node has an RDMA device, the TCP
 backend elsewhere; the daemon says which it chose and why, and a cluster on the default
-forms its mesh and runs collectives."""
+forms its mesh and runs collectives. The device path (how device chunks cross the peer
+plane, lpsync/transport/ucx/device_support.py) is logged and shown by `lpsync status`."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from lpsync.transport import backends
-from tests.daemon.harness import PeeredDaemons, run_ranks
+from tests.daemon.harness import ROOT, DaemonProcess, PeeredDaemons, run_ranks
 from tests.daemon.multinode_workers import one_allreduce
 
 
-def _choice(log: str) -> dict:
+def _choice(log: str, msg: str = "peers") -> dict:
     for line in log.splitlines():
         entry = json.loads(line) if line.startswith("{") else {}
-        if entry.get("msg") == "peers":
+        if entry.get("msg") == msg:
             return entry
-    raise AssertionError(f"no 'peers' line in the log:\n{log[-2000:]}")
+    raise AssertionError(f"no {msg!r} line in the log:\n{log[-2000:]}")
+
+
+def _status(socket: str, *args: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "lpsync.cli", "status", "--socket", socket, *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        check=True,
+    ).stdout
 
 
 def test_the_default_transport_is_chosen_by_the_node_and_said(tmp_path: Path) -> None:
@@ -32,3 +46,29 @@ def test_the_default_transport_is_chosen_by_the_node_and_said(tmp_path: Path) ->
         assert values == [1 + 2, 1 + 2]  # every element is the sum of rank + 1 over both ranks
     finally:
         cluster.stop_and_check()
+
+
+def test_status_shows_the_peer_transport_and_the_device_path(tmp_path: Path) -> None:
+    expected = "ucx" if backends.rdma_devices() else "tcp"
+    cluster = PeeredDaemons(tmp_path, 2, "--devices", "emulated:2")
+    try:
+        peer = json.loads(_status(cluster.sockets[0], "--json"))["peer_plane"]
+        assert peer["transport"] == expected, peer
+        assert peer["transport_reason"].startswith("auto: "), peer
+        assert peer["device_path"] == "staged", peer
+        assert peer["device_reason"].startswith("emulated devices are host memory UCX cannot address"), peer
+        assert (peer["device_transports"], peer["gpudirect_rdma"]) == ([], False)
+        logged = _choice(cluster.log(0), "peer device path")
+        assert (logged["device_path"], logged["why"]) == ("staged", peer["device_reason"])
+        text = _status(cluster.sockets[1])
+        assert f"peer transport: {expected} (auto: " in text
+        assert "peer device path: staged (emulated devices are host memory" in text
+    finally:
+        cluster.stop_and_check()
+    (tmp_path / "single").mkdir()
+    single = DaemonProcess(tmp_path / "single")
+    try:
+        assert json.loads(_status(single.socket, "--json"))["peer_plane"]["transport"] == ""
+        assert "peer plane: none (a single node)" in _status(single.socket)
+    finally:
+        single.stop_and_check()

@@ -112,6 +112,9 @@ class Service(pb_grpc.LpSyncServicer):
         self._idle = threading.Condition()
         self._ending = threading.Lock()
         self.trigger_path = ""  # set by the server when it offers the trigger socket
+        # The peer plane's transport and device path, chosen at start (server.py); empty
+        # on a single node.
+        self.peer_plane = pb.PeerPlaneInfo()
         # gRPC handlers run on one asyncio loop (bind_loop); pipelined collectives run on
         # these threads so that the loop stays free.
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -544,7 +547,9 @@ class Service(pb_grpc.LpSyncServicer):
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         now = time.time()
-        response = pb.StatusResponse(version=__version__, uptime_seconds=now - self.started)
+        response = pb.StatusResponse(
+            version=__version__, uptime_seconds=now - self.started, peer_plane=self.peer_plane
+        )
         for s in sorted(self.sessions.all(), key=lambda s: (s.job, s.rank)):
             response.sessions.add(
                 session_id=s.id,

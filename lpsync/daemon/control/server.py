@@ -30,6 +30,7 @@ from lpsync.daemon.control.trigger import TriggerServer
 from lpsync.daemon.peers.plane import PeerPlane, PeerPlaneOptions
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory import reclaim_stale
+from lpsync.memory.devices import parse_devices
 from lpsync.transport import backends
 from lpsync.transport.auth import load_secret
 from lpsync.types import dtype_of
@@ -77,8 +78,9 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.plane = _peer_plane(config, self.metrics)
+        self.plane, peer_info = _peer_plane(config, self.metrics)
         self.service = Service(config, self.metrics, self.plane)
+        self.service.peer_plane = peer_info
         self.health = health.aio.HealthServicer()
         token = config.token()
         if config.token_file and not token:
@@ -187,11 +189,12 @@ class Daemon:
         log.info("daemon stopped")
 
 
-def _peer_plane(config: DaemonConfig, metrics: Metrics) -> PeerPlane | None:
-    """The peer manager when the daemon has peers (--peers/--peers-dns/--peers-slurm)."""
+def _peer_plane(config: DaemonConfig, metrics: Metrics) -> tuple[PeerPlane | None, pb.PeerPlaneInfo]:
+    """The peer manager when the daemon has peers (--peers/--peers-dns/--peers-slurm), and
+    its choices for `lpsync status` (empty on a single node)."""
     peers = config.peer_set()
     if peers is None:
-        return None
+        return None, pb.PeerPlaneInfo()
     secret = load_secret(config.secret_file or None)
     transport, why = backends.resolve(config.peer_transport)
     log.info(
@@ -204,7 +207,26 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> PeerPlane | None:
         },
     )
     metrics.peer_transport.info({"transport": transport, "why": why})
-    return PeerPlane(
+    # How device chunks cross the peer plane: decided once, from what UCX reports here.
+    device = backends.device_path(transport, parse_devices(config.devices).kind, config.ucx_tls)
+    log.info(
+        "peer device path",
+        extra={
+            "device_path": device.path,
+            "why": device.reason,
+            "device_transports": ",".join(device.transports),
+            "gpudirect_rdma": device.gpudirect_rdma,
+        },
+    )
+    info = pb.PeerPlaneInfo(
+        transport=transport,
+        transport_reason=why,
+        device_path=device.path,
+        device_reason=device.reason,
+        device_transports=device.transports,
+        gpudirect_rdma=device.gpudirect_rdma,
+    )
+    plane = PeerPlane(
         PeerPlaneOptions(
             peers,
             secret,
@@ -216,6 +238,7 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> PeerPlane | None:
         ),
         metrics,
     )
+    return plane, info
 
 
 def _socket_alive(path: Path) -> bool:

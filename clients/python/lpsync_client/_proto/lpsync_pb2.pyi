@@ -416,7 +416,7 @@ class AnySourceWait(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., tag: _Optional[int] = ..., waiting_seconds: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "uptime_seconds", "sessions", "buffers", "recent", "jobs", "devices", "failed_across")
+    __slots__ = ("version", "uptime_seconds", "sessions", "buffers", "recent", "jobs", "devices", "failed_across", "peer_plane")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -425,6 +425,7 @@ class StatusResponse(_message.Message):
     JOBS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     FAILED_ACROSS_FIELD_NUMBER: _ClassVar[int]
+    PEER_PLANE_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_seconds: float
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
@@ -433,7 +434,24 @@ class StatusResponse(_message.Message):
     jobs: _containers.RepeatedCompositeFieldContainer[JobInfo]
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
     failed_across: _containers.RepeatedCompositeFieldContainer[FailedAcross]
-    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ..., recent: _Optional[_Iterable[_Union[CollectiveRecord, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., failed_across: _Optional[_Iterable[_Union[FailedAcross, _Mapping]]] = ...) -> None: ...
+    peer_plane: PeerPlaneInfo
+    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ..., recent: _Optional[_Iterable[_Union[CollectiveRecord, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., failed_across: _Optional[_Iterable[_Union[FailedAcross, _Mapping]]] = ..., peer_plane: _Optional[_Union[PeerPlaneInfo, _Mapping]] = ...) -> None: ...
+
+class PeerPlaneInfo(_message.Message):
+    __slots__ = ("transport", "transport_reason", "device_path", "device_reason", "device_transports", "gpudirect_rdma")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_REASON_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PATH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_REASON_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    GPUDIRECT_RDMA_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    transport_reason: str
+    device_path: str
+    device_reason: str
+    device_transports: _containers.RepeatedScalarFieldContainer[str]
+    gpudirect_rdma: bool
+    def __init__(self, transport: _Optional[str] = ..., transport_reason: _Optional[str] = ..., device_path: _Optional[str] = ..., device_reason: _Optional[str] = ..., device_transports: _Optional[_Iterable[str]] = ..., gpudirect_rdma: _Optional[bool] = ...) -> None: ...
 
 class NodeOutcome(_message.Message):
     __slots__ = ("node", "code")
