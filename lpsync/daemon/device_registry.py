@@ -49,8 +49,10 @@ class DeviceBuffer:
 
 
 class DeviceRegistry:
-    def __init__(self, kind: MemoryKind) -> None:
+    def __init__(self, kind: MemoryKind, staging_bytes: int = 32 << 20) -> None:
         self.kind = kind
+        # The pinned host ring of a multi-node collective's boundary (hierarchy.py).
+        self.staging_bytes = staging_bytes
         self.context = DeviceContext(kind)
         self._lock = threading.Lock()
         self._open: dict[tuple[int, bytes], OpenAllocation] = {}

@@ -144,8 +144,37 @@ class DeviceContext:
         self.pool.close()
 
 
+class Scratch:
+    """Staging memory shared by groups that never run at once: a hierarchical collective's
+    segments (lpsync.daemon.collectives.hierarchy) run one after another on the same
+    streams, each fenced behind the last, so one set serves them all instead of one per
+    segment. Taken from the pool, given back by ``close``."""
+
+    def __init__(self, pool: StagingPool) -> None:
+        self.pool = pool
+        self._by_key: dict[tuple, Any] = {}
+        self._taken: list[Any] = []
+
+    def take(self, key: tuple, device: int, nbytes: int, near: int = -1) -> Any:
+        key = (*key, device, near)
+        memory = self._by_key.get(key)
+        if memory is None or memory.nbytes < nbytes:
+            memory = self.pool.take(device, nbytes, near)
+            self._taken.append(memory)  # an earlier group may still name the smaller one
+            self._by_key[key] = memory
+        return memory
+
+    def close(self) -> None:
+        taken, self._taken = self._taken, []
+        self._by_key.clear()
+        for memory in taken:
+            self.pool.give(memory)
+
+
 class DeviceGroup:
-    """Participants 0..P-1 of ``schedule`` (in schedule order) over (IN, OUT) device spans."""
+    """Participants 0..P-1 of ``schedule`` (in schedule order) over (IN, OUT) device spans.
+    ``scratch``: staging memory shared with other groups that are never in flight at the
+    same time (the caller fences them: ``enqueue(after=...)``); else the group's own."""
 
     def __init__(
         self,
@@ -153,6 +182,7 @@ class DeviceGroup:
         schedule: Schedule,
         buffers: Sequence[tuple[Span, Span]],
         reduction: Reduction | None,
+        scratch: Scratch | None = None,
     ) -> None:
         p = schedule.participants
         if len(buffers) != p:
@@ -170,11 +200,12 @@ class DeviceGroup:
             self.copy_streams.append(context.stream(d, slots[d], "copy") if pulls else None)
             slots[d] += 1
         self._held: list[Any] = []  # pool memory, returned on close
+        self._scratch = scratch
         dtype = buffers[0][0].dtype
         tmps = []
-        for d in devices:
+        for r, d in enumerate(devices):
             if schedule.tmp_elements:
-                memory = self._take(d, schedule.tmp_elements * dtype.itemsize)
+                memory = self._take(d, schedule.tmp_elements * dtype.itemsize, share=("tmp", r))
                 tmps.append(Span(memory, 0, schedule.tmp_elements, dtype))
             else:
                 tmps.append(None)
@@ -189,8 +220,8 @@ class DeviceGroup:
         # Two staging buffers per reducing participant: the next chunk lands in one while
         # the reduction reads the other.
         staging = [
-            [self._take(d, chunk) for _ in range(STAGING_SLOTS)] if pulls else None
-            for d, pulls in zip(devices, reduces, strict=True)
+            [self._take(d, chunk, share=("pull", r, i)) for i in range(STAGING_SLOTS)] if pulls else None
+            for r, (d, pulls) in enumerate(zip(devices, reduces, strict=True))
         ]
         host_slots: dict[tuple[int, int], list[Any]] = {}
         self.ops: list[tuple[Callable[..., None], tuple]] = []
@@ -208,7 +239,9 @@ class DeviceGroup:
         pairs = list(zip(self.streams, devices, strict=True))
         return pairs + [(s, d) for s, d in zip(self.copy_streams, devices, strict=True) if s is not None]
 
-    def _take(self, device: int, nbytes: int, near: int = -1) -> Any:
+    def _take(self, device: int, nbytes: int, near: int = -1, share: tuple = ()) -> Any:
+        if self._scratch is not None:
+            return self._scratch.take(share, device, nbytes, near)
         memory = self.context.pool.take(device, nbytes, near)
         self._held.append(memory)
         return memory
@@ -280,7 +313,9 @@ class DeviceGroup:
                 if previous is not None and previous not in consumed:
                     return False
                 if link not in host_slots:
-                    host_slots[link] = [self._take(-1, chunk, devices[r]) for _ in range(HOST_SLOTS)]
+                    host_slots[link] = [
+                        self._take(-1, chunk, devices[r], share=("host", *link, i)) for i in range(HOST_SLOTS)
+                    ]
                 slot = Span(host_slots[link][n % HOST_SLOTS], 0, dst.count, dst.dtype)
                 if previous is not None:
                     ops.append((kind.wait, (stream, consumed[previous])))
@@ -346,15 +381,28 @@ class DeviceGroup:
             for event in ready:
                 if event is not None:
                     kind.wait_ready(event, deadline)
-            with self.context.enqueue_lock:
-                for function, args in self.ops:
-                    function(*args)
-            for event in self.finals:
-                kind.synchronize(event, deadline)
+            self.enqueue()
+            self.wait(deadline)
         except BaseException:
             self.drain()
             self.recover()
             raise
+
+    def enqueue(self, after: Sequence[Any] = ()) -> None:
+        """Queue the plan on the streams without waiting for it; every stream first waits
+        for the events ``after`` (recorded before: CUDA honours only those)."""
+        kind = self.kind
+        with self.context.enqueue_lock:
+            for stream in self.all_streams():
+                for event in after:
+                    kind.wait(stream, event)
+            for function, args in self.ops:
+                function(*args)
+
+    def wait(self, deadline: float) -> None:
+        """Until every stream finished what ``enqueue`` queued."""
+        for event in self.finals:
+            self.kind.synchronize(event, deadline)
 
     def drain(self, patience: float = 3600.0) -> None:
         """Wait for the streams to finish what a failed run left queued (errors ignored):

@@ -56,11 +56,18 @@ def _jax_sharing_a_gpu() -> None:
 
 
 def run_cases(
-    rank: int, socket: str, world: int, devices: list[int], cases: list[tuple], framework: str = "emulated"
+    rank: int,
+    socket: str,
+    world: int,
+    devices: list[int],
+    cases: list[tuple],
+    framework: str = "emulated",
+    algorithm: str = "",
 ) -> list:
     """Each case: (op, dtype, reduce_op, in_place, root, count, inputs of every rank as bytes).
     Returns, per case, this rank's output bytes and its input buffer's bytes afterwards.
-    ``framework`` makes the device arrays (bfloat16 goes through torch outside emulated)."""
+    ``framework`` makes the device arrays (bfloat16 goes through torch outside emulated);
+    ``algorithm`` forces one (else the daemon's choice)."""
     results = []
     with _client(rank, socket, world, "devices") as client:
         device = devices[rank]
@@ -81,6 +88,8 @@ def run_cases(
                 x = to_device(mine, device, dtype, make) if n_in else None
                 out = to_device(np.zeros(count * n_out, dt), device, dtype, make) if n_out else None
             kwargs = {"out": out}
+            if algorithm:
+                kwargs["algorithm"] = algorithm
             if op in ("allreduce", "reduce", "reduce_scatter"):
                 kwargs["op"] = reduce_op
             if op in ROOTED_OPS:

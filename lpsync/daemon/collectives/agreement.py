@@ -67,6 +67,9 @@ class Verdict:
     trial: bool = False  # node 0 times this run
     # (node, sequence, seconds) of earlier trials, where the summaries were judged
     reports: tuple[tuple[int, int, float], ...] = ()
+    # Every node's participants pass device buffers: the segment (bytes) of the
+    # hierarchical pipeline (hierarchy.py), the smallest any node offered; 0: flat.
+    segment: int = 0
 
 
 # -- the tree ------------------------------------------------------------------------------
@@ -143,7 +146,7 @@ class Summary:
 
 def summary(job: Job, spec: Spec, link: Link, extras: tuple[tuple[str, Any], ...] = ()) -> Summary:
     """This node's summary of ``spec`` (cached: a job repeats its collectives); ``extras``
-    are learning.py's fields ("use", "trial", "last"), hashable."""
+    are learning.py's fields ("use", "trial", "last") and hierarchy.py's ("device"), hashable."""
     assert job.layout is not None and link.model is not None
     return _summary(spec, job.layout.node, _ranks(job), link.model.alpha, link.model.beta, extras)
 
@@ -243,6 +246,9 @@ def judge(
         "alpha": max(by_node[n]["alpha"] for n in nodes),
         "beta": max(by_node[n]["beta"] for n in nodes),
     }
+    offered = [by_node[n].get("device", 0) for n in nodes]
+    if all(offered):
+        verdict["device"] = min(offered)
     first = by_node[nodes[0]]
     if "use" in first:  # node 0 decides the schedule for all (learning.py)
         verdict["use"], verdict["trial"] = first["use"], first.get("trial", False)
@@ -267,6 +273,7 @@ def _apply(
         None if use is None else (str(use[0]), int(use[1])),
         bool(verdict.get("trial", False)),
         reports(summaries or []),
+        int(verdict.get("device", 0)),
     )
 
 

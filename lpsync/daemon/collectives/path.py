@@ -8,7 +8,9 @@
                               or the tuner's pick for the slowest link of all)
                     staged   (staging.py: device spans over host mirrors, chunk by chunk)
                     run      (the plan bound to this run's buffers: local stage ->
-                              inter-node chain -> local stage, one chunk pipeline)
+                              inter-node chain -> local stage, one chunk pipeline;
+                              hierarchy.py instead where every node's buffers are on
+                              devices: the device chain, a bounded host ring, the peers)
                     finished (an Outcome, or the error every node reports alike)
 Each stage takes what the earlier ones produced and hands its own result on; none calls
 back into another. A peer lost mid-way breaks the mesh and every waiting participant
@@ -20,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from lpsync.daemon.collectives import agreement, local, planning
+from lpsync.daemon.collectives import agreement, hierarchy, local, planning
 from lpsync.daemon.collectives.learning import Learner
 from lpsync.daemon.collectives.matching import Job
 from lpsync.daemon.collectives.small import SmallCollective, rides
@@ -73,7 +75,7 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
     proposal = None
     try:
         proposal = planning.propose(task, learner, link, last)
-        mine = agreement.summary(job, task.spec, link, proposal.extras)
+        mine = agreement.summary(job, task.spec, link, proposal.extras + hierarchy.offer(task, devices))
         if rides(task):  # agreed and finished in one: the data rides the agreement
             staging = whole(task, devices, deadline)
             with staging as hosts:
@@ -90,11 +92,16 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
         pending.enter(RUNNING)
         if task.op is Collective.BARRIER:
             return Outcome(algorithm="exchange", chunks=1, seconds=task.elapsed())
+        tags = planning.tag_base(job.name, pending.sequence)
+        if verdict.segment:  # every node's participants are on devices
+            assert devices is not None
+            algorithm, chunks = hierarchy.run(task, link, devices, verdict.segment, deadline, tags)
+            return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
         algorithm, chunks = planning.choose(task, verdict.model, verdict.use)
         staged = stage(task, devices) if devices is not None else None
         group = planning.bind(task, link, algorithm, chunks, staged)
         began = time.perf_counter()
-        timeout, tags = max(0.0, deadline - time.monotonic()), planning.tag_base(job.name, pending.sequence)
+        timeout = max(0.0, deadline - time.monotonic())
         if staged is None:
             group.run(timeout, tags)
         else:

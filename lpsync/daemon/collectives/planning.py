@@ -17,6 +17,7 @@ from typing import Any
 
 from lpsync.algorithms import LinkModel, generate, select
 from lpsync.algorithms.tuner import chunks_for
+from lpsync.daemon.collectives.hierarchy import HIERARCHICAL
 from lpsync.daemon.collectives.learning import Key, Learner, candidates
 from lpsync.daemon.collectives.small import rides
 from lpsync.daemon.collectives.staging import Staged
@@ -46,8 +47,14 @@ class Proposal:
 
 
 def learns(task: Task) -> bool:
-    """Node 0 picks (and times) the schedule: a pipelined collective, algorithm not forced."""
-    return task.op is not Collective.BARRIER and not task.spec.algorithm and not rides(task)
+    """Node 0 picks (and times) the schedule: a pipelined collective, algorithm not forced,
+    and not one that device buffers run in hierarchy.py's segments (picked per segment)."""
+    return (
+        task.op is not Collective.BARRIER
+        and not task.spec.algorithm
+        and not rides(task)
+        and not (task.on_device and task.op in HIERARCHICAL)
+    )
 
 
 def propose(task: Task, learner: Learner, link: Link, last: tuple[int, float] | None) -> Proposal:

@@ -32,6 +32,9 @@ class DaemonConfig:
     token_file: str = ""  # the token clients send as "authorization: Bearer <token>"
     metrics_port: int = 0  # Prometheus exporter port; 0: off
     devices: str = "cpu:0"  # cpu | cuda:all | cuda:0,1 | emulated:N (lpsync.memory.devices)
+    # Pinned host memory a multi-node device collective's boundary participant stages its
+    # chunks through (collectives/hierarchy.py: a ring of 4 slots); nodes take the smallest.
+    device_staging_bytes: int = 32 << 20
     timeout: float = 300.0  # default collective timeout (seconds) when a request has none
     # Request bounds (limits.py checks every request against them; docs/reliability.md).
     max_buffer_bytes: int = 1 << 34  # one Allocate/Register above this: RESOURCE_EXHAUSTED
@@ -90,6 +93,10 @@ class DaemonConfig:
         if not 0 < self.stall_seconds < float("inf"):
             raise InvalidArgumentError(
                 f"stall_seconds must be a positive number of seconds, got {self.stall_seconds}"
+            )
+        if self.device_staging_bytes < 4096:
+            raise InvalidArgumentError(
+                f"device_staging_bytes must be at least 4096, got {self.device_staging_bytes}"
             )
         if self.agreement_radix < 2:
             raise InvalidArgumentError(f"agreement_radix must be at least 2, got {self.agreement_radix}")
@@ -191,6 +198,13 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         help="cpu (host shared memory, default), cuda:all, cuda:0,1 (GPUs through "
         "cupy) or emulated:N[,slow=A-B+..][,host=A-B+..][,islands=K] "
         "(host-emulated devices for tests)",
+    )
+    add(
+        "--device-staging-bytes",
+        type=int,
+        help="pinned host memory through which a multi-node collective on device buffers "
+        "crosses to the peer plane, per node and job: a ring of 4 chunks "
+        f"(default {DaemonConfig.device_staging_bytes})",
     )
     add(
         "--timeout",

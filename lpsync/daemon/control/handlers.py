@@ -82,7 +82,7 @@ class Service(pb_grpc.LpSyncServicer):
             plane.exchange = self.outcomes
         self.started = time.time()
         kind = open_kind(parse_devices(config.devices))
-        self.devices = DeviceRegistry(kind) if kind is not None else None
+        self.devices = DeviceRegistry(kind, config.device_staging_bytes) if kind is not None else None
         self.limits = config.limits()
         self.sessions = SessionTable(self.limits, on_bytes=self._bytes_changed, devices=self.devices)
         if self.devices is not None:

@@ -1,0 +1,71 @@
+"""Client processes of the hierarchical device tests (spawned: importable functions)."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import numpy as np
+
+import lpsync_client
+import tests.daemon.device_workers as device_workers
+from lpsync_client import emulated
+from tests.daemon.device_workers import _client, run_cases
+
+
+def _on_node(rank: int, node_of: list[int]) -> int:
+    """This rank's node; LOCAL_RANK and LOCAL_WORLD_SIZE as torchrun would set them."""
+    node = node_of[rank]
+    mine = [r for r, n in enumerate(node_of) if n == node]
+    os.environ["LOCAL_RANK"] = str(mine.index(rank))
+    os.environ["LOCAL_WORLD_SIZE"] = str(len(mine))
+    return node
+
+
+def cases_on_nodes(
+    rank: int,
+    sockets: list[str],
+    node_of: list[int],
+    devices: list[int],
+    cases: list[tuple],
+    algorithm: str,
+    store_port: int = 0,
+) -> list:
+    """run_cases for a job whose ranks sit on the nodes ``node_of`` names; with
+    ``store_port`` the ranks discover that layout through a TCPStore (nodes of unequal
+    size are no torchrun numbering)."""
+    node = _on_node(rank, node_of)
+    if store_port:
+        import torch.distributed as dist
+
+        for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(name)
+        world = len(node_of)
+        store = dist.TCPStore("127.0.0.1", store_port, world, rank == 0, timeout=timedelta(seconds=60))
+
+        def connect(rank: int, socket: str, world: int, job: str) -> lpsync_client.Client:
+            return lpsync_client.connect(
+                socket, job=job, rank=rank, world_size=world, timeout=60, store=store
+            )
+
+        device_workers._client = connect  # this process only: run_cases attaches through the store
+    return run_cases(rank, sockets[node], len(node_of), devices, cases, algorithm=algorithm)
+
+
+def big_allreduce(rank: int, sockets: list[str], node_of: list[int], count: int) -> dict:
+    """One allreduce of ``count`` float32 on this rank's emulated device (rank + 1 each):
+    whether every element came back as the sum, and how long it took."""
+    node = _on_node(rank, node_of)
+    world = len(node_of)
+    with _client(rank, sockets[node], world, "big") as client:
+        x = emulated.asarray(np.full(count, rank + 1, np.float32), rank % 2, "float32")
+        client.register(x)
+        client.barrier()
+        start = time.monotonic()
+        client.allreduce(x, timeout=300)
+        seconds = time.monotonic() - start
+        want = world * (world + 1) / 2
+        ok = bool((x.get() == want).all())
+        client.release(x)
+    return {"ok": ok, "seconds": seconds}

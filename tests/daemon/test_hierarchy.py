@@ -1,0 +1,112 @@
+"""Multi-node collectives on device buffers, hierarchically: the device chain inside each
+node, a bounded host ring at the boundary, the peer plane between nodes. Real daemons
+(--devices emulated:N) and client processes; results against numpy."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+import tests.daemon.hierarchy_workers as workers
+from lpsync.algorithms.registry import algorithms_for
+from lpsync.types import Collective
+from tests.collective_cases import check_case_results, rotating_cases
+from tests.daemon.harness import PeeredDaemons, run_ranks
+from tests.ports import free_ports
+
+HIERARCHICAL = ("allreduce", "reduce", "broadcast")
+# Large enough not to ride the agreement (64 KiB) in any of these dtypes.
+COUNT = 40_000
+KINDS = [("float32", "sum"), ("float64", "avg"), ("int32", "max"), ("bfloat16", "sum"), ("float16", "min")]
+
+
+def _cases(world: int, root: int, seed: int, algorithm: str = "") -> list[tuple]:
+    """The hierarchical ops (those ``algorithm`` offers) in and out of place."""
+    ops = [op for op in HIERARCHICAL if not algorithm or algorithm in algorithms_for(Collective(op))]
+    return [c for c in rotating_cases(world, COUNT, KINDS, root=root, seed=seed) if c[0] in ops]
+
+
+def _run(
+    daemons: PeeredDaemons,
+    node_of: list[int],
+    devices: list[int],
+    cases: list[tuple],
+    algorithm: str,
+    store: int = 0,
+):
+    world = len(node_of)
+    args = (daemons.sockets, node_of, devices, cases, algorithm, store)
+    return run_ranks(world, workers.cases_on_nodes, *args, timeout=180)
+
+
+@pytest.mark.parametrize("algorithm", ["lp", "ring", "be"])
+def test_two_nodes_two_devices_each(tmp_path: Path, algorithm: str) -> None:
+    """Two ranks per node on two emulated devices; 64 KiB of staging, so every message
+    goes through the ring in several rounds (16 KiB segments, 4 slots)."""
+    daemons = PeeredDaemons(tmp_path, 2, "--devices", "emulated:2", "--device-staging-bytes", "65536")
+    try:
+        node_of, devices = [0, 0, 1, 1], [0, 1, 1, 0]
+        cases = _cases(4, root=3, seed=21, algorithm=algorithm)
+        check_case_results(cases, _run(daemons, node_of, devices, cases, algorithm), 4)
+    finally:
+        daemons.stop_and_check()
+
+
+def test_three_nodes_of_unequal_size(tmp_path: Path) -> None:
+    """Nodes of 2, 1 and 2 ranks, the tuner's choice, roots on the one-rank node and on a
+    node's second rank: a non-root node's boundary keeps its partial sum off the buffers."""
+    daemons = PeeredDaemons(tmp_path, 3, "--devices", "emulated:2", "--device-staging-bytes", "131072")
+    try:
+        node_of, devices = [0, 0, 1, 2, 2], [0, 1, 0, 1, 0]
+        for root, seed in ((2, 31), (4, 32)):
+            cases = _cases(5, root=root, seed=seed)
+            store = free_ports(1)[0]
+            check_case_results(cases, _run(daemons, node_of, devices, cases, "", store), 5)
+    finally:
+        daemons.stop_and_check()
+
+
+def _anon_kib(pid: int) -> int:
+    """The process's anonymous resident memory (the host ring is anonymous; emulated
+    device memory is a memfd, counted apart)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+    raise AssertionError("no RssAnon")
+
+
+def test_host_memory_stays_within_the_staging_bound(tmp_path: Path) -> None:
+    """A 256 MiB allreduce on device buffers, two nodes of two ranks: each daemon's host
+    memory grows by at most its staging bound (16 MiB) plus slack, where staging whole
+    buffers would take 512 MiB per daemon."""
+    bound = 16 << 20
+    daemons = PeeredDaemons(tmp_path, 2, "--devices", "emulated:2", "--device-staging-bytes", str(bound))
+    try:
+        node_of = [0, 0, 1, 1]
+        # Warm up: streams, threads, plans' pools; then the baseline.
+        assert all(r["ok"] for r in run_ranks(4, workers.big_allreduce, daemons.sockets, node_of, 1 << 16))
+        pids = [d.pid for d in daemons.daemons if d is not None]
+        base = [_anon_kib(pid) for pid in pids]
+        peak = list(base)
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(0.01):
+                for i, pid in enumerate(pids):
+                    peak[i] = max(peak[i], _anon_kib(pid))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            results = run_ranks(4, workers.big_allreduce, daemons.sockets, node_of, 64 << 20, timeout=600)
+        finally:
+            stop.set()
+            sampler.join()
+        assert all(r["ok"] for r in results)
+        slack = 48 << 10  # KiB: the interpreter, receive buffers, allocator noise
+        for before, top in zip(base, peak, strict=True):
+            assert top - before <= (bound >> 10) + slack, f"host memory grew by {(top - before) >> 10} MiB"
+    finally:
+        daemons.stop_and_check()
