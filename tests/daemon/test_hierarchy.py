@@ -16,7 +16,7 @@ from tests.collective_cases import check_case_results, rotating_cases
 from tests.daemon.harness import PeeredDaemons, run_ranks
 from tests.ports import free_ports
 
-HIERARCHICAL = ("allreduce", "reduce", "broadcast")
+HIERARCHICAL = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter")
 # Large enough not to ride the agreement (64 KiB) in any of these dtypes.
 COUNT = 40_000
 KINDS = [("float32", "sum"), ("float64", "avg"), ("int32", "max"), ("bfloat16", "sum"), ("float16", "min")]

@@ -39,6 +39,7 @@ from lpsync.algorithms import LinkModel, generate, select
 from lpsync.algorithms.registry import DIRECT, algorithms_for
 from lpsync.algorithms.tuner import chunks_for
 from lpsync.daemon.collectives import local
+from lpsync.daemon.collectives.agreement import Verdict
 from lpsync.daemon.collectives.small import rides
 from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.collectives.views import buffers, reduction
@@ -52,7 +53,15 @@ from lpsync.errors import InvalidArgumentError
 from lpsync.memory.kind import Span
 from lpsync.types import Collective
 
-HIERARCHICAL = frozenset({Collective.ALLREDUCE, Collective.REDUCE, Collective.BROADCAST})
+HIERARCHICAL = frozenset(
+    {
+        Collective.ALLREDUCE,
+        Collective.REDUCE,
+        Collective.BROADCAST,
+        Collective.ALLGATHER,
+        Collective.REDUCE_SCATTER,
+    }
+)
 RING_SLOTS = 4  # pinned host slots per job: a segment on the wire, the next ones filling
 _STEP_BITS = 20  # planning.py's tag layout: every segment's steps share these bits
 _PATIENCE = 3600.0  # a failed run waits this long at most for its queued copies
@@ -75,8 +84,11 @@ class _Segment:
     ring: Span  # the segment in its ring slot
     cross: LocalGroup
     tag: int  # offset of this segment's messages in the collective's tag space
+    steps: int  # tags this segment's messages take
     result: Span | None  # where the slot's bytes go back up (None: nothing comes back)
     spread: DeviceGroup | None  # the local broadcast from the boundary
+    boundary: int  # the boundary participant's device
+    stream: Any  # its copy stream (to and from the ring)
     staged: Any  # event: the slot holds the segment
     returned: Any  # event: the segment is back on the boundary
 
@@ -84,11 +96,9 @@ class _Segment:
 class Hierarchy:
     """Every segment's plan over one set of buffers; ``close`` gives back what it holds."""
 
-    def __init__(
-        self, segments: list[_Segment], scratch: Scratch, ring: HostMirrors, stream: Any, done: Any
-    ) -> None:
+    def __init__(self, segments: list[_Segment], scratch: Scratch, ring: HostMirrors, lanes: list) -> None:
         self.segments, self.scratch, self.ring = segments, scratch, ring
-        self.stream, self.done = stream, done  # the boundary's copy stream, an event of it
+        self.lanes = lanes  # (stream, event) of each boundary device's copy stream
         self.algorithm = segments[0].cross.schedule.algorithm if segments else DIRECT
         self.chunks = sum(s.cross.schedule.chunks for s in segments)
 
@@ -103,11 +113,17 @@ class Hierarchy:
 
 
 def run(
-    task: Task, link: Link, devices: DeviceRegistry, segment_bytes: int, deadline: float, tags: int
+    task: Task,
+    link: Link,
+    devices: DeviceRegistry,
+    verdict: Verdict,
+    deadline: float,
+    tags: int,
 ) -> tuple[str, int]:
-    """Run the collective hierarchically; (algorithm across nodes, chunks in all)."""
-    model = link.model
-    assert model is not None
+    """Run the collective hierarchically: the verdict's segment size and link model
+    (every node's, so every node builds the same schedules); returns (algorithm across
+    nodes, chunks in all)."""
+    segment_bytes, model = verdict.segment, verdict.model
     ring = _ring(task, devices, segment_bytes)
     plan = _plan(task, link, devices, ring, segment_bytes // task.dtype.itemsize, model)
     _run(plan, task, devices, deadline, tags)
@@ -137,17 +153,62 @@ def _choose(
     return choice.algorithm, choice.chunks
 
 
+@dataclass(frozen=True)
+class _Part:
+    """One rooted (or all-reduced) collective over sub-spans: allgather is P broadcasts of
+    the ranks' blocks, reduce_scatter P reduces, the others one part of their own."""
+
+    op: Collective  # ALLREDUCE, REDUCE or BROADCAST
+    root: int  # a rank (ALLREDUCE: unused)
+    views: list[tuple[Span, Span]]  # (in, out) of each local participant
+
+
+def _parts(task: Task, views: list[tuple[Span, Span]]) -> list[_Part]:
+    spec, op, count = task.spec, task.op, task.spec.count
+    if op in (Collective.ALLREDUCE, Collective.REDUCE, Collective.BROADCAST):
+        return [_Part(op, spec.root, views)]
+    ranks = [a.rank for a in task.arrivals]
+    parts = []
+    for r in range(task.participants):
+        block = slice(r * count, (r + 1) * count)
+        if op is Collective.ALLGATHER:  # rank r's block from r to everyone's output
+            mine = [
+                (i, o[block]) if q == r else (o[block], o[block])
+                for q, (i, o) in zip(ranks, views, strict=True)
+            ]
+            parts.append(_Part(Collective.BROADCAST, r, mine))
+        else:  # REDUCE_SCATTER: everyone's block r reduced into r's output
+            mine = [
+                (i[block], o) if q == r else (i[block], i[block])
+                for q, (i, o) in zip(ranks, views, strict=True)
+            ]
+            parts.append(_Part(Collective.REDUCE, r, mine))
+    return parts
+
+
 def _plan(
     task: Task, link: Link, devices: DeviceRegistry, ring: HostMirrors, per: int, model: LinkModel
 ) -> Hierarchy:
-    spec, op, itemsize = task.spec, task.op, task.dtype.itemsize
+    spec, itemsize = task.spec, task.dtype.itemsize
     layout = task.job.layout
     assert layout is not None
-    count = spec.count
-    lengths = sorted({min(per, count - lo) for lo in range(0, count, per)})
-    # Every node resolves the same schedule per segment length (agreed model and size).
-    across = {n: _choose(op, spec.algorithm, layout.nodes, n * itemsize, model) for n in lengths}
     views = [buffers(spec, a, task.participants) for a in task.arrivals]
+    parts = _parts(task, views)
+    count = parts[0].views[0][0].count
+    lengths = sorted({min(per, count - lo) for lo in range(0, count, per)})
+    # Every node resolves the same schedule per (op, segment length): agreed model and
+    # size. A forced algorithm runs where it has the part's op (ring has no broadcast).
+    across = {
+        (part.op, n): _choose(
+            part.op,
+            spec.algorithm if spec.algorithm in algorithms_for(part.op) else "",
+            layout.nodes,
+            n * itemsize,
+            model,
+        )
+        for part in parts
+        for n in lengths
+    }
     key = (
         spec,
         "hierarchy",
@@ -158,7 +219,7 @@ def _plan(
         tuple((i.lo, o.lo) for i, o in views),
         tuple(h for a in task.arrivals for h in a.handles),
     )
-    return task.job.plans.get(key, lambda: _build(task, link, devices, ring, per, across, views))
+    return task.job.plans.get(key, lambda: _build(task, link, devices, ring, per, across, parts))
 
 
 def _build(
@@ -167,107 +228,132 @@ def _build(
     devices: DeviceRegistry,
     ring: HostMirrors,
     per: int,
-    across: dict[int, tuple[str, int]],
-    views: list[tuple[Span, Span]],
+    across: dict[tuple[Collective, int], tuple[str, int]],
+    parts: list[_Part],
 ) -> Hierarchy:
-    spec, op, dtype = task.spec, task.op, task.dtype
     layout = task.job.layout
     assert layout is not None
     context, kind = devices.context, devices.kind
-    ranks = [a.rank for a in task.arrivals]
-    rooted = op is not Collective.ALLREDUCE
-    b = ranks.index(spec.root) if rooted and spec.root in ranks else 0  # the boundary
-    holds_root = not rooted or spec.root in ranks
-    on = [inp.device for inp, _ in views]
-    topology = context.topology
-    gather_order = local.device_chain(Collective.REDUCE, b, on, topology)
-    spread_order = local.device_chain(Collective.BROADCAST, b, on, topology)
-    several = len(views) > 1
     scratch = Scratch(context.pool)
-    placement = Placement.of(range(layout.nodes), layout.node)
-    cross_root = layout.node_of[spec.root] if rooted else 0
-    summing = reduction(spec, dtype, 1)  # locally: no division (avg divides once, across)
     segments: list[_Segment] = []
-    crosses: dict[tuple[int, int], LocalGroup] = {}
-    tag = 0
+    crosses: dict[tuple[Collective, int, int, int], LocalGroup] = {}
     try:
-        for k, lo in enumerate(range(0, spec.count, per)):
-            hi = min(spec.count, lo + per)
-            n = hi - lo
-            mine = [(i[lo:hi], o[lo:hi]) for i, o in views]
-            inp, out = mine[b]
-            gather = spread = None
-            source: Span | None
-            result: Span | None = out if holds_root or op is Collective.BROADCAST else None
-            if op is Collective.BROADCAST:
-                source = inp if holds_root else None
-            elif several:
-                # A reduce's non-root boundary keeps its partial sum off the caller's buffer:
-                # in device scratch, one per ring slot (a slot's copy-out reads it).
-                target = out
-                if not holds_root:
-                    memory = scratch.take(("partial", k % RING_SLOTS), on[b], n * dtype.itemsize)
-                    target = Span(memory, 0, n, dtype)
-                gathered = list(mine)
-                gathered[b] = (inp, target)
-                gather = _device_group(
-                    devices, Collective.REDUCE, spec.algorithm, gather_order, b, gathered, summing, scratch
-                )
-                source = target
-            else:
-                source = inp
-            if op is not Collective.REDUCE and several:
-                spreading = list(mine)
-                spreading[b] = (out, out)  # the boundary's result is in its output by then
-                spread = _device_group(
-                    devices, Collective.BROADCAST, spec.algorithm, spread_order, b, spreading, None, scratch
-                )
-            if (
-                op is Collective.BROADCAST
-                and result is not None
-                and source is not None
-                and result.lo == source.lo
-            ):
-                result = None  # a broadcast's root in place: its bytes never changed
-            host = ring.mirrors[k % RING_SLOTS]
-            assert host is not None
-            cross = crosses.get((k % RING_SLOTS, n))
-            if cross is None:  # one per (slot, length): its receive window is host memory too
-                array = host.array.view(dtype)[:n]
-                algorithm, chunks = across[n]
-                cross = crosses[k % RING_SLOTS, n] = LocalGroup(
-                    generate(op, algorithm, layout.nodes, n, cross_root, chunks),
-                    [(array, array)],
-                    reduction(spec, dtype, task.participants),
-                    placement,
-                    link.endpoint,
-                )
-            schedule = cross.schedule
-            segments.append(
-                _Segment(
-                    lo=lo,
-                    hi=hi,
-                    gather=gather,
-                    source=source,
-                    ring=Span(host.host, 0, n, dtype),
-                    cross=cross,
-                    tag=tag,
-                    result=result,
-                    spread=spread,
-                    staged=kind.event(on[b]),
-                    returned=kind.event(on[b]),
-                )
-            )
-            tag += (int(schedule.tags.max()) + 1) if schedule.tags.size else 1
+        for part in parts:
+            _segments(task, link, devices, ring, per, across, part, scratch, crosses, segments)
+        tag = sum(s.steps for s in segments)
         if tag > 1 << _STEP_BITS:
             raise InvalidArgumentError(
-                f"{spec.count} elements in {len(segments)} segments need more than "
+                f"{task.spec.count} elements in {len(segments)} segments need more than "
                 f"2**{_STEP_BITS} messages per pair: raise --device-staging-bytes"
             )
     except BaseException:
-        Hierarchy(segments, scratch, ring, None, None).close(wait=False)
+        Hierarchy(segments, scratch, ring, []).close(wait=False)
         raise
-    return Hierarchy(segments, scratch, ring, context.stream(on[b], 0, "boundary"), kind.event(on[b]))
+    streams = {id(s.stream): (s.stream, s.boundary) for s in segments}
+    return Hierarchy(segments, scratch, ring, [(stream, kind.event(d)) for stream, d in streams.values()])
+
+
+def _segments(
+    task: Task,
+    link: Link,
+    devices: DeviceRegistry,
+    ring: HostMirrors,
+    per: int,
+    across: dict[tuple[Collective, int], tuple[str, int]],
+    part: _Part,
+    scratch: Scratch,
+    crosses: dict[tuple[Collective, int, int, int], LocalGroup],
+    segments: list[_Segment],
+) -> None:
+    """Append ``part``'s segments (their tags after those already there)."""
+    spec, dtype, op, views = task.spec, task.dtype, part.op, part.views
+    layout = task.job.layout
+    assert layout is not None
+    kind, topology = devices.kind, devices.context.topology
+    ranks = [a.rank for a in task.arrivals]
+    rooted = op is not Collective.ALLREDUCE
+    b = ranks.index(part.root) if rooted and part.root in ranks else 0  # the boundary
+    holds_root = not rooted or part.root in ranks
+    on = [inp.device for inp, _ in views]
+    gather_order = local.device_chain(Collective.REDUCE, b, on, topology)
+    spread_order = local.device_chain(Collective.BROADCAST, b, on, topology)
+    several = len(views) > 1
+    placement = Placement.of(range(layout.nodes), layout.node)
+    cross_root = layout.node_of[part.root] if rooted else 0
+    summing = reduction(spec, dtype, 1)  # locally: no division (avg divides once, across)
+    count = views[0][0].count
+    for lo in range(0, count, per):
+        k = len(segments)
+        hi = min(count, lo + per)
+        n = hi - lo
+        mine = [(i[lo:hi], o[lo:hi]) for i, o in views]
+        inp, out = mine[b]
+        gather = spread = None
+        source: Span | None
+        result: Span | None = out if holds_root or op is Collective.BROADCAST else None
+        if op is Collective.BROADCAST:
+            source = inp if holds_root else None
+        elif several:
+            # A reduce's non-root boundary keeps its partial sum off the caller's buffer:
+            # in device scratch, one per ring slot (a slot's copy-out reads it).
+            target = out
+            if not holds_root:
+                memory = scratch.take(("partial", k % RING_SLOTS), on[b], n * dtype.itemsize)
+                target = Span(memory, 0, n, dtype)
+            gathered = list(mine)
+            gathered[b] = (inp, target)
+            gather = _device_group(
+                devices, Collective.REDUCE, spec.algorithm, gather_order, b, gathered, summing, scratch
+            )
+            source = target
+        else:
+            source = inp
+        if op is not Collective.REDUCE and several:
+            spreading = list(mine)
+            spreading[b] = (out, out)  # the boundary's result is in its output by then
+            spread = _device_group(
+                devices, Collective.BROADCAST, spec.algorithm, spread_order, b, spreading, None, scratch
+            )
+        if (
+            op is Collective.BROADCAST
+            and result is not None
+            and source is not None
+            and result.lo == source.lo
+        ):
+            result = None  # a broadcast's root in place: its bytes never changed
+        slot = k % RING_SLOTS
+        host = ring.mirrors[slot]
+        assert host is not None
+        cross = crosses.get((op, cross_root, slot, n))
+        if cross is None:  # one per (op, root, slot, length): its receive window is host memory too
+            array = host.array.view(dtype)[:n]
+            algorithm, chunks = across[op, n]
+            cross = crosses[op, cross_root, slot, n] = LocalGroup(
+                generate(op, algorithm, layout.nodes, n, cross_root, chunks),
+                [(array, array)],
+                reduction(spec, dtype, task.participants) if op is not Collective.BROADCAST else None,
+                placement,
+                link.endpoint,
+            )
+        schedule = cross.schedule
+        segments.append(
+            _Segment(
+                lo=lo,
+                hi=hi,
+                gather=gather,
+                source=source,
+                ring=Span(host.host, 0, n, dtype),
+                cross=cross,
+                tag=sum(s.steps for s in segments),
+                steps=(int(schedule.tags.max()) + 1) if schedule.tags.size else 1,
+                result=result,
+                spread=spread,
+                boundary=on[b],
+                stream=devices.context.stream(on[b], 0, "boundary"),
+                staged=kind.event(on[b]),
+                returned=kind.event(on[b]),
+            )
+        )
 
 
 def _device_group(
@@ -291,7 +377,7 @@ def _device_group(
 
 
 def _run(plan: Hierarchy, task: Task, devices: DeviceRegistry, deadline: float, tags: int) -> None:
-    kind, lock, stream = devices.kind, devices.context.enqueue_lock, plan.stream
+    kind, lock = devices.kind, devices.context.enqueue_lock
     for a in task.arrivals:
         if a.ready is not None:  # polled: the shared streams never wait on a client
             kind.wait_ready(a.ready, deadline)
@@ -306,11 +392,16 @@ def _run(plan: Hierarchy, task: Task, devices: DeviceRegistry, deadline: float, 
         fence = list(group.finals)
         queued.append(group)
 
-    def down(segment: _Segment) -> None:
-        """Reduce segment k onto the boundary and copy it into its ring slot."""
+    def down(segment: _Segment, after: _Segment | None) -> None:
+        """Reduce a segment onto its boundary and copy it into its ring slot, once the
+        slot's previous segment (``after``) was copied back (on another boundary's
+        stream, where parts have other roots)."""
         if segment.gather is not None:
             on_devices(segment.gather, [])
+        stream = segment.stream
         with lock:
+            if after is not None and after.stream is not stream:
+                kind.wait(stream, after.returned)
             if segment.source is not None:
                 for event in fence if segment.gather is not None else ():
                     kind.wait(stream, event)
@@ -320,20 +411,23 @@ def _run(plan: Hierarchy, task: Task, devices: DeviceRegistry, deadline: float, 
     segments = plan.segments
     try:
         for segment in segments[:RING_SLOTS]:
-            down(segment)
+            down(segment, None)
         for k, segment in enumerate(segments):
             kind.synchronize(segment.staged, deadline)
             segment.cross.run(max(0.0, deadline - time.monotonic()), tags + segment.tag)
             with lock:
                 if segment.result is not None:
-                    kind.copy_async(segment.result, segment.ring, stream)
-                kind.record(segment.returned, stream)
+                    kind.copy_async(segment.result, segment.ring, segment.stream)
+                kind.record(segment.returned, segment.stream)
             if segment.spread is not None:
                 on_devices(segment.spread, [segment.returned])
             if k + RING_SLOTS < len(segments):
-                down(segments[k + RING_SLOTS])  # into this slot: after its copy back (one stream)
-        if segments:
-            kind.synchronize(segments[-1].returned, deadline)
+                down(segments[k + RING_SLOTS], segment)  # into this slot, after its copy back
+        with lock:  # every boundary stream's copies back, to the last
+            for stream, event in plan.lanes:
+                kind.record(event, stream)
+        for _, event in plan.lanes:
+            kind.synchronize(event, deadline)
         if queued:
             queued[-1].wait(deadline)  # fenced: the last group's end is every group's end
     except BaseException:
@@ -341,7 +435,8 @@ def _run(plan: Hierarchy, task: Task, devices: DeviceRegistry, deadline: float, 
         for group in queued:
             group.drain()
             group.recover()
-        _drain(kind, lock, stream, plan.done)
+        for stream, event in plan.lanes:
+            _drain(kind, lock, stream, event)
         raise
     finally:
         devices.done(busy)

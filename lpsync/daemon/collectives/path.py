@@ -95,7 +95,7 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
         tags = planning.tag_base(job.name, pending.sequence)
         if verdict.segment:  # every node's participants are on devices
             assert devices is not None
-            algorithm, chunks = hierarchy.run(task, link, devices, verdict.segment, deadline, tags)
+            algorithm, chunks = hierarchy.run(task, link, devices, verdict, deadline, tags)
             return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
         algorithm, chunks = planning.choose(task, verdict.model, verdict.use)
         staged = stage(task, devices) if devices is not None else None
