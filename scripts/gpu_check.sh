@@ -3,8 +3,10 @@
 # that machine's own python3 and packages (cupy, numpy, pytest, ...) and the project on
 # PYTHONPATH: run every `gpu` test (client processes sharing a GPU through CUDA IPC, two
 # daemons on loopback peers, a GPU named under another ordinal), measure the CUDA IPC copy
-# path against a device-to-device copy on 256 MiB, sweep a 4-process allreduce, and print
-# a table last. Without a GPU it says so and exits 0. About 6 minutes on one H200.
+# path against a device-to-device copy on 256 MiB, sweep a 4-process allreduce on one
+# daemon and on two (the hierarchical pipeline across loopback peers) and, with a GPU per
+# rank, through NCCL, and print a table last. Without a GPU it says so and exits 0. About
+# 8 minutes on one H200.
 #   scripts/gpu_wheels.sh     # once, on a machine with network: the missing wheels
 #   scripts/gpu_check.sh      # on the GPU machine, from the checkout (.gpu-wheels beside it)
 # Env: GPU_CHECK_PYTHON (default python3), GPU_CHECK_WHEELS (default .gpu-wheels),
@@ -58,6 +60,15 @@ timeout 60 "$py" -m lpsync.bench.ipc_copy --mib 256 --json "$out/copy.json"
 echo "== allreduce, 4 processes sharing GPU 0"
 timeout 120 "$py" -m lpsync.cli bench --memory cuda --devices cuda:0 --procs 4 --op allreduce \
     --bytes "${GPU_CHECK_SIZES:-1MiB:256MiB}" --iters 10 --warmup 2 --json > "$out/allreduce.json"
+
+echo "== allreduce, 4 processes on 2 daemons (loopback peers): the hierarchical device pipeline"
+timeout 180 "$py" -m lpsync.cli bench --memory cuda --devices cuda:0 --procs 4 --local-nodes 2 \
+    --op allreduce --bytes "${GPU_CHECK_SIZES:-1MiB:256MiB}" --iters 10 --warmup 2 --json \
+    > "$out/allreduce_2daemons.json"
+
+echo "== allreduce through NCCL (torch.distributed), one process per GPU"
+timeout 180 "$py" -m lpsync.bench.nccl --sizes "${GPU_CHECK_SIZES:-1MiB:256MiB}" --iters 10 \
+    --json "$out/nccl.json"
 set -e
 
 "$py" - "$out" "$tests_rc" <<'PY'
@@ -95,5 +106,24 @@ else:
         wrong += row["wrong"]
         print(f"| allreduce 4 procs, {row['size'] / 2**20:g} MiB | {row['time_us']:.0f} us, busbw "
               f"{row['busbw_gbps']:.1f} GB/s, {row['algorithm']}, #wrong {row['wrong']} |")
-sys.exit(1 if rc or wrong or copy is None or bench is None else 0)
+two = load("allreduce_2daemons.json")
+if two is None:
+    print("| allreduce 4 procs, 2 daemons | not measured (see above) |")
+else:
+    one = {row["size"]: row for row in bench["results"]["lpsync"]} if bench else {}
+    for row in two["results"]["lpsync"]:
+        wrong += row["wrong"]
+        base = one.get(row["size"])
+        versus = f", {base['time_us'] / row['time_us']:.2f}x the one-daemon speed" if base else ""
+        print(f"| allreduce 4 procs on 2 daemons, {row['size'] / 2**20:g} MiB | {row['time_us']:.0f} us, "
+              f"algbw {row['algbw_gbps']:.2f} GB/s{versus}, #wrong {row['wrong']} |")
+nccl = load("nccl.json")
+if nccl is None or not nccl.get("results"):
+    why = (nccl or {}).get("skipped", "not measured (see above)")
+    print(f"| allreduce through NCCL | {why} |")
+else:
+    for row in nccl["results"]:
+        print(f"| allreduce through NCCL, {nccl['world']} GPUs, {row['size'] / 2**20:g} MiB | "
+              f"{row['time_us']:.0f} us, algbw {row['algbw_gbps']:.2f} GB/s |")
+sys.exit(1 if rc or wrong or copy is None or bench is None or two is None else 0)
 PY

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lpsync.bench import worker
 from lpsync.daemon import launch
@@ -53,6 +54,7 @@ class Options:
     trigger: str = "auto"  # the path of collectives: socket, grpc (Session stream) or auto
     memory: str = "host"  # where the ranks' buffers live: host, emulated, cuda
     devices: str = ""  # the daemon's --devices ("" : to match --memory)
+    local_nodes: int = 1  # >1: that many daemons on this machine joined over loopback
 
     def device_flag(self) -> str:
         if self.devices:
@@ -82,9 +84,18 @@ def run(options: Options) -> dict[str, list[Row]]:
 
 
 def _run(options: Options, tmp: str) -> dict[str, list[Row]]:
-    daemon = None
-    socket = options.socket
-    if socket is None or not serving(socket):
+    daemon = cluster = None
+    socket, sockets = options.socket, []
+    per_node = options.procs // options.local_nodes if options.local_nodes > 1 else 0
+    if per_node:
+        from lpsync.demo.local_cluster import DemoError, LocalCluster
+
+        try:
+            cluster = LocalCluster(Path(tmp), options.local_nodes, ("--devices", options.device_flag()))
+        except DemoError as error:
+            raise SystemExit(f"lpsync bench: the daemons did not start: {error}") from None
+        sockets = [node.socket for node in cluster.nodes]
+    elif socket is None or not serving(socket):
         socket = socket or os.path.join(tmp, "lpsync.sock")
         try:
             daemon = launch.Daemon(socket, "--log-level", "WARNING", "--devices", options.device_flag())
@@ -99,7 +110,7 @@ def _run(options: Options, tmp: str) -> dict[str, list[Row]]:
             args=(
                 r,
                 options.procs,
-                socket,
+                sockets[r // per_node] if per_node else socket,
                 job,
                 options.op,
                 options.sizes,
@@ -111,6 +122,7 @@ def _run(options: Options, tmp: str) -> dict[str, list[Row]]:
                 options.trigger,
                 options.memory,
                 options.device_count(),
+                per_node,
             ),
         )
         for r in range(options.procs)
@@ -161,6 +173,8 @@ def _run(options: Options, tmp: str) -> dict[str, list[Row]]:
                 p.kill()
         if daemon is not None:
             daemon.stop(30)
+        if cluster is not None:
+            cluster.stop()
     return rows
 
 
@@ -192,6 +206,7 @@ def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
             {
                 "op": options.op,
                 "procs": options.procs,
+                "nodes": options.local_nodes,
                 "dtype": worker.DTYPE,
                 "memory": options.memory,
                 "algorithm": options.algorithm or "auto",
@@ -217,8 +232,9 @@ def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
         "auto": "the client's default (trigger socket if offered)",
     }[options.trigger]
     lines = [
-        f"# lpsync bench: {options.op}, {options.procs} processes, {worker.DTYPE}, "
-        f"algorithm {options.algorithm or 'auto (tuner)'}, collectives via {via}",
+        f"# lpsync bench: {options.op}, {options.procs} processes"
+        + (f" on {options.local_nodes} daemons (joined over loopback)" if options.local_nodes > 1 else "")
+        + f", {worker.DTYPE}, algorithm {options.algorithm or 'auto (tuner)'}, collectives via {via}",
         head1,
         head2,
     ]

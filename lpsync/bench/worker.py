@@ -208,12 +208,15 @@ def run(
     trigger: str = "auto",
     memory: str = "host",
     devices: int = 1,
+    per_node: int = 0,
 ) -> None:
+    """``per_node``: ranks per daemon of several (node-major, as torchrun numbers them)."""
     import lpsync_client
 
     root = 0
+    local = {"local_rank": rank % per_node, "local_world_size": per_node} if per_node else {}
     with lpsync_client.connect(
-        socket, job=job, rank=rank, world_size=world, timeout=600, trigger=trigger
+        socket, job=job, rank=rank, world_size=world, timeout=600, trigger=trigger, **local
     ) as client:
         for nbytes in sizes:
             count = element_count(op, nbytes, world, root)

@@ -95,8 +95,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--local-nodes",
         type=int,
         metavar="N",
-        help="with --model: N daemons on this machine joined over UCX on "
-        "loopback (a fresh secret), --procs split among them",
+        help="N daemons on this machine joined by the peer plane on loopback (a fresh "
+        "secret), --procs split among them node-major (with --memory cuda or emulated: "
+        "the hierarchical device pipeline across daemons)",
     )
     parser.add_argument(
         "--json", action="store_true", help="print JSON (with --cluster: one object per line per point)"
@@ -237,9 +238,6 @@ def run_model_cluster(args: argparse.Namespace) -> int:
 def run_local(args: argparse.Namespace) -> int:
     from lpsync.bench import runner
     from lpsync.errors import InvalidArgumentError
-
-    if args.local_nodes is not None:
-        raise InvalidArgumentError("--local-nodes needs --model")
     from lpsync.units import parse_sizes
 
     given = [
@@ -265,9 +263,16 @@ def run_local(args: argparse.Namespace) -> int:
         trigger=args.trigger or "auto",
         memory=args.memory or "host",
         devices=args.devices or "",
+        local_nodes=args.local_nodes or 1,
     )
-    if options.procs < 1:
-        raise InvalidArgumentError("--procs must be >= 1")
+    if options.procs < 1 or options.local_nodes < 1:
+        raise InvalidArgumentError("--procs and --local-nodes must be >= 1")
+    if options.procs % options.local_nodes:
+        raise InvalidArgumentError(
+            f"--procs {options.procs} must be a multiple of --local-nodes {options.local_nodes}"
+        )
+    if options.local_nodes > 1 and args.socket:
+        raise InvalidArgumentError("--local-nodes starts its own daemons: drop --socket")
     if options.op == "sendrecv" and (options.algorithm or options.procs < 2):
         raise InvalidArgumentError(
             "--op sendrecv is point-to-point (no --algorithm) and needs --procs of 2 or more"

@@ -45,9 +45,10 @@ class Node:
 
 
 class LocalCluster:
-    """``nodes`` daemons in ``where`` (a private directory the caller removes)."""
+    """``nodes`` daemons in ``where`` (a private directory the caller removes), each
+    started with the flags ``extra`` too (``--devices ...``)."""
 
-    def __init__(self, where: Path, nodes: int) -> None:
+    def __init__(self, where: Path, nodes: int, extra: tuple[str, ...] = ()) -> None:
         self.where, self.nodes = where, []
         peer_ports = free_ports(2 * nodes)
         peers = ",".join(f"127.0.0.1:{p}" for p in peer_ports[:nodes])
@@ -57,7 +58,7 @@ class LocalCluster:
         try:
             for rank in range(nodes):
                 flags = ("--node-rank", str(rank), "--peers", peers, "--secret-file", str(secret_file))
-                flags += ("--metrics-port", str(peer_ports[nodes + rank]), "--log-level", "WARNING")
+                flags += ("--metrics-port", str(peer_ports[nodes + rank]), "--log-level", "WARNING", *extra)
                 # Started together, waited for below (they mesh with each other); in a
                 # session of their own: Ctrl-C reaches us only, and we stop them in order.
                 daemon = launch.Daemon(

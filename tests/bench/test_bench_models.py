@@ -128,7 +128,8 @@ def test_replay_across_two_daemons() -> None:
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--local-nodes", "2"], "--local-nodes needs --model"),
+        (["--local-nodes", "2", "--procs", "3"], "must be a multiple"),
+        (["--local-nodes", "2", "--socket", "/nonexistent.sock"], "drop --socket"),
         (["--model", "gpt2", "--local-nodes", "2", "--procs", "3"], "must be a multiple"),
         (["--model", "gpt2", "--bytes", "1MiB"], "--bytes: --model replays"),
         (["--model", "gpt2", "--cluster", "--local-nodes", "2"], "pick one"),

@@ -118,3 +118,38 @@ def test_sendrecv_refuses_an_algorithm_and_a_single_rank(flags: list[str], capsy
 
     assert main(["bench", "--op", "sendrecv", *flags]) == 2
     assert "--op sendrecv is point-to-point" in capsys.readouterr().err
+
+
+def test_local_nodes_bench_the_device_pipeline_across_daemons() -> None:
+    """``--local-nodes 2 --memory emulated``: two daemons joined on loopback, two ranks on
+    each, allreduce on emulated device buffers (the hierarchical pipeline), #wrong == 0."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "lpsync.cli", "bench", "--memory", "emulated", "--local-nodes", "2"]
+        + ["--procs", "4", "--op", "allreduce", "--bytes", "1MiB", "--iters", "3", "--warmup", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["nodes"] == 2 and report["procs"] == 4 and report["memory"] == "emulated"
+    (row,) = report["results"]["lpsync"]
+    assert row["wrong"] == 0 and row["size"] == 1 << 20
+
+
+def test_the_nccl_bench_says_why_it_cannot_run_without_gpus(tmp_path) -> None:
+    """scripts/gpu_check.sh's NCCL line: on a machine without a GPU per rank it writes the
+    reason and exits 0 (the machine is checked, not failed)."""
+    import json
+
+    from lpsync.bench import nccl
+
+    if not nccl.skipped():
+        pytest.skip("NCCL can run here: gpu_check.sh measures it")
+    out = tmp_path / "nccl.json"
+    assert nccl.main(["--sizes", "1MiB", "--json", str(out)]) == 0
+    assert json.loads(out.read_text()) == {"skipped": nccl.skipped()}

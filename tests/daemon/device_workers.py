@@ -142,11 +142,12 @@ def run_cases_on_nodes(
     devices: list[int],
     cases: list[tuple],
     framework: str = "emulated",
+    algorithm: str = "",
 ) -> list:
     """run_cases for a multi-node job: node-major ranks, each on its node's daemon."""
     os.environ["LOCAL_RANK"] = str(rank % per_node)
     os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
-    return run_cases(rank, sockets[rank // per_node], world, devices, cases, framework)
+    return run_cases(rank, sockets[rank // per_node], world, devices, cases, framework, algorithm)
 
 
 def under_another_ordinal(rank: int, socket: str, framework: str = "emulated") -> dict:

@@ -6,6 +6,7 @@ import functools
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -191,3 +192,39 @@ def _reclaim(c: PeeredDaemons) -> None:
                 Path("/dev/shm", name).unlink(missing_ok=True)
         else:
             assert not left, left
+
+
+class MemoryPeak:
+    """The most ``field`` (a /proc/PID/status line: RssAnon, VmRSS) each of ``pids`` grew
+    by, in KiB, while the ``with`` block ran: sampled every 10 ms from a thread (the
+    kernel keeps no per-field peak)."""
+
+    def __init__(self, pids: list[int], field: str) -> None:
+        self.pids, self.field = pids, field
+        self.base = [self._read(pid) for pid in pids]
+        self.peak = list(self.base)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _read(self, pid: int) -> int:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{self.field}:"):
+                return int(line.split()[1])
+        raise LookupError(f"no {self.field} in /proc/{pid}/status")
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            for i, pid in enumerate(self.pids):
+                self.peak[i] = max(self.peak[i], self._read(pid))
+
+    @property
+    def growth_kib(self) -> list[int]:
+        return [top - base for top, base in zip(self.peak, self.base, strict=True)]
+
+    def __enter__(self) -> MemoryPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -10,7 +10,6 @@ import numpy as np
 
 import lpsync_client
 import tests.daemon.device_workers as device_workers
-from lpsync_client import emulated
 from tests.daemon.device_workers import _client, run_cases
 
 
@@ -31,6 +30,7 @@ def cases_on_nodes(
     cases: list[tuple],
     algorithm: str,
     store_port: int = 0,
+    framework: str = "emulated",
 ) -> list:
     """run_cases for a job whose ranks sit on the nodes ``node_of`` names; with
     ``store_port`` the ranks discover that layout through a TCPStore (nodes of unequal
@@ -50,22 +50,26 @@ def cases_on_nodes(
             )
 
         device_workers._client = connect  # this process only: run_cases attaches through the store
-    return run_cases(rank, sockets[node], len(node_of), devices, cases, algorithm=algorithm)
+    return run_cases(rank, sockets[node], len(node_of), devices, cases, framework, algorithm)
 
 
-def big_allreduce(rank: int, sockets: list[str], node_of: list[int], count: int) -> dict:
-    """One allreduce of ``count`` float32 on this rank's emulated device (rank + 1 each):
-    whether every element came back as the sum, and how long it took."""
+def big_allreduce(
+    rank: int, sockets: list[str], node_of: list[int], count: int, framework: str = "emulated"
+) -> dict:
+    """One allreduce of ``count`` float32 on this rank's device (rank + 1 each; emulated:
+    device rank mod 2, cupy: GPU 0): whether every element came back as the sum, and how
+    long it took."""
     node = _on_node(rank, node_of)
     world = len(node_of)
     with _client(rank, sockets[node], world, "big") as client:
-        x = emulated.asarray(np.full(count, rank + 1, np.float32), rank % 2, "float32")
+        device = rank % 2 if framework == "emulated" else 0
+        x = device_workers.to_device(np.full(count, rank + 1, np.float32), device, "float32", framework)
         client.register(x)
         client.barrier()
         start = time.monotonic()
         client.allreduce(x, timeout=300)
         seconds = time.monotonic() - start
         want = world * (world + 1) / 2
-        ok = bool((x.get() == want).all())
+        ok = bool((device_workers.to_host(x, framework) == want).all())
         client.release(x)
     return {"ok": ok, "seconds": seconds}

@@ -16,7 +16,7 @@ import lpsync_client
 import tests.daemon.device_workers as device_workers
 from lpsync.types import DTYPES
 from tests.collective_cases import check_case_results, every_case, rotating_cases
-from tests.daemon.harness import DaemonProcess, PeeredDaemons, run_ranks
+from tests.daemon.harness import DaemonProcess, MemoryPeak, PeeredDaemons, run_ranks
 
 
 def _no_gpu() -> str:
@@ -144,3 +144,97 @@ def test_a_gpu_named_under_another_ordinal_is_mapped_by_its_uuid(gpu_daemon):
     (seen,) = run_ranks(1, device_workers.under_another_ordinal, gpu_daemon.socket, "cupy")
     assert seen["allreduce"] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert "does not serve" in seen["refused"] and "device 7" in seen["refused"], seen
+
+
+HIERARCHICAL_KINDS = [("float32", "sum"), ("float64", "avg"), ("int32", "max"), ("float16", "min")]
+
+
+@pytest.mark.parametrize("algorithm", ["lp", "ring", "be"])
+def test_hierarchical_ops_across_two_daemons_through_a_small_ring(tmp_path, algorithm):
+    """Two daemons on one GPU machine, two cupy ranks each: allreduce, reduce, broadcast,
+    allgather and reduce_scatter (those ``algorithm`` offers) run hierarchically — peer
+    copies and reductions on the GPU inside each daemon, 256 KiB of pinned staging at the
+    boundary, so each message crosses in several segments — checked against numpy."""
+    from lpsync.algorithms.registry import algorithms_for
+    from lpsync.types import Collective
+
+    daemons = PeeredDaemons(
+        tmp_path, 2, "--devices", "cuda:0", "--peer-transport", "tcp", "--device-staging-bytes", "262144"
+    )
+    try:
+        world, count = 4, 200_003
+        ops = {"allreduce", "reduce", "broadcast", "allgather", "reduce_scatter"}
+        cases = [
+            c
+            for c in rotating_cases(world, count, HIERARCHICAL_KINDS, root=2, seed=41)
+            if c[0] in ops and algorithm in algorithms_for(Collective(c[0]))
+        ]
+        results = run_ranks(
+            world,
+            device_workers.run_cases_on_nodes,
+            daemons.sockets,
+            2,
+            world,
+            [0, 0, 0, 0],
+            cases,
+            "cupy",
+            algorithm,
+            timeout=300,
+        )
+        check_case_results(cases, results, world)
+    finally:
+        daemons.stop_and_check()
+
+
+def test_hierarchical_allreduce_of_256_mib_holds_host_memory_to_the_staging_bound(tmp_path):
+    """A 256 MiB allreduce of cupy arrays across two daemons on one GPU machine: each
+    daemon's resident host memory (GPU memory is not in it) grows by at most its 16 MiB
+    staging bound plus slack; whole-buffer staging took 512 MiB per daemon."""
+    import tests.daemon.hierarchy_workers as hierarchy_workers
+
+    bound = 16 << 20
+    daemons = PeeredDaemons(
+        tmp_path, 2, "--devices", "cuda:0", "--peer-transport", "tcp", "--device-staging-bytes", str(bound)
+    )
+    try:
+        node_of = [0, 0, 1, 1]
+        warm = run_ranks(4, hierarchy_workers.big_allreduce, daemons.sockets, node_of, 1 << 16, "cupy")
+        assert all(r["ok"] for r in warm)  # CUDA contexts, streams, pools: before the baseline
+        pids = [d.pid for d in daemons.daemons if d is not None]
+        with MemoryPeak(pids, "VmRSS") as memory:
+            results = run_ranks(
+                4, hierarchy_workers.big_allreduce, daemons.sockets, node_of, 64 << 20, "cupy", timeout=300
+            )
+        assert all(r["ok"] for r in results)
+        for grown in memory.growth_kib:
+            assert grown <= (bound >> 10) + (64 << 10), f"host memory grew by {grown >> 10} MiB"
+    finally:
+        daemons.stop_and_check()
+
+
+def test_uneven_nodes_on_one_gpu_machine(tmp_path):
+    """Three daemons serving 2, 1 and 2 cupy ranks (the one-rank node holds the root): the
+    hierarchical ops with the tuner's choice, a store-discovered layout."""
+    from tests.daemon import hierarchy_workers
+    from tests.ports import free_ports
+
+    daemons = PeeredDaemons(tmp_path, 3, "--devices", "cuda:0", "--peer-transport", "tcp")
+    try:
+        node_of = [0, 0, 1, 2, 2]
+        ops = {"allreduce", "reduce", "broadcast", "allgather", "reduce_scatter"}
+        cases = [c for c in rotating_cases(5, 100_003, HIERARCHICAL_KINDS, root=2, seed=43) if c[0] in ops]
+        results = run_ranks(
+            5,
+            hierarchy_workers.cases_on_nodes,
+            daemons.sockets,
+            node_of,
+            [0] * 5,
+            cases,
+            "",
+            free_ports(1)[0],
+            "cupy",
+            timeout=300,
+        )
+        check_case_results(cases, results, 5)
+    finally:
+        daemons.stop_and_check()

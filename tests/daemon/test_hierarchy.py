@@ -4,7 +4,6 @@ node, a bounded host ring at the boundary, the peer plane between nodes. Real da
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import tests.daemon.hierarchy_workers as workers
 from lpsync.algorithms.registry import algorithms_for
 from lpsync.types import Collective
 from tests.collective_cases import check_case_results, rotating_cases
-from tests.daemon.harness import PeeredDaemons, run_ranks
+from tests.daemon.harness import MemoryPeak, PeeredDaemons, run_ranks
 from tests.ports import free_ports
 
 HIERARCHICAL = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter")
@@ -68,15 +67,6 @@ def test_three_nodes_of_unequal_size(tmp_path: Path) -> None:
         daemons.stop_and_check()
 
 
-def _anon_kib(pid: int) -> int:
-    """The process's anonymous resident memory (the host ring is anonymous; emulated
-    device memory is a memfd, counted apart)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1])
-    raise AssertionError("no RssAnon")
-
-
 def test_host_memory_stays_within_the_staging_bound(tmp_path: Path) -> None:
     """A 256 MiB allreduce on device buffers, two nodes of two ranks: each daemon's host
     memory grows by at most its staging bound (16 MiB) plus slack, where staging whole
@@ -88,25 +78,12 @@ def test_host_memory_stays_within_the_staging_bound(tmp_path: Path) -> None:
         # Warm up: streams, threads, plans' pools; then the baseline.
         assert all(r["ok"] for r in run_ranks(4, workers.big_allreduce, daemons.sockets, node_of, 1 << 16))
         pids = [d.pid for d in daemons.daemons if d is not None]
-        base = [_anon_kib(pid) for pid in pids]
-        peak = list(base)
-        stop = threading.Event()
-
-        def sample() -> None:
-            while not stop.wait(0.01):
-                for i, pid in enumerate(pids):
-                    peak[i] = max(peak[i], _anon_kib(pid))
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        try:
+        # Anonymous memory: the host ring is; emulated device memory is a memfd, apart.
+        with MemoryPeak(pids, "RssAnon") as memory:
             results = run_ranks(4, workers.big_allreduce, daemons.sockets, node_of, 64 << 20, timeout=600)
-        finally:
-            stop.set()
-            sampler.join()
         assert all(r["ok"] for r in results)
-        slack = 48 << 10  # KiB: the interpreter, receive buffers, allocator noise
-        for before, top in zip(base, peak, strict=True):
-            assert top - before <= (bound >> 10) + slack, f"host memory grew by {(top - before) >> 10} MiB"
+        slack = 48 << 10  # KiB: the interpreter, receive windows, allocator noise
+        for grown in memory.growth_kib:
+            assert grown <= (bound >> 10) + slack, f"host memory grew by {grown >> 10} MiB"
     finally:
         daemons.stop_and_check()
