@@ -128,8 +128,22 @@ def test_local_nodes_bench_the_device_pipeline_across_daemons() -> None:
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-m", "lpsync.cli", "bench", "--memory", "emulated", "--local-nodes", "2"]
-        + ["--procs", "4", "--op", "allreduce", "--bytes", "1MiB", "--iters", "3", "--warmup", "1", "--json"],
+        [
+            *(sys.executable, "-m", "lpsync.cli", "bench", "--memory", "emulated", "--local-nodes", "2"),
+            *(
+                "--procs",
+                "4",
+                "--op",
+                "allreduce",
+                "--bytes",
+                "1MiB",
+                "--iters",
+                "3",
+                "--warmup",
+                "1",
+                "--json",
+            ),
+        ],
         capture_output=True,
         text=True,
         timeout=180,
