@@ -73,3 +73,28 @@ def big_allreduce(
         ok = bool((device_workers.to_host(x, framework) == want).all())
         client.release(x)
     return {"ok": ok, "seconds": seconds}
+
+
+def allreduce_until_lost(rank: int, sockets: list[str], node_of: list[int], ready_file: str) -> None:
+    """An 8 MB allreduce on slow emulated copies; rank 0 says when it has submitted. The
+    outcome's name (OK, or the error's type: its peer daemon is killed meanwhile) goes to
+    ``ready_file``.rank<N>."""
+    with open(f"{ready_file}.rank{rank}", "w") as f:
+        f.write(_until_lost(rank, sockets, node_of, ready_file))
+
+
+def _until_lost(rank: int, sockets: list[str], node_of: list[int], ready_file: str) -> str:
+    node = _on_node(rank, node_of)
+    try:
+        with _client(rank, sockets[node], len(node_of), "lost") as client:
+            x = device_workers.to_device(np.ones(2_000_000, np.float32), rank % 2, "float32", "emulated")
+            client.register(x)
+            client.barrier()
+            future = client.allreduce_async(x, timeout=120)
+            if rank == 0:
+                with open(ready_file, "w") as f:
+                    f.write("submitted")
+            future.result(timeout=150)
+            return "OK"
+    except lpsync_client.LpsyncError as error:
+        return type(error).__name__

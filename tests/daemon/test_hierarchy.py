@@ -4,6 +4,7 @@ node, a bounded host ring at the boundary, the peer plane between nodes. Real da
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -85,5 +86,58 @@ def test_host_memory_stays_within_the_staging_bound(tmp_path: Path) -> None:
         slack = 48 << 10  # KiB: the interpreter, receive windows, allocator noise
         for grown in memory.growth_kib:
             assert grown <= (bound >> 10) + slack, f"host memory grew by {grown >> 10} MiB"
+    finally:
+        daemons.stop_and_check()
+
+
+def test_a_peer_daemon_killed_mid_collective_fails_it_and_leaks_nothing(tmp_path: Path) -> None:
+    """Node 1's daemon is killed while an 8 MB allreduce crosses the ring (slow emulated
+    copies, 256 KiB segments): node 0's ranks get UnavailableError instead of hanging,
+    node 0 closes every IPC mapping once its streams drained, keeps no extra threads, and
+    serves a correct hierarchical allreduce with node 1 once it is back."""
+    import multiprocessing as mp
+
+    from tests.daemon.test_daemon_devices import _device_rows, _threads
+
+    daemons = PeeredDaemons(
+        tmp_path, 2, "--devices", "emulated:2,bw=20000000", "--device-staging-bytes", str(1 << 20)
+    )
+    try:
+        node_of = [0, 0, 1, 1]
+        assert all(r["ok"] for r in run_ranks(4, workers.big_allreduce, daemons.sockets, node_of, 1 << 16))
+        node0 = daemons.daemons[0]
+        assert node0 is not None
+        before = _threads(node0.pid)
+        ready = tmp_path / "submitted"
+        ctx = mp.get_context("spawn")
+        ranks = [
+            ctx.Process(target=workers.allreduce_until_lost, args=(r, daemons.sockets, node_of, str(ready)))
+            for r in range(4)
+        ]
+        for p in ranks:
+            p.start()
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline, "rank 0 did not submit"
+            time.sleep(0.02)
+        time.sleep(0.3)  # segments on the wire and on the streams
+        node1 = daemons.daemons[1]
+        assert node1 is not None
+        node1.proc.kill()
+        for p in ranks:
+            p.join(120)
+            assert p.exitcode is not None, "a rank hung"
+        outcomes = [Path(f"{ready}.rank{r}").read_text() for r in range(2)]
+        assert outcomes == ["UnavailableError"] * 2, outcomes  # node 0's ranks
+        deadline = time.monotonic() + 60
+        while any(r.open_allocations for r in _device_rows(node0.socket).values()):
+            assert time.monotonic() < deadline, "allocations stayed open after the drain"
+            time.sleep(0.1)
+        now_total, now_streams = _threads(node0.pid)
+        assert now_streams == before[1], "stream threads leaked"
+        assert now_total <= before[0] + 4, "daemon threads leaked"
+        daemons.start(1)
+        results = run_ranks(4, workers.big_allreduce, daemons.sockets, node_of, 1 << 20, timeout=180)
+        assert all(r["ok"] for r in results)
     finally:
         daemons.stop_and_check()
