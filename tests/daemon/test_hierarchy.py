@@ -22,9 +22,11 @@ COUNT = 40_000
 KINDS = [("float32", "sum"), ("float64", "avg"), ("int32", "max"), ("bfloat16", "sum"), ("float16", "min")]
 
 
-def _cases(world: int, root: int, seed: int, algorithm: str = "") -> list[tuple]:
-    """The hierarchical ops (those ``algorithm`` offers) in and out of place."""
-    ops = [op for op in HIERARCHICAL if not algorithm or algorithm in algorithms_for(Collective(op))]
+def _cases(
+    world: int, root: int, seed: int, algorithm: str = "", among: tuple[str, ...] = HIERARCHICAL
+) -> list[tuple]:
+    """The ops ``among`` (those ``algorithm`` offers) in and out of place."""
+    ops = [op for op in among if not algorithm or algorithm in algorithms_for(Collective(op))]
     return [c for c in rotating_cases(world, COUNT, KINDS, root=root, seed=seed) if c[0] in ops]
 
 
@@ -50,6 +52,19 @@ def test_two_nodes_two_devices_each(tmp_path: Path, algorithm: str) -> None:
         node_of, devices = [0, 0, 1, 1], [0, 1, 1, 0]
         cases = _cases(4, root=3, seed=21, algorithm=algorithm)
         check_case_results(cases, _run(daemons, node_of, devices, cases, algorithm), 4)
+    finally:
+        daemons.stop_and_check()
+
+
+def test_the_other_ops_stage_whole_buffers_across_nodes(tmp_path: Path) -> None:
+    """Gather, scatter and alltoall (linear, linear, pairwise: their only schedules) on
+    device buffers across two daemons of two devices each take the flat path, every rank
+    in one pipeline over host mirrors: correct too."""
+    daemons = PeeredDaemons(tmp_path, 2, "--devices", "emulated:2")
+    try:
+        node_of, devices = [0, 0, 1, 1], [0, 1, 1, 0]
+        cases = _cases(4, root=1, seed=23, among=("gather", "scatter", "alltoall"))
+        check_case_results(cases, _run(daemons, node_of, devices, cases, ""), 4)
     finally:
         daemons.stop_and_check()
 
