@@ -98,3 +98,18 @@ def _until_lost(rank: int, sockets: list[str], node_of: list[int], ready_file: s
             return "OK"
     except lpsync_client.LpsyncError as error:
         return type(error).__name__
+
+
+def device_ring_messages(rank: int, sockets: list[str], node_of: list[int], count: int) -> list[float]:
+    """Point-to-point on emulated device buffers: each rank sends its array (rank + 1) to
+    the next rank and receives the previous one's; returns what arrived (first, last)."""
+    node = _on_node(rank, node_of)
+    world = len(node_of)
+    with _client(rank, sockets[node], world, "device-p2p") as client:
+        mine = device_workers.to_device(np.full(count, rank + 1, np.float32), rank % 2, "float32", "emulated")
+        got = device_workers.to_device(np.zeros(count, np.float32), (rank + 1) % 2, "float32", "emulated")
+        sent = client.send_async(mine, (rank + 1) % world, tag=3)
+        client.recv(got, (rank - 1) % world, tag=3)
+        sent.result(timeout=60)
+        values = device_workers.to_host(got, "emulated")
+        return [float(values[0]), float(values[-1])]

@@ -56,11 +56,12 @@ def test_two_nodes_two_devices_each(tmp_path: Path, algorithm: str) -> None:
         daemons.stop_and_check()
 
 
-def test_the_other_ops_stage_whole_buffers_across_nodes(tmp_path: Path) -> None:
+def test_gather_scatter_alltoall_in_packed_segments(tmp_path: Path) -> None:
     """Gather, scatter and alltoall (linear, linear, pairwise: their only schedules) on
-    device buffers across two daemons of two devices each take the flat path, every rank
-    in one pipeline over host mirrors: correct too."""
-    daemons = PeeredDaemons(tmp_path, 2, "--devices", "emulated:2")
+    device buffers across two daemons of two devices each: every rank in one pipeline over
+    packed segments (64 KiB of staging: each message in several rounds through the ring),
+    against numpy."""
+    daemons = PeeredDaemons(tmp_path, 2, "--devices", "emulated:2", "--device-staging-bytes", "65536")
     try:
         node_of, devices = [0, 0, 1, 1], [0, 1, 1, 0]
         cases = _cases(4, root=1, seed=23, among=("gather", "scatter", "alltoall"))
@@ -154,5 +155,17 @@ def test_a_peer_daemon_killed_mid_collective_fails_it_and_leaks_nothing(tmp_path
         daemons.start(1)
         results = run_ranks(4, workers.big_allreduce, daemons.sockets, node_of, 1 << 20, timeout=180)
         assert all(r["ok"] for r in results)
+    finally:
+        daemons.stop_and_check()
+
+
+def test_point_to_point_on_device_buffers_across_nodes(tmp_path: Path) -> None:
+    """send/recv of emulated device arrays in a ring over two daemons (a message is a
+    broadcast in a two-rank job: across nodes it takes the hierarchy's ring)."""
+    daemons = PeeredDaemons(tmp_path, 2, "--devices", "emulated:2", "--device-staging-bytes", "65536")
+    try:
+        node_of = [0, 0, 1, 1]
+        results = run_ranks(4, workers.device_ring_messages, daemons.sockets, node_of, 100_000)
+        assert results == [[float((r - 1) % 4 + 1)] * 2 for r in range(4)]
     finally:
         daemons.stop_and_check()

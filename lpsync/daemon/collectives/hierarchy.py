@@ -35,11 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from lpsync.algorithms import LinkModel, generate, select
+from lpsync.algorithms import LinkModel, generate
 from lpsync.algorithms.registry import DIRECT, algorithms_for
-from lpsync.algorithms.tuner import chunks_for
 from lpsync.daemon.collectives import local
 from lpsync.daemon.collectives.agreement import Verdict
+from lpsync.daemon.collectives.packed import PACKED
 from lpsync.daemon.collectives.small import rides
 from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.collectives.views import buffers, reduction
@@ -70,7 +70,7 @@ _PATIENCE = 3600.0  # a failed run waits this long at most for its queued copies
 def offer(task: Task, devices: DeviceRegistry | None) -> tuple[tuple[str, int], ...]:
     """This node's summary field: the segment size it runs hierarchically ("device"), or
     nothing (host buffers, another op, a small collective)."""
-    if devices is None or not task.on_device or task.op not in HIERARCHICAL or rides(task):
+    if devices is None or not task.on_device or task.op not in HIERARCHICAL | PACKED or rides(task):
         return ()
     return (("device", max(4096, devices.staging_bytes // RING_SLOTS)),)
 
@@ -139,20 +139,6 @@ def _ring(task: Task, devices: DeviceRegistry, segment_bytes: int) -> HostMirror
     )
 
 
-def _choose(
-    op: Collective, algorithm: str, participants: int, nbytes: int, model: LinkModel
-) -> tuple[str, int]:
-    if algorithm == DIRECT:
-        raise InvalidArgumentError(
-            "algorithm='direct' serves host buffers; device buffers run lp, ring, mst, be "
-            "or the tuner's choice"
-        )
-    if algorithm:
-        return algorithm, chunks_for(algorithm, participants, nbytes, model, op=op)
-    choice = select(op, nbytes, participants, model)
-    return choice.algorithm, choice.chunks
-
-
 @dataclass(frozen=True)
 class _Part:
     """One rooted (or all-reduced) collective over sub-spans: allgather is P broadcasts of
@@ -199,7 +185,7 @@ def _plan(
     # Every node resolves the same schedule per (op, segment length): agreed model and
     # size. A forced algorithm runs where it has the part's op (ring has no broadcast).
     across = {
-        (part.op, n): _choose(
+        (part.op, n): local.device_schedule(
             part.op,
             spec.algorithm if spec.algorithm in algorithms_for(part.op) else "",
             layout.nodes,
@@ -371,7 +357,7 @@ def _device_group(
     # The forced algorithm is the nodes' schedule; inside the node it runs where it has
     # this stage's op (ring has no reduce), else the tuner picks for the device link.
     forced = forced if forced in algorithms_for(op) else ""
-    algorithm, chunks = _choose(op, forced, len(views), nbytes, local.DEVICE_LINK)
+    algorithm, chunks = local.device_schedule(op, forced, len(views), nbytes, local.DEVICE_LINK)
     schedule = generate(op, algorithm, len(views), views[0][0].count, order.index(root), chunks)
     return DeviceGroup(devices.context, schedule, [views[r] for r in order], reducing, scratch)
 

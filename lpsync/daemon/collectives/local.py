@@ -103,17 +103,7 @@ def _on_host(task: Task) -> Outcome:
 def _on_devices(task: Task, devices: DeviceRegistry) -> Outcome:
     """A collective over device spans: the chain ordered by topology, run on streams."""
     spec, op, p = task.spec, task.op, task.participants
-    algorithm = spec.algorithm
-    if algorithm == DIRECT:
-        raise InvalidArgumentError(
-            "algorithm='direct' serves host buffers; device buffers run lp, ring, mst, be "
-            "or the tuner's choice"
-        )
-    if algorithm:
-        chunks = chunks_for(algorithm, p, task.nbytes, DEVICE_LINK, op=op)
-    else:
-        choice = select(op, task.nbytes, p, DEVICE_LINK)
-        algorithm, chunks = choice.algorithm, choice.chunks
+    algorithm, chunks = device_schedule(op, spec.algorithm, p, task.nbytes, DEVICE_LINK)
     views = [buffers(spec, a, p) for a in task.arrivals]
     order = device_chain(op, spec.root, [inp.device for inp, _ in views], devices.context.topology)
     key = (
@@ -140,6 +130,22 @@ def _on_devices(task: Task, devices: DeviceRegistry) -> Outcome:
     finally:
         devices.done(busy)
     return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
+
+
+def device_schedule(
+    op: Collective, forced: str, participants: int, nbytes: int, model: LinkModel
+) -> tuple[str, int]:
+    """(algorithm, chunks) of a collective on device buffers: the forced one, else the
+    tuner's pick for ``model``; never direct (a host-buffer path)."""
+    if forced == DIRECT:
+        raise InvalidArgumentError(
+            "algorithm='direct' serves host buffers; device buffers run lp, ring, mst, be "
+            "or the tuner's choice"
+        )
+    if forced:
+        return forced, chunks_for(forced, participants, nbytes, model, op=op)
+    choice = select(op, nbytes, participants, model)
+    return choice.algorithm, choice.chunks
 
 
 def device_chain(op: Collective, root: int, devices: list[int], topology: Topology) -> list[int]:

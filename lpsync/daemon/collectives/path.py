@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from lpsync.daemon.collectives import agreement, hierarchy, local, planning
+from lpsync.daemon.collectives import agreement, hierarchy, local, packed, planning
 from lpsync.daemon.collectives.learning import Learner
 from lpsync.daemon.collectives.matching import Job
 from lpsync.daemon.collectives.small import SmallCollective, rides
@@ -93,9 +93,10 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
         if task.op is Collective.BARRIER:
             return Outcome(algorithm="exchange", chunks=1, seconds=task.elapsed())
         tags = planning.tag_base(job.name, pending.sequence)
-        if verdict.segment:  # every node's participants are on devices
+        if verdict.segment:  # every node's participants are on devices: bounded staging
             assert devices is not None
-            algorithm, chunks = hierarchy.run(task, link, devices, verdict, deadline, tags)
+            runner = packed.run if task.op in packed.PACKED else hierarchy.run
+            algorithm, chunks = runner(task, link, devices, verdict, deadline, tags)
             return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
         algorithm, chunks = planning.choose(task, verdict.model, verdict.use)
         staged = stage(task, devices) if devices is not None else None
