@@ -1,9 +1,10 @@
 """The framework adapters' device path (torch, cupy, jax): which arrays take it, and how.
 
-A device array (a CUDA tensor or array, or an lpsync_client.emulated array) goes to the
-daemon as a device buffer when the daemon serves its memory kind (`lpsync daemon
---devices cuda:...` / `emulated:N`, read once per client from its status); otherwise the
-adapter stages it through host memory as before. On the device path:
+A device array (a CUDA tensor or array, an lpsync_client.emulated array, or a torch
+tensor in emulated memory: the CI stand-in for a CUDA tensor) goes to the daemon as a
+device buffer when the daemon serves its memory kind (`lpsync daemon --devices cuda:...`
+/ `emulated:N`, read once per client from its status); otherwise the adapter stages it
+through host memory as before. On the device path:
   * the array is registered once per allocation span (the client's registrations are
     looked up by span, Client._device) with ``hold=False``: the registration does not keep
     the array alive, only its memory (so the allocator cannot free it while the daemon maps
@@ -22,7 +23,7 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-from lpsync_client._device import is_device_array
+from lpsync_client._device import emulated_span, is_device_array
 from lpsync_client.client import Client, DeviceRegistered
 from lpsync_client.errors import LpsyncError
 
@@ -43,7 +44,7 @@ def served_kinds(client: Client) -> frozenset[str]:
 
 def kind_of(x: object) -> str | None:
     """ "emulated", "cuda", or None for host memory."""
-    if hasattr(x, "__lpsync_device__"):
+    if hasattr(x, "__lpsync_device__") or emulated_span(x) is not None:
         return "emulated"
     return "cuda" if is_device_array(x) else None
 

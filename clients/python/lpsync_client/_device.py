@@ -5,7 +5,9 @@ array starts in it: frameworks' caching allocators hand out sub-allocations of l
 cudaMalloc segments, and cudaIpcGetMemHandle names the segment, so the base and size come
 from cuMemGetAddressRange (lpsync_client._cuda, through the driver with ctypes: torch,
 cupy and JAX need no common library). Recognised:
-  * ``__lpsync_device__`` (lpsync_client.emulated arrays, the CI stand-in);
+  * ``__lpsync_device__`` (lpsync_client.emulated arrays, the CI stand-in), and torch CPU
+    tensors whose memory is emulated device memory (emulated.tensor: the stand-in for a
+    CUDA tensor, found by address);
   * ``__cuda_array_interface__`` (cupy, torch CUDA tensors, numba, JAX GPU arrays);
   * ``__dlpack__`` with ``__dlpack_device__()`` on CUDA (kDLCUDA = 2, kDLCUDAManaged = 13).
 Before a collective the array's current stream is ordered first: where the framework has
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from lpsync_client import emulated
 from lpsync_client._convert import DTYPES
 from lpsync_client._ready import ReadyEvents
 from lpsync_client.emulated import DeviceArrayInfo
@@ -76,8 +79,21 @@ class DeviceOperand:
         return b""
 
 
+def emulated_span(x: object) -> tuple[emulated.Allocation, int] | None:
+    """(allocation, offset) of a torch CPU tensor whose memory is emulated device memory;
+    None for anything else (no lookup at all while the process has no emulated memory)."""
+    if not emulated.in_use() or not type(x).__module__.startswith("torch"):
+        return None
+    t = cast("torch.Tensor", x)
+    if t.device.type != "cpu" or t.is_sparse or not t.numel():
+        return None
+    return emulated.find(t.data_ptr(), t.numel() * t.element_size())
+
+
 def is_device_array(x: object) -> bool:
     if hasattr(x, "__lpsync_device__") or hasattr(x, "__cuda_array_interface__"):
+        return True
+    if emulated_span(x) is not None:
         return True
     device = getattr(x, "__dlpack_device__", None)
     if device is None:
@@ -100,7 +116,8 @@ def describe(x: object) -> DeviceOperand:
         )
     module = type(x).__module__
     if module.startswith("torch"):
-        return _torch(x)
+        found = emulated_span(x)
+        return _torch(x) if found is None else _emulated_tensor(x, *found)
     if hasattr(x, "__cuda_array_interface__"):
         operand = _cai(x, _stream_sync_for(x))
         if type(x).__module__.startswith("cupy"):
@@ -216,18 +233,30 @@ def _cai(x: object, sync: Callable[[], None], keep: object = None, dtype: str | 
         if tuple(strides) != tuple(expected):
             raise InvalidArgumentError("the device array must be C-contiguous")
     pointer = int(cai["data"][0])
-    found = _cuda.allocation_of(pointer)
+    operand = cuda_span(pointer, count * itemsize, count, name, sync, keep if keep is not None else x)
     stream = cai.get("stream") if cai.get("version", 0) >= 3 else None
     if stream is not None and dtype is None and keep is None:
         # CAI v3: the producer's stream must be synchronized on before the data is used.
-        sync = functools.partial(_cuda.stream_synchronize, found.ordinal, int(stream))
+        operand.sync = functools.partial(_cuda.stream_synchronize, operand.info.device, int(stream))
+    return operand
+
+
+def cuda_span(
+    pointer: int, nbytes: int, count: int, dtype: str, sync: Callable[[], None], keep: object
+) -> DeviceOperand:
+    """``count`` elements of ``dtype`` at a CUDA device pointer, described by the IPC
+    handle of the allocation holding them; also for arrays whose __cuda_array_interface__
+    cannot name their dtype (JAX's bfloat16)."""
+    from lpsync_client import _cuda
+
+    found = _cuda.allocation_of(pointer)
     handle = with_device_uuid(found.handle, found.uuid)  # the daemon maps it by UUID
     return DeviceOperand(
         DeviceArrayInfo(
-            "cuda", found.ordinal, handle, found.size, pointer - found.base, count * itemsize, count, name
+            "cuda", found.ordinal, handle, found.size, pointer - found.base, nbytes, count, dtype
         ),
         sync,
-        keep if keep is not None else x,
+        keep,
     )
 
 
@@ -256,3 +285,20 @@ def _torch(t: object) -> DeviceOperand:
     # the last reference to the storage goes.
     operand.memory = t.untyped_storage()  # type: ignore[attr-defined]
     return operand
+
+
+def _emulated_tensor(t: object, allocation: emulated.Allocation, offset: int) -> DeviceOperand:
+    """A torch tensor in emulated device memory, described as the emulated array of the
+    same bytes; its allocation is the memory a hold=False registration keeps."""
+    import torch
+
+    tensor = cast(torch.Tensor, t)
+    if not tensor.is_contiguous():
+        raise InvalidArgumentError("the tensor must be contiguous")
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise InvalidArgumentError(f"device dtype {tensor.dtype} is not supported")
+    array = allocation.array(offset, tensor.numel(), name)
+    return DeviceOperand(
+        array.__lpsync_device__(), array.__lpsync_sync__, t, array.__lpsync_ready__, allocation
+    )

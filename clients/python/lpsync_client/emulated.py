@@ -14,6 +14,12 @@ ordered after, as a cupy array's collective is ordered after cupy's current stre
     client.allreduce(x)                # waits for the write above, then reduces
     x.get()                            # a numpy copy of the result
 
+Framework tensors in emulated memory stand in for CUDA tensors where the framework has no
+such device (torch and JAX run on the CPU here): ``tensor(count, torch.float32, device)``
+is a torch CPU tensor over a fresh allocation, and ``find`` names the allocation that
+holds an address, so the client and the adapters see such a tensor (or a JAX array
+imported from that memory through DLPack) as device memory and register it by IPC handle.
+
 The IPC handle is the exporter's (pid, fd, inode, size, device): the daemon opens
 /proc/<pid>/fd/<fd>, so it opens only while this process is alive, like a CUDA handle.
 
@@ -26,6 +32,7 @@ the next collective on that mapping.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import fcntl
 import mmap
@@ -34,8 +41,10 @@ import queue
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -48,6 +57,9 @@ from lpsync_client.wire import EMULATED_EVENT_MAGIC as EVENT_MAGIC
 from lpsync_client.wire import EMULATED_HANDLE as HANDLE
 from lpsync_client.wire import EMULATED_MAGIC as MAGIC
 from lpsync_client.wire import emulated_uuid, with_device_uuid
+
+if TYPE_CHECKING:
+    import torch
 
 NOT_EXPORTABLE = (
     "this allocation cannot be exported through CUDA IPC (memory from cudaMallocAsync pools, "
@@ -77,6 +89,31 @@ def physical_device(device: int) -> int:
     return visible[device]
 
 
+# Live allocations by the address of their first byte: what ``find`` looks up.
+_live: dict[int, weakref.ref[Allocation]] = {}
+_starts: list[int] = []  # the keys of _live, sorted
+_live_lock = threading.Lock()
+
+
+def in_use() -> bool:
+    """Whether this process holds emulated memory (else no address is worth looking up)."""
+    return bool(_starts)
+
+
+def find(address: int, nbytes: int) -> tuple[Allocation, int] | None:
+    """The live allocation holding ``nbytes`` at ``address`` and their offset in it; None
+    for memory that is not emulated device memory (a dict probe when there is none)."""
+    if not _starts:
+        return None
+    with _live_lock:
+        i = bisect.bisect_right(_starts, address) - 1
+        ref = _live[_starts[i]] if i >= 0 else None
+    allocation = ref() if ref is not None else None
+    if allocation is None or address + nbytes > allocation.address + allocation.nbytes:
+        return None
+    return allocation, address - allocation.address
+
+
 class Allocation:
     """``nbytes`` of device memory on ``device`` (this process's ordinal); freed by
     ``free`` or when collected. ``exportable=False`` stands for memory CUDA IPC cannot
@@ -98,6 +135,11 @@ class Allocation:
             np.frombuffer(self._mmap, np.uint8, nbytes) if self._mmap is not None else np.empty(0, np.uint8)
         )
         self._inode = os.fstat(self._fd).st_ino
+        self.address = self.bytes.ctypes.data if nbytes else 0
+        if nbytes:
+            with _live_lock:
+                _live[self.address] = weakref.ref(self)
+                bisect.insort(_starts, self.address)
 
     def ipc_handle(self) -> bytes:
         if self._fd < 0:
@@ -133,6 +175,11 @@ class Allocation:
                 RuntimeWarning,
                 stacklevel=2,
             )
+        if self.address:
+            with _live_lock:
+                if _live.pop(self.address, None) is not None:
+                    _starts.remove(self.address)
+            self.address = 0
         self.bytes = np.empty(0, np.uint8)
         if self._mmap is not None:
             with contextlib.suppress(BufferError):
@@ -371,3 +418,26 @@ def asarray(values: np.ndarray, device: int = 0, dtype: str | None = None) -> Em
     array = empty(source.size, dtype or dtype_name(source.dtype), device)
     array.host[...] = source
     return array
+
+
+class _Held(np.ndarray):
+    """A numpy view of emulated memory that keeps its Allocation alive: torch.from_numpy
+    and DLPack keep the view, so a framework tensor made from it keeps the memory."""
+
+    allocation: Allocation
+
+
+def held_view(array: EmulatedArray) -> np.ndarray:
+    """``array``'s bytes (uint8) as a numpy view that keeps its allocation alive."""
+    view = array.allocation.bytes[array.offset : array.offset + array.nbytes].view(_Held)
+    view.allocation = array.allocation
+    return view
+
+
+def tensor(count: int, dtype: torch.dtype, device: int = 0) -> torch.Tensor:
+    """A torch tensor of ``count`` elements in fresh emulated memory of ``device``:
+    uninitialised, as torch.empty on a GPU (any torch dtype, bool included)."""
+    import torch
+
+    raw = empty(count * dtype.itemsize, "uint8", device)
+    return torch.from_numpy(held_view(raw)).view(dtype)
