@@ -16,17 +16,23 @@ rank's message comes next (a Probe, counting the receives it issued already from
 source as spoken for) and then receives from that rank as above. A tag's any-source
 receives run one at a time, in the order issued, each probe after the previous one's
 receives were issued: MPI's matching order.
+
+A device array is registered on the pair's own session as the framework adapters
+register theirs (lpsync_client._adapt: weakly, released once the array is collected), not
+for good: the caller cannot release it from a session it never sees.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from lpsync_client.errors import InvalidArgumentError, UnavailableError
+from lpsync_client._device import is_device_array
+from lpsync_client.errors import InvalidArgumentError, LpsyncError, UnavailableError
 
 MAX_TAG = 1 << 31  # torch's tags are int32
 _PAIR = re.compile(r"(?P<job>.+)/p2p/(?P<src>\d+)>(?P<dst>\d+)/(?P<tag>\d+)")
@@ -74,12 +80,27 @@ class PairJobs:
         return pair
 
     def send(self, x, peer: int, tag: int, timeout: float | None) -> Future:
-        pair = self._pair(self.rank, peer, tag)
-        return pair.broadcast_async(x, root=0, timeout=timeout)
+        return self._move(self._pair(self.rank, peer, tag), x, timeout)
 
     def recv(self, x, peer: int, tag: int, timeout: float | None) -> Future:
-        pair = self._pair(peer, self.rank, tag)
-        return pair.broadcast_async(x, root=0, timeout=timeout)
+        return self._move(self._pair(peer, self.rank, tag), x, timeout)
+
+    @staticmethod
+    def _move(pair, x, timeout: float | None) -> Future:
+        held = None
+        if is_device_array(x):
+            from lpsync_client import _adapt  # (it imports the client, which imports this)
+
+            held = _adapt.ensure_registered(pair, x)
+        try:
+            future = pair.broadcast_async(x, root=0, timeout=timeout)
+        except BaseException:
+            if held is not None:
+                _release_quietly(pair, held)
+            raise
+        if held is not None:  # an array it could not tie the registration to: for the call
+            future.add_done_callback(lambda _: _release_quietly(pair, held))
+        return future
 
     def issued(self, tag: int) -> dict[int, int]:
         """By source: the receives from it with ``tag`` this rank has issued (the last
@@ -135,3 +156,8 @@ class PairJobs:
             queue.shutdown(wait=False, cancel_futures=True)
         for pair in pairs:
             pair.close()
+
+
+def _release_quietly(pair, registered) -> None:
+    with contextlib.suppress(LpsyncError):  # the pair's session ended: released with it
+        pair.release(registered)

@@ -12,7 +12,7 @@ import torch
 from lpsync_client import _adapt
 from lpsync_client.client import Client
 from lpsync_client.errors import InvalidArgumentError
-from lpsync_client.torch._client import host_view, resolve
+from lpsync_client.torch._client import Where, empty_on, host_view, on_device_path, resolve
 
 # torch dtypes the daemon has no name for, carried as bytes of the same width (broadcast
 # only: reducing them would be meaningless).
@@ -43,12 +43,13 @@ def allreduce_(
     name: str = "",
     timeout: float | None = None,
 ) -> torch.Tensor:
-    """Reduce ``tensor`` over every rank in place; returns it. A CUDA tensor runs on the
-    daemon's GPU streams when it serves cuda (ordered after the current stream)."""
+    """Reduce ``tensor`` over every rank in place; returns it. A contiguous CUDA tensor
+    runs on the daemon's GPU streams when it serves cuda (ordered after the current stream)."""
     client = resolve(client)
-    if _on_device(client, tensor):
-        _adapt.ensure_registered(client, tensor)
-        client.allreduce(tensor.detach(), op=op, name=name, timeout=timeout)
+    device = _device_operand(client, tensor)
+    if device is not None:
+        client.allreduce(device[1], op=op, name=name, timeout=timeout)
+        _write_back(tensor, device[0])
         return tensor
     host = host_view(tensor)
     client.allreduce(host, op=op, name=name, timeout=timeout)
@@ -66,28 +67,39 @@ def broadcast(
 ) -> torch.Tensor:
     """Overwrite ``tensor`` with root's (in place, every rank); returns it."""
     client = resolve(client)
-    if _on_device(client, tensor):
-        bits = tensor.detach()
-        bits = bits.view(_AS_BITS[bits.dtype]) if bits.dtype in _AS_BITS else bits
-        _adapt.ensure_registered(client, bits)
-        client.broadcast(bits, root=root, name=name, timeout=timeout)
+    device = _device_operand(client, tensor)
+    if device is not None:
+        client.broadcast(device[1], root=root, name=name, timeout=timeout)
+        _write_back(tensor, device[0])
         return tensor
     host = host_view(tensor)
-    bits = host.view(_AS_BITS[host.dtype]) if host.dtype in _AS_BITS else host
-    client.broadcast(bits, root=root, name=name, timeout=timeout)
+    client.broadcast(_bits(host), root=root, name=name, timeout=timeout)
     _write_back(tensor, host)
     return tensor
 
 
-def _on_device(client: Client, tensor: torch.Tensor) -> bool:
-    """The device path: a contiguous CUDA tensor, a daemon serving cuda."""
-    return tensor.device.type == "cuda" and tensor.is_contiguous() and _adapt.on_device_path(client, tensor)
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_AS_BITS[t.dtype]) if t.dtype in _AS_BITS else t
 
 
-def _write_back(tensor: torch.Tensor, host: torch.Tensor) -> None:
-    if host.data_ptr() != tensor.data_ptr() or host.device != tensor.device:
+def _device_operand(client: Client, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The device path, for a device tensor of a kind the daemon serves: (the tensor, or a
+    contiguous copy on its device when it is strided; what the client takes: the same, or
+    its bits for bool). None off the device path (staged through host memory)."""
+    if on_device_path(client, tensor) is None:
+        return None
+    flat = tensor if tensor.is_contiguous() else _pack(client, [tensor])
+    operand = _bits(flat.detach())
+    # Registered weakly, for as long as the object it is tied to lives: the tensor itself
+    # where it can be described, else the operand (for this call).
+    _adapt.ensure_registered(client, flat if operand.dtype == flat.dtype else operand)
+    return flat, operand
+
+
+def _write_back(tensor: torch.Tensor, result: torch.Tensor) -> None:
+    if result.data_ptr() != tensor.data_ptr() or result.device != tensor.device:
         with torch.no_grad():
-            tensor.copy_(host)
+            tensor.copy_(result.view(tensor.shape))
 
 
 def _tensors(source: object) -> list[torch.Tensor]:
@@ -117,7 +129,7 @@ def broadcast_parameters(
     for t in _tensors(params):
         by_dtype.setdefault(t.dtype, []).append(t)
     for dtype, group in by_dtype.items():
-        flat = torch.cat([host_view(t).reshape(-1) for t in group])
+        flat = _pack(client, group)
         broadcast(
             flat,
             root,
@@ -130,6 +142,22 @@ def broadcast_parameters(
             for t in group:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+
+def _pack(client: Client, group: list[torch.Tensor]) -> torch.Tensor:
+    """``group`` (one dtype) as one flat tensor: built on their device when they all live
+    on one the daemon serves (no host copy), else in host memory."""
+    places = {on_device_path(client, t) for t in group}
+    where: Where | None = places.pop() if len(places) == 1 else None
+    if where is None:
+        return torch.cat([host_view(t).reshape(-1) for t in group])
+    flat = empty_on(where, sum(t.numel() for t in group), group[0].dtype)
+    offset = 0
+    with torch.no_grad():
+        for t in group:
+            flat[offset : offset + t.numel()].view(t.shape).copy_(t)  # strides as they are
+            offset += t.numel()
+    return flat
 
 
 def broadcast_optimizer_state(

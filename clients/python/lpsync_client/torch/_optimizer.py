@@ -1,8 +1,10 @@
 """DistributedOptimizer: data-parallel training without DDP, as Horovod's. Gradients are
 fused into buckets of about ``bucket_bytes`` (25 MiB, DDP's and Horovod's default), each
-bucket a shared-memory buffer registered once; a bucket is averaged through the daemon as
-soon as its last gradient has been accumulated during backward, and ``step()`` waits for
-them all before the wrapped optimizer's step.
+bucket a buffer registered once: on the parameters' device when the daemon serves it
+(device memory by IPC handle, gradients copied in and out on the device), else in shared
+memory; a bucket is averaged through the daemon as soon as its last gradient has been
+accumulated during backward, and ``step()`` waits for them all before the wrapped
+optimizer's step.
 
     opt = lpt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    model.named_parameters())
@@ -20,7 +22,7 @@ import torch
 
 from lpsync_client.client import Client
 from lpsync_client.errors import InvalidArgumentError
-from lpsync_client.torch._client import resolve
+from lpsync_client.torch._client import empty_on, on_device_path, resolve
 from lpsync_client.torch._pieces import Pieced
 
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -28,8 +30,9 @@ _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "f
 
 
 class _Bucket:
-    """Parameters whose gradients travel together, in one shared-memory buffer (in pieces
-    where it exceeds the daemon's buffer limit)."""
+    """Parameters whose gradients travel together, in one buffer (in pieces where it
+    exceeds the daemon's buffer limit), on their device when they share one the daemon
+    serves."""
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], client: Client) -> None:
         self.index, self.params = index, params
@@ -38,7 +41,8 @@ class _Bucket:
         for p in params:
             self.offsets.append(total)
             total += p.numel()
-        self.buffer = Pieced(client, total, params[0].dtype)
+        places = {on_device_path(client, p) for p in params}
+        self.buffer = Pieced(client, total, params[0].dtype, places.pop() if len(places) == 1 else None)
         self.copied: set[int] = set()  # positions in params whose gradient is in the buffer
         self.future: Future | None = None
         self.started = 0.0
@@ -54,8 +58,11 @@ class _Bucket:
     def copy_out(self, position: int) -> None:
         """The averaged gradient into ``p.grad``."""
         p = self.params[position]
-        if p.grad is None:
-            p.grad = torch.empty_like(p)
+        if p.grad is None:  # on the buffer's device (an emulated tensor's empty_like is host)
+            where = self.buffer.where
+            p.grad = (
+                torch.empty_like(p) if where is None else empty_on(where, p.numel(), p.dtype).view(p.shape)
+            )
         self.buffer.read(self.offsets[position], p.grad)
 
     @property

@@ -9,7 +9,8 @@ and later ones are cut at once. Every rank attached to one daemon learns the sam
 from the same refusal, hence cuts the same pieces.
 
 ``bounds`` is the one rule every split follows (the backend's operations, the DDP hook,
-DistributedOptimizer); ``Pieced`` is a flat shared-memory buffer made of such pieces.
+DistributedOptimizer); ``Pieced`` is a flat buffer made of such pieces, in shared memory
+or, for device tensors on the device path, in their device's memory.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
+from lpsync_client import _adapt
 from lpsync_client.client import Client
 from lpsync_client.errors import ResourceExhaustedError
+from lpsync_client.torch._client import Where, empty_on
 
 _LIMIT = re.compile(r"(\d+) bytes\W{0,3}--max-buffer-bytes")
 _limits: weakref.WeakKeyDictionary[Client, int] = weakref.WeakKeyDictionary()
@@ -90,30 +93,41 @@ _NUMPY = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: n
 
 
 class Pieced:
-    """``numel`` elements of ``dtype`` in shared memory registered once, as consecutive
-    arrays each within the daemon's buffer limit (one array when the whole fits); collectives
-    run one per array, in order."""
+    """``numel`` elements of ``dtype`` registered once, as consecutive buffers each within
+    the daemon's buffer limit (one when the whole fits); collectives run one per buffer,
+    in order. The buffers are shared memory, or device memory on ``where`` (registered by
+    IPC handle: copies in and out stay on the device)."""
 
-    def __init__(self, client: Client, numel: int, dtype: torch.dtype) -> None:
+    def __init__(self, client: Client, numel: int, dtype: torch.dtype, where: Where | None = None) -> None:
+        # (An empty buffer has no device memory to register: shared memory, moving nothing.)
         self.client, self.numel, self.dtype = client, numel, dtype
-        # (first element, shared-memory array, torch view of it)
-        self.pieces: list[tuple[int, np.ndarray, torch.Tensor]] = []
+        self.where = where if numel else None
+        # (first element, what the client takes, torch view of it, what release() gives back)
+        self.pieces: list[tuple[int, object, torch.Tensor, object]] = []
         while True:
             limit = buffer_limit(client)
             try:
                 per_piece = numel if limit is None else limit // dtype.itemsize
                 for start, stop in list(bounds(numel, per_piece)) or [(0, 0)]:  # even empty: one
-                    array = client.empty((stop - start) * dtype.itemsize, "uint8")
-                    self.pieces.append((start, array, torch.from_numpy(array).view(dtype)))
+                    self.pieces.append((start, *self._buffer(stop - start)))
                 return
             except ResourceExhaustedError as error:
                 self.release()
                 if not learn(client, error):
                     raise
 
+    def _buffer(self, count: int) -> tuple[object, torch.Tensor, object]:
+        if self.where is None:
+            array = self.client.empty(count * self.dtype.itemsize, "uint8")
+            view = torch.from_numpy(array).view(self.dtype)
+            return (view if self.dtype not in _NUMPY else array.view(_NUMPY[self.dtype])), view, array
+        view = empty_on(self.where, count, self.dtype)
+        _adapt.ensure_registered(self.client, view)  # for as long as the view lives: ours
+        return view, view, view
+
     def spans(self, start: int, stop: int) -> Iterator[tuple[int, torch.Tensor]]:
         """(first element, view of the buffer) covering elements [start, stop), in order."""
-        for first, _, view in self.pieces:
+        for first, _, view, _ in self.pieces:
             lo, hi = max(start, first), min(stop, first + view.numel())
             if lo < hi:
                 yield lo, view[lo - first : hi - first]
@@ -130,6 +144,11 @@ class Pieced:
 
     def read(self, start: int, out: torch.Tensor) -> None:
         """Copy elements from ``start`` on into ``out`` (any shape, layout or device)."""
+        if out.is_contiguous():  # piece by piece into it: no gathered temporary
+            flat = out.view(-1)
+            for lo, view in self.spans(start, start + out.numel()):
+                flat[lo - start : lo - start + view.numel()].copy_(view)
+            return
         parts = [view for _, view in self.spans(start, start + out.numel())]
         out.copy_((parts[0] if len(parts) == 1 else torch.cat(parts)).view(out.shape))
 
@@ -139,16 +158,13 @@ class Pieced:
         return all_done(
             [
                 self.client.allreduce_async(
-                    view if self.dtype not in _NUMPY else array.view(_NUMPY[self.dtype]),
-                    op=op,
-                    timeout=timeout,
-                    name=f"{name}/piece{i}" if several else name,
+                    operand, op=op, timeout=timeout, name=f"{name}/piece{i}" if several else name
                 )
-                for i, (_, array, view) in enumerate(self.pieces)
+                for i, (_, operand, _, _) in enumerate(self.pieces)
             ]
         )
 
     def release(self) -> None:
-        for _, array, _ in self.pieces:
-            self.client.release(array)
+        for _, _, _, owned in self.pieces:
+            self.client.release(owned)
         self.pieces = []

@@ -15,6 +15,15 @@ a pool by size and reused across calls, so a tensor reduced every step (a DDP bu
 costs two memory copies and no registration after its first step. The staging copy is
 what makes non-contiguous tensors and any device work: ``copy_`` does the strides.
 
+Device tensors of a kind the daemon serves (CUDA; the emulated device in CI) never go
+through host memory: contiguous ones within the buffer limit are passed as they are
+(all_reduce, broadcast, reduce, all_gather_into_tensor, reduce_scatter_tensor, an even
+all_to_all_single, send/recv), and every other call on them (coalesced groups, lists of
+blocks, strided, bool or larger tensors) stages through flat buffers of the same device
+instead: registered by IPC handle, pooled like the shared-memory ones, copied in and out
+on the device. A call whose tensors are on several devices, or mix host and device
+memory, stages through shared memory.
+
 Tensors of any size: a tensor whose staging exceeds the daemon's buffer limit (learned
 from its first refusal, lpsync_client.torch._pieces) or the staging budget runs as
 several collectives over consecutive element ranges (allgather and reduce_scatter: the
@@ -45,6 +54,7 @@ from lpsync_client import _adapt
 from lpsync_client._order import InFlight, Span, span
 from lpsync_client.client import Client
 from lpsync_client.errors import CollectiveTimeoutError, LpsyncError, ResourceExhaustedError
+from lpsync_client.torch._client import Where, empty_on, on_device_path
 from lpsync_client.torch._pieces import bounds, buffer_limit, learn
 
 if TYPE_CHECKING:
@@ -54,6 +64,9 @@ BACKEND = "lpsync"
 # Free staging bytes kept for reuse per process group; also the largest piece a tensor is
 # staged in (a larger one is split). Set it alike on every rank: it decides the pieces.
 STAGING_BYTES = int(os.environ.get("LPSYNC_TORCH_STAGING_BYTES", 1 << 30))
+# Free device staging bytes kept for reuse per process group and device: GPU memory is
+# scarcer than shared memory (the pieces are still cut by STAGING_BYTES).
+DEVICE_STAGING_BYTES = int(os.environ.get("LPSYNC_TORCH_DEVICE_STAGING_BYTES", 64 << 20))
 # Pieces of one call in flight at once (the next waits for the oldest): bounds the staging
 # and the daemon buffers a huge tensor holds.
 PIECES_IN_FLIGHT = 4
@@ -134,21 +147,26 @@ class _StagingPool:
     owned by one collective from acquire() until release(); free ones are reused most
     recently used first and released to the daemon beyond STAGING_BYTES."""
 
+    where: Where | None = None  # host memory
+
     def __init__(self, client: Client, budget: int) -> None:
         self._client, self._budget = client, budget
-        self._free: OrderedDict[int, np.ndarray] = OrderedDict()  # id -> array, LRU order
+        self._free: OrderedDict[int, Any] = OrderedDict()  # id -> array, LRU order
         self._free_bytes = 0
         self._lock = threading.Lock()
 
-    def acquire(self, nbytes: int) -> np.ndarray:
+    def acquire(self, nbytes: int) -> Any:
         with self._lock:
             for key in reversed(self._free):
                 if self._free[key].nbytes == nbytes:
                     self._free_bytes -= nbytes
                     return self._free.pop(key)
+        return self._new(nbytes)
+
+    def _new(self, nbytes: int) -> Any:
         return self._client.empty(nbytes, "uint8")
 
-    def release(self, array: np.ndarray) -> None:
+    def release(self, array: Any) -> None:
         evicted = []
         with self._lock:
             self._free[id(array)] = array
@@ -163,18 +181,49 @@ class _StagingPool:
                 self._client.release(old)
 
 
+class _DevicePool(_StagingPool):
+    """The same in one device's memory: flat uint8 tensors registered by IPC handle, each
+    registration tied to its tensor (it goes when the tensor is dropped)."""
+
+    def __init__(self, client: Client, budget: int, where: Where) -> None:
+        super().__init__(client, budget)
+        self.where = where
+
+    def _new(self, nbytes: int) -> torch.Tensor:
+        assert self.where is not None
+        raw = empty_on(self.where, nbytes, torch.uint8)
+        _adapt.ensure_registered(self._client, raw)
+        return raw
+
+
 class _Staged:
-    """One tensor's staging: a typed flat torch view of a pool array, and what the client
-    takes (numpy, or a torch view for bfloat16, which numpy lacks)."""
+    """One tensor's staging: a typed flat torch view of a pool buffer, and what the client
+    takes (in shared memory: numpy, or a torch view for bfloat16, which numpy lacks; on a
+    device: the torch view, bool as its uint8 bytes)."""
 
     def __init__(self, pool: _StagingPool, dtype: torch.dtype, numel: int) -> None:
+        self.pool = pool
         self.raw = pool.acquire(numel * dtype.itemsize)
+        self.operand: Any
+        if pool.where is not None:
+            self.flat = self.raw.view(dtype)
+            self.operand = self.flat.view(torch.uint8) if dtype == torch.bool else self.flat
+            return
         self.flat = torch.from_numpy(self.raw).view(dtype)
         np_dtype = _DTYPES[dtype]
         self.operand = self.flat if np_dtype is None else self.raw.view(np_dtype)
 
     def block(self, i: int, n: int) -> torch.Tensor:
         return self.flat[i * n : (i + 1) * n]
+
+    def give_back(self) -> None:
+        """Return the buffer to its pool. CUDA: after the copies out that this thread queued
+        on its stream, so the work completes with its tensors written and the next user of
+        the buffer cannot overwrite it first."""
+        where = self.pool.where
+        if where is not None and where[0] == "cuda":
+            torch.cuda.current_stream(where[1]).synchronize()
+        self.pool.release(self.raw)
 
 
 class LpsyncWork(dist.Work):
@@ -196,9 +245,7 @@ class LpsyncWork(dist.Work):
         self.finished = threading.Event()
         self.source: int | None = None  # recv from any source: the sender (group rank)
 
-    def track(
-        self, future: Future, finish: Callable[[], object], staging: Sequence[_Staged], pool: _StagingPool
-    ) -> None:
+    def track(self, future: Future, finish: Callable[[], object], staging: Sequence[_Staged] = ()) -> None:
         """Complete this work when ``future`` (an lpsync collective) is done: on success run
         ``finish`` (copies results out of staging), then give the staging back."""
         with self._lock:
@@ -212,7 +259,7 @@ class LpsyncWork(dist.Work):
                 except BaseException as failure:
                     error = failure
             for s in staging:
-                pool.release(s.raw)
+                s.give_back()
             self._piece_done(error)
 
         future.add_done_callback(done)
@@ -325,6 +372,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         self.client, self._timeout = client, timeout
         self._staging_bytes = STAGING_BYTES  # as set when the group was made
         self._pool = _StagingPool(client, self._staging_bytes)
+        self._device_pools: dict[Where, _DevicePool] = {}  # made on first use per device
         self._in_flight = InFlight()  # what its staged collectives still touch
         self._bound = 2 * timeout + 30  # the client's own bound on an unanswered collective
         self._closed = False
@@ -354,9 +402,22 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         return f"ProcessGroupLpsync(job={self.client.job!r}, rank={self.rank()}, size={self.size()})"
 
     # -- plumbing ----------------------------------------------------------------------------
-    def _stage(self, t: torch.Tensor, numel: int | None = None) -> _Staged:
+    def _stage(self, t: torch.Tensor, numel: int, where: Where | None = None) -> _Staged:
+        """Staging for ``numel`` elements of ``t``'s dtype: on device ``where`` (device
+        tensors the daemon serves: _where), else in shared memory."""
         _check(t)
-        return _Staged(self._pool, t.dtype, t.numel() if numel is None else numel)
+        pool = self._pool
+        if where is not None and numel:  # (an empty one moves nothing: no device memory)
+            pool = self._device_pools.get(where) or self._device_pools.setdefault(
+                where, _DevicePool(self.client, DEVICE_STAGING_BYTES, where)
+            )
+        return _Staged(pool, t.dtype, numel)
+
+    def _where(self, tensors: Iterable[torch.Tensor]) -> Where | None:
+        """The device a call on ``tensors`` stages on: the one device they all live on when
+        the daemon serves it; None (shared memory) for host tensors or several devices."""
+        places = {on_device_path(self.client, t) for t in tensors if t.numel()}
+        return places.pop() if len(places) == 1 else None
 
     def _run(
         self,
@@ -404,34 +465,46 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                 raise
             self._split(work, total, unit, issue)
 
-    def _flat_out(self, work: LpsyncWork, t: torch.Tensor) -> torch.Tensor:
+    def _flat_out(self, work: LpsyncWork, t: torch.Tensor, where: Where | None = None) -> torch.Tensor:
         """A flat view of ``t`` that pieces can write to; for a strided ``t``, a contiguous
-        copy that is written back once every piece has succeeded. Detached: the backend
-        writes data as torch's C++ backends do, unseen by autograd (a pipeline stage
-        receives into tensors that require grad)."""
+        copy (on device ``where`` when given) that is written back once every piece has
+        succeeded. Detached: the backend writes data as torch's C++ backends do, unseen by
+        autograd (a pipeline stage receives into tensors that require grad)."""
         t = t.detach()
         if t.is_contiguous():
             return t.view(-1)
-        flat = t.contiguous().view(-1)
+        flat = self._flat_in(t, where)
         work.on_success(lambda: t.copy_(flat.view(t.shape)))
         return flat
 
-    def _on_device(self, t: torch.Tensor) -> bool:
-        """The device path (docs/gpu.md): a contiguous CUDA tensor of a dtype the daemon
-        reduces, within its buffer limit, on a daemon serving cuda, registered here; the
-        collective then runs on the tensor itself, after the current stream (interprocess
-        event), done when the daemon finished. A larger one is staged in pieces."""
-        if not (
-            t.device.type == "cuda"
-            and t.dtype != torch.bool
-            and t.is_contiguous()
-            and _adapt.on_device_path(self.client, t)
-        ):
+    @staticmethod
+    def _flat_in(t: torch.Tensor, where: Where | None = None) -> torch.Tensor:
+        """``t`` as a flat tensor to read from: a view, or a contiguous copy of a strided one
+        (made on device ``where`` when given: an emulated tensor's own copies are host memory)."""
+        t = t.detach()
+        if t.is_contiguous() or where is None:
+            return t.reshape(-1)
+        flat = empty_on(where, t.numel(), t.dtype)
+        flat.view(t.shape).copy_(t)
+        return flat
+
+    def _on_device(self, t: torch.Tensor, register: bool = True) -> bool:
+        """Zero copies (docs/gpu.md): a contiguous device tensor of a dtype the daemon
+        reduces, within its buffer limit, on a daemon serving its kind, registered here;
+        the collective then runs on the tensor itself, after the current stream
+        (interprocess event), done when the daemon finished. Pass the client ``t`` itself,
+        not a view: the registration lives as long as ``t``, and the client holds what it
+        was given until the collective completes. Other device tensors (strided,
+        bool, larger) are staged in device buffers (_stage). ``register=False``: a message,
+        which its pair job's session registers (lpsync_client._p2p)."""
+        if not (t.dtype != torch.bool and t.is_contiguous() and on_device_path(self.client, t) is not None):
             return False
         limit = buffer_limit(self.client)
         if limit is not None and t.nbytes > limit:
             return False
         _check(t)
+        if not register:
+            return True
         try:
             _adapt.ensure_registered(self.client, t)  # the lasting object, not a detached view
         except ResourceExhaustedError as error:
@@ -443,7 +516,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
     def _barrier_piece(self, work: LpsyncWork) -> None:
         """Zero elements: nothing to move, but the ranks still meet, so that the job's
         sequence numbers stay matched (and a mismatch is still reported)."""
-        work.track(self.client.barrier_async(self._timeout), lambda: None, (), self._pool)
+        work.track(self.client.barrier_async(self._timeout), lambda: None)
 
     def _launch(
         self,
@@ -459,9 +532,9 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             fill()
             future = start(staged.operand)
         except BaseException:
-            self._pool.release(staged.raw)
+            staged.pool.release(staged.raw)
             raise
-        work.track(future, finish, (staged,), self._pool)
+        work.track(future, finish, (staged,))
 
     def _allreduce_piece(self, work: LpsyncWork, tensors: Sequence[torch.Tensor], op: str) -> None:
         """Allreduce ``tensors`` (same dtype) as one flat message: coalescing is one call."""
@@ -471,18 +544,17 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         op = _op_for(tensors[0].dtype, op)
         if len(tensors) == 1 and self._on_device(tensors[0]):
             work.track(
-                self.client.allreduce_async(tensors[0].detach(), op=op, timeout=self._timeout),
+                self.client.allreduce_async(tensors[0], op=op, timeout=self._timeout),
                 lambda: None,
-                (),
-                self._pool,
             )
             return None
         _check(tensors[0])
-        flats = [self._flat_out(work, t) for t in tensors]
+        where = self._where(tensors)
+        flats = [self._flat_out(work, t, where) for t in tensors]
         firsts = list(itertools.accumulate((f.numel() for f in flats), initial=0))
 
         def issue(a: int, b: int) -> None:
-            staged = self._stage(tensors[0], b - a)
+            staged = self._stage(tensors[0], b - a, where)
 
             def spans() -> list[tuple[torch.Tensor, torch.Tensor]]:
                 """(part of a tensor, its place in the staging) over elements [a, b)."""
@@ -521,11 +593,12 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         if n == 0:
             return self._barrier_piece(work)
         _check(inp)
-        source, flats = inp.detach().reshape(-1), [self._flat_out(work, o) for o in outputs]
+        where = self._where([inp, *outputs])
+        source, flats = self._flat_in(inp, where), [self._flat_out(work, o, where) for o in outputs]
 
         def issue(a: int, b: int) -> None:
             m = b - a
-            staged = self._stage(inp, m * self.size())
+            staged = self._stage(inp, m * self.size(), where)
 
             def finish() -> None:
                 for i, o in enumerate(flats):
@@ -554,11 +627,12 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             return self._barrier_piece(work)
         op = _op_for(out.dtype, op)
         _check(out)
-        sources, flat = [i.detach().reshape(-1) for i in inputs], self._flat_out(work, out)
+        where = self._where([out, *inputs])
+        sources, flat = [self._flat_in(i, where) for i in inputs], self._flat_out(work, out, where)
 
         def issue(a: int, b: int) -> None:
             m = b - a
-            staged = self._stage(out, m * self.size())
+            staged = self._stage(out, m * self.size(), where)
 
             def fill() -> None:
                 for i, source in enumerate(sources):
@@ -582,17 +656,18 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             return self._barrier_piece(work)
         op = _op_for(t.dtype, op) if kind == "reduce" else op
         _check(t)
-        if kind == "broadcast" and self._on_device(t):
-            work.track(
-                self.client.broadcast_async(t.detach(), root=root, timeout=self._timeout),
-                lambda: None,
-                (),
-                self._pool,
+        if self._on_device(t):  # zero copies (a non-root's reduce buffer is left as it was)
+            future = (
+                self.client.broadcast_async(t, root=root, timeout=self._timeout)
+                if kind == "broadcast"
+                else self.client.reduce_async(t, root=root, op=op, timeout=self._timeout)
             )
+            work.track(future, lambda: None)
             return None
         sends = kind == "reduce" or self.rank() == root
         receives = (kind == "broadcast") != (self.rank() == root)
-        flat = self._flat_out(work, t) if receives else t.detach().reshape(-1)
+        where = self._where([t])
+        flat = self._flat_out(work, t, where) if receives else self._flat_in(t, where)
 
         def start(x: Any) -> Future:
             if kind == "broadcast":
@@ -600,7 +675,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             return self.client.reduce_async(x, root=root, op=op, timeout=self._timeout)
 
         def issue(a: int, b: int) -> None:
-            staged = self._stage(t, b - a)
+            staged = self._stage(t, b - a, where)
             self._launch(
                 work,
                 staged,
@@ -731,6 +806,10 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                         f"{inp.numel() * self.size()} elements (world size x input), got "
                         f"{out.numel()}"
                     )
+                if inp.numel() and self._on_device(inp) and self._on_device(out):  # zero copies
+                    future = self.client.allgather_async(inp, out=out, timeout=self._timeout)
+                    work.track(future, lambda: None)
+                    continue
                 self._gather_piece(
                     work,
                     list(out.detach().reshape(-1).chunk(self.size())) if inp.numel() else [out] * self.size(),
@@ -776,9 +855,12 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                         f"reduce_scatter_tensor needs an input of {out.numel() * self.size()}"
                         f" elements (world size x output), got {inp.numel()}"
                     )
-                blocks = (
-                    list(inp.detach().reshape(-1).chunk(self.size())) if out.numel() else [inp] * self.size()
-                )
+                if out.numel() and self._on_device(inp) and self._on_device(out):  # zero copies
+                    future = self.client.reduce_scatter_async(inp, op=op, out=out, timeout=self._timeout)
+                    work.track(future, lambda: None)
+                    continue
+                flat = self._flat_in(inp, self._where([inp, out]))
+                blocks = list(flat.chunk(self.size())) if out.numel() else [inp] * self.size()
                 self._scatter_piece(work, out, blocks, op)
 
         return self._run("reduce_scatter_tensor", outputs, pieces, inputs)
@@ -810,7 +892,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                 work.source = source
                 self._p2p_piece(work, t, source, tag, sending=False)
 
-            work.track(self.client.any_source_async(tag, issue, self._timeout), lambda: None, (), self._pool)
+            work.track(self.client.any_source_async(tag, issue, self._timeout), lambda: None)
 
         return self._run("recv", [t], pieces)
 
@@ -822,11 +904,21 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                 f"{'send to' if sending else 'recv from'} rank {peer}: not another rank of this group"
             )
         _check(t)
-        flat = t.detach().reshape(-1) if sending else self._flat_out(work, t)
         move = self.client.send_async if sending else self.client.recv_async
+        if t.numel() and self._on_device(t, register=False):  # registered by its pair's session
+            try:
+                future = move(t, peer, tag, timeout=self._timeout)
+            except ResourceExhaustedError as error:  # over the daemon's limit: in pieces
+                if not learn(self.client, error):
+                    raise
+            else:
+                work.track(future, lambda: None)
+                return
+        where = self._where([t])
+        flat = self._flat_in(t, where) if sending else self._flat_out(work, t, where)
 
         def issue(a: int, b: int) -> None:
-            staged = self._stage(t, b - a)
+            staged = self._stage(t, b - a, where)
             self._launch(
                 work,
                 staged,
@@ -841,7 +933,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
 
     def _empty_message(self, work: LpsyncWork, t: torch.Tensor, peer: int, tag: int, sending: bool) -> None:
         """Zero elements still meet, so that the pair's later messages stay matched."""
-        staged = self._stage(t, 0)
+        staged = self._stage(t, 0)  # (shared memory: no device memory for nothing)
         move = self.client.send_async if sending else self.client.recv_async
         self._launch(
             work, staged, lambda: None, lambda x: move(x, peer, tag, timeout=self._timeout), lambda: None
@@ -863,12 +955,13 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             if n == 0:
                 return self._barrier_piece(work)
             _check(inp)
-            source, flats = inp.detach().reshape(-1), [self._flat_out(work, o) for o in outs]
+            where = self._where([inp, *outs])
+            source, flats = self._flat_in(inp, where), [self._flat_out(work, o, where) for o in outs]
             at_root = self.rank() == root
 
             def issue(a: int, b: int) -> None:
                 m = b - a
-                staged = self._stage(inp, m * p if at_root else m)  # the root's: the whole output
+                staged = self._stage(inp, m * p if at_root else m, where)  # the root's: the whole output
 
                 def finish() -> None:
                     for i, o in enumerate(flats):
@@ -904,12 +997,13 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             if n == 0:
                 return self._barrier_piece(work)
             _check(out)
-            sources, flat = [i.detach().reshape(-1) for i in ins], self._flat_out(work, out)
+            where = self._where([out, *ins])
+            sources, flat = [self._flat_in(i, where) for i in ins], self._flat_out(work, out, where)
             at_root = self.rank() == root
 
             def issue(a: int, b: int) -> None:
                 m = b - a
-                staged = self._stage(out, m * p if at_root else m)  # the root's: the whole input
+                staged = self._stage(out, m * p if at_root else m, where)  # the root's: the whole input
 
                 def fill() -> None:
                     for i, source in enumerate(sources):
@@ -939,8 +1033,10 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             raise ValueError(f"all_to_all needs one dtype, got {sorted(map(str, dtypes))}")
 
         def pieces(work: LpsyncWork) -> None:
-            outs = [self._flat_out(work, o) for o in output_tensors]
-            self._alltoall_pieces(work, outs, [i.detach().reshape(-1) for i in input_tensors], even=False)
+            where = self._where([*output_tensors, *input_tensors])
+            outs = [self._flat_out(work, o, where) for o in output_tensors]
+            ins = [self._flat_in(i, where) for i in input_tensors]
+            self._alltoall_pieces(work, outs, ins, even=False, where=where)
 
         return self._run("all_to_all", list(output_tensors), pieces, input_tensors)
 
@@ -975,15 +1071,27 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         out_at, in_at = rows(output, output_split_sizes, "output"), rows(inp, input_split_sizes, "input")
 
         def pieces(work: LpsyncWork) -> None:
-            flat_out, flat_in = self._flat_out(work, output), inp.detach().reshape(-1)
+            if even and output.numel() and self._on_device(inp) and self._on_device(output):  # zero copies
+                work.track(
+                    self.client.alltoall_async(inp, out=output, timeout=self._timeout),
+                    lambda: None,
+                )
+                return
+            where = self._where([output, inp])
+            flat_out, flat_in = self._flat_out(work, output, where), self._flat_in(inp, where)
             outs = [flat_out[out_at[i] : out_at[i + 1]] for i in range(p)]
             ins = [flat_in[in_at[i] : in_at[i + 1]] for i in range(p)]
-            self._alltoall_pieces(work, outs, ins, even=even)
+            self._alltoall_pieces(work, outs, ins, even=even, where=where)
 
         return self._run("all_to_all_single", [output], pieces, [inp])
 
     def _alltoall_pieces(
-        self, work: LpsyncWork, outs: list[torch.Tensor], ins: list[torch.Tensor], even: bool
+        self,
+        work: LpsyncWork,
+        outs: list[torch.Tensor],
+        ins: list[torch.Tensor],
+        even: bool,
+        where: Where | None = None,
     ) -> None:
         """All-to-all of flat blocks: ins[j] goes to rank j, outs[i] comes from rank i.
         Uneven blocks are padded to the largest of the whole group (learned with one small
@@ -1002,7 +1110,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
 
         def issue(a: int, b: int) -> None:
             m = b - a
-            staged = self._stage(ref, 2 * m * p)  # the input's p blocks, then the output's
+            staged = self._stage(ref, 2 * m * p, where)  # the input's p blocks, then the output's
 
             def fill() -> None:
                 for j, source in enumerate(ins):
