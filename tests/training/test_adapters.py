@@ -83,13 +83,22 @@ def test_jax_gpu_memory_that_cannot_be_exported_takes_the_host_path(monkeypatch)
 
     asked: list[object] = []
 
-    def refuse(leaf: object) -> None:
-        asked.append(leaf)
+    class Leaf:  # what _exportable reads of a GPU leaf
+        nbytes, size, dtype = 4, 1, np.dtype(np.float32)
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def unsafe_buffer_pointer(self) -> int:
+            return 1 << 20
+
+    def refuse(pointer: int, nbytes: int, size: int, dtype: str, release: object, owner: Leaf) -> None:
+        asked.append(owner.name)  # the CUDA driver's answer for JAX's memory
         raise lpsync_client.InvalidArgumentError(NOT_EXPORTABLE)
 
-    monkeypatch.setattr(lpj, "describe", refuse)
+    monkeypatch.setattr(lpj, "cuda_span", refuse)
     monkeypatch.setattr(lpj, "_EXPORTABLE", [])
     with pytest.warns(RuntimeWarning, match="through host memory"):
-        assert lpj._exportable("leaf 1") is False
-    assert lpj._exportable("leaf 2") is False
+        assert lpj._exportable(Leaf("leaf 1")) is False
+    assert lpj._exportable(Leaf("leaf 2")) is False
     assert asked == ["leaf 1"]
