@@ -28,7 +28,6 @@ schedule, mesh) and reused.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +40,8 @@ from lpsync.daemon.collectives import local
 from lpsync.daemon.collectives.agreement import Verdict
 from lpsync.daemon.collectives.packed import PACKED
 from lpsync.daemon.collectives.small import rides
-from lpsync.daemon.collectives.task import Task
+from lpsync.daemon.collectives.staging import RING_SLOTS, drain
+from lpsync.daemon.collectives.task import STEP_BITS, Task
 from lpsync.daemon.collectives.views import buffers, reduction
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.peers.plane import Link
@@ -62,9 +62,6 @@ HIERARCHICAL = frozenset(
         Collective.REDUCE_SCATTER,
     }
 )
-RING_SLOTS = 4  # pinned host slots per job: a segment on the wire, the next ones filling
-_STEP_BITS = 20  # planning.py's tag layout: every segment's steps share these bits
-_PATIENCE = 3600.0  # a failed run waits this long at most for its queued copies
 
 
 def offer(task: Task, devices: DeviceRegistry | None) -> tuple[tuple[str, int], ...]:
@@ -227,10 +224,10 @@ def _build(
         for part in parts:
             _segments(task, link, devices, ring, per, across, part, scratch, crosses, segments)
         tag = sum(s.steps for s in segments)
-        if tag > 1 << _STEP_BITS:
+        if tag > 1 << STEP_BITS:
             raise InvalidArgumentError(
                 f"{task.spec.count} elements in {len(segments)} segments need more than "
-                f"2**{_STEP_BITS} messages per pair: raise --device-staging-bytes"
+                f"2**{STEP_BITS} messages per pair: raise --device-staging-bytes"
             )
     except BaseException:
         Hierarchy(segments, scratch, ring, []).close(wait=False)
@@ -421,21 +418,8 @@ def _run(plan: Hierarchy, task: Task, devices: DeviceRegistry, deadline: float, 
         for group in queued:
             group.drain()
             group.recover()
-        for stream, event in plan.lanes:
-            _drain(kind, lock, stream, event)
+        drain(kind, plan.lanes)
         raise
     finally:
         devices.done(busy)
         plan.ring.release()
-
-
-def _drain(kind: Any, lock: Any, stream: Any, event: Any) -> None:
-    """Until the boundary's copies queued so far ran (their errors ignored: the run's own
-    failure is what is reported), then clear the stream's error where the kind can."""
-    with contextlib.suppress(Exception):
-        with lock:
-            kind.record(event, stream)
-        kind.synchronize(event, time.monotonic() + _PATIENCE)
-    recover = getattr(kind, "recover", None)
-    if recover is not None:
-        recover(stream)

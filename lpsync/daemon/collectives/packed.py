@@ -21,7 +21,6 @@ RING_SLOTS slots of at most twice the segment bytes per local participant.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,8 @@ import numpy as np
 from lpsync.algorithms import generate
 from lpsync.daemon.collectives.agreement import Verdict
 from lpsync.daemon.collectives.local import device_schedule
-from lpsync.daemon.collectives.task import Task
+from lpsync.daemon.collectives.staging import RING_SLOTS, drain
+from lpsync.daemon.collectives.task import STEP_BITS, Task
 from lpsync.daemon.collectives.views import buffers, reduction
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.peers.plane import Link
@@ -43,9 +43,6 @@ from lpsync.memory.kind import Span
 from lpsync.types import Collective
 
 PACKED = frozenset({Collective.GATHER, Collective.SCATTER, Collective.ALLTOALL})
-RING_SLOTS = 4
-_STEP_BITS = 20  # planning.py's tag layout: every segment's steps share these bits
-_PATIENCE = 3600.0
 
 
 @dataclass
@@ -130,10 +127,10 @@ def run(
                 )
                 tags_used = group.schedule.tags
                 plan.steps = max(plan.steps, (int(tags_used.max()) + 1) if tags_used.size else 1)
-        if plan.steps * len(range(0, count, per)) > 1 << _STEP_BITS:
+        if plan.steps * len(range(0, count, per)) > 1 << STEP_BITS:
             plan.close(wait=False)
             raise InvalidArgumentError(
-                f"{count} elements in segments of {per} need more than 2**{_STEP_BITS} messages "
+                f"{count} elements in segments of {per} need more than 2**{STEP_BITS} messages "
                 "per pair: raise --device-staging-bytes"
             )
         return plan
@@ -235,15 +232,8 @@ def _run(plan: Packed, task: Task, devices: DeviceRegistry, deadline: float, tag
                 down(k + RING_SLOTS)
         for lane in plan.lanes if segments else ():  # the last copy back ends each stream's
             kind.synchronize(lane.returned[(len(segments) - 1) % RING_SLOTS], deadline)
-    except BaseException:
-        for lane in plan.lanes:  # nothing queued may touch the clients' memory once answered
-            with contextlib.suppress(Exception):
-                with lock:
-                    kind.record(lane.returned[0], lane.stream)
-                kind.synchronize(lane.returned[0], time.monotonic() + _PATIENCE)
-            recover = getattr(kind, "recover", None)
-            if recover is not None:
-                recover(lane.stream)
+    except BaseException:  # nothing queued may touch the clients' memory once answered
+        drain(kind, [(lane.stream, lane.returned[0]) for lane in plan.lanes])
         raise
     finally:
         devices.done(busy)

@@ -21,7 +21,7 @@ from lpsync.daemon.collectives.hierarchy import HIERARCHICAL
 from lpsync.daemon.collectives.learning import Key, Learner, candidates
 from lpsync.daemon.collectives.small import rides
 from lpsync.daemon.collectives.staging import Staged
-from lpsync.daemon.collectives.task import Task, job_hash
+from lpsync.daemon.collectives.task import STEP_BITS, Task, job_hash
 from lpsync.daemon.collectives.views import buffers, reduction
 from lpsync.daemon.peers.plane import Link
 from lpsync.engine.group import LocalGroup
@@ -29,13 +29,13 @@ from lpsync.engine.routing import Placement
 from lpsync.errors import InvalidArgumentError
 from lpsync.types import Collective
 
-_STEP_BITS, _SEQ_BITS, _JOB_BITS = 20, 12, 7
+_SEQ_BITS, _JOB_BITS = 12, 7
 
 
 def tag_base(job: str, sequence: int) -> int:
     return (
         (job_hash(job) & ((1 << _JOB_BITS) - 1)) << _SEQ_BITS | (sequence & ((1 << _SEQ_BITS) - 1))
-    ) << _STEP_BITS
+    ) << STEP_BITS
 
 
 @dataclass(frozen=True)
@@ -110,9 +110,9 @@ def bind(task: Task, link: Link, algorithm: str, chunks: int, staged: Staged | N
 
     def build() -> LocalGroup:
         schedule = generate(op, algorithm, p, spec.count, spec.root, chunks)
-        if schedule.tags.size and int(schedule.tags.max()) >= 1 << _STEP_BITS:
+        if schedule.tags.size and int(schedule.tags.max()) >= 1 << STEP_BITS:
             raise InvalidArgumentError(
-                f"{algorithm} {op} of {spec.count} elements needs more than 2**{_STEP_BITS} messages per pair"
+                f"{algorithm} {op} of {spec.count} elements needs more than 2**{STEP_BITS} messages per pair"
             )
         placement = Placement.of(layout.node_of, layout.node)
         group = LocalGroup(schedule, views, reduction(spec, task.dtype, p), placement, link.endpoint)

@@ -31,6 +31,9 @@ from lpsync.memory.kind import Span
 from lpsync.types import Collective
 
 _BYTE = np.dtype(np.uint8)
+# Pinned host slots of a bounded ring (hierarchy.py, packed.py): a segment on the wire,
+# the next ones filling, the last one draining.
+RING_SLOTS = 4
 
 
 class Staged:
@@ -203,7 +206,7 @@ def whole(task: Task, devices: DeviceRegistry | None, deadline: float) -> Iterat
             kind.copy_async(on_device, on_host, stream)
         _settle(kind, lanes, deadline)  # landed on the devices: only now may it be answered
     except BaseException:
-        _drain(kind, lanes)  # nothing of it may still touch the spans once answered
+        drain(kind, lanes)  # nothing of it may still touch the spans once answered
         raise
     finally:
         devices.done(busy)
@@ -211,7 +214,9 @@ def whole(task: Task, devices: DeviceRegistry | None, deadline: float) -> Iterat
             context.pool.give(mirror.host)
 
 
-def _drain(kind: Any, lanes: list[tuple[Any, Any]], patience: float = 3600.0) -> None:
+def drain(kind: Any, lanes: list[tuple[Any, Any]], patience: float = 3600.0) -> None:
+    """Until every (stream, event) lane ran what is queued on it (errors ignored: the
+    failure is what is reported), then clear the streams' errors where the kind can."""
     with contextlib.suppress(Exception):  # the failure itself is what is reported
         _settle(kind, lanes, time.monotonic() + patience)
     recover = getattr(kind, "recover", None)  # the emulated stream's error cleared

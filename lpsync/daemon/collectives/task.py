@@ -23,6 +23,8 @@ from lpsync.memory.kind import Span
 from lpsync.types import Collective, dtype_of
 
 _NO_DATA = np.dtype(np.uint8)  # a barrier's: it moves no data (count 0)
+# A collective's message tags (planning.tag_base): job hash | sequence | STEP_BITS of steps.
+STEP_BITS = 20
 
 
 def job_hash(name: str) -> int:
