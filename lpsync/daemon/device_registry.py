@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lpsync.engine.device_group import DeviceContext
 from lpsync.errors import InvalidArgumentError, NotFoundError
@@ -21,7 +21,6 @@ from lpsync.memory.kind import MemoryKind
 from lpsync_client.wire import split_device_uuid
 
 log = logging.getLogger("lpsync.daemon")
-_BUSY_PATIENCE = 600.0  # seconds a release waits for the collective still using its mapping
 
 MAX_HANDLE_BYTES = 1024  # CUDA IPC handles are 64 bytes, emulated ones shorter
 
@@ -34,10 +33,6 @@ class OpenAllocation:
     nbytes: int
     refs: int = 0  # registrations on it
     active: int = 0  # collectives whose streams may still touch it
-    # Set once the mapping is closed: a release that found it busy waits for it, so the
-    # client frees the memory only after the daemon's close (CUDA: a cudaFree before the
-    # importer's cudaIpcCloseMemHandle is undefined).
-    closed: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(eq=False)
@@ -142,22 +137,15 @@ class DeviceRegistry:
         self._drop(buffer.allocation, wait)
 
     def _drop(self, entry: OpenAllocation, wait: bool = True) -> None:
-        """``wait``: return only once the mapping is closed when this was its last
-        registration, also when a collective's streams still use it (the close then
-        comes with ``done``, at the latest after _BUSY_PATIENCE)."""
         with self._lock:
             entry.refs -= 1
             last = entry.refs == 0 and entry.active == 0
-            busy = entry.refs == 0 and entry.active > 0
             if entry.refs == 0:  # no new registration finds it; closed once idle
                 self._open.pop((entry.device, entry.handle), None)
             if last:
                 self._by_memory.pop(id(entry.memory), None)
         if last:
             self._close(entry.memory, wait)
-            entry.closed.set()
-        elif busy and wait and not entry.closed.wait(_BUSY_PATIENCE):
-            log.warning("a released device mapping is still in use after %.0f s: answered", _BUSY_PATIENCE)
 
     def _close(self, memory: object, wait: bool) -> None:
         with self._lock:
@@ -209,7 +197,6 @@ class DeviceRegistry:
                     closing.append(entry)
         for entry in closing:
             self.kind.close(entry.memory)
-            entry.closed.set()
 
     def open_allocations(self) -> list[int]:
         counts = [0] * self.kind.devices
@@ -236,5 +223,4 @@ class DeviceRegistry:
             self._by_memory.clear()
         for entry in entries:
             self.kind.close(entry.memory)
-            entry.closed.set()
         self.kind.close_kind()

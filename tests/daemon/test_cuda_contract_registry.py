@@ -88,39 +88,3 @@ def test_cuda_contract_a_session_end_closes_mappings_off_the_calling_thread():
     finally:
         for a in allocations:
             a.free()
-
-
-def test_cuda_contract_a_release_during_a_run_is_answered_after_the_close():
-    """A Release that finds its mapping in a running collective returns (is answered) only
-    once the run is done and the mapping closed, so the client frees the memory after the
-    daemon unmapped it (a cudaFree before cudaIpcCloseMemHandle is undefined); a release
-    that does not wait (a session's end) returns at once."""
-    import threading
-    import time
-
-    kind = EmulatedKind(1)
-    registry = DeviceRegistry(kind)
-    first, second = client_emulated.Allocation(4096, 0), client_emulated.Allocation(4096, 0)
-    try:
-        buffer = _registered(registry, first)
-        busy = registry.use([buffer.allocation.memory])
-        returned = threading.Event()
-        releasing = threading.Thread(target=lambda: (registry.release(buffer), returned.set()))
-        releasing.start()
-        time.sleep(0.2)
-        assert not returned.is_set() and kind.closes[0] == 0, "answered while the run used the mapping"
-        registry.done(busy)
-        assert returned.wait(5), "the release did not return after the run"
-        assert kind.closes[0] == 1 and not first.mapped_elsewhere()
-        releasing.join()
-
-        other = _registered(registry, second)
-        busy = registry.use([other.allocation.memory])
-        registry.release(other, wait=False)  # a session's end, on the event loop: no wait
-        assert kind.closes[0] == 1  # still mapped: the run goes on
-        registry.done(busy)
-        assert kind.closes[0] == 2
-    finally:
-        registry.close()
-        first.free()
-        second.free()
