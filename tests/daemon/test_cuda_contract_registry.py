@@ -88,3 +88,34 @@ def test_cuda_contract_a_session_end_closes_mappings_off_the_calling_thread():
     finally:
         for a in allocations:
             a.free()
+
+
+def test_cuda_contract_a_mapping_released_under_a_collective_closes_before_its_reply():
+    """A Release while the collective waits defers the close; the reply then comes only
+    after the close (the handlers' ``_holding_devices``): a client frees its memory once
+    answered, and a cudaFree before the importer's cudaIpcCloseMemHandle is undefined."""
+    from types import SimpleNamespace
+
+    from lpsync.daemon.control.handlers import Service
+
+    kind = EmulatedKind(1)
+    registry = DeviceRegistry(kind)
+    allocation = client_emulated.Allocation(4096, 0)
+    try:
+        buffer = _registered(registry, allocation)
+        span = Span(buffer.allocation.memory, 0, 1024, np.dtype(np.float32))
+        closed_at_reply: list[int] = []
+        reply = Service._holding_devices(
+            SimpleNamespace(devices=registry),  # type: ignore[arg-type]
+            span,
+            None,
+            lambda outcome: closed_at_reply.append(kind.closes[0]),
+        )
+        registry.release(buffer)  # while the collective waits: deferred
+        assert kind.closes[0] == 0
+        reply(None)  # type: ignore[arg-type]
+        assert closed_at_reply == [1], "replied before the mapping closed"
+        assert not allocation.mapped_elsewhere()
+    finally:
+        registry.close()
+        allocation.free()

@@ -661,7 +661,9 @@ class Service(pb_grpc.LpSyncServicer):
         """Device buffers are busy from their arrival until the reply: a Release or the
         session's end in between defers the close of their mappings until then (on CUDA a
         mapping closed under a pending collective faults the daemon's context on that
-        device; issue 25, point 5). The returned ``done`` replies, then frees them."""
+        device; issue 25, point 5). The returned ``done`` frees them, then replies: a
+        mapping released meanwhile is closed before the client hears the result, so it
+        never frees memory the daemon still maps (cudaFree before cudaIpcCloseMemHandle)."""
         spans = [s for s in (data, out) if isinstance(s, Span)]
         if not spans or self.devices is None:
             return done
@@ -671,10 +673,10 @@ class Service(pb_grpc.LpSyncServicer):
 
         def reply(outcome: Outcome) -> None:
             try:
-                done(outcome)
-            finally:
                 if once.acquire(blocking=False):
                     devices.done(busy)
+            finally:
+                done(outcome)
 
         return reply
 
