@@ -56,20 +56,9 @@ def on_device_path(client: Client, x: object) -> bool:
 
 
 def ensure_registered(client: Client, x: object) -> DeviceRegistered | None:
-    """Register ``x``'s span unless a registration covers it already (hold=False). Returns
-    a registration the caller must release after its collective: one that had to hold the
-    array (not weakly referenceable), which would otherwise live as long as the client."""
-    from lpsync_client._device import describe
-
-    client._reap()
-    info = describe(x).info
-    with client._lock:
-        covered = any(r.covers(info) for r in client._device.values())
-    if covered:
-        return None
-    registered = client.register(x, hold=False)
-    assert isinstance(registered, DeviceRegistered)
-    return registered if registered.original is not None else None
+    """Register ``x``'s span unless a registration covers it already (hold=False): see
+    Client.ensure_registered."""
+    return client.ensure_registered(x)
 
 
 def allreduce_arrays(

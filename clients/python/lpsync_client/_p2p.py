@@ -89,9 +89,7 @@ class PairJobs:
     def _move(pair, x, timeout: float | None) -> Future:
         held = None
         if is_device_array(x):
-            from lpsync_client import _adapt  # (it imports the client, which imports this)
-
-            held = _adapt.ensure_registered(pair, x)
+            held = pair.ensure_registered(x)
         try:
             future = pair.broadcast_async(x, root=0, timeout=timeout)
         except BaseException:

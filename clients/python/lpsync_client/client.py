@@ -459,6 +459,21 @@ class Client:
         with self._lock:
             return len(self._device)
 
+    def ensure_registered(self, x: object) -> DeviceRegistered | None:
+        """Register device array ``x``'s span unless a registration covers it already
+        (hold=False: released once the array is collected). Returns a registration the
+        caller must release after its collective: one that had to hold the array (not
+        weakly referenceable), which would otherwise live as long as the client."""
+        self._reap()
+        info = describe(x).info
+        with self._lock:
+            covered = any(r.covers(info) for r in self._device.values())
+        if covered:
+            return None
+        registered = self.register(x, hold=False)
+        assert isinstance(registered, DeviceRegistered)
+        return registered if registered.original is not None else None
+
     def _register_device(self, operand: DeviceOperand, hold: bool = True) -> DeviceRegistered:
         info = operand.info
         buffer = self._call(
