@@ -169,3 +169,29 @@ def test_point_to_point_on_device_buffers_across_nodes(tmp_path: Path) -> None:
         assert results == [[float((r - 1) % 4 + 1)] * 2 for r in range(4)]
     finally:
         daemons.stop_and_check()
+
+
+def test_a_plan_closed_during_its_run_closes_when_the_run_ends() -> None:
+    """The segment plans (hierarchy.py, packed.py) outlive a close that comes mid-run (a
+    client that died ended its job's plans): its later segments still run, the close
+    follows the run's end; closed at once when idle. Before, the next segment failed on a
+    shut-down pool and the other nodes waited out their timeout."""
+    from lpsync.daemon.collectives.plans import ClosedWhenIdle
+
+    class Plan(ClosedWhenIdle):
+        def __init__(self) -> None:
+            super().__init__()
+            self.closed: list[bool] = []
+
+        def _close(self, wait: bool) -> None:
+            self.closed.append(wait)
+
+    plan = Plan()
+    plan.acquire()
+    plan.close(wait=False)
+    assert plan.closed == []  # the run goes on
+    plan.release()
+    assert plan.closed == [False]
+    idle = Plan()
+    idle.close()
+    assert idle.closed == [True]

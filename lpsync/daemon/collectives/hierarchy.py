@@ -39,6 +39,7 @@ from lpsync.algorithms.registry import DIRECT, algorithms_for
 from lpsync.daemon.collectives import local
 from lpsync.daemon.collectives.agreement import Verdict
 from lpsync.daemon.collectives.packed import PACKED
+from lpsync.daemon.collectives.plans import ClosedWhenIdle
 from lpsync.daemon.collectives.small import rides
 from lpsync.daemon.collectives.staging import RING_SLOTS, drain
 from lpsync.daemon.collectives.task import STEP_BITS, Task
@@ -90,16 +91,18 @@ class _Segment:
     returned: Any  # event: the segment is back on the boundary
 
 
-class Hierarchy:
-    """Every segment's plan over one set of buffers; ``close`` gives back what it holds."""
+class Hierarchy(ClosedWhenIdle):
+    """Every segment's plan over one set of buffers; ``close`` gives back what it holds
+    (once the run under way, if any, ended)."""
 
     def __init__(self, segments: list[_Segment], scratch: Scratch, ring: HostMirrors, lanes: list) -> None:
+        super().__init__()
         self.segments, self.scratch, self.ring = segments, scratch, ring
         self.lanes = lanes  # (stream, event) of each boundary device's copy stream
         self.algorithm = segments[0].cross.schedule.algorithm if segments else DIRECT
         self.chunks = sum(s.cross.schedule.chunks for s in segments)
 
-    def close(self, wait: bool = True) -> None:
+    def _close(self, wait: bool) -> None:
         for cross in {id(s.cross): s.cross for s in self.segments}.values():
             cross.close(wait)
         for segment in self.segments:
@@ -366,6 +369,7 @@ def _run(plan: Hierarchy, task: Task, devices: DeviceRegistry, deadline: float, 
             kind.wait_ready(a.ready, deadline)
     busy = devices.use([span.memory for a in task.arrivals for span in (a.data, a.out) if span is not None])
     plan.ring.acquire()
+    plan.acquire()
     queued: list[DeviceGroup] = []
     fence: list[Any] = []  # the last queued device group's final events
 
@@ -421,5 +425,6 @@ def _run(plan: Hierarchy, task: Task, devices: DeviceRegistry, deadline: float, 
         drain(kind, plan.lanes)
         raise
     finally:
+        plan.release()
         devices.done(busy)
         plan.ring.release()

@@ -30,6 +30,7 @@ import numpy as np
 from lpsync.algorithms import generate
 from lpsync.daemon.collectives.agreement import Verdict
 from lpsync.daemon.collectives.local import device_schedule
+from lpsync.daemon.collectives.plans import ClosedWhenIdle
 from lpsync.daemon.collectives.staging import RING_SLOTS, drain
 from lpsync.daemon.collectives.task import STEP_BITS, Task
 from lpsync.daemon.collectives.views import buffers, reduction
@@ -60,15 +61,16 @@ class _Lane:
     returned: list[Any]  # per ring slot: the segment's output pieces are back
 
 
-class Packed:
-    """Every segment's plan over one set of buffers."""
+class Packed(ClosedWhenIdle):
+    """Every segment's plan over one set of buffers (closed once no run uses it)."""
 
     def __init__(self, lanes: list[_Lane], rings: list[HostMirrors], per: int, count: int) -> None:
+        super().__init__()
         self.lanes, self.rings, self.per, self.count = lanes, rings, per, count
         self.groups: dict[tuple[int, int], LocalGroup] = {}  # (slot, length) -> plan
         self.steps = 0  # tags one segment takes (the longest segment's schedule)
 
-    def close(self, wait: bool = True) -> None:
+    def _close(self, wait: bool) -> None:
         for group in self.groups.values():
             group.close(wait)
 
@@ -196,6 +198,7 @@ def _run(plan: Packed, task: Task, devices: DeviceRegistry, deadline: float, tag
     busy = devices.use([span.memory for a in task.arrivals for span in (a.data, a.out) if span is not None])
     for ring in plan.rings:
         ring.acquire()
+    plan.acquire()
 
     def down(k: int) -> None:
         """Copy segment k's input pieces into its slots (after the slot's last copy back:
@@ -236,6 +239,7 @@ def _run(plan: Packed, task: Task, devices: DeviceRegistry, deadline: float, tag
         drain(kind, [(lane.stream, lane.returned[0]) for lane in plan.lanes])
         raise
     finally:
+        plan.release()
         devices.done(busy)
         for ring in plan.rings:
             ring.release()

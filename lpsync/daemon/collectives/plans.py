@@ -17,6 +17,40 @@ from lpsync.engine.group import LocalGroup
 _CACHE_SIZE = 8  # plans per job; the least recently used beyond it are closed
 
 
+class ClosedWhenIdle:
+    """A plan whose runs span several calls into it (hierarchy.py, packed.py: a segment
+    at a time): ``close`` while a run is under way (the job ended, a buffer was released,
+    the cache evicted it) takes effect when that run ends, so a client that dies mid-run
+    costs its collective nothing (its mappings stay busy meanwhile) instead of failing
+    this node's part half-way while the other nodes wait for it."""
+
+    def __init__(self) -> None:
+        self._use = threading.Lock()
+        self._runs = 0
+        self._closing: bool | None = None  # the pending close's ``wait``, once asked
+
+    def acquire(self) -> None:
+        with self._use:
+            self._runs += 1
+
+    def release(self) -> None:
+        with self._use:
+            self._runs -= 1
+            closing = self._closing if self._runs == 0 else None
+        if closing is not None:
+            self._close(closing)
+
+    def close(self, wait: bool = True) -> None:
+        with self._use:
+            self._closing = wait
+            idle = self._runs == 0
+        if idle:
+            self._close(wait)
+
+    def _close(self, wait: bool) -> None:
+        raise NotImplementedError
+
+
 class GroupCache:
     """LocalGroups of one job, least recently used evicted (their threads shut down)."""
 
