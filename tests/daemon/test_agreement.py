@@ -105,3 +105,17 @@ def test_judge_reports_the_lowest_failed_node() -> None:
     ]
     code, message = judge(failed, 1, "j")["error"]
     assert code == "DEADLINE_EXCEEDED" and message.endswith("one")
+
+
+def test_judge_runs_hierarchically_only_when_every_node_offers_a_sane_segment() -> None:
+    """Each node on device buffers offers its segment ("device"); the verdict carries the
+    smallest. A node without an offer (host buffers), or an offer that is no whole number
+    of bytes in range (a peer's bytes are input), keeps every node on the flat path."""
+
+    def offering(node: int, device: object) -> dict:
+        return {**_summary(node), "device": device}
+
+    assert judge([offering(0, 1 << 20), offering(1, 1 << 16)], 1, "j")["device"] == 1 << 16
+    assert "device" not in judge([offering(0, 1 << 20), _summary(1)], 1, "j")
+    for bad in ("1048576", 1.5e6, -4096, 0, 1 << 50, None, [4096]):
+        assert "device" not in judge([offering(0, 1 << 20), offering(1, bad)], 1, "j"), bad

@@ -56,6 +56,8 @@ _ERRORS = {
     "DEADLINE_EXCEEDED": CollectiveTimeoutError,
     "ABORTED": AbortedError,
 }
+# The segment sizes (bytes) a summary may offer for the hierarchical device pipeline.
+_MIN_SEGMENT, _MAX_SEGMENT = 4096, 1 << 40
 EXCHANGE_MAX_NODES = 2  # up to this many nodes, every node sends to every other
 
 
@@ -247,7 +249,8 @@ def judge(
         "beta": max(by_node[n]["beta"] for n in nodes),
     }
     offered = [by_node[n].get("device", 0) for n in nodes]
-    if all(offered):
+    # A peer's summary is input: only a whole number of bytes in range runs hierarchically.
+    if all(type(b) is int and _MIN_SEGMENT <= b <= _MAX_SEGMENT for b in offered):
         verdict["device"] = min(offered)
     first = by_node[nodes[0]]
     if "use" in first:  # node 0 decides the schedule for all (learning.py)

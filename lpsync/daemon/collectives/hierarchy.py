@@ -75,8 +75,6 @@ def offer(task: Task, devices: DeviceRegistry | None) -> tuple[tuple[str, int], 
 
 @dataclass
 class _Segment:
-    lo: int
-    hi: int
     gather: DeviceGroup | None  # the local reduce onto the boundary
     source: Span | None  # what goes down to the ring slot (None: nothing to send)
     ring: Span  # the segment in its ring slot
@@ -324,8 +322,6 @@ def _segments(
         schedule = cross.schedule
         segments.append(
             _Segment(
-                lo=lo,
-                hi=hi,
                 gather=gather,
                 source=source,
                 ring=Span(host.host, 0, n, dtype),
