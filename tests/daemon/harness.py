@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import multiprocessing as mp
 import os
+import queue as queue_module
 import signal
 import threading
 import time
@@ -68,6 +70,7 @@ def _context() -> mp.context.BaseContext:
 
 
 def _entry(target, queue, rank, args, env=None, cwd=None):
+    faulthandler.enable()  # a rank that crashes leaves its stacks in the test's stderr
     if env is not None:  # as the test had it when it started this process
         os.environ.clear()
         os.environ.update(env)
@@ -78,6 +81,13 @@ def _entry(target, queue, rank, args, env=None, cwd=None):
         import traceback
 
         queue.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+
+
+def _settled(queue) -> bool:
+    """True when nothing more is in flight from ranks that have exited (their last put could
+    still be in the pipe when the exit code was read)."""
+    time.sleep(0.2)
+    return queue.empty()
 
 
 def run_ranks(world: int, target, *args, timeout: float = 90.0, dies: tuple[int, ...] = ()) -> list:
@@ -94,15 +104,34 @@ def run_ranks(world: int, target, *args, timeout: float = 90.0, dies: tuple[int,
         p.start()
     results: dict[int, object] = {}
     errors = []
+    reported: set[int] = set()
     deadline = time.monotonic() + timeout
     try:
-        while len(results) + len(errors) < world - len(dies):
-            rank, kind, value = queue.get(timeout=max(0.1, deadline - time.monotonic()))
+        while len(reported) < world - len(dies):
+            try:
+                rank, kind, value = queue.get(timeout=min(1.0, max(0.1, deadline - time.monotonic())))
+            except queue_module.Empty:
+                # A rank that died without a word (a crash, a signal) fails the test now, with
+                # its exit code, instead of leaving the others waiting for it until the timeout.
+                waiting = set(range(world)) - reported - set(dies)
+                gone = [r for r in sorted(waiting) if procs[r].exitcode is not None]
+                if gone and not _settled(queue):
+                    continue
+                if gone:
+                    errors += [f"rank {r}: exited with code {procs[r].exitcode}, unreported" for r in gone]
+                    break
+                if time.monotonic() >= deadline:
+                    errors.append(f"ranks {sorted(waiting)} did not report within {timeout} s")
+                    break
+                continue
+            reported.add(rank)
             if kind == "ok":
                 results[rank] = value
             else:
                 errors.append(f"rank {rank}: {value}")
     finally:
+        if len(reported) < world - len(dies):  # gave up on someone: the rest get 5 s
+            deadline = min(deadline, time.monotonic() + 5)
         for p in procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
             if p.is_alive():
