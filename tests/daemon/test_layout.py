@@ -7,6 +7,7 @@ own checks (control/layout.py, limits.check_rank_nodes) first, without daemons."
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -247,6 +248,10 @@ def test_the_daemon_refuses_attaches_that_contradict_its_node(cluster: PeeredDae
     assert "LOCAL_WORLD_SIZE=1" in text and "belongs on node 0" in text, text
     text = _refusal(daemon.socket, job="c6", rank=0, world_size=2, rank_nodes=[0, 1])
     assert "no peers" in text, text
+    # The daemon's log says why a rank never joined, too (the operator's side).
+    refusals = [json.loads(line) for line in cluster.log(1).splitlines() if '"attach refused"' in line]
+    c1 = next(r for r in refusals if r["job"] == "c1")
+    assert (c1["rank"], c1["code"]) == (0, "INVALID_ARGUMENT") and "puts it on node 0" in c1["error"], c1
 
 
 def test_ranks_of_one_job_that_bring_different_layouts_are_refused(cluster: PeeredDaemons) -> None:

@@ -263,6 +263,16 @@ class Service(pb_grpc.LpSyncServicer):
                 self.sessions.remove(session)
                 raise
         except LpsyncError as error:
+            # The client raises it; the log is where an operator sees why a rank never joined.
+            log.info(
+                "attach refused",
+                extra={
+                    "job": request.job[:200],
+                    "rank": request.rank,
+                    "code": error.code,
+                    "error": str(error),
+                },
+            )
             await _abort(context, error)
             raise AssertionError from error  # unreachable: abort raises
         # A session whose client never opens its stream would never learn of its death.
