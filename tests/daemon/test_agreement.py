@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import pytest
 
-from lpsync.daemon.collectives.agreement import Tree, decode, encode, judge
+from lpsync.daemon.collectives.agreement import Tree, _judged, decode, encode, judge
 
 
 def _depth(tree: Tree, node: int) -> int:
@@ -80,6 +81,23 @@ def _summary(node: int, **spec) -> dict:
 def test_judge_takes_the_slowest_link_when_all_agree() -> None:
     verdict = judge([_summary(n) for n in (2, 0, 1)], 5, "job")
     assert verdict == {"alpha": pytest.approx(3e-4), "beta": pytest.approx(1e-8)}
+
+
+def _message(*summaries: dict) -> bytes:
+    return json.dumps({"summaries": list(summaries)}).encode()
+
+
+def test_node_0_judges_a_repeated_set_of_summaries_once_and_a_mismatch_every_time() -> None:
+    # A job repeats its collectives: the same summary messages come call after call.
+    raws = (_message(_summary(0)), _message(_summary(1), _summary(2)))
+    judged = _judged(raws)
+    assert judged is not None
+    verdict, header = judged
+    assert verdict == judge([_summary(n) for n in range(3)], 9, "job")
+    assert json.loads(header) == {"verdict": verdict}
+    assert _judged(raws) is judged  # not judged again
+    # A mismatch is never taken from the cache: its message names the collective.
+    assert _judged((_message(_summary(0)), _message(_summary(1, count=8)))) is None
 
 
 def test_judge_names_fields_nodes_and_ranks_of_a_mismatch() -> None:

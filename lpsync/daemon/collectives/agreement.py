@@ -126,11 +126,35 @@ def encode(header: dict[str, Any] | bytes, payload: np.ndarray | None = None) ->
 
 def decode(buf: np.ndarray) -> tuple[dict[str, Any], np.ndarray]:
     """(header, payload bytes) of a received message."""
+    raw, payload = _split(buf)
+    return json.loads(raw), payload
+
+
+def _split(buf: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """(the header's JSON bytes, the payload bytes) of a received message."""
     head, size = _LENGTHS.unpack_from(buf)
     if _FRAME + head + size > buf.nbytes:
         raise ValueError("a message shorter than its frame says")
-    header = json.loads(buf[_FRAME : _FRAME + head].tobytes())
-    return header, buf[_FRAME + head : _FRAME + head + size]
+    return buf[_FRAME : _FRAME + head].tobytes(), buf[_FRAME + head : _FRAME + head + size]
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(raw: bytes) -> dict[str, Any]:
+    """An agreement header parsed once: a job repeats its collectives, so the same
+    summaries and verdicts come byte for byte call after call. Shared: read, never change."""
+    return json.loads(raw)
+
+
+@functools.lru_cache(maxsize=256)
+def _judged(raws: tuple[bytes, ...]) -> tuple[dict[str, Any], bytes] | None:
+    """Node 0's go verdict on the summary messages ``raws`` (its own first, then each
+    child's, as they came) and its header, judged once per distinct set; None where the
+    nodes disagree or failed (the error names the collective: judged every time)."""
+    summaries = [s for raw in raws for s in _parsed(raw)["summaries"]]
+    verdict = judge(summaries, 0, "")
+    if "error" in verdict:
+        return None
+    return verdict, json.dumps({"verdict": verdict}).encode()
 
 
 @dataclass(frozen=True)
@@ -315,6 +339,7 @@ class _Incoming:
 
     def __init__(self, link: Link, peer: int, tag: int, size: int) -> None:
         self.peer, self.buf = peer, np.empty(size, np.uint8)
+        self.raw = b""  # the header's bytes, once taken
         self.request = link.endpoint.post_recv(peer, tag, self.buf)
 
     def take(self, deadline: float) -> tuple[dict[str, Any], np.ndarray, np.ndarray] | str:
@@ -322,7 +347,9 @@ class _Incoming:
         as text)."""
         try:
             self.request.wait(deadline)
-            header, payload = decode(self.buf)
+            raw, payload = _split(self.buf)
+            header = _parsed(raw)
+            self.raw = raw
         except InvalidArgumentError:  # larger than any legal message: another collective
             return (
                 f"node {self.peer} sent a larger agreement message than this collective "
@@ -414,12 +441,14 @@ def _tree(
             acc = small.fold(acc, _as(small, payload)) if _same_data(mine.fields, theirs) else None
         pending.waiting_nodes = tuple(range(kid + tree.subtree(kid), node + tree.subtree(node)))
     if node == 0:
-        verdict = judge(summaries, pending.sequence, job.name, job.layout.daemon)
+        raws = (mine.alone, *(m.raw for m in incoming))
+        judged = _judged(raws) if all(raws) else None  # a raw is b"" where a take failed
+        verdict, said = judged or (judge(summaries, pending.sequence, job.name, job.layout.daemon), None)
         result = None
         if small is not None and "error" not in verdict:
             assert acc is not None  # every node agreed, so every node sent its part
             result = small.finish(acc)
-        message = encode({"verdict": verdict}, result)
+        message = encode(said or {"verdict": verdict}, result)
     else:
         header = mine.alone if not kids else {"summaries": summaries}
         sent = link.endpoint.send(tree.parent(node), up, encode(header, acc))
