@@ -12,6 +12,8 @@ seen); ``run`` only moves and reduces. Invariants:
     message flows while earlier steps run. A receive into the participant's buffers is
     posted only once no earlier pending step touches its span; a receive to reduce
     lands in one of the window's staging slots. A failed run aborts such a transport.
+  * the buffers are host arrays, or device spans worked on through their kind
+    (lpsync.engine.buffers: the peer plane's direct device path), on a posting transport.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from lpsync.algorithms.schedule import Kind, Schedule
+from lpsync.engine.buffers import HOST, Buffers
 from lpsync.engine.endpoint import Endpoint, PostingEndpoint, RecvRequest, SendRequest
 from lpsync.errors import InvalidArgumentError
 from lpsync.reduction import Reduction
@@ -33,17 +36,13 @@ RECV_WINDOW = 4  # receives posted ahead: enough to keep a pipeline's next chunk
 _LOOKAHEAD = 64  # steps scanned past the current one for receives to post
 
 
-def _address(view: np.ndarray) -> tuple[int, int]:
-    start = view.__array_interface__["data"][0]
-    return start, start + view.nbytes
-
-
 @dataclass
 class _Step:
     kind: int
     peer: int
     tag: int
     dst: np.ndarray  # the span sent, or written
+    wire: np.ndarray  # dst as the transport takes it (dst itself for host arrays)
     lo: int  # byte addresses of dst, for the overlap check
     hi: int
     src: np.ndarray | None  # RECV_REDUCE: the accumulator; COPY: the source
@@ -59,11 +58,17 @@ class Plan:
     """Participant ``rank``'s ops of ``schedule`` over (IN, OUT[, TMP]) 1-D arrays of one dtype.
 
     IN and OUT may alias (in place); TMP is allocated here when the schedule needs it
-    and none is given.
+    and none is given. ``memory``: what the buffers are (host arrays by default, or
+    device spans: lpsync.engine.buffers).
     """
 
     def __init__(
-        self, schedule: Schedule, rank: int, buffers: Sequence[np.ndarray], reduction: Reduction | None = None
+        self,
+        schedule: Schedule,
+        rank: int,
+        buffers: Sequence[np.ndarray],
+        reduction: Reduction | None = None,
+        memory: Buffers = HOST,
     ) -> None:
         inp, out = buffers[0], buffers[1]
         if inp.dtype != out.dtype:
@@ -72,27 +77,34 @@ class Plan:
             ("input", inp, schedule.in_elements(rank)),
             ("output", out, schedule.out_elements(rank)),
         ):
-            if arr.ndim != 1 or not arr.flags.c_contiguous or arr.size != need:
+            if not memory.fits(arr, need):
                 raise InvalidArgumentError(
-                    f"{name} must be a contiguous 1-D array of {need} elements, got shape {arr.shape}"
+                    f"{name} must be a contiguous 1-D array of {need} elements, got {arr.size} "
+                    f"({type(arr).__name__})"
                 )
-        tmp = buffers[2] if len(buffers) > 2 else np.empty(schedule.tmp_elements, inp.dtype)
+        if len(buffers) > 2:
+            tmp = buffers[2]
+        else:
+            tmp_bytes = schedule.tmp_elements * inp.dtype.itemsize
+            tmp = memory.typed(memory.scratch("tmp", tmp_bytes), tmp_bytes, inp.dtype)
         self.schedule, self.rank, self.dtype = schedule, rank, inp.dtype
-        self.reduction = reduction
+        self.reduction, self.memory = reduction, memory
         bufs = (inp, out, tmp)
         self._steps: list[_Step] = []
         for kind, peer, buf, lo, hi, src, src_lo, final, tag in schedule.program(rank):
             dst = bufs[buf][lo:hi]
             source = bufs[src][src_lo : src_lo + hi - lo] if kind in (_RECV_REDUCE, _COPY) else None
-            a, b = _address(dst)
-            if kind == _COPY and source is not None and _address(source) == (a, b):
+            a, b = memory.address(dst)
+            if kind == _COPY and source is not None and memory.address(source) == (a, b):
                 continue  # in place: the data is already there
             if kind == _RECV_REDUCE and reduction is None:
                 raise InvalidArgumentError(f"{schedule.op} needs a reduce op")
-            sa, sb = _address(source) if source is not None else (0, 0)
-            self._steps.append(_Step(kind, peer, tag, dst, a, b, source, bool(final), sa, sb))
+            sa, sb = memory.address(source) if source is not None else (0, 0)
+            wire = memory.wire(dst) if kind in (_SEND, _RECV) else dst
+            self._steps.append(_Step(kind, peer, tag, dst, wire, a, b, source, bool(final), sa, sb))
         chunk = max((s.dst.nbytes for s in self._steps if s.kind == _RECV_REDUCE), default=0)
-        self._staging = [np.empty(chunk, np.uint8) for _ in range(RECV_WINDOW)] if chunk else []
+        self._staging = [memory.scratch(("slot", i), chunk) for i in range(RECV_WINDOW)] if chunk else []
+        self._staging_wire = [memory.wire(slot) for slot in self._staging]
         # Called around each step (lpsync.engine.staging: device spans across nodes):
         # ready(i) before step i touches its spans or posts its receive, done(i) after it.
         self.hooks: StepHooks | None = None
@@ -114,6 +126,8 @@ class Plan:
         if hasattr(endpoint, "post_recv"):
             self._run_posting(endpoint, deadline, tag_base)  # type: ignore[arg-type]
             return
+        if not self.memory.host:
+            raise InvalidArgumentError("device buffers cross a posting (network) transport only")
         in_flight: list[tuple[int, int, SendRequest]] = []
         hooks = self.hooks
         for index, step in enumerate(self._steps):
@@ -129,19 +143,17 @@ class Plan:
                 endpoint.recv_into(step.peer, tag_base + step.tag, step.dst, deadline)
             elif step.kind == _RECV_REDUCE:
                 with endpoint.recv_borrow(step.peer, tag_base + step.tag, step.dst.nbytes, deadline) as raw:
-                    self._reduce(step, raw)
+                    self._reduce(step, raw.view(self.dtype), deadline)
             else:
-                np.copyto(step.dst, step.src)
+                self.memory.copy(step.dst, step.src, deadline)
             if hooks is not None:
                 hooks.done(index)
         for _, _, request in in_flight:
             request.wait(deadline)
 
-    def _reduce(self, step: _Step, raw: np.ndarray) -> None:
+    def _reduce(self, step: _Step, incoming: np.ndarray, deadline: float) -> None:
         assert self.reduction is not None and step.src is not None
-        self.reduction.combine(step.src, raw.view(self.dtype), step.dst)
-        if step.final:
-            self.reduction.finalize(step.dst)
+        self.memory.combine(self.reduction, step.src, incoming, step.dst, step.final, deadline)
 
     def _run_posting(self, endpoint: PostingEndpoint, deadline: float, tag_base: int) -> None:
         steps = self._steps
@@ -158,7 +170,7 @@ class Plan:
                 step = steps[scan]
                 if step.kind == _RECV_REDUCE:
                     slot = free_slots.pop()
-                    out = self._staging[slot][: step.dst.nbytes]
+                    out = self._staging_wire[slot][: step.dst.nbytes]
                 elif step.kind == _RECV:
                     # Its span must be free: no pending step before it reads or writes
                     # there, no send from there still in flight.
@@ -166,7 +178,7 @@ class Plan:
                         lo < step.hi and step.lo < hi and not r.done() for lo, hi, r in in_flight
                     ):
                         return
-                    slot, out = -1, step.dst
+                    slot, out = -1, step.wire
                     if hooks is not None:
                         hooks.ready(scan)
                 else:
@@ -186,7 +198,7 @@ class Plan:
                     hooks.ready(index)
                 post_ahead(index)
                 if step.kind == _SEND:
-                    request = endpoint.send(step.peer, tag_base + step.tag, step.dst)
+                    request = endpoint.send(step.peer, tag_base + step.tag, step.wire)
                     in_flight.append((step.lo, step.hi, request))
                     continue
                 entry = posted.pop(index, None)
@@ -194,24 +206,27 @@ class Plan:
                     _wait_overlapping(in_flight, step.lo, step.hi, deadline)
                 if step.kind == _RECV:
                     if entry is None:
-                        endpoint.recv_into(step.peer, tag_base + step.tag, step.dst, deadline)
+                        endpoint.recv_into(step.peer, tag_base + step.tag, step.wire, deadline)
                     else:
                         entry[0].wait(deadline)
                 elif step.kind == _RECV_REDUCE:
                     if in_flight and entry is not None:
                         _wait_overlapping(in_flight, step.lo, step.hi, deadline)
-                    if entry is None:
+                    if entry is None:  # a local peer's message, received in turn
+                        if not self.memory.host:
+                            raise InvalidArgumentError("device buffers are reduced from posted receives only")
                         with endpoint.recv_borrow(
                             step.peer, tag_base + step.tag, step.dst.nbytes, deadline
                         ) as raw:
-                            self._reduce(step, raw)
+                            self._reduce(step, raw.view(self.dtype), deadline)
                     else:
                         request, slot = entry
                         request.wait(deadline)
-                        self._reduce(step, self._staging[slot][: step.dst.nbytes])
+                        incoming = self.memory.typed(self._staging[slot], step.dst.nbytes, self.dtype)
+                        self._reduce(step, incoming, deadline)
                         free_slots.append(slot)
                 else:
-                    np.copyto(step.dst, step.src)
+                    self.memory.copy(step.dst, step.src, deadline)
                 if hooks is not None:
                     hooks.done(index)
             for _, _, request in in_flight:

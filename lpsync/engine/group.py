@@ -1,4 +1,5 @@
-"""Run every participant of a schedule in this process: one thread each, inproc transport.
+"""Run every participant of a schedule in this process: one thread each (a lone participant
+runs on the caller's thread), inproc transport.
 
 Used by the tests and benchmarks today, and by the daemon for the participants that
 share its node. ``layout`` says which arrays a participant passes for an op, in place
@@ -14,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from lpsync.algorithms.schedule import Schedule
+from lpsync.engine.buffers import HOST, Buffers
 from lpsync.engine.endpoint import Endpoint
 from lpsync.engine.executor import Plan, deadline_after
 from lpsync.engine.routing import Placement, RoutedEndpoint
@@ -56,7 +58,8 @@ class LocalGroup:
     Without ``placement`` every participant is here and ``buffers`` lists them all in rank
     order. With it (a multi-node collective) ``buffers`` lists the node's own participants
     (``placement.local_ranks``) and ``remote`` is the node-level Endpoint that reaches the
-    other nodes (lpsync.engine.routing).
+    other nodes (lpsync.engine.routing). ``memory``: what the buffers are (host arrays, or
+    device spans: lpsync.engine.buffers).
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class LocalGroup:
         reduction: Reduction | None,
         placement: Placement | None = None,
         remote: Endpoint | None = None,
+        memory: Buffers = HOST,
     ) -> None:
         if (placement is None) != (remote is None):
             raise InvalidArgumentError("a placement and a remote endpoint go together")
@@ -73,7 +77,9 @@ class LocalGroup:
         if len(ranks) != len(buffers):
             raise InvalidArgumentError(f"{len(buffers)} buffers for {len(ranks)} local participants")
         self.schedule, self.placement, self.remote = schedule, placement, remote
-        self.plans = [Plan(schedule, r, bufs, reduction) for r, bufs in zip(ranks, buffers, strict=True)]
+        self.plans = [
+            Plan(schedule, r, bufs, reduction, memory) for r, bufs in zip(ranks, buffers, strict=True)
+        ]
         self._pool = ThreadPoolExecutor(
             max_workers=max(1, len(self.plans)), thread_name_prefix="lpsync-local"
         )
@@ -106,8 +112,11 @@ class LocalGroup:
                     else LpsyncError(f"rank {plan.rank} failed: {error!r}")
                 )
 
-        for future in [self._pool.submit(participant, plan) for plan in self.plans]:
-            future.result()
+        if len(self.plans) == 1:  # nobody to run alongside: no hand-off to a pool thread
+            participant(self.plans[0])
+        else:
+            for future in [self._pool.submit(participant, plan) for plan in self.plans]:
+                future.result()
         if errors:
             first = next((e for e in errors if not isinstance(e, AbortedError)), errors[0])
             raise first

@@ -352,6 +352,11 @@ class CudaKind:
             kind = _D2D if dst.device >= 0 and src.device >= 0 else (_D2H if dst.device < 0 else _H2D)
             runtime.memcpyAsync(dst.lo, src.lo, n, kind, stream.ptr)
 
+    def wire(self, span: Span) -> cupy.ndarray:
+        if span.device < 0:
+            raise InvalidArgumentError("the wire takes device spans of a cuda kind; host spans are numpy's")
+        return self._array(span, np.dtype(np.uint8))  # __cuda_array_interface__: ucxx posts it as is
+
     def _array(self, span: Span, dtype: np.dtype) -> cupy.ndarray:
         memory = cupy.cuda.UnownedMemory(span.lo, span.nbytes, None, span.device)
         return cupy.ndarray((span.nbytes // dtype.itemsize,), dtype, cupy.cuda.MemoryPointer(memory, 0))

@@ -362,6 +362,9 @@ class EmulatedKind:
                 self._streams.add(stream)
             return stream
 
+    def wire(self, span: Span) -> np.ndarray:
+        return _view(span)  # device memory is host memory here: any transport carries it
+
     def read(self, span: Span) -> np.ndarray:
         """A pageable device-to-host cudaMemcpy: complete on return, ordered after the
         device's pageable writes (the legacy default stream), not after the kind's streams."""

@@ -194,6 +194,12 @@ class MemoryKind(Protocol):
         device has no room for another peer (cudaErrorTooManyPeers: 8 on PCIe boxes), the
         pair is then staged through host memory. Called once per pair (DeviceContext)."""
 
+    def wire(self, span: Span) -> Any:
+        """``span`` as the peer plane's transport takes it, without a copy: a uint8 numpy
+        view of host memory (emulated, host), a uint8 cupy array of device memory (cuda:
+        UCX moves it with its cuda transports). Only where the daemon's device path is
+        ``device`` (lpsync.transport.ucx.device_support) do device spans go to the wire."""
+
     def read(self, span: Span) -> np.ndarray:
         """A host copy of ``span`` (synchronous; host staging and the bench's verification)."""
 
