@@ -53,6 +53,9 @@ class DeviceRegistry:
         self.kind = kind
         # The pinned host ring of a multi-node collective's boundary (hierarchy.py).
         self.staging_bytes = staging_bytes
+        # The peer plane takes this kind's device memory as it is (the device path is
+        # "device": lpsync.transport.ucx.device_support), so the boundary needs no ring.
+        self.peer_direct = False
         self.context = DeviceContext(kind)
         self._lock = threading.Lock()
         self._open: dict[tuple[int, bytes], OpenAllocation] = {}

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 TRANSPORTS = ("ucx", "tcp")
 AUTO = "auto"
+# The daemon's peer_device_path (lpsync.transport.ucx.device_support.choose).
+DEVICE_PATH_CHOICES = (AUTO, "staged", "device")
 CHOICES = (AUTO, *TRANSPORTS)  # what --peer-transport accepts
 # Where the kernel lists RDMA devices (InfiniBand, RoCE, iWARP): UCX's verbs transports
 # find them there too.
@@ -60,14 +62,16 @@ def resolve(transport: str, where: Path = RDMA_CLASS) -> tuple[str, str]:
     return "tcp", f"auto: no RDMA device under {where} (plain sockets cost less per message on Ethernet)"
 
 
-def device_path(transport: str, memory: str, ucx_tls: str) -> DevicePath:
+def device_path(transport: str, memory: str, ucx_tls: str, wanted: str = "auto") -> DevicePath:
     """How device chunks cross the peer plane of ``transport``: UCX sends device memory
     itself, or they are staged through host memory (lpsync.transport.ucx.device_support;
     may run ``ucx_info -d``, bounded). ``memory``: the kind the daemon serves (cpu, cuda,
-    emulated); ``ucx_tls``: the daemon's setting ("" defers to the environment's)."""
+    emulated); ``ucx_tls``: the daemon's setting ("" defers to the environment's);
+    ``wanted``: its peer_device_path setting (auto, staged, device)."""
     from lpsync.transport.ucx import device_support
 
-    return device_support.decide(check(transport), memory, device_support.effective_tls(ucx_tls))
+    tls = device_support.effective_tls(ucx_tls)
+    return device_support.choose(wanted, check(transport), memory, tls)
 
 
 def open_runtime(transport: str, port: int, tls: str | None = None, until_exit: bool = False) -> Runtime:

@@ -106,6 +106,68 @@ def test_host_memory_stays_within_the_staging_bound(tmp_path: Path) -> None:
         daemons.stop_and_check()
 
 
+DIRECT = ("--peer-device-path", "device")  # emulated memory is host memory: any transport carries it
+
+
+@pytest.mark.parametrize("algorithm", ["lp", "ring", "be"])
+def test_device_chunks_cross_nodes_from_device_memory(tmp_path: Path, algorithm: str) -> None:
+    """The direct device path (what a CUDA-aware UCX gets): no ring, each segment crosses
+    the nodes from the boundary's device memory and is reduced on its stream; the same
+    cases as the staged test above, against numpy."""
+    daemons = PeeredDaemons(
+        tmp_path, 2, "--devices", "emulated:2", "--device-staging-bytes", "65536", *DIRECT
+    )
+    try:
+        assert "asked for (--peer-device-path device)" in daemons.log(0)
+        node_of, devices = [0, 0, 1, 1], [0, 1, 1, 0]
+        cases = _cases(4, root=3, seed=41, algorithm=algorithm)
+        check_case_results(cases, _run(daemons, node_of, devices, cases, algorithm), 4)
+    finally:
+        daemons.stop_and_check()
+
+
+def test_direct_and_staged_nodes_run_one_collective(tmp_path: Path) -> None:
+    """Nodes decide their device path each for itself: nodes 0 and 2 send from device
+    memory, node 1 stages through its ring, in one pipeline (the segments, schedules and
+    tags are the same either way). Nodes of 2, 1 and 2 ranks; roots on the one-rank node
+    and on a node's second rank (a non-root boundary's partial sum stays off the caller's
+    input on the direct path too)."""
+    per_node = [DIRECT, (), DIRECT]
+    daemons = PeeredDaemons(
+        tmp_path, 3, "--devices", "emulated:2", "--device-staging-bytes", "131072", per_node=per_node
+    )
+    try:
+        node_of, devices = [0, 0, 1, 2, 2], [0, 1, 0, 1, 0]
+        for root, seed in ((2, 43), (4, 44)):
+            cases = _cases(5, root=root, seed=seed)
+            store = free_ports(1)[0]
+            check_case_results(cases, _run(daemons, node_of, devices, cases, "", store), 5)
+    finally:
+        daemons.stop_and_check()
+
+
+def test_the_direct_path_holds_no_host_ring(tmp_path: Path) -> None:
+    """With 64 MiB of staging allowed, a 64 MiB allreduce on device buffers: a staged
+    daemon's host memory grows by its ring (measured beside it), a direct one's does not."""
+    bound = 64 << 20
+    per_node = [DIRECT, ()]
+    daemons = PeeredDaemons(
+        tmp_path, 2, "--devices", "emulated:2", "--device-staging-bytes", str(bound), per_node=per_node
+    )
+    try:
+        node_of = [0, 0, 1, 1]
+        assert all(r["ok"] for r in run_ranks(4, workers.big_allreduce, daemons.sockets, node_of, 1 << 16))
+        pids = [d.pid for d in daemons.daemons if d is not None]
+        with MemoryPeak(pids, "RssAnon") as memory:
+            results = run_ranks(4, workers.big_allreduce, daemons.sockets, node_of, 16 << 20, timeout=600)
+        assert all(r["ok"] for r in results)
+        direct, staged = memory.growth_kib
+        assert staged >= (bound >> 10) // 2, f"the staged daemon grew by {staged >> 10} MiB only"
+        assert direct <= 16 << 10, f"the direct daemon's host memory grew by {direct >> 10} MiB"
+    finally:
+        daemons.stop_and_check()
+
+
 def test_a_peer_daemon_killed_mid_collective_fails_it_and_leaks_nothing(tmp_path: Path) -> None:
     """Node 1's daemon is killed while an 8 MB allreduce crosses the ring (slow emulated
     copies, 256 KiB segments): node 0's ranks get UnavailableError instead of hanging,

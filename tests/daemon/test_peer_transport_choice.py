@@ -6,6 +6,7 @@ plane, lpsync/transport/ucx/device_support.py) is logged and shown by `lpsync st
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,34 @@ def test_status_shows_the_peer_transport_and_the_device_path(tmp_path: Path) -> 
         assert "peer plane: none (a single node)" in _status(single.socket)
     finally:
         single.stop_and_check()
+
+
+def test_a_device_path_that_cannot_be_had_refuses_to_start(tmp_path: Path) -> None:
+    """--peer-device-path device on a daemon without devices: it says why and exits,
+    instead of staging behind the operator's back."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lpsync.cli",
+            "daemon",
+            "--socket",
+            str(tmp_path / "d.sock"),
+            "--peers",
+            "127.0.0.1:1,127.0.0.1:2",
+            "--node-rank",
+            "0",
+            "--peer-transport",
+            "tcp",
+            "--peer-device-path",
+            "device",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "LPSYNC_SECRET": "s"},
+    )
+    assert done.returncode != 0
+    assert "--peer-device-path device is not possible here: the daemon serves no devices" in done.stderr
+    assert not (tmp_path / "d.sock").exists()

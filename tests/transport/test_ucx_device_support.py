@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from lpsync.errors import InvalidArgumentError
 from lpsync.transport import backends
 from lpsync.transport.ucx import device_support as ds
 from lpsync.transport.ucx.device_support import DEVICE, HOST, STAGED, UcxCapabilities
@@ -211,6 +212,52 @@ def test_the_backends_entry_point_resolves_the_daemons_ucx_tls() -> None:
     decided = backends.device_path("ucx", "cuda", "tcp")
     assert decided.path == STAGED and "UCX_TLS=tcp" in decided.reason  # never runs ucx_info
     assert backends.device_path("tcp", "emulated", "").path == STAGED
+
+
+# -- what the daemon asks for (--peer-device-path) -------------------------------------------
+
+
+def test_staged_is_granted_even_where_ucx_could_send_device_memory() -> None:
+    chosen = ds.choose("staged", "ucx", "cuda", "", reported(GPU_NODE), peermem)
+    assert chosen.path == STAGED and "asked for (--peer-device-path staged)" in chosen.reason
+    # Without devices there is nothing to stage: still the host path.
+    assert ds.choose("staged", "tcp", "cpu", "tcp", never, no_peermem).path == HOST
+
+
+def test_device_is_granted_where_auto_would_choose_it() -> None:
+    chosen = ds.choose("device", "ucx", "cuda", "", reported(GPU_NODE), peermem)
+    assert chosen == ds.decide("ucx", "cuda", "", reported(GPU_NODE), peermem)
+    assert chosen.path == DEVICE
+
+
+def test_device_on_emulated_devices_is_granted_on_either_transport() -> None:
+    for transport in ("ucx", "tcp"):
+        chosen = ds.choose("device", transport, "emulated", "tcp", never, no_peermem)
+        assert chosen.path == DEVICE and "emulated device memory is host memory" in chosen.reason
+
+
+@pytest.mark.parametrize(
+    ("transport", "memory", "tls", "why"),
+    [
+        ("ucx", "cuda", "", "UCX reports no cuda_copy or cuda_ipc transport"),
+        ("tcp", "cuda", "tcp", "the tcp peer transport sends host memory only"),
+        ("ucx", "cuda", "tcp", "UCX_TLS=tcp excludes UCX's cuda transports"),
+        ("tcp", "cpu", "tcp", "the daemon serves no devices"),
+    ],
+)
+def test_device_is_refused_with_autos_reason_where_ucx_cannot(
+    transport: str, memory: str, tls: str, why: str
+) -> None:
+    refused = "--peer-device-path device is not possible here"
+    with pytest.raises(InvalidArgumentError, match=refused) as caught:
+        ds.choose("device", transport, memory, tls, reported(CPU_NODE), no_peermem)
+    assert why in str(caught.value)
+
+
+def test_auto_is_the_decision() -> None:
+    for memory in ("cpu", "emulated", "cuda"):
+        chosen = ds.choose("auto", "ucx", memory, "", reported(GPU_NODE), peermem)
+        assert chosen == ds.decide("ucx", memory, "", reported(GPU_NODE), peermem)
 
 
 # -- asking UCX ------------------------------------------------------------------------------

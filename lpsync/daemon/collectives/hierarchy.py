@@ -21,6 +21,18 @@ broadcast segment k-1: no stage waits for the whole message. The device groups o
 segments share their staging memory (Scratch) and each is queued behind the previous one
 (its streams wait for the previous group's final events), so they never overlap.
 
+Where the peer plane takes device memory itself (the daemon's device path is ``device``:
+UCX with its cuda transports, lpsync/transport/ucx/device_support.py), there is no ring:
+
+    devices ==(device chain: reduce)==> boundary <==(peer plane, device chunks)==> boundary
+    boundary ==(device chain: broadcast)==> devices
+
+each segment crosses the nodes from the boundary's own device memory (its output, or a
+device scratch span where the caller's buffer must not be written), chunks received to
+be reduced land in device slots and are reduced on the boundary's stream
+(lpsync.engine.buffers.DeviceBuffers). The segments, schedules and tags are the same
+either way, so nodes that stage and nodes that do not interoperate.
+
 Sums are taken locally without averaging; the cross-node stage divides by the world size
 (avg). Plans (every segment's groups, tags and copies) are built once per (spec, buffers,
 schedule, mesh) and reused.
@@ -46,6 +58,7 @@ from lpsync.daemon.collectives.task import STEP_BITS, Task
 from lpsync.daemon.collectives.views import buffers, reduction
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.peers.plane import Link
+from lpsync.engine.buffers import DeviceBuffers
 from lpsync.engine.device_group import DeviceGroup, Scratch
 from lpsync.engine.group import LocalGroup
 from lpsync.engine.routing import Placement
@@ -76,12 +89,12 @@ def offer(task: Task, devices: DeviceRegistry | None) -> tuple[tuple[str, int], 
 @dataclass
 class _Segment:
     gather: DeviceGroup | None  # the local reduce onto the boundary
-    source: Span | None  # what goes down to the ring slot (None: nothing to send)
-    ring: Span  # the segment in its ring slot
+    source: Span | None  # what is copied to ``across`` first (None: nothing)
+    across: Span  # where the segment crosses the nodes: its ring slot, or device memory (direct)
     cross: LocalGroup
     tag: int  # offset of this segment's messages in the collective's tag space
     steps: int  # tags this segment's messages take
-    result: Span | None  # where the slot's bytes go back up (None: nothing comes back)
+    result: Span | None  # where ``across`` is copied back to (None: nothing comes back)
     spread: DeviceGroup | None  # the local broadcast from the boundary
     boundary: int  # the boundary participant's device
     stream: Any  # its copy stream (to and from the ring)
@@ -93,9 +106,17 @@ class Hierarchy(ClosedWhenIdle):
     """Every segment's plan over one set of buffers; ``close`` gives back what it holds
     (once the run under way, if any, ended)."""
 
-    def __init__(self, segments: list[_Segment], scratch: Scratch, ring: HostMirrors, lanes: list) -> None:
+    def __init__(
+        self,
+        segments: list[_Segment],
+        scratch: Scratch,
+        ring: HostMirrors | None,
+        lanes: list,
+        direct: dict[int, DeviceBuffers],
+    ) -> None:
         super().__init__()
         self.segments, self.scratch, self.ring = segments, scratch, ring
+        self.direct = direct  # per boundary device: the cross stage's device scratch
         self.lanes = lanes  # (stream, event) of each boundary device's copy stream
         self.algorithm = segments[0].cross.schedule.algorithm if segments else DIRECT
         self.chunks = sum(s.cross.schedule.chunks for s in segments)
@@ -107,6 +128,8 @@ class Hierarchy(ClosedWhenIdle):
             for group in (segment.gather, segment.spread):
                 if group is not None:
                     group.close()
+        for memory in self.direct.values():
+            memory.close()
         self.scratch.close()
 
 
@@ -122,7 +145,8 @@ def run(
     (every node's, so every node builds the same schedules); returns (algorithm across
     nodes, chunks in all)."""
     segment_bytes, model = verdict.segment, verdict.model
-    ring = _ring(task, devices, segment_bytes)
+    # Where UCX sends device memory itself, no ring: each node decides for its own side.
+    ring = None if devices.peer_direct else _ring(task, devices, segment_bytes)
     plan = _plan(task, link, devices, ring, segment_bytes // task.dtype.itemsize, model)
     _run(plan, task, devices, deadline, tags)
     return plan.algorithm, plan.chunks
@@ -171,7 +195,7 @@ def _parts(task: Task, views: list[tuple[Span, Span]]) -> list[_Part]:
 
 
 def _plan(
-    task: Task, link: Link, devices: DeviceRegistry, ring: HostMirrors, per: int, model: LinkModel
+    task: Task, link: Link, devices: DeviceRegistry, ring: HostMirrors | None, per: int, model: LinkModel
 ) -> Hierarchy:
     spec, itemsize = task.spec, task.dtype.itemsize
     layout = task.job.layout
@@ -199,7 +223,7 @@ def _plan(
         per,
         tuple(sorted(across.items())),
         link.generation,
-        ring.serial,
+        "direct" if ring is None else ring.serial,
         tuple((i.lo, o.lo) for i, o in views),
         tuple(h for a in task.arrivals for h in a.handles),
     )
@@ -210,7 +234,7 @@ def _build(
     task: Task,
     link: Link,
     devices: DeviceRegistry,
-    ring: HostMirrors,
+    ring: HostMirrors | None,
     per: int,
     across: dict[tuple[Collective, int], tuple[str, int]],
     parts: list[_Part],
@@ -221,9 +245,10 @@ def _build(
     scratch = Scratch(context.pool)
     segments: list[_Segment] = []
     crosses: dict[tuple[Collective, int, int, int], LocalGroup] = {}
+    direct: dict[int, DeviceBuffers] = {}
     try:
         for part in parts:
-            _segments(task, link, devices, ring, per, across, part, scratch, crosses, segments)
+            _segments(task, link, devices, ring, per, across, part, scratch, crosses, segments, direct)
         tag = sum(s.steps for s in segments)
         if tag > 1 << STEP_BITS:
             raise InvalidArgumentError(
@@ -231,25 +256,29 @@ def _build(
                 f"2**{STEP_BITS} messages per pair: raise --device-staging-bytes"
             )
     except BaseException:
-        Hierarchy(segments, scratch, ring, []).close(wait=False)
+        Hierarchy(segments, scratch, ring, [], direct).close(wait=False)
         raise
     streams = {id(s.stream): (s.stream, s.boundary) for s in segments}
-    return Hierarchy(segments, scratch, ring, [(stream, kind.event(d)) for stream, d in streams.values()])
+    lanes = [(stream, kind.event(d)) for stream, d in streams.values()]
+    lanes += [(memory.stream, memory.done) for memory in direct.values()]  # drained on a failure too
+    return Hierarchy(segments, scratch, ring, lanes, direct)
 
 
 def _segments(
     task: Task,
     link: Link,
     devices: DeviceRegistry,
-    ring: HostMirrors,
+    ring: HostMirrors | None,
     per: int,
     across: dict[tuple[Collective, int], tuple[str, int]],
     part: _Part,
     scratch: Scratch,
     crosses: dict[tuple[Collective, int, int, int], LocalGroup],
     segments: list[_Segment],
+    direct: dict[int, DeviceBuffers],
 ) -> None:
-    """Append ``part``'s segments (their tags after those already there)."""
+    """Append ``part``'s segments (their tags after those already there). Without a
+    ``ring`` they cross from device memory (``direct``: each boundary device's scratch)."""
     spec, dtype, op, views = task.spec, task.dtype, part.op, part.views
     layout = task.job.layout
     assert layout is not None
@@ -306,25 +335,50 @@ def _segments(
         ):
             result = None  # a broadcast's root in place: its bytes never changed
         slot = k % RING_SLOTS
-        host = ring.mirrors[slot]
-        assert host is not None
-        cross = crosses.get((op, cross_root, slot, n))
-        if cross is None:  # one per (op, root, slot, length): its receive window is host memory too
-            array = host.array.view(dtype)[:n]
-            algorithm, chunks = across[op, n]
-            cross = crosses[op, cross_root, slot, n] = LocalGroup(
-                generate(op, algorithm, layout.nodes, n, cross_root, chunks),
-                [(array, array)],
-                reduction(spec, dtype, task.participants) if op is not Collective.BROADCAST else None,
-                placement,
-                link.endpoint,
-            )
+        algorithm, chunks = across[op, n]
+        reducing = reduction(spec, dtype, task.participants) if op is not Collective.BROADCAST else None
+        if ring is None:
+            if gather is not None:  # reduced onto the boundary: it crosses from there
+                where, source, result = source, None, None
+            elif result is not None:  # crosses in the output, the input copied there first
+                where = result
+                source = None if source is None or source.lo == result.lo else source
+                result = None
+            elif op is Collective.BROADCAST:  # the root in place sends its own bytes
+                where = source
+                source = None
+            else:  # a reduce's non-root: its input must not be written
+                memory = scratch.take(("partial", slot), on[b], n * dtype.itemsize)
+                where = Span(memory, 0, n, dtype)
+            assert where is not None
+            memory_of = direct.get(on[b])
+            if memory_of is None:  # its own stream: its reductions never queue behind copies
+                lane = (on[b], 0, "across")
+                memory_of = direct[on[b]] = DeviceBuffers(
+                    kind, on[b], devices.context.stream(*lane), devices.context.event(*lane)
+                )
+            schedule = generate(op, algorithm, layout.nodes, n, cross_root, chunks)
+            cross = LocalGroup(schedule, [(where, where)], reducing, placement, link.endpoint, memory_of)
+        else:
+            host = ring.mirrors[slot]
+            assert host is not None
+            where = Span(host.host, 0, n, dtype)
+            cross = crosses.get((op, cross_root, slot, n))
+            if cross is None:  # one per (op, root, slot, length): its receive window is host memory too
+                array = host.array.view(dtype)[:n]
+                cross = crosses[op, cross_root, slot, n] = LocalGroup(
+                    generate(op, algorithm, layout.nodes, n, cross_root, chunks),
+                    [(array, array)],
+                    reducing,
+                    placement,
+                    link.endpoint,
+                )
         schedule = cross.schedule
         segments.append(
             _Segment(
                 gather=gather,
                 source=source,
-                ring=Span(host.host, 0, n, dtype),
+                across=where,
                 cross=cross,
                 tag=sum(s.steps for s in segments),
                 steps=(int(schedule.tags.max()) + 1) if schedule.tags.size else 1,
@@ -364,7 +418,8 @@ def _run(plan: Hierarchy, task: Task, devices: DeviceRegistry, deadline: float, 
         if a.ready is not None:  # polled: the shared streams never wait on a client
             kind.wait_ready(a.ready, deadline)
     busy = devices.use([span.memory for a in task.arrivals for span in (a.data, a.out) if span is not None])
-    plan.ring.acquire()
+    if plan.ring is not None:
+        plan.ring.acquire()
     plan.acquire()
     queued: list[DeviceGroup] = []
     fence: list[Any] = []  # the last queued device group's final events
@@ -385,10 +440,10 @@ def _run(plan: Hierarchy, task: Task, devices: DeviceRegistry, deadline: float, 
         with lock:
             if after is not None and after.stream is not stream:
                 kind.wait(stream, after.returned)
+            for event in fence if segment.gather is not None else ():
+                kind.wait(stream, event)  # "staged" means reduced onto the boundary too
             if segment.source is not None:
-                for event in fence if segment.gather is not None else ():
-                    kind.wait(stream, event)
-                kind.copy_async(segment.ring, segment.source, stream)
+                kind.copy_async(segment.across, segment.source, stream)
             kind.record(segment.staged, stream)
 
     segments = plan.segments
@@ -400,7 +455,7 @@ def _run(plan: Hierarchy, task: Task, devices: DeviceRegistry, deadline: float, 
             segment.cross.run(max(0.0, deadline - time.monotonic()), tags + segment.tag)
             with lock:
                 if segment.result is not None:
-                    kind.copy_async(segment.result, segment.ring, segment.stream)
+                    kind.copy_async(segment.result, segment.across, segment.stream)
                 kind.record(segment.returned, segment.stream)
             if segment.spread is not None:
                 on_devices(segment.spread, [segment.returned])
@@ -423,4 +478,5 @@ def _run(plan: Hierarchy, task: Task, devices: DeviceRegistry, deadline: float, 
     finally:
         plan.release()
         devices.done(busy)
-        plan.ring.release()
+        if plan.ring is not None:
+            plan.ring.release()

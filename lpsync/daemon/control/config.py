@@ -19,6 +19,7 @@ from lpsync.daemon.peers.discovery import PeerSet, discover
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.devices import parse_devices
 from lpsync.transport.backends import CHOICES as TRANSPORT_CHOICES
+from lpsync.transport.backends import DEVICE_PATH_CHOICES
 from lpsync.units import format_size
 from lpsync_client import DEFAULT_SOCKET
 
@@ -66,6 +67,9 @@ class DaemonConfig:
     # The peer plane's transport: auto (UCX where an RDMA device exists, else TCP), ucx or
     # tcp (lpsync.transport.backends); every daemon of a cluster must end up on the same.
     peer_transport: str = "auto"
+    # How device chunks cross the peer plane: auto (UCX's own when it is CUDA-aware, else
+    # staged through pinned host memory), staged, or device (lpsync.transport.ucx.device_support).
+    peer_device_path: str = "auto"
     # The agreement tree's fan-out (collectives/agreement.py): flat up to 8 nodes (2 hops),
     # then 8-nomial. On the 2-core emulated cluster binomial and flat cost the same (CPU
     # bound: the messages are the same 2(P-1)); where cores are plenty, fewer hops win. It
@@ -102,6 +106,11 @@ class DaemonConfig:
             raise InvalidArgumentError(f"agreement_radix must be at least 2, got {self.agreement_radix}")
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
             raise InvalidArgumentError("need 0 < heartbeat_interval < heartbeat_timeout")
+        if self.peer_device_path not in DEVICE_PATH_CHOICES:
+            raise InvalidArgumentError(
+                f"peer_device_path must be one of {', '.join(DEVICE_PATH_CHOICES)}, "
+                f"got {self.peer_device_path!r}"
+            )
         if self.peer_transport not in TRANSPORT_CHOICES:
             raise InvalidArgumentError(
                 f"peer_transport must be one of {', '.join(TRANSPORT_CHOICES)}, got {self.peer_transport!r}"
@@ -271,6 +280,15 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "ucx where the node has an RDMA device (/sys/class/infiniband), else tcp (plain "
         "sockets, less CPU per message on Ethernet; docs/multinode.md). Every daemon of a "
         "cluster must end up on the same",
+    )
+    add(
+        "--peer-device-path",
+        choices=DEVICE_PATH_CHOICES,
+        help=f"how device chunks cross the peer plane (default {DaemonConfig.peer_device_path}): "
+        "auto sends device memory through UCX where UCX reports its cuda transports, else "
+        "stages chunks through pinned host memory; staged always stages; device refuses to "
+        "start where UCX cannot (emulated devices allow it: their memory is host memory). "
+        "`lpsync status` shows the choice and why",
     )
     add(
         "--heartbeat-timeout",

@@ -33,6 +33,7 @@ from lpsync.memory import reclaim_stale
 from lpsync.memory.devices import parse_devices
 from lpsync.transport import backends
 from lpsync.transport.auth import load_secret
+from lpsync.transport.ucx import device_support
 from lpsync.types import dtype_of
 
 log = logging.getLogger("lpsync.daemon")
@@ -81,6 +82,8 @@ class Daemon:
         self.plane, peer_info = _peer_plane(config, self.metrics)
         self.service = Service(config, self.metrics, self.plane)
         self.service.peer_plane = peer_info
+        if self.service.devices is not None:
+            self.service.devices.peer_direct = peer_info.device_path == device_support.DEVICE
         self.health = health.aio.HealthServicer()
         token = config.token()
         if config.token_file and not token:
@@ -208,7 +211,9 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> tuple[PeerPlane | Non
     )
     metrics.peer_transport.info({"transport": transport, "why": why})
     # How device chunks cross the peer plane: decided once, from what UCX reports here.
-    device = backends.device_path(transport, parse_devices(config.devices).kind, config.ucx_tls)
+    device = backends.device_path(
+        transport, parse_devices(config.devices).kind, config.ucx_tls, config.peer_device_path
+    )
     log.info(
         "peer device path",
         extra={

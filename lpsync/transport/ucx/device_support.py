@@ -13,6 +13,12 @@ Three outcomes (``DevicePath.path``):
   UCX reports none (built without CUDA, no driver) or could not be asked;
 * ``host``: the daemon serves no devices; the peer plane carries host memory only.
 
+The daemon's ``peer_device_path`` setting may ask for either instead of ``auto``:
+``staged`` always (e.g. to rule out a CUDA-aware UCX that misbehaves), ``device`` only
+where ``auto`` would choose it, and on emulated devices, whose memory is host memory any
+transport carries (how the direct path is tested without a GPU); elsewhere asking for
+``device`` is refused with ``auto``'s reason.
+
 UCX's capabilities are what ``ucx_info -d`` prints (the libucx wheel ships the binary):
 its memory domains with their memory types and the transports on each. It runs only when
 the answer depends on it (a cuda daemon on the ucx backend whose UCX_TLS allows a cuda
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEVICE, STAGED, HOST = "device", "staged", "host"
+AUTO = "auto"  # the daemon's peer_device_path setting: AUTO, STAGED or DEVICE
 CUDA_TRANSPORTS = ("cuda_copy", "cuda_ipc")
 # InfiniBand transports that move registered memory with RDMA: with cuda among their
 # memory domain's memory types (and nvidia-peermem loaded), GPUDirect RDMA.
@@ -211,6 +218,34 @@ def _gpudirect(capabilities: UcxCapabilities, tls: str) -> tuple[str, ...]:
 
 def _staged(why: str) -> DevicePath:
     return DevicePath(STAGED, f"{why}: device chunks are staged through host memory")
+
+
+def choose(
+    wanted: str,
+    peer_transport: str,
+    memory: str,
+    ucx_tls: str,
+    capabilities: Callable[[], UcxCapabilities] = probe,
+    peermem: Callable[[], str] = peermem_module,
+) -> DevicePath:
+    """The device path the daemon runs: ``decide``'s, or what ``wanted`` (AUTO, STAGED,
+    DEVICE) asks for where that is possible; InvalidArgumentError naming why where not."""
+    from lpsync.errors import InvalidArgumentError
+
+    if wanted == STAGED:
+        if memory not in ("cuda", "emulated"):
+            return decide(peer_transport, memory, ucx_tls, capabilities, peermem)
+        return _staged("asked for (--peer-device-path staged)")
+    found = decide(peer_transport, memory, ucx_tls, capabilities, peermem)
+    if wanted == AUTO or found.path == DEVICE:
+        return found
+    if memory == "emulated":
+        return DevicePath(
+            DEVICE,
+            "asked for (--peer-device-path device): emulated device memory is host memory, "
+            "which every transport carries as it is",
+        )
+    raise InvalidArgumentError(f"--peer-device-path device is not possible here: {found.reason}")
 
 
 def decide(
