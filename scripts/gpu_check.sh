@@ -4,7 +4,8 @@
 # PYTHONPATH: run every `gpu` test (client processes sharing a GPU through CUDA IPC, two
 # daemons on loopback peers, a GPU named under another ordinal), measure the CUDA IPC copy
 # path against a device-to-device copy on 256 MiB, sweep a 4-process allreduce on one
-# daemon and on two (the hierarchical pipeline across loopback peers) and, with a GPU per
+# daemon and on two (the hierarchical pipeline across loopback peers, staged through the
+# pinned ring and then direct from device memory through UCX's cuda transports) and, with a GPU per
 # rank, through NCCL, and print a table last. Without a GPU it says so and exits 0. About
 # 8 minutes on one H200.
 #   scripts/gpu_wheels.sh     # once, on a machine with network: the missing wheels
@@ -66,6 +67,11 @@ timeout 180 "$py" -m lpsync.cli bench --memory cuda --devices cuda:0 --procs 4 -
     --op allreduce --bytes "${GPU_CHECK_SIZES:-1MiB:256MiB}" --iters 10 --warmup 2 --json \
     > "$out/allreduce_2daemons.json"
 
+echo "== the same with the direct device path: UCX (cuda_copy, cuda_ipc) sends the boundary's device memory"
+timeout 180 "$py" -m lpsync.cli bench --memory cuda --devices cuda:0 --procs 4 --local-nodes 2 \
+    --peer-device-path device --op allreduce --bytes "${GPU_CHECK_SIZES:-1MiB:256MiB}" --iters 10 \
+    --warmup 2 --json > "$out/allreduce_2daemons_direct.json"
+
 echo "== allreduce through NCCL (torch.distributed), one process per GPU"
 timeout 180 "$py" -m lpsync.bench.nccl --sizes "${GPU_CHECK_SIZES:-1MiB:256MiB}" --iters 10 \
     --json "$out/nccl.json"
@@ -116,6 +122,18 @@ else:
         base = one.get(row["size"])
         versus = f", {base['time_us'] / row['time_us']:.2f}x the one-daemon speed" if base else ""
         print(f"| allreduce 4 procs on 2 daemons, {row['size'] / 2**20:g} MiB | {row['time_us']:.0f} us, "
+              f"algbw {row['algbw_gbps']:.2f} GB/s{versus}, #wrong {row['wrong']} |")
+direct = load("allreduce_2daemons_direct.json")
+if direct is None:
+    print("| allreduce 4 procs on 2 daemons, direct device path | not measured (see above: UCX without "
+          "cuda transports refuses --peer-device-path device) |")
+else:
+    staged = {row["size"]: row for row in two["results"]["lpsync"]} if two else {}
+    for row in direct["results"]["lpsync"]:
+        wrong += row["wrong"]
+        base = staged.get(row["size"])
+        versus = f", {base['time_us'] / row['time_us']:.2f}x the staged path's speed" if base else ""
+        print(f"| allreduce 4 procs on 2 daemons, direct, {row['size'] / 2**20:g} MiB | {row['time_us']:.0f} us, "
               f"algbw {row['algbw_gbps']:.2f} GB/s{versus}, #wrong {row['wrong']} |")
 nccl = load("nccl.json")
 if nccl is None or not nccl.get("results"):

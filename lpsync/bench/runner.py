@@ -55,6 +55,17 @@ class Options:
     memory: str = "host"  # where the ranks' buffers live: host, emulated, cuda
     devices: str = ""  # the daemon's --devices ("" : to match --memory)
     local_nodes: int = 1  # >1: that many daemons on this machine joined over loopback
+    peer_device_path: str = ""  # the local daemons' --peer-device-path ("": their default)
+
+    def daemon_flags(self) -> tuple[str, ...]:
+        """The flags of the --local-nodes daemons."""
+        flags: tuple[str, ...] = ("--devices", self.device_flag())
+        if self.peer_device_path:
+            flags += ("--peer-device-path", self.peer_device_path)
+        if self.peer_device_path == "device" and self.memory == "cuda":
+            # On GPUs the direct path is UCX's cuda transports (docs/gpu.md).
+            flags += ("--peer-transport", "ucx", "--ucx-tls", "tcp,cuda_copy,cuda_ipc")
+        return flags
 
     def device_flag(self) -> str:
         if self.devices:
@@ -91,7 +102,7 @@ def _run(options: Options, tmp: str) -> dict[str, list[Row]]:
         from lpsync.demo.local_cluster import DemoError, LocalCluster
 
         try:
-            cluster = LocalCluster(Path(tmp), options.local_nodes, ("--devices", options.device_flag()))
+            cluster = LocalCluster(Path(tmp), options.local_nodes, options.daemon_flags())
         except DemoError as error:
             raise SystemExit(f"lpsync bench: the daemons did not start: {error}") from None
         sockets = [node.socket for node in cluster.nodes]

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from lpsync.bench import OPS
-from lpsync.errors import LpsyncError
+from lpsync.errors import InvalidArgumentError, LpsyncError
 
 _DESCRIPTION = """\
 Measure collectives through lpsync daemons and print nccl-tests' table: size, count,
@@ -92,6 +92,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "tensor, and DDP's 25 MiB buckets (local daemon only)",
     )
     parser.add_argument(
+        "--peer-device-path",
+        choices=("auto", "staged", "device"),
+        help="with --local-nodes: how the daemons carry device chunks between them (their "
+        "--peer-device-path; docs/gpu.md); device with --memory cuda also runs the peer "
+        "plane on UCX with its cuda transports (UCX_TLS tcp,cuda_copy,cuda_ipc)",
+    )
+    parser.add_argument(
         "--local-nodes",
         type=int,
         metavar="N",
@@ -159,6 +166,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.peer_device_path and (args.model or args.cluster):
+            raise InvalidArgumentError("--peer-device-path goes with --local-nodes, not --model or --cluster")
         if args.model:
             return run_model(args)
         return run_cluster(args) if args.cluster else run_local(args)
@@ -264,7 +273,10 @@ def run_local(args: argparse.Namespace) -> int:
         memory=args.memory or "host",
         devices=args.devices or "",
         local_nodes=args.local_nodes or 1,
+        peer_device_path=args.peer_device_path or "",
     )
+    if options.peer_device_path and options.local_nodes < 2:
+        raise InvalidArgumentError("--peer-device-path goes with --local-nodes (2 or more daemons)")
     if options.procs < 1 or options.local_nodes < 1:
         raise InvalidArgumentError("--procs and --local-nodes must be >= 1")
     if options.procs % options.local_nodes:

@@ -186,6 +186,48 @@ def test_hierarchical_ops_across_two_daemons_through_a_small_ring(tmp_path, algo
         daemons.stop_and_check()
 
 
+@pytest.mark.parametrize("algorithm", ["lp", "ring"])
+def test_hierarchical_ops_cross_from_device_memory_through_cuda_aware_ucx(tmp_path, algorithm):
+    """The direct device path on a GPU: two daemons on UCX with its cuda transports
+    (--peer-device-path device), so each segment crosses from the boundary's device memory
+    (ucxx posting cupy arrays, UCX's cuda_copy) and chunks are reduced by the daemon's
+    kernels; the five hierarchical ops against numpy. Skipped, saying why, where this
+    UCX reports no cuda transport."""
+    from lpsync.algorithms.registry import algorithms_for
+    from lpsync.transport import backends
+    from lpsync.types import Collective
+
+    tls = "tcp,cuda_copy,cuda_ipc"
+    path = backends.device_path("ucx", "cuda", tls)
+    if path.path != "device":
+        pytest.skip(f"no CUDA-aware UCX here: {path.reason}")
+    flags = ("--peer-transport", "ucx", "--ucx-tls", tls, "--peer-device-path", "device")
+    daemons = PeeredDaemons(tmp_path, 2, "--devices", "cuda:0", "--device-staging-bytes", "262144", *flags)
+    try:
+        world, count = 4, 200_003
+        ops = {"allreduce", "reduce", "broadcast", "allgather", "reduce_scatter"}
+        cases = [
+            c
+            for c in rotating_cases(world, count, HIERARCHICAL_KINDS, root=2, seed=43)
+            if c[0] in ops and algorithm in algorithms_for(Collective(c[0]))
+        ]
+        results = run_ranks(
+            world,
+            device_workers.run_cases_on_nodes,
+            daemons.sockets,
+            2,
+            world,
+            [0, 0, 0, 0],
+            cases,
+            "cupy",
+            algorithm,
+            timeout=300,
+        )
+        check_case_results(cases, results, world)
+    finally:
+        daemons.stop_and_check()
+
+
 def test_hierarchical_allreduce_of_256_mib_holds_host_memory_to_the_staging_bound(tmp_path):
     """A 256 MiB allreduce of cupy arrays across two daemons on one GPU machine: each
     daemon's resident host memory (GPU memory is not in it) grows by at most its 16 MiB
