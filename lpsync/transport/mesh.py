@@ -15,6 +15,7 @@ participants fail promptly too. Recovery is a new endpoint on the same runtime.
 
 from __future__ import annotations
 
+import _thread
 import logging
 import socket
 import threading
@@ -56,6 +57,41 @@ class MeshOptions:
     early_bytes: int = 256 << 20
 
 
+class Done:
+    """A flag set once and waited for by any number of threads, as threading.Event, on one
+    C lock held until set: Event waits through a Condition and a new lock per wait in
+    Python, which every message of the peer plane paid (docs/benchmarks.md, cost per
+    collective)."""
+
+    __slots__ = ("_lock", "flag")
+
+    def __init__(self) -> None:
+        self._lock = _thread.allocate_lock()
+        self._lock.acquire()
+        self.flag = False
+
+    def is_set(self) -> bool:
+        return self.flag
+
+    def set(self) -> None:
+        self.flag = True
+        try:  # noqa: SIM105 (per message: suppress() costs three Python calls)
+            self._lock.release()
+        except RuntimeError:  # already open: set twice
+            pass
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self.flag:
+            return True
+        if self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            try:  # noqa: SIM105
+                self._lock.release()  # left open for every other waiter
+            except RuntimeError:  # opened meanwhile by a second set
+                pass
+            return True
+        return self.flag
+
+
 class Request:
     """One send or receive in flight; ``event`` is set once it finished."""
 
@@ -67,14 +103,14 @@ class Request:
         self.done = False
         self.error: BaseException | None = None
         self.on_done: Callable[[Request], None] | None = None
-        self._event: threading.Event | None = None
+        self._event: Done | None = None
 
-    def event(self) -> threading.Event:
+    def event(self) -> Done:
         """An event set when the request finishes (made on first use: most sends are
         checked with ``done`` and never waited for)."""
         event = self._event
         if event is None:
-            event = threading.Event()
+            event = Done()
             self._event = event
             if self.done:  # finished before anyone waited
                 event.set()
@@ -114,7 +150,7 @@ class MeshEndpoint:
         self.rank, self.size = options.rank, len(options.peers)
         self._lock = threading.Lock()
         self._formed = threading.Condition(self._lock)
-        self._waiters: set[threading.Event] = set()
+        self._waiters: set[Done] = set()
         self._broken: LpsyncError | None = None
         self._closing = False
         self._closed = False
@@ -402,7 +438,7 @@ class MeshEndpoint:
         lent.flags.writeable = False
         yield lent
 
-    def _late_goodbyes(self, goodbyes: list[threading.Event], deadline: float) -> None:
+    def _late_goodbyes(self, goodbyes: list[threading.Event | Done], deadline: float) -> None:
         late = sum(not event.wait(max(0.0, deadline - time.monotonic())) for event in goodbyes)
         if late:
             log.warning(

@@ -58,6 +58,7 @@ class _Conn:
         self.lock = threading.Lock()  # guards posted, unexpected and early
         # Signalled when a receive is posted, a kept message is taken, or the connection stops.
         self.room = threading.Condition(self.lock)
+        self.reader_waits = False  # the reader is in room.wait: only then is a notify needed
         self.posted: dict[int, collections.deque[Request]] = {}
         self.unexpected: dict[int, collections.deque[np.ndarray]] = {}
         self.early = 0  # bytes held in unexpected (and being read into it)
@@ -93,7 +94,9 @@ class _Conn:
                 if self.early == 0 or self.early + nbytes <= limit or self.stopped:
                     self.early += nbytes
                     return None
+                self.reader_waits = True
                 self.room.wait(1.0)
+                self.reader_waits = False
 
     def stop(self) -> None:
         """Wake both threads: the writer's wait, and any blocking socket call."""
@@ -293,7 +296,8 @@ class TcpEndpoint(MeshEndpoint):
                 conn.posted.setdefault(tag, collections.deque()).append(request)
             else:
                 conn.early -= data.nbytes
-            conn.room.notify_all()  # a reader waiting for room, or for this very receive
+            if conn.reader_waits:  # for room, or for this very receive
+                conn.room.notify_all()
         if data is not None:
             _deliver(request, data)
         return InFlight(self, request, f"message {tag} from rank {peer}")
