@@ -152,9 +152,11 @@ class PeeredDaemons:
         *extra: str,
         secrets: list[str] | None = None,
         per_node: list[tuple[str, ...]] | None = None,
+        env_of: list[dict[str, str]] | None = None,
     ) -> None:
         self.tmp, self.nodes, self.extra = tmp, nodes, extra
         self.per_node = per_node or [()] * nodes  # more flags, node by node
+        self.env_of = env_of or [{}] * nodes  # more environment, node by node
         self.peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(nodes))
         self.secrets = secrets or ["harness-cluster-secret"] * nodes
         self.daemons: list[DaemonProcess | None] = [None] * nodes
@@ -172,7 +174,7 @@ class PeeredDaemons:
             str(node),
             *self.extra,
             *self.per_node[node],
-            env={"LPSYNC_SECRET": self.secrets[node]},
+            env={"LPSYNC_SECRET": self.secrets[node], **self.env_of[node]},
         )
         return self.daemons[node]
 

@@ -14,12 +14,15 @@
                     finished (an Outcome, or the error every node reports alike)
 Each stage takes what the earlier ones produced and hands its own result on; none calls
 back into another. A peer lost mid-way breaks the mesh and every waiting participant
-fails at once with UnavailableError.
+fails at once with UnavailableError. So does every node when one of them fails with an
+internal error (a bug, not an LpsyncError): the others wait on its part, and would wait
+out their timeout, which breaks the mesh anyway; it breaks the mesh at once instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 from lpsync.daemon.collectives import agreement, hierarchy, local, packed, planning
@@ -29,10 +32,12 @@ from lpsync.daemon.collectives.small import SmallCollective, rides
 from lpsync.daemon.collectives.staging import stage, whole
 from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.device_registry import DeviceRegistry
-from lpsync.daemon.peers.plane import PeerPlane
+from lpsync.daemon.peers.plane import Link, PeerPlane
 from lpsync.daemon.values import RUNNING, Outcome, Pending
 from lpsync.errors import CollectiveTimeoutError, LpsyncError, MismatchError, UnavailableError
 from lpsync.types import Collective
+
+log = logging.getLogger("lpsync.daemon")
 
 # Nodes that the loss did not cut off may have finished it (the verdict or the data had
 # reached them): a report, not a second agreement round (outcomes.py says why).
@@ -109,11 +114,13 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
             staged.run(group, deadline, timeout, tags)
         if verdict.trial:
             learner.ran(pending.sequence, time.perf_counter() - began)
-    except LpsyncError as error:
+    except Exception as error:
         if proposal is not None and proposal.trial:
             learner.abandon(pending.sequence)
         if last is not None:
             learner.ran(*last)  # node 0 may not have it: it goes again with the next one
+        if not isinstance(error, LpsyncError):
+            raise _internal(task, link, error) from error
         if link.error is not None and not isinstance(error, MismatchError):
             if isinstance(link.error, CollectiveTimeoutError):
                 raise type(link.error)(
@@ -125,6 +132,23 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
             ) from None
         raise
     return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
+
+
+def _internal(task: Task, link: Link, error: Exception) -> LpsyncError:
+    """This node failed ``task`` with an internal error: log it whole, break the mesh so
+    that the other nodes fail now (UnavailableError, a lost peer) instead of at their
+    timeout, and say what failed to this node's ranks."""
+    job, sequence = task.job, task.pending.sequence
+    assert job.layout is not None
+    where = {"job": job.name, "sequence": sequence}
+    log.exception("collective failed unexpectedly across nodes", extra=where)
+    node = job.layout.daemon(job.layout.node)
+    failed = UnavailableError(
+        f"collective #{sequence} of job {job.name!r} failed on node {node} with an internal error "
+        f"({error!r}); the peer mesh was broken so that the other nodes fail it now, and is rebuilt"
+    )
+    link.endpoint.abort(failed)
+    return failed
 
 
 def notify_failure(job: Job, pending: Pending, error: LpsyncError, plane: PeerPlane) -> None:
