@@ -168,17 +168,20 @@ def test_the_direct_path_holds_no_host_ring(tmp_path: Path) -> None:
         daemons.stop_and_check()
 
 
-def test_a_peer_daemon_killed_mid_collective_fails_it_and_leaks_nothing(tmp_path: Path) -> None:
-    """Node 1's daemon is killed while an 8 MB allreduce crosses the ring (slow emulated
-    copies, 256 KiB segments): node 0's ranks get UnavailableError instead of hanging,
-    node 0 closes every IPC mapping once its streams drained, keeps no extra threads, and
-    serves a correct hierarchical allreduce with node 1 once it is back."""
+@pytest.mark.parametrize("path", ["staged", "direct"])
+def test_a_peer_daemon_killed_mid_collective_fails_it_and_leaks_nothing(tmp_path: Path, path: str) -> None:
+    """Node 1's daemon is killed while an 8 MB allreduce crosses the nodes (slow emulated
+    copies, 256 KiB segments; through the ring, or from device memory): node 0's ranks get
+    UnavailableError instead of hanging, node 0 closes every IPC mapping once its streams
+    drained, keeps no extra threads, and serves a correct hierarchical allreduce with node 1
+    once it is back."""
     import multiprocessing as mp
 
     from tests.daemon.test_daemon_devices import _device_rows, _threads
 
+    flags = DIRECT if path == "direct" else ()
     daemons = PeeredDaemons(
-        tmp_path, 2, "--devices", "emulated:2,bw=20000000", "--device-staging-bytes", str(1 << 20)
+        tmp_path, 2, "--devices", "emulated:2,bw=20000000", "--device-staging-bytes", str(1 << 20), *flags
     )
     try:
         node_of = [0, 0, 1, 1]
