@@ -12,7 +12,7 @@ from pathlib import Path
 from tests.daemon.harness import PeeredDaemons, run_ranks
 from tests.daemon.multinode_workers import attempt, one_allreduce
 
-_FAULT = '''
+_FAULT = """
 import lpsync.daemon.collectives.small as small
 
 _part = small.SmallCollective.part
@@ -25,7 +25,7 @@ def part(self):
 
 
 small.SmallCollective.part = part
-'''
+"""
 
 
 def test_an_internal_error_on_one_node_fails_every_node_at_once(tmp_path: Path) -> None:

@@ -1,0 +1,36 @@
+"""``python -m lpsync.bench.loopback_cpu``: real daemons on loopback and rank processes;
+every rank checks its sum, and the CPU columns are read from real process clocks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.daemon.harness import ROOT
+
+
+def test_two_daemons_report_time_and_cpu_per_call() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "lpsync.bench.loopback_cpu", "--nodes", "2", "--iters", "50", "--bytes", "64"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if not line.startswith("#")]
+    assert [int(r[0]) for r in rows] == [0, 1], done.stdout
+    for _, seconds, daemon, rank in rows:
+        assert float(seconds) > 0 and float(daemon) > 0 and float(rank) > 0, done.stdout
+    assert "# mean per daemon" in done.stdout
+
+
+def test_bad_arguments_are_refused() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "lpsync.bench.loopback_cpu", "--nodes", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2 and "--nodes and --iters must be >= 1" in done.stderr
