@@ -149,41 +149,34 @@ def test_a_gpu_named_under_another_ordinal_is_mapped_by_its_uuid(gpu_daemon):
 HIERARCHICAL_KINDS = [("float32", "sum"), ("float64", "avg"), ("int32", "max"), ("float16", "min")]
 
 
-@pytest.mark.parametrize("algorithm", ["lp", "ring", "be"])
-def test_hierarchical_ops_across_two_daemons_through_a_small_ring(tmp_path, algorithm):
-    """Two daemons on one GPU machine, two cupy ranks each: allreduce, reduce, broadcast,
-    allgather and reduce_scatter (those ``algorithm`` offers) run hierarchically — peer
-    copies and reductions on the GPU inside each daemon, 256 KiB of pinned staging at the
-    boundary, so each message crosses in several segments — checked against numpy."""
+def _hierarchical_ops_on_two_daemons(tmp_path, algorithm: str, seed: int, *flags: str) -> None:
+    """Two daemons on one GPU machine (``flags`` added), two cupy ranks each, 256 KiB of
+    staging: the five hierarchical ops that ``algorithm`` offers, against numpy."""
     from lpsync.algorithms.registry import algorithms_for
     from lpsync.types import Collective
 
-    daemons = PeeredDaemons(
-        tmp_path, 2, "--devices", "cuda:0", "--peer-transport", "tcp", "--device-staging-bytes", "262144"
-    )
+    daemons = PeeredDaemons(tmp_path, 2, "--devices", "cuda:0", "--device-staging-bytes", "262144", *flags)
     try:
         world, count = 4, 200_003
         ops = {"allreduce", "reduce", "broadcast", "allgather", "reduce_scatter"}
         cases = [
             c
-            for c in rotating_cases(world, count, HIERARCHICAL_KINDS, root=2, seed=41)
+            for c in rotating_cases(world, count, HIERARCHICAL_KINDS, root=2, seed=seed)
             if c[0] in ops and algorithm in algorithms_for(Collective(c[0]))
         ]
-        results = run_ranks(
-            world,
-            device_workers.run_cases_on_nodes,
-            daemons.sockets,
-            2,
-            world,
-            [0, 0, 0, 0],
-            cases,
-            "cupy",
-            algorithm,
-            timeout=300,
-        )
+        args = (daemons.sockets, 2, world, [0] * world, cases, "cupy", algorithm)
+        results = run_ranks(world, device_workers.run_cases_on_nodes, *args, timeout=300)
         check_case_results(cases, results, world)
     finally:
         daemons.stop_and_check()
+
+
+@pytest.mark.parametrize("algorithm", ["lp", "ring", "be"])
+def test_hierarchical_ops_across_two_daemons_through_a_small_ring(tmp_path, algorithm):
+    """Allreduce, reduce, broadcast, allgather and reduce_scatter run hierarchically: peer
+    copies and reductions on the GPU inside each daemon, 256 KiB of pinned staging at the
+    boundary, so each message crosses in several segments."""
+    _hierarchical_ops_on_two_daemons(tmp_path, algorithm, 41, "--peer-transport", "tcp")
 
 
 @pytest.mark.parametrize("algorithm", ["lp", "ring"])
@@ -191,41 +184,15 @@ def test_hierarchical_ops_cross_from_device_memory_through_cuda_aware_ucx(tmp_pa
     """The direct device path on a GPU: two daemons on UCX with its cuda transports
     (--peer-device-path device), so each segment crosses from the boundary's device memory
     (ucxx posting cupy arrays, UCX's cuda_copy) and chunks are reduced by the daemon's
-    kernels; the five hierarchical ops against numpy. Skipped, saying why, where this
-    UCX reports no cuda transport."""
-    from lpsync.algorithms.registry import algorithms_for
+    kernels. Skipped, saying why, where this UCX reports no cuda transport."""
     from lpsync.transport import backends
-    from lpsync.types import Collective
 
     tls = "tcp,cuda_copy,cuda_ipc"
     path = backends.device_path("ucx", "cuda", tls)
     if path.path != "device":
         pytest.skip(f"no CUDA-aware UCX here: {path.reason}")
     flags = ("--peer-transport", "ucx", "--ucx-tls", tls, "--peer-device-path", "device")
-    daemons = PeeredDaemons(tmp_path, 2, "--devices", "cuda:0", "--device-staging-bytes", "262144", *flags)
-    try:
-        world, count = 4, 200_003
-        ops = {"allreduce", "reduce", "broadcast", "allgather", "reduce_scatter"}
-        cases = [
-            c
-            for c in rotating_cases(world, count, HIERARCHICAL_KINDS, root=2, seed=43)
-            if c[0] in ops and algorithm in algorithms_for(Collective(c[0]))
-        ]
-        results = run_ranks(
-            world,
-            device_workers.run_cases_on_nodes,
-            daemons.sockets,
-            2,
-            world,
-            [0, 0, 0, 0],
-            cases,
-            "cupy",
-            algorithm,
-            timeout=300,
-        )
-        check_case_results(cases, results, world)
-    finally:
-        daemons.stop_and_check()
+    _hierarchical_ops_on_two_daemons(tmp_path, algorithm, 43, *flags)
 
 
 def test_hierarchical_allreduce_of_256_mib_holds_host_memory_to_the_staging_bound(tmp_path):
