@@ -43,14 +43,22 @@ def _run(
     return run_ranks(world, workers.cases_on_nodes, *args, timeout=180)
 
 
+DIRECT = ("--peer-device-path", "device")  # emulated memory is host memory: any transport carries it
+
+
+@pytest.mark.parametrize("path", ["staged", "direct"])
 @pytest.mark.parametrize("algorithm", ["lp", "ring", "be"])
-def test_two_nodes_two_devices_each(tmp_path: Path, algorithm: str) -> None:
-    """Two ranks per node on two emulated devices; 64 KiB of staging, so every message
-    goes through the ring in several rounds (16 KiB segments, 4 slots)."""
-    daemons = PeeredDaemons(tmp_path, 2, "--devices", "emulated:2", "--device-staging-bytes", "65536")
+def test_two_nodes_two_devices_each(tmp_path: Path, algorithm: str, path: str) -> None:
+    """Two ranks per node on two emulated devices; 16 KiB segments, so every message
+    crosses in several rounds: through the ring (64 KiB of staging, 4 slots), or from the
+    boundary's device memory, reduced on its stream (the direct path a CUDA-aware UCX gets)."""
+    flags = DIRECT if path == "direct" else ()
+    daemons = PeeredDaemons(tmp_path, 2, "--devices", "emulated:2", "--device-staging-bytes", "65536", *flags)
     try:
+        if path == "direct":
+            assert "asked for (--peer-device-path device)" in daemons.log(0)
         node_of, devices = [0, 0, 1, 1], [0, 1, 1, 0]
-        cases = _cases(4, root=3, seed=21, algorithm=algorithm)
+        cases = _cases(4, root=3, seed=21 if path == "staged" else 41, algorithm=algorithm)
         check_case_results(cases, _run(daemons, node_of, devices, cases, algorithm), 4)
     finally:
         daemons.stop_and_check()
@@ -70,10 +78,16 @@ def test_gather_scatter_alltoall_in_packed_segments(tmp_path: Path) -> None:
         daemons.stop_and_check()
 
 
-def test_three_nodes_of_unequal_size(tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", ["staged", "mixed"])
+def test_three_nodes_of_unequal_size(tmp_path: Path, path: str) -> None:
     """Nodes of 2, 1 and 2 ranks, the tuner's choice, roots on the one-rank node and on a
-    node's second rank: a non-root node's boundary keeps its partial sum off the buffers."""
-    daemons = PeeredDaemons(tmp_path, 3, "--devices", "emulated:2", "--device-staging-bytes", "131072")
+    node's second rank: a non-root node's boundary keeps its partial sum off the buffers.
+    Mixed: nodes 0 and 2 send from device memory, node 1 stages through its ring, in one
+    pipeline (each node decides its own side: segments, schedules and tags are the same)."""
+    per_node = [DIRECT, (), DIRECT] if path == "mixed" else None
+    daemons = PeeredDaemons(
+        tmp_path, 3, "--devices", "emulated:2", "--device-staging-bytes", "131072", per_node=per_node
+    )
     try:
         node_of, devices = [0, 0, 1, 2, 2], [0, 1, 0, 1, 0]
         for root, seed in ((2, 31), (4, 32)):
@@ -102,46 +116,6 @@ def test_host_memory_stays_within_the_staging_bound(tmp_path: Path) -> None:
         slack = 48 << 10  # KiB: the interpreter, receive windows, allocator noise
         for grown in memory.growth_kib:
             assert grown <= (bound >> 10) + slack, f"host memory grew by {grown >> 10} MiB"
-    finally:
-        daemons.stop_and_check()
-
-
-DIRECT = ("--peer-device-path", "device")  # emulated memory is host memory: any transport carries it
-
-
-@pytest.mark.parametrize("algorithm", ["lp", "ring", "be"])
-def test_device_chunks_cross_nodes_from_device_memory(tmp_path: Path, algorithm: str) -> None:
-    """The direct device path (what a CUDA-aware UCX gets): no ring, each segment crosses
-    the nodes from the boundary's device memory and is reduced on its stream; the same
-    cases as the staged test above, against numpy."""
-    daemons = PeeredDaemons(
-        tmp_path, 2, "--devices", "emulated:2", "--device-staging-bytes", "65536", *DIRECT
-    )
-    try:
-        assert "asked for (--peer-device-path device)" in daemons.log(0)
-        node_of, devices = [0, 0, 1, 1], [0, 1, 1, 0]
-        cases = _cases(4, root=3, seed=41, algorithm=algorithm)
-        check_case_results(cases, _run(daemons, node_of, devices, cases, algorithm), 4)
-    finally:
-        daemons.stop_and_check()
-
-
-def test_direct_and_staged_nodes_run_one_collective(tmp_path: Path) -> None:
-    """Nodes decide their device path each for itself: nodes 0 and 2 send from device
-    memory, node 1 stages through its ring, in one pipeline (the segments, schedules and
-    tags are the same either way). Nodes of 2, 1 and 2 ranks; roots on the one-rank node
-    and on a node's second rank (a non-root boundary's partial sum stays off the caller's
-    input on the direct path too)."""
-    per_node = [DIRECT, (), DIRECT]
-    daemons = PeeredDaemons(
-        tmp_path, 3, "--devices", "emulated:2", "--device-staging-bytes", "131072", per_node=per_node
-    )
-    try:
-        node_of, devices = [0, 0, 1, 2, 2], [0, 1, 0, 1, 0]
-        for root, seed in ((2, 43), (4, 44)):
-            cases = _cases(5, root=root, seed=seed)
-            store = free_ports(1)[0]
-            check_case_results(cases, _run(daemons, node_of, devices, cases, "", store), 5)
     finally:
         daemons.stop_and_check()
 
