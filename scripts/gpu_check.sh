@@ -112,29 +112,23 @@ else:
         wrong += row["wrong"]
         print(f"| allreduce 4 procs, {row['size'] / 2**20:g} MiB | {row['time_us']:.0f} us, busbw "
               f"{row['busbw_gbps']:.1f} GB/s, {row['algorithm']}, #wrong {row['wrong']} |")
+def against(rows, label, base, versus, missing):
+    """Print each row with its speed over the same size in ``base``; the #wrong count."""
+    if rows is None:
+        print(f"| allreduce 4 procs on 2 daemons{label} | {missing} |")
+        return 0
+    by_size = {row["size"]: row for row in base["results"]["lpsync"]} if base else {}
+    for row in rows["results"]["lpsync"]:
+        other = by_size.get(row["size"])
+        ratio = f", {other['time_us'] / row['time_us']:.2f}x {versus}" if other else ""
+        print(f"| allreduce 4 procs on 2 daemons{label}, {row['size'] / 2**20:g} MiB | {row['time_us']:.0f} us, "
+              f"algbw {row['algbw_gbps']:.2f} GB/s{ratio}, #wrong {row['wrong']} |")
+    return sum(row["wrong"] for row in rows["results"]["lpsync"])
 two = load("allreduce_2daemons.json")
-if two is None:
-    print("| allreduce 4 procs, 2 daemons | not measured (see above) |")
-else:
-    one = {row["size"]: row for row in bench["results"]["lpsync"]} if bench else {}
-    for row in two["results"]["lpsync"]:
-        wrong += row["wrong"]
-        base = one.get(row["size"])
-        versus = f", {base['time_us'] / row['time_us']:.2f}x the one-daemon speed" if base else ""
-        print(f"| allreduce 4 procs on 2 daemons, {row['size'] / 2**20:g} MiB | {row['time_us']:.0f} us, "
-              f"algbw {row['algbw_gbps']:.2f} GB/s{versus}, #wrong {row['wrong']} |")
+wrong += against(two, "", bench, "the one-daemon speed", "not measured (see above)")
 direct = load("allreduce_2daemons_direct.json")
-if direct is None:
-    print("| allreduce 4 procs on 2 daemons, direct device path | not measured (see above: UCX without "
-          "cuda transports refuses --peer-device-path device) |")
-else:
-    staged = {row["size"]: row for row in two["results"]["lpsync"]} if two else {}
-    for row in direct["results"]["lpsync"]:
-        wrong += row["wrong"]
-        base = staged.get(row["size"])
-        versus = f", {base['time_us'] / row['time_us']:.2f}x the staged path's speed" if base else ""
-        print(f"| allreduce 4 procs on 2 daemons, direct, {row['size'] / 2**20:g} MiB | {row['time_us']:.0f} us, "
-              f"algbw {row['algbw_gbps']:.2f} GB/s{versus}, #wrong {row['wrong']} |")
+wrong += against(direct, ", direct", two, "the staged path's speed",
+                 "not measured (see above: UCX without cuda transports refuses --peer-device-path device)")
 nccl = load("nccl.json")
 if nccl is None or not nccl.get("results"):
     why = (nccl or {}).get("skipped", "not measured (see above)")
