@@ -387,3 +387,55 @@ def test_a_cancelled_session_collective_leaves_at_once(daemon, trigger: str) -> 
         for f in both:
             f.result(10)
         assert x0.tolist() == x1.tolist() == [3, 3, 3, 3]
+
+
+def test_a_refused_attach_fails_what_the_other_ranks_wait_for(daemon) -> None:
+    """Rank 0 waits in an allreduce (60 s timeout) for rank 1, whose attach is refused (it
+    brings another world size): rank 0 gets AbortedError naming rank 1 and why within a
+    second, not at its timeout; once rank 1 attaches as it should, the job goes on."""
+    channel, stub = _stub(daemon.socket)
+    with channel:
+        first = stub.Attach(pb.AttachRequest(job="refused", rank=0, world_size=2))
+        buffer = stub.Allocate(pb.AllocateRequest(session_id=first.session_id, nbytes=16))
+
+        def request(session: str, handle: int, sequence: int) -> pb.CollectiveRequest:
+            return pb.CollectiveRequest(
+                session_id=session,
+                sequence=sequence,
+                op="allreduce",
+                dtype="float32",
+                count=4,
+                timeout=60,
+                input=pb.BufferRef(handle=handle),
+            )
+
+        waiting = stub.Collective.future(request(first.session_id, buffer.handle, 1), timeout=30)
+        time.sleep(0.3)  # rank 0 is waiting inside the collective
+        refused_at = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refusal:
+            stub.Attach(pb.AttachRequest(job="refused", rank=1, world_size=3))
+        assert refusal.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as aborted:
+            waiting.result()
+        assert time.monotonic() - refused_at < 1.0
+        assert aborted.value.code() == grpc.StatusCode.ABORTED, aborted.value.details()
+        text = aborted.value.details()
+        assert "rank 1 of job 'refused'" in text and "its attach was refused" in text, text
+        assert "has world size 2; rank 1 attached with 3" in text, text
+        # Rank 1 attaches as it should: the job's next collective runs.
+        second = stub.Attach(pb.AttachRequest(job="refused", rank=1, world_size=2))
+        other = stub.Allocate(pb.AllocateRequest(session_id=second.session_id, nbytes=16))
+        replies = [
+            stub.Collective.future(request(first.session_id, buffer.handle, 2), timeout=10),
+            stub.Collective.future(request(second.session_id, other.handle, 2), timeout=10),
+        ]
+        assert [f.result().algorithm for f in replies] == ["direct", "direct"]
+        # A duplicate of a live rank is refused without touching the job.
+        with pytest.raises(grpc.RpcError) as duplicate:
+            stub.Attach(pb.AttachRequest(job="refused", rank=1, world_size=2))
+        assert duplicate.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        replies = [
+            stub.Collective.future(request(first.session_id, buffer.handle, 3), timeout=10),
+            stub.Collective.future(request(second.session_id, other.handle, 3), timeout=10),
+        ]
+        assert [f.result().algorithm for f in replies] == ["direct", "direct"]

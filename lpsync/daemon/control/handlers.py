@@ -220,6 +220,16 @@ class Service(pb_grpc.LpSyncServicer):
                 return
         self._workers.submit(run)
 
+    def _refused(self, name: str, rank: int, error: LpsyncError) -> None:
+        """A rank of a job whose other ranks are here was refused for a contradiction (its
+        layout, world size or node: a retry is refused alike): what they wait for fails
+        now, naming it and why, instead of at their timeout; a later attach of that rank
+        that is accepted lets the job go on (Job.join)."""
+        job = self.jobs.get(name)
+        if job is None or rank not in job.local_ranks or rank in job.sessions:
+            return  # no job here yet, not a rank of it, or a duplicate of a live rank
+        self.jobs.leave(name, rank, f"its attach was refused: {error}")
+
     # -- RPCs ----------------------------------------------------------------------------------
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
         try:
@@ -273,6 +283,8 @@ class Service(pb_grpc.LpSyncServicer):
                     "error": str(error),
                 },
             )
+            if isinstance(error, InvalidArgumentError):
+                self._refused(request.job, request.rank, error)
             await _abort(context, error)
             raise AssertionError from error  # unreachable: abort raises
         # A session whose client never opens its stream would never learn of its death.
