@@ -98,6 +98,20 @@ def test_three_nodes_of_unequal_size(tmp_path: Path, path: str) -> None:
         daemons.stop_and_check()
 
 
+def _host_growth_kib(daemons: PeeredDaemons, count: int) -> list[int]:
+    """Each daemon's peak growth of anonymous host memory (KiB) while two nodes of two ranks
+    run one allreduce of ``count`` float32 on device buffers (checked), after a warm-up
+    (streams, threads, plans' pools). The host ring is anonymous memory; emulated device
+    memory is a memfd, apart."""
+    node_of = [0, 0, 1, 1]
+    assert all(r["ok"] for r in run_ranks(4, workers.big_allreduce, daemons.sockets, node_of, 1 << 16))
+    pids = [d.pid for d in daemons.daemons if d is not None]
+    with MemoryPeak(pids, "RssAnon") as memory:
+        results = run_ranks(4, workers.big_allreduce, daemons.sockets, node_of, count, timeout=600)
+    assert all(r["ok"] for r in results)
+    return memory.growth_kib
+
+
 def test_host_memory_stays_within_the_staging_bound(tmp_path: Path) -> None:
     """A 256 MiB allreduce on device buffers, two nodes of two ranks: each daemon's host
     memory grows by at most its staging bound (16 MiB) plus slack, where staging whole
@@ -105,16 +119,8 @@ def test_host_memory_stays_within_the_staging_bound(tmp_path: Path) -> None:
     bound = 16 << 20
     daemons = PeeredDaemons(tmp_path, 2, "--devices", "emulated:2", "--device-staging-bytes", str(bound))
     try:
-        node_of = [0, 0, 1, 1]
-        # Warm up: streams, threads, plans' pools; then the baseline.
-        assert all(r["ok"] for r in run_ranks(4, workers.big_allreduce, daemons.sockets, node_of, 1 << 16))
-        pids = [d.pid for d in daemons.daemons if d is not None]
-        # Anonymous memory: the host ring is; emulated device memory is a memfd, apart.
-        with MemoryPeak(pids, "RssAnon") as memory:
-            results = run_ranks(4, workers.big_allreduce, daemons.sockets, node_of, 64 << 20, timeout=600)
-        assert all(r["ok"] for r in results)
         slack = 48 << 10  # KiB: the interpreter, receive windows, allocator noise
-        for grown in memory.growth_kib:
+        for grown in _host_growth_kib(daemons, 64 << 20):
             assert grown <= (bound >> 10) + slack, f"host memory grew by {grown >> 10} MiB"
     finally:
         daemons.stop_and_check()
@@ -129,13 +135,7 @@ def test_the_direct_path_holds_no_host_ring(tmp_path: Path) -> None:
         tmp_path, 2, "--devices", "emulated:2", "--device-staging-bytes", str(bound), per_node=per_node
     )
     try:
-        node_of = [0, 0, 1, 1]
-        assert all(r["ok"] for r in run_ranks(4, workers.big_allreduce, daemons.sockets, node_of, 1 << 16))
-        pids = [d.pid for d in daemons.daemons if d is not None]
-        with MemoryPeak(pids, "RssAnon") as memory:
-            results = run_ranks(4, workers.big_allreduce, daemons.sockets, node_of, 16 << 20, timeout=600)
-        assert all(r["ok"] for r in results)
-        direct, staged = memory.growth_kib
+        direct, staged = _host_growth_kib(daemons, 16 << 20)
         assert staged >= (bound >> 10) // 2, f"the staged daemon grew by {staged >> 10} MiB only"
         assert direct <= 16 << 10, f"the direct daemon's host memory grew by {direct >> 10} MiB"
     finally:

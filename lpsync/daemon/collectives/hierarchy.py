@@ -295,6 +295,13 @@ def _segments(
     cross_root = layout.node_of[part.root] if rooted else 0
     summing = reduction(spec, dtype, 1)  # locally: no division (avg divides once, across)
     count = views[0][0].count
+
+    def partial(k: int, n: int) -> Span:
+        """Device scratch on the boundary for a partial sum that must not land in a
+        caller's buffer, one per ring slot index (a slot's segments run one at a time)."""
+        memory = scratch.take(("partial", k % RING_SLOTS), on[b], n * dtype.itemsize)
+        return Span(memory, 0, n, dtype)
+
     for lo in range(0, count, per):
         k = len(segments)
         hi = min(count, lo + per)
@@ -311,8 +318,7 @@ def _segments(
             # in device scratch, one per ring slot (a slot's copy-out reads it).
             target = out
             if not holds_root:
-                memory = scratch.take(("partial", k % RING_SLOTS), on[b], n * dtype.itemsize)
-                target = Span(memory, 0, n, dtype)
+                target = partial(k, n)
             gathered = list(mine)
             gathered[b] = (inp, target)
             gather = _device_group(
@@ -348,8 +354,7 @@ def _segments(
                 where = source
                 source = None
             else:  # a reduce's non-root: its input must not be written
-                memory = scratch.take(("partial", slot), on[b], n * dtype.itemsize)
-                where = Span(memory, 0, n, dtype)
+                where = partial(k, n)
             assert where is not None
             memory_of = direct.get(on[b])
             if memory_of is None:  # its own stream: its reductions never queue behind copies
