@@ -9,7 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from lpsync.daemon.collectives.agreement import Tree, _judged, decode, encode, judge
+from lpsync.daemon.collectives.agreement import SUMMARY_BYTES, Tree, _judged, _shape, decode, encode, judge
+from lpsync.daemon.collectives.small import SMALL_MAX_BYTES
 
 
 def _depth(tree: Tree, node: int) -> int:
@@ -39,6 +40,26 @@ def test_tree_covers_every_node_once_with_contiguous_subtrees(nodes: int, radix:
     depth = max(_depth(tree, node) for node in range(nodes))
     assert depth <= math.ceil(math.log(max(nodes, 2), radix) - 1e-9)
     assert depth == (nodes > 1) if radix >= nodes else depth >= 1 or nodes == 1
+
+
+@pytest.mark.parametrize("radix", [2, 8])
+@pytest.mark.parametrize("nodes", [3, 8, 13])
+def test_a_nodes_cached_shape_is_its_place_in_the_tree(nodes: int, radix: int) -> None:
+    tree = Tree(nodes, radix)
+    for node in range(nodes):
+        shape = _shape(nodes, radix, node)
+        assert list(shape.kids) == tree.children(node)
+        assert shape.parent == (tree.parent(node) if node else -1)
+        # A kid's message may carry its whole subtree's summaries.
+        assert [(b - SMALL_MAX_BYTES) // SUMMARY_BYTES for b in shape.kid_bytes] == [
+            tree.subtree(k) for k in shape.kids
+        ]
+        # Not heard from: the rest of the subtree, kid by kid, then no one.
+        expected, left = [], list(range(node + 1, node + tree.subtree(node)))
+        for kid in tree.children(node):
+            expected.append(tuple(left))
+            left = [n for n in left if not kid <= n < kid + tree.subtree(kid)]
+        assert list(shape.waiting) == [*expected, ()]
 
 
 def test_frame_round_trips_header_and_payload() -> None:

@@ -51,6 +51,7 @@ _RANKS_CHARS = 200  # a node's ranks in its summary ('ranks 0, 2-3'), cut beyond
 _VERDICT_BYTES = 4096
 _LENGTHS = struct.Struct("<II")  # the frame: header bytes, payload bytes
 _FRAME = _LENGTHS.size
+_VERDICT_MESSAGE = _VERDICT_BYTES + _FRAME + SMALL_MAX_BYTES  # the largest verdict message
 _ERRORS = {
     "INVALID_ARGUMENT": MismatchError,
     "DEADLINE_EXCEEDED": CollectiveTimeoutError,
@@ -107,6 +108,32 @@ class Tree:
             out.extend(node + j * place for j in range(1, self.radix) if node + j * place < self.nodes)
             place *= self.radix
         return out
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """One node's place in the tree, worked out once per (nodes, radix, node): a job
+    repeats its collectives, and each one would otherwise walk the tree again."""
+
+    kids: tuple[int, ...]
+    parent: int  # -1 at node 0
+    kid_bytes: tuple[int, ...]  # the largest message each kid may send up (its subtree's)
+    # pending.waiting_nodes before each kid's message is taken, then once all are in
+    waiting: tuple[tuple[int, ...], ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _shape(nodes: int, radix: int, node: int) -> _Shape:
+    tree = Tree(nodes, radix)
+    kids = tuple(tree.children(node))
+    end = node + tree.subtree(node)
+    waiting = (*(tuple(range(kid, end)) for kid in kids), ())
+    return _Shape(
+        kids,
+        tree.parent(node) if node else -1,
+        tuple(SUMMARY_BYTES * tree.subtree(kid) + _FRAME + SMALL_MAX_BYTES for kid in kids),
+        waiting,
+    )
 
 
 # -- messages ------------------------------------------------------------------------------
@@ -180,7 +207,12 @@ def summary(job: Job, spec: Spec, link: Link, extras: tuple[tuple[str, Any], ...
 def _ranks(job: Job) -> str:
     """This node's ranks of ``job`` as error messages name them ('ranks 0, 2-3'): any set,
     since a job's ranks need not be node-major; bounded, for the summary's size."""
-    text = ranks_text(job.local_ranks)
+    return _ranks_of(tuple(job.local_ranks))
+
+
+@functools.lru_cache(maxsize=256)
+def _ranks_of(ranks: tuple[int, ...]) -> str:
+    text = ranks_text(ranks)
     return text if len(text) <= _RANKS_CHARS else text[:_RANKS_CHARS] + "..."
 
 
@@ -304,6 +336,12 @@ def _apply(
     )
 
 
+@functools.lru_cache(maxsize=256)
+def _go(raw: bytes) -> Verdict:
+    """A go verdict from its message header, read once: call after call it is the same."""
+    return _apply(_parsed(raw)["verdict"], None)
+
+
 def _same_data(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> bool:
     """Whether the parts of ``theirs`` may be folded with ours (same collective)."""
     spec = mine.get("spec")
@@ -336,6 +374,8 @@ def agree(
 class _Incoming:
     """A message from ``peer``, its receive posted at once (so that the progress thread
     takes every message of this node's part in one go)."""
+
+    __slots__ = ("buf", "peer", "raw", "request")
 
     def __init__(self, link: Link, peer: int, tag: int, size: int) -> None:
         self.peer, self.buf = peer, np.empty(size, np.uint8)
@@ -415,18 +455,14 @@ def _tree(
     down: int,
 ) -> Verdict:
     assert job.layout is not None
-    nodes, node = job.layout.nodes, job.layout.node
-    tree = Tree(nodes, link.agreement_radix)
-    kids = tree.children(node)
-    incoming = [
-        _Incoming(link, kid, up, SUMMARY_BYTES * tree.subtree(kid) + _FRAME + SMALL_MAX_BYTES) for kid in kids
-    ]
-    verdict_in = (
-        _Incoming(link, tree.parent(node), down, _VERDICT_BYTES + _FRAME + SMALL_MAX_BYTES) if node else None
-    )
+    node = job.layout.node
+    shape = _shape(job.layout.nodes, link.agreement_radix, node)
+    kids = shape.kids
+    incoming = [_Incoming(link, kid, up, size) for kid, size in zip(kids, shape.kid_bytes, strict=True)]
+    verdict_in = _Incoming(link, shape.parent, down, _VERDICT_MESSAGE) if node else None
     summaries, acc = [mine.fields], part
-    pending.waiting_nodes = tuple(range(node + 1, node + tree.subtree(node)))
-    for kid, message in zip(kids, incoming, strict=True):
+    pending.waiting_nodes = shape.waiting[0]
+    for i, (kid, message) in enumerate(zip(kids, incoming, strict=True)):
         got = message.take(deadline)
         if isinstance(got, str):
             summaries.append({"node": kid, "ranks": "ranks unknown", "error": ["INVALID_ARGUMENT", got]})
@@ -439,7 +475,7 @@ def _tree(
             assert small is not None
             # Another collective's data cannot be folded: the verdict will be a mismatch.
             acc = small.fold(acc, _as(small, payload)) if _same_data(mine.fields, theirs) else None
-        pending.waiting_nodes = tuple(range(kid + tree.subtree(kid), node + tree.subtree(node)))
+        pending.waiting_nodes = shape.waiting[i + 1]
     if node == 0:
         raws = (mine.alone, *(m.raw for m in incoming))
         judged = _judged(raws) if all(raws) else None  # a raw is b"" where a take failed
@@ -451,7 +487,7 @@ def _tree(
         message = encode(said or {"verdict": verdict}, result)
     else:
         header = mine.alone if not kids else {"summaries": summaries}
-        sent = link.endpoint.send(tree.parent(node), up, encode(header, acc))
+        sent = link.endpoint.send(shape.parent, up, encode(header, acc))
         pending.waiting_nodes = (0,)
         assert verdict_in is not None
         got = verdict_in.take(deadline)
@@ -467,4 +503,7 @@ def _tree(
     for request in [link.endpoint.send(kid, down, message) for kid in kids]:
         request.wait(deadline)
     pending.waiting_nodes = ()
-    return _apply(verdict, result, summaries if node == 0 else None)
+    if node == 0 or "error" in verdict or verdict_in is None:
+        return _apply(verdict, result, summaries if node == 0 else None)
+    go = _go(verdict_in.raw)
+    return Verdict(go.model, result, go.use, go.trial, go.reports, go.segment)

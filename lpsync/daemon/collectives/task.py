@@ -9,6 +9,7 @@ finished, each stage a module of its own that reads the Task and hands its resul
 
 from __future__ import annotations
 
+import functools
 import time
 import zlib
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ _NO_DATA = np.dtype(np.uint8)  # a barrier's: it moves no data (count 0)
 STEP_BITS = 20
 
 
+@functools.lru_cache(maxsize=1024)
 def job_hash(name: str) -> int:
     """A job's name as a number: what its messages' tags are made of."""
     return zlib.crc32(name.encode())
