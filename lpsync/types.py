@@ -64,6 +64,12 @@ class ReduceOp(StrEnum):
     AVG = "avg"
 
 
+# A request's op and reduce op (strings, already checked) as members: a dict lookup, where
+# ``Collective(name)`` runs the Enum machinery in Python (the daemon does it per collective).
+COLLECTIVE_OF: dict[str, Collective] = {c.value: c for c in Collective}
+REDUCE_OP_OF: dict[str, ReduceOp] = {r.value: r for r in ReduceOp}
+
+
 # The element types of DESIGN.md; bfloat16 comes from ml_dtypes (numpy has none).
 _NUMPY_TYPES = {
     name: np.dtype(name) for name in ("float16", "float32", "float64", "int8", "int32", "int64", "uint8")

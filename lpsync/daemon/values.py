@@ -132,7 +132,7 @@ class Pending:
     spec: Spec
     arrivals: dict[int, Arrival] = field(default_factory=dict)
     timer: Timer | None = None
-    stall_timer: Timer | None = None
+    stall_checked: bool = False  # the job's stall watch looked at it (matching.py)
     opened: float = field(default_factory=time.monotonic)  # the first arrival
     opened_wall: float = field(default_factory=time.time)
     # Where it is now, and since when (monotonic); written by its one running thread.

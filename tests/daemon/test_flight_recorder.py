@@ -5,6 +5,7 @@ naming the missing ranks (or nodes) before its deadline. Real daemons, real `lps
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -14,6 +15,9 @@ import numpy as np
 import pytest
 
 import lpsync_client
+from lpsync.daemon.collectives.matching import Job, Recorder
+from lpsync.daemon.values import Arrival, Outcome, Spec
+from lpsync.daemon.watcher import Watcher
 from tests.daemon.harness import ROOT, DaemonProcess, PeeredDaemons
 
 STALL = 0.5
@@ -211,3 +215,46 @@ def test_multinode_status_names_the_node_not_heard_from(tmp_path: Path) -> None:
             c.close()
     finally:
         cluster.stop_and_check()
+
+
+def test_one_stall_watch_per_job_warns_for_each_stalled_collective_once(caplog) -> None:
+    """The job's one stall timer (matching.Job._stall_sweep): a collective opened while the
+    watch waits for an earlier one is still checked at its own threshold, each is warned
+    about once, one that finishes in time never, and the watch disarms when nothing is open."""
+    watcher = Watcher()
+    finished: list[int] = []
+    job = Job(
+        "sw",
+        2,
+        watcher,
+        lambda job, pending: Outcome(),
+        lambda *_: None,
+        dispatch=lambda j, p, run: run(),
+        recorder=Recorder(stall_seconds=STALL),
+    )
+
+    def arrive(rank: int, seq: int) -> None:
+        spec = Spec("barrier", "float32", 0, 0, "", "", "")
+        job.submit(Arrival(rank, seq, spec, 30.0, None, None, (), lambda o: finished.append(seq)))
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="lpsync.daemon"):
+            arrive(0, 1)
+            time.sleep(STALL / 2)
+            arrive(0, 2)  # opened while the watch is armed for #1
+            arrive(0, 3)
+            arrive(1, 3)  # finishes at once: never stalled
+            time.sleep(STALL * 3)
+            warned = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+            assert [w.split(" ")[1] for w in warned] == ["#1", "#2"]
+            assert all("missing rank(s) 1" in w for w in warned)
+            assert finished == [3, 3]
+            arrive(1, 1)
+            arrive(1, 2)
+            assert sorted(finished) == [1, 1, 2, 2, 3, 3]
+            assert {w.sequence for w in job.waiting()} == set()
+            time.sleep(STALL * 2)
+            assert job._stall_watch is None  # nothing open: disarmed
+            assert len([r for r in caplog.records if "has waited" in r.getMessage()]) == 2
+    finally:
+        watcher.stop()

@@ -47,7 +47,7 @@ from lpsync.daemon.values import (
     Waiting,
     ranks_text,
 )
-from lpsync.daemon.watcher import Watcher
+from lpsync.daemon.watcher import Timer, Watcher
 from lpsync.errors import (
     AbortedError,
     AlreadyExistsError,
@@ -109,6 +109,9 @@ class Job:
         self.history: deque[FlightRecord] = deque(maxlen=self.recorder.size)
         self._failed: OrderedDict[int, LpsyncError] = OrderedDict()
         self._watcher, self._runner, self._record = watcher, runner, record
+        # One timer per job checks for stalls (_stall_sweep), armed while a collective that
+        # may stall is open: a timer set and cancelled per collective cost every call.
+        self._stall_watch: Timer | None = None
         self._dispatch = dispatch
         self.plans = GroupCache()  # this job's built plans, reused across calls (plans.py)
         self.learner: Learner | None = None  # multi-node: what node 0 learned (learning.py)
@@ -198,10 +201,11 @@ class Job:
                 elif pending is None:
                     pending = Pending(seq, arrival.spec, opened=arrival.at)
                     self._pending[seq] = pending
-                    if self.recorder.stall_seconds < arrival.timeout:
-                        pending.stall_timer = self._watcher.at(
-                            pending.opened + self.recorder.stall_seconds,
-                            lambda p=pending: self._stall_check(p),
+                    if self.recorder.stall_seconds >= arrival.timeout:
+                        pending.stall_checked = True  # it fails before it could stall
+                    elif self._stall_watch is None:
+                        self._stall_watch = self._watcher.at(
+                            pending.opened + self.recorder.stall_seconds, self._stall_sweep
                         )
                 if pending is None:
                     pass
@@ -255,6 +259,20 @@ class Job:
         return True
 
     # -- the flight recorder ------------------------------------------------------------------
+    def _stall_sweep(self) -> None:
+        """The job's stall watch fired: check each open collective once, at its threshold,
+        and arm the watch again for the next one due."""
+        now, stall = time.monotonic(), self.recorder.stall_seconds
+        with self.lock:
+            unfinished = [*self._pending.values(), *self._active.values()]
+            due = [p for p in unfinished if not p.stall_checked and now >= p.opened + stall]
+            for pending in due:
+                pending.stall_checked = True
+            later = [p.opened for p in unfinished if not p.stall_checked]
+            self._stall_watch = self._watcher.at(min(later) + stall, self._stall_sweep) if later else None
+        for pending in due:
+            self._stall_check(pending)
+
     def _stall_check(self, pending: Pending) -> None:
         """Past the stall threshold and not finished: warn once, naming who is missing."""
         for waiting in self.waiting():
@@ -327,8 +345,6 @@ class Job:
             "OK" if error is None else error.code,
             "" if error is None else str(error),
         )
-        if pending.stall_timer is not None:
-            pending.stall_timer.cancel()
         with self.lock:
             self._active.pop(pending.sequence, None)
             self.history.append(record)

@@ -21,7 +21,7 @@ from lpsync.daemon.collectives.views import nccl_bytes
 from lpsync.daemon.values import Arrival, Pending, Spec
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.kind import Span
-from lpsync.types import Collective, dtype_of
+from lpsync.types import COLLECTIVE_OF, Collective, dtype_of
 
 _NO_DATA = np.dtype(np.uint8)  # a barrier's: it moves no data (count 0)
 # A collective's message tags (planning.tag_base): job hash | sequence | STEP_BITS of steps.
@@ -51,7 +51,7 @@ class Task:
     @classmethod
     def matched(cls, job: Job, pending: Pending) -> Task:
         spec = pending.spec
-        op = Collective(spec.op)
+        op = COLLECTIVE_OF[spec.op]
         dtype = _NO_DATA if op is Collective.BARRIER else dtype_of(spec.dtype)
         arrivals = [pending.arrivals[r] for r in job.local_ranks]
         device = [isinstance(a.data, Span) for a in arrivals]

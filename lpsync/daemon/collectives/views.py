@@ -6,13 +6,15 @@ the collective's size the same way, from here.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from lpsync.algorithms.cost import busbw_factor
 from lpsync.daemon.values import Arrival, Spec
 from lpsync.engine.group import layout
 from lpsync.reduction import Reduction
-from lpsync.types import BLOCKED, Collective, ReduceOp
+from lpsync.types import BLOCKED, COLLECTIVE_OF, REDUCE_OP_OF, Collective
 
 REDUCING = frozenset({Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER})
 
@@ -25,20 +27,25 @@ def nccl_bytes(op: str, count: int, itemsize: int, participants: int) -> int:
 
 
 def bus_factor(op: str, participants: int) -> float:
-    return 1.0 if op == Collective.BARRIER else busbw_factor(Collective(op), participants)
+    return 1.0 if op == Collective.BARRIER else busbw_factor(COLLECTIVE_OF[op], participants)
 
 
 def buffers(spec: Spec, arrival: Arrival, p: int) -> tuple[np.ndarray, np.ndarray]:
     """The participant's (input, output) views; in place, both are views of its one buffer."""
     assert arrival.data is not None
     if arrival.out is None:
-        op = Collective(spec.op)
+        op = COLLECTIVE_OF[spec.op]
         return layout(op, arrival.rank, p, spec.count, arrival.data, in_place=True, root=spec.root)
     return arrival.data, arrival.out
 
 
 def reduction(spec: Spec, dtype: np.dtype, participants: int) -> Reduction | None:
     """The reduction of a reducing collective (None for the others)."""
-    if Collective(spec.op) not in REDUCING:
+    if spec.op not in REDUCING:
         return None
-    return Reduction(ReduceOp(spec.reduce_op), dtype, participants)
+    return _reduction(spec.reduce_op, dtype, participants)
+
+
+@functools.lru_cache(maxsize=256)
+def _reduction(op: str, dtype: np.dtype, participants: int) -> Reduction:
+    return Reduction(REDUCE_OP_OF[op], dtype, participants)  # immutable: one per kind is shared
