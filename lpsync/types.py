@@ -109,6 +109,9 @@ DTYPES: Mapping[str, np.dtype] = _Dtypes()
 
 def dtype_of(name: str) -> np.dtype:
     """The numpy dtype for a DESIGN.md type name; InvalidArgumentError for anything else."""
+    dtype = _NUMPY_TYPES.get(name)  # the common case: no Mapping method in Python
+    if dtype is not None:
+        return dtype
     try:
         return DTYPES[name]
     except KeyError:

@@ -36,6 +36,7 @@ class NodeLayout:
     local_ranks: tuple[int, ...] = field(init=False, compare=False)  # this node's, ascending
     by_node: tuple[int, ...] = field(init=False, compare=False)  # node 0's ranks, node 1's...
     node_major: bool = field(init=False, compare=False)  # by_node is rank order
+    daemons: tuple[int, ...] = field(init=False, compare=False)  # daemon(n) of every node n
 
     def __post_init__(self) -> None:
         by_node = tuple(sorted(range(len(self.node_of)), key=lambda r: (self.node_of[r], r)))
@@ -43,6 +44,9 @@ class NodeLayout:
         object.__setattr__(self, "local_ranks", self.ranks_of(self.node))
         object.__setattr__(self, "by_node", by_node)
         object.__setattr__(self, "node_major", by_node == tuple(range(len(by_node))))
+        nodes = range(max(self.node_of) + 1)
+        daemons = tuple(self.cluster[n] for n in nodes) if self.cluster else tuple(nodes)
+        object.__setattr__(self, "daemons", daemons)
 
     @classmethod
     def uniform(cls, ranks_per_node: int, nodes: int, node: int) -> NodeLayout:

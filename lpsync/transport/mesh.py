@@ -137,7 +137,9 @@ class InFlight:
         return self._request.done
 
     def wait(self, deadline: float) -> None:
-        self._owner._wait(self._request, deadline, self._what)
+        request = self._request
+        if not request.done or request.error is not None:  # most sends finished inline
+            self._owner._wait(request, deadline, self._what)
 
 
 class MeshEndpoint:
@@ -368,7 +370,8 @@ class MeshEndpoint:
             raise UnavailableError(f"rank {self.rank}'s endpoint is closed")
 
     def _conn(self, peer: int) -> Any:
-        self._check()
+        if self._broken is not None or self._closed:
+            self._check()
         try:
             return self._conns[peer]
         except KeyError:

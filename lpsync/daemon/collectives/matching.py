@@ -213,7 +213,9 @@ class Job:
                     error = InvalidArgumentError(f"rank {arrival.rank} submitted collective #{seq} twice")
                 else:
                     pending.arrivals[arrival.rank] = arrival
-                    error = self._check(pending)
+                    # Equal to the first arrival's spec: all agree (the first: no check).
+                    same = arrival.spec is pending.spec or arrival.spec == pending.spec
+                    error = None if same else self._check(pending)
                     if error is not None:
                         del self._pending[seq]
                         self._remember(seq, error)

@@ -82,7 +82,9 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
         proposal = planning.propose(task, learner, link, last)
         mine = agreement.summary(job, task.spec, link, proposal.extras + hierarchy.offer(task, devices))
         if rides(task):  # agreed and finished in one: the data rides the agreement
-            staging = whole(task, devices, deadline)
+            # Host buffers need no staging: no generator-based context manager per call.
+            hosts = task.arrivals
+            staging = whole(task, devices, deadline) if task.on_device else contextlib.nullcontext(hosts)
             with staging as hosts:
                 small = SmallCollective(task, hosts)
                 verdict = agreement.agree(job, pending, link, deadline, mine, small)

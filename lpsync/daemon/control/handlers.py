@@ -108,8 +108,9 @@ class Service(pb_grpc.LpSyncServicer):
         # messages only when Status asks, to keep the collective path short.
         self.recent: deque[tuple] = deque(maxlen=_RECENT)
         self._closing = False
-        self._running = 0
-        self._idle = threading.Condition()
+        self._running = 0  # collectives running now, under _counting
+        self._counting = threading.Lock()
+        self._idle = threading.Condition()  # notified as each one ends, once closing
         self._ending = threading.Lock()
         self.trigger_path = ""  # set by the server when it offers the trigger socket
         # The peer plane's transport and device path, chosen at start (server.py); empty
@@ -703,22 +704,23 @@ class Service(pb_grpc.LpSyncServicer):
         return reply
 
     def _run(self, job: Job, pending: Pending) -> Outcome:
-        with self._idle:
+        with self._counting:
             self._running += 1
         try:
             return path.run(job, pending, self.plane, self.devices)
         finally:
-            with self._idle:
+            with self._counting:
                 self._running -= 1
-                self._idle.notify_all()
+            if self._closing:  # shutdown() set it before it reads _running: no lost wake-up
+                with self._idle:
+                    self._idle.notify_all()
 
     def _record(self, job: Job, pending: Pending, outcome: Outcome) -> None:
         spec = pending.spec
         code = "OK" if outcome.error is None else outcome.error.code
         self.any_source.finished(job, pending)
         if job.layout is not None and self.outcomes is not None:
-            daemons = tuple(job.layout.daemon(n) for n in range(job.layout.nodes))
-            self.outcomes.ran(job.name, pending.sequence, daemons, code)
+            self.outcomes.ran(job.name, pending.sequence, job.layout.daemons, code)
         self.recent.append(
             (
                 job.name,

@@ -193,10 +193,9 @@ class TriggerServer:
             while not self._stop.is_set() and not session.ended and not out.broken:
                 # Back-pressure: while max_queued replies wait for the client, its requests
                 # are not read; they back up in its socket and its sends block.
-                reading = len(out) < limits.max_queued
-                readable, writable, _ = select.select(
-                    [conn, out.wake] if reading else [out.wake], [conn] if len(out) else [], [], 1.0
-                )
+                held = len(out)
+                reading = [conn, out.wake] if held < limits.max_queued else [out.wake]
+                readable, writable, _ = select.select(reading, [conn] if held else [], [], 1.0)
                 if out.wake in readable:
                     os.eventfd_read(out.wake)
                 if writable:

@@ -92,15 +92,10 @@ class SharedEndpoint:
         self._endpoint = endpoint
         self.rank, self.size = endpoint.rank, endpoint.size
         self._local = threading.local()
-
-    def send(self, peer: int, tag: int, data: np.ndarray) -> SendRequest:
-        return self._endpoint.send(peer, tag, data)
-
-    def recv_into(self, peer: int, tag: int, out: np.ndarray, deadline: float) -> None:
-        self._endpoint.recv_into(peer, tag, out, deadline)
-
-    def post_recv(self, peer: int, tag: int, out: np.ndarray) -> RecvRequest:
-        return self._endpoint.post_recv(peer, tag, out)
+        # The endpoint's own methods, not wrappers: every message of the plane calls one.
+        self.send: Callable[[int, int, np.ndarray], SendRequest] = endpoint.send
+        self.recv_into: Callable[[int, int, np.ndarray, float], None] = endpoint.recv_into
+        self.post_recv: Callable[[int, int, np.ndarray], RecvRequest] = endpoint.post_recv
 
     def abort(self, error: BaseException) -> None:
         self._endpoint.abort(error)
@@ -250,6 +245,9 @@ class PeerPlane:
         For the same reason a collective that waited on a restarted daemon for its first
         mesh fails when that mesh turns out to be a rebuild (the survivors, whose mesh was
         lost, failed it at once); at the cluster's start every node waits alike."""
+        link = self._link  # the common case, without the lock (one reference read)
+        if link is not None and link.error is None and link.model is not None:
+            return link
         waited = False
         with self._changed:
             while True:
