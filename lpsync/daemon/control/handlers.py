@@ -687,8 +687,10 @@ class Service(pb_grpc.LpSyncServicer):
         device; issue 25, point 5). The returned ``done`` frees them, then replies: a
         mapping released meanwhile is closed before the client hears the result, so it
         never frees memory the daemon still maps (cudaFree before cudaIpcCloseMemHandle)."""
+        if self.devices is None:
+            return done
         spans = [s for s in (data, out) if isinstance(s, Span)]
-        if not spans or self.devices is None:
+        if not spans:
             return done
         devices = self.devices
         busy = devices.use([s.memory for s in spans])

@@ -167,12 +167,18 @@ def check_timeout(timeout: float) -> None:
 def check_collective(request, world_size: int, limits: Limits, algorithms) -> None:
     """The fields of a CollectiveRequest that need no buffer to check (the spans are
     checked against their buffers by SessionTable.view)."""
-    check_keyword("op", request.op, OPS)
-    check_timeout(request.timeout)
-    check_name("name", request.name, limits)
+    # Per collective: each helper (it raises, naming the field) only where the value is
+    # not plainly valid.
+    if request.op not in OPS:
+        check_keyword("op", request.op, OPS)
+    if request.timeout:
+        check_timeout(request.timeout)
+    if request.name:
+        check_name("name", request.name, limits)
     if request.op == Collective.BARRIER:
         return
-    check_keyword("dtype", request.dtype, DTYPES)
+    if request.dtype not in ITEMSIZE:
+        check_keyword("dtype", request.dtype, DTYPES)
     itemsize = ITEMSIZE[request.dtype]
     blocks = world_size if request.op in BLOCKED else 1  # the largest buffer of any rank
     if request.count < 0:
@@ -186,7 +192,7 @@ def check_collective(request, world_size: int, limits: Limits, algorithms) -> No
         )
     if request.op in ROOTED_OPS and request.root >= world_size:
         raise InvalidArgumentError(f"root {request.root} is not a rank of a world of {world_size}")
-    if request.reduce_op:
+    if request.reduce_op and request.reduce_op not in REDUCE_OPS:
         check_keyword("reduce_op", request.reduce_op, REDUCE_OPS)
     if request.algorithm:
         check_keyword("algorithm", request.algorithm, {*algorithms, DIRECT})
