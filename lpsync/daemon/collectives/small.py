@@ -52,6 +52,9 @@ class SmallCollective:
         layout = task.job.layout
         self.order = None if layout is None or layout.node_major else list(layout.by_node)
         self.reduction = reduction(task.spec, self.dtype, task.participants)
+        # The accumulator this node allocated: the only array a reduction may write into
+        # (never a participant's input, nor a received message's buffer).
+        self._own: np.ndarray | None = None
 
     def part(self) -> np.ndarray:
         """This node's contribution: its ranks' inputs reduced (reducing ops), laid end to
@@ -64,7 +67,7 @@ class SmallCollective:
             return np.empty(0, self.dtype)
         if self.op in _END_TO_END:
             return np.concatenate(inputs)
-        part = inputs[0].copy()
+        part = self._own = inputs[0].copy()
         for inp in inputs[1:]:
             self.reduction.combine(part, inp, part)
         return part
@@ -78,8 +81,8 @@ class SmallCollective:
             return np.concatenate((acc, part))
         if part.shape != acc.shape:
             raise ValueError(f"a part of {part.size} elements where {acc.size} were expected")
-        if not acc.flags.writeable or any(np.shares_memory(acc, inp) for inp, _ in self.buffers):
-            acc = acc.copy()  # never reduce into a participant's input
+        if acc is not self._own:
+            acc = self._own = acc.copy()
         self.reduction.combine(acc, part, acc)
         return acc
 
@@ -87,7 +90,7 @@ class SmallCollective:
         """The result from every node's folded parts (node 0 in the tree, every node in
         an exchange)."""
         if self.reduction is not None:
-            acc = acc.copy() if any(np.shares_memory(acc, inp) for inp, _ in self.buffers) else acc
+            acc = acc if acc is self._own else acc.copy()
             self.reduction.finalize(acc)
         return acc
 
@@ -108,5 +111,6 @@ class SmallCollective:
                 out.reshape(len(self.order), self.count)[self.order] = result.reshape(
                     len(self.order), self.count
                 )
-            elif not np.shares_memory(out, result):
-                np.copyto(out, result)
+            # Only a root's own input (broadcast in place) can be the result itself.
+            elif self.op not in _FROM_ROOT or not np.shares_memory(out, result):
+                out[...] = result
