@@ -13,11 +13,10 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
 
 import grpc
 
-from lpsync_client._pending import Hook, PendingRequests
+from lpsync_client._pending import Call, Hook, PendingRequests
 from lpsync_client._proto import lpsync_pb2 as pb
 from lpsync_client.errors import LpsyncError, UnavailableError, from_rpc_error
 
@@ -34,7 +33,7 @@ class SessionStream:
         )
         opened.result(timeout=open_timeout)
 
-    def submit(self, request: pb.SessionRequest, hook: Hook) -> Future:
+    def submit(self, request: pb.SessionRequest, hook: Hook) -> Call:
         """Send ``request``; the Future gets ``hook(response)`` or the hook's exception."""
         return self._pending.submit(request, hook, self._requests.put)
 

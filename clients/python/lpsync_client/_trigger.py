@@ -11,9 +11,8 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from concurrent.futures import Future
 
-from lpsync_client._pending import Hook, PendingRequests
+from lpsync_client._pending import Call, Hook, PendingRequests
 from lpsync_client._proto import lpsync_pb2 as pb
 from lpsync_client.errors import LpsyncError, UnavailableError, from_status
 
@@ -43,7 +42,7 @@ class TriggerStream:
         self._reader = threading.Thread(target=self._read, name="lpsync-client-trigger", daemon=True)
         self._reader.start()
 
-    def submit(self, request: pb.SessionRequest, hook: Hook) -> Future:
+    def submit(self, request: pb.SessionRequest, hook: Hook) -> Call:
         return self._pending.submit(request, hook, self._send)
 
     def _send(self, request: pb.SessionRequest) -> None:

@@ -36,6 +36,7 @@ from lpsync_client._convert import as_numpy, numpy_dtype
 from lpsync_client._device import DeviceOperand, describe, is_device_array
 from lpsync_client._order import InFlight, array_spans
 from lpsync_client._p2p import PairJobs
+from lpsync_client._pending import Call
 from lpsync_client._proto import lpsync_pb2 as pb
 from lpsync_client._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync_client._shm import Mapping
@@ -699,19 +700,17 @@ class Client:
         self._in_flight.add(finished, staged)
         return future
 
-    def _send(self, message: pb.SessionRequest, hook) -> Future:
+    def _send(self, message: pb.SessionRequest, hook) -> Call:
         with self._lock:  # sequence numbers leave in submission order
             self._sequence += 1
             message.collective.sequence = sequence = self._sequence
             future = self._path.submit(message, hook)
-        future.add_done_callback(lambda f: self._cancelled(f, sequence))
+        future.on_cancel = functools.partial(self._cancelled, sequence)
         return future
 
-    def _cancelled(self, future: Future, sequence: int) -> None:
+    def _cancelled(self, sequence: int) -> None:
         """A collective's Future was cancelled: tell the daemon, which fails it for every
         participant if it still waits for some (a queued or running one completes)."""
-        if not future.cancelled():
-            return
         with contextlib.suppress(LpsyncError):  # the session is gone: nothing waits on it
             self._path.submit(pb.SessionRequest(cancel=pb.Cancel(sequence=sequence)), lambda r: None)
 
@@ -723,6 +722,8 @@ class Client:
     def _wait(self, future: Future, timeout: float | None) -> object:
         bound = 2 * (self.timeout if timeout is None else timeout) + 10
         try:
+            if type(future) is Call and not future.settled(bound):  # the light wait
+                raise TimeoutError
             return future.result(timeout=bound)
         except TimeoutError:
             if future.done():
