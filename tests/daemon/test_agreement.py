@@ -113,9 +113,10 @@ def test_node_0_judges_a_repeated_set_of_summaries_once_and_a_mismatch_every_tim
     raws = (_message(_summary(0)), _message(_summary(1), _summary(2)))
     judged = _judged(raws)
     assert judged is not None
-    verdict, header = judged
+    verdict, header, applied = judged
     assert verdict == judge([_summary(n) for n in range(3)], 9, "job")
     assert json.loads(header) == {"verdict": verdict}
+    assert applied.model.alpha == verdict["alpha"] and applied.result is None
     assert _judged(raws) is judged  # not judged again
     # A mismatch is never taken from the cache: its message names the collective.
     assert _judged((_message(_summary(0)), _message(_summary(1, count=8)))) is None

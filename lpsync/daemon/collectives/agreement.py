@@ -74,6 +74,11 @@ class Verdict:
     # hierarchical pipeline (hierarchy.py), the smallest any node offered; 0: flat.
     segment: int = 0
 
+    def carrying(self, result: np.ndarray | None) -> Verdict:
+        """This verdict with a small collective's ``result`` (a go verdict is read once
+        and shared; the result is this call's)."""
+        return Verdict(self.model, result, self.use, self.trial, self.reports, self.segment)
+
 
 # -- the tree ------------------------------------------------------------------------------
 
@@ -173,15 +178,16 @@ def _parsed(raw: bytes) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=256)
-def _judged(raws: tuple[bytes, ...]) -> tuple[dict[str, Any], bytes] | None:
+def _judged(raws: tuple[bytes, ...]) -> tuple[dict[str, Any], bytes, Verdict] | None:
     """Node 0's go verdict on the summary messages ``raws`` (its own first, then each
-    child's, as they came) and its header, judged once per distinct set; None where the
-    nodes disagree or failed (the error names the collective: judged every time)."""
+    child's, as they came), its header and what it applies to, judged once per distinct
+    set; None where the nodes disagree or failed (the error names the collective: judged
+    every time)."""
     summaries = [s for raw in raws for s in _parsed(raw)["summaries"]]
     verdict = judge(summaries, 0, "")
     if "error" in verdict:
         return None
-    return verdict, json.dumps({"verdict": verdict}).encode()
+    return verdict, json.dumps({"verdict": verdict}).encode(), _apply(verdict, None, summaries)
 
 
 @dataclass(frozen=True)
@@ -342,10 +348,12 @@ def _go(raw: bytes) -> Verdict:
     return _apply(_parsed(raw)["verdict"], None)
 
 
-def _same_data(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> bool:
-    """Whether the parts of ``theirs`` may be folded with ours (same collective)."""
-    spec = mine.get("spec")
-    return spec is not None and all(s.get("spec") == spec for s in theirs)
+@functools.lru_cache(maxsize=256)
+def _same_data(mine: bytes, theirs: bytes) -> bool:
+    """Whether the parts under the summaries of message header ``theirs`` may be folded
+    with ours (same collective); headers, as their summaries repeat call after call."""
+    spec = _parsed(mine)["summaries"][0].get("spec")
+    return spec is not None and all(s.get("spec") == spec for s in _parsed(theirs)["summaries"])
 
 
 # -- the protocol --------------------------------------------------------------------------
@@ -429,14 +437,18 @@ def _exchange(
         pending.waiting_nodes = tuple(others[i + 1 :])
     for request in sends:
         request.wait(deadline)
-    verdict = judge(summaries, pending.sequence, job.name, job.layout.daemon)
+    raws = tuple([mine.alone, *[m.raw for m in incoming]])
+    judged = _judged(raws) if all(raws) else None  # every node judges: the same go verdict
+    verdict = judge(summaries, pending.sequence, job.name, job.layout.daemon) if judged is None else judged[0]
     result = None
     if small is not None and "error" not in verdict:
         acc = _as(small, parts[0])
         for n in range(1, nodes):
             acc = small.fold(acc, _as(small, parts[n]))
         result = small.finish(acc)
-    return _apply(verdict, result, summaries)
+    if judged is None:
+        return _apply(verdict, result, summaries)
+    return judged[2].carrying(result)
 
 
 def _as(small: SmallCollective, part: np.ndarray) -> np.ndarray:
@@ -474,12 +486,16 @@ def _tree(
         if acc is not None:
             assert small is not None
             # Another collective's data cannot be folded: the verdict will be a mismatch.
-            acc = small.fold(acc, _as(small, payload)) if _same_data(mine.fields, theirs) else None
+            acc = small.fold(acc, _as(small, payload)) if _same_data(mine.alone, message.raw) else None
         pending.waiting_nodes = shape.waiting[i + 1]
+    base = None  # the go verdict read once (_judged, _go), where there is one
     if node == 0:
-        raws = (mine.alone, *(m.raw for m in incoming))
+        raws = tuple([mine.alone, *[m.raw for m in incoming]])
         judged = _judged(raws) if all(raws) else None  # a raw is b"" where a take failed
-        verdict, said = judged or (judge(summaries, pending.sequence, job.name, job.layout.daemon), None)
+        if judged is not None:
+            verdict, said, base = judged
+        else:
+            verdict, said = judge(summaries, pending.sequence, job.name, job.layout.daemon), None
         result = None
         if small is not None and "error" not in verdict:
             assert acc is not None  # every node agreed, so every node sent its part
@@ -503,7 +519,8 @@ def _tree(
     for request in [link.endpoint.send(kid, down, message) for kid in kids]:
         request.wait(deadline)
     pending.waiting_nodes = ()
-    if node == 0 or "error" in verdict or verdict_in is None:
-        return _apply(verdict, result, summaries if node == 0 else None)
-    go = _go(verdict_in.raw)
-    return Verdict(go.model, result, go.use, go.trial, go.reports, go.segment)
+    if base is None:
+        if node == 0 or "error" in verdict or verdict_in is None:
+            return _apply(verdict, result, summaries if node == 0 else None)
+        base = _go(verdict_in.raw)
+    return base.carrying(result)
