@@ -35,8 +35,17 @@ class Call(Future):
     def __init__(self) -> None:
         super().__init__()
         self.on_cancel: Callable[[], None] | None = None
+        # How a caller that waits for it at once reads its reply on its own thread (the
+        # trigger socket's settle); None: another thread completes it.
+        self.settle_with: Callable[[Call, float], bool] | None = None
         self._open = _thread.allocate_lock()
         self._open.acquire()  # released once, when the Future is done
+
+    def wait(self, timeout: float) -> bool:
+        """Whether it is done within ``timeout`` seconds, its reply read on this thread
+        where it can be (settle_with)."""
+        settle = self.settle_with
+        return self.settled(timeout) if settle is None else settle(self, timeout)
 
     def settled(self, timeout: float) -> bool:
         """Whether the Future is done within ``timeout`` seconds."""
@@ -76,6 +85,10 @@ class PendingRequests:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._error: LpsyncError | None = None
+
+    def __len__(self) -> int:
+        """Requests in flight."""
+        return len(self._pending)
 
     @property
     def closed(self) -> bool:

@@ -33,9 +33,12 @@ class SessionStream:
         )
         opened.result(timeout=open_timeout)
 
-    def submit(self, request: pb.SessionRequest, hook: Hook) -> Call:
+    def submit(self, request: pb.SessionRequest, hook: Hook, foreground: bool = False) -> Call:
         """Send ``request``; the Future gets ``hook(response)`` or the hook's exception."""
         return self._pending.submit(request, hook, self._requests.put)
+
+    def wake(self) -> None:
+        """Nothing to do: this stream's reader reads every response."""
 
     def _iterate(self) -> Iterator[pb.SessionRequest]:
         while True:

@@ -1,9 +1,18 @@
 """The trigger socket: the Session protocol over a Unix SOCK_SEQPACKET socket, no gRPC.
 
 Same messages and the same Future-based API as the gRPC SessionStream; requests leave
-from the calling thread (no hand-off), one reader thread completes the Futures. The
-gRPC Session stream stays open beside it: it is how the daemon learns this client is
-gone. Every wait has a timeout (the socket's 1 s timeout, checked against close()).
+from the calling thread (no hand-off). Replies are read by one thread at a time (the
+``_reading`` lock): a thread blocked in a collective call reads them itself while no
+other thread is reading (``settle``: no hand-off to a reader thread and back, which was
+a third of a blocking call's CPU), and the background reader thread reads them for
+everything else (async calls, their callbacks, other threads' calls). Whichever thread
+reads a reply completes its Future, so an async call's done-callbacks may run on a
+thread that is blocked in another collective of the same client.
+
+Nothing waits forever: the background reader wakes for every async request and when a
+foreground reader stops with requests still pending; every wait has a timeout (the
+socket's 1 s timeout, checked against close()); the gRPC Session stream stays open beside
+it (it is how the daemon learns this client is gone).
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 
 from lpsync_client._pending import Call, Hook, PendingRequests
 from lpsync_client._proto import lpsync_pb2 as pb
@@ -39,11 +49,41 @@ class TriggerStream:
         self._sock.settimeout(1.0)
         self._pending = PendingRequests("trigger socket")
         self._closing = False
+        self._ended = False  # the socket failed or closed: every request was failed
+        self._reading = threading.Lock()  # held by the one thread reading replies
+        self._work = threading.Condition()  # the background reader waits here for requests
         self._reader = threading.Thread(target=self._read, name="lpsync-client-trigger", daemon=True)
         self._reader.start()
 
-    def submit(self, request: pb.SessionRequest, hook: Hook) -> Call:
-        return self._pending.submit(request, hook, self._send)
+    def submit(self, request: pb.SessionRequest, hook: Hook, foreground: bool = False) -> Call:
+        """Send ``request``; ``foreground``: the caller waits for it at once with ``settle``
+        (the background reader is not woken for it)."""
+        call = self._pending.submit(request, hook, self._send)
+        if foreground:
+            call.settle_with = self.settle
+        else:
+            self.wake()
+        return call
+
+    def wake(self) -> None:
+        """Have the background reader read every pending reply."""
+        with self._work:
+            self._work.notify()
+
+    def settle(self, call: Call, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for ``call``, reading replies on this thread
+        while no other thread reads them; whether it is done."""
+        if not self._reading.acquire(blocking=False):
+            return call.settled(timeout)  # another thread reads: it completes this one too
+        deadline = time.monotonic() + timeout
+        try:
+            while not call.done() and not self._ended and time.monotonic() < deadline:
+                self._receive()
+        finally:
+            self._reading.release()
+            if len(self._pending) and not self._ended:
+                self.wake()  # requests of other threads: someone must go on reading
+        return call.done()
 
     def _send(self, request: pb.SessionRequest) -> None:
         try:
@@ -52,31 +92,56 @@ class TriggerStream:
             raise UnavailableError(f"the trigger socket failed: {error}") from None
 
     def _read(self) -> None:
-        error: LpsyncError = UnavailableError("the trigger socket closed")
+        """The background reader: reads while requests are pending and no other thread
+        does, sleeps while none are."""
+        while True:
+            with self._work:
+                while not (self._ended or self._closing or len(self._pending)):
+                    self._work.wait()
+            if self._ended:
+                return
+            if self._closing and not len(self._pending):
+                self._end(UnavailableError("the trigger socket closed"))
+                return
+            with self._reading:
+                while len(self._pending) and not self._ended:
+                    self._receive()
+
+    def _receive(self) -> None:
+        """Read one reply and complete its request (the ``_reading`` lock held); on the
+        socket's failure or end, or the daemon's reason for closing it, fail them all."""
         try:
-            while not self._closing:
-                try:
-                    data = self._sock.recv(MAX_PACKET)
-                except TimeoutError:
-                    continue
-                if not data:
-                    break
-                response = pb.SessionResponse.FromString(data)
-                if response.request_id == 0 and response.WhichOneof("body") == "result":
-                    # The daemon's reason for closing this connection (a malformed packet,
-                    # a client that did not read its replies): every waiter gets it.
-                    r = response.result
-                    error = from_status(r.code or "UNAVAILABLE", r.message, r.error)
-                    break
-                self._pending.complete(response)
+            data = self._sock.recv(MAX_PACKET)
+        except TimeoutError:
+            if self._closing:
+                self._end(UnavailableError("the trigger socket closed"))
+            return
         except OSError as failure:
-            error = UnavailableError(f"the trigger socket failed: {failure}")
-        finally:
-            self._pending.fail_all(error)
+            self._end(UnavailableError(f"the trigger socket failed: {failure}"))
+            return
+        if not data:
+            self._end(UnavailableError("the trigger socket closed"))
+            return
+        response = pb.SessionResponse.FromString(data)
+        if response.request_id == 0 and response.WhichOneof("body") == "result":
+            # The daemon's reason for closing this connection (a malformed packet, a
+            # client that did not read its replies): every waiter gets it.
+            r = response.result
+            self._end(from_status(r.code or "UNAVAILABLE", r.message, r.error))
+            return
+        self._pending.complete(response)
+
+    def _end(self, error: LpsyncError) -> None:
+        self._ended = True
+        self._pending.fail_all(error)
+        self.wake()  # the background reader ends
 
     def close(self, timeout: float = 5.0) -> None:
         self._closing = True
         with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reader at once
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a reading thread at once
+        with self._work:
+            self._work.notify_all()
         self._reader.join(timeout)
+        self._pending.fail_all(UnavailableError("the trigger socket closed"))
         self._sock.close()

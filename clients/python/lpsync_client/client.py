@@ -253,6 +253,7 @@ class Client:
         self._reaper: threading.Thread | None = None  # started by the first hold=False registration
         self._scratch: dict[int, list[_Segment]] = {}
         self._lock = threading.Lock()
+        self._here = threading.local()  # .foreground: this thread's next request is waited at once
         self._sequence = 0
         self._closed = False
         # Prepared requests by (op, spans, parameters) for arrays in shared memory.
@@ -701,10 +702,14 @@ class Client:
         return future
 
     def _send(self, message: pb.SessionRequest, hook) -> Call:
+        here = self._here
+        foreground = getattr(here, "foreground", False)
+        if foreground:
+            here.foreground = False  # only the first request of a blocking call
         with self._lock:  # sequence numbers leave in submission order
             self._sequence += 1
             message.collective.sequence = sequence = self._sequence
-            future = self._path.submit(message, hook)
+            future = self._path.submit(message, hook, foreground)
         future.on_cancel = functools.partial(self._cancelled, sequence)
         return future
 
@@ -719,10 +724,25 @@ class Client:
             if operand.scratch is not None:
                 self._give_scratch(operand.scratch)
 
+    def _blocking(self, start: Callable[[], Future], timeout: float | None) -> object:
+        """``start()`` a collective and wait for it, its reply read on this thread where
+        it can be (TriggerStream.settle)."""
+        here = self._here
+        here.foreground = True
+        future = None
+        try:
+            future = start()
+        finally:
+            here.foreground = False
+            if not (type(future) is Call and future.settle_with is not None):
+                # Whatever start() sent was not that one Call: the background reader reads it.
+                self._path.wake()
+        return self._wait(future, timeout)
+
     def _wait(self, future: Future, timeout: float | None) -> object:
         bound = 2 * (self.timeout if timeout is None else timeout) + 10
         try:
-            if type(future) is Call and not future.settled(bound):  # the light wait
+            if type(future) is Call and not future.wait(bound):  # the light wait
                 raise TimeoutError
             return future.result(timeout=bound)
         except TimeoutError:
@@ -780,7 +800,7 @@ class Client:
         >>> g = client.zeros(4); g[:] = client.rank
         >>> client.allreduce(g, op="sum")    # every rank: 0 + 1 + ... + (P-1)
         """
-        return self._wait(self.allreduce_async(x, op, out, algorithm, timeout, name), timeout)
+        return self._blocking(lambda: self.allreduce_async(x, op, out, algorithm, timeout, name), timeout)
 
     def broadcast_async(
         self,
@@ -815,7 +835,7 @@ class Client:
 
         >>> client.broadcast(weights, root=0)
         """
-        return self._wait(self.broadcast_async(x, root, out, algorithm, timeout, name), timeout)
+        return self._blocking(lambda: self.broadcast_async(x, root, out, algorithm, timeout, name), timeout)
 
     def reduce_async(
         self,
@@ -853,7 +873,7 @@ class Client:
 
         >>> client.reduce(loss, root=0, op="avg")
         """
-        return self._wait(self.reduce_async(x, root, op, out, algorithm, timeout, name), timeout)
+        return self._blocking(lambda: self.reduce_async(x, root, op, out, algorithm, timeout, name), timeout)
 
     def allgather_async(
         self, x, out=None, algorithm: str | None = None, timeout: float | None = None, name: str = ""
@@ -879,7 +899,7 @@ class Client:
 
         >>> out = client.empty(client.world_size * 4); client.allgather(block, out=out)
         """
-        return self._wait(self.allgather_async(x, out, algorithm, timeout, name), timeout)
+        return self._blocking(lambda: self.allgather_async(x, out, algorithm, timeout, name), timeout)
 
     def reduce_scatter_async(
         self,
@@ -921,7 +941,8 @@ class Client:
 
         >>> mine = client.empty(n // client.world_size); client.reduce_scatter(x, out=mine)
         """
-        return self._wait(self.reduce_scatter_async(x, op, out, algorithm, timeout, name), timeout)
+        start = self.reduce_scatter_async
+        return self._blocking(lambda: start(x, op, out, algorithm, timeout, name), timeout)
 
     def gather_async(
         self,
@@ -966,7 +987,7 @@ class Client:
         >>> everything = client.empty(client.world_size * 4) if client.rank == 0 else None
         >>> client.gather(mine, root=0, out=everything)
         """
-        return self._wait(self.gather_async(x, root, out, algorithm, timeout, name), timeout)
+        return self._blocking(lambda: self.gather_async(x, root, out, algorithm, timeout, name), timeout)
 
     def scatter_async(
         self,
@@ -1008,7 +1029,7 @@ class Client:
 
         >>> mine = client.empty(4); client.scatter(shards if client.rank == 0 else mine, out=mine)
         """
-        return self._wait(self.scatter_async(x, root, out, algorithm, timeout, name), timeout)
+        return self._blocking(lambda: self.scatter_async(x, root, out, algorithm, timeout, name), timeout)
 
     def alltoall_async(
         self, x, out, algorithm: str | None = None, timeout: float | None = None, name: str = ""
@@ -1031,7 +1052,7 @@ class Client:
 
         >>> client.alltoall(tokens_by_expert, out=tokens_for_me)
         """
-        return self._wait(self.alltoall_async(x, out, algorithm, timeout, name), timeout)
+        return self._blocking(lambda: self.alltoall_async(x, out, algorithm, timeout, name), timeout)
 
     def send_async(self, x, dst: int, tag: int = 0, timeout: float | None = None) -> Future:
         return self._p2p.send(x, dst, tag, timeout)
@@ -1119,7 +1140,7 @@ class Client:
 
     def barrier(self, timeout: float | None = None, name: str = "") -> None:
         """Block until every rank of the job has reached this barrier."""
-        self._wait(self.barrier_async(timeout, name), timeout)
+        self._blocking(lambda: self.barrier_async(timeout, name), timeout)
 
     def ping(self, timeout: float = 10.0, via: str | None = None) -> None:
         """One empty round trip: on the path collectives take (default), or ``via="grpc"``
