@@ -1,0 +1,122 @@
+"""Who reads the trigger socket's replies (lpsync_client/_trigger.py), with a real daemon:
+a blocking call reads its own reply on the calling thread; async calls are read by the
+background reader; threads that mix both on one client all finish, with the right
+results, and nothing waits for a reader that is not coming."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lpsync_client
+from lpsync_client import _pending
+from tests.daemon.harness import DaemonProcess
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(Path(tmp_path_factory.mktemp("trigger-reading")))
+    yield d
+    d.stop_and_check()
+
+
+def test_a_blocking_call_reads_its_reply_and_async_ones_the_reader(
+    daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readers: list[str] = []
+    complete = _pending.PendingRequests.complete
+
+    def recorded(self, response) -> None:
+        readers.append(threading.current_thread().name)
+        complete(self, response)
+
+    monkeypatch.setattr(_pending.PendingRequests, "complete", recorded)
+    with lpsync_client.connect(daemon.socket, job="who-reads", rank=0, world_size=1, trigger="socket") as c:
+        x = c.zeros(4, "float32")
+        x[:] = 3
+        readers.clear()  # the session's opening, on the gRPC stream's thread
+        for _ in range(20):
+            c.allreduce(x)
+        blocking, readers[:] = list(readers), []
+        futures = [c.allreduce_async(x) for _ in range(20)]
+        for f in futures:
+            f.result(30)
+    assert blocking == [threading.current_thread().name] * 20
+    assert set(readers) == {"lpsync-client-trigger"} and len(readers) == 20
+    np.testing.assert_array_equal(x, 3)
+
+
+def test_threads_mixing_blocking_and_async_calls_on_one_client_all_finish(daemon: DaemonProcess) -> None:
+    errors: list[BaseException] = []
+    with lpsync_client.connect(daemon.socket, job="mixed", rank=0, world_size=1, trigger="socket") as c:
+
+        def work(t: int) -> None:
+            try:
+                x = c.zeros(8, "float32")
+                x[:] = t
+                done = threading.Event()
+                for i in range(150):
+                    if i % 3 == 0:  # an async call left to the background reader
+                        done.clear()
+                        f = c.broadcast_async(x, root=0)
+                        f.add_done_callback(lambda _: done.set())
+                        assert done.wait(30), f"thread {t}: call {i} never completed"
+                    else:
+                        c.allreduce(x, timeout=30)
+                    assert (x == t).all(), f"thread {t}: {x}"
+                c.barrier(timeout=30)
+            except BaseException as error:  # reported below, not lost with the thread
+                errors.append(error)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not any(thread.is_alive() for thread in threads), "a thread is still waiting"
+    assert not errors, errors[0]
+
+
+def test_a_callback_of_an_async_call_may_run_inside_a_blocking_call(daemon: DaemonProcess) -> None:
+    """The async call's reply may be read by a thread blocked in another call: its
+    callback then runs there, and may issue (not wait for) another collective."""
+    seen: list = []
+    with lpsync_client.connect(daemon.socket, job="callbacks", rank=0, world_size=1, trigger="socket") as c:
+        x, y = c.zeros(4, "float32"), c.zeros(4, "float32")
+        for _ in range(50):
+            f = c.allreduce_async(x)
+            f.add_done_callback(lambda _: seen.append(c.allreduce_async(y)))
+            c.allreduce(y, timeout=30)
+            f.result(30)
+        for g in seen:
+            g.result(30)
+    assert len(seen) == 50
+
+
+def test_threads_in_blocking_calls_only_hand_the_reading_on(daemon: DaemonProcess) -> None:
+    """No async call wakes the background reader here: when the thread that reads stops
+    (its own reply came), the others' replies are still read."""
+    errors: list[BaseException] = []
+    with lpsync_client.connect(daemon.socket, job="blocking", rank=0, world_size=1, trigger="socket") as c:
+
+        def work(t: int) -> None:
+            try:
+                x = c.zeros(8, "float32")
+                for i in range(200):
+                    x[:] = t + i
+                    c.allreduce(x, timeout=10)
+                    assert (x == t + i).all(), f"thread {t}: {x}"
+            except BaseException as error:  # reported below, not lost with the thread
+                errors.append(error)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not any(thread.is_alive() for thread in threads), "a thread is still waiting"
+    assert not errors, errors[0]
