@@ -6,7 +6,7 @@ results, and nothing waits for a reader that is not coming."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +22,26 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     d = DaemonProcess(Path(tmp_path_factory.mktemp("trigger-reading")))
     yield d
     d.stop_and_check()
+
+
+def _on_threads(work: Callable[[int], None], count: int) -> None:
+    """``work(t)`` on ``count`` threads at once; each one's error is raised here, and
+    none may still be waiting after two minutes."""
+    errors: list[BaseException] = []
+
+    def guarded(t: int) -> None:
+        try:
+            work(t)
+        except BaseException as error:  # reported below, not lost with the thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=guarded, args=(t,)) for t in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads), "a thread is still waiting"
+    assert not errors, errors[0]
 
 
 def test_a_blocking_call_reads_its_reply_and_async_ones_the_reader(
@@ -51,34 +71,24 @@ def test_a_blocking_call_reads_its_reply_and_async_ones_the_reader(
 
 
 def test_threads_mixing_blocking_and_async_calls_on_one_client_all_finish(daemon: DaemonProcess) -> None:
-    errors: list[BaseException] = []
     with lpsync_client.connect(daemon.socket, job="mixed", rank=0, world_size=1, trigger="socket") as c:
 
         def work(t: int) -> None:
-            try:
-                x = c.zeros(8, "float32")
-                x[:] = t
-                done = threading.Event()
-                for i in range(150):
-                    if i % 3 == 0:  # an async call left to the background reader
-                        done.clear()
-                        f = c.broadcast_async(x, root=0)
-                        f.add_done_callback(lambda _: done.set())
-                        assert done.wait(30), f"thread {t}: call {i} never completed"
-                    else:
-                        c.allreduce(x, timeout=30)
-                    assert (x == t).all(), f"thread {t}: {x}"
-                c.barrier(timeout=30)
-            except BaseException as error:  # reported below, not lost with the thread
-                errors.append(error)
+            x = c.zeros(8, "float32")
+            x[:] = t
+            done = threading.Event()
+            for i in range(150):
+                if i % 3 == 0:  # an async call left to the background reader
+                    done.clear()
+                    f = c.broadcast_async(x, root=0)
+                    f.add_done_callback(lambda _: done.set())
+                    assert done.wait(30), f"thread {t}: call {i} never completed"
+                else:
+                    c.allreduce(x, timeout=30)
+                assert (x == t).all(), f"thread {t}: {x}"
+            c.barrier(timeout=30)
 
-        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-        assert not any(thread.is_alive() for thread in threads), "a thread is still waiting"
-    assert not errors, errors[0]
+        _on_threads(work, 4)
 
 
 def test_a_callback_of_an_async_call_may_run_inside_a_blocking_call(daemon: DaemonProcess) -> None:
@@ -100,23 +110,13 @@ def test_a_callback_of_an_async_call_may_run_inside_a_blocking_call(daemon: Daem
 def test_threads_in_blocking_calls_only_hand_the_reading_on(daemon: DaemonProcess) -> None:
     """No async call wakes the background reader here: when the thread that reads stops
     (its own reply came), the others' replies are still read."""
-    errors: list[BaseException] = []
     with lpsync_client.connect(daemon.socket, job="blocking", rank=0, world_size=1, trigger="socket") as c:
 
         def work(t: int) -> None:
-            try:
-                x = c.zeros(8, "float32")
-                for i in range(200):
-                    x[:] = t + i
-                    c.allreduce(x, timeout=10)
-                    assert (x == t + i).all(), f"thread {t}: {x}"
-            except BaseException as error:  # reported below, not lost with the thread
-                errors.append(error)
+            x = c.zeros(8, "float32")
+            for i in range(200):
+                x[:] = t + i
+                c.allreduce(x, timeout=10)
+                assert (x == t + i).all(), f"thread {t}: {x}"
 
-        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-        assert not any(thread.is_alive() for thread in threads), "a thread is still waiting"
-    assert not errors, errors[0]
+        _on_threads(work, 4)
