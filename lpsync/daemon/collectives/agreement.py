@@ -437,8 +437,7 @@ def _exchange(
         pending.waiting_nodes = tuple(others[i + 1 :])
     for request in sends:
         request.wait(deadline)
-    raws = tuple([mine.alone, *[m.raw for m in incoming]])
-    judged = _judged(raws) if all(raws) else None  # every node judges: the same go verdict
+    judged = _judged_from(mine, incoming)  # every node judges: the same go verdict
     verdict = judge(summaries, pending.sequence, job.name, job.layout.daemon) if judged is None else judged[0]
     result = None
     if small is not None and "error" not in verdict:
@@ -449,6 +448,13 @@ def _exchange(
     if judged is None:
         return _apply(verdict, result, summaries)
     return judged[2].carrying(result)
+
+
+def _judged_from(mine: Summary, incoming: list[_Incoming]) -> tuple[dict[str, Any], bytes, Verdict] | None:
+    """_judged on this node's summary and the messages taken; None where a take failed
+    (its raw is b"": judged in full, with the failure)."""
+    raws = (mine.alone, *[m.raw for m in incoming])
+    return _judged(raws) if all(raws) else None
 
 
 def _as(small: SmallCollective, part: np.ndarray) -> np.ndarray:
@@ -490,8 +496,7 @@ def _tree(
         pending.waiting_nodes = shape.waiting[i + 1]
     base = None  # the go verdict read once (_judged, _go), where there is one
     if node == 0:
-        raws = tuple([mine.alone, *[m.raw for m in incoming]])
-        judged = _judged(raws) if all(raws) else None  # a raw is b"" where a take failed
+        judged = _judged_from(mine, incoming)
         if judged is not None:
             verdict, said, base = judged
         else:
