@@ -216,8 +216,10 @@ class TriggerServer:
             log.debug("trigger connection closed", extra={"error": repr(error)})
         finally:
             out.close()
-            conn.close()
+            # The slot first: a client that sees this connection close may connect again
+            # at once, and must find it free.
             self._slots.release()
+            conn.close()
 
     def _open(self, conn: socket.socket, reply):
         waited = 0.0
