@@ -393,6 +393,8 @@ def _cpu_text(point: Point) -> str:
     """The progress line's CPU per GB and, for lpsync, where the median iteration went."""
     per_gb = point.cpu_per_gb()
     text = "cpu -" if per_gb is None else f"cpu {per_gb:.4g} s/GB"
+    if (machine := point.machine_cpu_per_gb()) is not None:
+        text += f" (machine {machine:.4g})"
     fixed = point.fixed_cost()
     return text if fixed is None else f"{text} ({fixed.summary()})"
 

@@ -63,7 +63,8 @@ class Point:
     times: list[float] = field(default_factory=list)  # per iteration, the slowest rank's
     wrong: int = 0
     # CPU seconds summed over every node process (ranks, and daemons for lpsync): over
-    # the timed loop ("rank", "daemon") and over as many barriers alone ("..._barriers").
+    # the timed loop ("rank", "daemon") and over as many barriers alone ("..._barriers");
+    # "machine" and "machine_barriers": the whole machine's busy seconds, the same spans.
     cpu: dict[str, float] | None = None
     # node -> its daemon's flight records of the timed iterations, oldest first
     records: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
@@ -110,6 +111,14 @@ class Point:
         cpu = self.cpu_seconds()
         return None if cpu is None else cpu / (self.nbytes * len(self.times) / 1e9)
 
+    def machine_cpu_per_gb(self) -> float | None:
+        """The whole machine's busy CPU seconds per GB of message (softirq included where
+        it ran), the barriers' share taken out; None where it was not read."""
+        if self.cpu is None or "machine" not in self.cpu or not self.times:
+            return None
+        spent = max(0.0, self.cpu["machine"] - self.cpu["machine_barriers"])
+        return spent / (self.nbytes * len(self.times) / 1e9)
+
     def fixed_cost(self) -> FixedCost | None:
         """The stages of the median iteration (the lower one of an even count), or None
         without one complete flight record per node and iteration (gloo, --model)."""
@@ -152,6 +161,7 @@ class Point:
             "times": self.times,
             "cpu_seconds": self.cpu_seconds(),
             "cpu_s_per_gb": self.cpu_per_gb(),
+            "machine_cpu_s_per_gb": self.machine_cpu_per_gb(),
             "daemon_cpu_us_per_call": self.cpu_us_per_call("daemon"),
             "rank_cpu_us_per_call": self.cpu_us_per_call("rank"),
             "cpu": self.cpu,
@@ -199,13 +209,16 @@ def _block(rows: list[Point], fewest: dict[Key, Point]) -> list[str]:
         f"# {op}: {nodes} nodes x {k} rank{'s' if k > 1 else ''} per node, "
         f"{format_rate(first.rate_bits)} full-duplex NIC per node, {DTYPE}; time = median "
         f"of {len(first.times)} iterations of the slowest rank; cpu = CPU seconds of every "
-        "node process per GB of message; dmn/rank = CPU us per call of the mean daemon / "
+        "node process per GB of message; machine = the same for the whole machine's busy "
+        "CPU time (softirq wherever it ran); dmn/rank = CPU us per call of the mean daemon / "
         "rank; wire = bytes / link rate" + ("; vs Nn = time / the same point's on N nodes" if base else ""),
         f"#{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} "
-        f"{'algorithm':>13} | {'time':>12} {'cpu':>8} {'dmn':>7} {'rank':>7} {'algbw':>7} {'busbw':>7} "
+        f"{'algorithm':>13} | {'time':>12} {'cpu':>8} {'machine':>8} {'dmn':>7} {'rank':>7} "
+        f"{'algbw':>7} {'busbw':>7} "
         f"{'#wrong':>6} | {'wire':>12} {'x wire':>6}" + (f" {vs:>6}" if base else ""),
         f"#{'(B)':>12} {'(elements)':>12} {'':>8} {'':>6} {'':>5} {'':>13} | "
-        f"{'(us)':>12} {'(s/GB)':>8} {'(us)':>7} {'(us)':>7} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} | "
+        f"{'(us)':>12} {'(s/GB)':>8} {'(s/GB)':>8} {'(us)':>7} {'(us)':>7} "
+        f"{'(GB/s)':>7} {'(GB/s)':>7} {'':>6} | "
         f"{'(us)':>12} {'':>6}" + (f" {'':>6}" if base else ""),
     ]
     for p in rows:
@@ -213,6 +226,7 @@ def _block(rows: list[Point], fewest: dict[Key, Point]) -> list[str]:
         lines.append(
             f" {p.nbytes:>12} {p.count:>12} {DTYPE:>8} {redop:>6} {root:>5} "
             f"{label(p):>13} | {p.seconds * 1e6:>12.1f} {_fmt(p.cpu_per_gb(), '.4g', 8)} "
+            f"{_fmt(p.machine_cpu_per_gb(), '.4g', 8)} "
             f"{_fmt(p.cpu_us_per_call('daemon'), '.0f', 7)} {_fmt(p.cpu_us_per_call('rank'), '.0f', 7)} "
             f"{p.algbw():>7.3f} {p.busbw():>7.3f} {p.wrong:>6} | "
             f"{p.wire_seconds * 1e6:>12.1f} {p.seconds / p.wire_seconds:>6.2f}"

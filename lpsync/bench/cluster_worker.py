@@ -84,8 +84,10 @@ def measure(
     cpu = {
         "rank": c1[0] - c0[0],
         "daemon": c1[1] - c0[1],
+        "machine": c1[2] - c0[2],
         "rank_barriers": c2[0] - c1[0],
         "daemon_barriers": c2[1] - c1[1],
+        "machine_barriers": c2[2] - c1[2],
     }
     return Measured(times, (w0, w1), cpu)
 
@@ -95,11 +97,13 @@ def _emit(**point: object) -> None:
 
 
 def _meter(args: argparse.Namespace, rank: int) -> tuple[CpuMeter, int | None]:
-    """This rank's meter, with its daemon's CPU on local rank 0 of each node; the node."""
+    """This rank's meter, with its daemon's CPU on local rank 0 of each node and the
+    machine's on rank 0 (the nodes share it); the node."""
+    machine = rank == 0
     if os.environ.get("LOCAL_RANK", "0") != "0" or not getattr(args, "daemon_pids", None):
-        return CpuMeter(), None
+        return CpuMeter(machine=machine), None
     node = rank // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return CpuMeter(args.daemon_pids[node]), node
+    return CpuMeter(args.daemon_pids[node], machine), node
 
 
 def run_lpsync(args: argparse.Namespace, rank: int, world: int) -> None:
@@ -234,7 +238,8 @@ def run_gloo(args: argparse.Namespace, rank: int, world: int) -> None:
             for nbytes in args.sizes:
                 count = element_count(op, nbytes, world, ROOT)
                 tensors = gloo_tensors(op, rank, world, count, ROOT)
-                got = measure(gloo_call(dist, op, *tensors, ROOT), dist.barrier, args.warmup, args.iters)
+                call = gloo_call(dist, op, *tensors, ROOT)
+                got = measure(call, dist.barrier, args.warmup, args.iters, CpuMeter(machine=rank == 0))
                 wrong = gloo_verify(dist, op, tensors, rank, world, count, ROOT)
                 _emit(
                     engine="gloo",

@@ -5,7 +5,11 @@ A process's CPU clock (Linux: the CPUCLOCK_SCHED clock of a pid, what
 system time of every thread the process has had, exited ones included, in nanoseconds;
 /proc/<pid>/stat's utime+stime count the same in clock ticks (10 ms), too coarse for one
 collective. Time the kernel spends for a process in softirq context (the receive side of
-its sockets) is charged to whichever process was running, so part of it is not counted.
+its sockets) is charged to whichever process was running, so part of it is not counted:
+an engine that keeps the CPUs busy absorbs more of it than one that leaves them idle.
+The whole machine's busy time (/proc/stat: every CPU's time outside idle, iowait and
+steal; softirq included wherever it ran) counts all of it, and everything else the
+machine did: read it beside the processes' figure, on a machine that runs nothing else.
 """
 
 from __future__ import annotations
@@ -37,12 +41,32 @@ def cpu_seconds(pid: int) -> float:
         ) from None
 
 
+_TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
+# proc(5), the "cpu" line of /proc/stat: user nice system idle iowait irq softirq steal
+# (guest is already in user). Idle, iowait and steal (the hypervisor running others) are
+# not this machine's work.
+_BUSY_FIELDS = (0, 1, 2, 5, 6)
+
+
+def machine_busy_seconds(stat: str = "/proc/stat") -> float:
+    """CPU seconds every CPU of the machine has spent outside idle and iowait since boot
+    and steal (user, system, irq, softirq), in clock ticks of 10 ms: a loop of seconds
+    needs no finer clock."""
+    with open(stat) as f:
+        fields = f.readline().split()[1:]
+    return sum(int(fields[i]) for i in _BUSY_FIELDS) / _TICKS_PER_SECOND
+
+
 @dataclass(frozen=True)
 class CpuMeter:
-    """Reads this process's CPU seconds and, when ``daemon_pid`` is set, its daemon's."""
+    """Reads this process's CPU seconds, its daemon's when ``daemon_pid`` is set, and the
+    whole machine's busy seconds when ``machine`` is set (one rank of a run reads it: the
+    emulated nodes share the machine)."""
 
     daemon_pid: int | None = None  # this node's daemon; None: only this process
+    machine: bool = False
 
-    def read(self) -> tuple[float, float]:
+    def read(self) -> tuple[float, float, float]:
         own = time.process_time()
-        return own, (cpu_seconds(self.daemon_pid) if self.daemon_pid is not None else 0.0)
+        daemon = cpu_seconds(self.daemon_pid) if self.daemon_pid is not None else 0.0
+        return own, daemon, (machine_busy_seconds() if self.machine else 0.0)

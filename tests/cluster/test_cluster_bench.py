@@ -21,7 +21,7 @@ import pytest
 from lpsync.bench.cluster import ClusterOptions
 from lpsync.bench.cluster_report import STAGES, Point, emit, key, label, scaling, table
 from lpsync.bench.cluster_worker import measure
-from lpsync.bench.cpu import CpuMeter, cpu_seconds
+from lpsync.bench.cpu import CpuMeter, cpu_seconds, machine_busy_seconds
 from lpsync.cli import main
 from lpsync.cluster import existing
 from lpsync.errors import LpsyncError
@@ -203,7 +203,31 @@ def test_measure_counts_the_calls_cpu_apart_from_the_barriers() -> None:
     assert got.cpu["rank"] == pytest.approx(0.105, abs=0.015)
     assert got.cpu["rank"] - got.cpu["rank_barriers"] == pytest.approx(0.08, abs=0.015)
     assert got.cpu["daemon"] == 0 == got.cpu["daemon_barriers"]  # no daemon pid
+    assert got.cpu["machine"] == 0 == got.cpu["machine_barriers"]  # not asked for
     assert got.window[0] < got.window[1]
+
+
+def test_the_machine_meter_reads_every_busy_cpu_field_but_idle_iowait_and_steal(tmp_path: Path) -> None:
+    # proc(5): user nice system idle iowait irq softirq steal guest guest_nice, in ticks.
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 2 30 5000 40 6 70 900 11 0\ncpu0 50 1 15 2500 20 3 35 450 5 0\n")
+    ticks = os.sysconf("SC_CLK_TCK")
+    assert machine_busy_seconds(str(stat)) == pytest.approx((100 + 2 + 30 + 6 + 70) / ticks)
+
+
+def test_the_machine_meter_sees_another_process_burn() -> None:
+    # What a child burns shows on the machine's clock (its ticks: 10 ms each, and
+    # whatever else the machine did meanwhile on top).
+    before = CpuMeter(machine=True).read()[2]
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import time\ne = time.process_time() + 0.5\nwhile time.process_time() < e: pass",
+        ],
+        check=True,
+    )
+    assert CpuMeter(machine=True).read()[2] - before >= 0.4
 
 
 def test_cpu_meter_reads_another_process_and_fails_once_it_is_gone() -> None:
@@ -328,6 +352,10 @@ def test_three_node_cluster_bench_end_to_end() -> None:
         assert p["cpu"]["rank"] > 0 and (p["cpu"]["daemon"] > 0) == (p["algorithm"] != "gloo")
         assert 0 <= p["cpu_seconds"] < (os.cpu_count() or 1) * (sum(p["times"]) + 2.0)
         assert p["cpu_s_per_gb"] == pytest.approx(p["cpu_seconds"] / (2 * p["bytes"] / 1e9))
+        # The machine's busy time, read by rank 0 over the same spans (both engines).
+        machine = max(0.0, p["cpu"]["machine"] - p["cpu"]["machine_barriers"])
+        assert 0 <= p["cpu"]["machine"] < (os.cpu_count() or 1) * (sum(p["times"]) + 2.0)
+        assert p["machine_cpu_s_per_gb"] == pytest.approx(machine / (2 * p["bytes"] / 1e9))
         # Per call and process: the daemons' mean (none for gloo) and the ranks' mean.
         ranks, calls = p["nodes"] * p["procs_per_node"], len(p["times"])
         rank_us = max(0.0, p["cpu"]["rank"] - p["cpu"]["rank_barriers"]) / ranks / calls * 1e6
