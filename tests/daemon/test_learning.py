@@ -7,6 +7,7 @@ from lpsync.algorithms.tuner import Choice
 from lpsync.daemon.collectives.learning import (
     MAX_CANDIDATES,
     MIN_VARIANT_CHUNK,
+    NEAR,
     SHORTLIST,
     TRIALS,
     Learner,
@@ -49,6 +50,27 @@ def test_tries_the_shortlist_then_keeps_the_fastest_measured() -> None:
     assert all(not trial for _, trial in seen[3 * TRIALS :])
     assert [a for a, _ in seen[3 * TRIALS + 1 :]] == ["mst"] * 4  # measured, not predicted
     assert learner.learned(KEY) == PREDICTED[1]
+
+
+def test_a_near_tie_goes_to_the_fewest_chunks() -> None:
+    # LP with 16 chunks is fastest, by less than NEAR over 8 chunks (kept: fewer
+    # messages); 4 chunks is slower by more than NEAR (not kept).
+    predicted = [Choice("lp", 8, 0.50), Choice("lp", 4, 0.52), Choice("lp", 16, 0.49)]
+    measured = {8: 0.566 * (1 + NEAR * 0.8), 4: 0.566 * (1 + NEAR * 1.5), 16: 0.566}
+    learner = Learner(nodes=1)
+    for sequence in range(3 * TRIALS):
+        choice, trial = learner.choose(KEY, lambda: predicted)
+        assert trial
+        learner.issued(sequence, KEY, choice)
+        learner.report(0, sequence, measured[choice.chunks])
+    assert learner.learned(KEY) == predicted[0]
+    # Without the 8-chunk candidate, 16 chunks is the only one within reach.
+    learner = Learner(nodes=1)
+    for sequence in range(2 * TRIALS):
+        choice, _ = learner.choose(KEY, lambda: predicted[1:])
+        learner.issued(sequence, KEY, choice)
+        learner.report(0, sequence, measured[choice.chunks])
+    assert learner.learned(KEY) == predicted[2]
 
 
 def test_the_slowest_node_counts() -> None:

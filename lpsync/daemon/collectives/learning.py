@@ -10,7 +10,11 @@ whether that run is a trial; the verdict carries node 0's word to all (agreement
 every node builds the same schedule. Each node reports how long its share of a trial took
 in its summary of the job's next collective ("last"); node 0 counts the slowest node's
 time. Once every shortlisted candidate has TRIALS timed runs, node 0 keeps the one with
-the lowest median for that (op, bytes) of the job, and says so in every later summary.
+the lowest median for that (op, bytes) of the job, and says so in every later summary;
+of the candidates within NEAR of that median it keeps the one with the fewest chunks.
+Two trials cannot tell such times apart, and each message costs CPU on every node on
+every later call: on 8 emulated nodes a 64 MiB broadcast in twice the chunks was 1.6%
+faster and cost 30% more CPU (docs/benchmarks.md).
 
 State lives with the job (one Learner per job and node), so a job's later calls of a
 size pay no trials; a restarted job learns again.
@@ -18,6 +22,7 @@ size pay no trials; a restarted job learns again.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 from collections.abc import Callable
@@ -29,10 +34,13 @@ from lpsync.algorithms.registry import ALGORITHMS
 from lpsync.algorithms.tuner import Choice, predictions
 from lpsync.types import Collective
 
+log = logging.getLogger("lpsync.daemon")
+
 TRIALS = 2  # timed runs per shortlisted candidate
 SHORTLIST = 2.0  # candidates predicted within this factor of the fastest are tried
 MIN_VARIANT_CHUNK = 32 * 1024  # bytes: no chunk count variant cuts finer than this
 MAX_CANDIDATES = 6  # trials per size stay bounded: TRIALS * MAX_CANDIDATES calls at most
+NEAR = 0.02  # measured medians this close to the fastest count as ties: fewest chunks wins
 
 Key = tuple[str, int]  # (op, nccl-tests bytes)
 Pick = tuple[str, int]  # (algorithm, chunks)
@@ -68,6 +76,25 @@ class _Size:
 
 def _pick(choice: Choice) -> Pick:
     return (choice.algorithm, choice.chunks)
+
+
+def _trials(size: _Size) -> str:
+    """The kept candidate and every candidate's measured times, for the log."""
+    best = size.best
+    timed = ", ".join(
+        f"{c.algorithm}/{c.chunks} {statistics.median(size.times[_pick(c)]) * 1e3:.2f} ms"
+        for c in sorted(size.shortlist, key=lambda c: statistics.median(size.times[_pick(c)]))
+    )
+    return f"kept {best.algorithm}/{best.chunks} chunks of ({timed})" if best else timed
+
+
+def _keep(size: _Size) -> Choice:
+    """The fewest chunks among the candidates timed within NEAR of the fastest median
+    (then the faster of those)."""
+    medians = {_pick(c): statistics.median(size.times[_pick(c)]) for c in size.shortlist}
+    fastest = min(medians.values())
+    near = [c for c in size.shortlist if medians[_pick(c)] <= fastest * (1 + NEAR)]
+    return min(near, key=lambda c: (c.chunks, medians[_pick(c)]))
 
 
 class Learner:
@@ -136,7 +163,8 @@ class Learner:
             size = self._sizes[key]
             size.times.setdefault(pick, []).append(max(got.values()))
             if all(len(size.times.get(_pick(c), ())) >= TRIALS for c in size.shortlist):
-                size.best = min(size.shortlist, key=lambda c: statistics.median(size.times[_pick(c)]))
+                size.best = _keep(size)
+                log.info("learned %s of %d bytes: %s", key[0], key[1], _trials(size))
 
     def learned(self, key: Key) -> Choice | None:
         with self._lock:
