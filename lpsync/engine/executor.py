@@ -34,6 +34,10 @@ from lpsync.reduction import Reduction
 _SEND, _RECV, _RECV_REDUCE, _COPY = (int(k) for k in Kind)
 RECV_WINDOW = 4  # receives posted ahead: enough to keep a pipeline's next chunks flowing
 _LOOKAHEAD = 64  # steps scanned past the current one for receives to post
+# Finished sends are dropped from the in-flight list past this length: a middle node of an
+# LP pipeline sends every chunk, and a list of them all made each receive posted scan
+# them all (quadratic in the chunk count).
+_PRUNE_AT = 16
 
 
 @dataclass
@@ -200,6 +204,8 @@ class Plan:
                 if step.kind == _SEND:
                     request = endpoint.send(step.peer, tag_base + step.tag, step.wire)
                     in_flight.append((step.lo, step.hi, request))
+                    if len(in_flight) > _PRUNE_AT:  # each post_ahead scans the sends in flight
+                        in_flight[:] = [item for item in in_flight if not item[2].done()]
                     continue
                 entry = posted.pop(index, None)
                 if in_flight and entry is None:
