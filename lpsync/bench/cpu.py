@@ -49,9 +49,9 @@ _BUSY_FIELDS = (0, 1, 2, 5, 6)
 
 
 def machine_busy_seconds(stat: str = "/proc/stat") -> float:
-    """CPU seconds every CPU of the machine has spent outside idle and iowait since boot
-    and steal (user, system, irq, softirq), in clock ticks of 10 ms: a loop of seconds
-    needs no finer clock."""
+    """CPU seconds the machine's CPUs have spent busy since boot, all CPUs together (user,
+    nice, system, irq, softirq; not idle, iowait or steal). The counts are clock ticks of
+    10 ms, and a loop of seconds needs no finer clock."""
     with open(stat) as f:
         fields = f.readline().split()[1:]
     return sum(int(fields[i]) for i in _BUSY_FIELDS) / _TICKS_PER_SECOND
