@@ -72,6 +72,7 @@ class RoutedEndpoint:
         self._node_of, self._node = placement.node_of, placement.node
         self._local, self._remote = local, remote
         self._post_remote = getattr(remote, "post_recv", None)  # a PostingEndpoint's, if any
+        self._relay_remote = getattr(remote, "post_relay", None)  # a RelayingEndpoint's, if any
 
     def _is_local(self, peer: int) -> bool:
         return self._node_of[peer] == self._node
@@ -94,6 +95,19 @@ class RoutedEndpoint:
         if post is None or self._is_local(peer):
             return None
         return post(self._node_of[peer], fold(peer, self.rank, tag), out)  # type: ignore[no-any-return]
+
+    def post_relay(
+        self, peer: int, tag: int, out: np.ndarray, to_peer: int, to_tag: int
+    ) -> tuple[RecvRequest, SendRequest] | None:
+        """A message from another node sent on to a third as it lands, where the node-level
+        transport can (lpsync.engine.endpoint.RelayingEndpoint); None otherwise."""
+        relay = self._relay_remote
+        if relay is None or self._is_local(peer) or self._is_local(to_peer):
+            return None
+        node_of = self._node_of
+        return relay(  # type: ignore[no-any-return]
+            node_of[peer], fold(peer, self.rank, tag), out, node_of[to_peer], fold(self.rank, to_peer, to_tag)
+        )
 
     def abort(self, error: BaseException) -> None:
         abort = getattr(self._remote, "abort", None)

@@ -188,9 +188,19 @@ def settle_before_kill() -> None:
     time.sleep(0.5)
 
 
-def test_killed_peer_fails_the_survivors_promptly(transport: str) -> None:
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case("allreduce", "lp", 200_000, chunks=8),
+        # Rank 2 is the root: rank 0 relays each chunk on to rank 1 (the TCP backend's
+        # post_relay) and rank 1 waits for its receives only at the end.
+        Case("broadcast", "lp", 200_000, root=2, chunks=8),
+    ],
+    ids=["allreduce", "broadcast-root-killed"],
+)
+def test_killed_peer_fails_the_survivors_promptly(transport: str, case: Case) -> None:
     """SIGKILL one of three mid-collective: the others raise within seconds, never hang."""
-    cases = [Case("allreduce", "lp", 200_000, chunks=8)]
+    cases = [case]
     with participants(3, cases, transport, modes=["run", "run", "hang"], timeout=30.0) as (queue, procs):
         collect(queue, {"connected"}, 3, 60)
         time.sleep(0.5)  # ranks 0 and 1 are now blocked inside the collective

@@ -121,6 +121,47 @@ def test_a_shorter_message_lands_and_a_longer_one_is_refused_without_breaking() 
         assert (nine == 9).all() and a.error is None and b.error is None
 
 
+def test_a_relay_sends_each_message_on_as_it_lands() -> None:
+    """post_relay on b: a's message lands in b's buffer and comes back to a as another
+    tag, sent by b's reader (posted first), or by the post itself (the message came
+    first); a message too large for the relay's buffer fails the receive and the onward
+    send alike, and the connection goes on."""
+    rng = np.random.default_rng(7)
+    with pair() as (a, b):
+        deadline = time.monotonic() + 10
+        for size in (0, 5, 3 << 20):  # 3 MiB: past the socket buffers
+            data = rng.integers(0, 255, size, dtype=np.uint8)
+            out, back = np.zeros(size, np.uint8), np.zeros(size, np.uint8)
+            returned = a.post_recv(1, 11, back)
+            received, onward = b.post_relay(0, 10, out, 0, 11)
+            a.send(1, 10, data).wait(deadline)
+            onward.wait(deadline)
+            received.wait(deadline)
+            returned.wait(deadline)
+            assert (out == data).all() and (back == data).all(), size
+        # The message first, then the relay: forwarded from the posting thread.
+        data = rng.integers(0, 255, 1000, dtype=np.uint8)
+        a.send(1, 20, data).wait(deadline)
+        time.sleep(0.2)  # it waits unexpected on b's side
+        out, back = np.zeros(1000, np.uint8), np.zeros(1000, np.uint8)
+        received, onward = b.post_relay(0, 20, out, 0, 21)
+        a.recv_into(1, 21, back, deadline)
+        onward.wait(deadline)
+        assert (back == data).all()
+        # Too large: both fail with the receive's reason; nothing is sent on.
+        received, onward = b.post_relay(0, 30, np.zeros(8, np.uint8), 0, 31)
+        a.send(1, 30, np.arange(64, dtype=np.uint8)).wait(deadline)
+        with pytest.raises(InvalidArgumentError, match="larger than the receive buffer"):
+            received.wait(deadline)
+        with pytest.raises(InvalidArgumentError, match="larger than the receive buffer"):
+            onward.wait(deadline)
+        a.send(1, 3, np.full(5, 9, np.uint8)).wait(deadline)
+        nine = np.zeros(5, np.uint8)
+        b.recv_into(0, 3, nine, deadline)
+        assert (nine == 9).all() and a.error is None and b.error is None
+        assert a.early_bytes(1) == 0  # nothing relayed under tag 31 arrived
+
+
 def test_a_header_announcing_more_than_memory_breaks_the_endpoint_cleanly() -> None:
     """A peer's bug, not a crash: the reader reports the peer gone instead of dying."""
     with pair() as (a, b):

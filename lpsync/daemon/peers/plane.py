@@ -96,6 +96,13 @@ class SharedEndpoint:
         self.send: Callable[[int, int, np.ndarray], SendRequest] = endpoint.send
         self.recv_into: Callable[[int, int, np.ndarray, float], None] = endpoint.recv_into
         self.post_recv: Callable[[int, int, np.ndarray], RecvRequest] = endpoint.post_recv
+        self._relay = getattr(endpoint, "post_relay", None)  # the TCP backend has one
+
+    def post_relay(
+        self, peer: int, tag: int, out: np.ndarray, to_peer: int, to_tag: int
+    ) -> tuple[RecvRequest, SendRequest] | None:
+        relay = self._relay
+        return None if relay is None else relay(peer, tag, out, to_peer, to_tag)
 
     def abort(self, error: BaseException) -> None:
         self._endpoint.abort(error)
@@ -127,6 +134,13 @@ class _Renumbered:
 
     def post_recv(self, peer: int, tag: int, out: np.ndarray) -> RecvRequest | None:
         return self._endpoint.post_recv(self._daemons[peer], tag, out)
+
+    def post_relay(
+        self, peer: int, tag: int, out: np.ndarray, to_peer: int, to_tag: int
+    ) -> tuple[RecvRequest, SendRequest] | None:
+        relay = getattr(self._endpoint, "post_relay", None)
+        daemons = self._daemons
+        return None if relay is None else relay(daemons[peer], tag, out, daemons[to_peer], to_tag)
 
     def recv_borrow(self, peer: int, tag: int, nbytes: int, deadline: float):
         return self._endpoint.recv_borrow(self._daemons[peer], tag, nbytes, deadline)

@@ -32,6 +32,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -255,8 +256,11 @@ class TcpEndpoint(MeshEndpoint):
 
     # -- the Endpoint interface ----------------------------------------------------------
 
-    def _enqueue(self, conn: _Conn, tag: int, buf: np.ndarray) -> Request:
+    def _enqueue(
+        self, conn: _Conn, tag: int, buf: np.ndarray, on_done: Callable[[Request], None] | None = None
+    ) -> Request:
         request = Request()
+        request.on_done = on_done  # before any thread can finish it
         header = _HEADER.pack(tag, buf.nbytes)
         with conn.out_lock:
             if conn.stopped:
@@ -284,9 +288,37 @@ class TcpEndpoint(MeshEndpoint):
         return InFlight(self, request, f"send of message {tag} to rank {peer}")
 
     def post_recv(self, peer: int, tag: int, out: np.ndarray) -> InFlight:
-        conn = self._conn(peer)
+        request = self._post(self._conn(peer), tag, bytes_view(out), None)
+        return InFlight(self, request, f"message {tag} from rank {peer}")
+
+    def post_relay(
+        self, peer: int, tag: int, out: np.ndarray, to_peer: int, to_tag: int
+    ) -> tuple[InFlight, InFlight]:
+        """Receive message ``tag`` from ``peer`` into ``out`` and, once it has landed, send
+        ``out`` on to ``to_peer`` as ``to_tag`` from the thread that received it (the
+        connection's reader, at once): a pipeline's middle node forwards each chunk without
+        waking the collective's thread. Returns the receive and the onward send; the send
+        fails with the receive's error when the receive fails."""
+        view, to_conn = bytes_view(out), self._conn(to_peer)
+        onward = Request()
+
+        def forward(received: Request) -> None:
+            if received.error is not None:
+                onward.finish(received.error)
+            else:
+                self._enqueue(to_conn, to_tag, view, lambda sent: onward.finish(sent.error))
+
+        request = self._post(self._conn(peer), tag, view, forward)
+        return (
+            InFlight(self, request, f"message {tag} from rank {peer}"),
+            InFlight(self, onward, f"send of message {to_tag} to rank {to_peer}"),
+        )
+
+    def _post(
+        self, conn: _Conn, tag: int, view: np.ndarray, on_done: Callable[[Request], None] | None
+    ) -> Request:
         request = Request()
-        request.keep = bytes_view(out)
+        request.keep, request.on_done = view, on_done
         with conn.lock:
             kept = conn.unexpected.get(tag)
             data = kept.popleft() if kept else None
@@ -300,7 +332,7 @@ class TcpEndpoint(MeshEndpoint):
                 conn.room.notify_all()
         if data is not None:
             _deliver(request, data)
-        return InFlight(self, request, f"message {tag} from rank {peer}")
+        return request
 
     def early_bytes(self, peer: int) -> int:
         """Bytes of messages from ``peer`` held before their receive (bounded by
