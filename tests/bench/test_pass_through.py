@@ -1,0 +1,49 @@
+"""``python -m lpsync.bench.pass_through``: real processes on a TCP mesh over loopback,
+relay on and off; every rank's buffer is checked against the root's data."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.daemon.harness import ROOT
+
+
+def _bench(*flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lpsync.bench.pass_through", *flags],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
+
+
+def test_four_ranks_report_cpu_per_call_relayed_and_not() -> None:
+    done = _bench("--ranks", "4", "--bytes", "1MiB", "--chunks", "3,16", "--reps", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if not line.startswith("#")]
+    assert [(r[0], r[1]) for r in rows] == [
+        (chunks, mode) for chunks in ("3", "16") for mode in ("on", "off", "on/off")
+    ], done.stdout
+    for row in rows:
+        root, middle, last = (float(v) for v in row[3:])
+        assert root > 0 and middle > 0 and last > 0, done.stdout
+    assert "# wrong elements: 0" in done.stdout
+    assert re.search(r"4 ranks, median CPU ms per call of 2; middle = mean of ranks 1\.\.2", done.stdout)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--ranks", "2"], "--ranks must be 3 or more"),
+        (["--chunks", "4,x"], "--chunks takes whole numbers"),
+        (["--chunks", "0"], "every chunk count 1 or more"),
+    ],
+)
+def test_bad_arguments_are_refused(flags: list[str], message: str) -> None:
+    done = _bench(*flags)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
