@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
 import multiprocessing as mp
@@ -71,6 +72,7 @@ def _context() -> mp.context.BaseContext:
 
 def _entry(target, queue, rank, args, env=None, cwd=None):
     faulthandler.enable()  # a rank that crashes leaves its stacks in the test's stderr
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # and one that hangs, asked
     if env is not None:  # as the test had it when it started this process
         os.environ.clear()
         os.environ.update(env)
@@ -135,10 +137,19 @@ def run_ranks(world: int, target, *args, timeout: float = 90.0, dies: tuple[int,
         for p in procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
             if p.is_alive():
+                _dump_stacks(p)
                 p.kill()
                 p.join(5)
     assert not errors, "\n".join(errors)
     return [results.get(r) for r in range(world)]
+
+
+def _dump_stacks(proc) -> None:
+    """A rank about to be killed for hanging writes every thread's stack to the test's
+    stderr first (faulthandler, registered in _entry), so the hang can be read later."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(0.5)
 
 
 class PeeredDaemons:
