@@ -8,7 +8,9 @@ import functools
 import multiprocessing as mp
 import os
 import queue as queue_module
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -70,9 +72,14 @@ def _context() -> mp.context.BaseContext:
     return ctx
 
 
-def _entry(target, queue, rank, args, env=None, cwd=None):
+_STACKS = []  # the file a hanging rank writes its stacks to, kept open for faulthandler
+
+
+def _entry(target, queue, rank, args, env=None, cwd=None, stacks=None):
     faulthandler.enable()  # a rank that crashes leaves its stacks in the test's stderr
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # and one that hangs, asked
+    if stacks is not None:  # and one that hangs, when asked (run_ranks: _stacks_of)
+        _STACKS.append(open(stacks, "w"))  # noqa: SIM115 (open for the process's life)
+        faulthandler.register(signal.SIGUSR1, file=_STACKS[-1], all_threads=True)
     if env is not None:  # as the test had it when it started this process
         os.environ.clear()
         os.environ.update(env)
@@ -101,7 +108,11 @@ def run_ranks(world: int, target, *args, timeout: float = 90.0, dies: tuple[int,
     ctx = _context()
     queue = ctx.Queue()
     env, cwd = dict(os.environ), os.getcwd()
-    procs = [ctx.Process(target=_entry, args=(target, queue, r, args, env, cwd)) for r in range(world)]
+    stacks = tempfile.mkdtemp(prefix="lpsync-ranks-")
+    procs = [
+        ctx.Process(target=_entry, args=(target, queue, r, args, env, cwd, f"{stacks}/{r}"))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
@@ -137,19 +148,25 @@ def run_ranks(world: int, target, *args, timeout: float = 90.0, dies: tuple[int,
         for p in procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
             if p.is_alive():
-                _dump_stacks(p)
+                errors.append(_stacks_of(procs.index(p), p, f"{stacks}/{procs.index(p)}"))
                 p.kill()
                 p.join(5)
+        shutil.rmtree(stacks, ignore_errors=True)
     assert not errors, "\n".join(errors)
     return [results.get(r) for r in range(world)]
 
 
-def _dump_stacks(proc) -> None:
-    """A rank about to be killed for hanging writes every thread's stack to the test's
-    stderr first (faulthandler, registered in _entry), so the hang can be read later."""
+def _stacks_of(rank: int, proc, path: str) -> str:
+    """Every thread's stack of a rank about to be killed for hanging (faulthandler,
+    registered in _entry), for the test's failure message."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(proc.pid, signal.SIGUSR1)
         time.sleep(0.5)
+    try:
+        with open(path) as f:
+            return f"rank {rank}, hanging, was at:\n{f.read()}"
+    except OSError as error:
+        return f"rank {rank}, hanging: no stacks ({error})"
 
 
 class PeeredDaemons:
