@@ -125,6 +125,7 @@ class _Renumbered:
     def __init__(self, endpoint: PostingEndpoint, daemons: tuple[int, ...]) -> None:
         self._endpoint, self._daemons = endpoint, daemons
         self.rank, self.size = daemons.index(endpoint.rank), len(daemons)
+        self._relay = getattr(endpoint, "post_relay", None)
 
     def send(self, peer: int, tag: int, data: np.ndarray) -> SendRequest:
         return self._endpoint.send(self._daemons[peer], tag, data)
@@ -138,8 +139,7 @@ class _Renumbered:
     def post_relay(
         self, peer: int, tag: int, out: np.ndarray, to_peer: int, to_tag: int
     ) -> tuple[RecvRequest, SendRequest] | None:
-        relay = getattr(self._endpoint, "post_relay", None)
-        daemons = self._daemons
+        relay, daemons = self._relay, self._daemons
         return None if relay is None else relay(daemons[peer], tag, out, daemons[to_peer], to_tag)
 
     def recv_borrow(self, peer: int, tag: int, nbytes: int, deadline: float):
