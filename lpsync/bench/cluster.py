@@ -53,6 +53,19 @@ _START_PER_NODE = 6.0  # more per node past 8: 16 daemons importing ucxx on 2 co
 _STOP_TIMEOUT = 20.0  # a daemon's SIGTERM drain (10 s) plus its peer-mesh goodbye (5 s)
 
 
+def cluster_iterations(nbytes: int, forced: int | None) -> int:
+    """Timed calls of a point: ``forced`` (--iters), else by size: 200 up to 1 MiB, where
+    a call takes milliseconds and five would leave its median to chance (the 8-node
+    points spread by +-20% from call to call), down to 5 from 64 MiB, where one call
+    takes seconds at 1 Gbit/s."""
+    return forced or min(_MOST_ITERS, max(5, (_BULK_BYTES * 5) // nbytes))
+
+
+_MOST_ITERS = 200
+_BULK_BYTES = 64 << 20
+_MODEL_STEPS = 5  # --model: timed steps, each one training step's every allreduce
+
+
 @dataclass(frozen=True)
 class ClusterOptions:
     nodes: tuple[int, ...]  # node counts; one emulated cluster each, in this order
@@ -62,7 +75,7 @@ class ClusterOptions:
     sizes: tuple[int, ...]  # bytes, float32
     procs_per_node: int = 1  # client ranks per node (node-major, as torchrun numbers them)
     warmup: int = 1
-    iters: int = 5
+    iters: int | None = None  # timed calls per point; None: by size (cluster_iterations)
     compare: str | None = None  # "gloo": torch.distributed on the same namespaces
     prefix: str = "lpbench"  # namespace names PREFIX-n<i>, PREFIX-sw
     logs: str | None = None  # keep every daemon's and rank's log under logs/<N>nodes/
@@ -80,7 +93,7 @@ class ClusterOptions:
             ClusterSpec(n, self.rate_bits, prefix=self.prefix)  # at most 254; the prefix
         if self.procs_per_node < 1:
             raise InvalidArgumentError("--procs-per-node must be >= 1")
-        if self.iters < 1 or self.warmup < 0:
+        if (self.iters is not None and self.iters < 1) or self.warmup < 0:
             raise InvalidArgumentError("--iters must be >= 1 and --warmup >= 0")
         if unknown := [op for op in self.ops if op not in OPS]:
             raise InvalidArgumentError(f"--op {','.join(unknown)}: expected some of {', '.join(OPS)}")
@@ -120,7 +133,9 @@ class ClusterOptions:
             "daemon_pids": list(daemon_pids or []),
             "sizes": list(self.sizes),
             "warmup": self.warmup,
-            "iters": self.iters,
+            # timed calls per size (bytes as text: JSON keys), and per --model step
+            "iters": {str(n): cluster_iterations(n, self.iters) for n in self.sizes},
+            "steps": self.iters or _MODEL_STEPS,
             "compare": self.compare,
             "timeout": self.collective_timeout,
             "algorithms": {op: self.algorithms_of(op) for op in self.ops},
@@ -134,7 +149,8 @@ class ClusterOptions:
     def flight_recorder(self) -> int:
         """Records each daemon keeps per job: a point's warmups, its timed calls with the
         barrier before each, the barriers alone and the verify pass, with room to spare."""
-        return 3 * self.iters + self.warmup + 64
+        most = max(cluster_iterations(n, self.iters) for n in self.sizes)
+        return 3 * max(most, self.iters or _MODEL_STEPS) + self.warmup + 64
 
     def points_per_cluster(self) -> int:
         if self.model:  # one point per message mix and engine

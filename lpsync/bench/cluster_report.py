@@ -199,6 +199,14 @@ def _fmt(value: float | None, spec: str, width: int) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
 
 
+def _counts(rows: list[Point]) -> str:
+    """The points' iteration counts: one number, or each size's (they go by size)."""
+    by_size = {p.nbytes: len(p.times) for p in rows}
+    if len(set(by_size.values())) == 1:
+        return str(next(iter(by_size.values())))
+    return "(" + ", ".join(f"{format_size(n)}: {c}" for n, c in sorted(by_size.items())) + ")"
+
+
 def _block(rows: list[Point], fewest: dict[Key, Point]) -> list[str]:
     first = rows[0]
     nodes, op, k = first.nodes, first.op, first.procs_per_node
@@ -208,7 +216,7 @@ def _block(rows: list[Point], fewest: dict[Key, Point]) -> list[str]:
     lines = [
         f"# {op}: {nodes} nodes x {k} rank{'s' if k > 1 else ''} per node, "
         f"{format_rate(first.rate_bits)} full-duplex NIC per node, {DTYPE}; time = median "
-        f"of {len(first.times)} iterations of the slowest rank; cpu = CPU seconds of every "
+        f"of {_counts(rows)} iterations of the slowest rank; cpu = CPU seconds of every "
         "node process per GB of message; machine = the same for the whole machine's busy "
         "CPU time (softirq wherever it ran); dmn/rank = CPU us per call of the mean daemon / "
         "rank; wire = bytes / link rate" + ("; vs Nn = time / the same point's on N nodes" if base else ""),

@@ -123,7 +123,7 @@ def run_lpsync(args: argparse.Namespace, rank: int, world: int) -> None:
                     # auto: the daemons' first calls of a size are node 0's trials
                     # (lpsync/daemon/collectives/learning.py); time what it keeps, not the trials.
                     warmup = args.warmup + (LEARNING_CALLS if forced is None else 0)
-                    got = measure(call, client.barrier, warmup, args.iters, meter)
+                    got = measure(call, client.barrier, warmup, args.iters[str(nbytes)], meter)
                     records = flight_records(client, op, got.window) if node is not None else []
                     fill(op, bufs, rank, world, count, ROOT)
                     client.barrier()
@@ -191,7 +191,7 @@ def run_model(args: argparse.Namespace, rank: int, world: int) -> None:
     with lpsync_client.connect(job=args.job, timeout=args.timeout) as client:
         client.barrier()  # waits for the peer mesh; not timed
         for mode, times, wrong, per_message in lpsync_steps(
-            client, rank, world, args.model, args.iters, args.warmup
+            client, rank, world, args.model, args.steps, args.warmup
         ):
             _emit(
                 engine="lpsync",
@@ -211,7 +211,7 @@ def run_model(args: argparse.Namespace, rank: int, world: int) -> None:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
         try:
-            for mode, times, wrong in gloo_steps(rank, world, args.model, args.iters, args.warmup):
+            for mode, times, wrong in gloo_steps(rank, world, args.model, args.steps, args.warmup):
                 _emit(
                     engine="gloo",
                     op="allreduce",
@@ -239,7 +239,8 @@ def run_gloo(args: argparse.Namespace, rank: int, world: int) -> None:
                 count = element_count(op, nbytes, world, ROOT)
                 tensors = gloo_tensors(op, rank, world, count, ROOT)
                 call = gloo_call(dist, op, *tensors, ROOT)
-                got = measure(call, dist.barrier, args.warmup, args.iters, CpuMeter(machine=rank == 0))
+                iters = args.iters[str(nbytes)]
+                got = measure(call, dist.barrier, args.warmup, iters, CpuMeter(machine=rank == 0))
                 wrong = gloo_verify(dist, op, tensors, rank, world, count, ROOT)
                 _emit(
                     engine="gloo",
@@ -264,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--plan",
         required=True,
-        help="JSON: job, ops, algorithms (per op), sizes, warmup, iters, timeout, compare",
+        help="JSON: job, ops, algorithms (per op), sizes, warmup, iters (per size), steps "
+        "(--model), timeout, compare",
     )
     plan = json.loads(parser.parse_args(argv).plan)
     args = argparse.Namespace(**plan)

@@ -73,7 +73,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "comma list, where auto is the tuner's pick (default: the tuner)",
     )
     parser.add_argument(
-        "--iters", type=int, help="timed iterations per point (default: by size, 10..1000; with --cluster 5)"
+        "--iters",
+        type=int,
+        help="timed iterations per point (default: by size, 10..1000; with --cluster 200 up "
+        "to 1 MiB, down to 5 from 64 MiB)",
     )
     parser.add_argument(
         "--warmup",
@@ -342,7 +345,7 @@ def cluster_options(args: argparse.Namespace):
         sizes=tuple(parse_sizes(args.bytes or "64MiB")),
         procs_per_node=args.procs_per_node,
         warmup=1 if args.warmup is None else args.warmup,
-        iters=5 if args.iters is None else args.iters,
+        iters=args.iters,
         compare=args.compare,
         prefix=args.prefix,
         logs=args.logs,

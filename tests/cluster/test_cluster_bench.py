@@ -85,6 +85,35 @@ def test_plan_skips_algorithms_an_op_lacks() -> None:
     assert options.points_per_cluster() == 2 + 3 + 2  # and one gloo row per op
 
 
+def test_iterations_go_by_size_unless_forced() -> None:
+    """A 4-byte point takes milliseconds: five calls would leave its median to chance. So
+    200 up to 1 MiB, fewer above, 5 from 64 MiB (seconds a call); --iters forces one count."""
+    sizes = (4, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20)
+    by_size = ClusterOptions((2,), 10**9, ("allreduce",), ("auto",), sizes)
+    assert by_size.plan(2)["iters"] == {
+        "4": 200,
+        str(64 << 10): 200,
+        str(1 << 20): 200,
+        str(16 << 20): 20,
+        str(64 << 20): 5,
+        str(256 << 20): 5,
+    }
+    assert by_size.flight_recorder() >= 3 * 200  # every timed call's record and its barrier's
+    forced = ClusterOptions((2,), 10**9, ("allreduce",), ("auto",), sizes, iters=7)
+    assert set(forced.plan(2)["iters"].values()) == {7} and forced.plan(2)["steps"] == 7
+    assert by_size.plan(2)["steps"] == 5  # --model's timed steps
+
+
+def test_the_header_says_each_size_s_iterations() -> None:
+    points = [
+        Point("allreduce", "auto", "ring", 8, 1, 10**9, n, n // 4, [0.01] * iters)
+        for n, iters in ((4, 200), (64 << 20, 5))
+    ]
+    assert "median of (4B: 200, 64MiB: 5) iterations" in table(points)
+    same = [Point("allreduce", "auto", "ring", 8, 1, 10**9, n, n // 4, [0.01] * 5) for n in (4, 8)]
+    assert "median of 5 iterations" in table(same)
+
+
 def test_report_has_the_wire_limit_and_ratios() -> None:
     points = [
         Point("broadcast", a, a, n, 1, 10**9, 64 << 20, 16 << 20, [t, t * 1.1, t * 0.9])
