@@ -149,8 +149,8 @@ class ClusterOptions:
     def flight_recorder(self) -> int:
         """Records each daemon keeps per job: a point's warmups, its timed calls with the
         barrier before each, the barriers alone and the verify pass, with room to spare."""
-        most = max(cluster_iterations(n, self.iters) for n in self.sizes)
-        return 3 * max(most, self.iters or _MODEL_STEPS) + self.warmup + 64
+        # --model's steps (--iters, or 5) never exceed the largest count by size
+        return 3 * max(cluster_iterations(n, self.iters) for n in self.sizes) + self.warmup + 64
 
     def points_per_cluster(self) -> int:
         if self.model:  # one point per message mix and engine
