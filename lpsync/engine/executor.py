@@ -227,7 +227,8 @@ class Plan:
             for index, step in enumerate(steps):
                 if hooks is not None:
                     hooks.ready(index)
-                post_ahead(index)
+                if len(posted) < RECV_WINDOW:  # else post_ahead would post nothing
+                    post_ahead(index)
                 if step.kind == _SEND:
                     request = relayed.pop(index, None)
                     if request is None:

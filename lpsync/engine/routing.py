@@ -27,8 +27,11 @@ RANK_BITS, TAG_BITS = 12, 40
 MAX_PARTICIPANTS = 1 << RANK_BITS
 
 
+_MAX_TAG = 1 << TAG_BITS
+
+
 def fold(src: int, dst: int, tag: int) -> int:
-    if tag >= 1 << TAG_BITS:
+    if tag >= _MAX_TAG:
         raise InvalidArgumentError(f"message tag {tag} does not fit in {TAG_BITS} bits")
     return (tag << 2 * RANK_BITS) | (src << RANK_BITS) | dst
 
@@ -73,14 +76,22 @@ class RoutedEndpoint:
         self._local, self._remote = local, remote
         self._post_remote = getattr(remote, "post_recv", None)  # a PostingEndpoint's, if any
         self._relay_remote = getattr(remote, "post_relay", None)  # a RelayingEndpoint's, if any
+        # Per peer, worked out once (every chunk of a pipeline asks): its node, or -1 for
+        # a local peer, and its sender and receiver bits of a folded tag (fold()).
+        self._route = [-1 if n == self._node else n for n in self._node_of]
+        self._to_bits = [fold(rank, peer, 0) for peer in range(self.size)]
+        self._from_bits = [fold(peer, rank, 0) for peer in range(self.size)]
 
     def _is_local(self, peer: int) -> bool:
         return self._node_of[peer] == self._node
 
     def send(self, peer: int, tag: int, data: np.ndarray) -> SendRequest:
-        if self._is_local(peer):
+        node = self._route[peer]
+        if node < 0:
             return self._local.send(peer, tag, data)
-        return self._remote.send(self._node_of[peer], fold(self.rank, peer, tag), data)
+        if tag >= _MAX_TAG:
+            fold(self.rank, peer, tag)  # raises, naming the tag
+        return self._remote.send(node, (tag << 2 * RANK_BITS) | self._to_bits[peer], data)
 
     def recv_into(self, peer: int, tag: int, out: np.ndarray, deadline: float) -> None:
         if self._is_local(peer):
@@ -91,10 +102,12 @@ class RoutedEndpoint:
     def post_recv(self, peer: int, tag: int, out: np.ndarray) -> RecvRequest | None:
         """A message from another node is posted ahead when the node-level transport can;
         a local one is taken in turn (the inproc fabric hands it over without a copy)."""
-        post = self._post_remote
-        if post is None or self._is_local(peer):
+        post, node = self._post_remote, self._route[peer]
+        if post is None or node < 0:
             return None
-        return post(self._node_of[peer], fold(peer, self.rank, tag), out)  # type: ignore[no-any-return]
+        if tag >= _MAX_TAG:
+            fold(peer, self.rank, tag)  # raises, naming the tag
+        return post(node, (tag << 2 * RANK_BITS) | self._from_bits[peer], out)  # type: ignore[no-any-return]
 
     def post_relay(
         self, peer: int, tag: int, out: np.ndarray, to_peer: int, to_tag: int

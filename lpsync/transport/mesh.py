@@ -126,12 +126,20 @@ class Request:
 
 class InFlight:
     """What send and post_recv return: a send (done once the span may be written again)
-    or a posted receive (done once the message has landed)."""
+    or a posted receive (done once the message has landed). Its description ("send of
+    message 5 to rank 2") is written only when an error names it: a pipeline makes
+    hundreds of these per collective."""
 
-    __slots__ = ("_owner", "_request", "_what")
+    __slots__ = ("_owner", "_peer", "_request", "_sending", "_tag")
 
-    def __init__(self, owner: MeshEndpoint, request: Request, what: str) -> None:
-        self._owner, self._request, self._what = owner, request, what
+    def __init__(self, owner: MeshEndpoint, request: Request, peer: int, tag: int, sending: bool) -> None:
+        self._owner, self._request = owner, request
+        self._peer, self._tag, self._sending = peer, tag, sending
+
+    def __str__(self) -> str:
+        if self._sending:
+            return f"send of message {self._tag} to rank {self._peer}"
+        return f"message {self._tag} from rank {self._peer}"
 
     def done(self) -> bool:
         return self._request.done
@@ -139,7 +147,7 @@ class InFlight:
     def wait(self, deadline: float) -> None:
         request = self._request
         if not request.done or request.error is not None:  # most sends finished inline
-            self._owner._wait(request, deadline, self._what)
+            self._owner._wait(request, deadline, self)
 
 
 class MeshEndpoint:
@@ -388,8 +396,9 @@ class MeshEndpoint:
                 )
             )
 
-    def _wait(self, request: Request, deadline: float, what: str) -> None:
-        """Wait for ``request`` until ``deadline``; waking early when the endpoint breaks."""
+    def _wait(self, request: Request, deadline: float, what: object) -> None:
+        """Wait for ``request`` until ``deadline``; waking early when the endpoint breaks.
+        ``what`` names it in errors (str() of it, taken only then)."""
         if not request.done:
             event = request.event()
             with self._lock:

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from lpsync.errors import InvalidArgumentError, UnavailableError
+from lpsync.errors import CollectiveTimeoutError, InvalidArgumentError, UnavailableError
 from lpsync.transport.addresses import PeerAddress
 from lpsync.transport.mesh import MeshOptions
 from lpsync.transport.tcp import TcpEndpoint
@@ -209,3 +209,32 @@ def test_messages_before_their_receive_are_held_within_the_bound_and_push_back()
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda e: e.close(), (a, b)))
     assert _threads() == set()
+
+
+def test_a_message_written_in_pieces_lands_whole_and_one_cut_short_is_a_lost_peer() -> None:
+    """The reader's one read per header and per payload waits for every byte; a peer
+    that hangs up mid-message is gone, not a message received."""
+    payload = np.arange(1000, dtype=np.uint8)
+    with pair() as (a, b):
+        sock = a._conns[1].sock
+        out = np.zeros(payload.size, np.uint8)
+        request = b.post_recv(0, 5, out)
+        frame = struct.pack("<QQ", 5, payload.nbytes) + payload.tobytes()
+        for piece in (frame[:3], frame[3:16], frame[16:400], frame[400:]):
+            sock.sendall(piece)
+            time.sleep(0.05)
+        request.wait(time.monotonic() + 10)
+        np.testing.assert_array_equal(out, payload)
+        cut = b.post_recv(0, 6, np.zeros(payload.size, np.uint8))
+        sock.sendall(struct.pack("<QQ", 6, payload.nbytes) + payload[:100].tobytes())
+        time.sleep(0.1)
+        sock.shutdown(2)  # no goodbye: the peer is gone mid-message
+        with pytest.raises(UnavailableError, match="rank 0"):
+            cut.wait(time.monotonic() + 10)
+
+
+def test_a_receive_that_times_out_names_its_message_and_peer() -> None:
+    with pair() as (_, b):
+        waiting = b.post_recv(0, 9, np.zeros(4, np.uint8))
+        with pytest.raises(CollectiveTimeoutError, match="timed out waiting for message 9 from rank 0"):
+            waiting.wait(time.monotonic() + 0.3)

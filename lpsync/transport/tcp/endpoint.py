@@ -181,8 +181,15 @@ class TcpEndpoint(MeshEndpoint):
         """Receive every message of ``conn`` into its posted receive, or keep it until one
         is posted; on EOF or error, a peer that said no goodbye is gone."""
         header = bytearray(_HEADER.size)
+        head = memoryview(header)
+        # The common case without a Python call per read: one recv_into that waits for
+        # all the bytes (_read_rest only when a read comes back short).
+        recv_into, size = conn.sock.recv_into, _HEADER.size
         try:
-            while _read_exactly(conn.sock, memoryview(header)):
+            while True:
+                got = recv_into(head, size, socket.MSG_WAITALL)
+                if got != size and not _read_rest(conn.sock, head, got):
+                    break
                 tag, nbytes = _HEADER.unpack(header)
                 if tag == GOODBYE:
                     conn.departed = True
@@ -198,10 +205,11 @@ class TcpEndpoint(MeshEndpoint):
                     if not _discard(conn.sock, nbytes):
                         break
                     request.finish(InvalidArgumentError("message larger than its receive"))
-                elif _read_exactly(conn.sock, memoryview(request.keep)[:nbytes]):
-                    request.finish(None)
                 else:
-                    break
+                    got = recv_into(request.keep, nbytes, socket.MSG_WAITALL) if nbytes else 0
+                    if got != nbytes and not _read_rest(conn.sock, memoryview(request.keep)[:nbytes], got):
+                        break
+                    request.finish(None)
         except OSError as error:
             log.debug("rank %d: reading from rank %d: %s", self.rank, conn.rank, error)
         except Exception as error:  # e.g. a header announcing more bytes than memory holds
@@ -285,11 +293,11 @@ class TcpEndpoint(MeshEndpoint):
 
     def send(self, peer: int, tag: int, data: np.ndarray) -> InFlight:
         request = self._enqueue(self._conn(peer), tag, bytes_view(data))
-        return InFlight(self, request, f"send of message {tag} to rank {peer}")
+        return InFlight(self, request, peer, tag, sending=True)
 
     def post_recv(self, peer: int, tag: int, out: np.ndarray) -> InFlight:
         request = self._post(self._conn(peer), tag, bytes_view(out), None)
-        return InFlight(self, request, f"message {tag} from rank {peer}")
+        return InFlight(self, request, peer, tag, sending=False)
 
     def post_relay(
         self, peer: int, tag: int, out: np.ndarray, to_peer: int, to_tag: int
@@ -310,8 +318,8 @@ class TcpEndpoint(MeshEndpoint):
 
         request = self._post(self._conn(peer), tag, view, forward)
         return (
-            InFlight(self, request, f"message {tag} from rank {peer}"),
-            InFlight(self, onward, f"send of message {to_tag} to rank {to_peer}"),
+            InFlight(self, request, peer, tag, sending=False),
+            InFlight(self, onward, to_peer, to_tag, sending=True),
         )
 
     def _post(
@@ -376,7 +384,13 @@ class TcpEndpoint(MeshEndpoint):
 
 def _read_exactly(sock: socket.socket, view: memoryview) -> bool:
     """Fill ``view`` from ``sock``; False at end of stream."""
-    got, need = 0, len(view)
+    return _read_rest(sock, view, 0)
+
+
+def _read_rest(sock: socket.socket, view: memoryview, got: int) -> bool:
+    """Fill ``view`` from ``sock``, its first ``got`` bytes already read; False at end
+    of stream."""
+    need = len(view)
     while got < need:
         n = sock.recv_into(view[got:], need - got, socket.MSG_WAITALL)
         if n == 0:

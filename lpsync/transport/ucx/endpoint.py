@@ -271,11 +271,11 @@ class UcxEndpoint(MeshEndpoint):
 
     def send(self, peer: int, tag: int, data: np.ndarray) -> InFlight:
         request = self._post(self._conn(peer), tag, data, recv=False)
-        return InFlight(self, request, f"send of message {tag} to rank {peer}")
+        return InFlight(self, request, peer, tag, sending=True)
 
     def post_recv(self, peer: int, tag: int, out: np.ndarray) -> InFlight:
         request = self._post(self._conn(peer), tag, out, recv=True)
-        return InFlight(self, request, f"message {tag} from rank {peer}")
+        return InFlight(self, request, peer, tag, sending=False)
 
     # -- teardown ------------------------------------------------------------------------
 
