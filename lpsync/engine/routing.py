@@ -25,8 +25,6 @@ from lpsync.errors import InvalidArgumentError
 # the width of a UCX tag.
 RANK_BITS, TAG_BITS = 12, 40
 MAX_PARTICIPANTS = 1 << RANK_BITS
-
-
 _MAX_TAG = 1 << TAG_BITS
 
 
