@@ -100,11 +100,23 @@ class Point:
     def cpu_us_per_call(self, who: str) -> float | None:
         """Microseconds of CPU per collective of one process: ``who`` "daemon" (the mean
         daemon; gloo has none) or "rank" (the mean rank); the barriers' share taken out."""
-        if self.cpu is None or not self.times or (who == "daemon" and not self.cpu["daemon"]):
+        per_call = self._per_call(who, who)
+        return None if per_call is None else per_call * 1e6
+
+    def switches_per_call(self, who: str) -> float | None:
+        """Context switches per collective of one process (``who`` as cpu_us_per_call):
+        each a sleep and a wake-up, what a small collective's CPU is mostly made of."""
+        return self._per_call(who, f"{who}_switches")
+
+    def _per_call(self, who: str, part: str) -> float | None:
+        """``part`` of self.cpu over the timed calls, the barriers' share taken out, per
+        call of the mean daemon or rank (``who``); None where it was not read."""
+        cpu = self.cpu
+        if cpu is None or part not in cpu or not self.times or (who == "daemon" and not cpu["daemon"]):
             return None
-        spent = max(0.0, self.cpu[who] - self.cpu[f"{who}_barriers"])
+        spent = max(0.0, cpu[part] - cpu[f"{part}_barriers"])
         processes = self.nodes if who == "daemon" else self.ranks
-        return spent / processes / len(self.times) * 1e6
+        return spent / processes / len(self.times)
 
     def cpu_per_gb(self) -> float | None:
         """CPU seconds of every node process per GB (1e9 bytes) of message: nbytes x iters."""
@@ -164,6 +176,8 @@ class Point:
             "machine_cpu_s_per_gb": self.machine_cpu_per_gb(),
             "daemon_cpu_us_per_call": self.cpu_us_per_call("daemon"),
             "rank_cpu_us_per_call": self.cpu_us_per_call("rank"),
+            "daemon_switches_per_call": self.switches_per_call("daemon"),
+            "rank_switches_per_call": self.switches_per_call("rank"),
             "cpu": self.cpu,
             "fixed_cost": fixed.to_json() if fixed else None,
         }
@@ -219,14 +233,15 @@ def _block(rows: list[Point], fewest: dict[Key, Point]) -> list[str]:
         f"of {_counts(rows)} iterations of the slowest rank; cpu = CPU seconds of every "
         "node process per GB of message; machine = the same for the whole machine's busy "
         "CPU time (softirq wherever it ran); dmn/rank = CPU us per call of the mean daemon / "
-        "rank; wire = bytes / link rate" + ("; vs Nn = time / the same point's on N nodes" if base else ""),
+        "rank; dsw/rsw = their context switches per call; wire = bytes / link rate"
+        + ("; vs Nn = time / the same point's on N nodes" if base else ""),
         f"#{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} "
         f"{'algorithm':>13} | {'time':>12} {'cpu':>8} {'machine':>8} {'dmn':>7} {'rank':>7} "
-        f"{'algbw':>7} {'busbw':>7} "
+        f"{'dsw':>5} {'rsw':>5} {'algbw':>7} {'busbw':>7} "
         f"{'#wrong':>6} | {'wire':>12} {'x wire':>6}" + (f" {vs:>6}" if base else ""),
         f"#{'(B)':>12} {'(elements)':>12} {'':>8} {'':>6} {'':>5} {'':>13} | "
         f"{'(us)':>12} {'(s/GB)':>8} {'(s/GB)':>8} {'(us)':>7} {'(us)':>7} "
-        f"{'(GB/s)':>7} {'(GB/s)':>7} {'':>6} | "
+        f"{'':>5} {'':>5} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} | "
         f"{'(us)':>12} {'':>6}" + (f" {'':>6}" if base else ""),
     ]
     for p in rows:
@@ -236,6 +251,7 @@ def _block(rows: list[Point], fewest: dict[Key, Point]) -> list[str]:
             f"{label(p):>13} | {p.seconds * 1e6:>12.1f} {_fmt(p.cpu_per_gb(), '.4g', 8)} "
             f"{_fmt(p.machine_cpu_per_gb(), '.4g', 8)} "
             f"{_fmt(p.cpu_us_per_call('daemon'), '.0f', 7)} {_fmt(p.cpu_us_per_call('rank'), '.0f', 7)} "
+            f"{_fmt(p.switches_per_call('daemon'), '.1f', 5)} {_fmt(p.switches_per_call('rank'), '.1f', 5)} "
             f"{p.algbw():>7.3f} {p.busbw():>7.3f} {p.wrong:>6} | "
             f"{p.wire_seconds * 1e6:>12.1f} {p.seconds / p.wire_seconds:>6.2f}"
             + (f" {_fmt(ratio, '.2f', 6)}" if base else "")

@@ -53,7 +53,9 @@ LEARNING_CALLS = MAX_CANDIDATES * TRIALS + 1
 class Measured:
     times: list[float]  # seconds, per timed iteration
     window: tuple[float, float]  # unix times around the timed loop (for flight records)
-    cpu: dict[str, float]  # CPU seconds: rank/daemon, over the loop and over barriers alone
+    # CPU seconds (rank/daemon/machine) and context switches (rank_switches,
+    # daemon_switches), over the loop and over barriers alone
+    cpu: dict[str, float]
 
 
 def measure(
@@ -88,6 +90,11 @@ def measure(
         "rank_barriers": c2[0] - c1[0],
         "daemon_barriers": c2[1] - c1[1],
         "machine_barriers": c2[2] - c1[2],
+        # Context switches (counts, not seconds), over the same spans.
+        "rank_switches": c1[3] - c0[3],
+        "daemon_switches": c1[4] - c0[4],
+        "rank_switches_barriers": c2[3] - c1[3],
+        "daemon_switches_barriers": c2[4] - c1[4],
     }
     return Measured(times, (w0, w1), cpu)
 

@@ -15,8 +15,10 @@ machine did: read it beside the processes' figure, on a machine that runs nothin
 from __future__ import annotations
 
 import os
+import resource
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from lpsync.errors import LpsyncError
 
@@ -41,6 +43,34 @@ def cpu_seconds(pid: int) -> float:
         ) from None
 
 
+_SWITCH_FIELDS = ("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")
+
+
+def context_switches(pid: int) -> int:
+    """How often ``pid``'s threads have been switched out so far, voluntarily (a sleep: a
+    wait for a socket, a lock, a condition) or not: each is a wake-up later, which costs
+    ~15 us of CPU on these VMs (docs/benchmarks.md, sixth pass). Every thread of this
+    process, exited ones included (getrusage); of another, its live threads
+    (/proc/<pid>/task), so a thread that ends during a measurement takes its count with it."""
+    if pid == os.getpid():
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_nvcsw + usage.ru_nivcsw
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError as error:
+        raise LpsyncError(f"cannot read the threads of process {pid} (gone?): {error}") from None
+    total = 0
+    for task in tasks:
+        try:
+            status = Path(f"/proc/{pid}/task/{task}/status").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        for line in status.splitlines():
+            if line.startswith(_SWITCH_FIELDS):
+                total += int(line.split()[1])
+    return total
+
+
 _TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 # proc(5), the "cpu" line of /proc/stat: user nice system idle iowait irq softirq steal
 # (guest is already in user). Idle, iowait and steal (the hypervisor running others) are
@@ -61,12 +91,16 @@ def machine_busy_seconds(stat: str = "/proc/stat") -> float:
 class CpuMeter:
     """Reads this process's CPU seconds, its daemon's when ``daemon_pid`` is set, and the
     whole machine's busy seconds when ``machine`` is set (one rank of a run reads it: the
-    emulated nodes share the machine)."""
+    emulated nodes share the machine); and the context switches of this process and its
+    daemon."""
 
     daemon_pid: int | None = None  # this node's daemon; None: only this process
     machine: bool = False
 
-    def read(self) -> tuple[float, float, float]:
-        own = time.process_time()
+    def read(self) -> tuple[float, float, float, int, int]:
+        """(own CPU s, daemon CPU s, machine busy s, own switches, daemon switches); 0
+        for what is not read."""
+        own, switches = time.process_time(), context_switches(os.getpid())
         daemon = cpu_seconds(self.daemon_pid) if self.daemon_pid is not None else 0.0
-        return own, daemon, (machine_busy_seconds() if self.machine else 0.0)
+        daemon_switches = context_switches(self.daemon_pid) if self.daemon_pid is not None else 0
+        return own, daemon, (machine_busy_seconds() if self.machine else 0.0), switches, daemon_switches

@@ -29,7 +29,9 @@ down, also on failure and Ctrl-C. Besides the table it prints the wire limit (by
 link rate: an ideal pipeline's time through one NIC) and each time's ratio to it; cpu:
 the CPU seconds every node process (ranks; daemons for lpsync) spent on the timed
 collectives per GB of message (nbytes x iters; the barriers' CPU measured alone and
-subtracted); under each op, the fixed cost of every lpsync point: its median iteration
+subtracted); dmn/rank: CPU us per call of the mean daemon / rank, dsw/rsw: their context
+switches per call (each a sleep and a wake-up, what a small collective's CPU is mostly
+made of); under each op, the fixed cost of every lpsync point: its median iteration
 split into the daemon's stages (arriving, queued, agreeing across nodes, running) and the
 client's share; with several node counts, "vs Nn": each time / the same point's on the
 fewest nodes. --json prints one object per line per point (op, algorithm, ran, nodes,

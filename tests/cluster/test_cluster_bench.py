@@ -21,7 +21,7 @@ import pytest
 from lpsync.bench.cluster import ClusterOptions
 from lpsync.bench.cluster_report import STAGES, Point, emit, key, label, scaling, table
 from lpsync.bench.cluster_worker import measure
-from lpsync.bench.cpu import CpuMeter, cpu_seconds, machine_busy_seconds
+from lpsync.bench.cpu import CpuMeter, context_switches, cpu_seconds, machine_busy_seconds
 from lpsync.cli import main
 from lpsync.cluster import existing
 from lpsync.errors import LpsyncError
@@ -191,6 +191,18 @@ def test_cpu_per_gb_and_the_fixed_cost_of_the_median_iteration() -> None:
         ).fixed_cost()
         is None
     )
+    # Context switches per call and process, the barriers' taken out; none where a run
+    # did not count them (an older JSON line).
+    counted = dict(
+        cpu, daemon_switches=1000, daemon_switches_barriers=400, rank_switches=90, rank_switches_barriers=30
+    )
+    q = Point("broadcast", "lp", "lp", 2, 1, 10**9, 1 << 20, 1 << 18, [1.5e-3, 2e-3, 1.8e-3], 0, counted)
+    assert q.switches_per_call("daemon") == pytest.approx(600 / 2 / 3)
+    assert q.switches_per_call("rank") == pytest.approx(60 / 2 / 3)
+    assert q.to_json()["daemon_switches_per_call"] == pytest.approx(100.0)
+    assert re.search(r"\| +1800\.0 +\S+ +\S+ +\S+ +\S+ +100\.0 +10\.0 ", table([q])), table([q])
+    assert "dsw/rsw = their context switches per call" in table([q])
+    assert p.switches_per_call("daemon") is None and p.to_json()["rank_switches_per_call"] is None
     # The barriers alone cost more than the loop (tiny messages, noise): 0, never negative.
     noisy = dict(cpu, rank_barriers=0.2)
     assert Point("allreduce", "lp", "lp", 2, 1, 10**9, 4, 1, [1.0], 0, noisy).cpu_seconds() == 0
@@ -234,6 +246,19 @@ def test_measure_counts_the_calls_cpu_apart_from_the_barriers() -> None:
     assert got.cpu["daemon"] == 0 == got.cpu["daemon_barriers"]  # no daemon pid
     assert got.cpu["machine"] == 0 == got.cpu["machine_barriers"]  # not asked for
     assert got.window[0] < got.window[1]
+    assert got.cpu["daemon_switches"] == 0 == got.cpu["daemon_switches_barriers"]
+
+
+def test_measure_counts_the_calls_context_switches() -> None:
+    # A call that sleeps 5 times switches out at least 5 times; a barrier that burns only
+    # a little CPU hardly ever.
+    def call() -> None:
+        for _ in range(5):
+            time.sleep(0.001)
+
+    got = measure(call, lambda: _burn(0.001), warmup=1, iters=4)
+    assert got.cpu["rank_switches"] >= 4 * 5
+    assert got.cpu["rank_switches"] - got.cpu["rank_switches_barriers"] >= 4 * 5 - 5
 
 
 def test_the_machine_meter_reads_every_busy_cpu_field_but_idle_iowait_and_steal(tmp_path: Path) -> None:
@@ -281,6 +306,29 @@ def test_cpu_meter_reads_another_process_and_fails_once_it_is_gone() -> None:
             child.wait()
     with pytest.raises(LpsyncError, match=f"CPU time of process {child.pid}"):
         cpu_seconds(child.pid)
+
+
+def test_context_switches_of_another_process_count_its_sleeps_and_fail_once_it_is_gone() -> None:
+    code = "import time\nfor _ in range(50): time.sleep(0.002)\nprint('slept', flush=True)\ninput()"
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "slept"
+        assert context_switches(child.pid) >= 50  # each sleep is one, at least
+        assert CpuMeter(child.pid).read()[4] == context_switches(child.pid)  # blocked in input()
+        mine = context_switches(os.getpid())
+        time.sleep(0.01)
+        assert context_switches(os.getpid()) > mine
+        child.stdin.close()
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    with pytest.raises(LpsyncError, match=f"threads of process {child.pid}"):
+        context_switches(child.pid)
 
 
 def _leftovers(name: str, daemon_pids: list[int]) -> list[str]:
@@ -394,6 +442,12 @@ def test_three_node_cluster_bench_end_to_end() -> None:
         else:
             daemon_us = max(0.0, p["cpu"]["daemon"] - p["cpu"]["daemon_barriers"]) / p["nodes"] / calls * 1e6
             assert p["daemon_cpu_us_per_call"] == pytest.approx(daemon_us)
+            # A daemon sleeps and wakes at least once per call (the request comes in).
+            assert p["cpu"]["daemon_switches"] >= p["nodes"] * calls
+        # Every rank blocks on each call's reply and each barrier: switches, counted.
+        assert p["cpu"]["rank_switches"] >= ranks * calls
+        rank_sw = max(0, p["cpu"]["rank_switches"] - p["cpu"]["rank_switches_barriers"]) / ranks / calls
+        assert p["rank_switches_per_call"] == pytest.approx(rank_sw)
         fixed = p["fixed_cost"]
         if p["algorithm"] == "gloo":
             assert fixed is None
