@@ -1,4 +1,5 @@
-"""CPU seconds of whole processes, for ``lpsync bench --cluster``'s CPU per GB.
+"""CPU seconds and context switches of whole processes, for ``lpsync bench --cluster``'s
+CPU per GB and its CPU and switches per call.
 
 A process's CPU clock (Linux: the CPUCLOCK_SCHED clock of a pid, what
 ``clock_gettime(CLOCK_PROCESS_CPUTIME_ID)`` reads for the caller) counts the user and
