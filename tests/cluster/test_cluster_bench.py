@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -286,37 +287,41 @@ def test_the_machine_meter_sees_another_process_burn() -> None:
     assert CpuMeter(machine=True).read()[2] - before >= 0.4
 
 
-def test_cpu_meter_reads_another_process_and_fails_once_it_is_gone() -> None:
-    code = (
-        "import time\ne = time.process_time() + 0.3\nwhile time.process_time() < e: pass\n"
-        "print(time.process_time(), flush=True)\ninput()"
-    )
+@contextlib.contextmanager
+def _child(code: str) -> Iterator[subprocess.Popen[str]]:
+    """A Python child running ``code``, its stdin and stdout piped; killed if still running
+    at the end (the test closes its stdin to let it finish)."""
     child = subprocess.Popen(
         [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     try:
         assert child.stdout is not None and child.stdin is not None
+        yield child
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_cpu_meter_reads_another_process_and_fails_once_it_is_gone() -> None:
+    code = (
+        "import time\ne = time.process_time() + 0.3\nwhile time.process_time() < e: pass\n"
+        "print(time.process_time(), flush=True)\ninput()"
+    )
+    with _child(code) as child:
         own = float(child.stdout.readline())  # what the child counted itself
         seen = CpuMeter(child.pid).read()[1]
         assert own <= seen < own + 0.1  # + its exit path so far; blocked in input() now
         assert cpu_seconds(os.getpid()) > 0
         child.stdin.close()
         child.wait(10)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
     with pytest.raises(LpsyncError, match=f"CPU time of process {child.pid}"):
         cpu_seconds(child.pid)
 
 
 def test_context_switches_of_another_process_count_its_sleeps_and_fail_once_it_is_gone() -> None:
     code = "import time\nfor _ in range(50): time.sleep(0.002)\nprint('slept', flush=True)\ninput()"
-    child = subprocess.Popen(
-        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert child.stdout is not None and child.stdin is not None
+    with _child(code) as child:
         assert child.stdout.readline().strip() == "slept"
         assert context_switches(child.pid) >= 50  # each sleep is one, at least
         assert CpuMeter(child.pid).read()[4] == context_switches(child.pid)  # blocked in input()
@@ -325,10 +330,6 @@ def test_context_switches_of_another_process_count_its_sleeps_and_fail_once_it_i
         assert context_switches(os.getpid()) > mine
         child.stdin.close()
         child.wait(10)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
     with pytest.raises(LpsyncError, match=f"threads of process {child.pid}"):
         context_switches(child.pid)
 
