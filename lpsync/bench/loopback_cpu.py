@@ -3,9 +3,10 @@
 ``--nodes`` daemons joined over loopback (the peer plane as on a cluster, no emulated
 network), one rank each, run ``--iters`` blocking allreduces of ``--bytes`` back to back;
 each rank reads its own CPU clock and its daemon's (every thread, lpsync.bench.cpu)
-around the loop. ``--nodes 1`` is the single-node path: what the control plane costs by
-itself. Quicker to rerun than ``lpsync bench --cluster`` (no root, no namespaces), for
-A/B runs of a change; the emulated network and gloo beside it are ``--cluster``'s.
+around the loop, and both processes' context switches (each a sleep and a wake-up).
+``--nodes 1`` is the single-node path: what the control plane costs by itself. Quicker
+to rerun than ``lpsync bench --cluster`` (no root, no namespaces), for A/B runs of a
+change; the emulated network and gloo beside it are ``--cluster``'s.
 
     python -m lpsync.bench.loopback_cpu --nodes 3 --iters 3000 [--bytes 4] [--peer-transport tcp]
 """
@@ -14,16 +15,33 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
-from lpsync.bench.cpu import cpu_seconds
+from lpsync.bench.cpu import context_switches, cpu_seconds
 from lpsync.demo.local_cluster import DemoError, LocalCluster
 
 _WARMUP = 200
+
+
+@dataclass(frozen=True)
+class Calls:
+    """One node's timed loop, in total or per call: wall seconds, the daemon's and the
+    rank's CPU seconds, and their context switches."""
+
+    seconds: float
+    daemon_cpu: float
+    rank_cpu: float
+    daemon_switches: float
+    rank_switches: float
+
+    def per_call(self, iters: int) -> Calls:
+        return Calls(*(value / iters for value in astuple(self)))
 
 
 def _rank(rank: int, nodes: int, socket: str, daemon: int, nbytes: int, iters: int, out: mp.Queue) -> None:
@@ -38,21 +56,26 @@ def _rank(rank: int, nodes: int, socket: str, daemon: int, nbytes: int, iters: i
                 client.allreduce(x)
             client.barrier()
             mine, theirs, start = time.process_time(), cpu_seconds(daemon), time.perf_counter()
+            my_switches, their_switches = context_switches(os.getpid()), context_switches(daemon)
             for _ in range(iters):
                 x[:] = 1
                 client.allreduce(x)
             seconds = time.perf_counter() - start
             mine, theirs = time.process_time() - mine, cpu_seconds(daemon) - theirs
+            my_switches = context_switches(os.getpid()) - my_switches
+            their_switches = context_switches(daemon) - their_switches
             if not (x == nodes).all():
                 raise AssertionError(f"rank {rank}: the sum is wrong ({x[:4]})")
             client.barrier()
-        out.put((rank, seconds / iters, theirs / iters, mine / iters, ""))
+        calls = Calls(seconds, theirs, mine, their_switches, my_switches)
+        out.put((rank, calls.per_call(iters), ""))
     except Exception as error:  # reported, not lost with the process
-        out.put((rank, 0.0, 0.0, 0.0, f"{type(error).__name__}: {error}"))
+        out.put((rank, Calls(0.0, 0.0, 0.0, 0, 0), f"{type(error).__name__}: {error}"))
 
 
-def measure(nodes: int, nbytes: int, iters: int, transport: str) -> list[tuple[float, float, float]]:
-    """(seconds per call, daemon CPU seconds per call, rank CPU seconds per call), by node."""
+def measure(nodes: int, nbytes: int, iters: int, transport: str) -> list[Calls]:
+    """Per node: seconds, the daemon's and the rank's CPU seconds and context switches,
+    per call."""
     with tempfile.TemporaryDirectory(prefix="lpsync-cpu-") as where:
         cluster = LocalCluster(Path(where), nodes, ("--peer-transport", transport))
         try:
@@ -72,10 +95,10 @@ def measure(nodes: int, nbytes: int, iters: int, transport: str) -> list[tuple[f
                 process.join(30)
         finally:
             cluster.stop()
-    failed = [f"rank {r}: {error}" for r, *_, error in results if error]
+    failed = [f"rank {r}: {error}" for r, _, error in results if error]
     if failed:
         raise DemoError("; ".join(failed))
-    return [(seconds, dmn, rank) for _, seconds, dmn, rank, _ in results]
+    return [calls for _, calls, _ in results]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,11 +118,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loopback_cpu: {error}", file=sys.stderr)
         return 1
     print(f"# {args.nodes} daemon(s) on loopback, one rank each, {args.iters} allreduces of {args.bytes} B")
-    print("# node  time/call (us)  daemon CPU/call (us)  rank CPU/call (us)")
-    for node, (seconds, dmn, rank) in enumerate(rows):
-        print(f"{node:6d} {seconds * 1e6:15.0f} {dmn * 1e6:21.0f} {rank * 1e6:19.0f}")
-    daemon, rank = statistics.mean(r[1] for r in rows), statistics.mean(r[2] for r in rows)
-    print(f"# mean per daemon {daemon * 1e6:.0f} us, per rank {rank * 1e6:.0f} us")
+    print(
+        "# node  time/call (us)  daemon CPU/call (us)  rank CPU/call (us)  daemon switches/call"
+        "  rank switches/call"
+    )
+    for node, r in enumerate(rows):
+        print(
+            f"{node:6d} {r.seconds * 1e6:15.0f} {r.daemon_cpu * 1e6:21.0f} {r.rank_cpu * 1e6:19.0f} "
+            f"{r.daemon_switches:21.1f} {r.rank_switches:19.1f}"
+        )
+    daemon, rank = statistics.mean(r.daemon_cpu for r in rows), statistics.mean(r.rank_cpu for r in rows)
+    switches = statistics.mean(r.daemon_switches for r in rows)
+    print(
+        f"# mean per daemon {daemon * 1e6:.0f} us, per rank {rank * 1e6:.0f} us; "
+        f"{switches:.1f} context switches per daemon and call"
+    )
     return 0
 
 
