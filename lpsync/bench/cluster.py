@@ -53,17 +53,17 @@ _START_PER_NODE = 6.0  # more per node past 8: 16 daemons importing ucxx on 2 co
 _STOP_TIMEOUT = 20.0  # a daemon's SIGTERM drain (10 s) plus its peer-mesh goodbye (5 s)
 
 
+_MOST_ITERS = 200
+_BULK_BYTES = 64 << 20
+_MODEL_STEPS = 5  # --model: timed steps, each one training step's every allreduce
+
+
 def cluster_iterations(nbytes: int, forced: int | None) -> int:
     """Timed calls of a point: ``forced`` (--iters), else by size: 200 up to 1 MiB, where
     a call takes milliseconds and five would leave its median to chance (the 8-node
     points spread by +-20% from call to call), down to 5 from 64 MiB, where one call
     takes seconds at 1 Gbit/s."""
     return forced or min(_MOST_ITERS, max(5, (_BULK_BYTES * 5) // nbytes))
-
-
-_MOST_ITERS = 200
-_BULK_BYTES = 64 << 20
-_MODEL_STEPS = 5  # --model: timed steps, each one training step's every allreduce
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import time
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
-from lpsync.bench.cpu import context_switches, cpu_seconds
+from lpsync.bench.cpu import CpuMeter
 from lpsync.demo.local_cluster import DemoError, LocalCluster
 
 _WARMUP = 200
@@ -55,18 +54,16 @@ def _rank(rank: int, nodes: int, socket: str, daemon: int, nbytes: int, iters: i
             for _ in range(_WARMUP):
                 client.allreduce(x)
             client.barrier()
-            mine, theirs, start = time.process_time(), cpu_seconds(daemon), time.perf_counter()
-            my_switches, their_switches = context_switches(os.getpid()), context_switches(daemon)
+            meter = CpuMeter(daemon)
+            before, start = meter.read(), time.perf_counter()
             for _ in range(iters):
                 x[:] = 1
                 client.allreduce(x)
-            seconds = time.perf_counter() - start
-            mine, theirs = time.process_time() - mine, cpu_seconds(daemon) - theirs
-            my_switches = context_switches(os.getpid()) - my_switches
-            their_switches = context_switches(daemon) - their_switches
+            seconds, after = time.perf_counter() - start, meter.read()
             if not (x == nodes).all():
                 raise AssertionError(f"rank {rank}: the sum is wrong ({x[:4]})")
             client.barrier()
+        mine, theirs, _, my_switches, their_switches = (a - b for a, b in zip(after, before, strict=True))
         calls = Calls(seconds, theirs, mine, their_switches, my_switches)
         out.put((rank, calls.per_call(iters), ""))
     except Exception as error:  # reported, not lost with the process
