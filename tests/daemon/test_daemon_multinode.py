@@ -282,7 +282,8 @@ def test_daemons_on_different_transports_refuse_each_other_and_keep_serving(tmp_
 def test_a_deeper_agreement_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Five nodes, one rank each, a binomial agreement tree (node 3 under 2, node 4's
     subtree folded last): small collectives fold their data at every hop and come back
-    in rank order; a mismatch on the deepest node reaches all; big ones still run."""
+    in rank order (reduce's and gather's only where their root is); a mismatch on the
+    deepest node reaches all; big ones still run."""
     monkeypatch.setenv("LPSYNC_AGREEMENT_RADIX", "2")  # the daemons inherit it
     nodes = 5
     cluster = start_cluster(tmp_path, nodes)
@@ -302,6 +303,13 @@ def test_a_deeper_agreement_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                 ("float64", "avg", 300_000, True),
             )
             if not (rop == "avg" and op not in ("allreduce", "reduce", "reduce_scatter"))
+        ]
+        # Reduce and gather send the result only towards the root's node: a root on each
+        # node, node 3's behind node 2, which forwards it.
+        cases += [
+            (op, "float32", "sum", 100, False, None, root, True)
+            for op in ("reduce", "gather")
+            for root in range(nodes)
         ]
         results = run_ranks(nodes, cases_on_nodes, cluster.sockets, 1, "mn-tree", nodes, cases, timeout=120)
         failures = [f for r in results for f in r if not f.startswith("digest:")]

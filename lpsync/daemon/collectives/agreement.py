@@ -12,7 +12,8 @@ Two shapes, both deterministic (every node computes or receives the same verdict
     an all-to-all costs P(P-1) (56 at 8 nodes). On the 2-core emulated cluster CPU per
     message is what limits, so fewer messages win (docs/benchmarks.md).
 A small collective (small.py) adds its data: each message carries the sender's folded
-part (up) or the result (down).
+part (up) or the result (down; for reduce and gather only towards the root's node, the
+other subtrees take the verdict alone).
 
 Wire format of a message: two little-endian uint32 (header bytes, payload bytes), the
 JSON header, the payload. Receive buffers are sized for the largest message a node may
@@ -123,6 +124,7 @@ class _Shape:
     kids: tuple[int, ...]
     parent: int  # -1 at node 0
     kid_bytes: tuple[int, ...]  # the largest message each kid may send up (its subtree's)
+    ends: tuple[int, ...]  # each kid's subtree: nodes kid..end-1
     # pending.waiting_nodes before each kid's message is taken, then once all are in
     waiting: tuple[tuple[int, ...], ...]
 
@@ -137,6 +139,7 @@ def _shape(nodes: int, radix: int, node: int) -> _Shape:
         kids,
         tree.parent(node) if node else -1,
         tuple(SUMMARY_BYTES * tree.subtree(kid) + _FRAME + SMALL_MAX_BYTES for kid in kids),
+        tuple(kid + tree.subtree(kid) for kid in kids),
         waiting,
     )
 
@@ -521,7 +524,16 @@ def _tree(
             header, payload, message = got  # forwarded as it came
             verdict = header["verdict"]
             result = _as(small, payload) if small is not None and "error" not in verdict else None
-    for request in [link.endpoint.send(kid, down, message) for kid in kids]:
+    messages = [message] * len(kids)
+    if kids and small is not None and result is not None and result.size and not small.everywhere:
+        # Reduce and gather: the result only down the subtree of the root's node; the
+        # others take the verdict alone (on 8 nodes, 1 of node 0's 7 copies of it).
+        there = job.layout.node_of[small.root]
+        bare = encode(verdict_in.raw if verdict_in is not None else said or {"verdict": verdict})
+        messages = [
+            message if kid <= there < end else bare for kid, end in zip(kids, shape.ends, strict=True)
+        ]
+    for request in [link.endpoint.send(kid, down, m) for kid, m in zip(kids, messages, strict=True)]:
         request.wait(deadline)
     pending.waiting_nodes = ()
     if base is None:

@@ -26,6 +26,7 @@ from lpsync.types import Collective
 SMALL_MAX_BYTES = 64 * 1024
 _FROM_ROOT = frozenset({Collective.BROADCAST, Collective.SCATTER})  # the root's input is the result
 _END_TO_END = frozenset({Collective.ALLGATHER, Collective.GATHER})  # every rank's block, in order
+_AT_ROOT = frozenset({Collective.REDUCE, Collective.GATHER})  # only the root's output is written
 
 
 def rides(task: Task) -> bool:
@@ -45,6 +46,8 @@ class SmallCollective:
 
     def __init__(self, task: Task, arrivals: list[Arrival]) -> None:
         self.op, self.root, self.count, self.dtype = task.op, task.spec.root, task.spec.count, task.dtype
+        # Whether every node needs the result (reduce and gather: only the root's node).
+        self.everywhere = self.op not in _AT_ROOT
         self.ranks = [a.rank for a in arrivals]
         self.buffers = [buffers(task.spec, a, task.participants) for a in arrivals]
         # The ranks in the order their allgather blocks are folded (node by node); None
@@ -98,8 +101,8 @@ class SmallCollective:
         """Each local participant's output from the result (a non-root's buffer of reduce
         or gather is never written)."""
         for rank, (_, out) in zip(self.ranks, self.buffers, strict=True):
-            if self.op in (Collective.REDUCE, Collective.GATHER) and rank != self.root:
-                continue
+            if self.op in _AT_ROOT and rank != self.root:
+                continue  # its node may have had the verdict alone: no result
             if self.op is Collective.REDUCE:
                 np.copyto(out, result)
             elif self.op in (Collective.REDUCE_SCATTER, Collective.SCATTER):
