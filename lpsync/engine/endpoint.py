@@ -12,6 +12,8 @@ from typing import Protocol
 
 import numpy as np
 
+from lpsync.transport.mesh import Channel
+
 
 class SendRequest(Protocol):
     def done(self) -> bool:
@@ -69,3 +71,11 @@ class RelayingEndpoint(PostingEndpoint, Protocol):
         ``out`` to ``to_peer`` as ``to_tag``. Returns the receive and the onward send (which
         fails with the receive's error), or None when these peers cannot be relayed (the
         caller then posts and sends itself)."""
+
+
+class ChannelEndpoint(PostingEndpoint, Protocol):
+    """A PostingEndpoint with a Channel per peer (lpsync.transport.mesh.Channel: the TCP
+    backend's), so that a program runs as data flow (lpsync.engine.dataflow)."""
+
+    def channel(self, peer: int) -> Channel | None:
+        """``peer``'s Channel, or None where this endpoint has none for it."""

@@ -33,6 +33,7 @@ import numpy as np
 
 from lpsync.algorithms.schedule import Kind, Schedule
 from lpsync.engine.buffers import HOST, Buffers
+from lpsync.engine.dataflow import Flow, Run, channels_for, check_tags
 from lpsync.engine.endpoint import Endpoint, PostingEndpoint, RecvRequest, SendRequest
 from lpsync.errors import InvalidArgumentError
 from lpsync.reduction import Reduction
@@ -119,6 +120,8 @@ class Plan:
         self._staging = [memory.scratch(("slot", i), chunk) for i in range(RECV_WINDOW)] if chunk else []
         self._staging_wire = [memory.wire(slot) for slot in self._staging]
         self._relay_of, self._alone = _pass_through(self._steps) if memory.host else ({}, frozenset())
+        # On a transport with channels: the program run as data flow (dataflow.py).
+        self._flow = Flow.of(self._steps) if memory.host else None
         # Called around each step (lpsync.engine.staging: device spans across nodes):
         # ready(i) before step i touches its spans or posts its receive, done(i) after it.
         self.hooks: StepHooks | None = None
@@ -138,6 +141,26 @@ class Plan:
     def run(self, endpoint: Endpoint, deadline: float, tag_base: int = 0) -> None:
         """Run the program once; raises the transport's errors (timeouts, aborts)."""
         if hasattr(endpoint, "post_recv"):
+            flow = self._flow
+            channels = channels_for(endpoint, flow) if flow is not None and self.hooks is None else None
+            if channels is not None:
+                assert flow is not None
+                check_tags(tag_base, self._steps, channels)
+                run = Run(
+                    self._steps,
+                    flow,
+                    channels,
+                    tag_base,
+                    self._staging,
+                    self.reduction,
+                    self.rank,
+                    deadline,
+                    RECV_WINDOW,
+                    endpoint.abort,  # type: ignore[attr-defined]
+                )
+                run.start()
+                run.wait()
+                return
             self._run_posting(endpoint, deadline, tag_base)  # type: ignore[arg-type]
             return
         if not self.memory.host:

@@ -12,6 +12,7 @@ transport's tag.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import numpy as np
 
 from lpsync.engine.endpoint import Endpoint, RecvRequest, SendRequest
 from lpsync.errors import InvalidArgumentError
+from lpsync.transport.mesh import Channel
 
 # Folded tag: message tag (40 bits) | sender (12 bits) | receiver (12 bits) = 64 bits,
 # the width of a UCX tag.
@@ -118,6 +120,20 @@ class RoutedEndpoint:
         node_of = self._node_of
         return relay(  # type: ignore[no-any-return]
             node_of[peer], fold(peer, self.rank, tag), out, node_of[to_peer], fold(self.rank, to_peer, to_tag)
+        )
+
+    def channel(self, peer: int) -> Channel | None:
+        """A peer on another node: the node-level transport's Channel to its node, with
+        this pair's folded tags (lpsync.engine.endpoint.Channel); None for a local peer
+        or a transport without channels."""
+        node, channel = self._route[peer], getattr(self._remote, "channel", None)
+        if node < 0 or channel is None:
+            return None
+        remote = channel(node)
+        if remote is None:
+            return None
+        return dataclasses.replace(
+            remote, shift=2 * RANK_BITS, send_bits=self._to_bits[peer], recv_bits=self._from_bits[peer]
         )
 
     def abort(self, error: BaseException) -> None:

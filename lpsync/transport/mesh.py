@@ -124,6 +124,26 @@ class Request:
             self.on_done(self)
 
 
+@dataclass(frozen=True)
+class Channel:
+    """One peer's messages without the Endpoint's wrappers, for a program run as data flow
+    (lpsync.engine.dataflow): ``send(wire_tag, data, on_done)`` and ``post(wire_tag, out,
+    on_done)`` take uint8 views and call ``on_done(request)`` on the thread that finishes
+    the request (the TCP backend's reader for a receive; the sender's own thread or the
+    connection's writer for a send), so that no thread is woken per message to learn of
+    it; ``on_done`` must not block. A request has ``done`` and ``error``; ``wait(request,
+    deadline, what)`` raises the transport's own error for one (what names it).
+    A message's wire tag is ``(tag << shift) | bits``: a routed endpoint folds sender and
+    receiver into it (lpsync.engine.routing)."""
+
+    send: Callable[[int, np.ndarray, Callable[[Any], None] | None], Any]
+    post: Callable[[int, np.ndarray, Callable[[Any], None]], Any]
+    wait: Callable[[Any, float, object], None]
+    shift: int = 0
+    send_bits: int = 0
+    recv_bits: int = 0
+
+
 class InFlight:
     """What send and post_recv return: a send (done once the span may be written again)
     or a posted receive (done once the message has landed). Its description ("send of

@@ -41,7 +41,7 @@ from lpsync.engine.endpoint import PostingEndpoint, RecvRequest, SendRequest
 from lpsync.errors import LpsyncError, UnavailableError
 from lpsync.transport import backends
 from lpsync.transport.addresses import PeerAddress
-from lpsync.transport.mesh import MeshEndpoint, MeshOptions
+from lpsync.transport.mesh import Channel, MeshEndpoint, MeshOptions
 
 log = logging.getLogger("lpsync.peers")
 
@@ -97,6 +97,10 @@ class SharedEndpoint:
         self.recv_into: Callable[[int, int, np.ndarray, float], None] = endpoint.recv_into
         self.post_recv: Callable[[int, int, np.ndarray], RecvRequest] = endpoint.post_recv
         self._relay = getattr(endpoint, "post_relay", None)  # the TCP backend has one
+        self._channel = getattr(endpoint, "channel", None)  # the TCP backend's too
+
+    def channel(self, peer: int) -> Channel | None:
+        return None if self._channel is None else self._channel(peer)
 
     def post_relay(
         self, peer: int, tag: int, out: np.ndarray, to_peer: int, to_tag: int
@@ -126,6 +130,10 @@ class _Renumbered:
         self._endpoint, self._daemons = endpoint, daemons
         self.rank, self.size = daemons.index(endpoint.rank), len(daemons)
         self._relay = getattr(endpoint, "post_relay", None)
+        self._channel = getattr(endpoint, "channel", None)
+
+    def channel(self, peer: int) -> Channel | None:
+        return None if self._channel is None else self._channel(self._daemons[peer])
 
     def send(self, peer: int, tag: int, data: np.ndarray) -> SendRequest:
         return self._endpoint.send(self._daemons[peer], tag, data)

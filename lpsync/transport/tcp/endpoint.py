@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import socket
 import struct
@@ -39,7 +40,7 @@ import numpy as np
 from lpsync.errors import InvalidArgumentError, UnavailableError
 from lpsync.transport.addresses import PeerAddress
 from lpsync.transport.auth import authenticate_client_socket, authenticate_server_socket
-from lpsync.transport.mesh import GOODBYE, InFlight, MeshEndpoint, MeshOptions, Request, bytes_view
+from lpsync.transport.mesh import GOODBYE, Channel, InFlight, MeshEndpoint, MeshOptions, Request, bytes_view
 from lpsync.transport.tcp.runtime import TcpRuntime
 
 log = logging.getLogger("lpsync.tcp")
@@ -298,6 +299,14 @@ class TcpEndpoint(MeshEndpoint):
     def post_recv(self, peer: int, tag: int, out: np.ndarray) -> InFlight:
         request = self._post(self._conn(peer), tag, bytes_view(out), None)
         return InFlight(self, request, peer, tag, sending=False)
+
+    def channel(self, peer: int) -> Channel:
+        """``peer``'s connection as a Channel (lpsync.engine.endpoint): its queues
+        without the Endpoint's wrappers, for a program run as data flow."""
+        conn = self._conn(peer)
+        return Channel(
+            functools.partial(self._enqueue, conn), functools.partial(self._post, conn), self._wait
+        )
 
     def post_relay(
         self, peer: int, tag: int, out: np.ndarray, to_peer: int, to_tag: int
