@@ -1,18 +1,18 @@
-"""CPU per chunk of a pipeline over the TCP peer transport, relayed and not, in one run.
+"""CPU per chunk of a pipeline over the TCP peer transport, as data flow and not, in one run.
 
-``--ranks`` processes on loopback form a TcpEndpoint mesh and run an LP broadcast of
-``--bytes`` from rank 0 through every other, at each chunk count of ``--chunks``, with
-the relay on (the executor posts pass-through receives as relays and waits for the
-receives at the end: lpsync.engine.endpoint.RelayingEndpoint) and off (the endpoint
-without ``post_relay``: each chunk waited for, then sent on, by the collective's own
-thread), alternating, ``--reps`` calls each after a barrier. The last rank only receives:
-it waits for its receives at the end in both modes, so its column shows the noise. Each rank reads its own CPU
-clock (every thread) around each call. Prints the median CPU per call of the root, the
-middle ranks and the last rank, and relay on / off, then checks every rank's buffer
-against the root's. No emulated network: what a chunk costs in the processes, not on a
+``--ranks`` processes on loopback form a TcpEndpoint mesh and run ``--op``: an LP
+broadcast of ``--bytes`` from rank 0 through every other, or a ring allreduce, at each
+chunk count of ``--chunks``, as data flow (lpsync.engine.dataflow: each chunk received,
+reduced and sent on by the connection's reader) and sequentially (the endpoint without
+channels: each chunk waited for by the collective's own thread, then reduced and sent
+on), alternating, ``--reps`` calls each after a barrier. Each rank reads its own CPU
+clock (every thread) around each call. Prints the median CPU per call of the root (rank
+0), the middle ranks and the last rank, and flow on / off, then checks every rank's
+buffer against numpy. No emulated network: what a chunk costs in the processes, not on a
 shaped link (``lpsync bench --cluster`` is that).
 
     python -m lpsync.bench.pass_through --ranks 3 --bytes 64MiB --chunks 186,744 --reps 20
+    python -m lpsync.bench.pass_through --op allreduce --ranks 3 --bytes 64MiB --chunks 8,17
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from lpsync.units import format_size, parse_size
 _SECRET = b"lpsync pass-through bench"
 
 
-class _NoRelay:
-    """The endpoint without ``post_relay``: the executor forwards each chunk itself."""
+class _Sequential:
+    """The endpoint without ``channel``: the executor runs the program in order."""
 
     def __init__(self, endpoint: Any) -> None:
         self._endpoint = endpoint
@@ -70,7 +70,7 @@ def _rank(rank: int, ports: list[int], args: argparse.Namespace, out: mp.Queue) 
     try:
         peers = tuple(PeerAddress("127.0.0.1", port) for port in ports)
         endpoint = TcpEndpoint.connect(MeshOptions(rank, peers, _SECRET, connect_timeout=30.0))
-        plain = _NoRelay(endpoint)
+        plain = _Sequential(endpoint)
         p, count = args.ranks, args.bytes // 4
         one = (np.ones(1, np.float32), np.ones(1, np.float32))
         barrier = Plan(
@@ -80,19 +80,20 @@ def _rank(rank: int, ports: list[int], args: argparse.Namespace, out: mp.Queue) 
             Reduction(ReduceOp.SUM, np.dtype(np.float32), p),
         )
         tag, cpu, wrong = 0, {}, 0
+        op, algorithm = (
+            (Collective.BROADCAST, "lp") if args.op == "broadcast" else (Collective.ALLREDUCE, "ring")
+        )
+        reduction = Reduction(ReduceOp.SUM, np.dtype(np.float32), p)
         for chunks in args.chunks:
-            schedule = generate(Collective.BROADCAST, "lp", p, count, 0, chunks)
+            schedule = generate(op, algorithm, p, count, 0, chunks)
             data = np.zeros(count, np.float32)
-            plan = Plan(schedule, rank, (data, data))
-            for relay in (True, False) * args.reps:
-                want = np.random.default_rng(tag).random(count, np.float32)  # the same on every rank
-                data[:] = want if rank == 0 else 0
+            plan = Plan(schedule, rank, (data, data), reduction)
+            for flow in (True, False) * args.reps:
+                data[:], want = _inputs(op, p, rank, count, tag)
                 barrier.run(endpoint, time.monotonic() + 60, tag_base=(tag := tag + 1) << 32)
                 before = time.process_time()
-                plan.run(
-                    endpoint if relay else plain, time.monotonic() + 120, tag_base=(tag := tag + 1) << 32
-                )
-                cpu.setdefault((chunks, relay), []).append(time.process_time() - before)
+                plan.run(endpoint if flow else plain, time.monotonic() + 120, tag_base=(tag := tag + 1) << 32)
+                cpu.setdefault((chunks, flow), []).append(time.process_time() - before)
                 wrong += int(np.count_nonzero(data != want))
         endpoint.close()
         out.put((rank, {k: statistics.median(v) for k, v in cpu.items()}, wrong, None))
@@ -100,11 +101,27 @@ def _rank(rank: int, ports: list[int], args: argparse.Namespace, out: mp.Queue) 
         out.put((rank, {}, 0, f"{type(error).__name__}: {error}"))
 
 
+def _inputs(op: Collective, p: int, rank: int, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's input and the result every rank must end with (small whole numbers,
+    so that a sum in any order is exact)."""
+    if op is Collective.BROADCAST:
+        want = np.random.default_rng(seed).random(count, np.float32)
+        return (want if rank == 0 else np.zeros(count, np.float32)), want
+    parts = [np.random.default_rng((seed, r)).integers(0, 100, count).astype(np.float32) for r in range(p)]
+    return parts[rank], np.sum(parts, axis=0, dtype=np.float32)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lpsync.bench.pass_through",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--op",
+        choices=("broadcast", "allreduce"),
+        default="broadcast",
+        help="an LP broadcast (default) or a ring allreduce",
     )
     parser.add_argument("--ranks", type=int, default=3, help="processes, 3 or more (default 3)")
     parser.add_argument(
@@ -140,17 +157,18 @@ def main(argv: list[str] | None = None) -> int:
             if proc.is_alive():
                 proc.kill()
     last = args.ranks - 1
+    what = "LP broadcast" if args.op == "broadcast" else "ring allreduce"
     print(
-        f"# LP broadcast of {format_size(args.bytes)} over TCP on loopback, {args.ranks} ranks, "
+        f"# {what} of {format_size(args.bytes)} over TCP on loopback, {args.ranks} ranks, "
         f"median CPU ms per call of {args.reps}; middle = mean of ranks 1..{last - 1}; "
-        "on/off = relay on / off"
+        "on/off = data flow on / off (sequential)"
     )
-    print(f"#{'chunks':>7} {'relay':>6} | {'root':>8} {'middle':>8} {'last':>8}")
+    print(f"#{'chunks':>7} {'flow':>6} | {'root':>8} {'middle':>8} {'last':>8}")
     for chunks in args.chunks:
-        for relay in (True, False):
-            cpu = [got[r][0][chunks, relay] * 1e3 for r in range(args.ranks)]
+        for flow in (True, False):
+            cpu = [got[r][0][chunks, flow] * 1e3 for r in range(args.ranks)]
             root, middle, tail = cpu[0], statistics.mean(cpu[1:last]), cpu[last]
-            mode = "on" if relay else "off"
+            mode = "on" if flow else "off"
             print(f" {chunks:>7} {mode:>6} | {root:>8.1f} {middle:>8.1f} {tail:>8.1f}")
         on = [got[r][0][chunks, True] for r in range(args.ranks)]
         off = [got[r][0][chunks, False] for r in range(args.ranks)]
@@ -160,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     wrong = sum(w for _, w in got.values())
     print(f"# wrong elements: {wrong}")
-    return 0 if wrong == 0 else 1
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

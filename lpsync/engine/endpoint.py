@@ -59,20 +59,6 @@ class PostingEndpoint(Endpoint, Protocol):
         """Break the endpoint: in-flight requests are cancelled, every wait raises."""
 
 
-class RelayingEndpoint(PostingEndpoint, Protocol):
-    """A PostingEndpoint that can also forward: a pipeline's middle node receives a chunk
-    and sends the same span on, and the transport's receiving thread does the send as the
-    chunk lands (the TCP backend), so the participant's thread need not wake per chunk."""
-
-    def post_relay(
-        self, peer: int, tag: int, out: np.ndarray, to_peer: int, to_tag: int
-    ) -> tuple[RecvRequest, SendRequest] | None:
-        """Post the receive of (peer, tag) into ``out``; once it has landed, send all of
-        ``out`` to ``to_peer`` as ``to_tag``. Returns the receive and the onward send (which
-        fails with the receive's error), or None when these peers cannot be relayed (the
-        caller then posts and sends itself)."""
-
-
 class ChannelEndpoint(PostingEndpoint, Protocol):
     """A PostingEndpoint with a Channel per peer (lpsync.transport.mesh.Channel: the TCP
     backend's), so that a program runs as data flow (lpsync.engine.dataflow)."""

@@ -12,18 +12,15 @@ seen); ``run`` only moves and reduces. Invariants:
     message flows while earlier steps run. A receive into the participant's buffers is
     posted only once no earlier pending step touches its span; a receive to reduce
     lands in one of the window's staging slots. A failed run aborts such a transport.
-  * on a transport that relays (RelayingEndpoint: the TCP backend), a program of plain
-    sends and receives into disjoint spans has each receive that is followed by the send
-    of its span forwarded by the transport as it lands, and the receives nothing later
-    touches waited for at the end (paced, at most _DEFER_AHEAD outstanding);
+  * on a transport with channels (the TCP backend), a host program whose spans line up
+    runs as data flow instead (dataflow.py): each step on the thread that finished what
+    it waits for;
   * the buffers are host arrays, or device spans worked on through their kind
     (lpsync.engine.buffers: the peer plane's direct device path), on a posting transport.
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,9 +42,6 @@ _LOOKAHEAD = 64  # steps scanned past the current one for receives to post
 # LP pipeline sends every chunk, and a list of them all made each receive posted scan
 # them all (quadratic in the chunk count).
 _PRUNE_AT = 16
-# Receives waited for only at the end (a pipeline's pass-through, see _pass_through): at
-# most this many outstanding; past it, the one half as far back is waited for.
-_DEFER_AHEAD = 16
 
 
 @dataclass
@@ -119,7 +113,6 @@ class Plan:
         chunk = max((s.dst.nbytes for s in self._steps if s.kind == _RECV_REDUCE), default=0)
         self._staging = [memory.scratch(("slot", i), chunk) for i in range(RECV_WINDOW)] if chunk else []
         self._staging_wire = [memory.wire(slot) for slot in self._staging]
-        self._relay_of, self._alone = _pass_through(self._steps) if memory.host else ({}, frozenset())
         # On a transport with channels: the program run as data flow (dataflow.py).
         self._flow = Flow.of(self._steps) if memory.host else None
         # Called around each step (lpsync.engine.staging: device spans across nodes):
@@ -199,15 +192,6 @@ class Plan:
         free_slots = list(range(len(self._staging)))
         scan = 0  # the next step to consider posting
         hooks = self.hooks
-        # Pass-through (lpsync.engine.endpoint.RelayingEndpoint): a receive followed by the
-        # send of its span is posted as a relay, the transport sending the chunk on as it
-        # lands; a receive nothing later touches is waited for only at the end, last first.
-        relay_of = self._relay_of
-        relay = getattr(endpoint, "post_relay", None) if relay_of and hooks is None else None
-        alone = self._alone if hooks is None else frozenset()
-        relayed: dict[int, SendRequest] = {}  # send step -> the relay's onward send
-        deferred: list[RecvRequest] = []
-        settled = 0  # deferred receives up to here have been waited for
 
         def post_ahead(now: int) -> None:
             nonlocal scan
@@ -227,14 +211,6 @@ class Plan:
                     slot, out = -1, step.wire
                     if hooks is not None:
                         hooks.ready(scan)
-                    onward = relay_of.get(scan) if relay is not None else None
-                    if onward is not None:
-                        to = steps[onward]
-                        pair = relay(step.peer, tag_base + step.tag, out, to.peer, tag_base + to.tag)
-                        if pair is not None:
-                            posted[scan], relayed[onward] = (pair[0], -1), pair[1]
-                            scan += 1
-                            continue
                 else:
                     scan += 1
                     continue
@@ -253,9 +229,7 @@ class Plan:
                 if len(posted) < RECV_WINDOW:  # else post_ahead would post nothing
                     post_ahead(index)
                 if step.kind == _SEND:
-                    request = relayed.pop(index, None)
-                    if request is None:
-                        request = endpoint.send(step.peer, tag_base + step.tag, step.wire)
+                    request = endpoint.send(step.peer, tag_base + step.tag, step.wire)
                     in_flight.append((step.lo, step.hi, request))
                     if len(in_flight) > _PRUNE_AT:  # each post_ahead scans the sends in flight
                         in_flight[:] = [item for item in in_flight if not item[2].done()]
@@ -266,13 +240,6 @@ class Plan:
                 if step.kind == _RECV:
                     if entry is None:
                         endpoint.recv_into(step.peer, tag_base + step.tag, step.wire, deadline)
-                    elif index in alone and (index not in relay_of or relay_of[index] in relayed):
-                        deferred.append(entry[0])  # its relay (if any) needs no wait here
-                        if len(deferred) - settled >= _DEFER_AHEAD:
-                            # Paced: posting every receive at once held the GIL for
-                            # milliseconds while the readers had chunks to forward.
-                            settled = len(deferred) - _DEFER_AHEAD // 2
-                            deferred[settled - 1].wait(deadline)
                     else:
                         entry[0].wait(deadline)
                 elif step.kind == _RECV_REDUCE:
@@ -295,47 +262,12 @@ class Plan:
                     self.memory.copy(step.dst, step.src, deadline)
                 if hooks is not None:
                     hooks.done(index)
-            for received in reversed(deferred):  # in order on one connection: one wait
-                received.wait(deadline)
             for _, _, request in in_flight:
                 request.wait(deadline)
         except BaseException as error:
-            if posted or deferred:  # receives still posted would land in these buffers later
+            if posted:  # receives still posted would land in these buffers later
                 endpoint.abort(error)
             raise
-
-
-def _pass_through(steps: list[_Step]) -> tuple[dict[int, int], frozenset[int]]:
-    """For a program of only sends and receives into disjoint spans (a broadcast's or an
-    allgather's part): each receive followed at once by the send of its span (relay_of:
-    receive step -> send step), and the receives no later step touches but that send
-    (waited for at the end). Empty for any other program."""
-    if any(s.kind not in (_SEND, _RECV) for s in steps):
-        return {}, frozenset()
-    recvs = sorted((s.lo, s.hi, i) for i, s in enumerate(steps) if s.kind == _RECV)
-    if any(b[0] < a[1] for a, b in itertools.pairwise(recvs)):
-        return {}, frozenset()
-    relay_of = {
-        i: i + 1
-        for i in range(len(steps) - 1)
-        if steps[i].kind == _RECV
-        and steps[i + 1].kind == _SEND
-        and (steps[i + 1].lo, steps[i + 1].hi) == (steps[i].lo, steps[i].hi)
-    }
-    los = [lo for lo, _, _ in recvs]
-    touched: set[int] = set()
-    for k, s in enumerate(steps):
-        if s.kind != _SEND:
-            continue
-        # The receive spans overlapping this send's: sorted and disjoint, so those that
-        # start before it ends, back to the first that ends before it starts.
-        j = bisect.bisect_left(los, s.hi) - 1
-        while j >= 0 and recvs[j][1] > s.lo:
-            i = recvs[j][2]
-            if i < k and relay_of.get(i) != k:
-                touched.add(i)
-            j -= 1
-    return relay_of, frozenset(i for _, _, i in recvs if i not in touched)
 
 
 class StepHooks(Protocol):

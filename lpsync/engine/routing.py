@@ -75,7 +75,6 @@ class RoutedEndpoint:
         self._node_of, self._node = placement.node_of, placement.node
         self._local, self._remote = local, remote
         self._post_remote = getattr(remote, "post_recv", None)  # a PostingEndpoint's, if any
-        self._relay_remote = getattr(remote, "post_relay", None)  # a RelayingEndpoint's, if any
         # Per peer, worked out once (every chunk of a pipeline asks): its node, or -1 for
         # a local peer, and its sender and receiver bits of a folded tag (fold()).
         self._route = [-1 if n == self._node else n for n in self._node_of]
@@ -108,19 +107,6 @@ class RoutedEndpoint:
         if tag >= _MAX_TAG:
             fold(peer, self.rank, tag)  # raises, naming the tag
         return post(node, (tag << 2 * RANK_BITS) | self._from_bits[peer], out)  # type: ignore[no-any-return]
-
-    def post_relay(
-        self, peer: int, tag: int, out: np.ndarray, to_peer: int, to_tag: int
-    ) -> tuple[RecvRequest, SendRequest] | None:
-        """A message from another node sent on to a third as it lands, where the node-level
-        transport can (lpsync.engine.endpoint.RelayingEndpoint); None otherwise."""
-        relay = self._relay_remote
-        if relay is None or self._is_local(peer) or self._is_local(to_peer):
-            return None
-        node_of = self._node_of
-        return relay(  # type: ignore[no-any-return]
-            node_of[peer], fold(peer, self.rank, tag), out, node_of[to_peer], fold(self.rank, to_peer, to_tag)
-        )
 
     def channel(self, peer: int) -> Channel | None:
         """A peer on another node: the node-level transport's Channel to its node, with

@@ -1,5 +1,5 @@
 """``python -m lpsync.bench.pass_through``: real processes on a TCP mesh over loopback,
-relay on and off; every rank's buffer is checked against the root's data."""
+data flow on and off; every rank's buffer is checked against numpy's result."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ def _bench(*flags: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_four_ranks_report_cpu_per_call_relayed_and_not() -> None:
-    done = _bench("--ranks", "4", "--bytes", "1MiB", "--chunks", "3,16", "--reps", "2")
+@pytest.mark.parametrize("op", ["broadcast", "allreduce"])
+def test_four_ranks_report_cpu_per_call_as_data_flow_and_not(op: str) -> None:
+    done = _bench("--op", op, "--ranks", "4", "--bytes", "1MiB", "--chunks", "3,16", "--reps", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split() for line in done.stdout.splitlines() if not line.startswith("#")]
     assert [(r[0], r[1]) for r in rows] == [
@@ -42,6 +43,7 @@ def test_four_ranks_report_cpu_per_call_relayed_and_not() -> None:
         (["--ranks", "2"], "--ranks must be 3 or more"),
         (["--chunks", "4,x"], "--chunks takes whole numbers"),
         (["--chunks", "0"], "every chunk count 1 or more"),
+        (["--op", "gather"], "invalid choice"),
     ],
 )
 def test_bad_arguments_are_refused(flags: list[str], message: str) -> None:

@@ -11,7 +11,6 @@ import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import numpy as np
 import pytest
@@ -83,46 +82,6 @@ class PostingInproc:
         self._fabric.abort(error if isinstance(error, LpsyncError) else LpsyncError(repr(error)))
 
 
-class _Relay:
-    """A relayed receive's onward send: made by the receiving thread once it has the data."""
-
-    def __init__(self, early: _Early) -> None:
-        self.early = early
-        self.sent: Any = None
-
-    def done(self) -> bool:
-        return self.sent is not None and bool(self.sent.done())
-
-    def wait(self, deadline: float) -> None:
-        self.early.wait(deadline)
-        assert self.sent is not None
-        self.sent.wait(deadline)
-
-
-class RelayingInproc(PostingInproc):
-    """PostingInproc that also relays (lpsync.engine.endpoint.RelayingEndpoint), on the
-    thread that took the message, as the TCP backend's reader does."""
-
-    def __init__(self, fabric: InprocFabric, rank: int) -> None:
-        super().__init__(fabric, rank)
-        self.relayed = 0
-
-    def post_relay(self, peer: int, tag: int, out: np.ndarray, to_peer: int, to_tag: int):  # type: ignore[no-untyped-def]
-        self.relayed += 1
-        early = _Early.__new__(_Early)
-        early.error = None
-        onward = _Relay(early)
-
-        def take_and_forward() -> None:
-            early._take(self._inner, peer, tag, out)
-            if early.error is None:
-                onward.sent = self._inner.send(to_peer, to_tag, out)
-
-        early._thread = threading.Thread(target=take_and_forward, daemon=True)
-        early._thread.start()
-        return early, onward
-
-
 def run_posting(
     op: C,
     algorithm: str,
@@ -165,7 +124,7 @@ def run_posting(
     what = f"{op}-{algorithm} P={p} root={root} count={count} chunks={chunks} in_place={in_place}"
     for r, (_, out) in enumerate(pairs):
         assert_matches(out, want[r], f"{what} rank {r}")
-    return sum(getattr(e, "relayed", e.posted) for e in endpoints)
+    return sum(e.posted for e in endpoints)
 
 
 @pytest.mark.parametrize(("op", "algorithm"), OPS_ALGS, ids=OPS_ALGS_IDS)
@@ -179,41 +138,6 @@ def test_receives_posted_ahead_give_numpy_results(op: C, algorithm: str) -> None
                     for in_place in in_place_options(op):
                         posted += run_posting(op, algorithm, p, root, count, chunks, in_place, rng)
     assert posted > 0  # the look-ahead was exercised, not bypassed
-
-
-@pytest.mark.parametrize(("op", "algorithm"), OPS_ALGS, ids=OPS_ALGS_IDS)
-def test_relayed_and_deferred_receives_give_numpy_results(op: C, algorithm: str) -> None:
-    """A transport that relays: a middle node's chunks are sent on by the receiving
-    thread, and receives nothing later touches are waited for only at the end."""
-    rng = np.random.default_rng(zlib.crc32(f"relaying-{op}-{algorithm}".encode()))
-    relayed = 0
-    for p in (3, 5):
-        for root in roots_for(op, p)[:2]:
-            for count in (7, 1001):
-                for chunks in chunk_options(algorithm, (1, 4, 40)):
-                    for in_place in in_place_options(op):
-                        relayed += run_posting(
-                            op, algorithm, p, root, count, chunks, in_place, rng, RelayingInproc
-                        )
-    if (op, algorithm) in ((C.BROADCAST, "lp"), (C.ALLGATHER, "ring")):
-        assert relayed > 0  # the pipelines that pass chunks through did relay
-
-
-def test_pass_through_finds_the_chunks_a_node_only_forwards() -> None:
-    """LP broadcast on 4 ranks from root 0: the middle ranks relay every chunk and wait for
-    none in turn; the last only waits at the end; the root sends. A reduction has none."""
-    schedule = generate(C.BROADCAST, "lp", 4, 1000, 0, 5)
-    for rank in range(4):
-        plan = Plan(schedule, rank, (np.zeros(1000, np.int64), np.zeros(1000, np.int64)))
-        recvs = [i for i, s in enumerate(plan._steps) if s.kind == 1]
-        assert plan._alone == frozenset(recvs), rank
-        assert set(plan._relay_of) == (set(recvs) if rank in (1, 2) else set()), rank
-        assert all(plan._steps[j].kind == 0 for j in plan._relay_of.values())
-        assert len(recvs) == (0 if rank == 0 else 5)
-    reduce = generate(C.ALLREDUCE, "lp", 4, 1000, 0, 5)
-    buffers = (np.zeros(1000, np.int64), np.zeros(1000, np.int64))
-    plan = Plan(reduce, 1, buffers, Reduction(ReduceOp.SUM, np.dtype(np.int64), 4))
-    assert plan._relay_of == {} and plan._alone == frozenset()
 
 
 def test_a_receive_is_not_posted_over_a_span_still_to_be_sent() -> None:

@@ -192,8 +192,8 @@ def settle_before_kill() -> None:
     "case",
     [
         Case("allreduce", "lp", 200_000, chunks=8),
-        # Rank 2 is the root: rank 0 relays each chunk on to rank 1 (the TCP backend's
-        # post_relay) and rank 1 waits for its receives only at the end.
+        # Rank 2 is the root: rank 0 passes each chunk on to rank 1 (on the TCP backend,
+        # from its reader: the program runs as data flow).
         Case("broadcast", "lp", 200_000, root=2, chunks=8),
     ],
     ids=["allreduce", "broadcast-root-killed"],

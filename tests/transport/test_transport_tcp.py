@@ -125,42 +125,50 @@ def test_a_shorter_message_lands_and_a_longer_one_is_refused_without_breaking() 
         _next_message_intact(a, b, deadline)  # the excess was read off the wire
 
 
-def test_a_relay_sends_each_message_on_as_it_lands() -> None:
-    """post_relay on b: a's message lands in b's buffer and comes back to a as another
-    tag, sent by b's reader (posted first), or by the post itself (the message came
-    first); a message too large for the relay's buffer fails the receive and the onward
-    send alike, and the connection goes on."""
+def test_a_channel_calls_back_on_the_thread_that_finishes_each_request() -> None:
+    """channel(): a posted receive's callback runs on the connection's reader as the
+    message lands (or on the posting thread when it came first), a send's on the sending
+    thread when the socket took it all and on the writer when it did not; a message too
+    large for its receive calls back with the error, and the connection goes on."""
     rng = np.random.default_rng(7)
     with pair() as (a, b):
         deadline = time.monotonic() + 10
-        for size in (0, 5, 3 << 20):  # 3 MiB: past the socket buffers
-            data = rng.integers(0, 255, size, dtype=np.uint8)
-            out, back = np.zeros(size, np.uint8), np.zeros(size, np.uint8)
-            returned = a.post_recv(1, 11, back)
-            received, onward = b.post_relay(0, 10, out, 0, 11)
-            a.send(1, 10, data).wait(deadline)
-            onward.wait(deadline)
-            received.wait(deadline)
-            returned.wait(deadline)
-            assert (out == data).all() and (back == data).all(), size
-        # The message first, then the relay: forwarded from the posting thread.
-        data = rng.integers(0, 255, 1000, dtype=np.uint8)
-        a.send(1, 20, data).wait(deadline)
+        into, out_of = b.channel(0), a.channel(1)
+        seen: list[tuple[str, object, str]] = []
+        done = threading.Event()
+
+        def note(what: str, count: int):  # type: ignore[no-untyped-def]
+            def then(request):  # type: ignore[no-untyped-def]
+                seen.append((what, request.error, threading.current_thread().name))
+                if len(seen) == count:
+                    done.set()
+
+            return then
+
+        data = rng.integers(0, 255, 3 << 20, dtype=np.uint8)  # past the socket buffers
+        out = np.zeros(data.size, np.uint8)
+        into.post(10, out, note("received", 2))
+        sent = out_of.send(10, data, note("sent", 2))
+        assert done.wait(10), seen
+        assert (out == data).all() and sent.done and sent.error is None
+        threads = {what: thread for what, _, thread in seen}
+        assert threads["received"] == "lpsync-tcp-r1-from-0", seen
+        assert threads["sent"] in ("lpsync-tcp-r0-to-1", threading.current_thread().name), seen
+        # The message first, then the receive: called back on the posting thread.
+        seen.clear()
+        done.clear()
+        a.send(1, 20, data[:1000]).wait(deadline)
         time.sleep(0.2)  # it waits unexpected on b's side
-        out, back = np.zeros(1000, np.uint8), np.zeros(1000, np.uint8)
-        received, onward = b.post_relay(0, 20, out, 0, 21)
-        a.recv_into(1, 21, back, deadline)
-        onward.wait(deadline)
-        assert (back == data).all()
-        # Too large: both fail with the receive's reason; nothing is sent on.
-        received, onward = b.post_relay(0, 30, np.zeros(8, np.uint8), 0, 31)
+        into.post(20, out[:1000], note("early", 1))
+        assert seen == [("early", None, threading.current_thread().name)]
+        # Too large: the callback has the error; the next message is intact.
+        seen.clear()
+        done.clear()
+        into.post(30, np.zeros(8, np.uint8), note("too large", 1))
         a.send(1, 30, np.arange(64, dtype=np.uint8)).wait(deadline)
-        with pytest.raises(InvalidArgumentError, match="larger than the receive buffer"):
-            received.wait(deadline)
-        with pytest.raises(InvalidArgumentError, match="larger than the receive buffer"):
-            onward.wait(deadline)
+        assert done.wait(10)
+        assert isinstance(seen[0][1], InvalidArgumentError), seen
         _next_message_intact(a, b, deadline)
-        assert a.early_bytes(1) == 0  # nothing relayed under tag 31 arrived
 
 
 def test_a_header_announcing_more_than_memory_breaks_the_endpoint_cleanly() -> None:

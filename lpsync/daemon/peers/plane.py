@@ -96,17 +96,10 @@ class SharedEndpoint:
         self.send: Callable[[int, int, np.ndarray], SendRequest] = endpoint.send
         self.recv_into: Callable[[int, int, np.ndarray, float], None] = endpoint.recv_into
         self.post_recv: Callable[[int, int, np.ndarray], RecvRequest] = endpoint.post_recv
-        self._relay = getattr(endpoint, "post_relay", None)  # the TCP backend has one
         self._channel = getattr(endpoint, "channel", None)  # the TCP backend's too
 
     def channel(self, peer: int) -> Channel | None:
         return None if self._channel is None else self._channel(peer)
-
-    def post_relay(
-        self, peer: int, tag: int, out: np.ndarray, to_peer: int, to_tag: int
-    ) -> tuple[RecvRequest, SendRequest] | None:
-        relay = self._relay
-        return None if relay is None else relay(peer, tag, out, to_peer, to_tag)
 
     def abort(self, error: BaseException) -> None:
         self._endpoint.abort(error)
@@ -129,7 +122,6 @@ class _Renumbered:
     def __init__(self, endpoint: PostingEndpoint, daemons: tuple[int, ...]) -> None:
         self._endpoint, self._daemons = endpoint, daemons
         self.rank, self.size = daemons.index(endpoint.rank), len(daemons)
-        self._relay = getattr(endpoint, "post_relay", None)
         self._channel = getattr(endpoint, "channel", None)
 
     def channel(self, peer: int) -> Channel | None:
@@ -143,12 +135,6 @@ class _Renumbered:
 
     def post_recv(self, peer: int, tag: int, out: np.ndarray) -> RecvRequest | None:
         return self._endpoint.post_recv(self._daemons[peer], tag, out)
-
-    def post_relay(
-        self, peer: int, tag: int, out: np.ndarray, to_peer: int, to_tag: int
-    ) -> tuple[RecvRequest, SendRequest] | None:
-        relay, daemons = self._relay, self._daemons
-        return None if relay is None else relay(daemons[peer], tag, out, daemons[to_peer], to_tag)
 
     def recv_borrow(self, peer: int, tag: int, nbytes: int, deadline: float):
         return self._endpoint.recv_borrow(self._daemons[peer], tag, nbytes, deadline)

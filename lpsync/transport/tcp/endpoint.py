@@ -308,29 +308,6 @@ class TcpEndpoint(MeshEndpoint):
             functools.partial(self._enqueue, conn), functools.partial(self._post, conn), self._wait
         )
 
-    def post_relay(
-        self, peer: int, tag: int, out: np.ndarray, to_peer: int, to_tag: int
-    ) -> tuple[InFlight, InFlight]:
-        """Receive message ``tag`` from ``peer`` into ``out`` and, once it has landed, send
-        ``out`` on to ``to_peer`` as ``to_tag`` from the thread that received it (the
-        connection's reader, at once): a pipeline's middle node forwards each chunk without
-        waking the collective's thread. Returns the receive and the onward send; the send
-        fails with the receive's error when the receive fails."""
-        view, to_conn = bytes_view(out), self._conn(to_peer)
-        onward = Request()
-
-        def forward(received: Request) -> None:
-            if received.error is not None:
-                onward.finish(received.error)
-            else:
-                self._enqueue(to_conn, to_tag, view, lambda sent: onward.finish(sent.error))
-
-        request = self._post(self._conn(peer), tag, view, forward)
-        return (
-            InFlight(self, request, peer, tag, sending=False),
-            InFlight(self, onward, to_peer, to_tag, sending=True),
-        )
-
     def _post(
         self, conn: _Conn, tag: int, view: np.ndarray, on_done: Callable[[Request], None] | None
     ) -> Request:
