@@ -67,6 +67,8 @@ class Flow:
     waits: tuple[int, ...]
     then: tuple[tuple[int, ...], ...]  # per step: the steps waiting for it
     receives: tuple[int, ...]  # the receive steps, in program order
+    # Sends nothing waits for: no callback; the collective's thread checks them at the end.
+    quiet: tuple[int, ...]
     peers: tuple[int, ...]
     raw: tuple[np.ndarray, ...]  # per step: dst as bytes (what a send or receive moves)
 
@@ -102,6 +104,7 @@ class Flow:
             waits=tuple(waits),
             then=tuple(tuple(t) for t in then),
             receives=tuple(i for i, s in enumerate(steps) if s.kind in (_RECV, _RECV_REDUCE)),
+            quiet=tuple(i for i, s in enumerate(steps) if s.kind == _SEND and not then[i]),
             peers=tuple(sorted({s.peer for s in steps if s.kind != _COPY})),
             raw=tuple(s.dst.reshape(-1).view(np.uint8) for s in steps),
         )
@@ -152,7 +155,7 @@ class Run:
         self._requests: list[Any] = [None] * len(steps)
         self._next_receive = 0  # index into flow.receives: the next to post
         self._posted = 0  # receives posted and not landed
-        self._left = len(steps)
+        self._left = len(steps) - len(flow.quiet)  # steps whose end is reported
         self._failed: tuple[int, BaseException] | None = None
         self._queue: deque[tuple[Callable[[int, Any], None], int, Any]] = deque()
         self._lock = threading.Lock()
@@ -173,10 +176,20 @@ class Run:
         if self._left and not self._finished.wait(max(0.0, self._deadline - time.monotonic())):
             what = self._stuck()
             self._fail(-1, CollectiveTimeoutError(f"participant {self._rank} timed out waiting for {what}"))
-        failed = self._failed
-        if failed is None:
-            return
-        index, error = failed
+        if self._failed is None:
+            index = -1
+            try:
+                for index in self._flow.quiet:  # issued by now: their senders are done
+                    request = self._requests[index]
+                    if not request.done or request.error is not None:
+                        self._channels[self._steps[index].peer].wait(
+                            request, self._deadline, self._name(index)
+                        )
+                return
+            except BaseException as error:  # already the transport's own
+                self._fail(index, error)
+        assert self._failed is not None
+        index, error = self._failed
         if isinstance(error, _RequestFailed):  # the transport's own error for it
             step = self._steps[index]
             try:
@@ -227,8 +240,12 @@ class Run:
         if kind == _SEND:
             channel = self._channels[step.peer]
             tag = (self._tags[index] << channel.shift) | channel.send_bits
-            then = functools.partial(self._notify, self._sent, index)
-            self._requests[index] = channel.send(tag, self._flow.raw[index], then)
+            if self._flow.then[index]:
+                then = functools.partial(self._notify, self._sent, index)
+                self._requests[index] = channel.send(tag, self._flow.raw[index], then)
+            else:  # nothing waits for it: checked at the end
+                self._requests[index] = channel.send(tag, self._flow.raw[index], None)
+                self._finished_steps[index] = 1
         elif kind == _COPY:
             np.copyto(step.dst, step.src)
             self._done(index)
