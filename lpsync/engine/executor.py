@@ -21,6 +21,7 @@ seen); ``run`` only moves and reduces. Invariants:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -113,11 +114,15 @@ class Plan:
         chunk = max((s.dst.nbytes for s in self._steps if s.kind == _RECV_REDUCE), default=0)
         self._staging = [memory.scratch(("slot", i), chunk) for i in range(RECV_WINDOW)] if chunk else []
         self._staging_wire = [memory.wire(slot) for slot in self._staging]
-        # On a transport with channels: the program run as data flow (dataflow.py).
-        self._flow = Flow.of(self._steps) if memory.host else None
         # Called around each step (lpsync.engine.staging: device spans across nodes):
         # ready(i) before step i touches its spans or posts its receive, done(i) after it.
         self.hooks: StepHooks | None = None
+
+    @functools.cached_property
+    def _flow(self) -> Flow | None:
+        """The program as data flow (dataflow.py), worked out on the first run on a
+        transport with channels; None for device buffers or spans that do not line up."""
+        return Flow.of(self._steps) if self.memory.host else None
 
     def accesses(self) -> list[tuple[list[tuple[int, int]], tuple[int, int] | None]]:
         """Per step (the indices ``hooks`` get): the byte ranges it reads, the one it writes."""
@@ -134,10 +139,10 @@ class Plan:
     def run(self, endpoint: Endpoint, deadline: float, tag_base: int = 0) -> None:
         """Run the program once; raises the transport's errors (timeouts, aborts)."""
         if hasattr(endpoint, "post_recv"):
-            flow = self._flow
-            channels = channels_for(endpoint, flow) if flow is not None and self.hooks is None else None
-            if channels is not None:
-                assert flow is not None
+            has_channels = self.hooks is None and hasattr(endpoint, "channel")
+            flow = self._flow if has_channels else None
+            channels = channels_for(endpoint, flow) if flow is not None else None
+            if flow is not None and channels is not None:
                 check_tags(tag_base, self._steps, channels)
                 run = Run(
                     self._steps,
