@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from lpsync.algorithms import ALGORITHMS, Schedule
+from lpsync.algorithms import ALGORITHMS, Schedule, generate
+from lpsync.engine.executor import Plan
 from lpsync.engine.group import LocalGroup, layout
 from lpsync.reduction import Reduction
 from lpsync.types import DATA_COLLECTIVES, DTYPES, OUT_OF_PLACE_ONLY, ROOTED_OPS, Collective, ReduceOp, blocks
@@ -265,6 +266,39 @@ def in_place_buffer(
             buf[rank * count : (rank + 1) * count] = data
         return buf
     return data.copy()
+
+
+@dataclass
+class PlannedCase:
+    """One case's plans over int64 sum inputs (a Plan per rank, its (IN, OUT)), and the
+    check of every rank's output against numpy once they have run."""
+
+    plans: list[Plan]
+    pairs: list[tuple[np.ndarray, np.ndarray]]
+    want: list
+    what: str
+
+    @classmethod
+    def of(
+        cls, op: Collective, algorithm: str, p: int, root: int, count: int, chunks: int, in_place: bool, rng
+    ) -> PlannedCase:
+        schedule = generate(op, algorithm, p, count, root, chunks)
+        inputs = make_inputs(op, p, count, np.dtype(np.int64), ReduceOp.SUM, rng, root)
+        datas = [
+            in_place_buffer(op, r, p, count, x, root) if in_place else x.copy() for r, x in enumerate(inputs)
+        ]
+        pairs = [layout(op, r, p, count, d, in_place, root) for r, d in enumerate(datas)]
+        reduction = Reduction(ReduceOp.SUM, np.dtype(np.int64), p)
+        return cls(
+            [Plan(schedule, r, pair, reduction) for r, pair in enumerate(pairs)],
+            pairs,
+            reference(op, ReduceOp.SUM, inputs, root, count),
+            f"{op}-{algorithm} P={p} root={root} count={count} chunks={chunks} in_place={in_place}",
+        )
+
+    def check(self) -> None:
+        for r, (_, out) in enumerate(self.pairs):
+            assert_matches(out, self.want[r], f"{self.what} rank {r}")
 
 
 def run_collective(

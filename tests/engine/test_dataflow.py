@@ -20,7 +20,6 @@ from lpsync.algorithms import generate
 from lpsync.algorithms.schedule import Buf, ScheduleBuilder
 from lpsync.engine import dataflow
 from lpsync.engine.executor import Plan
-from lpsync.engine.group import layout
 from lpsync.errors import CollectiveTimeoutError, UnavailableError
 from lpsync.reduction import Reduction
 from lpsync.transport.addresses import PeerAddress
@@ -31,12 +30,9 @@ from tests.collective_cases import (
     OPS_ALGS,
     OPS_ALGS_IDS,
     C,
-    assert_matches,
+    PlannedCase,
     chunk_options,
-    in_place_buffer,
     in_place_options,
-    make_inputs,
-    reference,
     roots_for,
 )
 from tests.ports import free_ports
@@ -107,22 +103,11 @@ def test_every_op_and_algorithm_gives_numpy_results(op: C, algorithm: str, flows
                 for count in (0, 7, 1001):
                     for chunks in chunk_options(algorithm, (1, 4, 9)):
                         for in_place in in_place_options(op):
-                            schedule = generate(op, algorithm, p, count, root, chunks)
-                            inputs = make_inputs(op, p, count, np.dtype(np.int64), ReduceOp.SUM, rng, root)
-                            datas = [
-                                in_place_buffer(op, r, p, count, x, root) if in_place else x.copy()
-                                for r, x in enumerate(inputs)
-                            ]
-                            pairs = [layout(op, r, p, count, d, in_place, root) for r, d in enumerate(datas)]
-                            reduction = Reduction(ReduceOp.SUM, np.dtype(np.int64), p)
-                            plans = [Plan(schedule, r, pair, reduction) for r, pair in enumerate(pairs)]
-                            runs += sum(plan._flow is not None for plan in plans)
+                            case = PlannedCase.of(op, algorithm, p, root, count, chunks, in_place, rng)
+                            runs += sum(plan._flow is not None for plan in case.plans)
                             tag += 1
-                            assert _run_all(endpoints, plans, tag << 20) == [None] * p
-                            want = reference(op, ReduceOp.SUM, inputs, root, count)
-                            what = f"{op}-{algorithm} P={p} root={root} count={count} chunks={chunks}"
-                            for r, (_, out) in enumerate(pairs):
-                                assert_matches(out, want[r], f"{what} in_place={in_place} rank {r}")
+                            assert _run_all(endpoints, case.plans, tag << 20) == [None] * p
+                            case.check()
     # Every plan whose spans line up ran as data flow (BE's halving ones do not).
     assert len(flows) == runs
     if algorithm != "be":

@@ -15,24 +15,17 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from lpsync.algorithms import generate
 from lpsync.algorithms.schedule import Buf, ScheduleBuilder
 from lpsync.engine.executor import Plan
-from lpsync.engine.group import layout
 from lpsync.errors import CollectiveTimeoutError, LpsyncError
-from lpsync.reduction import Reduction
 from lpsync.transport.inproc import InprocEndpoint, InprocFabric
-from lpsync.types import ReduceOp
 from tests.collective_cases import (
     OPS_ALGS,
     OPS_ALGS_IDS,
     C,
-    assert_matches,
+    PlannedCase,
     chunk_options,
-    in_place_buffer,
     in_place_options,
-    make_inputs,
-    reference,
     roots_for,
 )
 
@@ -93,18 +86,10 @@ def run_posting(
     rng: np.random.Generator,
     kind: type[PostingInproc] = PostingInproc,
 ) -> int:
-    schedule = generate(op, algorithm, p, count, root, chunks)
-    inputs = make_inputs(op, p, count, np.dtype(np.int64), ReduceOp.SUM, rng, root)
-    datas = [
-        in_place_buffer(op, r, p, count, x, root) if in_place else x.copy() for r, x in enumerate(inputs)
-    ]
-    pairs = [layout(op, r, p, count, d, in_place, root) for r, d in enumerate(datas)]
+    case = PlannedCase.of(op, algorithm, p, root, count, chunks, in_place, rng)
+    plans = case.plans
     fabric = InprocFabric(p)
     endpoints = [kind(fabric, r) for r in range(p)]
-    plans = [
-        Plan(schedule, r, pair, Reduction(ReduceOp.SUM, np.dtype(np.int64), p))
-        for r, pair in enumerate(pairs)
-    ]
     errors: list[BaseException] = []
 
     def participant(r: int) -> None:
@@ -120,10 +105,7 @@ def run_posting(
     for t in threads:
         t.join(60)
     assert not errors, errors
-    want = reference(op, ReduceOp.SUM, inputs, root, count)
-    what = f"{op}-{algorithm} P={p} root={root} count={count} chunks={chunks} in_place={in_place}"
-    for r, (_, out) in enumerate(pairs):
-        assert_matches(out, want[r], f"{what} rank {r}")
+    case.check()
     return sum(e.posted for e in endpoints)
 
 
