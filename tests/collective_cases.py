@@ -3,13 +3,14 @@ and one generic multi-rank harness (every rank a thread on the inproc transport)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
 
 from lpsync.algorithms import ALGORITHMS, Schedule, generate
+from lpsync.algorithms.schedule import Buf, ScheduleBuilder
 from lpsync.engine.executor import Plan
 from lpsync.engine.group import LocalGroup, layout
 from lpsync.reduction import Reduction
@@ -266,6 +267,28 @@ def in_place_buffer(
             buf[rank * count : (rank + 1) * count] = data
         return buf
     return data.copy()
+
+
+def swap_schedule(n: int) -> Schedule:
+    """Rank 0 sends its OUT, then receives into it; rank 1 sends its IN at once, then
+    receives rank 0's OUT. A receive posted on rank 0 before its send has gone would land
+    rank 1's data in the span being sent, and rank 1 would get its own data back."""
+    b = ScheduleBuilder(Collective.BROADCAST, "swap", 2, n)
+    b.send(0, 0, 1, Buf.OUT, 0, n)
+    b.recv(1, 0, 1, Buf.OUT, 0, n)
+    b.send(0, 1, 0, Buf.IN, 0, n)
+    b.recv(1, 1, 0, Buf.OUT, 0, n)
+    return b.build()
+
+
+def planned_cases(op: Collective, algorithm: str, p: int, rng: np.random.Generator) -> Iterator[PlannedCase]:
+    """The plans of ``op`` by ``algorithm`` on ``p`` ranks over a grid of roots, counts
+    (empty included), chunk counts and in place or not."""
+    for root in roots_for(op, p)[:2]:
+        for count in (0, 7, 1001):
+            for chunks in chunk_options(algorithm, (1, 4, 9)):
+                for in_place in in_place_options(op):
+                    yield PlannedCase.of(op, algorithm, p, root, count, chunks, in_place, rng)
 
 
 @dataclass

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from lpsync.algorithms import generate
-from lpsync.algorithms.schedule import Buf, ScheduleBuilder
 from lpsync.engine import dataflow
 from lpsync.engine.executor import Plan
 from lpsync.errors import CollectiveTimeoutError, UnavailableError
@@ -30,10 +29,8 @@ from tests.collective_cases import (
     OPS_ALGS,
     OPS_ALGS_IDS,
     C,
-    PlannedCase,
-    chunk_options,
-    in_place_options,
-    roots_for,
+    planned_cases,
+    swap_schedule,
 )
 from tests.ports import free_ports
 
@@ -99,15 +96,11 @@ def test_every_op_and_algorithm_gives_numpy_results(op: C, algorithm: str, flows
     runs = tag = 0
     for p in (2, 3, 5):
         with mesh(p) as endpoints:
-            for root in roots_for(op, p)[:2]:
-                for count in (0, 7, 1001):
-                    for chunks in chunk_options(algorithm, (1, 4, 9)):
-                        for in_place in in_place_options(op):
-                            case = PlannedCase.of(op, algorithm, p, root, count, chunks, in_place, rng)
-                            runs += sum(plan._flow is not None for plan in case.plans)
-                            tag += 1
-                            assert _run_all(endpoints, case.plans, tag << 20) == [None] * p
-                            case.check()
+            for case in planned_cases(op, algorithm, p, rng):
+                runs += sum(plan._flow is not None for plan in case.plans)
+                tag += 1
+                assert _run_all(endpoints, case.plans, tag << 20) == [None] * p
+                case.check()
     # Every plan whose spans line up ran as data flow (BE's halving ones do not).
     assert len(flows) == runs
     if algorithm != "be":
@@ -131,16 +124,9 @@ def test_spans_that_overlap_unequally_are_left_to_the_sequential_run() -> None:
 
 
 def test_a_receive_waits_for_the_send_of_its_span(flows: list[int]) -> None:
-    """Rank 0 sends its OUT, then receives into it; rank 1 sends its IN at once, then
-    receives rank 0's OUT. Posted before rank 0's send has gone, rank 0's receive would
-    land rank 1's data in the span being sent, and rank 1 would get its own data back."""
+    """The swap (collective_cases.swap_schedule): rank 0's receive must wait for its send."""
     n = 1 << 20  # 8 MiB of int64: past the socket buffers, so the send takes a while
-    b = ScheduleBuilder(C.BROADCAST, "swap", 2, n)
-    b.send(0, 0, 1, Buf.OUT, 0, n)
-    b.recv(1, 0, 1, Buf.OUT, 0, n)
-    b.send(0, 1, 0, Buf.IN, 0, n)
-    b.recv(1, 1, 0, Buf.OUT, 0, n)
-    schedule = b.build()
+    schedule = swap_schedule(n)
     flow = Plan(schedule, 0, (np.zeros(schedule.in_elements(0), np.int64), np.zeros(n, np.int64)))._flow
     assert flow is not None and flow.then[0] == (1,) and flow.waits == (0, 1)  # the receive waits
     with mesh(2) as endpoints:

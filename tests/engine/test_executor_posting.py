@@ -15,7 +15,6 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from lpsync.algorithms.schedule import Buf, ScheduleBuilder
 from lpsync.engine.executor import Plan
 from lpsync.errors import CollectiveTimeoutError, LpsyncError
 from lpsync.transport.inproc import InprocEndpoint, InprocFabric
@@ -24,9 +23,8 @@ from tests.collective_cases import (
     OPS_ALGS_IDS,
     C,
     PlannedCase,
-    chunk_options,
-    in_place_options,
-    roots_for,
+    planned_cases,
+    swap_schedule,
 )
 
 
@@ -75,19 +73,9 @@ class PostingInproc:
         self._fabric.abort(error if isinstance(error, LpsyncError) else LpsyncError(repr(error)))
 
 
-def run_posting(
-    op: C,
-    algorithm: str,
-    p: int,
-    root: int,
-    count: int,
-    chunks: int,
-    in_place: bool,
-    rng: np.random.Generator,
-    kind: type[PostingInproc] = PostingInproc,
-) -> int:
-    case = PlannedCase.of(op, algorithm, p, root, count, chunks, in_place, rng)
+def run_posting(case: PlannedCase, kind: type[PostingInproc] = PostingInproc) -> int:
     plans = case.plans
+    p = len(plans)
     fabric = InprocFabric(p)
     endpoints = [kind(fabric, r) for r in range(p)]
     errors: list[BaseException] = []
@@ -114,25 +102,15 @@ def test_receives_posted_ahead_give_numpy_results(op: C, algorithm: str) -> None
     rng = np.random.default_rng(zlib.crc32(f"posting-{op}-{algorithm}".encode()))
     posted = 0
     for p in (2, 3, 5, 8):
-        for root in roots_for(op, p)[:2]:
-            for count in (0, 7, 1001):
-                for chunks in chunk_options(algorithm, (1, 4, 9)):
-                    for in_place in in_place_options(op):
-                        posted += run_posting(op, algorithm, p, root, count, chunks, in_place, rng)
+        for case in planned_cases(op, algorithm, p, rng):
+            posted += run_posting(case)
     assert posted > 0  # the look-ahead was exercised, not bypassed
 
 
 def test_a_receive_is_not_posted_over_a_span_still_to_be_sent() -> None:
-    """Rank 0 sends its OUT, then receives into it; rank 1 sends its IN at once, then
-    receives rank 0's OUT. Posted before rank 0's send has gone, rank 0's receive would
-    land rank 1's data in the span being sent, and rank 1 would get its own data back."""
+    """The swap (collective_cases.swap_schedule): rank 0's receive must wait for its send."""
     n = 100_000
-    b = ScheduleBuilder(C.BROADCAST, "swap", 2, n)
-    b.send(0, 0, 1, Buf.OUT, 0, n)
-    b.recv(1, 0, 1, Buf.OUT, 0, n)
-    b.send(0, 1, 0, Buf.IN, 0, n)
-    b.recv(1, 1, 0, Buf.OUT, 0, n)
-    schedule = b.build()
+    schedule = swap_schedule(n)
     for _ in range(10):  # the hazard is a race: give it chances
         fabric = InprocFabric(2)
         ins = [np.zeros(schedule.in_elements(r), np.int64) for r in (0, 1)]
