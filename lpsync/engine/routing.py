@@ -110,7 +110,7 @@ class RoutedEndpoint:
 
     def channel(self, peer: int) -> Channel | None:
         """A peer on another node: the node-level transport's Channel to its node, with
-        this pair's folded tags (lpsync.engine.endpoint.Channel); None for a local peer
+        this pair's folded tags (lpsync.transport.mesh.Channel); None for a local peer
         or a transport without channels."""
         node, channel = self._route[peer], getattr(self._remote, "channel", None)
         if node < 0 or channel is None:
