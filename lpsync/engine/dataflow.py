@@ -240,11 +240,10 @@ class Run:
         if kind == _SEND:
             channel = self._channels[step.peer]
             tag = (self._tags[index] << channel.shift) | channel.send_bits
-            if self._flow.then[index]:
-                then = functools.partial(self._notify, self._sent, index)
-                self._requests[index] = channel.send(tag, self._flow.raw[index], then)
-            else:  # nothing waits for it: checked at the end
-                self._requests[index] = channel.send(tag, self._flow.raw[index], None)
+            # A send nothing waits for has no callback: wait() checks it at the end.
+            then = functools.partial(self._notify, self._sent, index) if self._flow.then[index] else None
+            self._requests[index] = channel.send(tag, self._flow.raw[index], then)
+            if then is None:
                 self._finished_steps[index] = 1
         elif kind == _COPY:
             np.copyto(step.dst, step.src)
