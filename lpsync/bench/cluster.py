@@ -389,6 +389,11 @@ def _take(
     if all("cpu" in r for r in got.values()):  # --model's rows carry none
         cpu = {part: sum(r["cpu"][part] for r in got.values()) for part in row["cpu"]}
     records = {r["node"]: r["records"] for r in got.values() if r.get("node") is not None}
+    daemons = {
+        r["node"]: max(0.0, r["cpu"]["daemon"] - r["cpu"]["daemon_barriers"])
+        for r in got.values()
+        if r.get("node") is not None and "cpu" in r
+    }
     return Point(
         row["op"],
         row["algorithm"],
@@ -402,6 +407,7 @@ def _take(
         sum(r["wrong"] for r in got.values()),
         cpu,
         records,
+        daemons,
     )
 
 
@@ -411,6 +417,9 @@ def _cpu_text(point: Point) -> str:
     text = "cpu -" if per_gb is None else f"cpu {per_gb:.4g} s/GB"
     if (machine := point.machine_cpu_per_gb()) is not None:
         text += f" (machine {machine:.4g})"
+    if by_node := point.daemon_us_per_call():
+        busiest = max(by_node, key=by_node.__getitem__)
+        text += f", daemons {min(by_node.values()):.0f}-{by_node[busiest]:.0f} us/call (most: node {busiest})"
     fixed = point.fixed_cost()
     return text if fixed is None else f"{text} ({fixed.summary()})"
 

@@ -68,6 +68,9 @@ class Point:
     cpu: dict[str, float] | None = None
     # node -> its daemon's flight records of the timed iterations, oldest first
     records: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    # node -> its daemon's CPU seconds over the timed loop, the barriers' share taken out
+    # (the mean of "cpu" hides node 0, which judges and answers every other node)
+    daemons: dict[int, float] = field(default_factory=dict)
     transport: str = "ucx"  # the daemons' peer transport (gloo's points keep the default)
 
     @property
@@ -117,6 +120,10 @@ class Point:
         spent = max(0.0, cpu[part] - cpu[f"{part}_barriers"])
         processes = self.nodes if who == "daemon" else self.ranks
         return spent / processes / len(self.times)
+
+    def daemon_us_per_call(self) -> dict[int, float]:
+        """Each node's daemon: microseconds of CPU per collective (empty where not read)."""
+        return {node: spent / len(self.times) * 1e6 for node, spent in self.daemons.items() if self.times}
 
     def cpu_per_gb(self) -> float | None:
         """CPU seconds of every node process per GB (1e9 bytes) of message: nbytes x iters."""
@@ -176,6 +183,7 @@ class Point:
             "machine_cpu_s_per_gb": self.machine_cpu_per_gb(),
             "daemon_cpu_us_per_call": self.cpu_us_per_call("daemon"),
             "rank_cpu_us_per_call": self.cpu_us_per_call("rank"),
+            "daemon_cpu_us_per_call_by_node": [us for _, us in sorted(self.daemon_us_per_call().items())],
             "daemon_switches_per_call": self.switches_per_call("daemon"),
             "rank_switches_per_call": self.switches_per_call("rank"),
             "cpu": self.cpu,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from lpsync.bench.cluster import ClusterOptions
+from lpsync.bench.cluster import ClusterOptions, _cpu_text
 from lpsync.bench.cluster_report import STAGES, Point, emit, key, label, scaling, table
 from lpsync.bench.cluster_worker import measure
 from lpsync.bench.cpu import CpuMeter, context_switches, cpu_seconds, machine_busy_seconds
@@ -204,6 +204,12 @@ def test_cpu_per_gb_and_the_fixed_cost_of_the_median_iteration() -> None:
     assert re.search(r"\| +1800\.0 +\S+ +\S+ +\S+ +\S+ +100\.0 +10\.0 ", table([q])), table([q])
     assert "dsw/rsw = their context switches per call" in table([q])
     assert p.switches_per_call("daemon") is None and p.to_json()["rank_switches_per_call"] is None
+    # Each daemon apart (node 0 judges and answers every other node, so the mean hides it):
+    # per call in the JSON, in node order, and its range in the progress line.
+    r = Point("allreduce", "auto", "tree", 2, 1, 10**9, 4, 1, [1e-3] * 3, 0, cpu, {}, {1: 0.003, 0: 0.009})
+    assert r.to_json()["daemon_cpu_us_per_call_by_node"] == pytest.approx([3000.0, 1000.0])
+    assert "daemons 1000-3000 us/call (most: node 0)" in _cpu_text(r)
+    assert p.to_json()["daemon_cpu_us_per_call_by_node"] == [] and "daemons" not in _cpu_text(p)
     # The barriers alone cost more than the loop (tiny messages, noise): 0, never negative.
     noisy = dict(cpu, rank_barriers=0.2)
     assert Point("allreduce", "lp", "lp", 2, 1, 10**9, 4, 1, [1.0], 0, noisy).cpu_seconds() == 0
@@ -445,6 +451,13 @@ def test_three_node_cluster_bench_end_to_end() -> None:
         else:
             daemon_us = max(0.0, p["cpu"]["daemon"] - p["cpu"]["daemon_barriers"]) / p["nodes"] / calls * 1e6
             assert p["daemon_cpu_us_per_call"] == pytest.approx(daemon_us)
+            # Each node's daemon apart, in node order: their mean is the mean daemon's
+            # (each node's share is clipped at 0 on its own, so never below it).
+            by_node = p["daemon_cpu_us_per_call_by_node"]
+            assert len(by_node) == p["nodes"] and min(by_node) >= 0, p
+            if min(by_node) > 0:
+                assert sum(by_node) / p["nodes"] == pytest.approx(daemon_us)
+            assert sum(by_node) / p["nodes"] >= daemon_us - 1e-6
             # A daemon sleeps and wakes at least once per call (the request comes in).
             assert p["cpu"]["daemon_switches"] >= p["nodes"] * calls
         # Every rank blocks on each call's reply and each barrier: switches, counted.
