@@ -417,7 +417,7 @@ def _cpu_text(point: Point) -> str:
     text = "cpu -" if per_gb is None else f"cpu {per_gb:.4g} s/GB"
     if (machine := point.machine_cpu_per_gb()) is not None:
         text += f" (machine {machine:.4g})"
-    if by_node := point.daemon_us_per_call():
+    if len(by_node := point.daemon_us_per_call()) > 1:  # one daemon: the mean says it
         busiest = max(by_node, key=by_node.__getitem__)
         text += f", daemons {min(by_node.values()):.0f}-{by_node[busiest]:.0f} us/call (most: node {busiest})"
     fixed = point.fixed_cost()

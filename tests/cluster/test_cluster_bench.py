@@ -210,6 +210,9 @@ def test_cpu_per_gb_and_the_fixed_cost_of_the_median_iteration() -> None:
     assert r.to_json()["daemon_cpu_us_per_call_by_node"] == pytest.approx([3000.0, 1000.0])
     assert "daemons 1000-3000 us/call (most: node 0)" in _cpu_text(r)
     assert p.to_json()["daemon_cpu_us_per_call_by_node"] == [] and "daemons" not in _cpu_text(p)
+    alone = Point("allreduce", "auto", "direct", 1, 2, 10**9, 4, 1, [1e-3], 0, cpu, {}, {0: 0.001})
+    assert alone.to_json()["daemon_cpu_us_per_call_by_node"] == pytest.approx([1000.0])
+    assert "daemons" not in _cpu_text(alone)  # one daemon: the mean is it
     # The barriers alone cost more than the loop (tiny messages, noise): 0, never negative.
     noisy = dict(cpu, rank_barriers=0.2)
     assert Point("allreduce", "lp", "lp", 2, 1, 10**9, 4, 1, [1.0], 0, noisy).cpu_seconds() == 0
