@@ -148,9 +148,11 @@ class Chaos:
         time.sleep(hold / 2)
         self._survivors_serve(node if kind.endswith("daemon") or kind.startswith("cut") else None)
         time.sleep(hold / 2)
-        self._release(kind, node, rank)
+        # The release is an event from the moment it is made: a daemon woken by SIGCONT
+        # may report before this thread runs again, and that report is owed to the release.
         released = time.monotonic()
         self.record.event(released)
+        self._release(kind, node, rank)
         self.record.log.append(
             {"fault": kind, "node": node, "rank": rank, "injected": injected, "released": released}
         )
