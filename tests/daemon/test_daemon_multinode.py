@@ -206,6 +206,13 @@ def _freeze_and_check(cluster: PeeredDaemons) -> None:
         assert kind == "UnavailableError", (rank, kind, message)
         assert at - stopped_at < HEARTBEAT + 1.5, (rank, at - stopped_at, message)
     assert "sent no heartbeat" in cluster.log(0) + cluster.log(1)
+    # The thawed daemon knows it was the one that did not run, and blames no peer for
+    # the heartbeats waiting unread in its sockets (its mesh ends by the peers' closing).
+    deadline = time.monotonic() + 10
+    while "did not run for" not in cluster.log(2) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "did not run for" in cluster.log(2), cluster.log(2)[-3000:]  # watchdog or failure
+    assert "sent no heartbeat" not in cluster.log(2), cluster.log(2)[-3000:]
 
 
 @TRANSPORTS

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import types
 
 import pytest
 
 from lpsync.daemon.control import config as daemon_config
 from lpsync.daemon.peers.discovery import discover, expand_nodelist, from_dns, from_slurm, is_local_address
+from lpsync.daemon.peers.plane import Link
 from lpsync.errors import ConfigError, InvalidArgumentError
 from lpsync.transport.addresses import PeerAddress
 
@@ -153,3 +155,33 @@ def test_each_probe_pair_has_connect_timeout_of_its_own(monkeypatch: pytest.Monk
     pair_seconds = 0.6  # one pair slower than connect_timeout
     with pytest.raises(CollectiveTimeoutError, match="past its deadline"):
         peer_plane.PeerPlane._probe(plane, link, [1, 2, 3, 4])
+
+
+def _link(interval: float) -> Link:
+    endpoint = types.SimpleNamespace(rank=0, size=3, send=None, recv_into=None, post_recv=None)
+    peers = tuple(PeerAddress(f"n{i}", 4000) for i in range(3))
+    return Link(1, endpoint, peers, heartbeat_interval=interval)  # type: ignore[arg-type]
+
+
+def test_a_peer_silent_while_this_daemon_ran_is_named_unreachable() -> None:
+    link = _link(0.5)
+    link.ran = 100.0
+    link.last_heard = {1: 99.9, 2: 98.0}
+    assert link.did_not_run(100.4) == 0.0
+    assert link.silent(100.4) == [2]  # 2.4 s without a beat, over two intervals
+
+
+def test_a_daemon_that_did_not_run_blames_no_peer_for_its_own_pause() -> None:
+    """SIGSTOP for 5 s: every peer's heartbeats wait unread; the silence is this daemon's."""
+    link = _link(0.5)
+    link.ran = 100.0
+    link.last_heard = {1: 99.8, 2: 99.7}
+    assert link.did_not_run(105.0) == pytest.approx(5.0)
+    assert link.silent(105.0) == []  # judged as of the last time it ran
+    link.heard_all(105.0)
+    link.ran = 105.0
+    assert link.did_not_run(105.4) == 0.0
+    assert link.silent(105.4) == []
+    link.last_heard[1] = 106.0  # node 1 beats again; node 2 stays silent
+    link.ran = 106.3
+    assert link.silent(106.5) == [2]  # silent for 1.5 s while this daemon ran: named

@@ -162,6 +162,9 @@ class Link:
         self.model: LinkModel | None = None  # the slowest probed peer link
         self.broken = threading.Event()  # set once: the heartbeat threads then end
         self.last_heard: dict[int, float] = {}  # peer -> monotonic time of its last heartbeat
+        # The watchdog's last tick: when this daemon was last seen running. A daemon that
+        # was stopped or starved finds every peer's heartbeats unread in its sockets.
+        self.ran = time.monotonic()
         # Some node of this mesh had one before: a rebuild, not the cluster's start
         # (PeerPlane._history); the same on every node of the mesh.
         self.rebuilt = False
@@ -181,9 +184,22 @@ class Link:
         if self.mesh.error is not None:
             raise UnavailableError(f"the peer plane broke: {self.failure()}")
 
+    def did_not_run(self, now: float) -> float:
+        """Seconds this daemon did not run before ``now`` (0 when its watchdog ticked on time)."""
+        late = now - self.ran
+        return late if late > 2 * self._interval else 0.0
+
+    def heard_all(self, now: float) -> None:
+        """Count every peer as heard at ``now`` (after this daemon itself did not run)."""
+        for peer in list(self.last_heard):
+            self.last_heard[peer] = max(self.last_heard[peer], now)
+
     def silent(self, now: float | None = None) -> list[int]:
-        """Peers not heard from for over two heartbeat intervals: the unreachable ones."""
+        """Peers not heard from for over two heartbeat intervals while this daemon ran:
+        the unreachable ones."""
         now = time.monotonic() if now is None else now
+        if self.did_not_run(now):
+            now = self.ran
         return sorted(p for p, heard in list(self.last_heard.items()) if now - heard > 2 * self._interval)
 
     def failure(self) -> str:
@@ -200,6 +216,8 @@ class Link:
                 for p in silent
             )
             text += f"; unreachable: {names}"
+        if paused := self.did_not_run(now):
+            text += f"; this daemon did not run for {paused:.1f} s before (stopped or starved)"
         return text
 
 
@@ -437,6 +455,7 @@ class PeerPlane:
         )
         now = time.monotonic()
         link.last_heard.update({p: now for p in others})
+        link.ran = now
         self._watch(link)
         link.broken.set()
         failure = link.failure()
@@ -508,10 +527,25 @@ class PeerPlane:
         """Until the link breaks: abort it when a peer has been silent too long."""
         timeout = self.options.heartbeat_timeout
         tick = min(self.options.heartbeat_interval, timeout / 4)
+        excused = False
         while not link.broken.wait(tick):
             if link.error is not None or self._stop.is_set():
                 return
             now = time.monotonic()
+            if (paused := link.did_not_run(now)) and not excused:
+                # Stopped, a paused VM, a starved machine: the peers' heartbeats wait
+                # unread in this daemon's sockets, and blaming them would break a mesh
+                # they keep. Their silence counts from now; only once in a row, so a
+                # daemon late on every tick still judges.
+                log.warning(
+                    "node %d: this daemon did not run for %.1f s; its peers' silence counts from now",
+                    self.rank,
+                    paused,
+                )
+                link.heard_all(now)
+                link.ran, excused = now, True
+                continue
+            link.ran, excused = now, False
             for peer, heard in list(link.last_heard.items()):
                 if now - heard > timeout:
                     error = UnavailableError(
