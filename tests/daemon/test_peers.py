@@ -172,16 +172,27 @@ def test_a_peer_silent_while_this_daemon_ran_is_named_unreachable() -> None:
 
 
 def test_a_daemon_that_did_not_run_blames_no_peer_for_its_own_pause() -> None:
-    """SIGSTOP for 5 s: every peer's heartbeats wait unread; the silence is this daemon's."""
+    """SIGSTOP for ~5 s: every peer's heartbeats wait unread; the silence is this daemon's."""
     link = _link(0.5)
     link.ran = 100.0
     link.last_heard = {1: 99.8, 2: 99.7}
-    assert link.did_not_run(105.0) == pytest.approx(5.0)
-    assert link.silent(105.0) == []  # judged as of the last time it ran
-    link.heard_all(105.0)
+    assert link.did_not_run(105.0) == pytest.approx(4.5)  # beyond one interval
+    assert link.silent(105.0) == []  # judged without the pause
+    link.excuse(4.5, 105.0)
     link.ran = 105.0
-    assert link.did_not_run(105.4) == 0.0
-    assert link.silent(105.4) == []
-    link.last_heard[1] = 106.0  # node 1 beats again; node 2 stays silent
+    assert link.last_heard == {1: pytest.approx(104.3), 2: pytest.approx(104.2)}
+    assert link.did_not_run(105.1) == 0.0
+    assert link.silent(105.1) == []  # 0.9 s since the beats that came before the pause
+    link.last_heard[1] = 105.8  # node 1 beats again; node 2 stays silent
     link.ran = 106.3
-    assert link.silent(106.5) == [2]  # silent for 1.5 s while this daemon ran: named
+    assert link.silent(106.5) == [2]  # silent for 2.3 s while this daemon ran: named
+
+
+def test_a_pause_does_not_hide_a_peer_that_was_already_silent() -> None:
+    link = _link(0.5)
+    link.ran = 100.0
+    link.last_heard = {1: 99.8, 2: 98.5}  # node 2 silent for 1.5 s before the pause
+    link.excuse(2.0, 102.5)
+    assert link.last_heard == {1: pytest.approx(101.8), 2: pytest.approx(100.5)}
+    link.ran = 102.5
+    assert link.silent(102.5) == [2]

@@ -185,21 +185,22 @@ class Link:
             raise UnavailableError(f"the peer plane broke: {self.failure()}")
 
     def did_not_run(self, now: float) -> float:
-        """Seconds this daemon did not run before ``now`` (0 when its watchdog ticked on time)."""
-        late = now - self.ran
-        return late if late > 2 * self._interval else 0.0
+        """Seconds this daemon did not run before ``now``: how much later than one
+        interval its watchdog ticks, when that is over an interval (else 0)."""
+        late = now - self.ran - self._interval
+        return late if late > self._interval else 0.0
 
-    def heard_all(self, now: float) -> None:
-        """Count every peer as heard at ``now`` (after this daemon itself did not run)."""
-        for peer in list(self.last_heard):
-            self.last_heard[peer] = max(self.last_heard[peer], now)
+    def excuse(self, paused: float, now: float) -> None:
+        """Move every peer's last heartbeat ``paused`` seconds later (at most to ``now``):
+        silence counts only while this daemon runs, so a dead peer is still found."""
+        for peer, heard in list(self.last_heard.items()):
+            self.last_heard[peer] = max(self.last_heard.get(peer, heard), min(heard + paused, now))
 
     def silent(self, now: float | None = None) -> list[int]:
         """Peers not heard from for over two heartbeat intervals while this daemon ran:
         the unreachable ones."""
         now = time.monotonic() if now is None else now
-        if self.did_not_run(now):
-            now = self.ran
+        now -= self.did_not_run(now)
         return sorted(p for p, heard in list(self.last_heard.items()) if now - heard > 2 * self._interval)
 
     def failure(self) -> str:
@@ -535,14 +536,14 @@ class PeerPlane:
             if (paused := link.did_not_run(now)) and not excused:
                 # Stopped, a paused VM, a starved machine: the peers' heartbeats wait
                 # unread in this daemon's sockets, and blaming them would break a mesh
-                # they keep. Their silence counts from now; only once in a row, so a
+                # they keep. The pause is not their silence; excused once in a row, so a
                 # daemon late on every tick still judges.
                 log.warning(
-                    "node %d: this daemon did not run for %.1f s; its peers' silence counts from now",
+                    "node %d: this daemon did not run for %.1f s; that is not its peers' silence",
                     self.rank,
                     paused,
                 )
-                link.heard_all(now)
+                link.excuse(paused, now)
                 link.ran, excused = now, True
                 continue
             link.ran, excused = now, False
