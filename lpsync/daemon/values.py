@@ -7,15 +7,18 @@ recorder of ``lpsync status``). These types carry no behaviour beyond their own 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
 from lpsync.daemon.watcher import Timer
 from lpsync.errors import LpsyncError
+
+T = TypeVar("T")
 
 INTACT, PARTIAL, UNSPECIFIED = "INTACT", "PARTIAL", ""
 
@@ -106,6 +109,41 @@ class Outcome:
     algorithm: str = ""
     chunks: int = 0
     seconds: float = 0.0
+
+
+class Later(Generic[T]):
+    """A value another thread brings: a peer connection's reader (the message a
+    collective waited for), or the heartbeat watchdog at a deadline. Set once, by
+    whichever comes first; ``then`` runs on the thread that sets it, or at once where it
+    is set already. A collective that ends this way costs no thread a wake-up to learn
+    of it (path.py)."""
+
+    __slots__ = ("_lock", "_set", "_then", "_value")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set = False
+        self._value: T | None = None
+        self._then: Callable[[T], None] | None = None
+
+    def set(self, value: T) -> bool:
+        """Set it (True), or nothing where it was set already (False)."""
+        with self._lock:
+            if self._set:
+                return False
+            self._set, self._value, then = True, value, self._then
+        if then is not None:
+            then(value)
+        return True
+
+    def then(self, callback: Callable[[T], None]) -> None:
+        """Call ``callback`` with the value once it is set (one callback)."""
+        with self._lock:
+            if not self._set:
+                self._then = callback
+                return
+            value = self._value
+        callback(value)  # type: ignore[arg-type]  # set: a T
 
 
 @dataclass

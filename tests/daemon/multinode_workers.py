@@ -152,3 +152,21 @@ def learning_allreduces(
             (r.sequence, r.algorithm) for r in c.status().recent if r.job == job and r.op == "allreduce"
         )
         return [algorithm for _, algorithm in records]
+
+
+def unanswered(rank: int, sockets: list[str], per_node: int, job: str, world: int, timeout: float) -> list:
+    """Node 0's ranks attach and never call (["idle", 0, ""]); every other rank runs one
+    allreduce with ``timeout``: [error kind or "ok", seconds, message]."""
+    _node_env(rank, per_node)
+    with lpsync_client.connect(
+        sockets[rank // per_node], job=job, rank=rank, world_size=world, timeout=timeout
+    ) as c:
+        if rank < per_node:
+            time.sleep(timeout + 4.0)
+            return ["idle", 0.0, ""]
+        start = time.monotonic()
+        try:
+            c.allreduce(c.zeros(8, "float32"))
+            return ["ok", time.monotonic() - start, ""]
+        except lpsync_client.LpsyncError as error:
+            return [type(error).__name__, time.monotonic() - start, str(error)[:500]]

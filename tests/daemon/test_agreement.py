@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 
 import numpy as np
 import pytest
 
 from lpsync.daemon.collectives.agreement import SUMMARY_BYTES, Tree, _judged, _shape, decode, encode, judge
 from lpsync.daemon.collectives.small import SMALL_MAX_BYTES
+from lpsync.daemon.values import Later
 
 
 def _depth(tree: Tree, node: int) -> int:
@@ -159,3 +161,17 @@ def test_judge_runs_hierarchically_only_when_every_node_offers_a_sane_segment() 
     assert "device" not in judge([offering(0, 1 << 20), _summary(1)], 1, "j")
     for bad in ("1048576", 1.5e6, -4096, 0, 1 << 50, None, [4096]):
         assert "device" not in judge([offering(0, 1 << 20), offering(1, bad)], 1, "j"), bad
+
+
+def test_a_later_is_set_once_and_calls_its_callback_on_the_setting_thread() -> None:
+    later: Later[int] = Later()
+    seen: list[tuple[int, str]] = []
+    later.then(lambda v: seen.append((v, threading.current_thread().name)))
+    setter = threading.Thread(target=lambda: later.set(7), name="reader")
+    setter.start()
+    setter.join()
+    assert seen == [(7, "reader")]
+    assert later.set(8) is False  # the first value stays
+    after: list[int] = []
+    later.then(after.append)  # set already: called at once, with the first value
+    assert after == [7] and seen == [(7, "reader")]

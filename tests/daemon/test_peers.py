@@ -196,3 +196,29 @@ def test_a_pause_does_not_hide_a_peer_that_was_already_silent() -> None:
     assert link.last_heard == {1: pytest.approx(101.8), 2: pytest.approx(100.5)}
     link.ran = 102.5
     assert link.silent(102.5) == [2]
+
+
+def test_a_watched_deadline_expires_once_on_the_first_tick_past_it() -> None:
+    link = _link(0.5)
+    expired: list[str] = []
+    link.watch(10.0, lambda: expired.append("early"))
+    gone = link.watch(10.0, lambda: expired.append("unwatched"))
+    link.watch(20.0, lambda: expired.append("late"))
+    link.unwatch(gone)
+    link.expire_due(9.9)
+    assert expired == []
+    link.expire_due(10.4)
+    link.expire_due(10.9)
+    assert expired == ["early"]
+    link.expire_due(25.0)
+    assert expired == ["early", "late"]
+
+
+def test_a_failing_expiry_does_not_stop_the_others(caplog) -> None:
+    link = _link(0.5)
+    expired: list[int] = []
+    link.watch(1.0, lambda: 1 / 0)  # type: ignore[func-returns-value]
+    link.watch(1.0, lambda: expired.append(1))
+    link.expire_due(2.0)
+    assert expired == [1]
+    assert "expiry failed" in caplog.text

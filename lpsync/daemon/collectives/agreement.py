@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import struct
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -37,7 +38,7 @@ from lpsync.daemon.collectives.matching import Job
 from lpsync.daemon.collectives.small import SMALL_MAX_BYTES, SmallCollective
 from lpsync.daemon.collectives.task import job_hash
 from lpsync.daemon.peers.plane import SPEC, VERDICT, Link, control_tag
-from lpsync.daemon.values import SPEC_FIELDS, Pending, Spec, ranks_text
+from lpsync.daemon.values import SPEC_FIELDS, Later, Pending, Spec, ranks_text
 from lpsync.errors import (
     AbortedError,
     CollectiveTimeoutError,
@@ -46,6 +47,8 @@ from lpsync.errors import (
     MismatchError,
     UnavailableError,
 )
+
+log = logging.getLogger("lpsync.daemon")
 
 SUMMARY_BYTES = 4096  # one node's summary, JSON (a collective's name is most of it)
 _RANKS_CHARS = 200  # a node's ranks in its summary ('ranks 0, 2-3'), cut beyond
@@ -332,8 +335,7 @@ def _apply(
     verdict: dict[str, Any], result: np.ndarray | None, summaries: list[dict[str, Any]] | None = None
 ) -> Verdict:
     if "error" in verdict:
-        code, message = verdict["error"]
-        raise _ERRORS.get(code, UnavailableError)(message)
+        raise _error(verdict)
     use = verdict.get("use")
     return Verdict(
         LinkModel(alpha=verdict["alpha"], beta=verdict["beta"], shared_nic=True),
@@ -343,6 +345,12 @@ def _apply(
         reports(summaries or []),
         int(verdict.get("device", 0)),
     )
+
+
+def _error(verdict: dict[str, Any]) -> LpsyncError:
+    """The error an error verdict names, as every node raises it."""
+    code, message = verdict["error"]
+    return _ERRORS.get(code, UnavailableError)(message)
 
 
 @functools.lru_cache(maxsize=256)
@@ -398,17 +406,111 @@ class _Incoming:
         as text)."""
         try:
             self.request.wait(deadline)
-            raw, payload = _split(self.buf)
-            header = _parsed(raw)
-            self.raw = raw
-        except InvalidArgumentError:  # larger than any legal message: another collective
-            return (
-                f"node {self.peer} sent a larger agreement message than this collective "
-                "allows (the nodes run different collectives)"
-            )
-        except ValueError as error:
-            return f"node {self.peer} sent an unreadable agreement message ({error})"
-        return header, payload, self.buf[: _FRAME + sum(_LENGTHS.unpack_from(self.buf))]
+        except InvalidArgumentError:
+            return _too_large(self.peer)
+        got = _read(self.peer, self.buf)
+        if isinstance(got, str):
+            return got
+        self.raw = got[0]
+        return got[1:]
+
+
+def _read(peer: int, buf: np.ndarray) -> tuple[bytes, dict[str, Any], np.ndarray, np.ndarray] | str:
+    """(the header's bytes, the header, payload, the whole message) of a message from
+    ``peer`` that landed in ``buf``, or why it cannot be read (a mismatch, as text)."""
+    try:
+        raw, payload = _split(buf)
+        header = _parsed(raw)
+    except ValueError as error:
+        return f"node {peer} sent an unreadable agreement message ({error})"
+    return raw, header, payload, buf[: _FRAME + sum(_LENGTHS.unpack_from(buf))]
+
+
+def _too_large(peer: int) -> str:
+    # Larger than any legal message: another collective.
+    return (
+        f"node {peer} sent a larger agreement message than this collective allows (the nodes "
+        "run different collectives)"
+    )
+
+
+def agree_later(
+    job: Job,
+    pending: Pending,
+    link: Link,
+    deadline: float,
+    mine: Summary,
+    small: SmallCollective,
+) -> Later[Verdict | Exception] | None:
+    """agree() on a leaf of the tree whose connection to its parent takes callbacks (the
+    TCP backend): send the summary with this node's part and leave the verdict to the
+    reader that receives it, so that the collective finishes there and no thread is woken
+    to learn of it. The Later brings the Verdict, or the error agree() would raise: the
+    verdict's, or the mesh's when it breaks or the deadline passes (the heartbeat
+    watchdog expires the wait). None where this node is not such a leaf: call agree()."""
+    assert job.layout is not None
+    nodes, node = job.layout.nodes, job.layout.node
+    if node == 0 or nodes <= EXCHANGE_MAX_NODES:
+        return None
+    shape = _shape(nodes, link.agreement_radix, node)
+    channel_of = getattr(link.endpoint, "channel", None)
+    channel = None if shape.kids or channel_of is None else channel_of(shape.parent)
+    if channel is None:
+        return None
+    up, down = _tags(job_hash(job.name), pending.sequence)
+    later: Later[Verdict | Exception] = Later()
+    buf = np.empty(_VERDICT_MESSAGE, np.uint8)
+    posted: list[Any] = []  # the verdict's receive, once posted
+
+    def failed(request: Any) -> LpsyncError | None:
+        """The error a wait for ``request`` raises (the mesh's when it broke; a timeout
+        breaks it), or None."""
+        try:
+            channel.wait(request, deadline, "the agreement's verdict")
+        except InvalidArgumentError:
+            return _error({"error": ["INVALID_ARGUMENT", _too_large(shape.parent)]})
+        except LpsyncError as error:
+            return error
+        return None
+
+    def landed(request: Any) -> None:  # on the reader; at once where the post failed
+        link.unwatch(key)
+        try:
+            error = failed(request) if request.error is not None else None
+            value: Verdict | Exception = error or _leaf_verdict(shape.parent, buf, small)
+        except Exception as unexpected:  # a malformed verdict: what agree() would raise
+            value = unexpected
+        try:
+            later.set(value)  # the collective finishes here
+        except Exception:  # the reader serves the whole connection: it must go on
+            log.exception("finishing a collective on its verdict's reader failed")
+
+    def expire() -> None:  # on the watchdog, past the deadline
+        if posted and (error := failed(posted[0])) is not None:
+            later.set(error)
+
+    key = link.watch(deadline, expire)
+    pending.waiting_nodes = (0,)
+    try:
+        posted.append(channel.post((down << channel.shift) | channel.recv_bits, buf, landed))
+        link.endpoint.send(shape.parent, up, encode(mine.alone, small.part()))
+    except LpsyncError:
+        link.unwatch(key)
+        raise
+    return later
+
+
+def _leaf_verdict(parent: int, buf: np.ndarray, small: SmallCollective) -> Verdict | LpsyncError:
+    """What _tree makes of a leaf's verdict message in ``buf``: the go verdict carrying
+    the result, or the verdict's error."""
+    got = _read(parent, buf)
+    if isinstance(got, str):
+        return _error({"error": ["INVALID_ARGUMENT", got]})
+    raw, header, payload, _ = got
+    verdict = header["verdict"]
+    if "error" in verdict:
+        return _error(verdict)
+    return _go(raw).carrying(_as(small, payload))
 
 
 def _exchange(

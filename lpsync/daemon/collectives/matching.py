@@ -41,6 +41,7 @@ from lpsync.daemon.values import (
     UNSPECIFIED,
     Arrival,
     FlightRecord,
+    Later,
     NodeLayout,
     Outcome,
     Pending,
@@ -63,8 +64,9 @@ log = logging.getLogger("lpsync.daemon")
 _REMEMBERED_FAILURES = 64
 
 
-# Runs a complete collective and returns each rank's outcome (path.py).
-Runner = Callable[["Job", Pending], Outcome]
+# Runs a complete collective and returns each rank's outcome (path.py), or the outcome
+# that the thread receiving its last message brings (a Later).
+Runner = Callable[["Job", Pending], "Outcome | Later[Outcome]"]
 # Decides where a complete collective runs: call the thunk inline or on another thread.
 Dispatch = Callable[["Job", Pending, Callable[[], None]], None]
 
@@ -97,9 +99,9 @@ class Job:
         self.max_pending = max_pending
         self.lock = threading.Lock()
         # One collective of a job runs at a time, the lowest queued sequence number first.
-        # Reentrant so that the event loop can take it without waiting (handlers._dispatch)
-        # and then run the collective.
-        self.run_lock = threading.RLock()
+        # Released by the thread that finishes it: a multi-node one may finish on a peer
+        # connection's reader (a Later), not on the thread that started it.
+        self._run_lock = threading.Lock()
         self._queued: list[tuple[int, Pending]] = []  # complete, not yet running: a heap
         self.sessions: dict[int, str] = {}  # rank -> session id
         self.gone: dict[int, str] = {}  # rank -> why it left
@@ -403,26 +405,44 @@ class Job:
         """Collectives arriving, queued or running (a racy read: for metrics)."""
         return len(self._pending) + len(self._active)
 
-    def is_next(self, pending: Pending) -> bool:
-        """Whether ``pending`` is the collective the next run takes."""
+    def run_now(self, pending: Pending) -> bool:
+        """Run ``pending`` on this thread if it is next and no collective of this job is
+        running, without waiting (True); else leave it to its dispatched run (False)."""
+        if not self._run_lock.acquire(blocking=False):
+            return False
         with self.lock:
-            return bool(self._queued) and self._queued[0][1] is pending
+            next_up = bool(self._queued) and self._queued[0][1] is pending
+        if not next_up:
+            self._run_lock.release()
+            return False
+        self._run_next(held=True)
+        return True
 
-    def _run_next(self) -> None:
+    def _run_next(self, held: bool = False) -> None:
         """Run the lowest queued collective: the one dispatched may be a later one, which
-        a later run takes (there is one run per queued collective)."""
-        with self.run_lock:
-            with self.lock:
-                _, pending = heapq.heappop(self._queued)
-            # A multi-node collective first agrees with the other nodes (path.py).
-            pending.enter(RUNNING if self.layout is None else AGREEING)
-            try:
-                outcome = self._runner(self, pending)
-            except LpsyncError as error:
-                outcome = Outcome(error)
-            except Exception as error:  # a bug: report it rather than hang the participants
-                log.exception("collective failed unexpectedly")
-                outcome = Outcome(LpsyncError(f"internal error: {error!r}"))
+        a later run takes (there is one run per queued collective). ``held``: the caller
+        took the run lock."""
+        if not held:
+            self._run_lock.acquire()
+        with self.lock:
+            _, pending = heapq.heappop(self._queued)
+        # A multi-node collective first agrees with the other nodes (path.py).
+        pending.enter(RUNNING if self.layout is None else AGREEING)
+        try:
+            outcome = self._runner(self, pending)
+        except LpsyncError as error:
+            outcome = Outcome(error)
+        except Exception as error:  # a bug: report it rather than hang the participants
+            log.exception("collective failed unexpectedly")
+            outcome = Outcome(LpsyncError(f"internal error: {error!r}"))
+        if isinstance(outcome, Later):
+            outcome.then(lambda outcome: self._ran(pending, outcome))
+        else:
+            self._ran(pending, outcome)
+
+    def _ran(self, pending: Pending, outcome: Outcome) -> None:
+        """``pending`` finished: let the next collective run, then reply and record."""
+        self._run_lock.release()
         finished = time.monotonic()
         for arrival in pending.arrivals.values():
             state = outcome.buffer_state

@@ -33,7 +33,7 @@ from lpsync.daemon.collectives.staging import stage, whole
 from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.peers.plane import Link, PeerPlane
-from lpsync.daemon.values import RUNNING, Outcome, Pending
+from lpsync.daemon.values import RUNNING, Later, Outcome, Pending
 from lpsync.errors import CollectiveTimeoutError, LpsyncError, MismatchError, UnavailableError
 from lpsync.types import Collective
 
@@ -48,15 +48,18 @@ _MAY_HAVE_FINISHED = (
 _NOTIFY_TIMEOUT = 5.0  # seconds a failed node waits at least for its part in the agreement
 
 
-def run(job: Job, pending: Pending, plane: PeerPlane | None, devices: DeviceRegistry | None) -> Outcome:
-    """Run ``pending`` from matched to finished (the Runner of matching.py)."""
+def run(
+    job: Job, pending: Pending, plane: PeerPlane | None, devices: DeviceRegistry | None
+) -> Outcome | Later[Outcome]:
+    """Run ``pending`` from matched to finished (the Runner of matching.py); a small
+    collective on a leaf of the agreement tree finishes on the reader of its verdict."""
     task = Task.matched(job, pending)
     if job.layout is None or plane is None:
         return local.run(task, devices)
     return _across_nodes(task, plane, devices)
 
 
-def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) -> Outcome:
+def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) -> Outcome | Later[Outcome]:
     job, pending = task.job, task.pending
     assert job.layout is not None
     deadline = time.monotonic() + task.timeout
@@ -82,18 +85,14 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
         proposal = planning.propose(task, learner, link, last)
         mine = agreement.summary(job, task.spec, link, proposal.extras + hierarchy.offer(task, devices))
         if rides(task):  # agreed and finished in one: the data rides the agreement
-            # Host buffers need no staging: no generator-based context manager per call.
-            hosts = task.arrivals
-            staging = whole(task, devices, deadline) if task.on_device else contextlib.nullcontext(hosts)
-            with staging as hosts:
-                small = SmallCollective(task, hosts)
-                verdict = agreement.agree(job, pending, link, deadline, mine, small)
-                _learn(learner, verdict)
-                pending.enter(RUNNING)
-                assert verdict.result is not None
-                small.write(verdict.result)
-            shape = "exchange" if job.layout.nodes <= agreement.EXCHANGE_MAX_NODES else "tree"
-            return Outcome(algorithm=shape, chunks=1, seconds=task.elapsed())
+            if task.on_device:
+                with whole(task, devices, deadline) as hosts:
+                    return _small(task, link, learner, deadline, mine, SmallCollective(task, hosts))
+            small = SmallCollective(task, task.arrivals)  # host buffers: no staging
+            later = agreement.agree_later(job, pending, link, deadline, mine, small)
+            if later is None:
+                return _small(task, link, learner, deadline, mine, small)
+            return _finished_later(task, link, learner, last, proposal, small, later)
         verdict = agreement.agree(job, pending, link, deadline, mine)
         _learn(learner, verdict)
         pending.enter(RUNNING)
@@ -117,23 +116,89 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
         if verdict.trial:
             learner.ran(pending.sequence, time.perf_counter() - began)
     except Exception as error:
-        if proposal is not None and proposal.trial:
-            learner.abandon(pending.sequence)
-        if last is not None:
-            learner.ran(*last)  # node 0 may not have it: it goes again with the next one
-        if not isinstance(error, LpsyncError):
-            raise _internal(task, link, error) from error
-        if link.error is not None and not isinstance(error, MismatchError):
-            if isinstance(link.error, CollectiveTimeoutError):
-                raise type(link.error)(
-                    f"collective #{pending.sequence} of job {job.name!r} timed out across nodes: {link.error}"
-                ) from None
-            raise UnavailableError(
-                f"collective #{pending.sequence} of job {job.name!r} lost a peer node: {link.failure()}"
-                f"{_MAY_HAVE_FINISHED}"
-            ) from None
-        raise
+        reported = _failed(task, link, learner, last, proposal, error)
+        if reported is error:
+            raise
+        raise reported from (error if not isinstance(error, LpsyncError) else None)
     return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
+
+
+def _small(
+    task: Task,
+    link: Link,
+    learner: Learner,
+    deadline: float,
+    mine: agreement.Summary,
+    small: SmallCollective,
+) -> Outcome:
+    verdict = agreement.agree(task.job, task.pending, link, deadline, mine, small)
+    return _small_done(task, learner, small, verdict)
+
+
+def _small_done(task: Task, learner: Learner, small: SmallCollective, verdict: agreement.Verdict) -> Outcome:
+    """A small collective's verdict came with its result: learn from it, write it."""
+    _learn(learner, verdict)
+    task.pending.enter(RUNNING)
+    assert verdict.result is not None and task.job.layout is not None
+    small.write(verdict.result)
+    shape = "exchange" if task.job.layout.nodes <= agreement.EXCHANGE_MAX_NODES else "tree"
+    return Outcome(algorithm=shape, chunks=1, seconds=task.elapsed())
+
+
+def _finished_later(
+    task: Task,
+    link: Link,
+    learner: Learner,
+    last: tuple[int, float] | None,
+    proposal: planning.Proposal,
+    small: SmallCollective,
+    agreed: Later[agreement.Verdict | Exception],
+) -> Later[Outcome]:
+    """The rest of a small collective riding the agreement, run where its verdict lands
+    (agreement.agree_later): what _across_nodes does after agree()."""
+    finished: Later[Outcome] = Later()
+
+    def then(verdict: agreement.Verdict | Exception) -> None:
+        try:
+            if isinstance(verdict, Exception):
+                raise verdict
+            outcome = _small_done(task, learner, small, verdict)
+        except Exception as error:  # on a reader thread: every error becomes the outcome
+            outcome = Outcome(_failed(task, link, learner, last, proposal, error))
+        finished.set(outcome)
+
+    agreed.then(then)
+    return finished
+
+
+def _failed(
+    task: Task,
+    link: Link,
+    learner: Learner,
+    last: tuple[int, float] | None,
+    proposal: planning.Proposal | None,
+    error: Exception,
+) -> LpsyncError:
+    """The error a collective that failed across nodes with ``error`` reports: an internal
+    error breaks the mesh; a broken mesh says what broke it (a lost peer, a timeout);
+    anything else is ``error`` itself. Undoes this call's part in node 0's learning."""
+    job, pending = task.job, task.pending
+    if proposal is not None and proposal.trial:
+        learner.abandon(pending.sequence)
+    if last is not None:
+        learner.ran(*last)  # node 0 may not have it: it goes again with the next one
+    if not isinstance(error, LpsyncError):
+        return _internal(task, link, error)
+    if link.error is not None and not isinstance(error, MismatchError):
+        if isinstance(link.error, CollectiveTimeoutError):
+            return type(link.error)(
+                f"collective #{pending.sequence} of job {job.name!r} timed out across nodes: {link.error}"
+            )
+        return UnavailableError(
+            f"collective #{pending.sequence} of job {job.name!r} lost a peer node: {link.failure()}"
+            f"{_MAY_HAVE_FINISHED}"
+        )
+    return error
 
 
 def _internal(task: Task, link: Link, error: Exception) -> LpsyncError:

@@ -209,16 +209,9 @@ class Service(pb_grpc.LpSyncServicer):
             job.layout is None
             and is_inline(pending.spec, job.world_size)
             and not _on_device(pending)
-            and job.run_lock.acquire(blocking=False)
+            and job.run_now(pending)
         ):
-            try:
-                inline = job.is_next(pending)
-                if inline:
-                    run()
-            finally:
-                job.run_lock.release()
-            if inline:
-                return
+            return
         self._workers.submit(run)
 
     def _refused(self, name: str, rank: int, error: LpsyncError) -> None:

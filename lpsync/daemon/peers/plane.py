@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import struct
 import threading
@@ -170,6 +171,11 @@ class Link:
         self.rebuilt = False
         self.notes_sent: dict[int, int] = {}  # peer -> notes sent to it (their tags' counts)
         self.notes_lock = threading.Lock()
+        # Deadlines of waits no thread blocks in (a Later's): the watchdog calls each
+        # one's expiry on its first tick past it. Per call a dict entry, not a timer.
+        self._deadlines: dict[int, tuple[float, Callable[[], None]]] = {}
+        self._deadlines_lock = threading.Lock()
+        self._deadline_keys = itertools.count()
 
     @property
     def error(self) -> LpsyncError | None:
@@ -183,6 +189,31 @@ class Link:
     def check(self) -> None:
         if self.mesh.error is not None:
             raise UnavailableError(f"the peer plane broke: {self.failure()}")
+
+    def watch(self, deadline: float, expire: Callable[[], None]) -> int:
+        """Call ``expire`` on the watchdog's thread once ``deadline`` has passed (within a
+        tick), unless ``unwatch`` came first; a key for unwatch."""
+        key = next(self._deadline_keys)
+        with self._deadlines_lock:
+            self._deadlines[key] = (deadline, expire)
+        return key
+
+    def unwatch(self, key: int) -> None:
+        with self._deadlines_lock:
+            self._deadlines.pop(key, None)
+
+    def expire_due(self, now: float) -> None:
+        """The watchdog's tick: call the expiry of every deadline that has passed."""
+        if not self._deadlines:
+            return
+        with self._deadlines_lock:
+            due = [key for key, (deadline, _) in self._deadlines.items() if deadline <= now]
+            expiries = [self._deadlines.pop(key)[1] for key in due]
+        for expire in expiries:
+            try:
+                expire()
+            except Exception:  # one failed expiry must not stop the watchdog
+                log.exception("node %d: a deadline's expiry failed", self.mesh.rank)
 
     def did_not_run(self, now: float) -> float:
         """Seconds this daemon did not run before ``now``: how much later than one
@@ -547,6 +578,7 @@ class PeerPlane:
                 link.ran, excused = now, True
                 continue
             link.ran, excused = now, False
+            link.expire_due(now)
             for peer, heard in list(link.last_heard.items()):
                 if now - heard > timeout:
                     error = UnavailableError(
