@@ -170,3 +170,20 @@ def unanswered(rank: int, sockets: list[str], per_node: int, job: str, world: in
             return ["ok", time.monotonic() - start, ""]
         except lpsync_client.LpsyncError as error:
             return [type(error).__name__, time.monotonic() - start, str(error)[:500]]
+
+
+def late_barrier(
+    rank: int, sockets: list[str], per_node: int, job: str, world: int, late: int, delay: float
+) -> list[float]:
+    """A barrier that rank ``late`` enters ``delay`` s after the others (after one barrier
+    of all, so every rank is attached): [entered, left], monotonic seconds."""
+    _node_env(rank, per_node)
+    with lpsync_client.connect(
+        sockets[rank // per_node], job=job, rank=rank, world_size=world, timeout=30
+    ) as c:
+        c.barrier()
+        if rank == late:
+            time.sleep(delay)
+        entered = time.monotonic()
+        c.barrier()
+        return [entered, time.monotonic()]

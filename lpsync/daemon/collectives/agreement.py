@@ -440,14 +440,16 @@ def agree_later(
     link: Link,
     deadline: float,
     mine: Summary,
-    small: SmallCollective,
+    small: SmallCollective | None,
 ) -> Later[Verdict | Exception] | None:
     """agree() on a leaf of the tree whose connection to its parent takes callbacks (the
     TCP backend): send the summary with this node's part and leave the verdict to the
     reader that receives it, so that the collective finishes there and no thread is woken
     to learn of it. The Later brings the Verdict, or the error agree() would raise: the
     verdict's, or the mesh's when it breaks or the deadline passes (the heartbeat
-    watchdog expires the wait). None where this node is not such a leaf: call agree()."""
+    watchdog expires the wait). None where this node is not such a leaf: call agree().
+    ``small``: the collective riding the agreement; None for a barrier (the agreement is
+    all of it)."""
     assert job.layout is not None
     nodes, node = job.layout.nodes, job.layout.node
     if node == 0 or nodes <= EXCHANGE_MAX_NODES:
@@ -493,14 +495,14 @@ def agree_later(
     pending.waiting_nodes = (0,)
     try:
         posted.append(channel.post((down << channel.shift) | channel.recv_bits, buf, landed))
-        link.endpoint.send(shape.parent, up, encode(mine.alone, small.part()))
+        link.endpoint.send(shape.parent, up, encode(mine.alone, small.part() if small else None))
     except LpsyncError:
         link.unwatch(key)
         raise
     return later
 
 
-def _leaf_verdict(parent: int, buf: np.ndarray, small: SmallCollective) -> Verdict | LpsyncError:
+def _leaf_verdict(parent: int, buf: np.ndarray, small: SmallCollective | None) -> Verdict | LpsyncError:
     """What _tree makes of a leaf's verdict message in ``buf``: the go verdict carrying
     the result, or the verdict's error."""
     got = _read(parent, buf)
@@ -510,7 +512,7 @@ def _leaf_verdict(parent: int, buf: np.ndarray, small: SmallCollective) -> Verdi
     verdict = header["verdict"]
     if "error" in verdict:
         return _error(verdict)
-    return _go(raw).carrying(_as(small, payload))
+    return _go(raw).carrying(_as(small, payload) if small is not None else None)
 
 
 def _exchange(

@@ -3,7 +3,8 @@
     matched (matching.py: every local participant arrived, specs agree; Task.matched)
       single node:  run (local.py: direct, host pipeline or device chain) -> finished
       multi-node:   agreed   (agreement.py: summaries up a tree, node 0's verdict down;
-                              a small collective's data rides it and is done there)
+                              a small collective's data rides it and is done there, as
+                              a barrier is; on a tcp leaf, on the verdict's reader)
                     planned  (planning.py: the forced algorithm, node 0's learned choice
                               or the tuner's pick for the slowest link of all)
                     staged   (staging.py: device spans over host mirrors, chunk by chunk)
@@ -84,20 +85,20 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
     try:
         proposal = planning.propose(task, learner, link, last)
         mine = agreement.summary(job, task.spec, link, proposal.extras + hierarchy.offer(task, devices))
-        if rides(task):  # agreed and finished in one: the data rides the agreement
+        barrier = task.op is Collective.BARRIER
+        if barrier or rides(task):  # finished once agreed: a barrier, or data riding it
             if task.on_device:
                 with whole(task, devices, deadline) as hosts:
-                    return _small(task, link, learner, deadline, mine, SmallCollective(task, hosts))
-            small = SmallCollective(task, task.arrivals)  # host buffers: no staging
+                    riding = SmallCollective(task, hosts)
+                    return _agree_and_finish(task, link, learner, deadline, mine, riding)
+            small = None if barrier else SmallCollective(task, task.arrivals)  # host: no staging
             later = agreement.agree_later(job, pending, link, deadline, mine, small)
             if later is None:
-                return _small(task, link, learner, deadline, mine, small)
+                return _agree_and_finish(task, link, learner, deadline, mine, small)
             return _finished_later(task, link, learner, last, proposal, small, later)
         verdict = agreement.agree(job, pending, link, deadline, mine)
         _learn(learner, verdict)
         pending.enter(RUNNING)
-        if task.op is Collective.BARRIER:
-            return Outcome(algorithm="exchange", chunks=1, seconds=task.elapsed())
         tags = planning.tag_base(job.name, pending.sequence)
         if verdict.segment:  # every node's participants are on devices: bounded staging
             assert devices is not None
@@ -123,22 +124,27 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
     return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
 
 
-def _small(
+def _agree_and_finish(
     task: Task,
     link: Link,
     learner: Learner,
     deadline: float,
     mine: agreement.Summary,
-    small: SmallCollective,
+    small: SmallCollective | None,
 ) -> Outcome:
     verdict = agreement.agree(task.job, task.pending, link, deadline, mine, small)
-    return _small_done(task, learner, small, verdict)
+    return _finish_agreed(task, learner, small, verdict)
 
 
-def _small_done(task: Task, learner: Learner, small: SmallCollective, verdict: agreement.Verdict) -> Outcome:
-    """A small collective's verdict came with its result: learn from it, write it."""
+def _finish_agreed(
+    task: Task, learner: Learner, small: SmallCollective | None, verdict: agreement.Verdict
+) -> Outcome:
+    """The verdict of a collective the agreement finishes came (with the result of one
+    riding it, ``small``; None: a barrier): learn from it, write the result."""
     _learn(learner, verdict)
     task.pending.enter(RUNNING)
+    if small is None:
+        return Outcome(algorithm="exchange", chunks=1, seconds=task.elapsed())
     assert verdict.result is not None and task.job.layout is not None
     small.write(verdict.result)
     shape = "exchange" if task.job.layout.nodes <= agreement.EXCHANGE_MAX_NODES else "tree"
@@ -151,18 +157,18 @@ def _finished_later(
     learner: Learner,
     last: tuple[int, float] | None,
     proposal: planning.Proposal,
-    small: SmallCollective,
+    small: SmallCollective | None,
     agreed: Later[agreement.Verdict | Exception],
 ) -> Later[Outcome]:
-    """The rest of a small collective riding the agreement, run where its verdict lands
-    (agreement.agree_later): what _across_nodes does after agree()."""
+    """The rest of a collective the agreement finishes (a barrier, or ``small`` riding
+    it), run where its verdict lands (agreement.agree_later)."""
     finished: Later[Outcome] = Later()
 
     def then(verdict: agreement.Verdict | Exception) -> None:
         try:
             if isinstance(verdict, Exception):
                 raise verdict
-            outcome = _small_done(task, learner, small, verdict)
+            outcome = _finish_agreed(task, learner, small, verdict)
         except Exception as error:  # on a reader thread: every error becomes the outcome
             outcome = Outcome(_failed(task, link, learner, last, proposal, error))
         finished.set(outcome)
