@@ -123,12 +123,17 @@ def attempt(rank: int, sockets: list[str], per_node: int, job: str, world: int) 
     with lpsync_client.connect(
         sockets[rank // per_node], job=job, rank=rank, world_size=world, timeout=60
     ) as c:
-        start = time.monotonic()
-        try:
-            c.allreduce(c.zeros(8, "float32"))
-            return ["ok", time.monotonic() - start, ""]
-        except lpsync_client.LpsyncError as error:
-            return [type(error).__name__, time.monotonic() - start, str(error)[:500]]
+        return _timed_allreduce(c)
+
+
+def _timed_allreduce(c) -> list:
+    """One allreduce: [error kind or "ok", seconds, message]."""
+    start = time.monotonic()
+    try:
+        c.allreduce(c.zeros(8, "float32"))
+        return ["ok", time.monotonic() - start, ""]
+    except lpsync_client.LpsyncError as error:
+        return [type(error).__name__, time.monotonic() - start, str(error)[:500]]
 
 
 def learning_allreduces(
@@ -164,12 +169,7 @@ def unanswered(rank: int, sockets: list[str], per_node: int, job: str, world: in
         if rank < per_node:
             time.sleep(timeout + 4.0)
             return ["idle", 0.0, ""]
-        start = time.monotonic()
-        try:
-            c.allreduce(c.zeros(8, "float32"))
-            return ["ok", time.monotonic() - start, ""]
-        except lpsync_client.LpsyncError as error:
-            return [type(error).__name__, time.monotonic() - start, str(error)[:500]]
+        return _timed_allreduce(c)
 
 
 def late_barrier(

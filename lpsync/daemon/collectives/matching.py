@@ -424,10 +424,14 @@ class Job:
         took the run lock."""
         if not held:
             self._run_lock.acquire()
-        with self.lock:
-            _, pending = heapq.heappop(self._queued)
-        # A multi-node collective first agrees with the other nodes (path.py).
-        pending.enter(RUNNING if self.layout is None else AGREEING)
+        try:
+            with self.lock:
+                _, pending = heapq.heappop(self._queued)
+            # A multi-node collective first agrees with the other nodes (path.py).
+            pending.enter(RUNNING if self.layout is None else AGREEING)
+        except BaseException:  # a bug: the job's later collectives must still run
+            self._run_lock.release()
+            raise
         try:
             outcome = self._runner(self, pending)
         except LpsyncError as error:
