@@ -6,6 +6,7 @@ secrets, rebuilds) is in test_peer_transports.py."""
 
 from __future__ import annotations
 
+import socket
 import struct
 import threading
 import time
@@ -246,3 +247,25 @@ def test_a_receive_that_times_out_names_its_message_and_peer() -> None:
         waiting = b.post_recv(0, 9, np.zeros(4, np.uint8))
         with pytest.raises(CollectiveTimeoutError, match="timed out waiting for message 9 from rank 0"):
             waiting.wait(time.monotonic() + 0.3)
+
+
+def test_a_receive_posted_after_its_connection_ended_fails_at_once() -> None:
+    """A channel taken before its peer went away: a receive posted on it once the reader
+    is gone calls back at once with the loss (nothing else would ever finish it); a
+    message that came before the loss is still taken."""
+    with pair() as (a, b):
+        into = b.channel(0)
+        a.send(1, 39, np.arange(8, dtype=np.uint8)).wait(time.monotonic() + 10)
+        time.sleep(0.2)  # it waits unexpected on b's side
+        a._conns[1].sock.shutdown(socket.SHUT_RDWR)  # no goodbye: the peer is gone
+        reader = b._conns[0].reader
+        assert reader is not None
+        reader.join(10)
+        assert not reader.is_alive() and b.error is not None
+        seen: list[object] = []
+        request = into.post(40, np.zeros(8, np.uint8), lambda r: seen.append(r.error))
+        assert request.done and len(seen) == 1 and isinstance(seen[0], UnavailableError), seen
+        early = np.zeros(8, np.uint8)
+        request = into.post(39, early, lambda r: seen.append(r.error))
+        assert request.done and seen[1:] == [None], seen
+        np.testing.assert_array_equal(early, np.arange(8, dtype=np.uint8))

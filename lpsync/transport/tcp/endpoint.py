@@ -68,6 +68,7 @@ class _Conn:
         self.out_ready = threading.Condition(self.out_lock)
         self.outbox: collections.deque[tuple[list[memoryview], Request]] = collections.deque()
         self.stopped = False
+        self.ended = False  # orphans() was called: a receive posted after it never lands
         self.reader: threading.Thread | None = None
         self.writer: threading.Thread | None = None
 
@@ -113,6 +114,7 @@ class _Conn:
     def orphans(self) -> list[Request]:
         """Every request still queued (once both threads are gone)."""
         with self.lock, self.out_lock:
+            self.ended = True
             left = [r for queue in self.posted.values() for r in queue]
             left += [r for _, r in self.outbox]
             self.posted.clear()
@@ -318,13 +320,18 @@ class TcpEndpoint(MeshEndpoint):
             data = kept.popleft() if kept else None
             if kept is not None and not kept:
                 del conn.unexpected[tag]
-            if data is None:
-                conn.posted.setdefault(tag, collections.deque()).append(request)
-            else:
+            # Its reader is gone (a channel outlives the endpoint's checks): nothing would
+            # finish a receive posted now, unless its message came before.
+            ended = data is None and conn.ended
+            if data is not None:
                 conn.early -= data.nbytes
+            elif not ended:
+                conn.posted.setdefault(tag, collections.deque()).append(request)
             if conn.reader_waits:  # for room, or for this very receive
                 conn.room.notify_all()
-        if data is not None:
+        if ended:
+            request.finish(UnavailableError(f"the connection to rank {conn.rank} is closed"))
+        elif data is not None:
             _deliver(request, data)
         return request
 
