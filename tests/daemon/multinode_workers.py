@@ -167,7 +167,7 @@ def unanswered(rank: int, sockets: list[str], per_node: int, job: str, world: in
         sockets[rank // per_node], job=job, rank=rank, world_size=world, timeout=timeout
     ) as c:
         if rank < per_node:
-            time.sleep(timeout + 4.0)
+            time.sleep(timeout + 1.0)  # attached until the leaves have failed
             return ["idle", 0.0, ""]
         return _timed_allreduce(c)
 

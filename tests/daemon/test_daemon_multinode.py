@@ -20,7 +20,6 @@ from tests.daemon.multinode_workers import (
     learning_allreduces,
     mismatch_on_nodes,
     one_allreduce,
-    unanswered,
     until_unavailable,
 )
 
@@ -227,29 +226,6 @@ def _freeze_and_check(cluster: PeeredDaemons) -> None:
         time.sleep(0.1)
     assert "did not run for" in cluster.log(2), cluster.log(2)[-3000:]  # watchdog or failure
     assert "sent no heartbeat" not in cluster.log(2), cluster.log(2)[-3000:]
-
-
-@TRANSPORTS
-def test_a_verdict_that_never_comes_fails_the_leaves_at_their_timeout(tmp_path: Path, transport: str) -> None:
-    """Node 0's ranks attach and never call, so node 0 never answers the other nodes'
-    summaries. The leaves fail at their own timeout (with tcp no thread waits for a leaf's
-    verdict: the heartbeat watchdog expires it): the first one with CollectiveTimeoutError;
-    its timeout breaks the mesh, so a leaf behind it may hear of a lost peer first."""
-    cluster = start_cluster(tmp_path, NODES, transport=transport)
-    timeout = 2.0
-    try:
-        results = run_ranks(WORLD, unanswered, cluster.sockets, PER_NODE, "mn-unanswered", WORLD, timeout)
-    finally:
-        cluster.stop()
-    assert [kind for kind, _, _ in results[:PER_NODE]] == ["idle"] * PER_NODE, results
-    leaves = results[PER_NODE:]
-    for kind, seconds, message in leaves:
-        assert kind in ("CollectiveTimeoutError", "UnavailableError"), (kind, message)
-        # Within a watchdog tick (0.75 s here) and slack for a loaded machine: the
-        # client gives up after 14 s.
-        assert timeout - 0.1 <= seconds < timeout + 4.0, (seconds, message)
-    timed_out = [message for kind, _, message in leaves if kind == "CollectiveTimeoutError"]
-    assert timed_out and all("timed out across nodes" in m for m in timed_out), leaves
 
 
 @TRANSPORTS

@@ -1,0 +1,42 @@
+"""A leaf of the agreement tree whose verdict never comes fails at its own timeout: three
+real daemons on loopback (ucx and tcp). With tcp no thread waits for a leaf's verdict (it
+finishes on the reader, collectives/agreement.agree_later): the heartbeat watchdog
+expires the wait (peers/plane.Link.watch). Its own file, so that it runs beside the long
+multinode file rather than after it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.daemon.harness import PeeredDaemons, run_ranks
+from tests.daemon.multinode_workers import unanswered
+
+pytest.importorskip("ucxx")
+
+NODES, PER_NODE = 3, 2
+WORLD = NODES * PER_NODE
+
+
+@pytest.mark.parametrize("transport", ["ucx", "tcp"])
+def test_a_verdict_that_never_comes_fails_the_leaves_at_their_timeout(tmp_path: Path, transport: str) -> None:
+    """Node 0's ranks attach and never call, so node 0 never answers the other nodes'
+    summaries. The leaves fail at their own timeout: the first one with
+    CollectiveTimeoutError; its timeout breaks the mesh, so a leaf behind it may hear of a
+    lost peer first."""
+    cluster = PeeredDaemons(tmp_path, NODES, "--heartbeat-timeout", "3", "--peer-transport", transport)
+    timeout = 2.0
+    try:
+        results = run_ranks(WORLD, unanswered, cluster.sockets, PER_NODE, "unanswered", WORLD, timeout)
+    finally:
+        cluster.stop()
+    assert [kind for kind, _, _ in results[:PER_NODE]] == ["idle"] * PER_NODE, results
+    leaves = results[PER_NODE:]
+    for kind, seconds, message in leaves:
+        assert kind in ("CollectiveTimeoutError", "UnavailableError"), (kind, message)
+        # Within a watchdog tick (0.75 s here) and slack for a loaded machine: the
+        # client gives up after 14 s.
+        assert timeout - 0.1 <= seconds < timeout + 4.0, (seconds, message)
+    timed_out = [message for kind, _, message in leaves if kind == "CollectiveTimeoutError"]
+    assert timed_out and all("timed out across nodes" in m for m in timed_out), leaves
