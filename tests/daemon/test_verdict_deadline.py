@@ -37,6 +37,9 @@ def test_a_verdict_that_never_comes_fails_the_leaves_at_their_timeout(tmp_path: 
         assert kind in ("CollectiveTimeoutError", "UnavailableError"), (kind, message)
         # Within a watchdog tick (0.75 s here) and slack for a loaded machine: the
         # client gives up after 14 s.
-        assert timeout - 0.1 <= seconds < timeout + 4.0, (seconds, message)
+        assert seconds < timeout + 4.0, (seconds, message)
+        # A timeout no sooner than its own; a lost peer may come sooner (a leaf whose
+        # ranks called first timed out first, and broke the mesh).
+        assert kind != "CollectiveTimeoutError" or seconds >= timeout - 0.1, (seconds, message)
     timed_out = [message for kind, _, message in leaves if kind == "CollectiveTimeoutError"]
     assert timed_out and all("timed out across nodes" in m for m in timed_out), leaves
