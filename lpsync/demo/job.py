@@ -27,6 +27,8 @@ from lpsync.transport.ports import free_ports
 # clone's first demo after its make test and make check, 2026-12-05); a real error is
 # far larger
 EQUIVALENCE_BOUND = 1e-4
+# seconds a launcher has to stop its trainers on SIGTERM, and then to go after SIGKILL
+STOP_GRACE = 15.0
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
 
 
@@ -160,8 +162,7 @@ def _torchrun(options: DemoOptions, cluster: LocalCluster, tmp: Path, backend: s
                 )
         _wait(procs, cluster, options.timeout, f"the {backend} training")
     finally:
-        for proc, _ in procs:
-            _stop_group(proc)
+        _stop_all([proc for proc, _ in procs])
     return _result(tmp, backend)
 
 
@@ -177,7 +178,7 @@ def _single(options: DemoOptions, tmp: Path, world: int) -> dict[str, Any]:
     try:
         _wait([(proc, log)], None, options.timeout, "the one-process training")
     finally:
-        _stop_group(proc)
+        _stop_all([proc])
     return _result(tmp, "single")
 
 
@@ -217,20 +218,74 @@ def _trainer_errors(log: Path) -> str:
     return "\n".join(found) if found else tail(log)
 
 
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a launcher and its trainers (their own session: one signal reaches them all)."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-    # Trainers outlive a launcher killed hard; the group is theirs alone.
+def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Stop launchers and their trainers, all at once, without raising: this runs on the way
+    out of an interrupt too, whose exit code must survive it.
+
+    torchrun starts each trainer in a session of its own, so a signal to the launcher's
+    group does not reach them; they are found first, as the launcher's descendants. SIGTERM
+    lets torchrun stop its trainers itself; what is left after the grace gets SIGKILL."""
+    running = [proc for proc in procs if not _exited(proc)]
+    trainers = [pid for proc in running for pid in _descendants(proc.pid)]
+    for proc in running:
+        _signal_group(proc.pid, signal.SIGTERM)
+    _wait_all(running, STOP_GRACE)
+    for proc in procs:  # the launcher's group: what it started in its own session
+        _signal_group(proc.pid, signal.SIGKILL)
+    for pid in trainers:  # each a session leader under torchrun; a plain child otherwise
+        _signal_group(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    for proc in _wait_all(running, STOP_GRACE):
+        print(f"lpsync demo: launcher {proc.pid} did not exit after SIGKILL", file=sys.stderr)
+
+
+def _signal_group(pgid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pgid, signum)
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], seconds: float) -> list[subprocess.Popen[bytes]]:
+    """Wait for the processes within one shared deadline; returns those still running."""
+    deadline = time.monotonic() + seconds
+    left = [proc for proc in procs if not _exited(proc)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [proc for proc in left if not _exited(proc)]
+    return left
+
+
+def _exited(proc: subprocess.Popen[bytes]) -> bool:
+    """Reap ``proc`` if it has ended, without Popen's wait lock: a Ctrl-C that lands inside
+    Popen.wait, just after the lock is taken, leaves it held for good (CPython's subprocess
+    takes it outside its try), and every later wait or poll then reports a dead launcher as
+    running."""
+    if proc.returncode is not None:
+        return True
+    try:
+        pid, status = os.waitpid(proc.pid, os.WNOHANG)
+    except ChildProcessError:  # reaped already
+        return True
+    if pid == 0:
+        return False
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return True
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (from /proc: the kernel here has no children files)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # the command name (field 2) may hold spaces and parentheses: split after its last ")"
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
 
 
 def _result(tmp: Path, tag: str) -> dict[str, Any]:

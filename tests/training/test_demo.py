@@ -73,6 +73,41 @@ def test_demo_interrupted_cleans_up(tmp_path: Path) -> None:
     assert not _leftovers(_directory(log.read_text())), log.read_text()
 
 
+LAUNCHER = """
+import subprocess, sys, time
+trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+print(trainer.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_stopping_reaps_a_launcher_whose_wait_lock_an_interrupt_left_held() -> None:
+    """CI saw this: Ctrl-C landed inside Popen.wait just after it took its lock, every later
+    wait on that launcher timed out, and the demo exited 1 instead of 130. The stop must reap
+    it anyway and reach the trainer in its own session."""
+    from lpsync.demo.job import _stop_all
+
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    trainer = int(launcher.stdout.readline())
+    assert launcher._waitpid_lock.acquire(False)  # as the interrupted wait left it
+    started = time.monotonic()
+    _stop_all([launcher])
+    assert launcher.returncode == -signal.SIGTERM
+    assert time.monotonic() - started < 5
+    deadline = time.monotonic() + 5
+    while _alive(trainer) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(trainer)
+    launcher.stdout.close()
+
+
 def test_demo_reports_a_failing_trainer(tmp_path: Path) -> None:
     script = tmp_path / "broken.py"
     script.write_text("import sys\nprint('trainer starting', file=sys.stderr)\nsys.exit(3)\n")
