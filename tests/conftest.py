@@ -23,24 +23,26 @@ def daemon(tmp_path: Path):
 # first: under `--dist loadfile` a long file begun near the end sets the suite's wall time
 # by itself (longest first is the classic packing of jobs onto workers).
 SLOWEST_FIRST = (
-    "tests/daemon/test_daemon_multinode.py",  # 154 s
-    "tests/training/test_examples.py",  # 115 s
-    "tests/daemon/test_daemon_devices.py",  # 114 s
-    "tests/training/test_torch_training.py",  # 102 s
-    "tests/test_paper.py",  # 87 s
-    "tests/transport/test_peer_transports.py",  # 85 s
-    "tests/daemon/test_partitions.py",  # 71 s
-    "tests/cluster/test_chaos.py",  # 70 s
-    "tests/training/test_demo.py",  # 59 s
-    "tests/bench/test_bench_models.py",  # 55 s
-    "tests/daemon/test_security.py",  # 54 s
-    "tests/cluster/test_cluster_bench.py",  # 49 s
-    "tests/daemon/test_overload.py",  # 49 s
-    "tests/daemon/test_daemon_errors.py",  # 49 s
-    "tests/torch_suite/test_torch_suite.py",  # 48 s
-    "tests/client/torch_backend/test_backend_errors.py",  # 47 s
-    "tests/cluster/test_clean_exits.py",  # 47 s
-    "tests/deploy/test_prometheus.py",  # 46 s
+    "tests/training/test_examples.py",  # 106 s
+    "tests/daemon/test_hierarchy.py",  # 99 s
+    "tests/client/torch_backend/test_backend_training.py",  # 92 s
+    "tests/daemon/test_daemon_multinode.py",  # 81 s
+    "tests/torch_suite/test_torch_suite.py",  # 75 s
+    "tests/training/test_torch_training.py",  # 73 s
+    "tests/training/test_demo.py",  # 72 s
+    "tests/test_paper.py",  # 72 s
+    "tests/cluster/test_chaos.py",  # 69 s
+    "tests/cluster/test_clean_exits.py",  # 61 s
+    "tests/transport/test_peer_transports.py",  # 59 s
+    "tests/daemon/test_partitions.py",  # 46 s
+    "tests/daemon/test_daemon_devices.py",  # 44 s
+    "tests/deploy/test_prometheus.py",  # 43 s
+    "tests/cluster/test_cluster_bench.py",  # 39 s
+    "tests/client/torch_backend/test_backend_errors.py",  # 37 s
+    "tests/client/torch_backend/test_backend_ops.py",  # 37 s
+    "tests/daemon/test_daemon_data_movement.py",  # 36 s
+    "tests/client/torch_backend/test_backend_layout.py",  # 36 s
+    "tests/daemon/test_overload.py",  # 35 s
 )
 
 
