@@ -118,13 +118,20 @@ def through_partition(
 
 
 def attempt(
-    rank: int, sockets: list[str], per_node: int, job: str, world: int, late: int = -1, delay: float = 0.0
+    rank: int,
+    sockets: list[str],
+    per_node: int,
+    job: str,
+    world: int,
+    late: int = -1,
+    delay: float = 0.0,
+    timeout: float = 60.0,
 ) -> list:
-    """One allreduce with a 60 s timeout: [error kind or "ok", seconds, message]; rank
+    """One allreduce (``timeout`` s): [error kind or "ok", seconds, message]; rank
     ``late`` issues it ``delay`` seconds after attaching."""
     _node_env(rank, per_node)
     with lpsync_client.connect(
-        sockets[rank // per_node], job=job, rank=rank, world_size=world, timeout=60
+        sockets[rank // per_node], job=job, rank=rank, world_size=world, timeout=timeout
     ) as c:
         if rank == late:
             time.sleep(delay)

@@ -190,14 +190,20 @@ def _failed(
     if not isinstance(error, LpsyncError):
         return _internal(task, plane, link, error)
     if link.error is not None and not isinstance(error, MismatchError):
+        reported: LpsyncError
         if isinstance(link.error, CollectiveTimeoutError):
-            return type(link.error)(
+            reported = type(link.error)(
                 f"collective #{pending.sequence} of job {job.name!r} timed out across nodes: {link.error}"
             )
-        return UnavailableError(
-            f"collective #{pending.sequence} of job {job.name!r} lost a peer node: {link.failure()}"
-            f"{_MAY_HAVE_FINISHED}"
-        )
+        else:
+            reported = UnavailableError(
+                f"collective #{pending.sequence} of job {job.name!r} lost a peer node: {link.failure()}"
+                f"{_MAY_HAVE_FINISHED}"
+            )
+        # A node whose ranks issue it on the rebuilt mesh would wait there for this node's
+        # part until its own timeout, and that timeout would break the new mesh too.
+        _announce_later(task, plane, reported, time.monotonic() + task.timeout)
+        return reported
     return error
 
 
