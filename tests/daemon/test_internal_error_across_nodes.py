@@ -9,8 +9,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pytest
-
 from tests.daemon.harness import PeeredDaemons, run_ranks
 from tests.daemon.multinode_workers import attempt, one_allreduce
 
@@ -30,11 +28,7 @@ small.SmallCollective.part = part
 """
 
 
-@pytest.mark.parametrize("late", [False, True], ids=["together", "node0-late"])
-def test_an_internal_error_on_one_node_fails_every_node_at_once(tmp_path: Path, late: bool) -> None:
-    """``node0-late``: node 0's rank issues the collective 3 s after node 1 failed it, on
-    the rebuilt mesh (seen in a loaded run: it waited out its 60-s timeout there); node 1
-    tells the new mesh, and node 0 fails at once with node 1's error."""
+def test_an_internal_error_on_one_node_fails_every_node_at_once(tmp_path: Path) -> None:
     fault = tmp_path / "fault"
     fault.mkdir()
     (fault / "sitecustomize.py").write_text(_FAULT)
@@ -42,17 +36,14 @@ def test_an_internal_error_on_one_node_fails_every_node_at_once(tmp_path: Path, 
     env_of = [{}, {"PYTHONPATH": f"{fault}:{root}"}]
     cluster = PeeredDaemons(tmp_path, 2, "--peer-transport", "tcp", env_of=env_of)
     try:
-        delay = 3.0 if late else 0.0
-        results = run_ranks(2, attempt, cluster.sockets, 1, "internal", 2, 0, delay, timeout=120)
+        results = run_ranks(2, attempt, cluster.sockets, 1, "internal", 2, timeout=120)
         for rank, (kind, seconds, message) in enumerate(results):
             assert kind == "UnavailableError", (rank, kind, message)
             assert seconds < 20, (rank, seconds, message)  # the timeout is 60 s
-        internal = "failed on node 1 with an internal error (RuntimeError('injected fault'))"
-        assert internal in results[1][2]
-        # Node 0 learns it inside the collective; or, where node 1 broke the mesh before
-        # node 0's rank arrived, as it issues it: without a mesh, or from node 1 on the new one.
-        heard = ("lost a peer node", "the peer mesh is down", internal)
-        assert any(words in results[0][2] for words in heard), results[0][2]
+        assert "failed on node 1 with an internal error (RuntimeError('injected fault'))" in results[1][2]
+        # Node 0 learns it inside the collective, or, where node 1 broke the mesh before
+        # node 0's rank arrived, as it issues it.
+        assert "lost a peer node" in results[0][2] or "the peer mesh is down" in results[0][2], results[0][2]
         assert "collective failed unexpectedly across nodes" in cluster.log(1)
         assert "injected fault" in cluster.log(1)  # the traceback, in the failing node's log
         deadline = time.monotonic() + 60

@@ -69,7 +69,15 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
     except UnavailableError as error:
         # No mesh (lost, or rebuilt while this waited): nodes whose new mesh is up by the
         # time their ranks arrive would wait out their timeout for this node's part.
-        _announce_later(task, plane, error, deadline)
+        failure, cluster, sequence = (
+            agreement.failure_summary(job, error),
+            job.layout.cluster,
+            pending.sequence,
+        )
+        plane.owe(
+            deadline,
+            lambda link: agreement.announce(job, sequence, link.for_job(cluster), failure),
+        )
         raise
     learner = _learner(job)
     last = learner.take_last()  # an earlier trial's time, for node 0
@@ -87,7 +95,7 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
             later = agreement.agree_later(job, pending, link, deadline, mine, small)
             if later is None:
                 return _agree_and_finish(task, link, learner, deadline, mine, small)
-            return _finished_later(task, plane, link, learner, last, proposal, small, later)
+            return _finished_later(task, link, learner, last, proposal, small, later)
         verdict = agreement.agree(job, pending, link, deadline, mine)
         _learn(learner, verdict)
         pending.enter(RUNNING)
@@ -109,7 +117,7 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
         if verdict.trial:
             learner.ran(pending.sequence, time.perf_counter() - began)
     except Exception as error:
-        reported = _failed(task, plane, link, learner, last, proposal, error)
+        reported = _failed(task, link, learner, last, proposal, error)
         if reported is error:
             raise
         raise reported from (error if not isinstance(error, LpsyncError) else None)
@@ -145,7 +153,6 @@ def _finish_agreed(
 
 def _finished_later(
     task: Task,
-    plane: PeerPlane,
     link: Link,
     learner: Learner,
     last: tuple[int, float] | None,
@@ -163,7 +170,7 @@ def _finished_later(
                 raise verdict
             outcome = _finish_agreed(task, learner, small, verdict)
         except Exception as error:  # on a reader thread: every error becomes the outcome
-            outcome = Outcome(_failed(task, plane, link, learner, last, proposal, error))
+            outcome = Outcome(_failed(task, link, learner, last, proposal, error))
         finished.set(outcome)
 
     agreed.then(then)
@@ -172,7 +179,6 @@ def _finished_later(
 
 def _failed(
     task: Task,
-    plane: PeerPlane,
     link: Link,
     learner: Learner,
     last: tuple[int, float] | None,
@@ -188,30 +194,23 @@ def _failed(
     if last is not None:
         learner.ran(*last)  # node 0 may not have it: it goes again with the next one
     if not isinstance(error, LpsyncError):
-        return _internal(task, plane, link, error)
+        return _internal(task, link, error)
     if link.error is not None and not isinstance(error, MismatchError):
-        reported: LpsyncError
         if isinstance(link.error, CollectiveTimeoutError):
-            reported = type(link.error)(
+            return type(link.error)(
                 f"collective #{pending.sequence} of job {job.name!r} timed out across nodes: {link.error}"
             )
-        else:
-            reported = UnavailableError(
-                f"collective #{pending.sequence} of job {job.name!r} lost a peer node: {link.failure()}"
-                f"{_MAY_HAVE_FINISHED}"
-            )
-        # A node whose ranks issue it on the rebuilt mesh would wait there for this node's
-        # part until its own timeout, and that timeout would break the new mesh too.
-        _announce_later(task, plane, reported, time.monotonic() + task.timeout)
-        return reported
+        return UnavailableError(
+            f"collective #{pending.sequence} of job {job.name!r} lost a peer node: {link.failure()}"
+            f"{_MAY_HAVE_FINISHED}"
+        )
     return error
 
 
-def _internal(task: Task, plane: PeerPlane, link: Link, error: Exception) -> LpsyncError:
+def _internal(task: Task, link: Link, error: Exception) -> LpsyncError:
     """This node failed ``task`` with an internal error: log it whole, break the mesh so
     that the other nodes fail now (UnavailableError, a lost peer) instead of at their
-    timeout, and say what failed to this node's ranks. A node whose ranks arrive once the
-    mesh is rebuilt runs the collective on the new mesh: it hears of the failure there."""
+    timeout, and say what failed to this node's ranks."""
     job, sequence = task.job, task.pending.sequence
     assert job.layout is not None
     where = {"job": job.name, "sequence": sequence}
@@ -222,23 +221,7 @@ def _internal(task: Task, plane: PeerPlane, link: Link, error: Exception) -> Lps
         f"({error!r}); the peer mesh was broken so that the other nodes fail it now, and is rebuilt"
     )
     link.endpoint.abort(failed)
-    # aborted: the plane pays what it owes on the next mesh, not on this one
-    _announce_later(task, plane, failed, time.monotonic() + task.timeout)
     return failed
-
-
-def _announce_later(task: Task, plane: PeerPlane, error: LpsyncError, until: float) -> None:
-    """Tell the nodes that run ``task`` on the next mesh that this node failed it with
-    ``error``, so that they fail it at once instead of waiting out their timeout for this
-    node's part (agreement.announce)."""
-    job = task.job
-    assert job.layout is not None
-    failure, cluster, sequence = (
-        agreement.failure_summary(job, error),
-        job.layout.cluster,
-        task.pending.sequence,
-    )
-    plane.owe(until, lambda link: agreement.announce(job, sequence, link.for_job(cluster), failure))
 
 
 def notify_failure(job: Job, pending: Pending, error: LpsyncError, plane: PeerPlane) -> None:
