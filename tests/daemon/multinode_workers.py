@@ -117,12 +117,17 @@ def through_partition(
         return [*got, after]
 
 
-def attempt(rank: int, sockets: list[str], per_node: int, job: str, world: int) -> list:
-    """One allreduce with a 60 s timeout: [error kind or "ok", seconds, message]."""
+def attempt(
+    rank: int, sockets: list[str], per_node: int, job: str, world: int, late: int = -1, delay: float = 0.0
+) -> list:
+    """One allreduce with a 60 s timeout: [error kind or "ok", seconds, message]; rank
+    ``late`` issues it ``delay`` seconds after attaching."""
     _node_env(rank, per_node)
     with lpsync_client.connect(
         sockets[rank // per_node], job=job, rank=rank, world_size=world, timeout=60
     ) as c:
+        if rank == late:
+            time.sleep(delay)
         return _timed_allreduce(c)
 
 

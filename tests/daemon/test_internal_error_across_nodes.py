@@ -36,14 +36,16 @@ def test_an_internal_error_on_one_node_fails_every_node_at_once(tmp_path: Path) 
     env_of = [{}, {"PYTHONPATH": f"{fault}:{root}"}]
     cluster = PeeredDaemons(tmp_path, 2, "--peer-transport", "tcp", env_of=env_of)
     try:
-        results = run_ranks(2, attempt, cluster.sockets, 1, "internal", 2, timeout=120)
+        # Node 1's rank issues it 3 s after attaching, so that node 0's rank waits inside
+        # the collective when node 1 fails it. A rank that issues it only after the mesh is
+        # rebuilt waits out its timeout there (docs/reliability.md, Limits): in a loaded
+        # run, with both ranks issuing at once, node 0's rank came that late once.
+        results = run_ranks(2, attempt, cluster.sockets, 1, "internal", 2, 1, 3.0, timeout=120)
         for rank, (kind, seconds, message) in enumerate(results):
             assert kind == "UnavailableError", (rank, kind, message)
             assert seconds < 20, (rank, seconds, message)  # the timeout is 60 s
         assert "failed on node 1 with an internal error (RuntimeError('injected fault'))" in results[1][2]
-        # Node 0 learns it inside the collective, or, where node 1 broke the mesh before
-        # node 0's rank arrived, as it issues it.
-        assert "lost a peer node" in results[0][2] or "the peer mesh is down" in results[0][2], results[0][2]
+        assert "lost a peer node" in results[0][2], results[0][2]
         assert "collective failed unexpectedly across nodes" in cluster.log(1)
         assert "injected fault" in cluster.log(1)  # the traceback, in the failing node's log
         deadline = time.monotonic() + 60
