@@ -273,7 +273,8 @@ def _exited(proc: subprocess.Popen[bytes]) -> bool:
 
 
 def _descendants(root: int) -> list[int]:
-    """Every live process below ``root`` (from /proc: the kernel here has no children files)."""
+    """Every live process below ``root``, from /proc/*/stat (/proc/PID/task/*/children
+    needs CONFIG_PROC_CHILDREN, which the CI machines' kernel lacks)."""
     parents: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
