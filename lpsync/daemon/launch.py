@@ -6,7 +6,6 @@ probe, another way to find out why a daemon did not come up).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -118,7 +117,7 @@ class Daemon:
             time.sleep(0.05)
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return not reaped(self.proc)
 
     def tail(self, lines: int = 40) -> str:
         """The end of the daemon's log (empty without one)."""
@@ -128,27 +127,54 @@ class Daemon:
 
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM, then wait for the exit (SIGKILL if it does not come: TimeoutExpired)."""
-        if self.proc.poll() is None:
+        if not reaped(self.proc):
             self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
+            if not wait_reaped(self.proc, timeout):
+                self.kill()
+                raise subprocess.TimeoutExpired(self.proc.args, timeout)
+            assert self.proc.returncode is not None
+            return self.proc.returncode
         finally:
             self._close_log()
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
+        if not reaped(self.proc):
             self.proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):  # an unkillable process: move on
-            self.proc.wait(5)
+        wait_reaped(self.proc, 5)  # an unkillable process: move on
         self._close_log()
 
     def _close_log(self) -> None:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+def reaped(proc: subprocess.Popen[Any]) -> bool:
+    """Whether ``proc`` has ended (reaped here if so), without Popen's wait lock: a Ctrl-C
+    that lands inside Popen.wait or poll just after the lock is taken leaves it held for
+    good (CPython's subprocess takes it outside its try), and every later wait or poll
+    then reports a dead process as running."""
+    if proc.returncode is not None:
+        return True
+    try:
+        pid, status = os.waitpid(proc.pid, os.WNOHANG)
+    except ChildProcessError:  # reaped already
+        return True
+    if pid == 0:
+        return False
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return True
+
+
+def wait_reaped(proc: subprocess.Popen[Any], timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``proc`` to end (reaped, lock-free); whether it did."""
+    deadline = time.monotonic() + timeout
+    while not reaped(proc):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)  # a stopping process, checked 20 times a second: a sleep, not a spin
+    return True
 
 
 def clean_env() -> dict[str, str]:

@@ -63,6 +63,19 @@ def test_sigterm_drains_and_cleans_up(tmp_path: Path) -> None:
     assert threading.active_count() < 20
 
 
+def test_stop_reaps_a_daemon_whose_wait_lock_an_interrupt_left_held(tmp_path: Path) -> None:
+    """A Ctrl-C inside Popen.wait or poll, just after it took its lock, leaves the lock held
+    (the demo saw it in CI): every later wait timed out on a daemon that had exited, so a
+    stop cost its whole timeout and raised. launch.Daemon reaps without the lock."""
+    d = DaemonProcess(tmp_path)
+    assert d.proc._waitpid_lock.acquire(False)  # as the interrupted wait left it
+    assert d.alive()
+    start = time.monotonic()
+    assert d.stop(timeout=15) == 0
+    assert time.monotonic() - start < 10 and not d.alive()
+    assert shm_segments(d.pid) == [] and not Path(d.socket).exists()
+
+
 def test_status_and_metrics(tmp_path: Path) -> None:
     import socket as sk
 
