@@ -29,6 +29,7 @@ demo: $(BIN)/.installed
 lint: $(BIN)/.installed
 	$(BIN)/ruff check lpsync tests clients examples scripts protos deploy
 	$(BIN)/ruff format --check lpsync tests clients examples scripts protos deploy
+	$(BIN)/mypy
 	cd clients/python && ../../$(BIN)/mypy
 
 check: lint

@@ -10,9 +10,14 @@ one Buf per position. No I/O.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from lpsync.algorithms.schedule import Buf, ScheduleBuilder, ceil_log2, lowbit
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 
 def is_power_of_two(p: int) -> bool:
@@ -196,7 +201,7 @@ def _child_masks(v: int, levels: int) -> list[int]:
     return masks
 
 
-def _emit(b: ScheduleBuilder, method: str, rows: list[tuple[object, ...]]) -> None:
+def _emit(b: ScheduleBuilder, method: str, rows: Sequence[tuple[object, ...]]) -> None:
     if rows:
         getattr(b, method)(*(np.array(col) for col in zip(*rows, strict=True)))
 

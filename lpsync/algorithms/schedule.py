@@ -200,7 +200,9 @@ class ScheduleBuilder:
     def build(self) -> Schedule:
         sizes = [int(np.prod(shape)) for shape, _ in self._batches]
         starts = np.r_[0, np.cumsum(sizes)].astype(np.int64)
-        cols = {name: np.empty(int(starts[-1]), dtype) for name, dtype in _COLUMNS.items()}
+        cols: dict[str, np.ndarray] = {
+            name: np.empty(int(starts[-1]), dtype) for name, dtype in _COLUMNS.items()
+        }
         step = np.empty(int(starts[-1]), np.int64)
         for (shape, arrays), a, b in zip(self._batches, starts[:-1], starts[1:], strict=True):
             for name, column in (*cols.items(), ("step", step)):

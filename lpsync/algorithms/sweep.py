@@ -76,7 +76,7 @@ def _point(
     chunks_mode: str,
     min_chunk: int,
 ) -> dict[str, Any]:
-    schedule_args = {"op": op, "algorithm": name, "participants": p, "count": count}
+    schedule_args: dict[str, Any] = {"op": op, "algorithm": name, "participants": p, "count": count}
     chunks = 1
     if ALGORITHMS[name].pipelined:
         chunks = _choose_chunks(chunks_mode, schedule_args, itemsize, link, nbytes, min_chunk)

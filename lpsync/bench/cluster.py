@@ -95,6 +95,7 @@ class ClusterOptions:
             raise InvalidArgumentError("--procs-per-node must be >= 1")
         if (self.iters is not None and self.iters < 1) or self.warmup < 0:
             raise InvalidArgumentError("--iters must be >= 1 and --warmup >= 0")
+        unknown: list[str] | list[int]  # ops, then sizes
         if unknown := [op for op in self.ops if op not in OPS]:
             raise InvalidArgumentError(f"--op {','.join(unknown)}: expected some of {', '.join(OPS)}")
         if unknown := [s for s in self.sizes if s < 4]:

@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -211,7 +212,7 @@ def run(options: ModelOptions) -> list[ModeResult]:
             socket = socket or os.path.join(tmp, "lpsync.sock")
             daemon = launch.Daemon(socket, "--log-level", "WARNING", start_new_session=True)
         if cluster is None:
-            sockets = [socket]
+            sockets = [cast(str, socket)]  # set above when no cluster was started
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         job = f"bench-model-{os.getpid()}"

@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -79,6 +79,7 @@ def _rank(rank: int, ports: list[int], args: argparse.Namespace, out: mp.Queue) 
             one,
             Reduction(ReduceOp.SUM, np.dtype(np.float32), p),
         )
+        cpu: dict[tuple[int, bool], list[float]]
         tag, cpu, wrong = 0, {}, 0
         op, algorithm = (
             (Collective.BROADCAST, "lp") if args.op == "broadcast" else (Collective.ALLREDUCE, "ring")
@@ -108,7 +109,7 @@ def _inputs(op: Collective, p: int, rank: int, count: int, seed: int) -> tuple[n
         want = np.random.default_rng(seed).random(count, np.float32)
         return (want if rank == 0 else np.zeros(count, np.float32)), want
     parts = [np.random.default_rng((seed, r)).integers(0, 100, count).astype(np.float32) for r in range(p)]
-    return parts[rank], np.sum(parts, axis=0, dtype=np.float32)
+    return parts[rank], cast(np.ndarray, np.sum(parts, axis=0, dtype=np.float32))  # axis=0: an array
 
 
 def main(argv: list[str] | None = None) -> int:

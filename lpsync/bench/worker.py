@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +26,9 @@ from lpsync.algorithms.cost import busbw_factor
 from lpsync.algorithms.registry import algorithms_for
 from lpsync.types import Collective
 from lpsync_client.wire import OUT_OF_PLACE_ONLY, ROOTED_OPS, blocks
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPE = "float32"
 ROUNDS = 5
@@ -144,7 +148,7 @@ def lpsync_call(client, op: str, buf, algorithm: str | None, root: int = 0, out=
 
         return ring
     method = getattr(client, op)
-    kwargs = {"algorithm": algorithm}
+    kwargs: dict[str, object] = {"algorithm": algorithm}
     if op in ROOTED_OPS:
         kwargs["root"] = root
     if out is not None:
@@ -214,7 +218,7 @@ def run(
     import lpsync_client
 
     root = 0
-    local = {"local_rank": rank % per_node, "local_world_size": per_node} if per_node else {}
+    local: dict[str, Any] = {"local_rank": rank % per_node, "local_world_size": per_node} if per_node else {}
     with lpsync_client.connect(
         socket, job=job, rank=rank, world_size=world, timeout=600, trigger=trigger, **local
     ) as client:
@@ -309,7 +313,9 @@ def _gloo(
         dist.destroy_process_group()
 
 
-def gloo_tensors(op: str, rank: int, world: int, count: int, root: int = 0):
+def gloo_tensors(
+    op: str, rank: int, world: int, count: int, root: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(full, mine, out): the buffer as lpsync's (``buffers``), this rank's block of it
     (or all of it) and alltoall's output (else None)."""
     import torch

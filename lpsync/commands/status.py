@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
 def ranges(ranks) -> str:
     """0,1,2,3,5 -> '0-3, 5'."""
-    out: list[str] = []
+    out: list[tuple[int, int]] = []
     for r in sorted(ranks):
         if out and out[-1][1] == r - 1:
             out[-1] = (out[-1][0], r)

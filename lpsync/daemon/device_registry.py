@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from lpsync.engine.device_group import DeviceContext
 from lpsync.errors import InvalidArgumentError, NotFoundError
-from lpsync.memory.kind import MemoryKind
+from lpsync.memory.kind import Memory, MemoryKind
 from lpsync_client.wire import split_device_uuid
 
 log = logging.getLogger("lpsync.daemon")
@@ -29,7 +29,7 @@ MAX_HANDLE_BYTES = 1024  # CUDA IPC handles are 64 bytes, emulated ones shorter
 class OpenAllocation:
     device: int
     handle: bytes
-    memory: object
+    memory: Memory
     nbytes: int
     refs: int = 0  # registrations on it
     active: int = 0  # collectives whose streams may still touch it
@@ -99,6 +99,7 @@ class DeviceRegistry:
             if entry is not None:
                 entry.refs += 1
         if entry is None:
+            memory: Memory | None  # None once the entry holds it
             memory = self.kind.open(bytes(handle), device)  # slow on CUDA: outside the lock
             size = min(allocation_bytes, getattr(memory, "nbytes", allocation_bytes))
             with self._lock:
@@ -150,7 +151,7 @@ class DeviceRegistry:
         if last:
             self._close(entry.memory, wait)
 
-    def _close(self, memory: object, wait: bool) -> None:
+    def _close(self, memory: Memory, wait: bool) -> None:
         with self._lock:
             later = not wait and not self._closed
             if later:
@@ -158,7 +159,7 @@ class DeviceRegistry:
         if not later:
             self.kind.close(memory)
 
-    def _close_logged(self, memory: object) -> None:
+    def _close_logged(self, memory: Memory) -> None:
         try:
             self.kind.close(memory)
         except Exception:  # a failed unmap must not end the closer thread

@@ -11,12 +11,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
 from lpsync.daemon.watcher import Timer
 from lpsync.errors import LpsyncError
+
+if TYPE_CHECKING:
+    from lpsync.memory.kind import Span
 
 T = TypeVar("T")
 
@@ -152,8 +155,9 @@ class Arrival:
     sequence: int
     spec: Spec
     timeout: float
-    data: np.ndarray | None  # the input (in place: the one buffer); None for barrier
-    out: np.ndarray | None  # None: in place
+    # Host buffers are numpy arrays, device buffers Spans (every participant alike).
+    data: np.ndarray | Span | None  # the input (in place: the one buffer); None for barrier
+    out: np.ndarray | Span | None  # None: in place
     handles: tuple[tuple[str, int], ...]  # (session id, handle) of the buffers, for caches
     done: Callable[[Outcome], None]
     at: float = 0.0  # time.monotonic() of the arrival (set by Job.submit)

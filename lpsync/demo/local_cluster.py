@@ -57,6 +57,7 @@ class LocalCluster:
         secret_file.write_text(secrets.token_hex(32))
         try:
             for rank in range(nodes):
+                flags: tuple[str, ...]
                 flags = ("--node-rank", str(rank), "--peers", peers, "--secret-file", str(secret_file))
                 flags += ("--metrics-port", str(peer_ports[nodes + rank]), "--log-level", "WARNING", *extra)
                 # Started together, waited for below (they mesh with each other); in a

@@ -186,8 +186,8 @@ class Run:
                             request, self._deadline, self._name(index)
                         )
                 return
-            except BaseException as error:  # already the transport's own
-                self._fail(index, error)
+            except BaseException as raised:  # already the transport's own
+                self._fail(index, raised)
         assert self._failed is not None
         index, error = self._failed
         if isinstance(error, _RequestFailed):  # the transport's own error for it
@@ -246,6 +246,7 @@ class Run:
             if then is None:
                 self._finished_steps[index] = 1
         elif kind == _COPY:
+            assert step.src is not None  # a copy has a source
             np.copyto(step.dst, step.src)
             self._done(index)
         elif kind == _RECV_REDUCE:
@@ -359,7 +360,7 @@ def channels_for(endpoint: object, flow: Flow) -> dict[int, Channel] | None:
 def check_tags(tag_base: int, steps: Sequence[Step], channels: dict[int, Channel]) -> None:
     """A folded tag must fit its field (lpsync.engine.routing.fold)."""
     shifts = {c.shift for c in channels.values()}
-    if shifts and max(shifts) and steps:
+    if shifts and max(shifts) != 0 and steps:
         top = tag_base + max(s.tag for s in steps)
         if top >= 1 << (64 - max(shifts)):
             raise InvalidArgumentError(f"message tag {top} does not fit in {64 - max(shifts)} bits")

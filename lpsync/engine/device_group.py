@@ -202,7 +202,7 @@ class DeviceGroup:
         self._held: list[Any] = []  # pool memory, returned on close
         self._scratch = scratch
         dtype = buffers[0][0].dtype
-        tmps = []
+        tmps: list[Span | None] = []
         for r, d in enumerate(devices):
             if schedule.tmp_elements:
                 memory = self._take(d, schedule.tmp_elements * dtype.itemsize, share=("tmp", r))

@@ -234,6 +234,7 @@ class Plan:
                 if len(posted) < RECV_WINDOW:  # else post_ahead would post nothing
                     post_ahead(index)
                 if step.kind == _SEND:
+                    request: SendRequest | RecvRequest  # also a receive's, below
                     request = endpoint.send(step.peer, tag_base + step.tag, step.wire)
                     in_flight.append((step.lo, step.hi, request))
                     if len(in_flight) > _PRUNE_AT:  # each post_ahead scans the sends in flight

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Literal, overload
 
 import numpy as np
 
@@ -24,7 +25,11 @@ from lpsync.reduction import Reduction
 from lpsync.transport.inproc import InprocFabric
 from lpsync.types import Collective, blocks
 
+if TYPE_CHECKING:
+    from lpsync.memory.kind import Span
 
+
+@overload
 def layout(
     op: Collective,
     rank: int,
@@ -33,7 +38,30 @@ def layout(
     data: np.ndarray,
     in_place: bool,
     root: int = 0,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+@overload
+def layout(
+    op: Collective,
+    rank: int,
+    participants: int,
+    count: int,
+    data: Span,
+    in_place: Literal[True],
+    root: int = 0,
+) -> tuple[Span, Span]: ...
+
+
+def layout(
+    op: Collective,
+    rank: int,
+    participants: int,
+    count: int,
+    data: np.ndarray | Span,
+    in_place: bool,
+    root: int = 0,
+) -> tuple[np.ndarray | Span, np.ndarray | Span]:
     """(IN, OUT) for one participant (sizes: lpsync_client.wire.blocks).
 
     Out of place, ``data`` is the input and a new OUT is allocated. In place, ``data``

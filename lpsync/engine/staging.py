@@ -178,9 +178,9 @@ class ChunkStager:
         for reads, write in accesses:
             for lo, hi in reads:
                 for a, b in _subtract(lo, hi, touched):
-                    for host, device, x, y in self._pieces(a, b):
+                    for host, dev, x, y in self._pieces(a, b):
                         bisect.insort(load_at, (x, y, len(self.loads)))
-                        self.loads.append((host, device))
+                        self.loads.append((host, dev))
             ranges = list(reads) + ([write] if write is not None else [])
             self.need.append(
                 max((k for lo, hi in ranges for k in self._overlapping(load_at, lo, hi)), default=-1)

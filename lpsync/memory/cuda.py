@@ -50,6 +50,7 @@ import concurrent.futures
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -63,6 +64,9 @@ from lpsync.errors import (
 from lpsync.memory.kind import Link, Span, Topology
 from lpsync.reduction import Reduction
 from lpsync.types import ReduceOp
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 try:
     import cupy
@@ -166,7 +170,7 @@ class CudaKind:
         self.home = min(allowed)
         _use(self.home)
         self.topology = _topology(count)
-        self._kernels: dict[tuple, object] = {}
+        self._kernels: dict[tuple, Callable[..., object]] = {}
         self._lock = threading.Lock()
         self._waiters = concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="lpsync-cuda-sync"
@@ -361,7 +365,7 @@ class CudaKind:
         memory = cupy.cuda.UnownedMemory(span.lo, span.nbytes, None, span.device)
         return cupy.ndarray((span.nbytes // dtype.itemsize,), dtype, cupy.cuda.MemoryPointer(memory, 0))
 
-    def _kernel(self, op: ReduceOp, dtype: np.dtype, what: str, device: int) -> object:
+    def _kernel(self, op: ReduceOp, dtype: np.dtype, what: str, device: int) -> Callable[..., object]:
         # Per device: a RawModule's function is loaded into one device's context.
         key = (op, dtype, what, device)
         kernel = self._kernels.get(key)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import cast
 
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.kind import Link, MemoryKind, Topology
@@ -93,7 +94,8 @@ def open_kind(spec: DeviceSpec) -> MemoryKind | None:
     if spec.kind == "emulated":
         from lpsync.memory.emulated import EmulatedKind
 
-        return EmulatedKind(spec.count, spec.topology, spec.copy_bandwidth)
+        # A kind's methods take its own Memory: the only memory it is ever given.
+        return cast(MemoryKind, EmulatedKind(spec.count, spec.topology, spec.copy_bandwidth))
     from lpsync.memory.cuda import CudaKind  # imports cupy: only here
 
-    return CudaKind(spec.indices)
+    return cast(MemoryKind, CudaKind(spec.indices))

@@ -29,7 +29,7 @@ import logging
 import struct
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -112,6 +112,7 @@ class Tree:
         return self.nodes if node == 0 else min(self._place(node), self.nodes - node)
 
     def children(self, node: int) -> list[int]:
+        out: list[int]
         out, place = [], 1
         while place < self.subtree(node) and node + place < self.nodes:
             out.extend(node + j * place for j in range(1, self.radix) if node + j * place < self.nodes)
@@ -155,7 +156,7 @@ def encode(header: dict[str, Any] | bytes, payload: np.ndarray | None = None) ->
     raw = header if isinstance(header, bytes) else json.dumps(header).encode()
     data = b"" if payload is None else np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
     out = np.empty(_FRAME + len(raw) + len(data), np.uint8)
-    _LENGTHS.pack_into(out, 0, len(raw), len(data))
+    _LENGTHS.pack_into(out, 0, len(raw), len(data))  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python 3.12+ only
     out[_FRAME : _FRAME + len(raw)] = np.frombuffer(raw, np.uint8)
     if len(data):
         out[_FRAME + len(raw) :] = data
@@ -170,7 +171,7 @@ def decode(buf: np.ndarray) -> tuple[dict[str, Any], np.ndarray]:
 
 def _split(buf: np.ndarray) -> tuple[bytes, np.ndarray]:
     """(the header's JSON bytes, the payload bytes) of a received message."""
-    head, size = _LENGTHS.unpack_from(buf)
+    head, size = _LENGTHS.unpack_from(buf)  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python 3.12+ only
     if _FRAME + head + size > buf.nbytes:
         raise ValueError("a message shorter than its frame says")
     return buf[_FRAME : _FRAME + head].tobytes(), buf[_FRAME + head : _FRAME + head + size]
@@ -404,6 +405,7 @@ class _Incoming:
     def take(self, deadline: float) -> tuple[dict[str, Any], np.ndarray, np.ndarray] | str:
         """(header, payload, the whole message), or why it could not be read (a mismatch,
         as text)."""
+        assert self.request is not None  # the peer plane's endpoints always post
         try:
             self.request.wait(deadline)
         except InvalidArgumentError:
@@ -423,7 +425,7 @@ def _read(peer: int, buf: np.ndarray) -> tuple[bytes, dict[str, Any], np.ndarray
         header = _parsed(raw)
     except ValueError as error:
         return f"node {peer} sent an unreadable agreement message ({error})"
-    return raw, header, payload, buf[: _FRAME + sum(_LENGTHS.unpack_from(buf))]
+    return raw, header, payload, buf[: _FRAME + sum(_LENGTHS.unpack_from(buf))]  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python 3.12+ only
 
 
 def _too_large(peer: int) -> str:
@@ -548,9 +550,10 @@ def _exchange(
     verdict = judge(summaries, pending.sequence, job.name, job.layout.daemon) if judged is None else judged[0]
     result = None
     if small is not None and "error" not in verdict:
-        acc = _as(small, parts[0])
+        # A go verdict: every node sent its part (this one's too, no error here).
+        acc = _as(small, cast(np.ndarray, parts[0]))
         for n in range(1, nodes):
-            acc = small.fold(acc, _as(small, parts[n]))
+            acc = small.fold(acc, _as(small, cast(np.ndarray, parts[n])))
         result = small.finish(acc)
     if judged is None:
         return _apply(verdict, result, summaries)
@@ -586,6 +589,8 @@ def _tree(
     incoming = [_Incoming(link, kid, up, size) for kid, size in zip(kids, shape.kid_bytes, strict=True)]
     verdict_in = _Incoming(link, shape.parent, down, _VERDICT_MESSAGE) if node else None
     summaries, acc = [mine.fields], part
+    header: dict[str, Any] | bytes  # a received header, then the one sent up
+    message: _Incoming | np.ndarray  # a kid's message, then the one sent down
     pending.waiting_nodes = shape.waiting[0]
     for i, (kid, message) in enumerate(zip(kids, incoming, strict=True)):
         got = message.take(deadline)

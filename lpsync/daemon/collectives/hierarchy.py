@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -154,7 +154,7 @@ def run(
 
 def _ring(task: Task, devices: DeviceRegistry, segment_bytes: int) -> HostMirrors:
     """The job's RING_SLOTS pinned slots (portable: any device copies through them)."""
-    first = task.arrivals[0].data
+    first = cast(Span, task.arrivals[0].data)  # device spans: on_device
     slot = Span(first.memory, 0, segment_bytes, np.dtype(np.uint8))
     return task.job.plans.mirrors(
         ("ring", segment_bytes, ()), lambda: HostMirrors(devices.kind, [slot] * RING_SLOTS)
@@ -200,7 +200,7 @@ def _plan(
     spec, itemsize = task.spec, task.dtype.itemsize
     layout = task.job.layout
     assert layout is not None
-    views = [buffers(spec, a, task.participants) for a in task.arrivals]
+    views = cast("list[tuple[Span, Span]]", [buffers(spec, a, task.participants) for a in task.arrivals])
     parts = _parts(task, views)
     count = parts[0].views[0][0].count
     lengths = sorted({min(per, count - lo) for lo in range(0, count, per)})
@@ -343,6 +343,7 @@ def _segments(
         slot = k % RING_SLOTS
         algorithm, chunks = across[op, n]
         reducing = reduction(spec, dtype, task.participants) if op is not Collective.BROADCAST else None
+        cross: LocalGroup | None
         if ring is None:
             if gather is not None:  # reduced onto the boundary: it crosses from there
                 where, source, result = source, None, None
@@ -363,7 +364,9 @@ def _segments(
                     kind, on[b], devices.context.stream(*lane), devices.context.event(*lane)
                 )
             schedule = generate(op, algorithm, layout.nodes, n, cross_root, chunks)
-            cross = LocalGroup(schedule, [(where, where)], reducing, placement, link.endpoint, memory_of)
+            # The engine's buffer types name host arrays; a DeviceBuffers memory takes Spans.
+            spans = [(where, where)]
+            cross = LocalGroup(schedule, spans, reducing, placement, link.endpoint, memory_of)  # type: ignore[arg-type]
         else:
             host = ring.mirrors[slot]
             assert host is not None
@@ -422,7 +425,9 @@ def _run(plan: Hierarchy, task: Task, devices: DeviceRegistry, deadline: float, 
     for a in task.arrivals:
         if a.ready is not None:  # polled: the shared streams never wait on a client
             kind.wait_ready(a.ready, deadline)
-    busy = devices.use([span.memory for a in task.arrivals for span in (a.data, a.out) if span is not None])
+    busy = devices.use(
+        [cast(Span, span).memory for a in task.arrivals for span in (a.data, a.out) if span is not None]
+    )
     if plan.ring is not None:
         plan.ring.acquire()
     plan.acquire()

@@ -14,6 +14,7 @@ Pipelines are built once per (spec, algorithm, buffers) and reused (plans.py).
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, cast
 
 from lpsync.algorithms import LinkModel, generate, select
 from lpsync.algorithms.chain_order import chain_order
@@ -30,6 +31,11 @@ from lpsync.engine.group import LocalGroup
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.kind import Topology
 from lpsync.types import BLOCKED, Collective, dtype_of
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from lpsync.memory.kind import Span
 
 # Local memory as the tuner sees it: a thread hand-off per message, memcpy bandwidth,
 # and a link of its own between every pair of participants (no shared NIC).
@@ -72,7 +78,7 @@ def run(task: Task, devices: DeviceRegistry | None) -> Outcome:
 
 def _on_host(task: Task) -> Outcome:
     spec, op, p = task.spec, task.op, task.participants
-    views = [buffers(spec, a, p) for a in task.arrivals]
+    views = cast("list[tuple[np.ndarray, np.ndarray]]", [buffers(spec, a, p) for a in task.arrivals])  # host
     reducing = reduction(spec, task.dtype, p)
     algorithm = spec.algorithm
     if algorithm == DIRECT or (not algorithm and (task.nbytes <= DIRECT_MAX_BYTES or p == 1)):
@@ -104,7 +110,7 @@ def _on_devices(task: Task, devices: DeviceRegistry) -> Outcome:
     """A collective over device spans: the chain ordered by topology, run on streams."""
     spec, op, p = task.spec, task.op, task.participants
     algorithm, chunks = device_schedule(op, spec.algorithm, p, task.nbytes, DEVICE_LINK)
-    views = [buffers(spec, a, p) for a in task.arrivals]
+    views = cast("list[tuple[Span, Span]]", [buffers(spec, a, p) for a in task.arrivals])  # on_device
     order = device_chain(op, spec.root, [inp.device for inp, _ in views], devices.context.topology)
     key = (
         spec,

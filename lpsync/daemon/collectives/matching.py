@@ -21,6 +21,7 @@ Lock order: Job.lock is taken alone; callbacks run with no lock held.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import threading
@@ -123,7 +124,7 @@ class Job:
         # Multi-node jobs: called (no lock held) when a collective fails on this node before
         # it could run (a mismatch, a local rank missing or gone), so that the other nodes
         # fail it too instead of waiting for this node (path.notify_failure).
-        self.on_local_failure: Callable[[Job, Pending, LpsyncError], None] | None = None
+        self.on_local_failure: Callable[[Job, Pending, LpsyncError], object] | None = None
 
     # -- membership ---------------------------------------------------------------------
     def join(self, rank: int, world_size: int, session_id: str) -> None:
@@ -230,7 +231,7 @@ class Job:
                         ready = pending
                     elif pending.timer is None:
                         pending.timer = self._watcher.at(
-                            arrival.at + arrival.timeout, lambda p=pending: self._expire(p)
+                            arrival.at + arrival.timeout, functools.partial(self._expire, pending)
                         )
         if failed_pending is not None:
             assert error is not None
@@ -253,6 +254,7 @@ class Job:
             mine = None if pending is None else pending.arrivals.get(rank)
             if mine is None or (arrival is not None and mine is not arrival):
                 return False
+            assert pending is not None  # mine is one of its arrivals
             del self._pending[sequence]
             error = AbortedError(
                 f"collective #{sequence} ({pending.spec.op}) of job {self.name!r} was "

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -82,7 +82,7 @@ def run(
     layout = task.job.layout
     assert layout is not None
     spec, op, dtype = task.spec, task.op, task.dtype
-    views = [buffers(spec, a, task.participants) for a in task.arrivals]
+    views = cast("list[tuple[Span, Span]]", [buffers(spec, a, task.participants) for a in task.arrivals])
     # The larger side's blocks (P for every packed op): the same on every node.
     per = max(1, verdict.segment // (dtype.itemsize * task.participants))
     count = spec.count
@@ -93,7 +93,7 @@ def run(
         )
         for n in lengths
     }
-    rings = [_ring(task, devices, i, per, a.data) for i, a in enumerate(task.arrivals)]
+    rings = [_ring(task, devices, i, per, cast(Span, a.data)) for i, a in enumerate(task.arrivals)]
     key = (
         spec,
         "packed",
@@ -157,6 +157,7 @@ def _lanes(
     task: Task, devices: DeviceRegistry, views: list[tuple[Span, Span]], rings: list[HostMirrors]
 ) -> list[_Lane]:
     kind, context, count = devices.kind, devices.context, task.spec.count
+    slots_on: dict[int, int]  # device -> its lanes so far
     lanes, slots_on = [], {}
     for (inp, out), ring in zip(views, rings, strict=True):
         device = inp.device
@@ -195,7 +196,9 @@ def _run(plan: Packed, task: Task, devices: DeviceRegistry, deadline: float, tag
     for a in task.arrivals:
         if a.ready is not None:  # polled: the shared streams never wait on a client
             kind.wait_ready(a.ready, deadline)
-    busy = devices.use([span.memory for a in task.arrivals for span in (a.data, a.out) if span is not None])
+    busy = devices.use(
+        [cast(Span, span).memory for a in task.arrivals for span in (a.data, a.out) if span is not None]
+    )
     for ring in plan.rings:
         ring.acquire()
     plan.acquire()

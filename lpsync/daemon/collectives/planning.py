@@ -13,7 +13,7 @@ control space): tag = job hash (7 bits) | sequence (12 bits) | step (20 bits).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from lpsync.algorithms import LinkModel, generate, select
 from lpsync.algorithms.tuner import chunks_for
@@ -28,6 +28,9 @@ from lpsync.engine.group import LocalGroup
 from lpsync.engine.routing import Placement
 from lpsync.errors import InvalidArgumentError
 from lpsync.types import Collective
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _SEQ_BITS, _JOB_BITS = 12, 7
 
@@ -96,7 +99,7 @@ def bind(task: Task, link: Link, algorithm: str, chunks: int, staged: Staged | N
     assert layout is not None
     spec, op, p = task.spec, task.op, task.participants
     arrivals = staged.arrivals if staged is not None else task.arrivals
-    views = [buffers(spec, a, p) for a in arrivals]
+    views = cast("list[tuple[np.ndarray, np.ndarray]]", [buffers(spec, a, p) for a in arrivals])
     # The mesh generation is part of the key: a rebuilt mesh is another remote endpoint.
     key = (
         spec,

@@ -14,6 +14,8 @@ at its rank's place; every node takes node 0's one result, so all get the same b
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 from lpsync.daemon.collectives.task import Task
@@ -49,7 +51,10 @@ class SmallCollective:
         # Whether every node needs the result (reduce and gather: only the root's node).
         self.everywhere = self.op not in _AT_ROOT
         self.ranks = [a.rank for a in arrivals]
-        self.buffers = [buffers(task.spec, a, task.participants) for a in arrivals]
+        self.buffers = cast(
+            "list[tuple[np.ndarray, np.ndarray]]",
+            [buffers(task.spec, a, task.participants) for a in arrivals],
+        )
         # The ranks in the order their allgather blocks are folded (node by node); None
         # when that is rank order (node-major ranks).
         layout = task.job.layout
@@ -72,6 +77,7 @@ class SmallCollective:
             return np.concatenate(inputs)
         part = self._own = inputs[0].copy()
         for inp in inputs[1:]:
+            assert self.reduction is not None  # the reducing ops are what is left
             self.reduction.combine(part, inp, part)
         return part
 
@@ -86,6 +92,7 @@ class SmallCollective:
             raise ValueError(f"a part of {part.size} elements where {acc.size} were expected")
         if acc is not self._own:
             acc = self._own = acc.copy()
+        assert self.reduction is not None  # the reducing ops are what is left
         self.reduction.combine(acc, part, acc)
         return acc
 

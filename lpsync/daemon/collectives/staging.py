@@ -17,7 +17,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -54,7 +54,7 @@ class Staged:
         context = self.devices.context
         slots: dict[int, int] = defaultdict(int)
         for index, (plan, a) in enumerate(zip(group.plans, self.device_arrivals, strict=True)):
-            device = a.data.device
+            device = cast(Span, a.data).device  # device spans: staged tasks are on_device
             stream = context.stream(device, slots[device], "stage")
             slots[device] += 1
             mine = [m for m in self.mirrors.mirrors[2 * index : 2 * index + 2] if m is not None]
@@ -65,7 +65,12 @@ class Staged:
         stagers = [plan.hooks for plan in group.plans]
         assert all(isinstance(s, ChunkStager) for s in stagers)
         busy = self.devices.use(
-            [span.memory for a in self.device_arrivals for span in (a.data, a.out) if span is not None]
+            [
+                cast(Span, span).memory
+                for a in self.device_arrivals
+                for span in (a.data, a.out)
+                if span is not None
+            ]
         )
         self.mirrors.acquire()
         started: list[ChunkStager] = []
@@ -100,9 +105,9 @@ def _mirrors(task: Task, devices: DeviceRegistry) -> HostMirrors:
     key = (
         tuple(
             (
-                a.data.lo,
-                a.data.nbytes,
-                a.out.lo if a.out is not None else 0,
+                cast(Span, a.data).lo,
+                cast(Span, a.data).nbytes,
+                cast(Span, a.out).lo if a.out is not None else 0,
                 a.out.nbytes if a.out is not None else 0,
             )
             for a in arrivals
@@ -110,7 +115,10 @@ def _mirrors(task: Task, devices: DeviceRegistry) -> HostMirrors:
         tuple(h for a in arrivals for h in a.handles),
     )
     return task.job.plans.mirrors(
-        key, lambda: HostMirrors(devices.kind, [s for a in arrivals for s in (a.data, a.out)])
+        key,
+        lambda: HostMirrors(
+            devices.kind, cast("list[Span | None]", [s for a in arrivals for s in (a.data, a.out)])
+        ),
     )
 
 
@@ -169,7 +177,9 @@ def whole(task: Task, devices: DeviceRegistry | None, deadline: float) -> Iterat
     if devices is None:
         raise InvalidArgumentError("this daemon serves no devices (--devices)")
     kind, context = devices.kind, devices.context
-    busy = devices.use([span.memory for a in arrivals for span in (a.data, a.out) if span is not None])
+    busy = devices.use(
+        [cast(Span, span).memory for a in arrivals for span in (a.data, a.out) if span is not None]
+    )
     taken: list[Mirror] = []
     lanes: list[tuple[Any, Any]] = []  # (stream, event) per participant
     try:
@@ -178,12 +188,12 @@ def whole(task: Task, devices: DeviceRegistry | None, deadline: float) -> Iterat
                 kind.wait_ready(a.ready, deadline)
         mine = []
         for a in arrivals:
-            pair = [None if span is None else _pinned(context, span) for span in (a.data, a.out)]
+            pair = [None if span is None else _pinned(context, cast(Span, span)) for span in (a.data, a.out)]
             taken.extend(m for m in pair if m is not None)
             mine.append(pair)
         slots: dict[int, int] = defaultdict(int)
         for a, pair in zip(arrivals, mine, strict=True):
-            device = a.data.device
+            device = cast(Span, a.data).device
             # Streams of their own: a small collective never queues behind a staged one.
             stream = context.stream(device, slots[device], "small")
             lanes.append((stream, context.event(device, slots[device], "small")))
@@ -202,6 +212,7 @@ def whole(task: Task, devices: DeviceRegistry | None, deadline: float) -> Iterat
         for a, (data, out), (stream, _) in zip(arrivals, mine, lanes, strict=True):
             if spec.op == Collective.REDUCE and a.rank != spec.root:
                 continue  # a non-root's buffers of reduce are never written
+            assert data is not None
             on_device, on_host = _bytes(out if out is not None else data)
             kind.copy_async(on_device, on_host, stream)
         _settle(kind, lanes, deadline)  # landed on the devices: only now may it be answered

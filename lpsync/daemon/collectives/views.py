@@ -7,6 +7,7 @@ the collective's size the same way, from here.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -15,6 +16,9 @@ from lpsync.daemon.values import Arrival, Spec
 from lpsync.engine.group import layout
 from lpsync.reduction import Reduction
 from lpsync.types import BLOCKED, COLLECTIVE_OF, REDUCE_OP_OF, Collective
+
+if TYPE_CHECKING:
+    from lpsync.memory.kind import Span
 
 REDUCING = frozenset({Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER})
 
@@ -30,13 +34,14 @@ def bus_factor(op: str, participants: int) -> float:
     return 1.0 if op == Collective.BARRIER else busbw_factor(COLLECTIVE_OF[op], participants)
 
 
-def buffers(spec: Spec, arrival: Arrival, p: int) -> tuple[np.ndarray, np.ndarray]:
+def buffers(spec: Spec, arrival: Arrival, p: int) -> tuple[np.ndarray, np.ndarray] | tuple[Span, Span]:
     """The participant's (input, output) views; in place, both are views of its one buffer."""
     assert arrival.data is not None
     if arrival.out is None:
         op = COLLECTIVE_OF[spec.op]
         return layout(op, arrival.rank, p, spec.count, arrival.data, in_place=True, root=spec.root)
-    return arrival.data, arrival.out
+    # Both host or both device buffers (the control plane refuses a mix).
+    return cast("tuple[np.ndarray, np.ndarray] | tuple[Span, Span]", (arrival.data, arrival.out))
 
 
 def reduction(spec: Spec, dtype: np.dtype, participants: int) -> Reduction | None:

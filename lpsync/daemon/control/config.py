@@ -13,6 +13,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from lpsync.daemon.control.limits import MAX_TIMEOUT, Limits
 from lpsync.daemon.peers.discovery import PeerSet, discover
@@ -152,7 +153,7 @@ def load(
     flags: Mapping[str, object], environ: Mapping[str, str], config_file: str | None = None
 ) -> DaemonConfig:
     """Merge the sources; ``flags`` holds only the flags actually given (None = not given)."""
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}  # each coerced to its field's type (_coerce)
     if config_file:
         try:
             data = tomllib.loads(Path(config_file).read_text())

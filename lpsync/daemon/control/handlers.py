@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import grpc
 
@@ -46,10 +47,11 @@ from lpsync.daemon.control import limits
 from lpsync.daemon.control.any_source import AnySource
 from lpsync.daemon.control.config import DaemonConfig
 from lpsync.daemon.control.metrics import JobState, Metrics
-from lpsync.daemon.control.sessions import Session, SessionTable
+from lpsync.daemon.control.sessions import Session as _Session  # Service.Session (an RPC) shadows it
+from lpsync.daemon.control.sessions import SessionTable
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.peers.plane import PeerPlane
-from lpsync.daemon.values import Arrival, Outcome, Pending, Spec
+from lpsync.daemon.values import Arrival, Later, Outcome, Pending, Spec
 from lpsync.daemon.watcher import Watcher
 from lpsync.errors import (
     InvalidArgumentError,
@@ -128,7 +130,7 @@ class Service(pb_grpc.LpSyncServicer):
             self.metrics.device_bytes(self.devices.registered)
 
     # -- lifecycle -------------------------------------------------------------------------
-    def end_session(self, session: Session, reason: str, wait: bool = False) -> None:
+    def end_session(self, session: _Session, reason: str, wait: bool = False) -> None:
         """Idempotent: abort what waits on the session, free its buffers, end its stream.
         Device mappings close on the registry's thread unless ``wait`` (a Detach: its
         client frees the memory once answered, so they must be closed by then)."""
@@ -192,6 +194,7 @@ class Service(pb_grpc.LpSyncServicer):
                 put(item)
             else:
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody reads
+                    assert loop is not None  # bound before serving (bind_loop)
                     loop.call_soon_threadsafe(put, item)
 
         return putter
@@ -309,6 +312,7 @@ class Service(pb_grpc.LpSyncServicer):
         try:
             session = self.sessions.get(request.session_id)
             # Off the event loop: its device mappings close before the answer (wait=True).
+            assert self.loop is not None  # bound before serving (bind_loop)
             await self.loop.run_in_executor(None, self.end_session, session, "detached", True)
         except LpsyncError as error:
             await _abort(context, error)
@@ -363,6 +367,7 @@ class Service(pb_grpc.LpSyncServicer):
         except LpsyncError as error:
             await _abort(context, error)
             raise AssertionError from error
+        assert buffer.segment is not None  # allocate() makes host buffers
         return pb.Buffer(
             handle=buffer.handle, shm_name=buffer.segment.name, nbytes=buffer.segment.nbytes, staged=staged
         )
@@ -373,6 +378,7 @@ class Service(pb_grpc.LpSyncServicer):
         try:
             session = self.sessions.get(request.session_id)
             # Off the event loop: closing a device mapping can synchronize the device.
+            assert self.loop is not None  # bound before serving (bind_loop)
             await self.loop.run_in_executor(None, self.sessions.release, session, request.handle)
         except LpsyncError as error:
             await _abort(context, error)
@@ -384,6 +390,7 @@ class Service(pb_grpc.LpSyncServicer):
     async def Collective(
         self, request: pb.CollectiveRequest, context: grpc.aio.ServicerContext
     ) -> pb.CollectiveResponse:
+        assert self.loop is not None  # bound before serving (bind_loop)
         finished: asyncio.Future = self.loop.create_future()
 
         def settle(outcome: Outcome) -> None:
@@ -395,6 +402,7 @@ class Service(pb_grpc.LpSyncServicer):
                 settle(outcome)
             else:
                 with contextlib.suppress(RuntimeError):  # loop closed: nobody waits
+                    assert self.loop is not None  # bound before serving (bind_loop)
                     self.loop.call_soon_threadsafe(settle, outcome)
 
         arrival = None
@@ -472,7 +480,7 @@ class Service(pb_grpc.LpSyncServicer):
     async def _read_stream(
         self,
         requests: AsyncIterator[pb.SessionRequest],
-        session: Session,
+        session: _Session,
         put: Callable[[object], None],
         responses: asyncio.Queue,
         drained: asyncio.Event,
@@ -502,7 +510,7 @@ class Service(pb_grpc.LpSyncServicer):
             self.end_session(session, "session stream closed")
 
     def handle(
-        self, session: Session, request: pb.SessionRequest, reply: Callable[[pb.SessionResponse], None]
+        self, session: _Session, request: pb.SessionRequest, reply: Callable[[pb.SessionResponse], None]
     ) -> None:
         """One request of a Session stream or of the trigger socket; ``reply`` sends the
         answer (from whichever thread completes it)."""
@@ -547,7 +555,7 @@ class Service(pb_grpc.LpSyncServicer):
             self.metrics.collective_failed(request.collective.op, error.code)
             (done if arrival is None else arrival.done)(Outcome(error))
 
-    def _submit(self, session: Session, arrival: Arrival) -> None:
+    def _submit(self, session: _Session, arrival: Arrival) -> None:
         self._check_open()
         job = self.jobs.get(session.job)
         if job is None or session.closed:
@@ -584,7 +592,10 @@ class Service(pb_grpc.LpSyncServicer):
                     nbytes=b.nbytes,
                     staged=b.staged,
                     shm_name=b.segment.name if b.segment is not None else "",
-                    device="" if b.device is None else f"{self.devices.kind.name}:{b.device.device}",
+                    # A device buffer exists only where the daemon has devices (register_device).
+                    device=""
+                    if b.device is None
+                    else f"{cast(DeviceRegistry, self.devices).kind.name}:{b.device.device}",
                 )
         if self.devices is not None:
             kind, registry = self.devices.kind, self.devices
@@ -622,7 +633,7 @@ class Service(pb_grpc.LpSyncServicer):
 
     # -- collectives -------------------------------------------------------------------------
     def _arrival(
-        self, session: Session, request: pb.CollectiveRequest, done: Callable[[Outcome], None]
+        self, session: _Session, request: pb.CollectiveRequest, done: Callable[[Outcome], None]
     ) -> Arrival:
         op, p = request.op, session.world_size
         limits.check_collective(request, p, self.limits, ALGORITHMS)
@@ -698,7 +709,7 @@ class Service(pb_grpc.LpSyncServicer):
 
         return reply
 
-    def _run(self, job: Job, pending: Pending) -> Outcome:
+    def _run(self, job: Job, pending: Pending) -> Outcome | Later[Outcome]:
         with self._counting:
             self._running += 1
         try:

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -38,7 +38,8 @@ class Buffer:
 
     @property
     def nbytes(self) -> int:
-        return self.device.nbytes if self.device is not None else self.segment.nbytes
+        # A buffer has its segment or its device span (never neither).
+        return self.device.nbytes if self.device is not None else cast(SharedSegment, self.segment).nbytes
 
     def free(self, devices: DeviceRegistry | None, wait: bool = True) -> None:
         """``wait=False``: a device mapping's close may run later, on the registry's thread."""
@@ -62,7 +63,7 @@ class Session:
     # Interprocess events the client's collectives wait on, opened once: (device, handle).
     events: dict[tuple[int, bytes], Any] = field(default_factory=dict)
     # Typed views of the buffers by (handle, offset, dtype, count): planned once, reused.
-    views: dict[tuple, np.ndarray] = field(default_factory=dict)
+    views: dict[tuple, np.ndarray | Span] = field(default_factory=dict)
     nbytes: int = 0
     reserved: int = 0  # buffers held or being created (bounded by max_session_buffers)
     # Called once when the session ends (closes its Session stream's response side).
@@ -283,6 +284,7 @@ class SessionTable:
             d = buffer.device
             view: np.ndarray | Span = Span(d.allocation.memory, d.offset + offset, count, dtype)
         else:
+            assert buffer.segment is not None  # a host buffer
             view = buffer.segment.array[offset : offset + nbytes].view(dtype)
         with self._lock:
             if handle in session.buffers:  # not released meanwhile

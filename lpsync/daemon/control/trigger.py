@@ -194,6 +194,7 @@ class TriggerServer:
                 # Back-pressure: while max_queued replies wait for the client, its requests
                 # are not read; they back up in its socket and its sends block.
                 held = len(out)
+                reading: list[socket.socket | int]
                 reading = [conn, out.wake] if held < limits.max_queued else [out.wake]
                 readable, writable, _ = select.select(reading, [conn] if held else [], [], 1.0)
                 if out.wake in readable:

@@ -63,7 +63,7 @@ def _expand_one(item: str) -> list[str]:
     if match is None:
         return [item]
     head, tail = item[: match.start()], item[match.end() :]
-    out = []
+    out: list[str] = []
     for part in match.group(1).split(","):
         lo, dash, hi = part.partition("-")
         if not lo.isdigit() or (dash and not hi.isdigit()):

@@ -549,7 +549,7 @@ class PeerPlane:
             except LpsyncError:
                 return  # the mesh broke (its watchdog and heartbeats say why)
             count += 1
-            (size,) = _NOTE_LENGTH.unpack_from(buf)
+            (size,) = _NOTE_LENGTH.unpack_from(buf)  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python 3.12+ only
             try:
                 on_note(peer, buf[_NOTE_LENGTH.size : _NOTE_LENGTH.size + min(size, NOTE_BYTES)].tobytes())
             except Exception:  # a bad note must not end this peer's notes

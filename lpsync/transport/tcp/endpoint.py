@@ -201,7 +201,8 @@ class TcpEndpoint(MeshEndpoint):
                 request = conn.take_posted(tag) or conn.wait_room(tag, nbytes, self.options.early_bytes)
                 if request is None:
                     data = np.empty(nbytes, np.uint8)
-                    if not _read_exactly(conn.sock, memoryview(data)):
+                    # numpy's stubs give ndarray __buffer__ on Python 3.12+ only.
+                    if not _read_exactly(conn.sock, memoryview(data)):  # type: ignore[arg-type]
                         break
                     self._keep(conn, tag, data)
                 elif nbytes > request.keep.nbytes:
@@ -280,7 +281,8 @@ class TcpEndpoint(MeshEndpoint):
             sent = 0
             if not conn.outbox:
                 try:
-                    sent = conn.sock.sendmsg([header, buf], [], socket.MSG_DONTWAIT)
+                    # numpy's stubs give ndarray __buffer__ on Python 3.12+ only.
+                    sent = conn.sock.sendmsg([header, buf], [], socket.MSG_DONTWAIT)  # type: ignore[list-item]
                 except BlockingIOError:
                     sent = 0
                 except OSError as error:
@@ -290,7 +292,8 @@ class TcpEndpoint(MeshEndpoint):
                     request.finish(None)
                     return request
             request.keep = buf
-            conn.outbox.append((_rest([memoryview(header), memoryview(buf)], sent), request))
+            # numpy's stubs give ndarray __buffer__ on Python 3.12+ only.
+            conn.outbox.append((_rest([memoryview(header), memoryview(buf)], sent), request))  # type: ignore[arg-type]
             conn.out_ready.notify()
         return request
 

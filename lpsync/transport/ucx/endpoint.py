@@ -152,7 +152,9 @@ class UcxEndpoint(MeshEndpoint):
             return future.result(timeout)
         except TimeoutError:
             # The callback may run here or on the progress thread: it only posts the close.
-            future.add_done_callback(lambda done: done.exception() is None and self._close_ep(done.result()))
+            future.add_done_callback(
+                lambda done: self._close_ep(done.result()) if done.exception() is None else None
+            )
             raise
 
     def _on_accept(self, connection: Any) -> None:
