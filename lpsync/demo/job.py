@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from lpsync.daemon.launch import reaped
 from lpsync.demo.local_cluster import DemoError, LocalCluster, clean_env, tail
 from lpsync.transport.ports import free_ports
 
@@ -225,7 +226,7 @@ def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
     torchrun starts each trainer in a session of its own, so a signal to the launcher's
     group does not reach them; they are found first, as the launcher's descendants. SIGTERM
     lets torchrun stop its trainers itself; what is left after the grace gets SIGKILL."""
-    running = [proc for proc in procs if not _exited(proc)]
+    running = [proc for proc in procs if not reaped(proc)]
     trainers = [pid for proc in running for pid in _descendants(proc.pid)]
     for proc in running:
         _signal_group(proc.pid, signal.SIGTERM)
@@ -248,28 +249,11 @@ def _signal_group(pgid: int, signum: int) -> None:
 def _wait_all(procs: list[subprocess.Popen[bytes]], seconds: float) -> list[subprocess.Popen[bytes]]:
     """Wait for the processes within one shared deadline; returns those still running."""
     deadline = time.monotonic() + seconds
-    left = [proc for proc in procs if not _exited(proc)]
+    left = [proc for proc in procs if not reaped(proc)]
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
-        left = [proc for proc in left if not _exited(proc)]
+        left = [proc for proc in left if not reaped(proc)]
     return left
-
-
-def _exited(proc: subprocess.Popen[bytes]) -> bool:
-    """Reap ``proc`` if it has ended, without Popen's wait lock: a Ctrl-C that lands inside
-    Popen.wait, just after the lock is taken, leaves it held for good (CPython's subprocess
-    takes it outside its try), and every later wait or poll then reports a dead launcher as
-    running."""
-    if proc.returncode is not None:
-        return True
-    try:
-        pid, status = os.waitpid(proc.pid, os.WNOHANG)
-    except ChildProcessError:  # reaped already
-        return True
-    if pid == 0:
-        return False
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return True
 
 
 def _descendants(root: int) -> list[int]:
