@@ -55,6 +55,9 @@ class MeshOptions:
     # posted or a held message is taken, so the sender meets TCP's flow control instead
     # of this process's memory growing. One message larger than this is still taken alone.
     early_bytes: int = 256 << 20
+    # The TCP backend's congestion control on every connection (tcp/congestion.py); "":
+    # the host's default.
+    tcp_congestion: str = ""
 
 
 class Done:

@@ -77,6 +77,10 @@ class DaemonConfig:
     # must be the same on every daemon: a node that waits on another parent hangs until
     # its timeout.
     agreement_radix: int = 8
+    # The congestion control of the TCP peer transport's sockets (lpsync.transport.tcp.
+    # congestion): CUBIC, Linux's default, whatever the host's default is, since BBR's
+    # ProbeRTT stalls a pipelined ring; "" keeps the host's.
+    peer_tcp_congestion: str = "cubic"
 
     def token(self) -> str:
         return Path(self.token_file).read_text().strip() if self.token_file else ""
@@ -305,6 +309,13 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     add(
         "--ucx-tls",
         help=f"UCX_TLS of the UCX peer transport; empty lets UCX choose (default {DaemonConfig.ucx_tls!r})",
+    )
+    add(
+        "--peer-tcp-congestion",
+        help="TCP congestion control of the tcp peer transport's connections "
+        f"(default {DaemonConfig.peer_tcp_congestion!r}; empty keeps the host's default). CUBIC "
+        "whatever the host's default: under BBR a pipelined ring stalls in its ProbeRTT "
+        "(docs/multinode.md)",
     )
     add(
         "--agreement-radix",

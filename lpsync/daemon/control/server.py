@@ -33,6 +33,7 @@ from lpsync.memory import reclaim_stale
 from lpsync.memory.devices import parse_devices
 from lpsync.transport import backends
 from lpsync.transport.auth import load_secret
+from lpsync.transport.tcp import congestion as tcp_congestion
 from lpsync.transport.ucx import device_support
 from lpsync.types import dtype_of
 
@@ -200,6 +201,8 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> tuple[PeerPlane | Non
         return None, pb.PeerPlaneInfo()
     secret = load_secret(config.secret_file or None)
     transport, why = backends.resolve(config.peer_transport)
+    congestion = config.peer_tcp_congestion if transport == "tcp" else ""  # UCX makes its own sockets
+    tcp_congestion.check(congestion)
     log.info(
         "peers",
         extra={
@@ -207,6 +210,7 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> tuple[PeerPlane | Non
             "peers": ",".join(str(p) for p in peers.peers),
             "peer_transport": transport,
             "why": why,
+            "tcp_congestion": congestion or "the host's default",
         },
     )
     metrics.peer_transport.info({"transport": transport, "why": why})
@@ -240,6 +244,7 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> tuple[PeerPlane | Non
             tls=config.ucx_tls or None,
             agreement_radix=config.agreement_radix,
             transport=transport,
+            tcp_congestion=congestion,
         ),
         metrics,
     )

@@ -84,6 +84,7 @@ class PeerPlaneOptions:
     transport: str = "ucx"  # lpsync.transport.backends.TRANSPORTS
     probe: bool = True  # measure alpha/beta to every peer after connecting
     agreement_radix: int = 8  # the agreement tree's fan-out (collectives/agreement.py)
+    tcp_congestion: str = ""  # the TCP backend's congestion control; "": the host's
 
 
 class SharedEndpoint:
@@ -432,6 +433,7 @@ class PeerPlane:
             secret=o.secret,
             connect_timeout=o.connect_timeout,
             close_timeout=1.0,
+            tcp_congestion=o.tcp_congestion,
         )
 
     def _serve(self, link: Link) -> None:

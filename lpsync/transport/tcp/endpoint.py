@@ -41,6 +41,7 @@ from lpsync.errors import InvalidArgumentError, UnavailableError
 from lpsync.transport.addresses import PeerAddress
 from lpsync.transport.auth import authenticate_client_socket, authenticate_server_socket
 from lpsync.transport.mesh import GOODBYE, Channel, InFlight, MeshEndpoint, MeshOptions, Request, bytes_view
+from lpsync.transport.tcp import congestion
 from lpsync.transport.tcp.runtime import TcpRuntime
 
 log = logging.getLogger("lpsync.tcp")
@@ -159,6 +160,7 @@ class TcpEndpoint(MeshEndpoint):
     def _register(self, rank: int, sock: socket.socket) -> None:
         sock.settimeout(None)  # blocking from now on: failures come from stop(), not timeouts
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        congestion.apply(sock, self.options.tcp_congestion)  # checked at the daemon's start
         conn = _Conn(rank, self.options.peers[rank], sock)
         with self._formed:
             duplicate = rank in self._conns or self._closed

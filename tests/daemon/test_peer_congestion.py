@@ -1,0 +1,70 @@
+"""The tcp peer transport's congestion control (--peer-tcp-congestion): each daemon sets
+its own on every peer connection, read back from the kernel (ss); a name the host cannot
+give a socket stops the daemon at start, naming what it can."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from lpsync.daemon.launch import DaemonStartError
+from tests.daemon.harness import DaemonProcess, PeeredDaemons
+
+pytestmark = pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+
+
+def _congestion_by_pid() -> dict[int, set[str]]:
+    """The congestion control of every established TCP socket, by owning process."""
+    out = subprocess.run(["ss", "-tinpH", "state", "established"], capture_output=True, text=True).stdout
+    found: dict[int, set[str]] = {}
+    pids: list[int] = []
+    for line in out.splitlines():
+        if "users:" in line:
+            pids = [int(part.split(",")[0]) for part in line.split("pid=")[1:]]
+        elif pids and line.strip():
+            for pid in pids:
+                found.setdefault(pid, set()).add(line.split()[0])
+            pids = []
+    return found
+
+
+def test_each_daemon_sets_its_congestion_control_on_its_peer_connections(tmp_path: Path) -> None:
+    cluster = PeeredDaemons(
+        tmp_path, 2, "--peer-transport", "tcp", per_node=[(), ("--peer-tcp-congestion", "reno")]
+    )
+    try:
+        pids = [d.pid for d in cluster.daemons if d is not None]
+        deadline = time.monotonic() + 30
+        seen = _congestion_by_pid()
+        while not all(pid in seen for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the mesh connects after the daemons serve
+            seen = _congestion_by_pid()
+        # Node 0 takes the default, whatever the host's is; node 1 what it was given.
+        assert seen.get(pids[0]) == {"cubic"}, seen
+        assert seen.get(pids[1]) == {"reno"}, seen
+        assert "tcp_congestion" in cluster.log(1) and "reno" in cluster.log(1)
+    finally:
+        cluster.stop_and_check()
+
+
+def test_a_congestion_control_the_host_lacks_stops_the_daemon(tmp_path: Path) -> None:
+    with pytest.raises(DaemonStartError) as refused:
+        DaemonProcess(
+            tmp_path,
+            "--peers",
+            "127.0.0.1:1,127.0.0.1:2",
+            "--node-rank",
+            "0",
+            "--peer-transport",
+            "tcp",
+            "--peer-tcp-congestion",
+            "no-such-algorithm",
+            env={"LPSYNC_SECRET": "congestion-test"},
+        )
+    message = str(refused.value)
+    assert "exited (1)" in message and "peer_tcp_congestion 'no-such-algorithm'" in message, message
+    assert "available:" in message and "cubic" in message, message
