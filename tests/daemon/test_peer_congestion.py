@@ -12,13 +12,16 @@ from pathlib import Path
 import pytest
 
 from lpsync.daemon.launch import DaemonStartError
+from lpsync.transport.tcp import congestion
 from tests.daemon.harness import DaemonProcess, PeeredDaemons
 
 pytestmark = pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
 
 
 def _congestion_by_pid() -> dict[int, set[str]]:
-    """The congestion control of every established TCP socket, by owning process."""
+    """The congestion control of every established TCP socket, by owning process (ss
+    prints it among the socket's options, after "ts" and "sack" where those are on)."""
+    names = set(congestion.AVAILABLE.read_text().split())
     out = subprocess.run(["ss", "-tinpH", "state", "established"], capture_output=True, text=True).stdout
     found: dict[int, set[str]] = {}
     pids: list[int] = []
@@ -26,8 +29,9 @@ def _congestion_by_pid() -> dict[int, set[str]]:
         if "users:" in line:
             pids = [int(part.split(",")[0]) for part in line.split("pid=")[1:]]
         elif pids and line.strip():
+            used = [token for token in line.split() if token in names]
             for pid in pids:
-                found.setdefault(pid, set()).add(line.split()[0])
+                found.setdefault(pid, set()).update(used[:1] or ["?"])
             pids = []
     return found
 
