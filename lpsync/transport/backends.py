@@ -62,6 +62,20 @@ def resolve(transport: str, where: Path = RDMA_CLASS) -> tuple[str, str]:
     return "tcp", f"auto: no RDMA device under {where} (plain sockets cost less per message on Ethernet)"
 
 
+def resolve_tls(ucx_tls: str, where: Path = RDMA_CLASS) -> tuple[str, str]:
+    """(UCX_TLS for the UCX peer transport, why): ``auto`` lets UCX choose where the node
+    has an RDMA device (its verbs transports are what UCX is for; forced onto TCP it
+    brings nothing), else keeps it on TCP (co-located daemons, as on the emulated cluster,
+    would otherwise meet over shared memory and bypass the network). Anything else is
+    UCX_TLS as given ("": the environment's UCX_TLS, else UCX's choice)."""
+    if ucx_tls != AUTO:
+        return ucx_tls, "asked for (--ucx-tls)"
+    devices = rdma_devices(where)
+    if devices:
+        return "", f"auto: RDMA device(s) {', '.join(devices)} under {where}: UCX chooses"
+    return "tcp", f"auto: no RDMA device under {where}: TCP"
+
+
 def device_path(transport: str, memory: str, ucx_tls: str, wanted: str = "auto") -> DevicePath:
     """How device chunks cross the peer plane of ``transport``: UCX sends device memory
     itself, or they are staged through host memory (lpsync.transport.ucx.device_support;

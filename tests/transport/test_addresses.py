@@ -44,3 +44,18 @@ def test_auto_transport_takes_ucx_only_where_an_rdma_device_exists(tmp_path) -> 
     assert chosen == "ucx" and "mlx5_0, mlx5_1" in why
     assert backends.resolve("tcp", empty) == ("tcp", "asked for (--peer-transport)")
     assert backends.resolve("ucx", tmp_path / "none")[0] == "ucx"
+
+
+def test_auto_ucx_tls_lets_ucx_choose_only_where_an_rdma_device_exists(tmp_path) -> None:
+    from lpsync.transport import backends
+
+    where = tmp_path / "infiniband"
+    tls, why = backends.resolve_tls("auto", where)
+    assert tls == "tcp" and "no RDMA device" in why  # co-located daemons stay off shared memory
+    where.mkdir()
+    (where / "mlx5_0").mkdir()
+    tls, why = backends.resolve_tls("auto", where)
+    assert tls == "" and "mlx5_0" in why and "UCX chooses" in why  # its verbs transports, not TCP
+    assert backends.resolve_tls("tcp", where) == ("tcp", "asked for (--ucx-tls)")
+    assert backends.resolve_tls("", where) == ("", "asked for (--ucx-tls)")
+    assert backends.resolve_tls("rc,sm", tmp_path / "none")[0] == "rc,sm"

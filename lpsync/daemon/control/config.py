@@ -64,7 +64,9 @@ class DaemonConfig:
     secret_file: str = ""  # the cluster secret; else LPSYNC_SECRET (never a flag value)
     heartbeat_interval: float = 1.0  # seconds between heartbeats to each peer
     heartbeat_timeout: float = 5.0  # a peer silent this long is declared gone
-    ucx_tls: str = "tcp"  # UCX_TLS of the UCX peer transport; "" lets UCX choose
+    # UCX_TLS of the UCX peer transport: auto lets UCX choose where the node has an RDMA
+    # device, else tcp (lpsync.transport.backends.resolve_tls); "" lets UCX choose.
+    ucx_tls: str = "auto"
     # The peer plane's transport: auto (UCX where an RDMA device exists, else TCP), ucx or
     # tcp (lpsync.transport.backends); every daemon of a cluster must end up on the same.
     peer_transport: str = "auto"
@@ -308,7 +310,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--ucx-tls",
-        help=f"UCX_TLS of the UCX peer transport; empty lets UCX choose (default {DaemonConfig.ucx_tls!r})",
+        help=f"UCX_TLS of the UCX peer transport (default {DaemonConfig.ucx_tls!r}: UCX chooses where "
+        "the node has an RDMA device, else tcp); empty lets UCX choose",
     )
     add(
         "--peer-tcp-congestion",

@@ -203,6 +203,11 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> tuple[PeerPlane | Non
     transport, why = backends.resolve(config.peer_transport)
     congestion = config.peer_tcp_congestion if transport == "tcp" else ""  # UCX makes its own sockets
     tcp_congestion.check(congestion)
+    tls, tls_why = backends.resolve_tls(config.ucx_tls)
+    rdma = bool(backends.rdma_devices())
+    stall = tcp_congestion.ucx_over_bbr(transport, tls, tcp_congestion.host_default(), rdma)
+    if stall is not None:
+        log.warning(stall)
     log.info(
         "peers",
         extra={
@@ -211,13 +216,12 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> tuple[PeerPlane | Non
             "peer_transport": transport,
             "why": why,
             "tcp_congestion": congestion or "the host's default",
+            "ucx_tls": (tls or "UCX's choice") + f" ({tls_why})" if transport == "ucx" else "",
         },
     )
     metrics.peer_transport.info({"transport": transport, "why": why})
     # How device chunks cross the peer plane: decided once, from what UCX reports here.
-    device = backends.device_path(
-        transport, parse_devices(config.devices).kind, config.ucx_tls, config.peer_device_path
-    )
+    device = backends.device_path(transport, parse_devices(config.devices).kind, tls, config.peer_device_path)
     log.info(
         "peer device path",
         extra={
@@ -241,7 +245,7 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> tuple[PeerPlane | Non
             secret,
             heartbeat_interval=config.heartbeat_interval,
             heartbeat_timeout=config.heartbeat_timeout,
-            tls=config.ucx_tls or None,
+            tls=tls or None,
             agreement_radix=config.agreement_radix,
             transport=transport,
             tcp_congestion=congestion,
