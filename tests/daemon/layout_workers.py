@@ -90,6 +90,38 @@ def one_allreduce(rank: int, world: int, sockets: list[str], port: int, job: str
         return {"seconds": time.monotonic() - started, "ok": bool((x == world * (world + 1) / 2).all())}
 
 
+class _SlowReader:
+    """A store whose reads come ``delay`` seconds late: a rank that is slow to read the
+    layout table (a loaded machine)."""
+
+    def __init__(self, store, delay: float) -> None:
+        self.store, self.delay = store, delay
+
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        time.sleep(self.delay)
+        return self.store.get(key)
+
+
+def inline_store_late_reader(rank: int, world: int, sockets: list[str], port: int, job: str) -> bool:
+    """Each rank passes its store inline (nothing else holds it: rank 0's hosts the
+    TCPStore); rank 1 reads the table 2 s late, after rank 0's connect() has returned. Then
+    one allreduce and a barrier; whether the sum is right."""
+    _env(None)
+    store = _store(rank, world, port)
+    if rank == 1:
+        store = _SlowReader(store, 2.0)
+    with lpsync_client.connect(sockets[rank], job=job, rank=rank, world_size=world, store=store) as c:
+        del store  # the client's reference is the only one left
+        x = c.zeros(4, "float32")
+        x[:] = rank + 1
+        c.allreduce(x)
+        c.barrier()
+        return bool((x == world * (world + 1) / 2).all())
+
+
 def refused(
     rank: int, world: int, sockets: list[str], port: int, job: str, hints: list[tuple[int, int]] | None = None
 ) -> dict:

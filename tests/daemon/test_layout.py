@@ -24,7 +24,7 @@ from lpsync.daemon.values import NodeLayout
 from lpsync.engine.routing import Placement
 from lpsync.errors import InvalidArgumentError, MismatchError, UnimplementedError
 from tests.daemon.harness import DaemonProcess, PeeredDaemons, run_ranks
-from tests.daemon.layout_workers import one_allreduce, ops, refused
+from tests.daemon.layout_workers import inline_store_late_reader, one_allreduce, ops, refused
 from tests.ports import free_ports
 
 # -- the daemon's checks, no daemon ------------------------------------------------------------
@@ -145,6 +145,15 @@ def test_every_op_on_a_discovered_layout(cluster: PeeredDaemons, nodes: list[int
         assert result["node"] == nodes[rank]
         assert result["rank_nodes"] == nodes
         assert not result["failures"], f"rank {rank}: {result['failures']}"
+
+
+def test_a_rank_slow_to_read_the_table_still_reads_it_from_rank_0s_store(cluster: PeeredDaemons) -> None:
+    # CI saw rank 1 fail with "connection closed" in the store's get: rank 0's connect()
+    # had returned, and the TCPStore it hosted went with the last reference to it.
+    results = run_ranks(
+        2, inline_store_late_reader, 2, cluster.sockets[:2], _port(), "late-reader", timeout=60
+    )
+    assert results == [True, True]
 
 
 def test_a_job_on_one_node_of_a_cluster_runs_there(cluster: PeeredDaemons) -> None:

@@ -256,6 +256,7 @@ class Client:
         self._here = threading.local()  # .foreground: this thread's next request is waited at once
         self._sequence = 0
         self._closed = False
+        self._store: layout.Store | None = None  # the layout's store, once discovered
         # Prepared requests by (op, spans, parameters) for arrays in shared memory.
         self._prepared: dict[tuple, pb.SessionRequest] = {}
         self._in_flight = InFlight()  # staged collectives not finished yet (_order.py)
@@ -284,6 +285,9 @@ class Client:
                 hints = layout.Hints(local_rank or 0, local_world_size or 0)
                 # A daemon that does not answer is published too: the other ranks fail at once.
                 rank_nodes = layout.discover(store, f"lpsync/layout/{job}", job, rank, world_size, ask, hints)
+                # Held while the client lives: rank 0's may host the store (a TCPStore made
+                # for connect() alone), and the other ranks may still be reading the table.
+                self._store = store
             else:  # claimed: node-major from local_world_size; without it, one node
                 _ready(self._channel, where, bool(target), connect_timeout)
                 hints = layout.Hints(
