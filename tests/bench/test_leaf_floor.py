@@ -3,24 +3,11 @@ beside real daemons on loopback, in one run."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from tests.daemon.harness import ROOT
-
-
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lpsync.bench.leaf_floor", *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-    )
+from tests.bench.modules import run_bench
 
 
 def test_the_floor_and_the_daemons_side_by_side() -> None:
-    done = _run("--nodes", "2", "--iters", "50")
+    done = run_bench("leaf_floor", "--nodes", "2", "--iters", "50")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {
         line.split()[0]: [float(v) for v in line.split()[1:]]
@@ -38,5 +25,5 @@ def test_the_floor_and_the_daemons_side_by_side() -> None:
 
 
 def test_bad_arguments_are_refused() -> None:
-    done = _run("--nodes", "1")
+    done = run_bench("leaf_floor", "--nodes", "1")
     assert done.returncode == 2 and "--nodes must be >= 2" in done.stderr

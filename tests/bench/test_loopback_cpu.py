@@ -3,20 +3,11 @@ every rank checks its sum, and the CPU and switch columns are read from real pro
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from tests.daemon.harness import ROOT
+from tests.bench.modules import run_bench
 
 
 def test_two_daemons_report_time_and_cpu_per_call() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "lpsync.bench.loopback_cpu", "--nodes", "2", "--iters", "50", "--bytes", "64"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-    )
+    done = run_bench("loopback_cpu", "--nodes", "2", "--iters", "50", "--bytes", "64")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split() for line in done.stdout.splitlines() if not line.startswith("#")]
     assert [int(r[0]) for r in rows] == [0, 1], done.stdout
@@ -28,11 +19,5 @@ def test_two_daemons_report_time_and_cpu_per_call() -> None:
 
 
 def test_bad_arguments_are_refused() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "lpsync.bench.loopback_cpu", "--nodes", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    done = run_bench("loopback_cpu", "--nodes", "0", timeout=60)
     assert done.returncode == 2 and "--nodes and --iters must be >= 1" in done.stderr

@@ -4,27 +4,17 @@ data flow on and off; every rank's buffer is checked against numpy's result."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
-from tests.daemon.harness import ROOT
-
-
-def _bench(*flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lpsync.bench.pass_through", *flags],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-    )
+from tests.bench.modules import run_bench
 
 
 @pytest.mark.parametrize("op", ["broadcast", "allreduce"])
 def test_four_ranks_report_cpu_per_call_as_data_flow_and_not(op: str) -> None:
-    done = _bench("--op", op, "--ranks", "4", "--bytes", "1MiB", "--chunks", "3,16", "--reps", "2")
+    done = run_bench(
+        "pass_through", "--op", op, "--ranks", "4", "--bytes", "1MiB", "--chunks", "3,16", "--reps", "2"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split() for line in done.stdout.splitlines() if not line.startswith("#")]
     assert [(r[0], r[1]) for r in rows] == [
@@ -47,5 +37,5 @@ def test_four_ranks_report_cpu_per_call_as_data_flow_and_not(op: str) -> None:
     ],
 )
 def test_bad_arguments_are_refused(flags: list[str], message: str) -> None:
-    done = _bench(*flags)
+    done = run_bench("pass_through", *flags)
     assert done.returncode == 2 and message in done.stderr, done.stderr
