@@ -118,6 +118,10 @@ def _print_peer_plane(peer) -> None:
         print("peer plane: none (a single node)")
         return
     print(f"peer transport: {peer.transport} ({peer.transport_reason})")
+    if peer.tcp_congestion:
+        print(f"peer sockets' TCP congestion control: {peer.tcp_congestion} ({peer.tcp_congestion_reason})")
+    if peer.ucx_tls_reason:
+        print(f"UCX_TLS: {peer.ucx_tls or 'UCX chooses'} ({peer.ucx_tls_reason})")
     via = f" via {', '.join(peer.device_transports)}" if peer.device_transports else ""
     gdr = " + GPUDirect RDMA" if peer.gpudirect_rdma else ""
     print(f"peer device path: {peer.device_path}{via}{gdr} ({peer.device_reason})")

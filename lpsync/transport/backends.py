@@ -11,7 +11,7 @@ meshes built on it. Callers pick one by name and never import a backend themselv
 from __future__ import annotations
 
 import sys
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -52,17 +52,32 @@ def rdma_devices(where: Path = RDMA_CLASS) -> list[str]:
         return []
 
 
-def resolve(transport: str, where: Path = RDMA_CLASS) -> tuple[str, str]:
+@dataclass(frozen=True)
+class Rdma:
+    """The node's RDMA devices, listed once at the daemon's start for every choice that
+    depends on them (the transport, UCX_TLS, the BBR warning)."""
+
+    devices: tuple[str, ...]
+    where: Path = RDMA_CLASS
+
+    @classmethod
+    def scan(cls, where: Path = RDMA_CLASS) -> Rdma:
+        return cls(tuple(rdma_devices(where)), where)
+
+    def named(self) -> str:
+        return f"RDMA device(s) {', '.join(self.devices)} under {self.where}"
+
+
+def resolve(transport: str, rdma: Rdma) -> tuple[str, str]:
     """(the transport to run, why): ``auto`` becomes ucx with an RDMA device, else tcp."""
     if transport != AUTO:
         return check(transport), "asked for (--peer-transport)"
-    devices = rdma_devices(where)
-    if devices:
-        return "ucx", f"auto: RDMA device(s) {', '.join(devices)} under {where}"
-    return "tcp", f"auto: no RDMA device under {where} (plain sockets cost less per message on Ethernet)"
+    if rdma.devices:
+        return "ucx", f"auto: {rdma.named()}"
+    return "tcp", f"auto: no RDMA device under {rdma.where} (plain sockets cost less per message on Ethernet)"
 
 
-def resolve_tls(ucx_tls: str, where: Path = RDMA_CLASS) -> tuple[str, str]:
+def resolve_tls(ucx_tls: str, rdma: Rdma) -> tuple[str, str]:
     """(UCX_TLS for the UCX peer transport, why): ``auto`` lets UCX choose where the node
     has an RDMA device (its verbs transports are what UCX is for; forced onto TCP it
     brings nothing), else keeps it on TCP (co-located daemons, as on the emulated cluster,
@@ -70,10 +85,9 @@ def resolve_tls(ucx_tls: str, where: Path = RDMA_CLASS) -> tuple[str, str]:
     UCX_TLS as given ("": the environment's UCX_TLS, else UCX's choice)."""
     if ucx_tls != AUTO:
         return ucx_tls, "asked for (--ucx-tls)"
-    devices = rdma_devices(where)
-    if devices:
-        return "", f"auto: RDMA device(s) {', '.join(devices)} under {where}: UCX chooses"
-    return "tcp", f"auto: no RDMA device under {where}: TCP"
+    if rdma.devices:
+        return "", f"auto: {rdma.named()}: UCX chooses"
+    return "tcp", f"auto: no RDMA device under {rdma.where}: TCP"
 
 
 def device_path(transport: str, memory: str, ucx_tls: str, wanted: str = "auto") -> DevicePath:

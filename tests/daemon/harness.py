@@ -10,6 +10,8 @@ import os
 import queue as queue_module
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -48,6 +50,18 @@ class DaemonProcess(launch.Daemon):
         assert not leaked, f"shared memory left behind: {leaked}"
         assert not Path(self.socket).exists(), "socket left behind"
         assert not Path(self.socket + ".trigger").exists(), "trigger socket left behind"
+
+
+def cli_status(socket: str, *args: str) -> str:
+    """What `lpsync status --socket SOCKET ARGS` prints (it must succeed)."""
+    return subprocess.run(
+        [sys.executable, "-m", "lpsync.cli", "status", "--socket", socket, *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        check=True,
+    ).stdout
 
 
 def shm_segments(pid: int | None = None) -> list[str]:

@@ -4,6 +4,7 @@ give a socket stops the daemon at start, naming what it can."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
@@ -13,7 +14,7 @@ import pytest
 
 from lpsync.daemon.launch import DaemonStartError
 from lpsync.transport.tcp import congestion
-from tests.daemon.harness import DaemonProcess, PeeredDaemons
+from tests.daemon.harness import DaemonProcess, PeeredDaemons, cli_status
 
 pytestmark = pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
 
@@ -51,6 +52,14 @@ def test_each_daemon_sets_its_congestion_control_on_its_peer_connections(tmp_pat
         assert seen.get(pids[0]) == {"cubic"}, seen
         assert seen.get(pids[1]) == {"reno"}, seen
         assert "tcp_congestion" in cluster.log(1) and "reno" in cluster.log(1)
+        # `lpsync status` says the same, and where it came from.
+        host = congestion.host_default()
+        shown = [json.loads(cli_status(socket, "--json"))["peer_plane"] for socket in cluster.sockets]
+        assert [(p["tcp_congestion"], p["ucx_tls"]) for p in shown] == [("cubic", ""), ("reno", "")]
+        said = f"--peer-tcp-congestion; the host's default is {host}"
+        assert shown[1]["tcp_congestion_reason"] == said
+        assert f"peer sockets' TCP congestion control: cubic ({said})" in cli_status(cluster.sockets[0])
+        assert "UCX_TLS" not in cli_status(cluster.sockets[1])
     finally:
         cluster.stop_and_check()
 

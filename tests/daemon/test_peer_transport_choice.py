@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from lpsync.transport import backends
-from tests.daemon.harness import ROOT, DaemonProcess, PeeredDaemons, run_ranks
+from tests.daemon.harness import ROOT, DaemonProcess, PeeredDaemons, cli_status, run_ranks
 from tests.daemon.multinode_workers import one_allreduce
 
 
@@ -22,17 +22,6 @@ def _choice(log: str, msg: str = "peers") -> dict:
         if entry.get("msg") == msg:
             return entry
     raise AssertionError(f"no {msg!r} line in the log:\n{log[-2000:]}")
-
-
-def _status(socket: str, *args: str) -> str:
-    return subprocess.run(
-        [sys.executable, "-m", "lpsync.cli", "status", "--socket", socket, *args],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-        check=True,
-    ).stdout
 
 
 def test_the_default_transport_is_chosen_by_the_node_and_said(tmp_path: Path) -> None:
@@ -53,15 +42,19 @@ def test_status_shows_the_peer_transport_and_the_device_path(tmp_path: Path) -> 
     expected = "ucx" if backends.rdma_devices() else "tcp"
     cluster = PeeredDaemons(tmp_path, 2, "--devices", "emulated:2")
     try:
-        peer = json.loads(_status(cluster.sockets[0], "--json"))["peer_plane"]
+        peer = json.loads(cli_status(cluster.sockets[0], "--json"))["peer_plane"]
         assert peer["transport"] == expected, peer
         assert peer["transport_reason"].startswith("auto: "), peer
         assert peer["device_path"] == "staged", peer
         assert peer["device_reason"].startswith("emulated devices are host memory UCX cannot address"), peer
         assert (peer["device_transports"], peer["gpudirect_rdma"]) == ([], False)
+        if expected == "tcp":  # its own sockets' congestion control; UCX's are UCX's
+            assert peer["tcp_congestion"] and not peer["ucx_tls_reason"], peer
+        else:
+            assert peer["ucx_tls_reason"].startswith("auto: ") and not peer["tcp_congestion"], peer
         logged = _choice(cluster.log(0), "peer device path")
         assert (logged["device_path"], logged["why"]) == ("staged", peer["device_reason"])
-        text = _status(cluster.sockets[1])
+        text = cli_status(cluster.sockets[1])
         assert f"peer transport: {expected} (auto: " in text
         assert "peer device path: staged (emulated devices are host memory" in text
     finally:
@@ -69,8 +62,8 @@ def test_status_shows_the_peer_transport_and_the_device_path(tmp_path: Path) -> 
     (tmp_path / "single").mkdir()
     single = DaemonProcess(tmp_path / "single")
     try:
-        assert json.loads(_status(single.socket, "--json"))["peer_plane"]["transport"] == ""
-        assert "peer plane: none (a single node)" in _status(single.socket)
+        assert json.loads(cli_status(single.socket, "--json"))["peer_plane"]["transport"] == ""
+        assert "peer plane: none (a single node)" in cli_status(single.socket)
     finally:
         single.stop_and_check()
 

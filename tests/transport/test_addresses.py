@@ -34,28 +34,28 @@ def test_auto_transport_takes_ucx_only_where_an_rdma_device_exists(tmp_path) -> 
     from lpsync.transport import backends
 
     empty = tmp_path / "infiniband"
-    assert backends.resolve("auto", empty)[0] == "tcp"  # no RDMA stack at all
+    assert backends.resolve("auto", backends.Rdma.scan(empty))[0] == "tcp"  # no RDMA stack at all
     empty.mkdir()
-    chosen, why = backends.resolve("auto", empty)
+    chosen, why = backends.resolve("auto", backends.Rdma.scan(empty))
     assert chosen == "tcp" and "no RDMA device" in why
     (empty / "mlx5_0").mkdir()
     (empty / "mlx5_1").mkdir()
-    chosen, why = backends.resolve("auto", empty)
+    chosen, why = backends.resolve("auto", backends.Rdma.scan(empty))
     assert chosen == "ucx" and "mlx5_0, mlx5_1" in why
-    assert backends.resolve("tcp", empty) == ("tcp", "asked for (--peer-transport)")
-    assert backends.resolve("ucx", tmp_path / "none")[0] == "ucx"
+    assert backends.resolve("tcp", backends.Rdma.scan(empty)) == ("tcp", "asked for (--peer-transport)")
+    assert backends.resolve("ucx", backends.Rdma.scan(tmp_path / "none"))[0] == "ucx"
 
 
 def test_auto_ucx_tls_lets_ucx_choose_only_where_an_rdma_device_exists(tmp_path) -> None:
     from lpsync.transport import backends
 
     where = tmp_path / "infiniband"
-    tls, why = backends.resolve_tls("auto", where)
+    tls, why = backends.resolve_tls("auto", backends.Rdma.scan(where))
     assert tls == "tcp" and "no RDMA device" in why  # co-located daemons stay off shared memory
     where.mkdir()
     (where / "mlx5_0").mkdir()
-    tls, why = backends.resolve_tls("auto", where)
+    tls, why = backends.resolve_tls("auto", backends.Rdma.scan(where))
     assert tls == "" and "mlx5_0" in why and "UCX chooses" in why  # its verbs transports, not TCP
-    assert backends.resolve_tls("tcp", where) == ("tcp", "asked for (--ucx-tls)")
-    assert backends.resolve_tls("", where) == ("", "asked for (--ucx-tls)")
-    assert backends.resolve_tls("rc,sm", tmp_path / "none")[0] == "rc,sm"
+    assert backends.resolve_tls("tcp", backends.Rdma.scan(where)) == ("tcp", "asked for (--ucx-tls)")
+    assert backends.resolve_tls("", backends.Rdma.scan(where)) == ("", "asked for (--ucx-tls)")
+    assert backends.resolve_tls("rc,sm", backends.Rdma.scan(tmp_path / "none"))[0] == "rc,sm"

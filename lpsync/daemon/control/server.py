@@ -200,14 +200,16 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> tuple[PeerPlane | Non
     if peers is None:
         return None, pb.PeerPlaneInfo()
     secret = load_secret(config.secret_file or None)
-    transport, why = backends.resolve(config.peer_transport)
+    rdma = backends.Rdma.scan()
+    transport, why = backends.resolve(config.peer_transport, rdma)
     congestion = config.peer_tcp_congestion if transport == "tcp" else ""  # UCX makes its own sockets
     tcp_congestion.check(congestion)
-    tls, tls_why = backends.resolve_tls(config.ucx_tls)
-    rdma = bool(backends.rdma_devices())
-    stall = tcp_congestion.ucx_over_bbr(transport, tls, tcp_congestion.host_default(), rdma)
+    tls, tls_why = backends.resolve_tls(config.ucx_tls, rdma)
+    host_default = tcp_congestion.host_default()
+    stall = tcp_congestion.ucx_over_bbr(transport, tls, host_default, bool(rdma.devices))
     if stall is not None:
         log.warning(stall)
+    sockets = _sockets_congestion(transport, congestion, host_default)
     log.info(
         "peers",
         extra={
@@ -215,7 +217,7 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> tuple[PeerPlane | Non
             "peers": ",".join(str(p) for p in peers.peers),
             "peer_transport": transport,
             "why": why,
-            "tcp_congestion": congestion or "the host's default",
+            "tcp_congestion": f"{sockets[0]} ({sockets[1]})" if sockets[0] else "",
             "ucx_tls": (tls or "UCX's choice") + f" ({tls_why})" if transport == "ucx" else "",
         },
     )
@@ -238,6 +240,10 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> tuple[PeerPlane | Non
         device_reason=device.reason,
         device_transports=device.transports,
         gpudirect_rdma=device.gpudirect_rdma,
+        tcp_congestion=sockets[0],
+        tcp_congestion_reason=sockets[1],
+        ucx_tls=tls if transport == "ucx" else "",
+        ucx_tls_reason=tls_why if transport == "ucx" else "",
     )
     plane = PeerPlane(
         PeerPlaneOptions(
@@ -253,6 +259,16 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> tuple[PeerPlane | Non
         metrics,
     )
     return plane, info
+
+
+def _sockets_congestion(transport: str, asked: str, host_default: str) -> tuple[str, str]:
+    """(the congestion control the tcp transport's peer sockets run, where it came from);
+    ("", "") on ucx, whose sockets are UCX's own."""
+    if transport != "tcp":
+        return "", ""
+    if asked:
+        return asked, f"--peer-tcp-congestion; the host's default is {host_default or 'unknown'}"
+    return host_default or "unknown", "the host's default (--peer-tcp-congestion \"\")"
 
 
 def _socket_alive(path: Path) -> bool:

@@ -438,20 +438,28 @@ class StatusResponse(_message.Message):
     def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., buffers: _Optional[_Iterable[_Union[BufferInfo, _Mapping]]] = ..., recent: _Optional[_Iterable[_Union[CollectiveRecord, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., failed_across: _Optional[_Iterable[_Union[FailedAcross, _Mapping]]] = ..., peer_plane: _Optional[_Union[PeerPlaneInfo, _Mapping]] = ...) -> None: ...
 
 class PeerPlaneInfo(_message.Message):
-    __slots__ = ("transport", "transport_reason", "device_path", "device_reason", "device_transports", "gpudirect_rdma")
+    __slots__ = ("transport", "transport_reason", "device_path", "device_reason", "device_transports", "gpudirect_rdma", "tcp_congestion", "tcp_congestion_reason", "ucx_tls", "ucx_tls_reason")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_REASON_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PATH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_REASON_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     GPUDIRECT_RDMA_FIELD_NUMBER: _ClassVar[int]
+    TCP_CONGESTION_FIELD_NUMBER: _ClassVar[int]
+    TCP_CONGESTION_REASON_FIELD_NUMBER: _ClassVar[int]
+    UCX_TLS_FIELD_NUMBER: _ClassVar[int]
+    UCX_TLS_REASON_FIELD_NUMBER: _ClassVar[int]
     transport: str
     transport_reason: str
     device_path: str
     device_reason: str
     device_transports: _containers.RepeatedScalarFieldContainer[str]
     gpudirect_rdma: bool
-    def __init__(self, transport: _Optional[str] = ..., transport_reason: _Optional[str] = ..., device_path: _Optional[str] = ..., device_reason: _Optional[str] = ..., device_transports: _Optional[_Iterable[str]] = ..., gpudirect_rdma: _Optional[bool] = ...) -> None: ...
+    tcp_congestion: str
+    tcp_congestion_reason: str
+    ucx_tls: str
+    ucx_tls_reason: str
+    def __init__(self, transport: _Optional[str] = ..., transport_reason: _Optional[str] = ..., device_path: _Optional[str] = ..., device_reason: _Optional[str] = ..., device_transports: _Optional[_Iterable[str]] = ..., gpudirect_rdma: _Optional[bool] = ..., tcp_congestion: _Optional[str] = ..., tcp_congestion_reason: _Optional[str] = ..., ucx_tls: _Optional[str] = ..., ucx_tls_reason: _Optional[str] = ...) -> None: ...
 
 class NodeOutcome(_message.Message):
     __slots__ = ("node", "code")
