@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -195,9 +195,9 @@ class Pending:
         self.stage, self.stage_since = stage, now
 
 
-@dataclass(frozen=True)
-class FlightRecord:
-    """One finished collective as ``lpsync status`` shows it."""
+class FlightRecord(NamedTuple):
+    """One finished collective as ``lpsync status`` shows it (a tuple: one is made per
+    collective, and a tuple costs a fraction of a frozen dataclass to make)."""
 
     sequence: int
     spec: Spec

@@ -219,6 +219,29 @@ def test_bad_requests_get_clear_status_and_daemon_stays_up(daemon) -> None:
             lpsync_client.connect(daemon.socket, job="bad2", rank=0, world_size=1)
 
 
+def test_a_repeated_request_on_a_released_buffer_is_refused(daemon) -> None:
+    """A repeat of a request skips its checks (handlers.py keeps them per session): the
+    buffer's release must end that, so the same request is NOT_FOUND, not run on memory
+    the session gave back."""
+    channel, stub = _stub(daemon.socket)
+    with channel:
+        sid = stub.Attach(pb.AttachRequest(job="released", rank=0, world_size=1)).session_id
+        handle = stub.Allocate(pb.AllocateRequest(session_id=sid, nbytes=16)).handle
+
+        def allreduce(sequence: int):
+            ref = pb.BufferRef(handle=handle)
+            request = pb.CollectiveRequest(
+                session_id=sid, sequence=sequence, op="allreduce", dtype="float32", count=4, input=ref
+            )
+            return stub.Collective(request)
+
+        assert allreduce(1).algorithm == allreduce(2).algorithm == "direct"  # the second: a repeat
+        stub.Release(pb.ReleaseRequest(session_id=sid, handle=handle))
+        code, details = _code(lambda: allreduce(3))
+        assert code == grpc.StatusCode.NOT_FOUND and str(handle) in details, (code, details)
+        stub.Detach(pb.DetachRequest(session_id=sid))
+
+
 def test_wrong_token_is_unauthenticated(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("s3cret\n")

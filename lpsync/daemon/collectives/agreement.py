@@ -154,13 +154,10 @@ def _shape(nodes: int, radix: int, node: int) -> _Shape:
 def encode(header: dict[str, Any] | bytes, payload: np.ndarray | None = None) -> np.ndarray:
     """A message: ``header`` as JSON (or already serialized) and the payload's bytes."""
     raw = header if isinstance(header, bytes) else json.dumps(header).encode()
-    data = b"" if payload is None else np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
-    out = np.empty(_FRAME + len(raw) + len(data), np.uint8)
-    _LENGTHS.pack_into(out, 0, len(raw), len(data))  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python 3.12+ only
-    out[_FRAME : _FRAME + len(raw)] = np.frombuffer(raw, np.uint8)
-    if len(data):
-        out[_FRAME + len(raw) :] = data
-    return out
+    # One join of bytes: a few C calls where filling an array took eight numpy calls (a
+    # small collective's messages are mostly header). Read-only: it is only ever sent.
+    data = b"" if payload is None else np.ascontiguousarray(payload).tobytes()
+    return np.frombuffer(b"".join((_LENGTHS.pack(len(raw), len(data)), raw, data)), np.uint8)
 
 
 def decode(buf: np.ndarray) -> tuple[dict[str, Any], np.ndarray]:
@@ -424,8 +421,12 @@ def _read(peer: int, buf: np.ndarray) -> tuple[bytes, dict[str, Any], np.ndarray
         raw, payload = _split(buf)
         header = _parsed(raw)
     except ValueError as error:
-        return f"node {peer} sent an unreadable agreement message ({error})"
+        return _unreadable(peer, error)
     return raw, header, payload, buf[: _FRAME + sum(_LENGTHS.unpack_from(buf))]  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python 3.12+ only
+
+
+def _unreadable(peer: int, error: ValueError) -> str:
+    return f"node {peer} sent an unreadable agreement message ({error})"
 
 
 def _too_large(peer: int) -> str:
@@ -495,23 +496,22 @@ def agree_later(
 
     key = link.watch(deadline, expire)
     pending.waiting_nodes = (0,)
-    try:
-        posted.append(channel.post((down << channel.shift) | channel.recv_bits, buf, landed))
-        link.endpoint.send(shape.parent, up, encode(mine.alone, small.part() if small else None))
-    except LpsyncError:
-        link.unwatch(key)
-        raise
+    message = encode(mine.alone, small.part() if small else None)
+    # Both on the connection's channel: a send that fails (the mesh broke) fails the
+    # posted receive too, which reports it through ``landed``.
+    posted.append(channel.post((down << channel.shift) | channel.recv_bits, buf, landed))
+    channel.send((up << channel.shift) | channel.send_bits, message, None)
     return later
 
 
 def _leaf_verdict(parent: int, buf: np.ndarray, small: SmallCollective | None) -> Verdict | LpsyncError:
     """What _tree makes of a leaf's verdict message in ``buf``: the go verdict carrying
     the result, or the verdict's error."""
-    got = _read(parent, buf)
-    if isinstance(got, str):
-        return _error({"error": ["INVALID_ARGUMENT", got]})
-    raw, header, payload, _ = got
-    verdict = header["verdict"]
+    try:
+        raw, payload = _split(buf)
+        verdict = _parsed(raw)["verdict"]
+    except ValueError as error:
+        return _error({"error": ["INVALID_ARGUMENT", _unreadable(parent, error)]})
     if "error" in verdict:
         return _error(verdict)
     return _go(raw).carrying(_as(small, payload) if small is not None else None)

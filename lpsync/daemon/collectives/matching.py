@@ -451,9 +451,10 @@ class Job:
         self._run_lock.release()
         finished = time.monotonic()
         for arrival in pending.arrivals.values():
-            state = outcome.buffer_state
-            if outcome.error is not None:
-                state = PARTIAL if arrival.in_place else UNSPECIFIED
+            if outcome.error is None:
+                arrival.done(outcome)  # the same for each: read, never changed
+                continue
+            state = PARTIAL if arrival.in_place else UNSPECIFIED
             arrival.done(Outcome(outcome.error, state, outcome.algorithm, outcome.chunks, outcome.seconds))
         # After the replies: off the critical path.
         self._finish(pending, outcome, finished)

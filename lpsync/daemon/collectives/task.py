@@ -34,8 +34,11 @@ def job_hash(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Task:
+    """Read-only once made (not frozen: one is made per collective, and a frozen
+    dataclass costs four times as much to make)."""
+
     job: Job
     pending: Pending
     spec: Spec

@@ -27,7 +27,9 @@ Fail = Callable[[LpsyncError], None]
 
 
 @functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1024)
 def _pair(job: str) -> tuple[str, int, int, int] | None:
+    """parse_pair, once per name: every collective of every job asks (twice)."""
     return parse_pair(job)
 
 

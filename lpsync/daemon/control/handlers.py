@@ -43,7 +43,7 @@ from lpsync.daemon.collectives.matching import Job, Jobs, Recorder
 from lpsync.daemon.collectives.outcomes import Outcomes
 from lpsync.daemon.collectives.views import REDUCING, bus_factor, nccl_bytes
 from lpsync.daemon.control import layout as layouts
-from lpsync.daemon.control import limits
+from lpsync.daemon.control import limits, replies
 from lpsync.daemon.control.any_source import AnySource
 from lpsync.daemon.control.config import DaemonConfig
 from lpsync.daemon.control.metrics import JobState, Metrics
@@ -66,7 +66,6 @@ from lpsync.types import ITEMSIZE, OUT_OF_PLACE_ONLY, ROOTED_OPS, Collective, Re
 log = logging.getLogger("lpsync.daemon")
 
 OPS = limits.OPS
-_STATE = {"INTACT": pb.INTACT, "PARTIAL": pb.PARTIAL, "": pb.BUFFER_STATE_UNSPECIFIED}
 _RECENT = 256
 _RECORD_FIELDS = ("job", "sequence", "op", "dtype", "count", "algorithm", "seconds", "code", "finished_at")
 
@@ -510,10 +509,15 @@ class Service(pb_grpc.LpSyncServicer):
             self.end_session(session, "session stream closed")
 
     def handle(
-        self, session: _Session, request: pb.SessionRequest, reply: Callable[[pb.SessionResponse], None]
+        self,
+        session: _Session,
+        request: pb.SessionRequest,
+        reply: Callable[[pb.SessionResponse], None],
+        reply_bytes: Callable[[bytes], None] | None = None,
     ) -> None:
         """One request of a Session stream or of the trigger socket; ``reply`` sends the
-        answer (from whichever thread completes it)."""
+        answer (from whichever thread completes it); ``reply_bytes``, where given, sends
+        a collective's result serialized already (replies.result_bytes)."""
         rid, body = request.request_id, request.WhichOneof("body")
         if body == "ping":
             reply(pb.SessionResponse(request_id=rid, pong=request.ping))
@@ -522,7 +526,7 @@ class Service(pb_grpc.LpSyncServicer):
             job = self.jobs.get(session.job)
             if job is not None:
                 job.withdraw(session.rank, request.cancel.sequence, "cancelled its call")
-            reply(_result(rid, Outcome()))
+            reply(replies.result(rid, Outcome()))
             return
         if body == "probe":
             try:
@@ -532,20 +536,22 @@ class Service(pb_grpc.LpSyncServicer):
                     session,
                     timeout,
                     request.probe,
-                    lambda response: reply(_with_id(response, rid)),
-                    lambda error: reply(_result(rid, Outcome(error))),
+                    lambda response: reply(replies.with_id(response, rid)),
+                    lambda error: reply(replies.result(rid, Outcome(error))),
                 )
             except LpsyncError as error:
-                reply(_result(rid, Outcome(error)))
+                reply(replies.result(rid, Outcome(error)))
             return
         if body != "collective":
-            reply(
-                _result(rid, Outcome(InvalidArgumentError(f"unexpected {body} message on an open session")))
-            )
+            unexpected = InvalidArgumentError(f"unexpected {body} message on an open session")
+            reply(replies.result(rid, Outcome(unexpected)))
             return
 
         def done(outcome: Outcome) -> None:
-            reply(_result(rid, outcome))
+            if reply_bytes is not None:
+                reply_bytes(replies.result_bytes(rid, outcome))
+            else:
+                reply(replies.result(rid, outcome))
 
         arrival = None
         try:
@@ -635,11 +641,20 @@ class Service(pb_grpc.LpSyncServicer):
     def _arrival(
         self, session: _Session, request: pb.CollectiveRequest, done: Callable[[Outcome], None]
     ) -> Arrival:
+        # A repeat of a request this session made before (the fields but the sequence
+        # number): its checks passed and its views are made. Released buffers clear this.
+        key = None if request.ready_event else _request_key(request)
+        known = session.requests.get(key) if key is not None else None
+        if known is not None:
+            spec, timeout, data, out, handles = known
+            done = self._holding_devices(data, out, done)
+            return Arrival(session.rank, request.sequence, spec, timeout, data, out, handles, done)
         op, p = request.op, session.world_size
         limits.check_collective(request, p, self.limits, ALGORITHMS)
         timeout = request.timeout or self.config.timeout
         if op == Collective.BARRIER:
             spec = Spec(op, "", 0, 0, "", "", request.name)
+            self._known(session, key, (spec, timeout, None, None, ()))
             return Arrival(session.rank, request.sequence, spec, timeout, None, None, (), done)
         dtype = dtype_of(request.dtype)
         count = request.count
@@ -677,10 +692,20 @@ class Service(pb_grpc.LpSyncServicer):
             if not isinstance(data, Span):
                 raise InvalidArgumentError("a ready event goes with device buffers only")
             ready = self.sessions.ready_event(session, data.device, request.ready_event)
+        self._known(session, key, (spec, timeout, data, out, tuple(handles)))
         done = self._holding_devices(data, out, done)
         return Arrival(
             session.rank, request.sequence, spec, timeout, data, out, tuple(handles), done, ready=ready
         )
+
+    @staticmethod
+    def _known(session: _Session, key: tuple | None, checked: tuple) -> None:
+        """Keep a checked request's parts for its repeats (bounded, as the views are)."""
+        if key is None:
+            return
+        if len(session.requests) > 256:
+            session.requests.clear()
+        session.requests[key] = checked
 
     def _holding_devices(
         self, data: object, out: object, done: Callable[[Outcome], None]
@@ -766,6 +791,25 @@ class Service(pb_grpc.LpSyncServicer):
         )
 
 
+def _request_key(request: pb.CollectiveRequest) -> tuple:
+    """A collective request's fields but its sequence number (and session: one table per
+    session); requests with a ready event are never repeats (the event is new each time)."""
+    return (
+        request.op,
+        request.dtype,
+        request.count,
+        request.root,
+        request.reduce_op,
+        request.algorithm,
+        request.timeout,
+        request.name,
+        request.input.handle,
+        request.input.offset,
+        request.output.handle,
+        request.output.offset,
+    )
+
+
 def _node_info(plane: PeerPlane | None) -> pb.NodeInfo:
     """This daemon as the Node RPC and Attach describe it. The cluster identity is the
     --peers list (node-rank order, the same on every daemon of a cluster); a daemon without
@@ -828,25 +872,6 @@ def _overlap(a, b) -> bool:
         return a.memory is b.memory and a.lo < b.hi and b.lo < a.hi
     a0, b0 = a.__array_interface__["data"][0], b.__array_interface__["data"][0]
     return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
-
-
-def _with_id(response: pb.SessionResponse, rid: int) -> pb.SessionResponse:
-    response.request_id = rid
-    return response
-
-
-def _result(rid: int, outcome: Outcome) -> pb.SessionResponse:
-    error = outcome.error
-    result = pb.CollectiveResult(
-        code="OK" if error is None else error.code,
-        message="" if error is None else str(error),
-        buffer_state=_STATE[outcome.buffer_state],
-        error="" if error is None else type(error).__name__,
-        response=pb.CollectiveResponse(
-            algorithm=outcome.algorithm, chunks=outcome.chunks, seconds=outcome.seconds
-        ),
-    )
-    return pb.SessionResponse(request_id=rid, result=result)
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: LpsyncError, buffer_state: str = "") -> None:

@@ -1,7 +1,11 @@
 """Prometheus metrics of DESIGN.md, in a registry of the daemon's own (no hidden globals).
 
-Recorded once at the end of each collective (never per chunk) and on session and
-buffer changes; per-job and per-session figures are read from the daemon's own tables
+Recorded once at the end of each collective (never per chunk), in batches: the
+collective appends its figures to a queue, and every _BATCH of them, or a scrape, moves
+them into the series (Prometheus's observe takes a lock per bucket it passes; a tight
+loop over many costs less per collective than each on its own, on a cold cache). A
+scrape always sees every collective finished before it. Session and buffer changes are
+recorded at once; per-job and per-session figures are read from the daemon's own tables
 when Prometheus scrapes (``watch``), so they cost the collective path nothing.
 Label cardinality stays bounded: ``size`` is one of a few size classes, ``job`` exists
 only while the job is attached here, ``peer`` is one of the configured peers.
@@ -11,6 +15,8 @@ The deploy/ alert rules and dashboard use these names (tests/deploy checks them)
 from __future__ import annotations
 
 import bisect
+import threading
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -21,6 +27,8 @@ from prometheus_client.registry import Collector
 # 1-2.5-5 steps from 10 us to 1000 s: percentiles stay within a factor 2.5 of the truth
 # from a small-message barrier to a slow multi-GiB allreduce over a congested link.
 _BUCKETS = (*(float(f"{m}e{e}") for e in range(-5, 3) for m in (1, 2.5, 5)), 1000.0)
+
+_BATCH = 64  # finished collectives queued before their figures go into the series
 
 # Message-size classes (nccl-tests bytes) of the latency histogram: powers of 16 from 4 KiB.
 _SIZE_BOUNDS = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20, 4 << 30)
@@ -69,10 +77,28 @@ class _TableCollector(Collector):
         return [pending, progress, largest]
 
 
+class _Drain(Collector):
+    """Registered first, so collected first at each scrape: queued figures go into the
+    series before those are read."""
+
+    def __init__(self, drain: Callable[[], None]) -> None:
+        self._drain = drain
+
+    def collect(self):
+        self._drain()
+        return []
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # Finished collectives' figures not yet in the series (collective_done); deque:
+        # appends and pops from any thread, nothing lost between them.
+        self._queued: deque[tuple[str, str, str, int, float, float]] = deque()
+        self._draining = threading.Lock()  # one drain at a time: the latest busbw wins
+        self._children: dict[tuple[str, str, str, str], tuple] = {}
+        r.register(_Drain(self.drain))
         self.collective_seconds = Histogram(
             "lpsync_collective_seconds",
             "Collective time from last arrival to completion",
@@ -121,7 +147,6 @@ class Metrics:
             registry=r,
         )
         self._devices: list = []
-        self._children: dict[tuple[str, str, str, str], tuple] = {}
 
     def watch(
         self, jobs: Callable[[], Iterable[JobState]], session_bytes: Callable[[], Iterable[int]]
@@ -145,20 +170,32 @@ class Metrics:
     def collective_done(
         self, op: str, algorithm: str, dtype: str, nbytes: int, seconds: float, busbw_factor: float
     ) -> None:
-        # labels() costs more than the observation: keep the children per label set.
-        key = (op, algorithm, dtype, size_class(nbytes))
-        children = self._children.get(key)
-        if children is None:
-            children = self._children[key] = (
-                self.collective_seconds.labels(*key),
-                self.collective_bytes.labels(op),
-                self.busbw.labels(op),
-            )
-        seconds_child, bytes_child, busbw_child = children
-        seconds_child.observe(seconds)
-        bytes_child.inc(nbytes)
-        if seconds > 0 and nbytes:
-            busbw_child.set(nbytes / seconds * busbw_factor)
+        """A collective finished: queued, in the series by the next scrape."""
+        queued = self._queued
+        queued.append((op, algorithm, dtype, nbytes, seconds, busbw_factor))
+        if len(queued) >= _BATCH:
+            self.drain()
+
+    def drain(self) -> None:
+        """Move every queued collective's figures into the series."""
+        with self._draining:
+            queued, children_of = self._queued, self._children
+            while queued:
+                op, algorithm, dtype, nbytes, seconds, busbw_factor = queued.popleft()
+                # labels() costs more than the observation: keep the children per label set.
+                key = (op, algorithm, dtype, size_class(nbytes))
+                children = children_of.get(key)
+                if children is None:
+                    children = children_of[key] = (
+                        self.collective_seconds.labels(*key),
+                        self.collective_bytes.labels(op),
+                        self.busbw.labels(op),
+                    )
+                seconds_child, bytes_child, busbw_child = children
+                seconds_child.observe(seconds)
+                bytes_child.inc(nbytes)
+                if seconds > 0 and nbytes:
+                    busbw_child.set(nbytes / seconds * busbw_factor)
 
     def collective_failed(self, op: str, code: str) -> None:
         self.collective_errors.labels(op, code).inc()

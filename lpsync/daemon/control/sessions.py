@@ -64,6 +64,9 @@ class Session:
     events: dict[tuple[int, bytes], Any] = field(default_factory=dict)
     # Typed views of the buffers by (handle, offset, dtype, count): planned once, reused.
     views: dict[tuple, np.ndarray | Span] = field(default_factory=dict)
+    # Collective requests checked before, by their fields (handlers.py): a rank repeats
+    # its collectives, and a repeat needs neither the checks nor the views again.
+    requests: dict[tuple, Any] = field(default_factory=dict)
     nbytes: int = 0
     reserved: int = 0  # buffers held or being created (bounded by max_session_buffers)
     # Called once when the session ends (closes its Session stream's response side).
@@ -126,6 +129,7 @@ class SessionTable:
             events = list(session.events.values())
             session.events.clear()
             session.views.clear()
+            session.requests.clear()  # they hold views too: the segments could not close
             self._total -= session.nbytes
             session.nbytes = session.reserved = 0
             total = self._total
@@ -253,6 +257,7 @@ class SessionTable:
             if buffer is None:
                 raise NotFoundError(f"session has no buffer with handle {handle}")
             session.views = {k: v for k, v in session.views.items() if k[0] != handle}
+            session.requests = {}
             session.nbytes -= buffer.nbytes
             session.reserved -= 1
             self._total -= buffer.nbytes

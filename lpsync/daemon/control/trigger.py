@@ -84,7 +84,10 @@ class _Outbox:
         return len(self._queue)
 
     def reply(self, response: pb.SessionResponse) -> None:
-        data = response.SerializeToString()
+        self.reply_bytes(response.SerializeToString())
+
+    def reply_bytes(self, data: bytes) -> None:
+        """A reply serialized already (a collective's result: replies.result_bytes)."""
         with self._lock:
             if self.broken:
                 return
@@ -206,7 +209,7 @@ class TriggerServer:
                 data = conn.recv(MAX_PACKET)
                 if not data:
                     return  # the client closed it
-                self.service.handle(session, _parse(data), out.reply)
+                self.service.handle(session, _parse(data), out.reply, out.reply_bytes)
         except _Closed:
             pass
         except LpsyncError as error:  # a malformed packet: say why, then close

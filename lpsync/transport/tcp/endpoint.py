@@ -129,6 +129,7 @@ class TcpEndpoint(MeshEndpoint):
     def __init__(self, options: MeshOptions) -> None:
         super().__init__(options)
         self._conns: dict[int, _Conn] = {}
+        self._channels: dict[int, Channel] = {}  # made once per peer: a leaf asks per collective
         self._runtime: TcpRuntime | None = None
 
     # -- setup ---------------------------------------------------------------------------
@@ -310,10 +311,13 @@ class TcpEndpoint(MeshEndpoint):
     def channel(self, peer: int) -> Channel:
         """``peer``'s connection as a Channel (lpsync.engine.endpoint): its queues
         without the Endpoint's wrappers, for a program run as data flow."""
-        conn = self._conn(peer)
-        return Channel(
-            functools.partial(self._enqueue, conn), functools.partial(self._post, conn), self._wait
-        )
+        conn = self._conn(peer)  # checks the endpoint first, every time
+        channel = self._channels.get(peer)
+        if channel is None:
+            channel = self._channels[peer] = Channel(
+                functools.partial(self._enqueue, conn), functools.partial(self._post, conn), self._wait
+            )
+        return channel
 
     def _post(
         self, conn: _Conn, tag: int, view: np.ndarray, on_done: Callable[[Request], None] | None
