@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import queue
 import threading
@@ -1216,6 +1217,23 @@ def _refusal(path: str) -> str | None:
     return None
 
 
+def _connect_timeout(given: float | None, raw: str | None) -> float:
+    """``given``, else LPSYNC_CONNECT_TIMEOUT's seconds, else 10; finite and positive."""
+    where = "connect_timeout"
+    value: float = 10.0
+    if given is not None:
+        value = given
+    elif raw:
+        where = f"LPSYNC_CONNECT_TIMEOUT={raw!r}"
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise InvalidArgumentError(f"{where}: the seconds to wait for the daemon must be a number above 0")
+    return value
+
+
 def connect(
     socket: str | None = None,
     *,
@@ -1230,11 +1248,14 @@ def connect(
     timeout: float = DEFAULT_TIMEOUT,
     trigger: str | None = None,
     store: layout.Store | None = None,
+    connect_timeout: float | None = None,
 ) -> Client:
     """Attach to the node's daemon. Unset arguments come from the environment as torchrun
     sets it: LPSYNC_SOCKET, LPSYNC_JOB, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
     (and LPSYNC_TARGET / LPSYNC_TOKEN for TCP). ``timeout`` is the default collective
-    timeout in seconds. ``trigger`` (or LPSYNC_TRIGGER) picks the path of collectives:
+    timeout in seconds. ``connect_timeout`` (or LPSYNC_CONNECT_TIMEOUT; default 10) is how
+    many seconds to wait for the daemon to answer: longer where training may start before
+    its daemon does, shorter to fail fast. ``trigger`` (or LPSYNC_TRIGGER) picks the path of collectives:
     "socket" the daemon's trigger socket (the Session messages without gRPC: several
     times lower latency for small collectives), "grpc" the gRPC Session stream, "auto"
     (default) the socket when the daemon offers one (Unix socket), else gRPC.
@@ -1280,6 +1301,7 @@ def connect(
         timeout=timeout,
         trigger=trigger or env.get("LPSYNC_TRIGGER") or "auto",
         store=store,
+        connect_timeout=_connect_timeout(connect_timeout, env.get("LPSYNC_CONNECT_TIMEOUT")),
     )
     if unplaced and world_size > 1 and client.node.nodes > 1:
         # Nothing says where the other ranks are: were they on other nodes, this one would

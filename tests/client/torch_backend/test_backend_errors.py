@@ -62,6 +62,7 @@ def test_no_daemon_is_an_error_at_init(tmp_path) -> None:
     env = {
         **os.environ,
         "LPSYNC_SOCKET": str(tmp_path / "nobody.sock"),
+        "LPSYNC_CONNECT_TIMEOUT": "2",  # the backend attaches through connect(): not 10 s
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients" / "python")]),
     }
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90, env=env)
