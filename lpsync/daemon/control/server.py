@@ -268,7 +268,7 @@ def _sockets_congestion(transport: str, asked: str, host_default: str) -> tuple[
         return "", ""
     if asked:
         return asked, f"--peer-tcp-congestion; the host's default is {host_default or 'unknown'}"
-    return host_default or "unknown", "the host's default (--peer-tcp-congestion \"\")"
+    return host_default or "unknown", 'the host\'s default (--peer-tcp-congestion "")'
 
 
 def _socket_alive(path: Path) -> bool:
