@@ -18,32 +18,17 @@ import lpsync_client
 from lpsync.daemon.collectives.matching import Job, Recorder
 from lpsync.daemon.values import Arrival, Outcome, Spec
 from lpsync.daemon.watcher import Watcher
-from tests.daemon.harness import ROOT, DaemonProcess, PeeredDaemons
+from tests.daemon.harness import ROOT, DaemonProcess, PeeredDaemons, cli_status
 
 STALL = 0.5
 
 
 def status(socket: str, *args: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "lpsync.cli", "status", "--socket", socket, "--json", *args],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-        check=True,
-    ).stdout
-    return json.loads(out)
+    return json.loads(cli_status(socket, "--json", *args))
 
 
 def status_text(socket: str) -> str:
-    return subprocess.run(
-        [sys.executable, "-m", "lpsync.cli", "status", "--socket", socket],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-        check=True,
-    ).stdout
+    return cli_status(socket)
 
 
 def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):

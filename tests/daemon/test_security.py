@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -25,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import lpsync_client
 from lpsync._proto import lpsync_pb2 as pb
 from lpsync.daemon import launch
-from tests.daemon.harness import ROOT, DaemonProcess, run_ranks, shm_segments
+from tests.daemon.harness import ROOT, DaemonProcess, cli_status, run_ranks, shm_segments
 from tests.daemon.security_workers import allreduces, as_user
 from tests.ports import free_ports
 
@@ -205,16 +204,7 @@ def test_the_cluster_secret_never_shows(tmp_path: Path) -> None:
         )
         texts = []
         for node, d in enumerate(daemons[:2]):
-            texts.append(
-                subprocess.run(
-                    [sys.executable, "-m", "lpsync.cli", "status", "--socket", d.socket, "--json"],
-                    capture_output=True,
-                    text=True,
-                    timeout=30,
-                    cwd=ROOT,
-                    check=True,
-                ).stdout
-            )
+            texts.append(cli_status(d.socket, "--json"))
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics[node]}/metrics", timeout=10) as page:
                 texts.append(page.read().decode())
             texts.append(Path(f"/proc/{d.pid}/cmdline").read_bytes().decode(errors="replace"))
