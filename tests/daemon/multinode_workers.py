@@ -164,15 +164,25 @@ def learning_allreduces(
         return [algorithm for _, algorithm in records]
 
 
-def unanswered(rank: int, sockets: list[str], per_node: int, job: str, world: int, timeout: float) -> list:
-    """Node 0's ranks attach and never call (["idle", 0, ""]); every other rank runs one
-    allreduce with ``timeout``: [error kind or "ok", seconds, message]."""
+def unanswered(
+    rank: int,
+    sockets: list[str],
+    per_node: int,
+    job: str,
+    world: int,
+    timeout: float,
+    idle: int = 0,
+    timeouts: tuple[float, ...] = (),
+) -> list:
+    """Node ``idle``'s ranks attach and never call (["idle", 0, ""]); every other rank
+    runs one allreduce with ``timeout`` (or its node's in ``timeouts``): [error kind or
+    "ok", seconds, message]."""
     _node_env(rank, per_node)
-    with lpsync_client.connect(
-        sockets[rank // per_node], job=job, rank=rank, world_size=world, timeout=timeout
-    ) as c:
-        if rank < per_node:
-            time.sleep(timeout + 1.0)  # attached until the leaves have failed
+    node = rank // per_node
+    mine = timeouts[node] if timeouts else timeout
+    with lpsync_client.connect(sockets[node], job=job, rank=rank, world_size=world, timeout=mine) as c:
+        if node == idle:
+            time.sleep(max(timeouts or (timeout,)) + 1.0)  # attached until the others have failed
             return ["idle", 0.0, ""]
         return _timed_allreduce(c)
 
