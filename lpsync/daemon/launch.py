@@ -129,6 +129,12 @@ class Daemon:
         """SIGTERM, then wait for the exit (SIGKILL if it does not come: TimeoutExpired)."""
         if not reaped(self.proc):
             self.proc.send_signal(signal.SIGTERM)
+        return self.wait_stopped(timeout)
+
+    def wait_stopped(self, timeout: float = 20.0) -> int:
+        """Wait for the exit of a daemon told to stop (SIGKILL if it does not come:
+        TimeoutExpired). Signals nothing: a second SIGTERM that lands once the daemon has
+        put back the default handlers, late in its shutdown, kills it (-15)."""
         try:
             if not wait_reaped(self.proc, timeout):
                 self.kill()
@@ -148,6 +154,22 @@ class Daemon:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+def stop_together(daemons: Sequence[Daemon], timeout: float = 20.0) -> list[int | str]:
+    """Stop ``daemons`` as a cluster stops: SIGTERM to every live one first, then each
+    awaited (Daemon.stop). One by one, each would wait out its bounded wait for the
+    goodbyes of peers still running. Each one's exit code, or why it had to be killed."""
+    for daemon in daemons:
+        if daemon.alive():
+            daemon.proc.send_signal(signal.SIGTERM)
+    codes: list[int | str] = []
+    for daemon in daemons:
+        try:
+            codes.append(daemon.wait_stopped(timeout))
+        except subprocess.TimeoutExpired as error:  # killed by stop()
+            codes.append(repr(error))
+    return codes
 
 
 def reaped(proc: subprocess.Popen[Any]) -> bool:

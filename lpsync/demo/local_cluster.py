@@ -4,10 +4,7 @@ each with its socket, its peer port and its metrics port, sharing a fresh cluste
 
 from __future__ import annotations
 
-import contextlib
 import secrets
-import signal
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,12 +86,7 @@ class LocalCluster:
                 raise DemoError(f"the daemon of node {node.rank} exited ({code}):\n{log}")
 
     def stop(self) -> None:
-        for node in self.nodes:
-            if node.daemon.alive():
-                node.daemon.proc.send_signal(signal.SIGTERM)
-        for node in self.nodes:
-            with contextlib.suppress(subprocess.TimeoutExpired):  # killed by stop() then
-                node.daemon.stop(30)
+        launch.stop_together([node.daemon for node in self.nodes], 30)
 
 
 def tail(path: Path, lines: int = 30) -> str:

@@ -23,12 +23,20 @@ from lpsync.transport.ports import free_ports
 ROOT = Path(__file__).resolve().parents[2]
 
 
+START_TIMEOUT = 20.0  # seconds for a test's daemon to serve
+
+
 class DaemonProcess(launch.Daemon):
     """A daemon for a test: its own socket in ``tmp``, a DEBUG log there, the repository as
     its working directory. ``wrap``: a command prefix that execs it (``ip netns exec NS``)."""
 
     def __init__(
-        self, tmp: Path, *extra: str, env: dict[str, str] | None = None, wrap: tuple[str, ...] = ()
+        self,
+        tmp: Path,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        wrap: tuple[str, ...] = (),
+        wait: bool = True,
     ) -> None:
         super().__init__(
             str(tmp / "lpsync.sock"),
@@ -39,7 +47,8 @@ class DaemonProcess(launch.Daemon):
             env={**os.environ, **(env or {})},
             wrap=wrap,
             cwd=ROOT,
-            start_timeout=20,
+            start_timeout=START_TIMEOUT,
+            wait=wait,
         )
 
     def stop_and_check(self) -> None:
@@ -202,10 +211,18 @@ class PeeredDaemons:
         self.peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(nodes))
         self.secrets = secrets or ["harness-cluster-secret"] * nodes
         self.daemons: list[DaemonProcess | None] = [None] * nodes
-        for node in range(nodes):
-            self.start(node)
+        # Started together, then awaited: each one's start-up overlaps the others'.
+        started = [self.start(node, wait=False) for node in range(nodes)]
+        try:
+            deadline = time.monotonic() + START_TIMEOUT
+            for daemon in started:
+                daemon.wait_serving(deadline)
+        except BaseException:
+            for daemon in started:
+                daemon.kill()
+            raise
 
-    def start(self, node: int) -> DaemonProcess:
+    def start(self, node: int, wait: bool = True) -> DaemonProcess:
         where = self.tmp / f"node{node}"
         where.mkdir(exist_ok=True)
         self.daemons[node] = DaemonProcess(
@@ -217,6 +234,7 @@ class PeeredDaemons:
             *self.extra,
             *self.per_node[node],
             env={"LPSYNC_SECRET": self.secrets[node], **self.env_of[node]},
+            wait=wait,
         )
         return self.daemons[node]
 
@@ -230,21 +248,18 @@ class PeeredDaemons:
 
     def stop(self) -> list[str]:
         """Stop every daemon; the failures of those that did not exit cleanly (0)."""
-        for daemon in self.daemons:  # every thread's stack into the logs, for post-mortems
-            if daemon is not None and daemon.proc.poll() is None:
+        live = [(node, d) for node, d in enumerate(self.daemons) if d is not None]
+        for _, daemon in live:  # every thread's stack into the logs, for post-mortems
+            if daemon.proc.poll() is None:
                 daemon.proc.send_signal(signal.SIGUSR1)
-        time.sleep(0.5)
-        unclean = []
-        for node, daemon in enumerate(self.daemons):
-            if daemon is not None and daemon.proc.poll() == -signal.SIGKILL:
-                daemon.stop()  # a test killed it on purpose
-            elif daemon is not None:
-                try:
-                    rc = daemon.stop()
-                except Exception as error:
-                    rc = repr(error)
-                if rc != 0:
-                    unclean.append(f"node {node} exited with {rc}:\n{daemon.log.read_text()[-3000:]}")
+        time.sleep(0.05)  # delivered before the SIGTERM that follows (a lower signal number)
+        killed = [daemon.proc.poll() == -signal.SIGKILL for _, daemon in live]  # by a test, on purpose
+        codes = launch.stop_together([daemon for _, daemon in live])
+        unclean = [
+            f"node {node} exited with {rc}:\n{daemon.log.read_text()[-3000:]}"
+            for (node, daemon), rc, dead in zip(live, codes, killed, strict=True)
+            if rc != 0 and not dead
+        ]
         _reclaim(self)
         return unclean
 

@@ -86,12 +86,8 @@ class NetCluster:
         return time.monotonic() - start
 
     def stop(self) -> list[str]:
-        unclean = []
-        for node, daemon in enumerate(self.daemons):
-            try:
-                rc = daemon.stop()
-            except Exception as error:
-                rc = repr(error)
+        unclean, codes = [], launch.stop_together(self.daemons)
+        for node, (daemon, rc) in enumerate(zip(self.daemons, codes, strict=True)):
             if rc != 0:
                 unclean.append(f"node {node} exited with {rc}:\n{daemon.log.read_text()[-3000:]}")
             if left := shm_segments(daemon.pid):

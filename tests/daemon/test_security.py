@@ -211,8 +211,7 @@ def test_the_cluster_secret_never_shows(tmp_path: Path) -> None:
             d.proc.send_signal(signal.SIGUSR1)  # every thread's stack into the log
         time.sleep(0.5)
     finally:
-        for d in daemons:
-            d.stop()
+        launch.stop_together(daemons)
     logs = [d.log.read_text() for d in daemons]
     assert "peer mesh up" in logs[0] and "lpsync_peers_connected" in texts[1], "nothing ran"
     assert "Thread" in logs[0], "no stack dump in the log"

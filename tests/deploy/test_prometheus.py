@@ -22,6 +22,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 import lpsync_client
+from lpsync.daemon import launch
 from lpsync.memory import reclaim_stale
 from lpsync_client.errors import CollectiveTimeoutError
 from tests.daemon.harness import DaemonProcess, shm_segments
@@ -190,7 +191,7 @@ def observed(tmp_path_factory) -> Iterator[dict]:
             client.close()
         if prometheus is not None:
             prometheus.stop()
-        codes = [daemon.stop() for daemon in daemons]  # a killed one: only reaped
+        codes = launch.stop_together(daemons)  # a killed one: only reaped
         reclaim_stale()  # what the killed daemon could not unlink
         assert codes[0] == 0 and not shm_segments(daemons[0].pid), daemons[0].log.read_text()
 
