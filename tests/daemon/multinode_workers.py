@@ -173,8 +173,10 @@ def unanswered(
     timeout: float,
     idle: int = 0,
     timeouts: tuple[float, ...] = (),
+    hold: float = 0.0,
 ) -> list:
-    """Node ``idle``'s ranks attach and never call (["idle", 0, ""]); every other rank
+    """Node ``idle``'s ranks attach and never call (["idle", 0, ""]), attached for
+    ``hold`` seconds (default: until the others' timeouts have passed); every other rank
     runs one allreduce with ``timeout`` (or its node's in ``timeouts``): [error kind or
     "ok", seconds, message]."""
     _node_env(rank, per_node)
@@ -182,7 +184,7 @@ def unanswered(
     mine = timeouts[node] if timeouts else timeout
     with lpsync_client.connect(sockets[node], job=job, rank=rank, world_size=world, timeout=mine) as c:
         if node == idle:
-            time.sleep(max(timeouts or (timeout,)) + 1.0)  # attached until the others have failed
+            time.sleep(hold or max(timeouts or (timeout,)) + 1.0)  # until the others have failed
             return ["idle", 0.0, ""]
         return _timed_allreduce(c)
 

@@ -55,7 +55,7 @@ def test_a_summary_that_never_comes_fails_node_0_at_its_timeout(tmp_path: Path) 
     timeouts = (2.0, 8.0, 8.0)
     try:
         results = run_ranks(
-            WORLD, unanswered, cluster.sockets, PER_NODE, "no-summary", WORLD, 0.0, NODES - 1, timeouts
+            WORLD, unanswered, cluster.sockets, PER_NODE, "no-summary", WORLD, 0.0, NODES - 1, timeouts, 5.0
         )
     finally:
         cluster.stop()
