@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import runpy
+import signal
 import subprocess
 import sys
 import threading
@@ -61,6 +62,25 @@ def test_sigterm_drains_and_cleans_up(tmp_path: Path) -> None:
     for c in clients:
         c.close()  # the daemon is gone: close still returns
     assert threading.active_count() < 20
+
+
+def test_a_repeated_sigterm_still_exits_cleanly(tmp_path: Path) -> None:
+    """A supervisor or a script may send SIGTERM more than once: one every 5 ms until the
+    daemon is gone, with a session attached. Each one lands during the drain, or after it
+    (where the event loop has put back the default handler, which would kill it: -15)."""
+    d = DaemonProcess(tmp_path)
+    client = lpsync_client.connect(d.socket, job="again", rank=0, world_size=1, timeout=10)
+    client.allreduce(client.zeros(16))
+    sent = 0
+    while d.alive() and sent < 4000:  # 20 s
+        d.proc.send_signal(signal.SIGTERM)
+        sent += 1
+        time.sleep(0.005)
+    rc = d.wait_stopped(10)
+    client.close()
+    assert sent > 1 and rc == 0, (sent, rc, d.tail())
+    assert shm_segments(d.pid) == []
+    assert not Path(d.socket).exists()
 
 
 def test_stop_reaps_a_daemon_whose_wait_lock_an_interrupt_left_held(tmp_path: Path) -> None:

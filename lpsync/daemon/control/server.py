@@ -293,6 +293,10 @@ async def _serve(config: DaemonConfig) -> Daemon:
         await daemon.wait()
     finally:
         await daemon.stop()
+        # Stopped and cleaned up: a repeated SIGTERM (a supervisor's, a script's) must not
+        # turn the exit into -15 once the loop has put back the default handler on closing.
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return daemon
 
 
