@@ -31,7 +31,8 @@ def test_a_verdict_that_never_comes_fails_the_leaves_at_their_timeout(tmp_path: 
     try:
         results = run_ranks(WORLD, unanswered, cluster.sockets, PER_NODE, "unanswered", WORLD, timeout)
     finally:
-        cluster.stop()
+        unclean = cluster.stop()  # and no shared memory left (the harness checks)
+    assert not unclean, unclean
     assert [kind for kind, _, _ in results[:PER_NODE]] == ["idle"] * PER_NODE, results
     leaves = results[PER_NODE:]
     for kind, seconds, message in leaves:
@@ -58,7 +59,8 @@ def test_a_summary_that_never_comes_fails_node_0_at_its_timeout(tmp_path: Path) 
             WORLD, unanswered, cluster.sockets, PER_NODE, "no-summary", WORLD, 0.0, NODES - 1, timeouts, 5.0
         )
     finally:
-        cluster.stop()
+        unclean = cluster.stop()  # and no shared memory left (the harness checks)
+    assert not unclean, unclean
     root, leaf, idle = results[:PER_NODE], results[PER_NODE : 2 * PER_NODE], results[2 * PER_NODE :]
     assert [kind for kind, _, _ in idle] == ["idle"] * PER_NODE, results
     for kind, seconds, message in root:
