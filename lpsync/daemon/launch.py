@@ -132,9 +132,8 @@ class Daemon:
         return self.wait_stopped(timeout)
 
     def wait_stopped(self, timeout: float = 20.0) -> int:
-        """Wait for the exit of a daemon told to stop (SIGKILL if it does not come:
-        TimeoutExpired). Signals nothing: a second SIGTERM that lands once the daemon has
-        put back the default handlers, late in its shutdown, kills it (-15)."""
+        """Wait for the exit of a daemon already told to stop (SIGKILL if it does not
+        come: TimeoutExpired); signals nothing itself (stop_together signals them all)."""
         try:
             if not wait_reaped(self.proc, timeout):
                 self.kill()
@@ -158,8 +157,8 @@ class Daemon:
 
 def stop_together(daemons: Sequence[Daemon], timeout: float = 20.0) -> list[int | str]:
     """Stop ``daemons`` as a cluster stops: SIGTERM to every live one first, then each
-    awaited (Daemon.stop). One by one, each would wait out its bounded wait for the
-    goodbyes of peers still running. Each one's exit code, or why it had to be killed."""
+    awaited (Daemon.wait_stopped). One by one, each would wait out its bounded wait for
+    the goodbyes of peers still running. Each one's exit code, or why it was killed."""
     for daemon in daemons:
         if daemon.alive():
             daemon.proc.send_signal(signal.SIGTERM)
@@ -167,7 +166,7 @@ def stop_together(daemons: Sequence[Daemon], timeout: float = 20.0) -> list[int 
     for daemon in daemons:
         try:
             codes.append(daemon.wait_stopped(timeout))
-        except subprocess.TimeoutExpired as error:  # killed by stop()
+        except subprocess.TimeoutExpired as error:  # killed by wait_stopped()
             codes.append(repr(error))
     return codes
 

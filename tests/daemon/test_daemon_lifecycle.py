@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 import lpsync_client
+from lpsync.daemon import launch
 from lpsync.daemon.control.config import load
 from lpsync.errors import InvalidArgumentError
 from tests.daemon.harness import ROOT, DaemonProcess, shm_segments
@@ -81,6 +82,21 @@ def test_a_repeated_sigterm_still_exits_cleanly(tmp_path: Path) -> None:
     assert sent > 1 and rc == 0, (sent, rc, d.tail())
     assert shm_segments(d.pid) == []
     assert not Path(d.socket).exists()
+
+
+def test_stop_together_kills_a_daemon_that_does_not_exit_and_reports_it(tmp_path: Path) -> None:
+    """launch.stop_together: every daemon gets its SIGTERM first; one that does not exit
+    within the bound (frozen here) is killed and reported, the others exit cleanly."""
+    daemons = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        daemons.append(DaemonProcess(tmp_path / name))
+    daemons[1].proc.send_signal(signal.SIGSTOP)
+    codes = launch.stop_together(daemons, timeout=2.0)
+    assert codes[0] == 0, daemons[0].tail()
+    assert isinstance(codes[1], str) and codes[1].startswith("TimeoutExpired"), codes
+    assert not daemons[0].alive() and not daemons[1].alive()
+    assert shm_segments(daemons[0].pid) == []
 
 
 def test_stop_reaps_a_daemon_whose_wait_lock_an_interrupt_left_held(tmp_path: Path) -> None:
