@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import gc
 import hmac
 import logging
 import os
@@ -157,6 +158,10 @@ class Daemon:
             self.metrics.serve(self.config.metrics_port)
         if self.plane is not None:
             self.plane.start()  # connects in the background; local jobs are served meanwhile
+        # What start-up made (modules, the gRPC server, protobuf descriptors: ~45 000
+        # objects) lives as long as the daemon: out of the cyclic collector's sight, a full
+        # collection scans only what came since (23 ms -> a few, docs/daemon.md).
+        gc.freeze()
         log.info(
             "daemon serving",
             extra={
@@ -164,6 +169,7 @@ class Daemon:
                 "listen": self.config.listen,
                 "metrics_port": self.config.metrics_port,
                 "pid": os.getpid(),
+                "frozen_objects": gc.get_freeze_count(),
             },
         )
 
