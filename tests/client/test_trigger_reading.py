@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import lpsync_client
-from lpsync_client import _pending
+from lpsync_client import _pending, _trigger
 from tests.daemon.harness import DaemonProcess
 
 
@@ -47,26 +47,39 @@ def _on_threads(work: Callable[[int], None], count: int) -> None:
 def test_a_blocking_call_reads_its_reply_and_async_ones_the_reader(
     daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    readers: list[str] = []
-    complete = _pending.PendingRequests.complete
+    readers: list[str] = []  # the thread that read each reply
+    tabled: list[int] = []  # the replies that completed a Future of the table
+    read, complete = _trigger.TriggerStream._next, _pending.PendingRequests.complete
 
-    def recorded(self, response) -> None:
-        readers.append(threading.current_thread().name)
+    def recorded_read(self):
+        response = read(self)
+        if response is not None:
+            readers.append(threading.current_thread().name)
+        return response
+
+    def recorded_complete(self, response) -> None:
+        tabled.append(response.request_id)
         complete(self, response)
 
-    monkeypatch.setattr(_pending.PendingRequests, "complete", recorded)
+    monkeypatch.setattr(_trigger.TriggerStream, "_next", recorded_read)
+    monkeypatch.setattr(_pending.PendingRequests, "complete", recorded_complete)
     with lpsync_client.connect(daemon.socket, job="who-reads", rank=0, world_size=1, trigger="socket") as c:
         x = c.zeros(4, "float32")
         x[:] = 3
         readers.clear()  # the session's opening, on the gRPC stream's thread
+        tabled.clear()
         for _ in range(20):
             c.allreduce(x)
-        blocking, readers[:] = list(readers), []
+        blocking, readers[:], tabled_blocking, tabled[:] = list(readers), [], list(tabled), []
         futures = [c.allreduce_async(x) for _ in range(20)]
         for f in futures:
             f.result(30)
     assert blocking == [threading.current_thread().name] * 20
+    # The first call prepares the request and goes through the table; its repeats are
+    # answered on this thread without a Future (Client._answer_now).
+    assert len(tabled_blocking) == 1, tabled_blocking
     assert set(readers) == {"lpsync-client-trigger"} and len(readers) == 20
+    assert len(tabled) == 20
     np.testing.assert_array_equal(x, 3)
 
 

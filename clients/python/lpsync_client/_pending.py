@@ -94,6 +94,11 @@ class PendingRequests:
     def closed(self) -> bool:
         return self._error is not None
 
+    @property
+    def error(self) -> LpsyncError | None:
+        """Why the transport ended (every request was failed with it); None while open."""
+        return self._error
+
     def submit(
         self, request: pb.SessionRequest, hook: Hook, send: Callable[[pb.SessionRequest], None]
     ) -> Call:
@@ -113,6 +118,17 @@ class PendingRequests:
                 del self._pending[rid]
                 raise
         return future
+
+    def send_unlisted(self, request: pb.SessionRequest, send: Callable[[pb.SessionRequest], None]) -> int:
+        """Give ``request`` an id and ``send`` it, in order with ``submit``'s, without a
+        Future or an entry: its caller reads the reply itself (TriggerStream.reply_to), and
+        a reply that comes after the caller stopped waiting is dropped. The id."""
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            request.request_id = rid = next(self._ids)
+            send(request)
+        return rid
 
     def complete(self, response: pb.SessionResponse) -> None:
         """Complete the Future of ``response.request_id`` (responses to requests that are no

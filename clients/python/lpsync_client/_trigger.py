@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 import time
 
@@ -46,7 +47,7 @@ class TriggerStream:
             self._sock.close()
             r = first.result
             raise from_status(r.code or "UNAVAILABLE", r.message or "trigger socket refused", r.error)
-        self._sock.settimeout(1.0)
+        _wait_at_most(self._sock, 1.0)
         self._pending = PendingRequests("trigger socket")
         self._closing = False
         self._ended = False  # the socket failed or closed: every request was failed
@@ -73,17 +74,46 @@ class TriggerStream:
     def settle(self, call: Call, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for ``call``, reading replies on this thread
         while no other thread reads them; whether it is done."""
-        if not self._reading.acquire(blocking=False):
+        if not self.read_alone():
             return call.settled(timeout)  # another thread reads: it completes this one too
         deadline = time.monotonic() + timeout
         try:
             while not call.done() and not self._ended and time.monotonic() < deadline:
                 self._receive()
         finally:
-            self._reading.release()
-            if len(self._pending) and not self._ended:
-                self.wake()  # requests of other threads: someone must go on reading
+            self.stop_reading()
         return call.done()
+
+    # -- a blocking call answered on its own thread (Client._answer_now) ------------------
+    def read_alone(self) -> bool:
+        """Whether this thread is now the one that reads replies (False: another one is;
+        never waits). A True must be followed by stop_reading()."""
+        return self._reading.acquire(blocking=False)
+
+    def stop_reading(self) -> None:
+        self._reading.release()
+        if len(self._pending) and not self._ended:
+            self.wake()  # requests of other threads: someone must go on reading
+
+    def send_unlisted(self, request: pb.SessionRequest) -> int:
+        """Send ``request`` with no Future and no entry in the table of requests in flight
+        (its sender, which reads replies, waits for it at once with reply_to); its id."""
+        return self._pending.send_unlisted(request, self._send)
+
+    def reply_to(self, request_id: int, timeout: float) -> pb.SessionResponse | None:
+        """Read replies on this thread (after read_alone) until the one to ``request_id``,
+        completing other requests on the way; None when it has not come within
+        ``timeout`` seconds. Raises the error every request got if the socket ends first."""
+        deadline = time.monotonic() + timeout
+        while not self._ended:
+            response = self._next()
+            if response is not None:
+                if response.request_id == request_id:
+                    return response
+                self._pending.complete(response)
+            elif time.monotonic() >= deadline:
+                return None
+        raise self._pending.error or UnavailableError("the trigger socket closed")
 
     def _send(self, request: pb.SessionRequest) -> None:
         try:
@@ -108,28 +138,35 @@ class TriggerStream:
                     self._receive()
 
     def _receive(self) -> None:
-        """Read one reply and complete its request (the ``_reading`` lock held); on the
-        socket's failure or end, or the daemon's reason for closing it, fail them all."""
+        """Read one reply and complete its request (the ``_reading`` lock held)."""
+        response = self._next()
+        if response is not None:
+            self._pending.complete(response)
+
+    def _next(self) -> pb.SessionResponse | None:
+        """One reply (the ``_reading`` lock held), or None: none came within the socket's
+        timeout, or the socket failed or ended, or the daemon gave its reason for closing
+        it (then every request in the table is failed with it: _end)."""
         try:
             data = self._sock.recv(MAX_PACKET)
-        except TimeoutError:
+        except (TimeoutError, BlockingIOError):  # the socket's 1 s (_wait_at_most)
             if self._closing:
                 self._end(UnavailableError("the trigger socket closed"))
-            return
+            return None
         except OSError as failure:
             self._end(UnavailableError(f"the trigger socket failed: {failure}"))
-            return
+            return None
         if not data:
             self._end(UnavailableError("the trigger socket closed"))
-            return
+            return None
         response = pb.SessionResponse.FromString(data)
         if response.request_id == 0 and response.WhichOneof("body") == "result":
             # The daemon's reason for closing this connection (a malformed packet, a
             # client that did not read its replies): every waiter gets it.
             r = response.result
             self._end(from_status(r.code or "UNAVAILABLE", r.message, r.error))
-            return
-        self._pending.complete(response)
+            return None
+        return response
 
     def _end(self, error: LpsyncError) -> None:
         self._ended = True
@@ -145,3 +182,14 @@ class TriggerStream:
         self._reader.join(timeout)
         self._pending.fail_all(UnavailableError("the trigger socket closed"))
         self._sock.close()
+
+
+def _wait_at_most(sock: socket.socket, seconds: float) -> None:
+    """A blocking socket whose sends and receives give up after ``seconds`` (EAGAIN),
+    timed by the kernel: Python's own timeout (settimeout) polls before every send and
+    receive, two more system calls per collective."""
+    sock.settimeout(None)
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)

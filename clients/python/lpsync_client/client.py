@@ -202,6 +202,11 @@ def _node(info: pb.NodeInfo) -> layout.Node:
     return layout.Node(info.node_rank, info.nodes or 1, info.cluster)
 
 
+def _read_already(call: Call, timeout: float) -> bool:
+    """How a blocking call answered on its own thread (Client._answer_now) settles: done."""
+    return True
+
+
 def _plain(result: object, response: pb.SessionResponse) -> object:
     """Completion of a collective over shared-memory arrays: nothing to copy back."""
     r = response.result
@@ -638,7 +643,12 @@ class Client:
             )
             template = self._prepared.get(key)
             if template is not None:
-                return self._send(_copy(template), functools.partial(_plain, x if out is None else out))
+                written = x if out is None else out
+                if getattr(self._here, "foreground", False):
+                    answered = self._answer_now(_copy(template), written, timeout)
+                    if answered is not None:
+                        return answered
+                return self._send(_copy(template), functools.partial(_plain, written))
         operands: list[_Operand] = []
         message = pb.SessionRequest()
         request = message.collective
@@ -717,6 +727,31 @@ class Client:
             future = self._path.submit(message, hook, foreground)
         future.on_cancel = functools.partial(self._cancelled, sequence)
         return future
+
+    def _answer_now(self, message: pb.SessionRequest, result: object, timeout: float) -> Call | None:
+        """A blocking call of a prepared request over the trigger socket, sent and its reply
+        read on this thread with no Future in the table of requests in flight (TriggerStream
+        .reply_to): 40% of the client's CPU per small call went to that bookkeeping. A done
+        Call; None where another thread reads the replies now (``_send`` then)."""
+        trigger = self._trigger
+        if trigger is None or not trigger.read_alone():
+            return None
+        self._here.foreground = False
+        bound = 2 * timeout + 10
+        try:
+            with self._lock:  # sequence numbers leave in submission order
+                self._sequence += 1
+                message.collective.sequence = self._sequence
+                request_id = trigger.send_unlisted(message)
+            response = trigger.reply_to(request_id, bound)
+        finally:
+            trigger.stop_reading()
+        if response is None:
+            raise CollectiveTimeoutError(f"the daemon did not answer within {bound:g} s")
+        call = Call()
+        call.settle_with = _read_already
+        call.set_result(_plain(result, response))  # or raises the collective's error
+        return call
 
     def _cancelled(self, sequence: int) -> None:
         """A collective's Future was cancelled: tell the daemon, which fails it for every
