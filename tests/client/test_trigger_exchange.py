@@ -7,6 +7,7 @@ is raised to the waiter and fails every other request too."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -73,6 +74,16 @@ def stream(daemon: ScriptedDaemon) -> Iterator[TriggerStream]:
     assert not any(t.name == "lpsync-client-trigger" and t.is_alive() for t in threading.enumerate())
 
 
+@contextlib.contextmanager
+def _reading(stream: TriggerStream) -> Iterator[None]:
+    """This thread reads the replies for the block (as Client._answer_now does)."""
+    assert stream.read_alone()
+    try:
+        yield
+    finally:
+        stream.stop_reading()
+
+
 def _request(sequence: int) -> pb.SessionRequest:
     return pb.SessionRequest(collective=pb.CollectiveRequest(op="barrier", sequence=sequence))
 
@@ -80,16 +91,13 @@ def _request(sequence: int) -> pb.SessionRequest:
 def test_replies_of_other_requests_complete_their_futures_on_the_way(
     daemon: ScriptedDaemon, stream: TriggerStream
 ) -> None:
-    assert stream.read_alone()
-    try:
+    with _reading(stream):
         other = stream.submit(_request(1), lambda r: ("other", r.request_id))  # async
         mine = stream.send_unlisted(_request(2))
         assert [daemon.read().collective.sequence for _ in range(2)] == [1, 2]
         daemon.answer(mine - 1)  # the other's reply comes first
         daemon.answer(mine)
         reply = stream.reply_to(mine, 5.0)
-    finally:
-        stream.stop_reading()
     assert reply is not None and reply.request_id == mine
     assert other.result(5) == ("other", mine - 1)
 
@@ -97,14 +105,11 @@ def test_replies_of_other_requests_complete_their_futures_on_the_way(
 def test_a_reply_that_never_comes_ends_the_wait_at_its_deadline(
     daemon: ScriptedDaemon, stream: TriggerStream
 ) -> None:
-    assert stream.read_alone()
-    try:
+    with _reading(stream):
         mine = stream.send_unlisted(_request(1))
         start = time.monotonic()
         assert stream.reply_to(mine, 0.2) is None
         waited = time.monotonic() - start
-    finally:
-        stream.stop_reading()
     assert 0.2 <= waited < 3.0, waited  # the socket's 1 s timeout, then the deadline
     # Its reply, late, is dropped; the next request is answered as usual.
     daemon.read()
@@ -118,8 +123,7 @@ def test_a_reply_that_never_comes_ends_the_wait_at_its_deadline(
 def test_a_socket_that_ends_fails_the_wait_and_every_request(
     daemon: ScriptedDaemon, stream: TriggerStream
 ) -> None:
-    assert stream.read_alone()
-    try:
+    with _reading(stream):
         other = stream.submit(_request(1), lambda r: r)
         mine = stream.send_unlisted(_request(2))
         daemon.read()
@@ -127,8 +131,6 @@ def test_a_socket_that_ends_fails_the_wait_and_every_request(
         daemon.connected().close()
         with pytest.raises(UnavailableError, match="closed"):
             stream.reply_to(mine, 5.0)
-    finally:
-        stream.stop_reading()
     assert isinstance(other.exception(5), UnavailableError)
     with pytest.raises(UnavailableError):
         stream.send_unlisted(_request(3))
@@ -137,24 +139,18 @@ def test_a_socket_that_ends_fails_the_wait_and_every_request(
 def test_the_daemons_reason_for_closing_is_raised_to_the_waiter(
     daemon: ScriptedDaemon, stream: TriggerStream
 ) -> None:
-    assert stream.read_alone()
-    try:
+    with _reading(stream):
         mine = stream.send_unlisted(_request(1))
         daemon.read()
         daemon.answer(0, code="RESOURCE_EXHAUSTED")  # request id 0: why it closes
         with pytest.raises(ResourceExhaustedError):
             stream.reply_to(mine, 5.0)
-    finally:
-        stream.stop_reading()
 
 
 def test_only_one_thread_reads_at_a_time(stream: TriggerStream) -> None:
-    assert stream.read_alone()
-    try:
+    with _reading(stream):
         elsewhere: list[bool] = []
         thread = threading.Thread(target=lambda: elsewhere.append(stream.read_alone()))
         thread.start()
         thread.join(5)
         assert elsewhere == [False]  # never waits: that caller takes the table's path
-    finally:
-        stream.stop_reading()
