@@ -259,7 +259,9 @@ class Client:
         self._reaper: threading.Thread | None = None  # started by the first hold=False registration
         self._scratch: dict[int, list[_Segment]] = {}
         self._lock = threading.Lock()
-        self._here = threading.local()  # .foreground: this thread's next request is waited at once
+        # .foreground: this thread's next request is waited at once (a blocking call);
+        # .answer_here: its next request is answered on it if it can be (answer_next_here).
+        self._here = threading.local()
         self._sequence = 0
         self._closed = False
         self._store: layout.Store | None = None  # the layout's store, once discovered
@@ -644,7 +646,8 @@ class Client:
             template = self._prepared.get(key)
             if template is not None:
                 written = x if out is None else out
-                if getattr(self._here, "foreground", False):
+                here = self._here
+                if getattr(here, "foreground", False) or getattr(here, "answer_here", False):
                     answered = self._answer_now(_copy(template), written, timeout)
                     if answered is not None:
                         return answered
@@ -736,7 +739,7 @@ class Client:
         trigger = self._trigger
         if trigger is None or not trigger.read_alone():
             return None
-        self._here.foreground = False
+        self._here.foreground = self._here.answer_here = False
         bound = 2 * timeout + 10
         try:
             with self._lock:  # sequence numbers leave in submission order
@@ -752,6 +755,14 @@ class Client:
         call.settle_with = _read_already
         call.set_result(_plain(result, response))  # or raises the collective's error
         return call
+
+    def answer_next_here(self, on: bool = True) -> None:
+        """For a caller that waits for its next collective at once anyway (a framework's
+        synchronous op): this thread's next request, where it repeats an earlier one on
+        shared-memory arrays, is sent and answered on this thread before its Future is
+        returned, done (no hand-off to the background reader and back). Any other request
+        takes the usual way. ``on=False`` withdraws it when no request followed."""
+        self._here.answer_here = on
 
     def _cancelled(self, sequence: int) -> None:
         """A collective's Future was cancelled: tell the daemon, which fails it for every

@@ -4,7 +4,7 @@ through one daemon (3 ranks) and through two daemons (4 ranks, 2 per node)."""
 
 from __future__ import annotations
 
-from tests.client.torch_backend.torch_workers import ops_against_gloo, uneven_group
+from tests.client.torch_backend.torch_workers import ops_against_gloo, sync_ops_answered_here, uneven_group
 from tests.daemon.harness import run_ranks
 from tests.ports import free_ports
 
@@ -26,3 +26,16 @@ def test_a_group_off_the_node_major_layout_runs(two_nodes) -> None:
     results = run_ranks(4, uneven_group, 4, two_nodes.sockets, 2, free_ports(1)[0], timeout=120)
     assert results[:3] == ["sum 3.0"] * 3, results
     assert results[3] == "created"  # not a member: nothing to attach
+
+
+def test_small_synchronous_ops_are_answered_on_the_callers_thread(daemon) -> None:
+    """torch waits for a synchronous op's work at once (opts.asyncOp False): the backend
+    has its collective answered on the calling thread, with no hand-off to the client's
+    background reader; async ops and ops split into pieces keep the usual way."""
+    results = run_ranks(3, sync_ops_answered_here, 3, [daemon.socket], 3, free_ports(1)[0], timeout=120)
+    for rank, got in enumerate(results):
+        assert not got["wrong"], f"rank {rank}: {got['wrong'][:5]}"
+        # The first call of each kind prepares its request: the other 19 are answered here.
+        assert got["answered"] == {"all_reduce": 19, "broadcast": 19, "reduce": 19, "async": 0, "large": 0}, (
+            f"rank {rank}: {got['answered']}"
+        )

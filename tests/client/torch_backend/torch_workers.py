@@ -612,3 +612,44 @@ def uneven_group(rank: int, world: int, sockets: list[str], per_node: int, port:
     dist.barrier()  # the default group is unaffected
     dist.destroy_process_group()
     return outcome
+
+
+def sync_ops_answered_here(rank: int, world: int, sockets: list[str], per_node: int, port: int) -> dict:
+    """How many of each kind of call were answered on the calling thread (the client's
+    Client._answer_now), and any wrong result: 20 each of synchronous all_reduce, broadcast
+    and reduce of a small tensor, 20 async all_reduces, 3 synchronous all_reduces of 2 MiB."""
+    from lpsync_client.client import Client
+
+    answered = [0]
+    answer_now = Client._answer_now
+
+    def counted(self, *args):
+        call = answer_now(self, *args)
+        answered[0] += call is not None
+        return call
+
+    Client._answer_now = counted  # type: ignore[method-assign]  # this rank process only
+    init(rank, world, sockets, per_node, port)
+    counts, wrong = {}, []
+    ranks = torch.arange(world, dtype=torch.float32)
+    for kind in ("all_reduce", "broadcast", "reduce", "async", "large"):
+        answered[0] = 0
+        for i in range(3 if kind == "large" else 20):
+            t = torch.full((1 << 19,) if kind == "large" else (4,), float(rank + i))
+            if kind == "broadcast":
+                dist.broadcast(t, src=1)
+                want = 1.0 + i
+            elif kind == "reduce":
+                dist.reduce(t, dst=0)
+                want = float((ranks + i).sum()) if rank == 0 else float(rank + i)
+            elif kind == "async":
+                dist.all_reduce(t, async_op=True).wait()
+                want = float((ranks + i).sum())
+            else:
+                dist.all_reduce(t)
+                want = float((ranks + i).sum())
+            if not bool((t == want).all()):
+                wrong.append(f"{kind} #{i}: {t[:4].tolist()} != {want}")
+        counts[kind] = answered[0]
+    dist.destroy_process_group()
+    return {"answered": counts, "wrong": wrong}

@@ -130,6 +130,15 @@ def _failure(op: str, error: BaseException) -> dist.DistBackendError:
     return dist.DistBackendError(f"lpsync {op} failed: {timed_out}{error}")
 
 
+# A synchronous op of at most this many bytes is answered on the caller's thread (_run);
+# a larger one is split into pieces meant to be in flight together.
+ANSWER_HERE_BYTES = 1 << 20
+
+
+def _small(tensors: Iterable[torch.Tensor]) -> bool:
+    return sum(t.numel() * t.element_size() for t in tensors) <= ANSWER_HERE_BYTES
+
+
 def _spans(tensors: Iterable[torch.Tensor]) -> list[Span]:
     """The memory each tensor can touch, by device (_order.py). Sparse tensors are left
     out: their collectives are blocking."""
@@ -425,21 +434,30 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         outputs: list[torch.Tensor],
         pieces: Callable[[LpsyncWork], None],
         inputs: Sequence[torch.Tensor] = (),
+        opts: Any = None,
     ) -> LpsyncWork:
         """Build a work and let ``pieces`` submit its collectives into it, once the group's
         earlier collectives on overlapping memory have finished (_order.py); errors raised
-        while submitting leave the work's earlier pieces to finish and release staging."""
+        while submitting leave the work's earlier pieces to finish and release staging.
+        A small synchronous op (``opts.asyncOp`` False: torch waits for the work at once)
+        has its collective answered on this thread (Client.answer_next_here)."""
         if self._closed:
             raise dist.DistBackendError(f"lpsync {op}: the process group was shut down")
         touched = _spans([*outputs, *inputs])
         self._in_flight.wait_before(touched, self._bound)
         work = LpsyncWork(op, outputs, self._bound)
+        here = opts is not None and not opts.asyncOp and _small(outputs)
+        if here:
+            self.client.answer_next_here()
         try:
             pieces(work)
         except LpsyncError as error:
             self._in_flight.add(work.finished, touched)  # its issued pieces still run
             work.seal()
             raise _failure(op, error) from error
+        finally:
+            if here:
+                self.client.answer_next_here(False)
         self._in_flight.add(work.finished, touched)
         return work.seal()
 
@@ -702,7 +720,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                 else:
                     self._allreduce_piece(work, [t], op)
 
-        return self._run("all_reduce", tensors, pieces)
+        return self._run("all_reduce", tensors, pieces, opts=opts)
 
     def _sparse_allreduce(self, t: torch.Tensor, op: str) -> None:
         """A sparse (COO) sum, as gloo does it: every rank's indices and values are
@@ -754,7 +772,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             for t in tensors:
                 self._rooted_piece(work, "broadcast", t, root)
 
-        return self._run("broadcast", tensors, pieces)
+        return self._run("broadcast", tensors, pieces, opts=opts)
 
     def reduce(  # type: ignore[override]  # (tensors, opts): see above
         self, tensors: list[torch.Tensor], opts: dist.ReduceOptions | None = None
@@ -766,7 +784,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             for t in tensors:
                 self._rooted_piece(work, "reduce", t, root, op)
 
-        return self._run("reduce", tensors, pieces)
+        return self._run("reduce", tensors, pieces, opts=opts)
 
     def allgather(  # type: ignore[override]  # (tensors, opts): see above
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: object = None

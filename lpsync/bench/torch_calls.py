@@ -1,0 +1,133 @@
+"""Small torch.distributed calls on the ``lpsync`` backend beside gloo, in one run.
+
+``--procs`` rank processes with torchrun's environment on one daemon (started here), each
+with the default group on lpsync and a gloo group over the same ranks, run ``--iters``
+synchronous ``dist.all_reduce`` calls of ``--bytes`` (float32) on each, in ``--rounds``
+rounds that alternate lpsync and gloo (a noisy machine disturbs both alike). Prints the
+median over rounds of the slowest rank's time per call and the mean rank's CPU per call,
+and lpsync / gloo. What a framework's small synchronous op costs through the backend:
+the tensor staged into shared memory, the collective, the work torch waits for.
+
+    python -m lpsync.bench.torch_calls --procs 2 --iters 2000 [--bytes 4] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from lpsync.demo.local_cluster import DemoError, LocalCluster
+from lpsync.transport.ports import free_ports
+
+ENGINES = ("lpsync", "gloo")
+
+
+def _rank(rank: int, procs: int, socket: str, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(procs),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(procs),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        LPSYNC_SOCKET=socket,
+        LPSYNC_JOB=f"torch-calls-{port}",
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import lpsync_client.torch  # noqa: F401 - registers "lpsync"
+
+        torch.set_num_threads(1)
+        dist.init_process_group("lpsync")
+        groups = {"lpsync": None, "gloo": dist.new_group(backend="gloo")}
+        t = torch.ones(max(1, args.bytes // 4))
+        rounds: dict[str, list[tuple[float, float]]] = {e: [] for e in ENGINES}
+        for _ in range(args.rounds):
+            for engine in ENGINES:
+                group = groups[engine]
+                for _ in range(args.warmup):
+                    dist.all_reduce(t, group=group)
+                dist.barrier(group=groups["gloo"])
+                cpu, start = time.process_time(), time.perf_counter()
+                for _ in range(args.iters):
+                    dist.all_reduce(t, group=group)
+                seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+                rounds[engine].append((seconds / args.iters, cpu / args.iters))
+        dist.destroy_process_group()
+        out.put((rank, rounds, ""))
+    except Exception as error:  # reported, not lost with the process
+        out.put((rank, {}, f"{type(error).__name__}: {error}"))
+
+
+def measure(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
+    """Per engine and round: the slowest rank's seconds per call, the mean rank's CPU."""
+    with tempfile.TemporaryDirectory(prefix="lpsync-torch-calls-") as where:
+        cluster = LocalCluster(Path(where), 1)
+        try:
+            ctx = mp.get_context("spawn")
+            out: mp.Queue = ctx.Queue()
+            (port,) = free_ports(1)
+            ranks = [
+                ctx.Process(target=_rank, args=(r, args.procs, cluster.nodes[0].socket, port, args, out))
+                for r in range(args.procs)
+            ]
+            for process in ranks:
+                process.start()
+            results = [out.get(timeout=300 + args.rounds * args.iters * 0.01) for _ in ranks]
+            for process in ranks:
+                process.join(30)
+        finally:
+            cluster.stop()
+    failed = [f"rank {r}: {error}" for r, _, error in results if error]
+    if failed:
+        raise DemoError("; ".join(failed))
+    per_rank = [rounds for _, rounds, _ in results]
+    return {
+        engine: [
+            (max(r[engine][i][0] for r in per_rank), statistics.mean(r[engine][i][1] for r in per_rank))
+            for i in range(args.rounds)
+        ]
+        for engine in ENGINES
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lpsync.bench.torch_calls", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--procs", type=int, default=2, help="rank processes (default 2)")
+    parser.add_argument("--iters", type=int, default=2000, help="timed calls per round and engine")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds, alternating lpsync and gloo")
+    parser.add_argument("--warmup", type=int, default=200, help="untimed calls before each round")
+    parser.add_argument("--bytes", type=int, default=4, help="tensor size in bytes, float32 (default 4)")
+    args = parser.parse_args(argv)
+    if args.procs < 2 or args.iters < 1 or args.rounds < 1 or args.warmup < 0 or args.bytes < 4:
+        parser.error("--procs must be >= 2, --iters and --rounds >= 1, --warmup >= 0, --bytes >= 4")
+    try:
+        rounds = measure(args)
+    except DemoError as error:
+        print(f"torch_calls: {error}", file=sys.stderr)
+        return 1
+    print(
+        f"# {args.procs} ranks on one daemon, synchronous dist.all_reduce of {args.bytes} B, "
+        f"{args.rounds} rounds of {args.iters} calls; medians over rounds"
+    )
+    print("# engine   time/call (us)  rank CPU/call (us)")
+    median = {e: [statistics.median(v[i] for v in rounds[e]) for i in (0, 1)] for e in ENGINES}
+    for engine in ENGINES:
+        print(f"{engine:8s} {median[engine][0] * 1e6:15.0f} {median[engine][1] * 1e6:19.0f}")
+    ratios = [statistics.median(a[i] / b[i] for a, b in zip(*rounds.values(), strict=True)) for i in (0, 1)]
+    print(f"# lpsync / gloo (median of rounds): time {ratios[0]:.2f}x, CPU {ratios[1]:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""``python -m lpsync.bench.torch_calls``: small synchronous torch.distributed calls on
+the lpsync backend beside gloo, real ranks and a real daemon, in one run."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.bench.modules import run_bench
+
+pytest.importorskip("torch")
+
+
+def test_lpsync_and_gloo_side_by_side() -> None:
+    done = run_bench("torch_calls", "--procs", "2", "--iters", "30", "--rounds", "2", "--warmup", "5")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {
+        line.split()[0]: [float(v) for v in line.split()[1:]]
+        for line in done.stdout.splitlines()
+        if not line.startswith("#")
+    }
+    assert set(rows) == {"lpsync", "gloo"}, done.stdout
+    for seconds, cpu in rows.values():
+        assert seconds > 0 and cpu > 0, done.stdout
+    assert "# lpsync / gloo (median of rounds): time " in done.stdout
+
+
+def test_bad_arguments_are_refused() -> None:
+    done = run_bench("torch_calls", "--procs", "1")
+    assert done.returncode == 2 and "--procs must be >= 2" in done.stderr
