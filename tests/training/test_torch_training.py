@@ -3,8 +3,6 @@ processes through real daemons, against gloo, per-tensor allreduce and one proce
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue as queue_module
 import re
 from pathlib import Path
 
@@ -89,24 +87,10 @@ def test_broadcast_parameters_and_optimizer_state(daemon: DaemonProcess) -> None
 def test_killed_trainer_fails_the_others(daemon: DaemonProcess) -> None:
     (port,) = free_ports(1)
     victim = 2
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_report, args=(q, r, 3, daemon.socket, port, victim)) for r in range(3)]
-    for p in procs:
-        p.start()
-    try:
-        reports = {}
-        while len(reports) < 2:
-            rank, text = q.get(timeout=90)
-            reports[rank] = text
-    except queue_module.Empty:
-        pytest.fail(f"survivors did not report within 90 s: {reports}")
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    results = run_ranks(
+        3, killed_midway, 3, daemon.socket, "killed", port, victim, dies=(victim,), timeout=90
+    )
+    reports = {rank: text for rank, text in enumerate(results) if rank != victim}
     assert set(reports) == {0, 1}
     for rank, text in reports.items():
         seconds = float(text.split("s ", 1)[0])
@@ -115,7 +99,3 @@ def test_killed_trainer_fails_the_others(daemon: DaemonProcess) -> None:
         lost = r"\brank(\(s\))? (\d+ \([^)]*\), )*2\b"
         assert "AbortedError" in text and re.search(lost, text), f"rank {rank}: {text}"
         assert seconds < 40, f"rank {rank} took {seconds} s to fail: {text}"
-
-
-def _report(q, rank: int, world: int, socket: str, port: int, victim: int) -> None:
-    q.put((rank, killed_midway(rank, world, socket, "killed", port, victim)))
