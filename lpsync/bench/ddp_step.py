@@ -19,6 +19,7 @@ import statistics
 import tempfile
 import time
 
+from lpsync.bench.ranks import torchrun_env
 from lpsync.daemon import launch
 from lpsync.daemon.launch import serving
 
@@ -36,16 +37,7 @@ def _model(width: int, depth: int):
 
 
 def _rank(rank: int, procs: int, socket: str, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(procs),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(procs),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        LPSYNC_SOCKET=socket,
-        LPSYNC_JOB=f"ddp-bench-{port}",
-    )
+    torchrun_env(rank, procs, port, socket, f"ddp-bench-{port}")
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP

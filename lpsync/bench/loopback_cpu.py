@@ -23,6 +23,7 @@ from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from lpsync.bench.cpu import CpuMeter
+from lpsync.bench.ranks import spawn_ranks
 from lpsync.demo.local_cluster import DemoError, LocalCluster
 
 _WARMUP = 200
@@ -76,20 +77,8 @@ def measure(nodes: int, nbytes: int, iters: int, transport: str) -> list[Calls]:
     with tempfile.TemporaryDirectory(prefix="lpsync-cpu-") as where:
         cluster = LocalCluster(Path(where), nodes, ("--peer-transport", transport))
         try:
-            ctx = mp.get_context("spawn")
-            out: mp.Queue = ctx.Queue()
-            ranks = [
-                ctx.Process(
-                    target=_rank,
-                    args=(r, nodes, node.socket, node.daemon.pid, nbytes, iters, out),
-                )
-                for r, node in enumerate(cluster.nodes)
-            ]
-            for process in ranks:
-                process.start()
-            results = sorted(out.get(timeout=600 + iters * 0.05) for _ in ranks)
-            for process in ranks:
-                process.join(30)
+            each = [(r, nodes, n.socket, n.daemon.pid, nbytes, iters) for r, n in enumerate(cluster.nodes)]
+            results = spawn_ranks(_rank, each, 600 + iters * 0.05)
         finally:
             cluster.stop()
     failed = [f"rank {r}: {error}" for r, _, error in results if error]

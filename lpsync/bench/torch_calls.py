@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from lpsync.bench.ranks import spawn_ranks, torchrun_env
 from lpsync.demo.local_cluster import DemoError, LocalCluster
 from lpsync.transport.ports import free_ports
 
@@ -29,16 +29,7 @@ ENGINES = ("lpsync", "gloo")
 
 
 def _rank(rank: int, procs: int, socket: str, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(procs),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(procs),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        LPSYNC_SOCKET=socket,
-        LPSYNC_JOB=f"torch-calls-{port}",
-    )
+    torchrun_env(rank, procs, port, socket, f"torch-calls-{port}")
     try:
         import torch
         import torch.distributed as dist
@@ -72,18 +63,13 @@ def measure(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
     with tempfile.TemporaryDirectory(prefix="lpsync-torch-calls-") as where:
         cluster = LocalCluster(Path(where), 1)
         try:
-            ctx = mp.get_context("spawn")
-            out: mp.Queue = ctx.Queue()
             (port,) = free_ports(1)
-            ranks = [
-                ctx.Process(target=_rank, args=(r, args.procs, cluster.nodes[0].socket, port, args, out))
-                for r in range(args.procs)
-            ]
-            for process in ranks:
-                process.start()
-            results = [out.get(timeout=300 + args.rounds * args.iters * 0.01) for _ in ranks]
-            for process in ranks:
-                process.join(30)
+            socket = cluster.nodes[0].socket
+            results = spawn_ranks(
+                _rank,
+                [(r, args.procs, socket, port, args) for r in range(args.procs)],
+                300 + args.rounds * args.iters * 0.01,
+            )
         finally:
             cluster.stop()
     failed = [f"rank {r}: {error}" for r, _, error in results if error]
