@@ -734,7 +734,7 @@ class Client:
     def _answer_now(self, message: pb.SessionRequest, result: object, timeout: float) -> Call | None:
         """A blocking call of a prepared request over the trigger socket, sent and its reply
         read on this thread with no Future in the table of requests in flight (TriggerStream
-        .reply_to): 40% of the client's CPU per small call went to that bookkeeping. A done
+        .reply_to): 13% less client CPU per small call than through the table. A done
         Call; None where another thread reads the replies now (``_send`` then)."""
         trigger = self._trigger
         if trigger is None or not trigger.read_alone():
