@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import runpy
 import signal
 import subprocess
@@ -21,6 +23,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 import lpsync_client
 from lpsync.daemon import launch
+from lpsync.daemon.control import server
 from lpsync.daemon.control.config import load
 from lpsync.errors import InvalidArgumentError
 from tests.daemon.harness import ROOT, DaemonProcess, shm_segments
@@ -82,22 +85,64 @@ def test_sigterm_drains_and_cleans_up(tmp_path: Path) -> None:
 
 
 def test_a_repeated_sigterm_still_exits_cleanly(tmp_path: Path) -> None:
-    """A supervisor or a script may send SIGTERM more than once: one every 5 ms until the
-    daemon is gone, with a session attached. Each one lands during the drain, or after it
-    (where the event loop has put back the default handler, which would kill it: -15)."""
+    """A supervisor or a script may send SIGTERM more than once: one every 0.5 ms until
+    the daemon is gone, with a session attached. Each one lands during the drain, or after
+    it (where the default action would kill it: -15)."""
     d = DaemonProcess(tmp_path)
     client = lpsync_client.connect(d.socket, job="again", rank=0, world_size=1, timeout=10)
     client.allreduce(client.zeros(16))
     sent = 0
-    while d.alive() and sent < 4000:  # 20 s
+    while d.alive() and sent < 40000:  # 20 s
         d.proc.send_signal(signal.SIGTERM)
         sent += 1
-        time.sleep(0.005)
+        time.sleep(0.0005)
     rc = d.wait_stopped(10)
     client.close()
     assert sent > 1 and rc == 0, (sent, rc, d.tail())
     assert shm_segments(d.pid) == []
     assert not Path(d.socket).exists()
+
+
+def test_stop_signals_go_from_stopping_the_daemon_to_ignored_without_the_default_between(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The daemon's SIGTERM and SIGINT (server._catch_stop_signals): a signal landing on
+    another thread wakes the loop and asks it to stop; once stopped they are ignored, and
+    never does SIGTERM fall back to its default action on the way (CI once saw a second
+    SIGTERM kill a daemon that had stopped cleanly: asyncio puts SIG_DFL back when it
+    drops a handler)."""
+    set_to: list[object] = []
+    real_signal = signal.signal
+
+    def recording(signum, handler):
+        if signum == signal.SIGTERM:
+            set_to.append(handler)
+        return real_signal(signum, handler)
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(signal, "signal", recording)
+    stops: list[str] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stopped = asyncio.Event()
+        ignore = server._catch_stop_signals(loop, lambda: (stops.append("stop"), stopped.set()))
+        # From another thread, as a signal may land on any thread of the daemon.
+        threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+        await asyncio.wait_for(stopped.wait(), 5)
+        ignore()
+        os.kill(os.getpid(), signal.SIGTERM)  # ignored: the test process lives on
+        await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(main())
+        assert stops == ["stop"]
+        assert signal.SIG_DFL not in set_to, set_to
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        for signum, handler in before.items():
+            real_signal(signum, handler)
 
 
 def test_stop_together_kills_a_daemon_that_does_not_exit_and_reports_it(tmp_path: Path) -> None:

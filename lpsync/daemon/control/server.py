@@ -15,7 +15,9 @@ import hmac
 import logging
 import os
 import signal
+import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -289,20 +291,49 @@ def _socket_alive(path: Path) -> bool:
     return True
 
 
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _catch_stop_signals(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) -> Callable[[], None]:
+    """Have SIGTERM and SIGINT call ``stop`` on ``loop``; returns what ignores them from
+    then on. Not loop.add_signal_handler: asyncio puts the default action back when it
+    lets go of a handler, and a repeated SIGTERM (a supervisor's, a script's) landing
+    between that and ignoring it killed a daemon that had stopped cleanly (exit -15).
+    Here a handler goes straight to SIG_IGN. The wake-up socket wakes the loop where the
+    signal lands on another thread than the one the loop runs on."""
+    reader, writer = socket.socketpair()
+    reader.setblocking(False)
+    writer.setblocking(False)
+
+    def drain() -> None:
+        with contextlib.suppress(OSError):
+            reader.recv(4096)
+
+    loop.add_reader(reader.fileno(), drain)
+    previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, lambda _signum, _frame: loop.call_soon_threadsafe(stop))
+
+    def ignore() -> None:
+        for signum in _STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        signal.set_wakeup_fd(previous)
+        loop.remove_reader(reader.fileno())
+        reader.close()
+        writer.close()
+
+    return ignore
+
+
 async def _serve(config: DaemonConfig) -> Daemon:
     daemon = Daemon(config)
-    loop = asyncio.get_running_loop()
     await daemon.start()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, daemon.request_stop)
+    ignore_stop_signals = _catch_stop_signals(asyncio.get_running_loop(), daemon.request_stop)
     try:
         await daemon.wait()
     finally:
         await daemon.stop()
-        # Stopped and cleaned up: a repeated SIGTERM (a supervisor's, a script's) must not
-        # turn the exit into -15 once the loop has put back the default handler on closing.
-        loop.remove_signal_handler(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        ignore_stop_signals()  # stopped and cleaned up: a repeated SIGTERM changes nothing
     return daemon
 
 
