@@ -44,7 +44,7 @@ check: lint bytecode
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(UNIT)
 
 test: lint bytecode
-	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --durations=30
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=30
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m lpsync.bench.executor --procs 4 --bytes 64MiB --algorithm lp,ring,be,mst

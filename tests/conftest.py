@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -19,38 +20,28 @@ def daemon(tmp_path: Path):
         proc.stop_and_check()
 
 
-# The files that take longest in all (`pytest --durations=0`, summed per file), started
-# first: under `--dist loadfile` a long file begun near the end sets the suite's wall time
-# by itself (longest first is the classic packing of jobs onto workers).
-SLOWEST_FIRST = (
-    "tests/training/test_examples.py",  # 106 s
-    "tests/daemon/test_hierarchy.py",  # 99 s
-    "tests/client/torch_backend/test_backend_training.py",  # 92 s
-    "tests/daemon/test_daemon_multinode.py",  # 81 s
-    "tests/torch_suite/test_torch_suite.py",  # 75 s
-    "tests/training/test_torch_training.py",  # 73 s
-    "tests/training/test_demo.py",  # 72 s
-    "tests/test_paper.py",  # 72 s
-    "tests/cluster/test_chaos.py",  # 69 s
-    "tests/cluster/test_clean_exits.py",  # 61 s
-    "tests/transport/test_peer_transports.py",  # 59 s
-    "tests/daemon/test_partitions.py",  # 46 s
-    "tests/daemon/test_daemon_devices.py",  # 44 s
-    "tests/deploy/test_prometheus.py",  # 43 s
-    "tests/cluster/test_cluster_bench.py",  # 39 s
-    "tests/client/torch_backend/test_backend_errors.py",  # 37 s
-    "tests/client/torch_backend/test_backend_ops.py",  # 37 s
-    "tests/daemon/test_daemon_data_movement.py",  # 36 s
-    "tests/client/torch_backend/test_backend_layout.py",  # 36 s
-    "tests/daemon/test_overload.py",  # 35 s
+# The order files start in under `make test` (--dist loadfile --no-loadscope-reorder): the
+# files most of whose time is one or two long tests (summed per file over a whole run, 4
+# workers on 2 cores, 2026-12-06) first, each beside one of the files with the most tests;
+# then the rest, most tests first. pytest-xdist's own order (most tests first) started the
+# one-test 67-s chaos file last, alone at the end (9 min 04 s that run); all the long
+# files first ran four heavy torch files at once and each took 1.5x longer (9 min 18 s).
+LONG_FEW = (
+    "tests/cluster/test_chaos.py",  # 67 s, one test
+    "tests/test_paper.py",  # 77 s, mostly one fixture
+    "tests/torch_suite/test_torch_suite.py",  # 63 s, one test
+    "tests/training/test_demo.py",  # 74 s, one test most of it
+    "tests/training/test_examples.py",  # 145 s, 6 tests
+    "tests/training/test_torch_training.py",  # 93 s
 )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     root = Path(__file__).resolve().parent.parent
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-
-    def key(item: pytest.Item) -> int:
-        return rank.get(Path(item.path).resolve().relative_to(root).as_posix(), len(rank))
-
-    items.sort(key=key)  # stable: each file's tests keep their order
+    by_file: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_file.setdefault(Path(item.path).resolve().relative_to(root).as_posix(), []).append(item)
+    long = [f for f in LONG_FEW if f in by_file]
+    rest = sorted((f for f in by_file if f not in LONG_FEW), key=lambda f: -len(by_file[f]))
+    order = [f for pair in itertools.zip_longest(long, rest) for f in pair if f is not None]
+    items[:] = [item for f in order for item in by_file[f]]  # each file's tests keep their order
