@@ -2,13 +2,15 @@
 
 ``--procs`` rank processes with torchrun's environment on one daemon (started here), each
 with the default group on lpsync and a gloo group over the same ranks, run ``--iters``
-synchronous ``dist.all_reduce`` calls of ``--bytes`` (float32) on each, in ``--rounds``
-rounds that alternate lpsync and gloo (a noisy machine disturbs both alike). Prints the
+synchronous calls of ``--op`` (``dist.all_reduce`` by default) on ``--bytes`` (float32,
+each rank's share) on each, in ``--rounds`` rounds that alternate lpsync and gloo (a
+noisy machine disturbs both alike). Prints the
 median over rounds of the slowest rank's time per call and the mean rank's CPU per call,
 and lpsync / gloo. What a framework's small synchronous op costs through the backend:
 the tensor staged into shared memory, the collective, the work torch waits for.
 
-    python -m lpsync.bench.torch_calls --procs 2 --iters 2000 [--bytes 4] [--rounds 5]
+    python -m lpsync.bench.torch_calls --procs 2 --iters 2000 [--bytes 4] [--rounds 5] \
+        [--op all_reduce|broadcast|all_gather|reduce_scatter]
 """
 
 from __future__ import annotations
@@ -19,13 +21,32 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from lpsync.bench.ranks import spawn_ranks, torchrun_env
 from lpsync.demo.local_cluster import DemoError, LocalCluster
 from lpsync.transport.ports import free_ports
 
 ENGINES = ("lpsync", "gloo")
+OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")  # torch's *_tensor forms
+
+
+def _call(op: str, t: Any, procs: int) -> Callable[[Any], object]:
+    """One synchronous ``op`` on ``t`` (each rank's share) in a group; its buffers made once."""
+    import torch
+    import torch.distributed as dist
+
+    if op == "broadcast":
+        return lambda group: dist.broadcast(t, src=0, group=group)
+    if op == "all_gather":
+        every = torch.empty(procs * t.numel())
+        return lambda group: dist.all_gather_into_tensor(every, t, group=group)
+    if op == "reduce_scatter":
+        every = torch.ones(procs * t.numel())
+        return lambda group: dist.reduce_scatter_tensor(t, every, group=group)
+    return lambda group: dist.all_reduce(t, group=group)
 
 
 def _rank(rank: int, procs: int, socket: str, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
@@ -39,17 +60,17 @@ def _rank(rank: int, procs: int, socket: str, port: int, args: argparse.Namespac
         torch.set_num_threads(1)
         dist.init_process_group("lpsync")
         groups = {"lpsync": None, "gloo": dist.new_group(backend="gloo")}
-        t = torch.ones(max(1, args.bytes // 4))
+        call = _call(args.op, torch.ones(max(1, args.bytes // 4)), procs)
         rounds: dict[str, list[tuple[float, float]]] = {e: [] for e in ENGINES}
         for _ in range(args.rounds):
             for engine in ENGINES:
                 group = groups[engine]
                 for _ in range(args.warmup):
-                    dist.all_reduce(t, group=group)
+                    call(group)
                 dist.barrier(group=groups["gloo"])
                 cpu, start = time.process_time(), time.perf_counter()
                 for _ in range(args.iters):
-                    dist.all_reduce(t, group=group)
+                    call(group)
                 seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
                 rounds[engine].append((seconds / args.iters, cpu / args.iters))
         dist.destroy_process_group()
@@ -93,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=2000, help="timed calls per round and engine")
     parser.add_argument("--rounds", type=int, default=5, help="rounds, alternating lpsync and gloo")
     parser.add_argument("--warmup", type=int, default=200, help="untimed calls before each round")
-    parser.add_argument("--bytes", type=int, default=4, help="tensor size in bytes, float32 (default 4)")
+    parser.add_argument(
+        "--bytes", type=int, default=4, help="each rank's tensor in bytes, float32 (default 4)"
+    )
+    parser.add_argument("--op", choices=OPS, default="all_reduce", help="the call (default all_reduce)")
     args = parser.parse_args(argv)
     if args.procs < 2 or args.iters < 1 or args.rounds < 1 or args.warmup < 0 or args.bytes < 4:
         parser.error("--procs must be >= 2, --iters and --rounds >= 1, --warmup >= 0, --bytes >= 4")
@@ -103,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torch_calls: {error}", file=sys.stderr)
         return 1
     print(
-        f"# {args.procs} ranks on one daemon, synchronous dist.all_reduce of {args.bytes} B, "
+        f"# {args.procs} ranks on one daemon, synchronous dist.{args.op} of {args.bytes} B a rank, "
         f"{args.rounds} rounds of {args.iters} calls; medians over rounds"
     )
     print("# engine   time/call (us)  rank CPU/call (us)")

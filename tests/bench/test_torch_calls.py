@@ -11,7 +11,20 @@ pytest.importorskip("torch")
 
 
 def test_lpsync_and_gloo_side_by_side() -> None:
-    done = run_bench("torch_calls", "--procs", "2", "--iters", "30", "--rounds", "2", "--warmup", "5")
+    # reduce_scatter_tensor: the op whose buffers differ in size (each rank's block out).
+    done = run_bench(
+        "torch_calls",
+        "--procs",
+        "2",
+        "--iters",
+        "30",
+        "--rounds",
+        "2",
+        "--warmup",
+        "5",
+        "--op",
+        "reduce_scatter",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {
         line.split()[0]: [float(v) for v in line.split()[1:]]
@@ -22,6 +35,7 @@ def test_lpsync_and_gloo_side_by_side() -> None:
     for seconds, cpu in rows.values():
         assert seconds > 0 and cpu > 0, done.stdout
     assert "# lpsync / gloo (median of rounds): time " in done.stdout
+    assert "synchronous dist.reduce_scatter of 4 B a rank" in done.stdout
 
 
 def test_bad_arguments_are_refused() -> None:

@@ -446,7 +446,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         touched = _spans([*outputs, *inputs])
         self._in_flight.wait_before(touched, self._bound)
         work = LpsyncWork(op, outputs, self._bound)
-        here = opts is not None and not opts.asyncOp and _small(outputs)
+        here = opts is not None and not opts.asyncOp and _small(outputs) and _small(inputs)
         if here:
             self.client.answer_next_here()
         try:
@@ -793,7 +793,8 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             for outs, inp in zip(output_lists, inputs, strict=True):
                 self._gather_piece(work, outs, inp)
 
-        return self._run("all_gather", [o for outs in output_lists for o in outs], pieces, inputs)
+        outputs = [o for outs in output_lists for o in outs]
+        return self._run("all_gather", outputs, pieces, inputs, opts=opts)
 
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None
@@ -834,7 +835,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                     inp,
                 )
 
-        return self._run("all_gather_into_tensor", outputs, pieces, inputs)
+        return self._run("all_gather_into_tensor", outputs, pieces, inputs, opts=opts)
 
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None
@@ -853,7 +854,8 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             for out, inputs in zip(outputs, input_lists, strict=True):
                 self._scatter_piece(work, out, inputs, op)
 
-        return self._run("reduce_scatter", outputs, pieces, [i for ins in input_lists for i in ins])
+        inputs = [i for ins in input_lists for i in ins]
+        return self._run("reduce_scatter", outputs, pieces, inputs, opts=opts)
 
     def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork:
         return self.reduce_scatter_single_coalesced([output], [inp], opts)
@@ -881,7 +883,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                 blocks = list(flat.chunk(self.size())) if out.numel() else [inp] * self.size()
                 self._scatter_piece(work, out, blocks, op)
 
-        return self._run("reduce_scatter_tensor", outputs, pieces, inputs)
+        return self._run("reduce_scatter_tensor", outputs, pieces, inputs, opts=opts)
 
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None
