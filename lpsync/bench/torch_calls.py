@@ -4,10 +4,10 @@
 with the default group on lpsync and a gloo group over the same ranks, run ``--iters``
 synchronous calls of ``--op`` (``dist.all_reduce`` by default) on ``--bytes`` (float32,
 each rank's share) on each, in ``--rounds`` rounds that alternate lpsync and gloo (a
-noisy machine disturbs both alike). Prints the
-median over rounds of the slowest rank's time per call and the mean rank's CPU per call,
-and lpsync / gloo. What a framework's small synchronous op costs through the backend:
-the tensor staged into shared memory, the collective, the work torch waits for.
+noisy machine disturbs both alike). Prints the median over rounds of the slowest rank's
+time per call and the mean rank's CPU per call, and lpsync / gloo. What a framework's
+small synchronous op costs through the backend: the tensor staged into shared memory,
+the collective, the work torch waits for.
 
     python -m lpsync.bench.torch_calls --procs 2 --iters 2000 [--bytes 4] [--rounds 5] \
         [--op all_reduce|broadcast|all_gather|reduce_scatter]
