@@ -280,9 +280,7 @@ def _sockets_congestion(transport: str, asked: str, host_default: str) -> tuple[
 
 
 def _socket_alive(path: Path) -> bool:
-    import socket as sk
-
-    with sk.socket(sk.AF_UNIX, sk.SOCK_STREAM) as probe:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(1.0)
         try:
             probe.connect(str(path))
