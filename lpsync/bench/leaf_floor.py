@@ -9,7 +9,9 @@ verdict and replies to the rank. The root has one reader thread per leaf, as nod
 one per peer; the thread that receives the last summary of a call sends every verdict.
 These are the system calls and wake-ups of a leaf (2 per call) and of node 0 (one per
 child, and the sends) in lpsync's riding path; what lpsync spends above them is its
-Python logic (checks, matching, agreement, flight recorder, metrics).
+Python logic (checks, matching, agreement, flight recorder, metrics). The rank's floor is
+one send and one blocking receive of a few bytes; lpsync's rank runs the client's
+blocking ``allreduce`` (request built, reply parsed).
 
 Then ``lpsync.bench.loopback_cpu`` runs the same shape through real daemons (node 0 with
 a rank of its own besides), and the ratios are printed.
@@ -200,19 +202,28 @@ def main(argv: list[str] | None = None) -> int:
     lpsync_leaf = statistics.median(r.daemon_cpu for r in daemons[1:])
     floor_time = statistics.median(r.seconds for r in rows)
     floor_switches = statistics.median(r.leaf_switches for r in rows)
+    floor_rank = statistics.median(r.rank_cpu for r in rows)
+    lpsync_rank = statistics.median(r.rank_cpu for r in daemons[1:])
     lpsync_time = statistics.median(r.seconds for r in daemons)
     lpsync_switches = statistics.median(r.daemon_switches for r in daemons[1:])
     node0 = daemons[0].daemon_cpu
     print(f"# {args.nodes} nodes on loopback (a root and {args.nodes - 1} leaves), {args.iters} calls of 4 B")
-    print("#               time/call (us)  leaf CPU/call (us)  root CPU/call (us)  leaf switches/call")
-    for name, seconds, leaf, root, switches in (
-        ("floor ", floor_time, floor_leaf, root_cpu, floor_switches),
-        ("lpsync", lpsync_time, lpsync_leaf, node0, lpsync_switches),
+    print(
+        "#               time/call (us)  leaf CPU/call (us)  root CPU/call (us)  rank CPU/call (us)"
+        "  leaf switches/call"
+    )
+    for name, seconds, leaf, root, rank, switches in (
+        ("floor ", floor_time, floor_leaf, root_cpu, floor_rank, floor_switches),
+        ("lpsync", lpsync_time, lpsync_leaf, node0, lpsync_rank, lpsync_switches),
     ):
-        print(f"  {name} {seconds * 1e6:21.0f} {leaf * 1e6:19.0f} {root * 1e6:19.0f} {switches:19.1f}")
+        print(
+            f"  {name} {seconds * 1e6:21.0f} {leaf * 1e6:19.0f} {root * 1e6:19.0f} {rank * 1e6:19.0f}"
+            f" {switches:19.1f}"
+        )
     print(
         f"# lpsync / floor: leaf {lpsync_leaf / floor_leaf:.2f}, root {node0 / root_cpu:.2f}, "
-        f"time {lpsync_time / floor_time:.2f} (medians over the leaves; lpsync's node 0 also serves a rank)"
+        f"rank {lpsync_rank / floor_rank:.2f}, time {lpsync_time / floor_time:.2f} "
+        "(medians over the leaves and their ranks; lpsync's node 0 also serves a rank)"
     )
     return 0
 

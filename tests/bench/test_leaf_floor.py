@@ -15,12 +15,14 @@ def test_the_floor_and_the_daemons_side_by_side() -> None:
         if not line.startswith("#")
     }
     assert set(rows) == {"floor", "lpsync"}, done.stdout
-    for seconds, leaf, root, switches in rows.values():
-        assert seconds > 0 and leaf > 0 and root > 0, done.stdout
+    for seconds, leaf, root, rank, switches in rows.values():
+        assert seconds > 0 and leaf > 0 and root > 0 and rank > 0, done.stdout
         # A leaf wakes at least for the request and for the verdict.
         assert switches >= 1.5, done.stdout
     # The daemons make the same system calls and run their logic besides.
     assert rows["lpsync"][1] > rows["floor"][1], done.stdout
+    # The client builds its request and parses its reply besides the same two calls.
+    assert rows["lpsync"][3] > rows["floor"][3], done.stdout
     assert "# lpsync / floor: leaf" in done.stdout
 
 
