@@ -10,7 +10,7 @@ small synchronous op costs through the backend: the tensor staged into shared me
 the collective, the work torch waits for.
 
     python -m lpsync.bench.torch_calls --procs 2 --iters 2000 [--bytes 4] [--rounds 5] \
-        [--op all_reduce|broadcast|all_gather|reduce_scatter]
+        [--op all_reduce|broadcast|all_gather|reduce_scatter|barrier]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from lpsync.demo.local_cluster import DemoError, LocalCluster
 from lpsync.transport.ports import free_ports
 
 ENGINES = ("lpsync", "gloo")
-OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")  # torch's *_tensor forms
+OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")  # torch's *_tensor forms
 
 
 def _call(op: str, t: Any, procs: int) -> Callable[[Any], object]:
@@ -38,6 +38,8 @@ def _call(op: str, t: Any, procs: int) -> Callable[[Any], object]:
     import torch
     import torch.distributed as dist
 
+    if op == "barrier":  # no tensor: --bytes does not apply
+        return lambda group: dist.barrier(group=group)
     if op == "broadcast":
         return lambda group: dist.broadcast(t, src=0, group=group)
     if op == "all_gather":
@@ -126,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     except DemoError as error:
         print(f"torch_calls: {error}", file=sys.stderr)
         return 1
+    size = "" if args.op == "barrier" else f" of {args.bytes} B a rank"
     print(
-        f"# {args.procs} ranks on one daemon, synchronous dist.{args.op} of {args.bytes} B a rank, "
+        f"# {args.procs} ranks on one daemon, synchronous dist.{args.op}{size}, "
         f"{args.rounds} rounds of {args.iters} calls; medians over rounds"
     )
     print("# engine   time/call (us)  rank CPU/call (us)")

@@ -632,7 +632,9 @@ class Client:
         # Hot path: arrays already in shared memory, a call seen before -> copy a prepared
         # request, number it, send. No lookups, no staging.
         key = None
-        if type(x) is np.ndarray and (out is None or type(out) is np.ndarray):
+        if x is None and out is None:  # no operand (a barrier): its request repeats as is
+            key = (op, None, None, root, reduce_op, algorithm, timeout, name)
+        elif type(x) is np.ndarray and (out is None or type(out) is np.ndarray):
             key = (
                 op,
                 _span(x),
@@ -643,6 +645,7 @@ class Client:
                 timeout,
                 name,
             )
+        if key is not None:
             template = self._prepared.get(key)
             if template is not None:
                 written = x if out is None else out

@@ -617,8 +617,8 @@ def uneven_group(rank: int, world: int, sockets: list[str], per_node: int, port:
 def sync_ops_answered_here(rank: int, world: int, sockets: list[str], per_node: int, port: int) -> dict:
     """How many of each kind of call were answered on the calling thread (the client's
     Client._answer_now), and any wrong result: 20 each of synchronous all_reduce, broadcast,
-    reduce, all_gather_into_tensor and reduce_scatter_tensor of a small tensor, 20 async
-    all_reduces, 3 synchronous all_reduces of 2 MiB."""
+    reduce, all_gather_into_tensor and reduce_scatter_tensor of a small tensor, 20
+    synchronous barriers, 20 async all_reduces, 3 synchronous all_reduces of 2 MiB."""
     from lpsync_client.client import Client
 
     answered = [0]
@@ -633,7 +633,8 @@ def sync_ops_answered_here(rank: int, world: int, sockets: list[str], per_node: 
     init(rank, world, sockets, per_node, port)
     counts, wrong = {}, []
     ranks = torch.arange(world, dtype=torch.float32)
-    for kind in ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "async", "large"):
+    kinds = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "barrier", "async", "large")
+    for kind in kinds:
         answered[0] = 0
         for i in range(3 if kind == "large" else 20):
             t = torch.full((1 << 19,) if kind == "large" else (4,), float(rank + i))
@@ -651,6 +652,9 @@ def sync_ops_answered_here(rank: int, world: int, sockets: list[str], per_node: 
                 t = torch.empty(4)
                 dist.reduce_scatter_tensor(t, torch.full((world * 4,), float(rank + i)))
                 want = float((ranks + i).sum())
+            elif kind == "barrier":  # no result to check (the barrier tests check waiting)
+                dist.barrier()
+                continue
             elif kind == "async":
                 dist.all_reduce(t, async_op=True).wait()
                 want = float((ranks + i).sum())

@@ -891,7 +891,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         return self.reduce_scatter_single_coalesced(outputs, inputs, opts)
 
     def barrier(self, opts=None) -> LpsyncWork:
-        return self._run("barrier", [], self._barrier_piece)
+        return self._run("barrier", [], self._barrier_piece, opts=opts)
 
     # -- what lpsync does not offer: a clear error, never a hang -----------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> LpsyncWork:  # type: ignore[override]
