@@ -133,3 +133,20 @@ def test_threads_in_blocking_calls_only_hand_the_reading_on(daemon: DaemonProces
                 assert (x == t + i).all(), f"thread {t}: {x}"
 
         _on_threads(work, 4)
+
+
+def test_a_repeated_call_on_fresh_views_reads_where_each_view_is(daemon: DaemonProcess) -> None:
+    """The client remembers a view's data address by its id (Client._span) while the
+    view lives. Fresh views of two places, each made and dropped call after call, take
+    the same id: each prepared call must still read where its own view is."""
+    with lpsync_client.connect(daemon.socket, job="fresh-views", rank=0, world_size=1, trigger="socket") as c:
+        src, out = c.zeros(8, "float32"), c.zeros(4, "float32")
+        ids = []
+        for k in range(1, 41):
+            a = src[0:4] if k % 2 else src[4:8]  # a new view object each time
+            ids.append(id(a))
+            a[:] = k  # the other place still holds k - 1
+            c.allreduce(a, out=out)  # one rank: out = a
+            np.testing.assert_array_equal(out, k, err_msg=f"call {k} read another place")
+            del a
+    assert len(set(ids)) < len(ids), "no id was reused: the test did not exercise the case"

@@ -55,6 +55,12 @@ from lpsync_client.wire import DEFAULT_SOCKET
 
 DEFAULT_TIMEOUT = 300.0
 _STATES = {pb.INTACT: "INTACT", pb.PARTIAL: "PARTIAL"}
+# What _submit gives a blocking call (Client._blocking) answered on its own thread: a done
+# Future standing for "the result is in Client._here.answered". A Future per call, with
+# its Condition, locks and completion, was most of such a call's client CPU
+# (docs/benchmarks.md). Never leaves the client.
+_ANSWERED: Future = Future()
+_ANSWERED.set_result(None)
 _SCRATCH_KEEP = 8  # staging segments kept for reuse by unregistered arrays
 
 
@@ -177,10 +183,6 @@ def _order_streams(request: pb.CollectiveRequest, operands: list[_Operand]) -> N
             d.sync()
 
 
-def _span(a: np.ndarray) -> tuple:
-    return (a.__array_interface__["data"][0], a.nbytes, a.dtype, a.flags.c_contiguous)
-
-
 def _copy(message: pb.SessionRequest) -> pb.SessionRequest:
     fresh = pb.SessionRequest()
     fresh.CopyFrom(message)
@@ -267,6 +269,8 @@ class Client:
         self._store: layout.Store | None = None  # the layout's store, once discovered
         # Prepared requests by (op, spans, parameters) for arrays in shared memory.
         self._prepared: dict[tuple, pb.SessionRequest] = {}
+        # Each live view's data address by id(): __array_interface__ makes a dict per call.
+        self._addresses: dict[int, tuple[weakref.ref, int]] = {}
         self._in_flight = InFlight()  # staged collectives not finished yet (_order.py)
         where = target or socket or DEFAULT_SOCKET
         # What a pair job of send/recv attaches with (_p2p.py): this client's daemon.
@@ -631,14 +635,14 @@ class Client:
         timeout = self.timeout if timeout is None else timeout
         # Hot path: arrays already in shared memory, a call seen before -> copy a prepared
         # request, number it, send. No lookups, no staging.
-        key = None
+        key: tuple | None = None
         if x is None and out is None:  # no operand (a barrier): its request repeats as is
             key = (op, None, None, root, reduce_op, algorithm, timeout, name)
         elif type(x) is np.ndarray and (out is None or type(out) is np.ndarray):
             key = (
                 op,
-                _span(x),
-                None if out is None else _span(out),
+                self._span(x),
+                None if out is None else self._span(out),
                 root,
                 reduce_op,
                 algorithm,
@@ -650,10 +654,17 @@ class Client:
             if template is not None:
                 written = x if out is None else out
                 here = self._here
-                if getattr(here, "foreground", False) or getattr(here, "answer_here", False):
-                    answered = self._answer_now(_copy(template), written, timeout)
-                    if answered is not None:
-                        return answered
+                foreground = getattr(here, "foreground", False)
+                if (foreground or getattr(here, "answer_here", False)) and self._answer_now(
+                    template, timeout
+                ):
+                    if foreground:  # Client._blocking takes the result: no Future is made
+                        here.answered = written
+                        return _ANSWERED
+                    call = Call()  # the caller (torch's work) tracks a Future
+                    call.settle_with = _read_already
+                    call.set_result(written)
+                    return call
                 return self._send(_copy(template), functools.partial(_plain, written))
         operands: list[_Operand] = []
         message = pb.SessionRequest()
@@ -713,7 +724,8 @@ class Client:
             with self._lock:
                 if len(self._prepared) > 1024:
                     self._prepared.clear()
-                self._prepared[key] = _copy(message)  # unnumbered; copied for each call
+                # Copied for each call by _send; _answer_now numbers and sends it as it is.
+                self._prepared[key] = _copy(message)
         try:
             future = self._send(message, complete)
         except BaseException:
@@ -734,30 +746,51 @@ class Client:
         future.on_cancel = functools.partial(self._cancelled, sequence)
         return future
 
-    def _answer_now(self, message: pb.SessionRequest, result: object, timeout: float) -> Call | None:
+    def _span(self, a: np.ndarray) -> tuple:
+        """Where ``a``'s bytes are, as the prepared requests' keys name them: its data
+        address, size, element type and layout. The address is remembered for a view (an
+        array over memory it does not own, as every array in a segment is): it never
+        changes while the view lives. The rest is read each time (a view's dtype and
+        strides may be reassigned in place)."""
+        known = self._addresses.get(id(a))
+        if known is not None and known[0]() is a:
+            address = known[1]
+        else:
+            address = a.__array_interface__["data"][0]
+            if a.base is not None:
+                if len(self._addresses) > 1024:
+                    self._addresses.clear()
+                self._addresses[id(a)] = (weakref.ref(a), address)
+        return (address, a.nbytes, a.dtype, a.flags.c_contiguous)
+
+    def _answer_now(self, template: pb.SessionRequest, timeout: float) -> bool:
         """A blocking call of a prepared request over the trigger socket, sent and its reply
         read on this thread with no Future in the table of requests in flight (TriggerStream
-        .reply_to): 13% less client CPU per small call than through the table. A done
-        Call; None where another thread reads the replies now (``_send`` then)."""
+        .reply_to). True once it succeeded (raises the collective's error); False where
+        another thread reads the replies now (``_send`` then).
+
+        ``template`` is sent as it is, numbered in place: one thread at a time gets here
+        (the reading lock), and every other sender numbers its own copy (``_send``)."""
         trigger = self._trigger
         if trigger is None or not trigger.read_alone():
-            return None
-        self._here.foreground = self._here.answer_here = False
+            return False
+        here = self._here
+        here.foreground = here.answer_here = False
         bound = 2 * timeout + 10
         try:
             with self._lock:  # sequence numbers leave in submission order
                 self._sequence += 1
-                message.collective.sequence = self._sequence
-                request_id = trigger.send_unlisted(message)
+                template.collective.sequence = self._sequence
+                request_id = trigger.send_unlisted(template)
             response = trigger.reply_to(request_id, bound)
         finally:
             trigger.stop_reading()
         if response is None:
             raise CollectiveTimeoutError(f"the daemon did not answer within {bound:g} s")
-        call = Call()
-        call.settle_with = _read_already
-        call.set_result(_plain(result, response))  # or raises the collective's error
-        return call
+        r = response.result
+        if r.code != "OK":
+            raise from_status(r.code, r.message, r.error, _STATES.get(r.buffer_state, ""))
+        return True
 
     def answer_next_here(self, on: bool = True) -> None:
         """For a caller that waits for its next collective at once anyway (a framework's
@@ -788,9 +821,12 @@ class Client:
             future = start()
         finally:
             here.foreground = False
-            if not (type(future) is Call and future.settle_with is not None):
+            if future is not _ANSWERED and not (type(future) is Call and future.settle_with is not None):
                 # Whatever start() sent was not that one Call: the background reader reads it.
                 self._path.wake()
+        if future is _ANSWERED:  # answered on this thread (_answer_now): its result is here
+            answered, here.answered = here.answered, None
+            return answered
         return self._wait(future, timeout)
 
     def _wait(self, future: Future, timeout: float | None) -> object:

@@ -625,9 +625,9 @@ def sync_ops_answered_here(rank: int, world: int, sockets: list[str], per_node: 
     answer_now = Client._answer_now
 
     def counted(self, *args):
-        call = answer_now(self, *args)
-        answered[0] += call is not None
-        return call
+        here = answer_now(self, *args)
+        answered[0] += here
+        return here
 
     Client._answer_now = counted  # type: ignore[method-assign]  # this rank process only
     init(rank, world, sockets, per_node, port)
