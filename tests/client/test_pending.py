@@ -10,7 +10,7 @@ from concurrent.futures import CancelledError, wait
 
 import pytest
 
-from lpsync_client._pending import Call, PendingRequests
+from lpsync_client._pending import Call, Latch, PendingRequests
 from lpsync_client._proto import lpsync_pb2 as pb
 from lpsync_client.errors import UnavailableError
 
@@ -78,3 +78,25 @@ def test_a_finished_call_cannot_be_cancelled() -> None:
     call.on_cancel = lambda: pytest.fail("on_cancel ran for a finished call")
     table.complete(pb.SessionResponse(request_id=1, result=pb.CollectiveResult(code="OK")))
     assert not call.cancel() and call.result(0) == "OK"
+
+
+def test_a_latch_opens_once_for_every_waiter() -> None:
+    """Latch (works' and Calls' done signal): closed until set, then open for every waiter
+    at once and every later one; a second set is harmless; a wait times out while closed."""
+    latch = Latch()
+    assert not latch.is_set() and not latch.wait(0.05)
+    woken: list[float] = []
+    waiters = [
+        threading.Thread(target=lambda: latch.wait(10) and woken.append(time.monotonic())) for _ in range(4)
+    ]
+    for waiter in waiters:
+        waiter.start()
+    time.sleep(0.1)
+    assert not woken
+    opened = time.monotonic()
+    latch.set()
+    for waiter in waiters:
+        waiter.join(10)
+    assert len(woken) == 4 and all(at - opened < 5 for at in woken)
+    latch.set()
+    assert latch.is_set() and latch.wait(0) and latch.wait()

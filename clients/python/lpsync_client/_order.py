@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from lpsync_client._pending import completing_here
+from lpsync_client._pending import Latch, completing_here
 
 Span = tuple[str, int, int]  # (device, first byte, one past the last byte)
 
@@ -47,7 +47,7 @@ class InFlight:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._works: list[tuple[threading.Event, list[Span]]] = []
+        self._works: list[tuple[Latch, list[Span]]] = []
 
     def wait_before(self, touched: list[Span], bound: float) -> None:
         """Block until no earlier collective touching ``touched`` is in flight (at most
@@ -60,7 +60,7 @@ class InFlight:
         for done in earlier:
             done.wait(bound)
 
-    def add(self, done: threading.Event, touched: list[Span]) -> None:
+    def add(self, done: Latch, touched: list[Span]) -> None:
         """Track a collective until ``done`` is set (once its results were copied out)."""
         if touched and not done.is_set():
             with self._lock:

@@ -25,6 +25,34 @@ def completing_here() -> bool:
     return getattr(_completing, "depth", 0) > 0
 
 
+class Latch:
+    """A one-shot event on one C lock, held until ``set``: where ``threading.Event`` is a
+    Condition, a lock and a dozen Python calls per set and per wait (works and Futures
+    are made per collective). ``set`` opens it for every waiter, at most once."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = _thread.allocate_lock()
+        self._lock.acquire()  # released once, by set()
+
+    def is_set(self) -> bool:
+        return not self._lock.locked()
+
+    def set(self) -> None:
+        try:  # noqa: SIM105 (per call: suppress() costs three Python calls)
+            self._lock.release()
+        except RuntimeError:  # already set
+            pass
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether it is set within ``timeout`` seconds (None: however long it takes)."""
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return False
+        self._lock.release()  # open for every later waiter
+        return True
+
+
 class Call(Future):
     """A request's Future, with what a collective's caller needs on top, per call and
     without a done-callback: ``on_cancel`` runs when the caller cancels it (the client
@@ -38,8 +66,7 @@ class Call(Future):
         # How a caller that waits for it at once reads its reply on its own thread (the
         # trigger socket's settle); None: another thread completes it.
         self.settle_with: Callable[[Call, float], bool] | None = None
-        self._open = _thread.allocate_lock()
-        self._open.acquire()  # released once, when the Future is done
+        self._open = Latch()  # set once the Future is done
 
     def wait(self, timeout: float) -> bool:
         """Whether it is done within ``timeout`` seconds, its reply read on this thread
@@ -49,16 +76,10 @@ class Call(Future):
 
     def settled(self, timeout: float) -> bool:
         """Whether the Future is done within ``timeout`` seconds."""
-        if self._open.acquire(timeout=max(0.0, timeout)):
-            self._open.release()  # open for every later waiter
-            return True
-        return self.done()
+        return self._open.wait(timeout) or self.done()
 
     def _opened(self) -> None:
-        try:  # noqa: SIM105 (per call: suppress() costs three Python calls)
-            self._open.release()
-        except RuntimeError:  # already open
-            pass
+        self._open.set()
 
     def set_result(self, result: object) -> None:
         super().set_result(result)

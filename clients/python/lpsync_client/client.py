@@ -37,7 +37,7 @@ from lpsync_client._convert import as_numpy, numpy_dtype
 from lpsync_client._device import DeviceOperand, describe, is_device_array
 from lpsync_client._order import InFlight, array_spans
 from lpsync_client._p2p import PairJobs
-from lpsync_client._pending import Call
+from lpsync_client._pending import Call, Latch
 from lpsync_client._proto import lpsync_pb2 as pb
 from lpsync_client._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync_client._shm import Mapping
@@ -704,7 +704,7 @@ class Client:
         result = out if out is not None else x
         if isinstance(result, Registered | DeviceRegistered):
             result = result.original
-        finished = threading.Event()  # the staged buffers are final (before the Future is)
+        finished = Latch()  # the staged buffers are final (before the Future is)
 
         def complete(response: pb.SessionResponse) -> object:
             try:

@@ -52,6 +52,7 @@ from torch.distributed import ReduceOp
 import lpsync_client
 from lpsync_client import _adapt
 from lpsync_client._order import InFlight, Span, span
+from lpsync_client._pending import Latch
 from lpsync_client.client import Client
 from lpsync_client.errors import CollectiveTimeoutError, LpsyncError, ResourceExhaustedError
 from lpsync_client.torch._client import Where, empty_on, on_device_path
@@ -244,14 +245,14 @@ class LpsyncWork(dist.Work):
         super().__init__()
         self._op, self._outputs, self._bound = op, outputs, bound
         self._future: torch.futures.Future = torch.futures.Future()
-        self._done = threading.Event()
+        self._done = Latch()
         self._lock = threading.Condition()  # notified as pieces complete
         self._pending = 1  # released by seal(): no completion before every piece is in
         self._error: dist.DistBackendError | None = None
         self._on_success: list[Callable[[], object]] = []
         # Set once its tensors are final, before the future completes (whose callbacks may
         # issue the next collective on them: _order.py).
-        self.finished = threading.Event()
+        self.finished = Latch()
         self.source: int | None = None  # recv from any source: the sender (group rank)
 
     def track(self, future: Future, finish: Callable[[], object], staging: Sequence[_Staged] = ()) -> None:
