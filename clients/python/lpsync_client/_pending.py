@@ -28,7 +28,9 @@ def completing_here() -> bool:
 class Latch:
     """A one-shot event on one C lock, held until ``set``: where ``threading.Event`` is a
     Condition, a lock and a dozen Python calls per set and per wait (works and Futures
-    are made per collective). ``set`` opens it for every waiter, at most once."""
+    are made per collective). ``set`` opens it for every waiter. The daemon's peer plane
+    has the same (lpsync.transport.mesh.Done); the client package does not import the
+    daemon's."""
 
     __slots__ = ("_lock",)
 
@@ -49,7 +51,10 @@ class Latch:
         """Whether it is set within ``timeout`` seconds (None: however long it takes)."""
         if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             return False
-        self._lock.release()  # open for every later waiter
+        try:  # noqa: SIM105
+            self._lock.release()  # open for every later waiter
+        except RuntimeError:  # opened meanwhile by a second set
+            pass
         return True
 
 
