@@ -32,16 +32,18 @@ class Latch:
     has the same (lpsync.transport.mesh.Done); the client package does not import the
     daemon's."""
 
-    __slots__ = ("_lock",)
+    __slots__ = ("_lock", "flag")
 
     def __init__(self) -> None:
         self._lock = _thread.allocate_lock()
         self._lock.acquire()  # released once, by set()
+        self.flag = False  # the answer to is_set (the lock is held a moment by each waiter)
 
     def is_set(self) -> bool:
-        return not self._lock.locked()
+        return self.flag
 
     def set(self) -> None:
+        self.flag = True
         try:  # noqa: SIM105 (per call: suppress() costs three Python calls)
             self._lock.release()
         except RuntimeError:  # already set
@@ -49,8 +51,10 @@ class Latch:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether it is set within ``timeout`` seconds (None: however long it takes)."""
+        if self.flag:
+            return True
         if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
-            return False
+            return self.flag
         try:  # noqa: SIM105
             self._lock.release()  # open for every later waiter
         except RuntimeError:  # opened meanwhile by a second set
