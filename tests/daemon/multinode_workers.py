@@ -204,3 +204,14 @@ def late_barrier(
         entered = time.monotonic()
         c.barrier()
         return [entered, time.monotonic()]
+
+
+def allreduce_alone(socket: str, job: str, attached) -> None:
+    """Rank 0 of a 2-rank job, one rank per node, whose rank 1 never comes: sets
+    ``attached`` (an mp.Event) once attached, then blocks in an allreduce that runs across
+    nodes until it is killed."""
+    _node_env(0, 1)
+    with lpsync_client.connect(socket, job=job, rank=0, world_size=2, timeout=120) as c:
+        x = c.zeros(4, "float32")
+        attached.set()
+        c.allreduce(x)

@@ -345,3 +345,37 @@ def test_a_deeper_agreement_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     # Five daemons stopped one after the other exit cleanly: the peer plane's stop is
     # bounded, and a thread stuck inside ucxx no longer holds the exit (issue 21).
     assert not unclean, "\n".join(unclean)
+
+
+def test_sigterm_does_not_drain_a_collective_whose_ranks_are_gone(tmp_path: Path) -> None:
+    """A trainer killed inside a cross-node collective leaves it running on its node,
+    waiting for a node that never joins. On SIGTERM the daemon drains collectives only
+    while a session is attached to take their results: with none, it exits at once
+    instead of waiting out the drain (10 s; the other nodes may be draining too)."""
+    import multiprocessing as mp
+
+    from tests.daemon.multinode_workers import allreduce_alone
+
+    cluster = start_cluster(tmp_path, 2, transport="tcp")
+    try:
+        ctx = mp.get_context("spawn")
+        attached = ctx.Event()
+        rank = ctx.Process(target=allreduce_alone, args=(cluster.sockets[0], "orphan", attached))
+        rank.start()
+        assert attached.wait(60), "the rank never attached"
+        node0 = cluster.daemons[0]
+        assert node0 is not None
+        time.sleep(1.5)  # its allreduce reaches the daemon and waits there for node 1
+        rank.kill()
+        rank.join(10)
+        deadline = time.monotonic() + 30
+        while '"session ended"' not in cluster.log(0) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert '"session ended"' in cluster.log(0)
+        began = time.monotonic()
+        code = node0.stop(timeout=20)
+        took = time.monotonic() - began
+        assert code == 0, cluster.log(0)[-3000:]
+        assert took < 5.0, (took, cluster.log(0)[-3000:])
+    finally:
+        cluster.stop()

@@ -147,6 +147,9 @@ class Service(pb_grpc.LpSyncServicer):
         for callback in session.on_close:
             callback()
         self.metrics.sessions.set(len(self.sessions.all()))
+        if self._closing:  # shutdown() drains only while some session is attached
+            with self._idle:
+                self._idle.notify_all()
         log.info(
             "session ended",
             extra={
@@ -159,11 +162,14 @@ class Service(pb_grpc.LpSyncServicer):
         )
 
     def shutdown(self, drain: float) -> None:
-        """Refuse new work, let running collectives finish (up to ``drain`` s), end all."""
+        """Refuse new work, let running collectives finish (up to ``drain`` s) while a
+        session is attached to take their results, end all. A collective whose ranks are
+        all gone (a trainer killed inside a call) has no one to answer, and across nodes
+        it waits for nodes that are draining too: waiting for it would hold every exit."""
         self._closing = True
         deadline = time.monotonic() + drain
         with self._idle:
-            while self._running and (left := deadline - time.monotonic()) > 0:
+            while self._running and self.sessions.all() and (left := deadline - time.monotonic()) > 0:
                 self._idle.wait(left)
         for session in self.sessions.all():
             self.end_session(session, "daemon shutting down")
