@@ -787,9 +787,7 @@ class Client:
             trigger.stop_reading()
         if response is None:
             raise CollectiveTimeoutError(f"the daemon did not answer within {bound:g} s")
-        r = response.result
-        if r.code != "OK":
-            raise from_status(r.code, r.message, r.error, _STATES.get(r.buffer_state, ""))
+        _plain(None, response)  # raises the collective's error
         return True
 
     def answer_next_here(self, on: bool = True) -> None:
