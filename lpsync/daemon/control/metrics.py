@@ -1,12 +1,13 @@
 """Prometheus metrics of DESIGN.md, in a registry of the daemon's own (no hidden globals).
 
-Recorded once at the end of each collective (never per chunk), in batches: the
-collective appends its figures to a queue, and every _BATCH of them, or a scrape, moves
-them into the series (Prometheus's observe takes a lock per bucket it passes; a tight
-loop over many costs less per collective than each on its own, on a cold cache). A
-scrape always sees every collective finished before it. Session and buffer changes are
-recorded at once; per-job and per-session figures are read from the daemon's own tables
-when Prometheus scrapes (``watch``), so they cost the collective path nothing.
+Recorded once at the end of each collective (never per chunk), into plain counts of our
+own (``_Collectives``): a bucket found by bisection and a few list and dict updates
+under one lock, where prometheus_client's Histogram, Counter and Gauge cost about a dozen
+Python calls per collective (docs/benchmarks.md, cost per collective). A scrape reads
+the counts as the histogram, counter and gauge families they stand for, so a scrape
+sees every collective finished before it. Session and buffer changes are recorded at
+once; per-job and per-session figures are read from the daemon's own tables when
+Prometheus scrapes (``watch``), so they cost the collective path nothing.
 Label cardinality stays bounded: ``size`` is one of a few size classes, ``job`` exists
 only while the job is attached here, ``peer`` is one of the configured peers.
 The deploy/ alert rules and dashboard use these names (tests/deploy checks them).
@@ -15,20 +16,19 @@ The deploy/ alert rules and dashboard use these names (tests/deploy checks them)
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 # 1-2.5-5 steps from 10 us to 1000 s: percentiles stay within a factor 2.5 of the truth
 # from a small-message barrier to a slow multi-GiB allreduce over a congested link.
 _BUCKETS = (*(float(f"{m}e{e}") for e in range(-5, 3) for m in (1, 2.5, 5)), 1000.0)
-
-_BATCH = 64  # finished collectives queued before their figures go into the series
 
 # Message-size classes (nccl-tests bytes) of the latency histogram: powers of 16 from 4 KiB.
 _SIZE_BOUNDS = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20, 4 << 30)
@@ -77,43 +77,69 @@ class _TableCollector(Collector):
         return [pending, progress, largest]
 
 
-class _Drain(Collector):
-    """Registered first, so collected first at each scrape: queued figures go into the
-    series before those are read."""
+class _Collectives(Collector):
+    """The finished collectives' series: ``lpsync_collective_seconds`` (a histogram by op,
+    algorithm, dtype and size class), ``lpsync_collective_bytes`` (a counter by op) and
+    ``lpsync_busbw_bytes_per_second`` (the latest, by op), kept as plain numbers."""
 
-    def __init__(self, drain: Callable[[], None]) -> None:
-        self._drain = drain
+    _SECONDS_LABELS = ("op", "algorithm", "dtype", "size")
+    # Bucket bounds as the exposition writes them (Histogram's own formatting).
+    _LE = (*(floatToGoString(b) for b in _BUCKETS), "+Inf")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # (op, algorithm, dtype, size) -> [count per bucket (the last: +Inf), sum of seconds]
+        self._seconds: dict[tuple[str, str, str, str], list] = {}
+        self._bytes: dict[str, int] = {}
+        self._busbw: dict[str, float] = {}
+
+    def done(self, op: str, algorithm: str, dtype: str, nbytes: int, seconds: float, factor: float) -> None:
+        key = (op, algorithm, dtype, _SIZE_NAMES[bisect.bisect_left(_SIZE_BOUNDS, nbytes)])
+        bucket = bisect.bisect_left(_BUCKETS, seconds)  # the first bound >= seconds, as observe()
+        with self._lock:
+            series = self._seconds.get(key)
+            if series is None:
+                series = self._seconds[key] = [[0] * (len(_BUCKETS) + 1), 0.0]
+            series[0][bucket] += 1
+            series[1] += seconds
+            self._bytes[op] = self._bytes.get(op, 0) + nbytes
+            if seconds > 0 and nbytes:
+                self._busbw[op] = nbytes / seconds * factor
 
     def collect(self):
-        self._drain()
-        return []
+        with self._lock:
+            seconds = [(key, list(counts), total) for key, (counts, total) in self._seconds.items()]
+            nbytes, busbw = dict(self._bytes), dict(self._busbw)
+        histogram = HistogramMetricFamily(
+            "lpsync_collective_seconds",
+            "Collective time from last arrival to completion",
+            labels=self._SECONDS_LABELS,
+        )
+        for key, counts, total in seconds:
+            histogram.add_metric(
+                list(key), list(zip(self._LE, itertools.accumulate(counts), strict=True)), total
+            )
+        counter = CounterMetricFamily(
+            "lpsync_collective_bytes", "Bytes of collectives completed (nccl-tests size)", labels=["op"]
+        )
+        for op, value in nbytes.items():
+            counter.add_metric([op], value)
+        gauge = GaugeMetricFamily(
+            "lpsync_busbw_bytes_per_second", "Bus bandwidth of the latest collective", labels=["op"]
+        )
+        for op, value in busbw.items():
+            gauge.add_metric([op], value)
+        return [histogram, counter, gauge]
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        # Finished collectives' figures not yet in the series (collective_done); deque:
-        # appends and pops from any thread, nothing lost between them.
-        self._queued: deque[tuple[str, str, str, int, float, float]] = deque()
-        self._draining = threading.Lock()  # one drain at a time: the latest busbw wins
-        self._children: dict[tuple[str, str, str, str], tuple] = {}
-        r.register(_Drain(self.drain))
-        self.collective_seconds = Histogram(
-            "lpsync_collective_seconds",
-            "Collective time from last arrival to completion",
-            ["op", "algorithm", "dtype", "size"],
-            buckets=_BUCKETS,
-            registry=r,
-        )
-        self.collective_bytes = Counter(
-            "lpsync_collective_bytes", "Bytes of collectives completed (nccl-tests size)", ["op"], registry=r
-        )
+        self._collectives = _Collectives()
+        r.register(self._collectives)
         self.collective_errors = Counter(
             "lpsync_collective_errors", "Collectives that failed, by status code", ["op", "code"], registry=r
-        )
-        self.busbw = Gauge(
-            "lpsync_busbw_bytes_per_second", "Bus bandwidth of the latest collective", ["op"], registry=r
         )
         self.sessions = Gauge("lpsync_sessions", "Attached sessions", registry=r)
         self.registered_bytes = Gauge(
@@ -170,32 +196,8 @@ class Metrics:
     def collective_done(
         self, op: str, algorithm: str, dtype: str, nbytes: int, seconds: float, busbw_factor: float
     ) -> None:
-        """A collective finished: queued, in the series by the next scrape."""
-        queued = self._queued
-        queued.append((op, algorithm, dtype, nbytes, seconds, busbw_factor))
-        if len(queued) >= _BATCH:
-            self.drain()
-
-    def drain(self) -> None:
-        """Move every queued collective's figures into the series."""
-        with self._draining:
-            queued, children_of = self._queued, self._children
-            while queued:
-                op, algorithm, dtype, nbytes, seconds, busbw_factor = queued.popleft()
-                # labels() costs more than the observation: keep the children per label set.
-                key = (op, algorithm, dtype, size_class(nbytes))
-                children = children_of.get(key)
-                if children is None:
-                    children = children_of[key] = (
-                        self.collective_seconds.labels(*key),
-                        self.collective_bytes.labels(op),
-                        self.busbw.labels(op),
-                    )
-                seconds_child, bytes_child, busbw_child = children
-                seconds_child.observe(seconds)
-                bytes_child.inc(nbytes)
-                if seconds > 0 and nbytes:
-                    busbw_child.set(nbytes / seconds * busbw_factor)
+        """A collective finished: in the series from the next scrape on."""
+        self._collectives.done(op, algorithm, dtype, nbytes, seconds, busbw_factor)
 
     def collective_failed(self, op: str, code: str) -> None:
         self.collective_errors.labels(op, code).inc()
