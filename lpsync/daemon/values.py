@@ -85,13 +85,14 @@ def ranks_text(ranks: Sequence[int]) -> str:
     return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
-@dataclass(frozen=True)
-class Spec:
-    """What every participant of one collective must agree on."""
+class Spec(NamedTuple):
+    """What every participant of one collective must agree on. A tuple: it keys caches
+    on every collective's path (views.facts, the agreement's summaries), and a tuple's
+    hash is computed in C where a frozen dataclass's runs in Python."""
 
     op: str
     dtype: str
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count, which no Spec uses
     root: int
     reduce_op: str
     algorithm: str

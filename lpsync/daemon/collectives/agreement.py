@@ -28,7 +28,7 @@ import json
 import logging
 import struct
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -231,7 +231,7 @@ def _summary(
     spec: Spec, node: int, ranks: str, alpha: float, beta: float, extras: tuple[tuple[str, Any], ...]
 ) -> Summary:
     mine = Summary.of(
-        {"node": node, "ranks": ranks, "spec": asdict(spec), "alpha": alpha, "beta": beta, **dict(extras)}
+        {"node": node, "ranks": ranks, "spec": spec._asdict(), "alpha": alpha, "beta": beta, **dict(extras)}
     )
     if len(mine.alone) > SUMMARY_BYTES:
         raise InvalidArgumentError(f"collective name too long ({len(spec.name)} characters)")

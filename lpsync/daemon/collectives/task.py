@@ -17,13 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from lpsync.daemon.collectives.matching import Job
-from lpsync.daemon.collectives.views import nccl_bytes
+from lpsync.daemon.collectives.views import facts
 from lpsync.daemon.values import Arrival, Pending, Spec
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.kind import Span
-from lpsync.types import COLLECTIVE_OF, Collective, dtype_of
+from lpsync.types import Collective
 
-_NO_DATA = np.dtype(np.uint8)  # a barrier's: it moves no data (count 0)
 # A collective's message tags (planning.tag_base): job hash | sequence | STEP_BITS of steps.
 STEP_BITS = 20
 
@@ -53,15 +52,18 @@ class Task:
 
     @classmethod
     def matched(cls, job: Job, pending: Pending) -> Task:
-        spec = pending.spec
-        op = COLLECTIVE_OF[spec.op]
-        dtype = _NO_DATA if op is Collective.BARRIER else dtype_of(spec.dtype)
-        arrivals = [pending.arrivals[r] for r in job.local_ranks]
-        device = [isinstance(a.data, Span) for a in arrivals]
-        if any(device) and not all(device):
+        spec, arrivals = pending.spec, pending.arrivals
+        op, dtype, nbytes, _ = facts(spec, job.world_size)
+        mine = [arrivals[r] for r in job.local_ranks]
+        timeout, devices = mine[0].timeout, 0
+        for arrival in mine:  # one loop, no generators: this runs for every collective
+            timeout = min(timeout, arrival.timeout)
+            devices += isinstance(arrival.data, Span)
+        if devices and devices != len(mine):
+            hosts = [a.rank for a in mine if not isinstance(a.data, Span)]
             raise InvalidArgumentError(
                 "every participant of a collective must pass device buffers, or none: ranks "
-                f"{[a.rank for a, d in zip(arrivals, device, strict=True) if not d]} passed host memory"
+                f"{hosts} passed host memory"
             )
         return cls(
             job=job,
@@ -70,10 +72,10 @@ class Task:
             op=op,
             dtype=dtype,
             participants=job.world_size,
-            nbytes=nccl_bytes(op, spec.count, dtype.itemsize, job.world_size),
-            arrivals=arrivals,
-            timeout=min(a.timeout for a in arrivals),
-            on_device=any(device),
+            nbytes=nbytes,
+            arrivals=mine,
+            timeout=timeout,
+            on_device=devices > 0,
             start=time.perf_counter(),
         )
 

@@ -7,7 +7,7 @@ the collective's size the same way, from here.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 
@@ -15,12 +15,34 @@ from lpsync.algorithms.cost import busbw_factor
 from lpsync.daemon.values import Arrival, Spec
 from lpsync.engine.group import layout
 from lpsync.reduction import Reduction
-from lpsync.types import BLOCKED, COLLECTIVE_OF, REDUCE_OP_OF, Collective
+from lpsync.types import BLOCKED, COLLECTIVE_OF, REDUCE_OP_OF, Collective, dtype_of
 
 if TYPE_CHECKING:
     from lpsync.memory.kind import Span
 
 REDUCING = frozenset({Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER})
+
+
+_NO_DATA = np.dtype(np.uint8)  # a barrier's: it moves no data (count 0)
+
+
+class Facts(NamedTuple):
+    """What a collective's Spec implies in a job of ``participants`` ranks (views.facts)."""
+
+    op: Collective
+    dtype: np.dtype
+    nbytes: int  # nccl-tests' size
+    bus: float  # nccl-tests' bus bandwidth factor
+
+
+@functools.lru_cache(maxsize=1024)
+def facts(spec: Spec, participants: int) -> Facts:
+    """The Facts of ``spec`` (a checked request's), worked out once: a job repeats its
+    collectives, and the matched collective and its record both read them."""
+    op = COLLECTIVE_OF[spec.op]
+    dtype = _NO_DATA if op is Collective.BARRIER else dtype_of(spec.dtype)
+    nbytes = nccl_bytes(op, spec.count, dtype.itemsize, participants)
+    return Facts(op, dtype, nbytes, bus_factor(op, participants))
 
 
 def nccl_bytes(op: str, count: int, itemsize: int, participants: int) -> int:

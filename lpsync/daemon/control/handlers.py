@@ -41,7 +41,7 @@ from lpsync.daemon.collectives import path
 from lpsync.daemon.collectives.local import is_inline
 from lpsync.daemon.collectives.matching import Job, Jobs, Recorder
 from lpsync.daemon.collectives.outcomes import Outcomes
-from lpsync.daemon.collectives.views import REDUCING, bus_factor, nccl_bytes
+from lpsync.daemon.collectives.views import REDUCING, facts
 from lpsync.daemon.control import layout as layouts
 from lpsync.daemon.control import limits, replies
 from lpsync.daemon.control.any_source import AnySource
@@ -61,7 +61,7 @@ from lpsync.errors import (
 )
 from lpsync.memory.devices import open_kind, parse_devices
 from lpsync.memory.kind import Span
-from lpsync.types import ITEMSIZE, OUT_OF_PLACE_ONLY, ROOTED_OPS, Collective, ReduceOp, blocks, dtype_of
+from lpsync.types import OUT_OF_PLACE_ONLY, ROOTED_OPS, Collective, ReduceOp, blocks, dtype_of
 
 log = logging.getLogger("lpsync.daemon")
 
@@ -785,16 +785,8 @@ class Service(pb_grpc.LpSyncServicer):
                 },
             )
             return
-        itemsize = ITEMSIZE.get(spec.dtype, 0)
-        nbytes = nccl_bytes(spec.op, spec.count, itemsize, job.world_size) if itemsize else 0
-        self.metrics.collective_done(
-            spec.op,
-            outcome.algorithm,
-            spec.dtype,
-            nbytes,
-            outcome.seconds,
-            bus_factor(spec.op, job.world_size),
-        )
+        _, _, nbytes, bus = facts(spec, job.world_size)
+        self.metrics.collective_done(spec.op, outcome.algorithm, spec.dtype, nbytes, outcome.seconds, bus)
 
 
 def _request_key(request: pb.CollectiveRequest) -> tuple:
