@@ -37,7 +37,7 @@ from lpsync.algorithms import LinkModel
 from lpsync.daemon.collectives.matching import Job
 from lpsync.daemon.collectives.small import SMALL_MAX_BYTES, SmallCollective
 from lpsync.daemon.collectives.task import job_hash
-from lpsync.daemon.peers.plane import SPEC, VERDICT, Link, control_tag
+from lpsync.daemon.peers.plane import CONTROL_VALUE, SPEC, VERDICT, Link, control_tag
 from lpsync.daemon.values import SPEC_FIELDS, Later, Pending, Spec, ranks_text
 from lpsync.errors import (
     AbortedError,
@@ -279,9 +279,14 @@ def announce(job: Job, sequence: int, link: Link, failure: Summary) -> None:
         link.endpoint.send(kid, down, verdict)
 
 
+_SPEC_TAG, _VERDICT_TAG = control_tag(SPEC, 0), control_tag(VERDICT, 0)
+
+
 def _tags(job_hash: int, sequence: int) -> tuple[int, int]:
-    value = (job_hash << 32) | (sequence & 0xFFFFFFFF)
-    return control_tag(SPEC, value), control_tag(VERDICT, value)
+    """(summary tag, verdict tag) of a job's collective: control_tag(SPEC and VERDICT,
+    the value), written out (two calls less per collective)."""
+    value = ((job_hash << 32) | (sequence & 0xFFFFFFFF)) & CONTROL_VALUE
+    return _SPEC_TAG | value, _VERDICT_TAG | value
 
 
 # -- judging -------------------------------------------------------------------------------

@@ -343,7 +343,7 @@ class Job:
             pending.sequence,
             pending.spec,
             pending.opened_wall,
-            tuple((r, a.at - pending.opened) for r, a in sorted(pending.arrivals.items())),
+            _arrived(pending),
             tuple(pending.stages),
             now - pending.opened,
             outcome.algorithm,
@@ -442,7 +442,7 @@ class Job:
             log.exception("collective failed unexpectedly")
             outcome = Outcome(LpsyncError(f"internal error: {error!r}"))
         if isinstance(outcome, Later):
-            outcome.then(lambda outcome: self._ran(pending, outcome))
+            outcome.then(functools.partial(self._ran, pending))
         else:
             self._ran(pending, outcome)
 
@@ -459,6 +459,19 @@ class Job:
         # After the replies: off the critical path.
         self._finish(pending, outcome, finished)
         self._record(self, pending, outcome)
+
+
+def _arrived(pending: Pending) -> tuple[tuple[int, float], ...]:
+    """(rank, seconds after the first arrival) of each participant, in rank order (a loop,
+    not a generator: this runs for every collective)."""
+    opened, arrivals = pending.opened, pending.arrivals
+    if len(arrivals) == 1:
+        ((rank, arrival),) = arrivals.items()
+        return ((rank, arrival.at - opened),)
+    out = []
+    for rank in sorted(arrivals):
+        out.append((rank, arrivals[rank].at - opened))
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,6 @@ at its rank's place; every node takes node 0's one result, so all get the same b
 
 from __future__ import annotations
 
-from typing import cast
-
 import numpy as np
 
 from lpsync.daemon.collectives.task import Task
@@ -50,11 +48,12 @@ class SmallCollective:
         self.op, self.root, self.count, self.dtype = task.op, task.spec.root, task.spec.count, task.dtype
         # Whether every node needs the result (reduce and gather: only the root's node).
         self.everywhere = self.op not in _AT_ROOT
-        self.ranks = [a.rank for a in arrivals]
-        self.buffers = cast(
-            "list[tuple[np.ndarray, np.ndarray]]",
-            [buffers(task.spec, a, task.participants) for a in arrivals],
-        )
+        self.ranks: list[int] = []
+        views: list = []  # host arrays (device spans were staged), typed below without a call
+        for a in arrivals:  # a loop, no comprehension's frame: one is made per collective
+            self.ranks.append(a.rank)
+            views.append(buffers(task.spec, a, task.participants))
+        self.buffers: list[tuple[np.ndarray, np.ndarray]] = views
         # The ranks in the order their allgather blocks are folded (node by node); None
         # when that is rank order (node-major ranks).
         layout = task.job.layout
@@ -68,15 +67,14 @@ class SmallCollective:
         """This node's contribution: its ranks' inputs reduced (reducing ops), laid end to
         end (allgather, gather), or the root's input (broadcast, scatter; empty on other
         nodes)."""
-        inputs = [inp for inp, _ in self.buffers]
         if self.op in _FROM_ROOT:
             if self.root in self.ranks:
-                return inputs[self.ranks.index(self.root)]
+                return self.buffers[self.ranks.index(self.root)][0]
             return np.empty(0, self.dtype)
         if self.op in _END_TO_END:
-            return np.concatenate(inputs)
-        part = self._own = inputs[0].copy()
-        for inp in inputs[1:]:
+            return np.concatenate([inp for inp, _ in self.buffers])
+        part = self._own = self.buffers[0][0].copy()
+        for inp, _ in self.buffers[1:]:
             assert self.reduction is not None  # the reducing ops are what is left
             self.reduction.combine(part, inp, part)
         return part

@@ -54,7 +54,7 @@ class Task:
     def matched(cls, job: Job, pending: Pending) -> Task:
         spec, arrivals = pending.spec, pending.arrivals
         op, dtype, nbytes, _ = facts(spec, job.world_size)
-        mine = [arrivals[r] for r in job.local_ranks]
+        mine = list(map(arrivals.__getitem__, job.local_ranks))  # no comprehension's frame
         timeout, devices = mine[0].timeout, 0
         for arrival in mine:  # one loop, no generators: this runs for every collective
             timeout = min(timeout, arrival.timeout)

@@ -568,7 +568,8 @@ class Service(pb_grpc.LpSyncServicer):
             (done if arrival is None else arrival.done)(Outcome(error))
 
     def _submit(self, session: _Session, arrival: Arrival) -> None:
-        self._check_open()
+        if self._closing:  # _check_open, inline: this runs for every request
+            self._check_open()
         job = self.jobs.get(session.job)
         if job is None or session.closed:
             raise NotFoundError(f"session {session.id} has ended")
@@ -653,7 +654,8 @@ class Service(pb_grpc.LpSyncServicer):
         known = session.requests.get(key) if key is not None else None
         if known is not None:
             spec, timeout, data, out, handles = known
-            done = self._holding_devices(data, out, done)
+            if self.devices is not None:
+                done = self._holding_devices(data, out, done)
             return Arrival(session.rank, request.sequence, spec, timeout, data, out, handles, done)
         op, p = request.op, session.world_size
         limits.check_collective(request, p, self.limits, ALGORITHMS)

@@ -48,6 +48,7 @@ log = logging.getLogger("lpsync.peers")
 
 CONTROL = 1 << 63
 _KIND_SHIFT = 56
+CONTROL_VALUE = (1 << _KIND_SHIFT) - 1  # the bits of a control tag that carry its value
 HEARTBEAT, PROBE, SPEC, VERDICT, HISTORY, TOLD, NOTE = 1, 2, 3, 4, 5, 6, 7  # SPEC/VERDICT: agreement.py
 NOTE_BYTES = 4096  # the largest note (note()), framed by its length
 _NOTE_LENGTH = struct.Struct("<I")
@@ -70,7 +71,7 @@ class PeerMetrics(Protocol):
 
 def control_tag(kind: int, value: int) -> int:
     """A peer-plane control tag: bit 63, the kind in bits 56..62, ``value`` below."""
-    return CONTROL | (kind << _KIND_SHIFT) | (value & ((1 << _KIND_SHIFT) - 1))
+    return CONTROL | (kind << _KIND_SHIFT) | (value & CONTROL_VALUE)
 
 
 @dataclass(frozen=True)
