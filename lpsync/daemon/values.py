@@ -106,7 +106,7 @@ class Spec(NamedTuple):
 SPEC_FIELDS = ("op", "count", "dtype", "root", "reduce_op", "algorithm", "name")
 
 
-@dataclass
+@dataclass(slots=True)
 class Outcome:
     error: LpsyncError | None = None
     buffer_state: str = UNSPECIFIED
@@ -150,7 +150,7 @@ class Later(Generic[T]):
         callback(value)  # type: ignore[arg-type]  # set: a T
 
 
-@dataclass
+@dataclass(slots=True)
 class Arrival:
     rank: int
     sequence: int
@@ -173,7 +173,7 @@ class Arrival:
 ARRIVING, QUEUED, AGREEING, RUNNING = "arriving", "queued", "agreeing", "running"
 
 
-@dataclass
+@dataclass(slots=True)
 class Pending:
     sequence: int
     spec: Spec

@@ -44,6 +44,20 @@ class SmallCollective:
     ``arrivals`` are this node's participants (host arrays: device buffers are staged
     first), in rank order."""
 
+    # One is made per small collective: no instance dict.
+    __slots__ = (
+        "_own",
+        "buffers",
+        "count",
+        "dtype",
+        "everywhere",
+        "op",
+        "order",
+        "ranks",
+        "reduction",
+        "root",
+    )
+
     def __init__(self, task: Task, arrivals: list[Arrival]) -> None:
         self.op, self.root, self.count, self.dtype = task.op, task.spec.root, task.spec.count, task.dtype
         # Whether every node needs the result (reduce and gather: only the root's node).
