@@ -351,7 +351,7 @@ def channels_for(endpoint: object, flow: Flow) -> dict[int, Channel] | None:
     out = {}
     for peer in flow.peers:
         got = channel(peer)
-        if got is None:
+        if got is None or not got.data_flow:
             return None
         out[peer] = got
     return out

@@ -60,6 +60,10 @@ class MeshOptions:
     tcp_congestion: str = ""
 
 
+# UCX's errors for a message larger than its receive, by class name (ucxx's, ucx-py's).
+_TRUNCATED = frozenset({"UCXXMessageTruncatedError", "UCXMessageTruncatedError", "UCXMsgTruncated"})
+
+
 class Done:
     """A flag set once and waited for by any number of threads, as threading.Event, on one
     C lock held until set: Event waits through a Condition and a new lock per wait in
@@ -145,6 +149,10 @@ class Channel:
     shift: int = 0
     send_bits: int = 0
     recv_bits: int = 0
+    # Whether a program may run its steps on this channel's callbacks (data flow): not on
+    # UCX's, which run on the one progress thread, where a step's copy or reduction would
+    # hold every other transfer of the node.
+    data_flow: bool = True
 
 
 class InFlight:
@@ -440,10 +448,8 @@ class MeshEndpoint:
         if error is None:
             return
         self._check()  # cancelled because the endpoint broke: report why it broke
-        if isinstance(error, InvalidArgumentError) or type(error).__name__ in (
-            "UCXMessageTruncatedError",
-            "UCXMsgTruncated",
-        ):
+        # ucxx names its class UCXXMessageTruncatedError (exported as UCXMessageTruncatedError).
+        if isinstance(error, InvalidArgumentError) or type(error).__name__ in _TRUNCATED:
             raise InvalidArgumentError(
                 f"{what}: the message is larger than the receive "
                 "buffer (mismatched counts across participants?)"

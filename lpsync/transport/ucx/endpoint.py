@@ -18,8 +18,10 @@ still in flight is never lost to an early close.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,7 @@ from lpsync.transport.addresses import PeerAddress
 from lpsync.transport.auth import Recv, Send, client_handshake, server_handshake
 from lpsync.transport.mesh import (
     GOODBYE,
+    Channel,
     InFlight,
     MeshEndpoint,
     MeshOptions,
@@ -117,6 +120,7 @@ class UcxEndpoint(MeshEndpoint):
         super().__init__(options)
         self._conns: dict[int, _Conn] = {}
         self._runtime: UcxRuntime | None = None
+        self._channels: dict[int, Channel] = {}  # made once per peer: a leaf asks per collective
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -258,7 +262,15 @@ class UcxEndpoint(MeshEndpoint):
 
     # -- the Endpoint interface ----------------------------------------------------------
 
-    def _post(self, conn: _Conn, tag: int, data: np.ndarray, recv: bool) -> Request:
+    def _post(
+        self,
+        conn: _Conn,
+        tag: int,
+        data: np.ndarray,
+        on_done: Callable[[Request], None] | None = None,
+        *,
+        recv: bool,
+    ) -> Request:
         assert self._runtime is not None
         progress = self._runtime.progress
         buf = bytes_view(data)
@@ -269,7 +281,7 @@ class UcxEndpoint(MeshEndpoint):
             array = progress.array(buf)
             return ep.tag_recv(array, wire) if recv else ep.tag_send(array, wire)
 
-        return progress.submit(start, buf)
+        return progress.submit(start, buf, on_done)
 
     def send(self, peer: int, tag: int, data: np.ndarray) -> InFlight:
         request = self._post(self._conn(peer), tag, data, recv=False)
@@ -278,6 +290,21 @@ class UcxEndpoint(MeshEndpoint):
     def post_recv(self, peer: int, tag: int, out: np.ndarray) -> InFlight:
         request = self._post(self._conn(peer), tag, out, recv=True)
         return InFlight(self, request, peer, tag, sending=False)
+
+    def channel(self, peer: int) -> Channel:
+        """``peer``'s connection as a Channel (lpsync.transport.mesh): its requests'
+        ``on_done`` runs on the progress thread, so a small collective on a leaf of the
+        agreement finishes there (agreement.agree_later); not for data flow."""
+        conn = self._conn(peer)  # checks the endpoint first, every time
+        channel = self._channels.get(peer)
+        if channel is None:
+            channel = self._channels[peer] = Channel(
+                functools.partial(self._post, conn, recv=False),
+                functools.partial(self._post, conn, recv=True),
+                self._wait,
+                data_flow=False,
+            )
+        return channel
 
     # -- teardown ------------------------------------------------------------------------
 
