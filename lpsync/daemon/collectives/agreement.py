@@ -450,10 +450,11 @@ def agree_later(
     mine: Summary,
     small: SmallCollective | None,
 ) -> Later[Verdict | Exception] | None:
-    """agree() on a leaf of the tree whose connection to its parent takes callbacks (the
-    TCP backend): send the summary with this node's part and leave the verdict to the
-    reader that receives it, so that the collective finishes there and no thread is woken
-    to learn of it. The Later brings the Verdict, or the error agree() would raise: the
+    """agree() on a leaf of the tree whose connection to its parent takes callbacks (a
+    Channel: the TCP backend's, whose reader calls back, and UCX's, whose progress thread
+    does): send the summary with this node's part and leave the verdict to the thread that
+    receives it, so that the collective finishes there and no thread is woken to learn of
+    it. The Later brings the Verdict, or the error agree() would raise: the
     verdict's, or the mesh's when it breaks or the deadline passes (the heartbeat
     watchdog expires the wait). None where this node is not such a leaf: call agree().
     ``small``: the collective riding the agreement; None for a barrier (the agreement is

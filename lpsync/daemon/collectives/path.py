@@ -4,7 +4,7 @@
       single node:  run (local.py: direct, host pipeline or device chain) -> finished
       multi-node:   agreed   (agreement.py: summaries up a tree, node 0's verdict down;
                               a small collective's data rides it and is done there, as
-                              a barrier is; on a tcp leaf, on the verdict's reader)
+                              a barrier is; on a leaf, where the verdict lands)
                     planned  (planning.py: the forced algorithm, node 0's learned choice
                               or the tuner's pick for the slowest link of all)
                     staged   (staging.py: device spans over host mirrors, chunk by chunk)
