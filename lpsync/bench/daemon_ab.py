@@ -33,6 +33,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from lpsync.bench.loopback_cpu import add_point_arguments
+
 HERE = Path(__file__).resolve().parents[2]  # this tree's root
 _ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s*$")
 
@@ -136,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--base", required=True, help="the revision to compare with (git rev)")
     parser.add_argument("--pairs", type=int, default=4, help="alternating pairs of runs (default 4)")
-    parser.add_argument("--nodes", type=int, default=8, help="daemons on loopback (default 8)")
-    parser.add_argument("--iters", type=int, default=2000, help="timed allreduces per run (default 2000)")
-    parser.add_argument("--bytes", type=int, default=4, help="message size in bytes (default 4)")
-    parser.add_argument("--peer-transport", default="tcp", choices=("tcp", "ucx"), help="default tcp")
+    add_point_arguments(parser, nodes=8, iters=2000)
     args = parser.parse_args(argv)
     if args.pairs < 1 or args.nodes < 1 or args.iters < 1:
         parser.error("--pairs, --nodes and --iters must be >= 1")

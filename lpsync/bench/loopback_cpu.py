@@ -87,14 +87,21 @@ def measure(nodes: int, nbytes: int, iters: int, transport: str) -> list[Calls]:
     return [calls for _, calls, _ in results]
 
 
+def add_point_arguments(parser: argparse.ArgumentParser, nodes: int, iters: int) -> None:
+    """The point this bench measures, as its flags (lpsync.bench.daemon_ab passes them on)."""
+    parser.add_argument(
+        "--nodes", type=int, default=nodes, help=f"daemons on loopback, one rank each (default {nodes})"
+    )
+    parser.add_argument("--iters", type=int, default=iters, help=f"timed allreduces (default {iters})")
+    parser.add_argument("--bytes", type=int, default=4, help="message size in bytes, float32 (default 4)")
+    parser.add_argument("--peer-transport", default="tcp", choices=("tcp", "ucx"), help="default tcp")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lpsync.bench.loopback_cpu", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--nodes", type=int, default=3, help="daemons on loopback, one rank each (default 3)")
-    parser.add_argument("--iters", type=int, default=3000, help="timed allreduces (default 3000)")
-    parser.add_argument("--bytes", type=int, default=4, help="message size in bytes, float32 (default 4)")
-    parser.add_argument("--peer-transport", default="tcp", choices=("tcp", "ucx"), help="default tcp")
+    add_point_arguments(parser, nodes=3, iters=3000)
     args = parser.parse_args(argv)
     if args.nodes < 1 or args.iters < 1 or args.bytes < 4:
         parser.error("--nodes and --iters must be >= 1, --bytes >= 4")

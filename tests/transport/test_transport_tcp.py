@@ -10,9 +10,8 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import numpy as np
 import pytest
@@ -22,30 +21,18 @@ from lpsync.transport.addresses import PeerAddress
 from lpsync.transport.mesh import MeshOptions
 from lpsync.transport.tcp import TcpEndpoint
 from tests.ports import free_ports
+from tests.transport.pairs import connected_pair, threads
 
 SECRET = b"tcp test secret"
 
 
 def _threads() -> set[str]:
-    return {t.name for t in threading.enumerate() if t.name.startswith("lpsync-tcp")}
+    return threads("lpsync-tcp")
 
 
-@contextmanager
-def pair() -> Iterator[tuple[TcpEndpoint, TcpEndpoint]]:
+def pair() -> AbstractContextManager[tuple[TcpEndpoint, TcpEndpoint]]:
     """Two connected endpoints in this process; afterwards no lpsync-tcp thread is left."""
-    peers = tuple(PeerAddress("127.0.0.1", port) for port in free_ports(2))
-    with ThreadPoolExecutor(2) as pool:
-        futures = [
-            pool.submit(TcpEndpoint.connect, MeshOptions(r, peers, SECRET, connect_timeout=20.0))
-            for r in range(2)
-        ]
-        a, b = (f.result() for f in futures)
-    try:
-        yield a, b
-    finally:
-        with ThreadPoolExecutor(2) as pool:  # close is collective: both at once
-            list(pool.map(lambda e: e.close(), (a, b)))
-    assert _threads() == set()
+    return connected_pair(TcpEndpoint.connect, SECRET, "lpsync-tcp")
 
 
 def test_messages_sent_before_their_receive_arrive_whole_and_in_order() -> None:

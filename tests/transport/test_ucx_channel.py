@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -21,32 +19,15 @@ import pytest
 from lpsync.engine.dataflow import Flow, channels_for
 from lpsync.errors import InvalidArgumentError
 from lpsync.transport import backends
-from lpsync.transport.addresses import PeerAddress
-from lpsync.transport.mesh import MeshOptions
-from tests.ports import free_ports
+from tests.transport.pairs import connected_pair
 
 pytest.importorskip("ucxx")
 
 SECRET = b"test cluster secret"
 
 
-@contextmanager
-def pair() -> Iterator[tuple[Any, Any]]:
-    peers = tuple(PeerAddress("127.0.0.1", port) for port in free_ports(2))
-    with ThreadPoolExecutor(2) as pool:
-        futures = [
-            pool.submit(
-                backends.connect, "ucx", MeshOptions(r, peers, SECRET, connect_timeout=20.0), tls="tcp"
-            )
-            for r in range(2)
-        ]
-        a, b = (f.result() for f in futures)
-    try:
-        yield a, b
-    finally:
-        with ThreadPoolExecutor(2) as pool:  # close is collective: both at once
-            list(pool.map(lambda e: e.close(), (a, b)))
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("lpsync-ucx")]
+def pair() -> AbstractContextManager[tuple[Any, Any]]:
+    return connected_pair(lambda options: backends.connect("ucx", options, tls="tcp"), SECRET, "lpsync-ucx")
 
 
 def test_a_channel_calls_back_on_the_progress_thread_and_reports_a_message_too_large() -> None:
