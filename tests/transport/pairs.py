@@ -8,6 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 from lpsync.transport.addresses import PeerAddress
 from lpsync.transport.mesh import MeshOptions
 from tests.ports import free_ports
@@ -35,3 +37,12 @@ def connected_pair(
         with ThreadPoolExecutor(2) as pool:  # close is collective: both at once
             list(pool.map(lambda e: e.close(), (a, b)))
     assert threads(prefix) == set()
+
+
+def next_message_intact(a: Any, b: Any, deadline: float) -> None:
+    """After a refused message (rank 0 ``a`` sent it to rank 1 ``b``): the connection goes
+    on, neither endpoint broken."""
+    a.send(1, 3, np.full(5, 9, np.uint8)).wait(deadline)
+    nine = np.zeros(5, np.uint8)
+    b.recv_into(0, 3, nine, deadline)
+    assert (nine == 9).all() and a.error is None and b.error is None

@@ -21,7 +21,7 @@ from lpsync.transport.addresses import PeerAddress
 from lpsync.transport.mesh import MeshOptions
 from lpsync.transport.tcp import TcpEndpoint
 from tests.ports import free_ports
-from tests.transport.pairs import connected_pair, threads
+from tests.transport.pairs import connected_pair, next_message_intact, threads
 
 SECRET = b"tcp test secret"
 
@@ -87,14 +87,6 @@ def test_many_threads_sending_on_one_connection_keep_frames_whole() -> None:
             thread.join()
 
 
-def _next_message_intact(a: TcpEndpoint, b: TcpEndpoint, deadline: float) -> None:
-    """After a refused message: the connection goes on, neither endpoint broken."""
-    a.send(1, 3, np.full(5, 9, np.uint8)).wait(deadline)
-    nine = np.zeros(5, np.uint8)
-    b.recv_into(0, 3, nine, deadline)
-    assert (nine == 9).all() and a.error is None and b.error is None
-
-
 def test_a_shorter_message_lands_and_a_longer_one_is_refused_without_breaking() -> None:
     with pair() as (a, b):
         deadline = time.monotonic() + 10
@@ -110,7 +102,7 @@ def test_a_shorter_message_lands_and_a_longer_one_is_refused_without_breaking() 
         a.send(1, 4, np.arange(3 << 20, dtype=np.uint8)).wait(deadline)
         with pytest.raises(InvalidArgumentError, match="larger than the receive buffer"):
             early.wait(deadline)
-        _next_message_intact(a, b, deadline)  # the excess was read off the wire
+        next_message_intact(a, b, deadline)  # the excess was read off the wire
 
 
 def test_a_channel_calls_back_on_the_thread_that_finishes_each_request() -> None:
@@ -156,7 +148,7 @@ def test_a_channel_calls_back_on_the_thread_that_finishes_each_request() -> None
         a.send(1, 30, np.arange(64, dtype=np.uint8)).wait(deadline)
         assert done.wait(10)
         assert isinstance(seen[0][1], InvalidArgumentError), seen
-        _next_message_intact(a, b, deadline)
+        next_message_intact(a, b, deadline)
 
 
 def test_a_header_announcing_more_than_memory_breaks_the_endpoint_cleanly() -> None:
