@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 UNIT := tests/algorithms tests/engine tests/memory tests/daemon/test_agreement.py \
 	tests/daemon/test_learning.py tests/daemon/test_multinode_tags.py tests/daemon/test_peers.py \
 	tests/daemon/test_outcomes.py tests/daemon/test_inbox.py tests/daemon/test_replies.py \
-	tests/daemon/test_metrics_queue.py \
+	tests/daemon/test_metrics_series.py \
 	tests/transport/test_auth.py tests/transport/test_addresses.py
 # Workers for the whole suite: most tests wait on daemons, sockets and timeouts, not on CPU.
 JOBS ?= 4
