@@ -465,9 +465,6 @@ def _arrived(pending: Pending) -> tuple[tuple[int, float], ...]:
     """(rank, seconds after the first arrival) of each participant, in rank order (a loop,
     not a generator: this runs for every collective)."""
     opened, arrivals = pending.opened, pending.arrivals
-    if len(arrivals) == 1:
-        ((rank, arrival),) = arrivals.items()
-        return ((rank, arrival.at - opened),)
     out = []
     for rank in sorted(arrivals):
         out.append((rank, arrivals[rank].at - opened))
