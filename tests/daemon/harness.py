@@ -204,10 +204,12 @@ class PeeredDaemons:
         secrets: list[str] | None = None,
         per_node: list[tuple[str, ...]] | None = None,
         env_of: list[dict[str, str]] | None = None,
+        wrap_of: list[tuple[str, ...]] | None = None,
     ) -> None:
         self.tmp, self.nodes, self.extra = tmp, nodes, extra
         self.per_node = per_node or [()] * nodes  # more flags, node by node
         self.env_of = env_of or [{}] * nodes  # more environment, node by node
+        self.wrap_of = wrap_of or [()] * nodes  # a command prefix, node by node
         self.peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(nodes))
         self.secrets = secrets or ["harness-cluster-secret"] * nodes
         self.daemons: list[DaemonProcess | None] = [None] * nodes
@@ -234,6 +236,7 @@ class PeeredDaemons:
             *self.extra,
             *self.per_node[node],
             env={"LPSYNC_SECRET": self.secrets[node], **self.env_of[node]},
+            wrap=self.wrap_of[node],
             wait=wait,
         )
         return self.daemons[node]

@@ -27,6 +27,35 @@ def test_check_names_what_the_host_offers() -> None:
     assert "host's default" in str(refused.value)
 
 
+def test_choose_says_what_the_sockets_run_and_why() -> None:
+    host = congestion.host_default()
+    assert congestion.choose("") == (
+        "",
+        host,
+        'the host\'s default (--peer-tcp-congestion "")',
+    )
+    assert congestion.choose("reno") == (
+        "reno",
+        "reno",
+        f"--peer-tcp-congestion; the host's default is {host}",
+    )
+    with pytest.raises(InvalidArgumentError, match="no-such-algorithm"):
+        congestion.choose("no-such-algorithm")
+    auto = congestion.choose("auto")
+    # Where this process may set cubic (root here), auto gives it; the fallback is
+    # provoked for real in tests/daemon/test_peer_congestion.py (no CAP_NET_ADMIN).
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"cubic")
+            allowed = True
+        except PermissionError:
+            allowed = False
+    if allowed:
+        assert auto == ("cubic", "cubic", f"auto: cubic whatever the host's default ({host})")
+    else:
+        assert auto.setting == "" and auto.name == host and "may not set cubic" in auto.reason
+
+
 @pytest.mark.parametrize(
     ("transport", "tls", "default", "rdma", "warned"),
     [

@@ -80,9 +80,10 @@ class DaemonConfig:
     # its timeout.
     agreement_radix: int = 8
     # The congestion control of the TCP peer transport's sockets (lpsync.transport.tcp.
-    # congestion): CUBIC, Linux's default, whatever the host's default is, since BBR's
-    # ProbeRTT stalls a pipelined ring; "" keeps the host's.
-    peer_tcp_congestion: str = "cubic"
+    # congestion): auto asks for CUBIC, Linux's default, whatever the host's default is,
+    # since BBR's ProbeRTT stalls a pipelined ring, and keeps the host's where this process
+    # may not set it (a container without CAP_NET_ADMIN); "" keeps the host's.
+    peer_tcp_congestion: str = "auto"
 
     def token(self) -> str:
         return Path(self.token_file).read_text().strip() if self.token_file else ""
@@ -316,9 +317,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     add(
         "--peer-tcp-congestion",
         help="TCP congestion control of the tcp peer transport's connections "
-        f"(default {DaemonConfig.peer_tcp_congestion!r}; empty keeps the host's default). CUBIC "
-        "whatever the host's default: under BBR a pipelined ring stalls in its ProbeRTT "
-        "(docs/multinode.md)",
+        f"(default {DaemonConfig.peer_tcp_congestion!r}: cubic where this process may set it, "
+        "else the host's default; empty keeps the host's default; a name the host refuses "
+        "stops the daemon). CUBIC whatever the host's default: under BBR a pipelined ring "
+        "stalls in its ProbeRTT (docs/multinode.md)",
     )
     add(
         "--agreement-radix",

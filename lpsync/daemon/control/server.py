@@ -210,14 +210,15 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> tuple[PeerPlane | Non
     secret = load_secret(config.secret_file or None)
     rdma = backends.Rdma.scan()
     transport, why = backends.resolve(config.peer_transport, rdma)
-    congestion = config.peer_tcp_congestion if transport == "tcp" else ""  # UCX makes its own sockets
-    tcp_congestion.check(congestion)
+    # UCX makes its own sockets: no setting of ours reaches them.
+    sockets = tcp_congestion.choose(config.peer_tcp_congestion) if transport == "tcp" else None
     tls, tls_why = backends.resolve_tls(config.ucx_tls, rdma)
     host_default = tcp_congestion.host_default()
     stall = tcp_congestion.ucx_over_bbr(transport, tls, host_default, bool(rdma.devices))
     if stall is not None:
         log.warning(stall)
-    sockets = _sockets_congestion(transport, congestion, host_default)
+    if sockets is not None and config.peer_tcp_congestion == tcp_congestion.AUTO and not sockets.setting:
+        log.warning(f"peer sockets' TCP congestion control: {sockets.name} ({sockets.reason})")
     log.info(
         "peers",
         extra={
@@ -225,7 +226,7 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> tuple[PeerPlane | Non
             "peers": ",".join(str(p) for p in peers.peers),
             "peer_transport": transport,
             "why": why,
-            "tcp_congestion": f"{sockets[0]} ({sockets[1]})" if sockets[0] else "",
+            "tcp_congestion": f"{sockets.name} ({sockets.reason})" if sockets else "",
             "ucx_tls": (tls or "UCX's choice") + f" ({tls_why})" if transport == "ucx" else "",
         },
     )
@@ -248,8 +249,8 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> tuple[PeerPlane | Non
         device_reason=device.reason,
         device_transports=device.transports,
         gpudirect_rdma=device.gpudirect_rdma,
-        tcp_congestion=sockets[0],
-        tcp_congestion_reason=sockets[1],
+        tcp_congestion=sockets.name if sockets else "",
+        tcp_congestion_reason=sockets.reason if sockets else "",
         ucx_tls=tls if transport == "ucx" else "",
         ucx_tls_reason=tls_why if transport == "ucx" else "",
     )
@@ -262,21 +263,11 @@ def _peer_plane(config: DaemonConfig, metrics: Metrics) -> tuple[PeerPlane | Non
             tls=tls or None,
             agreement_radix=config.agreement_radix,
             transport=transport,
-            tcp_congestion=congestion,
+            tcp_congestion=sockets.setting if sockets else "",
         ),
         metrics,
     )
     return plane, info
-
-
-def _sockets_congestion(transport: str, asked: str, host_default: str) -> tuple[str, str]:
-    """(the congestion control the tcp transport's peer sockets run, where it came from);
-    ("", "") on ucx, whose sockets are UCX's own."""
-    if transport != "tcp":
-        return "", ""
-    if asked:
-        return asked, f"--peer-tcp-congestion; the host's default is {host_default or 'unknown'}"
-    return host_default or "unknown", 'the host\'s default (--peer-tcp-congestion "")'
 
 
 def _socket_alive(path: Path) -> bool:

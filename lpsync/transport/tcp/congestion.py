@@ -7,15 +7,24 @@ queue busy, so a flow never sees the empty queue that refreshes BBR's minimum RT
 for it. On 8 emulated nodes that made about half of the 64 MiB allreduces 15% slower
 (1.14 s against 0.99 s), where gloo's unpipelined steps were not; with CUBIC, Linux's
 default, every call took 0.99 s (docs/benchmarks.md).
+
+"auto", the daemon's default, asks for CUBIC and keeps the host's default where this
+process may not set it: the kernel lets a process without CAP_NET_ADMIN set only the names
+in net.ipv4.tcp_allowed_congestion_control, and a container usually lacks it. A daemon in
+a container on a BBR host then still starts, and says why its sockets run BBR.
 """
 
 from __future__ import annotations
 
+import errno
 import socket
 from pathlib import Path
+from typing import NamedTuple
 
 from lpsync.errors import InvalidArgumentError
 
+AUTO = "auto"
+PREFERRED = "cubic"  # what auto asks for: Linux's default, no ProbeRTT
 AVAILABLE = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
 HOST_DEFAULT = Path("/proc/sys/net/ipv4/tcp_congestion_control")
 
@@ -50,21 +59,60 @@ def apply(sock: socket.socket, name: str) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
 
 
+class Choice(NamedTuple):
+    """What the tcp transport's peer sockets run."""
+
+    setting: str  # set on each socket; "" leaves the host's default
+    name: str  # what they run
+    reason: str  # where it came from, for the startup log and `lpsync status`
+
+
+def choose(asked: str) -> Choice:
+    """Resolve --peer-tcp-congestion before any peer connects: "auto" (CUBIC where this
+    process may set it, else the host's default), "" (the host's default), or a name,
+    refused where this host cannot give it to a socket."""
+    default = host_default() or "unknown"
+    if not asked:
+        return Choice("", default, 'the host\'s default (--peer-tcp-congestion "")')
+    if asked != AUTO:
+        check(asked)
+        return Choice(asked, asked, f"--peer-tcp-congestion; the host's default is {default}")
+    refused = _refusal(PREFERRED)
+    if refused is None:
+        return Choice(PREFERRED, PREFERRED, f"auto: {PREFERRED} whatever the host's default ({default})")
+    return Choice(
+        "",
+        default,
+        f"auto: the host's default, since this process may not set {PREFERRED} ({refused})",
+    )
+
+
 def check(name: str) -> None:
     """Refuse a congestion control this host cannot give a socket (not built or loaded,
     or not allowed to this process), before any peer connects."""
-    if not name:
+    refused = _refusal(name) if name else None
+    if refused is None:
         return
+    try:
+        available = AVAILABLE.read_text().split()
+    except OSError:
+        available = []
+    raise InvalidArgumentError(
+        f"peer_tcp_congestion {name!r}: this host cannot use it ({refused}); "
+        f"available: {', '.join(available) or 'unknown'}. An empty value keeps the "
+        f"host's default (net.ipv4.tcp_congestion_control); {AUTO!r} asks for {PREFERRED} and "
+        "keeps the host's default where that is not allowed"
+    )
+
+
+def _refusal(name: str) -> str | None:
+    """Why a socket of this process cannot take ``name`` (the kernel's words), or None."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         try:
             apply(probe, name)
         except OSError as error:
-            try:
-                available = AVAILABLE.read_text().split()
-            except OSError:
-                available = []
-            raise InvalidArgumentError(
-                f"peer_tcp_congestion {name!r}: this host cannot use it ({error.strerror}); "
-                f"available: {', '.join(available) or 'unknown'}. An empty value keeps the "
-                "host's default (net.ipv4.tcp_congestion_control)"
-            ) from None
+            if error.errno == errno.EPERM:
+                # Without CAP_NET_ADMIN only the names the sysctl allows; a container's lot.
+                return f"{error.strerror}: not in net.ipv4.tcp_allowed_congestion_control, no CAP_NET_ADMIN"
+            return error.strerror or str(error)
+    return None
