@@ -73,7 +73,13 @@ class Daemon:
 
     ``log``: its stdout and stderr go there (else they are inherited); ``wrap``: a command
     prefix that execs it (``ip netns exec NS``); ``start_new_session``: keep the terminal's
-    Ctrl-C from reaching it (the caller stops it in order)."""
+    Ctrl-C from reaching it (the caller stops it in order).
+
+    The daemon stops by itself when this process is gone, however it ends (a SIGKILL, a
+    crash): it holds the read end of a pipe whose only write end stays here
+    (``--lifeline-fd``), and the end of that pipe stops it as SIGTERM would. Without it a
+    killed demo, benchmark or test left its daemons running with their sockets and
+    shared memory. Children forked from this process hold the write end too."""
 
     def __init__(
         self,
@@ -89,14 +95,22 @@ class Daemon:
     ) -> None:
         self.socket, self.log = socket, log
         self._log: IO[str] | None = open(log, "w") if log is not None else None  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [*wrap, *command(socket, *flags)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT if self._log is not None else None,
-            cwd=cwd,
-            env=dict(env) if env is not None else None,
-            start_new_session=start_new_session,
-        )
+        lifeline, self._lifeline = os.pipe()  # the write end: closed in stop() or kill()
+        try:
+            self.proc = subprocess.Popen(
+                [*wrap, *command(socket, "--lifeline-fd", str(lifeline), *flags)],
+                stdout=self._log,
+                stderr=subprocess.STDOUT if self._log is not None else None,
+                cwd=cwd,
+                env=dict(env) if env is not None else None,
+                start_new_session=start_new_session,
+                pass_fds=(lifeline,),
+            )
+        except BaseException:
+            self._close_log()
+            raise
+        finally:
+            os.close(lifeline)
         self.pid = self.proc.pid
         if wait:
             try:
@@ -150,6 +164,9 @@ class Daemon:
         self._close_log()
 
     def _close_log(self) -> None:
+        if self._lifeline >= 0:
+            os.close(self._lifeline)
+            self._lifeline = -1
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -160,6 +160,58 @@ def test_stop_together_kills_a_daemon_that_does_not_exit_and_reports_it(tmp_path
     assert shm_segments(daemons[0].pid) == []
 
 
+_LAUNCHER = """
+import sys, time
+from pathlib import Path
+import lpsync_client
+from lpsync.demo.local_cluster import LocalCluster
+cluster = LocalCluster(Path(sys.argv[1]), 2, ("--peer-transport", "tcp"))
+client = lpsync_client.connect(cluster.nodes[0].socket, job="orphan", rank=0, world_size=1)
+client.allreduce(client.zeros(1024))  # a session and a buffer (a shared memory segment)
+print(*(node.daemon.pid for node in cluster.nodes), *(node.socket for node in cluster.nodes), flush=True)
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie waiting for whoever adopted it counts: it holds nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_daemons_stop_when_their_launcher_is_killed(tmp_path: Path) -> None:
+    """A demo, benchmark or test killed outright (SIGKILL: no handler runs) used to leave
+    its daemons running, their sockets and shared memory with them. launch.Daemon gives
+    each the read end of a pipe (--lifeline-fd) whose end stops it as SIGTERM does."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert launcher.stdout is not None
+        first, second, *sockets = launcher.stdout.readline().split()
+        pids = [int(first), int(second)]
+        assert all(not _gone(pid) for pid in pids) and shm_segments(pids[0])
+    finally:
+        launcher.kill()
+        launcher.wait(10)
+    deadline = time.monotonic() + 20
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(pid) for pid in pids), [(pid, _gone(pid)) for pid in pids]
+    for pid, socket_path in zip(pids, sockets, strict=True):
+        assert shm_segments(pid) == [], pid
+        assert not Path(socket_path).exists() and not Path(socket_path + ".trigger").exists()
+    log = (tmp_path / "node0.log").read_text()
+    assert "the process that started this daemon is gone" in log, log[-2000:]
+
+
+def test_a_lifeline_fd_that_is_not_open_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="lifeline_fd 987654 is not an open file descriptor"):
+        load({"lifeline_fd": 987654}, {})
+
+
 def test_stop_reaps_a_daemon_whose_wait_lock_an_interrupt_left_held(tmp_path: Path) -> None:
     """A Ctrl-C inside Popen.wait or poll, just after it took its lock, leaves the lock held
     (the demo saw it in CI): every later wait timed out on a daemon that had exited, so a

@@ -55,6 +55,9 @@ class DaemonConfig:
     flight_recorder: int = 32  # finished collectives `lpsync status` keeps per job
     stall_seconds: float = 60.0  # a collective waiting this long logs who is missing
     trigger: bool = True  # offer the trigger socket <socket>.trigger (trigger.py)
+    # An inherited file descriptor whose end of file stops the daemon as SIGTERM does: the
+    # launcher holds the write end (lpsync.daemon.launch), so its death stops the daemon.
+    lifeline_fd: int = -1
     # Multi-node (peers.py, peer_plane.py). Exactly one peer source, or none (one node).
     node_rank: int = -1  # this daemon's index into the peer list; -1: derive it
     peers: str = ""  # every daemon's peer address H:P,... in node-rank order
@@ -110,6 +113,13 @@ class DaemonConfig:
             raise InvalidArgumentError(
                 f"device_staging_bytes must be at least 4096, got {self.device_staging_bytes}"
             )
+        if self.lifeline_fd != -1:
+            try:
+                os.fstat(self.lifeline_fd)
+            except OSError:
+                raise InvalidArgumentError(
+                    f"lifeline_fd {self.lifeline_fd} is not an open file descriptor of this process"
+                ) from None
         if self.agreement_radix < 2:
             raise InvalidArgumentError(f"agreement_radix must be at least 2, got {self.agreement_radix}")
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
@@ -327,6 +337,13 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="fan-out of the cross-node agreement tree; the same on every daemon "
         f"(default {DaemonConfig.agreement_radix})",
+    )
+    add(
+        "--lifeline-fd",
+        type=int,
+        help="an inherited file descriptor (a pipe's read end) whose end of file stops the "
+        "daemon as SIGTERM does: a launcher holds the write end, so the daemon goes when the "
+        "launcher does, however it ends (default: none)",
     )
     add(
         "--workers",

@@ -314,15 +314,40 @@ def _catch_stop_signals(loop: asyncio.AbstractEventLoop, stop: Callable[[], None
     return ignore
 
 
+def _watch_lifeline(loop: asyncio.AbstractEventLoop, fd: int, stop: Callable[[], None]) -> None:
+    """Call ``stop`` once ``fd`` reaches end of file: every holder of the pipe's write end
+    (the launcher) is gone (--lifeline-fd; lpsync.daemon.launch)."""
+    os.set_blocking(fd, False)
+
+    def readable() -> None:
+        try:
+            if os.read(fd, 4096):
+                return  # the launcher wrote something: not an end
+        except BlockingIOError:
+            return
+        except OSError:
+            pass  # unreadable from now on: the same as gone
+        loop.remove_reader(fd)
+        log.warning("the process that started this daemon is gone (--lifeline-fd): stopping")
+        stop()
+
+    loop.add_reader(fd, readable)
+
+
 async def _serve(config: DaemonConfig) -> Daemon:
     daemon = Daemon(config)
     await daemon.start()
-    ignore_stop_signals = _catch_stop_signals(asyncio.get_running_loop(), daemon.request_stop)
+    loop = asyncio.get_running_loop()
+    ignore_stop_signals = _catch_stop_signals(loop, daemon.request_stop)
+    if config.lifeline_fd != -1:
+        _watch_lifeline(loop, config.lifeline_fd, daemon.request_stop)
     try:
         await daemon.wait()
     finally:
         await daemon.stop()
         ignore_stop_signals()  # stopped and cleaned up: a repeated SIGTERM changes nothing
+        if config.lifeline_fd != -1:
+            loop.remove_reader(config.lifeline_fd)
     return daemon
 
 
