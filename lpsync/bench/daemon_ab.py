@@ -1,12 +1,14 @@
 """The daemons' CPU per call, this tree against another revision, side by side:
-``python -m lpsync.bench.daemon_ab --base REV``.
+``python -m lpsync.bench.daemon_ab --base REV [--head REV]``.
 
-Checks REV out into a temporary git worktree and runs ``lpsync.bench.loopback_cpu`` in
-each tree in turn, ``--pairs`` times (the base first in odd pairs, this tree first in
-even ones), then removes the worktree. Each run starts in its own tree's directory with
-that tree on ``PYTHONPATH``: ``python -m`` puts the current directory first on
-``sys.path``, so a daemon started from this tree's directory would run this tree's code
-whatever ``PYTHONPATH`` says (docs/benchmarks.md, seventh pass). Before the pairs, each
+Checks REV out into a temporary git worktree (``--head``: that revision too, in place of
+this tree, to check an earlier change against its own base) and runs
+``lpsync.bench.loopback_cpu`` in each tree in turn, ``--pairs`` times (the base first in
+odd pairs, the other first in even ones), then removes the worktrees. Each run starts in
+its own tree's directory with that tree on ``PYTHONPATH``: ``python -m`` puts the
+current directory first on ``sys.path``, so a daemon started from this tree's directory
+would run this tree's code whatever ``PYTHONPATH`` says (docs/benchmarks.md, seventh
+pass). Before the pairs, each
 tree's interpreter is asked where ``lpsync`` and ``lpsync_client`` come from; a tree that
 would not import its own code is refused.
 
@@ -36,7 +38,8 @@ from pathlib import Path
 from lpsync.bench.loopback_cpu import add_point_arguments
 
 HERE = Path(__file__).resolve().parents[2]  # this tree's root
-_ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s*$")
+# node, time, daemon CPU, rank CPU per call; then context switches (not printed before 2026-12-06)
+_ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)(?:\s+[\d.]+\s+[\d.]+)?\s*$")
 
 
 @dataclass(frozen=True)
@@ -101,10 +104,14 @@ def run_once(tree: Path, bench_args: list[str], timeout: float) -> Run:
 
 
 @contextlib.contextmanager
-def worktree(revision: str) -> Iterator[Path]:
-    """``revision`` checked out in a temporary worktree of this repository, removed after."""
+def worktree(revision: str | None) -> Iterator[Path]:
+    """``revision`` checked out in a temporary worktree of this repository, removed after;
+    None: this tree itself."""
+    if revision is None:
+        yield HERE
+        return
     with tempfile.TemporaryDirectory(prefix="lpsync-ab-") as where:
-        path = Path(where) / "base"
+        path = Path(where) / "tree"
         added = subprocess.run(
             ["git", "-C", str(HERE), "worktree", "add", "--detach", str(path), revision],
             capture_output=True,
@@ -137,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m lpsync.bench.daemon_ab", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--base", required=True, help="the revision to compare with (git rev)")
+    parser.add_argument(
+        "--head", help="the revision compared with the base (git rev; default: this tree, as it is)"
+    )
     parser.add_argument("--pairs", type=int, default=4, help="alternating pairs of runs (default 4)")
     add_point_arguments(parser, nodes=8, iters=2000)
     args = parser.parse_args(argv)
@@ -145,10 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     bench = ["--nodes", str(args.nodes), "--iters", str(args.iters), "--bytes", str(args.bytes)]
     bench += ["--peer-transport", args.peer_transport]
     timeout = 600 + args.iters * 0.05
-    with worktree(args.base) as base_tree:
-        for tree in (base_tree, HERE):
+    with worktree(args.base) as base_tree, worktree(args.head) as this_tree:
+        for tree in (base_tree, this_tree):
             check_imports(tree)
-        print(f"# base {args.base} ({base_tree}) against this tree ({HERE}); loopback_cpu {' '.join(bench)}")
+        this = f"{args.head} ({this_tree})" if args.head else f"this tree ({this_tree})"
+        print(f"# base {args.base} ({base_tree}) against {this}; loopback_cpu {' '.join(bench)}")
         print(
             "# CPU per call (us), base / this: node 0, median leaf, mean daemon, mean rank; then this / base"
         )
@@ -158,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         ratios = []
         for pair in range(1, args.pairs + 1):
-            order = [(base_tree, "base"), (HERE, "this")]
+            order = [(base_tree, "base"), (this_tree, "this")]
             if pair % 2 == 0:
                 order.reverse()
             runs = {name: run_once(tree, bench, timeout) for tree, name in order}

@@ -51,3 +51,26 @@ def test_a_run_is_read_from_loopback_cpus_table() -> None:
     run = Run.parse(output)
     assert (run.node0, run.leaf, run.rank, run.time) == (500, 250, 80, 900)
     assert abs(run.mean - 1000 / 3) < 1e-9
+
+
+def test_a_run_is_read_from_the_older_four_column_table() -> None:
+    # loopback_cpu before 2026-12-06 printed no context switches: --head/--base of that time
+    output = """# 3 daemon(s) on loopback, one rank each, 10 allreduces of 4 B
+# node  time/call (us)  daemon CPU/call (us)  rank CPU/call (us)
+     0             900                   500                  70
+     1             900                   300                  80
+     2             900                   200                  90
+# mean per daemon 333 us, per rank 80 us
+"""
+    run = Run.parse(output)
+    assert (run.node0, run.leaf, run.rank, run.time) == (500, 250, 80, 900)
+
+
+def test_head_checks_out_a_second_revision_and_removes_both() -> None:
+    before = _worktrees()
+    done = run_bench(
+        "daemon_ab", "--base", "HEAD~1", "--head", "HEAD", "--pairs", "1", "--nodes", "1", "--iters", "50"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "against HEAD (" in done.stdout and "this tree" not in done.stdout, done.stdout
+    assert _worktrees() == before
