@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     with worktree(args.base) as base_tree, worktree(args.head) as this_tree:
         for tree in (base_tree, this_tree):
             check_imports(tree)
-        this = f"{args.head} ({this_tree})" if args.head else f"this tree ({this_tree})"
-        print(f"# base {args.base} ({base_tree}) against {this}; loopback_cpu {' '.join(bench)}")
+        other = f"{args.head} ({this_tree})" if args.head else f"this tree ({this_tree})"
+        print(f"# base {args.base} ({base_tree}) against {other}; loopback_cpu {' '.join(bench)}")
         print(
             "# CPU per call (us), base / this: node 0, median leaf, mean daemon, mean rank; then this / base"
         )
