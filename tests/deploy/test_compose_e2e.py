@@ -7,6 +7,8 @@ swapped for local ones, Grafana left out), and checks within bounded times:
 
 * both daemons healthy and meshed across containers (`lpsync health` inside them,
   `lpsync_peers_connected` = `lpsync_peers_expected` in Prometheus);
+* each daemon's peer sockets run the congestion control the container may set (`auto`:
+  cubic, or the host's default where a probe socket is refused cubic);
 * the trainers' digits run (4 ranks on 2 nodes, DDP through the daemons) exits 0, and
   every epoch's loss and test accuracy match the one-process run on the combined batch
   (what `make demo` checks the parameters against), in the same image;
@@ -241,6 +243,23 @@ def test_compose_cluster_end_to_end(cluster: Cluster) -> None:
 
     until("both daemons connected to their peer (Prometheus)", 60, meshed)
     _phase("daemons healthy and meshed", started)
+
+    # -- the peer sockets' congestion control: what the container may set ------------------
+    # A container has no NET_ADMIN: on a host whose default is BBR it may not set CUBIC,
+    # and `auto` must keep the host's default and say why (a daemon refusing to start there
+    # was a CI failure). The kernel inside the container is the reference.
+    probe = "import socket; socket.socket().setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b'cubic')"
+    may_set = c.exec("daemon0", "python3", "-c", probe)
+    host = c.exec("daemon0", "cat", "/proc/sys/net/ipv4/tcp_congestion_control").stdout.strip()
+    for name in ("daemon0", "daemon1"):
+        plane = status(c, name)["peer_plane"]
+        assert plane["transport"] == "tcp", plane
+        if may_set.returncode == 0:
+            assert plane["tcp_congestion"] == "cubic", plane
+        else:
+            assert "Operation not permitted" in may_set.stderr, may_set.stderr
+            assert plane["tcp_congestion"] == host, plane
+            assert plane["tcp_congestion_reason"].startswith("auto: the host's default, since"), plane
 
     # -- the trainers' run -------------------------------------------------------------------
     started = time.monotonic()
