@@ -26,6 +26,7 @@ from lpsync.daemon import launch
 from lpsync.daemon.control import server
 from lpsync.daemon.control.config import load
 from lpsync.errors import InvalidArgumentError
+from lpsync.transport.ports import free_ports
 from tests.daemon.harness import ROOT, DaemonProcess, shm_segments
 
 
@@ -205,6 +206,30 @@ def test_daemons_stop_when_their_launcher_is_killed(tmp_path: Path) -> None:
         assert not Path(socket_path).exists() and not Path(socket_path + ".trigger").exists()
     log = (tmp_path / "node0.log").read_text()
     assert "the process that started this daemon is gone" in log, log[-2000:]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+def test_a_daemon_stopped_while_its_mesh_forms_exits_at_once_without_a_retry(
+    tmp_path: Path, transport: str
+) -> None:
+    """Its peer never comes: SIGTERM closes the transport under the dial, which must end
+    the attempts (the log said "peer mesh not up yet ...; retrying" as the daemon stopped)."""
+    ports = free_ports(2)
+    d = DaemonProcess(
+        tmp_path,
+        *("--peers", ",".join(f"127.0.0.1:{p}" for p in ports), "--node-rank", "0"),
+        *("--peer-transport", transport),
+        env={"LPSYNC_SECRET": "mesh-forming-stop"},
+    )
+    time.sleep(1.0)  # dialling its absent peer
+    start = time.monotonic()
+    assert d.stop() == 0
+    assert time.monotonic() - start < 5
+    assert d.log is not None
+    log = d.log.read_text()
+    stopping = log.index("shutting down")
+    assert "retrying" not in log[stopping:], log[stopping:]
+    assert shm_segments(d.pid) == [] and not Path(d.socket).exists()
 
 
 def test_a_lifeline_fd_that_is_not_open_is_refused() -> None:

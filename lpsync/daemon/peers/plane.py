@@ -409,6 +409,8 @@ class PeerPlane:
                     self.options.transport, self._mesh_options(), self._runtime, self.options.tls
                 )
             except LpsyncError as error:
+                if self._stop.is_set():  # stopping closed the runtime under the dial: no retry
+                    break
                 log.warning(
                     "node %d: peer mesh not up yet (%s: %s); retrying", self.rank, type(error).__name__, error
                 )
