@@ -95,7 +95,7 @@ class Daemon:
     ) -> None:
         self.socket, self.log = socket, log
         self._log: IO[str] | None = open(log, "w") if log is not None else None  # noqa: SIM115 - closed in stop()
-        lifeline, self._lifeline = os.pipe()  # the write end: closed in stop() or kill()
+        lifeline, self._lifeline = os.pipe()  # the write end: closed by _close_files (stop, kill)
         try:
             self.proc = subprocess.Popen(
                 [*wrap, *command(socket, "--lifeline-fd", str(lifeline), *flags)],
@@ -107,7 +107,7 @@ class Daemon:
                 pass_fds=(lifeline,),
             )
         except BaseException:
-            self._close_log()
+            self._close_files()
             raise
         finally:
             os.close(lifeline)
@@ -155,15 +155,15 @@ class Daemon:
             assert self.proc.returncode is not None
             return self.proc.returncode
         finally:
-            self._close_log()
+            self._close_files()
 
     def kill(self) -> None:
         if not reaped(self.proc):
             self.proc.kill()
         wait_reaped(self.proc, 5)  # an unkillable process: move on
-        self._close_log()
+        self._close_files()
 
-    def _close_log(self) -> None:
+    def _close_files(self) -> None:
         if self._lifeline >= 0:
             os.close(self._lifeline)
             self._lifeline = -1
