@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -79,7 +80,8 @@ class Daemon:
     crash): it holds the read end of a pipe whose only write end stays here
     (``--lifeline-fd``), and the end of that pipe stops it as SIGTERM would. Without it a
     killed demo, benchmark or test left its daemons running with their sockets and
-    shared memory. Children forked from this process hold the write end too."""
+    shared memory. A child forked from this process closes its copy of the write end
+    (``_forget_lifelines_in_child``), so the daemon does not wait for it too."""
 
     def __init__(
         self,
@@ -96,6 +98,7 @@ class Daemon:
         self.socket, self.log = socket, log
         self._log: IO[str] | None = open(log, "w") if log is not None else None  # noqa: SIM115 - closed in stop()
         lifeline, self._lifeline = os.pipe()  # the write end: closed by _close_files (stop, kill)
+        _WITH_LIFELINES.add(self)
         try:
             self.proc = subprocess.Popen(
                 [*wrap, *command(socket, "--lifeline-fd", str(lifeline), *flags)],
@@ -164,12 +167,33 @@ class Daemon:
         self._close_files()
 
     def _close_files(self) -> None:
-        if self._lifeline >= 0:
-            os.close(self._lifeline)
-            self._lifeline = -1
+        self._forget_lifeline()
         if self._log is not None:
             self._log.close()
             self._log = None
+
+    def _forget_lifeline(self) -> None:
+        if self._lifeline >= 0:
+            os.close(self._lifeline)
+            self._lifeline = -1
+        _WITH_LIFELINES.discard(self)
+
+
+# The daemons whose lifeline's write end this process holds. A forked child (a
+# multiprocessing "fork" worker, a test's os.fork) gets copies of every descriptor; its
+# copies would keep those daemons up until the child exits, however long after their
+# launcher is gone.
+_WITH_LIFELINES: weakref.WeakSet[Daemon] = weakref.WeakSet()
+
+
+def _forget_lifelines_in_child() -> None:
+    """In a forked child: close its copies of the write ends and forget them, so that a
+    later stop() there closes nothing that reuses the numbers."""
+    for daemon in list(_WITH_LIFELINES):
+        daemon._forget_lifeline()
+
+
+os.register_at_fork(after_in_child=_forget_lifelines_in_child)
 
 
 def stop_together(daemons: Sequence[Daemon], timeout: float = 20.0) -> list[int | str]:

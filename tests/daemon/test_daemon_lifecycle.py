@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import runpy
@@ -162,14 +163,19 @@ def test_stop_together_kills_a_daemon_that_does_not_exit_and_reports_it(tmp_path
 
 
 _LAUNCHER = """
-import sys, time
+import os, sys, time
 from pathlib import Path
 import lpsync_client
 from lpsync.demo.local_cluster import LocalCluster
 cluster = LocalCluster(Path(sys.argv[1]), 2, ("--peer-transport", "tcp"))
 client = lpsync_client.connect(cluster.nodes[0].socket, job="orphan", rank=0, world_size=1)
 client.allreduce(client.zeros(1024))  # a session and a buffer (a shared memory segment)
-print(*(node.daemon.pid for node in cluster.nodes), *(node.socket for node in cluster.nodes), flush=True)
+child = os.fork() if sys.argv[2] == "fork" else -1  # a worker forked from the launcher
+if child == 0:
+    time.sleep(600)
+    os._exit(0)
+nodes = cluster.nodes
+print(child, *(node.daemon.pid for node in nodes), *(node.socket for node in nodes), flush=True)
 time.sleep(600)
 """
 
@@ -182,25 +188,35 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_daemons_stop_when_their_launcher_is_killed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("forked", ["alone", "fork"])
+def test_daemons_stop_when_their_launcher_is_killed(tmp_path: Path, forked: str) -> None:
     """A demo, benchmark or test killed outright (SIGKILL: no handler runs) used to leave
     its daemons running, their sockets and shared memory with them. launch.Daemon gives
-    each the read end of a pipe (--lifeline-fd) whose end stops it as SIGTERM does."""
+    each the read end of a pipe (--lifeline-fd) whose end stops it as SIGTERM does. A
+    child forked from the launcher, still running, must not hold them up: it closed its
+    copy of the write end at the fork."""
     launcher = subprocess.Popen(
-        [sys.executable, "-c", _LAUNCHER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _LAUNCHER, str(tmp_path), forked], cwd=ROOT, stdout=subprocess.PIPE, text=True
     )
+    child = -1
     try:
         assert launcher.stdout is not None
-        first, second, *sockets = launcher.stdout.readline().split()
-        pids = [int(first), int(second)]
+        child_pid, first, second, *sockets = launcher.stdout.readline().split()
+        child, pids = int(child_pid), [int(first), int(second)]
         assert all(not _gone(pid) for pid in pids) and shm_segments(pids[0])
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + 20
+        while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(_gone(pid) for pid in pids), [(pid, _gone(pid)) for pid in pids]
+        assert child < 0 or not _gone(child)  # the forked child outlived them
     finally:
         launcher.kill()
         launcher.wait(10)
-    deadline = time.monotonic() + 20
-    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(_gone(pid) for pid in pids), [(pid, _gone(pid)) for pid in pids]
+        if child > 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
     for pid, socket_path in zip(pids, sockets, strict=True):
         assert shm_segments(pid) == [], pid
         assert not Path(socket_path).exists() and not Path(socket_path + ".trigger").exists()
