@@ -35,7 +35,7 @@ def chunks_for(
     if not ALGORITHMS[algorithm].pipelined:
         return 1
     if algorithm == "ring":
-        return ring_slices(participants, nbytes)
+        return ring_slices(participants, nbytes, link)
     return lp_chunks(participants, nbytes, link, min_chunk_bytes, op)
 
 

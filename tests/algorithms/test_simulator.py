@@ -18,7 +18,7 @@ from lpsync.algorithms import (
 )
 from lpsync.algorithms.cost import DEFAULT_MIN_CHUNK_BYTES
 from lpsync.algorithms.schedule import Buf, ScheduleBuilder
-from lpsync.algorithms.tuner import TIE_MARGIN
+from lpsync.algorithms.tuner import TIE_MARGIN, chunks_for
 from lpsync.errors import SimulationError
 from lpsync.types import DATA_COLLECTIVES
 from tests.collective_cases import C
@@ -172,6 +172,29 @@ def test_lp_allreduce_chunks_minimise_its_closed_form(p: int, shared_nic: bool) 
     best = min(times.values())
     assert k > 1
     assert times[k] <= best * 1.02, (k, min(times, key=times.__getitem__))
+
+
+@pytest.mark.parametrize(
+    ("alpha", "bandwidth"),
+    [(100e-6, 100e9), (10e-6, 100e9), (30e-6, 8e9), (50e-6, 12.5e9), (5e-6, 1.25e8)],
+)
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_ring_slices_cost_at_most_half_their_transfer_in_steps(
+    alpha: float, bandwidth: float, p: int
+) -> None:
+    """Slices let a reduction overlap the next slice's transfer (the model leaves that
+    out), but each is a step that costs alpha. On a link whose step costs more than
+    moving half a MiB (a device step enqueued from Python: 100 us), 512-KiB slices made a
+    32-MiB ring 96 steps a participant (10.8 ms on an H200, docs/benchmarks.md). In the
+    simulator, which charges every message its alpha, the tuner's slices cost at most
+    half the transfer again: 1.5x one slice a block."""
+    link = LinkModel.from_bandwidth(alpha=alpha, bandwidth=bandwidth, shared_nic=False)
+    for nbytes in (32 << 20, 256 << 20):
+        slices = chunks_for("ring", p, nbytes, link, op=C.ALLREDUCE)
+        sliced = simulated(C.ALLREDUCE, "ring", p, nbytes, link, slices)
+        assert sliced <= 1.5 * simulated(C.ALLREDUCE, "ring", p, nbytes, link, 1), slices
+        if 2 * alpha * bandwidth <= 512 * 1024:  # a cheap step: 512-KiB slices, as ever
+            assert slices == min(32, nbytes // p // (512 * 1024))
 
 
 def test_select_is_the_minimum_over_candidates_up_to_the_tie_margin() -> None:

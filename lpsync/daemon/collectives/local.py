@@ -40,9 +40,12 @@ if TYPE_CHECKING:
 # Local memory as the tuner sees it: a thread hand-off per message, memcpy bandwidth,
 # and a link of its own between every pair of participants (no shared NIC).
 LOCAL_LINK = LinkModel.from_bandwidth(alpha=30e-6, bandwidth=8e9, shared_nic=False)
-# Device memory as the tuner sees it: a stream operation's launch and an NVLink-class
-# copy; every pair of devices has links of its own.
-DEVICE_LINK = LinkModel.from_bandwidth(alpha=10e-6, bandwidth=100e9, shared_nic=False)
+# Device memory as the tuner sees it: a step's host-side cost (its copies and kernels
+# enqueued from Python, its events recorded) and an NVLink-class copy; every pair of
+# devices has links of its own. alpha is fitted to the H200 run (docs/benchmarks.md,
+# "GPU"): 100-130 us per pipeline stage, where the 10 us of a bare launch had the tuner
+# slice a 32 MiB allreduce into 96 ring steps (10.8 ms, against ~2 ms for be's 4).
+DEVICE_LINK = LinkModel.from_bandwidth(alpha=100e-6, bandwidth=100e9, shared_nic=False)
 
 
 def is_direct(spec: Spec, participants: int) -> bool:
