@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -58,7 +59,25 @@ def select(
     difference smaller than the model's own error does not decide. (Measured on the
     emulated cluster: for a 64 MiB allreduce on 8 nodes the model put BE 1% ahead of
     ring on latency terms alone; BE ran 1.23-1.35x slower than ring.)
+
+    Answers are remembered: the daemon asks once per collective (a device one, a host
+    one past the direct path's size, a multi-node one not learned) and the answer
+    depends on the arguments alone, where working it out costs every candidate's closed
+    form (~200 us of Python a device collective, docs/benchmarks.md).
     """
+    names = None if candidates is None else tuple(candidates)
+    return _select(op, nbytes, participants, link, names, min_chunk_bytes)
+
+
+@functools.lru_cache(maxsize=4096)
+def _select(
+    op: Collective,
+    nbytes: int,
+    participants: int,
+    link: LinkModel,
+    candidates: tuple[str, ...] | None,
+    min_chunk_bytes: int,
+) -> Choice:
     predicted = predictions(op, nbytes, participants, link, candidates, min_chunk_bytes)
     fastest = min(choice.seconds for choice in predicted)
     return next(c for c in predicted if c.seconds <= fastest * (1 + TIE_MARGIN))
