@@ -23,7 +23,8 @@ as the daemon sees it; clients must see the same numbering (same CUDA_VISIBLE_DE
                            client's Event(interprocess=True, disable_timing=True)) /
                            runtime.eventDestroy; ``wait`` on it is
                            runtime.streamWaitEvent(stream, event, 0)
-  synchronize              Event.synchronize() (blocking sync, no spinning) in a helper
+  synchronize              runtime.eventQuery first (complete: return at once); else
+                           Event.synchronize() (blocking sync, no spinning) in a helper
                            thread, so that the deadline holds
   copy_async               runtime.memcpyPeerAsync across devices, memcpyAsync on one device
                            or with pinned host memory
@@ -334,6 +335,12 @@ class CudaKind:
     def synchronize(self, event: cupy.cuda.Event, deadline: float) -> None:
         import time
 
+        # Done already (cudaEventQuery: cudaSuccess, no error raised for not ready): no
+        # hand-off to a helper thread and back. A run waits for every stream's final
+        # event in turn, and once the first returns the others mostly have finished.
+        _use(event.lpsync_device)
+        if runtime.eventQuery(event.ptr) == 0:
+            return
         future = self._waiters.submit(self._synchronize, event)
         try:
             future.result(timeout=max(0.0, deadline - time.monotonic()))
