@@ -335,12 +335,15 @@ class CudaKind:
     def synchronize(self, event: cupy.cuda.Event, deadline: float) -> None:
         import time
 
-        # Done already (cudaEventQuery: cudaSuccess, no error raised for not ready): no
-        # hand-off to a helper thread and back. A run waits for every stream's final
-        # event in turn, and once the first returns the others mostly have finished.
+        # Done already (cudaEventQuery: cudaSuccess): no hand-off to a helper thread and
+        # back. A run waits for every stream's final event in turn, and once the first
+        # returns the others mostly have finished.
         _use(event.lpsync_device)
-        if runtime.eventQuery(event.ptr) == 0:
-            return
+        try:
+            if runtime.eventQuery(event.ptr) == 0:
+                return
+        except runtime.CUDARuntimeError:
+            pass  # not ready (where cupy raises for it) or failed: the synchronize tells
         future = self._waiters.submit(self._synchronize, event)
         try:
             future.result(timeout=max(0.0, deadline - time.monotonic()))
