@@ -165,11 +165,13 @@ def observed(tmp_path_factory) -> Iterator[dict]:
                     assert np.array_equal(x, np.arange(n, dtype=np.float32))
                     client.broadcast(x)
                     client.release(x)
-        late = lpsync_client.connect(daemons[0].socket, job="late", rank=0, world_size=2)
+        late = lpsync_client.connect(daemons[0].socket, job="late", rank=0, world_size=2, local_world_size=2)
         clients.append(late)
         with pytest.raises(CollectiveTimeoutError):
             late.allreduce(late.zeros(8), timeout=0.5)
-        waiting = lpsync_client.connect(daemons[0].socket, job="waiting", rank=0, world_size=2)
+        waiting = lpsync_client.connect(
+            daemons[0].socket, job="waiting", rank=0, world_size=2, local_world_size=2
+        )
         clients.append(waiting)
         pending = waiting.allreduce_async(waiting.zeros(8), timeout=300)
         targets = [f"127.0.0.1:{p}" for p in metric_ports]
