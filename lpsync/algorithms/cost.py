@@ -80,15 +80,15 @@ RING_SLICE_BYTES = 512 * 1024  # a ring allreduce slice: about an LP chunk's siz
 RING_MAX_SLICES = 32
 
 
-def ring_slices(participants: int, nbytes: int, link: LinkModel | None = None) -> int:
+def ring_slices(participants: int, nbytes: int, link: LinkModel) -> int:
     """Slices per block of a ring allreduce: blocks of about RING_SLICE_BYTES, so that the
     reduction of one overlaps the transfer of the next (the alpha-beta model has no term
     for that overlap; the learning tuner times half and twice this count). Where a step
-    costs more than moving half a MiB (``link``: a device step enqueued from Python), a
+    costs more than moving half a MiB on ``link`` (a device step enqueued from Python), a
     slice carries at least 2 alpha / beta bytes, so that what each slice costs as a step
     stays within half its transfer (the closed form charges no alpha per slice)."""
     size = RING_SLICE_BYTES
-    if link is not None and link.beta > 0:
+    if link.beta > 0:  # a link of infinite bandwidth: any slice moves at once
         size = max(size, int(2 * link.alpha / link.beta))
     block = nbytes // max(1, participants)
     return int(min(RING_MAX_SLICES, max(1, block // size)))
