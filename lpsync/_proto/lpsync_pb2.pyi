@@ -164,14 +164,26 @@ class CollectiveRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., op: _Optional[str] = ..., dtype: _Optional[str] = ..., count: _Optional[int] = ..., root: _Optional[int] = ..., reduce_op: _Optional[str] = ..., algorithm: _Optional[str] = ..., timeout: _Optional[float] = ..., input: _Optional[_Union[BufferRef, _Mapping]] = ..., output: _Optional[_Union[BufferRef, _Mapping]] = ..., name: _Optional[str] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
 
 class CollectiveResponse(_message.Message):
-    __slots__ = ("algorithm", "chunks", "seconds")
+    __slots__ = ("algorithm", "chunks", "seconds", "armed")
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ARMED_FIELD_NUMBER: _ClassVar[int]
     algorithm: str
     chunks: int
     seconds: float
-    def __init__(self, algorithm: _Optional[str] = ..., chunks: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    armed: Armed
+    def __init__(self, algorithm: _Optional[str] = ..., chunks: _Optional[int] = ..., seconds: _Optional[float] = ..., armed: _Optional[_Union[Armed, _Mapping]] = ...) -> None: ...
+
+class Armed(_message.Message):
+    __slots__ = ("page", "plan", "generation")
+    PAGE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    page: str
+    plan: int
+    generation: int
+    def __init__(self, page: _Optional[str] = ..., plan: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
     __slots__ = ("session_id",)
@@ -386,7 +398,7 @@ class WaitingCollective(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., op: _Optional[str] = ..., stage: _Optional[str] = ..., started_at: _Optional[float] = ..., waiting_seconds: _Optional[float] = ..., arrived: _Optional[_Iterable[int]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., missing_nodes: _Optional[_Iterable[int]] = ..., stalled: _Optional[bool] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job", "world_size", "nodes", "node", "attached", "waiting", "history", "receiving_any")
+    __slots__ = ("job", "world_size", "nodes", "node", "attached", "waiting", "history", "receiving_any", "path", "armed_plans", "native_answered", "native_fallbacks")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
@@ -395,6 +407,10 @@ class JobInfo(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     RECEIVING_ANY_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ARMED_PLANS_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_ANSWERED_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
     nodes: int
@@ -403,7 +419,11 @@ class JobInfo(_message.Message):
     waiting: _containers.RepeatedCompositeFieldContainer[WaitingCollective]
     history: _containers.RepeatedCompositeFieldContainer[FlightRecord]
     receiving_any: _containers.RepeatedCompositeFieldContainer[AnySourceWait]
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., nodes: _Optional[int] = ..., node: _Optional[int] = ..., attached: _Optional[_Iterable[int]] = ..., waiting: _Optional[_Iterable[_Union[WaitingCollective, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[FlightRecord, _Mapping]]] = ..., receiving_any: _Optional[_Iterable[_Union[AnySourceWait, _Mapping]]] = ...) -> None: ...
+    path: str
+    armed_plans: int
+    native_answered: int
+    native_fallbacks: int
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., nodes: _Optional[int] = ..., node: _Optional[int] = ..., attached: _Optional[_Iterable[int]] = ..., waiting: _Optional[_Iterable[_Union[WaitingCollective, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[FlightRecord, _Mapping]]] = ..., receiving_any: _Optional[_Iterable[_Union[AnySourceWait, _Mapping]]] = ..., path: _Optional[str] = ..., armed_plans: _Optional[int] = ..., native_answered: _Optional[int] = ..., native_fallbacks: _Optional[int] = ...) -> None: ...
 
 class AnySourceWait(_message.Message):
     __slots__ = ("rank", "tag", "waiting_seconds")

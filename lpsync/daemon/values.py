@@ -113,6 +113,8 @@ class Outcome:
     algorithm: str = ""
     chunks: int = 0
     seconds: float = 0.0
+    # The plan is armed (lpsync/native): (doorbell page, plan, generation) for the reply.
+    armed: tuple[str, int, int] | None = None
 
 
 class Later(Generic[T]):

@@ -95,6 +95,21 @@ class TriggerStream:
         if len(self._pending) and not self._ended:
             self.wake()  # requests of other threads: someone must go on reading
 
+    def pending(self) -> int:
+        """How many requests in the table wait for their replies."""
+        return len(self._pending)
+
+    def peer_closed(self) -> bool:
+        """Whether the daemon closed this socket: a peek that takes nothing (the reading
+        lock held: nobody else reads meanwhile)."""
+        try:
+            data = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        return not data
+
     def send_unlisted(self, request: pb.SessionRequest) -> int:
         """Send ``request`` with no Future and no entry in the table of requests in flight
         (its sender, which reads replies, waits for it at once with reply_to); its id."""

@@ -32,7 +32,7 @@ from typing import Any, cast
 import grpc
 import numpy as np
 
-from lpsync_client import layout
+from lpsync_client import doorbell, layout
 from lpsync_client._convert import as_numpy, numpy_dtype
 from lpsync_client._device import DeviceOperand, describe, is_device_array
 from lpsync_client._order import InFlight, array_spans
@@ -48,6 +48,7 @@ from lpsync_client.errors import (
     CollectiveTimeoutError,
     InvalidArgumentError,
     LpsyncError,
+    UnavailableError,
     from_rpc_error,
     from_status,
 )
@@ -68,6 +69,15 @@ _SCRATCH_KEEP = 8  # staging segments kept for reuse by unregistered arrays
 class _Segment:
     handle: int
     mapping: Mapping
+
+
+@dataclass(frozen=True)
+class _Armed:
+    """A prepared request whose plan the daemon armed (doorbell.py)."""
+
+    page: str
+    plan: int
+    generation: int
 
 
 class Registered:
@@ -269,6 +279,9 @@ class Client:
         self._store: layout.Store | None = None  # the layout's store, once discovered
         # Prepared requests by (op, spans, parameters) for arrays in shared memory.
         self._prepared: dict[tuple, pb.SessionRequest] = {}
+        # Prepared requests whose plans the daemon armed, and the doorbell pages mapped.
+        self._armed: dict[tuple, _Armed] = {}
+        self._bells: dict[str, doorbell.Page] = {}
         # Each live view's data address by id(): __array_interface__ makes a dict per call.
         self._addresses: dict[int, tuple[weakref.ref, int]] = {}
         self._in_flight = InFlight()  # staged collectives not finished yet (_order.py)
@@ -559,6 +572,7 @@ class Client:
         with self._lock:
             self._segments.pop(segment.handle, None)
             self._prepared.clear()  # an address may come back in another segment
+            self._armed.clear()
         segment.mapping.close()
 
     def _operand(self, x: object, writes: bool) -> _Operand:
@@ -615,6 +629,7 @@ class Client:
         with self._lock:
             segment = self._segments.pop(handle, None)
             self._prepared.clear()
+            self._armed.clear()
         if segment is not None:
             segment.mapping.close()
 
@@ -656,7 +671,7 @@ class Client:
                 here = self._here
                 foreground = getattr(here, "foreground", False)
                 if (foreground or getattr(here, "answer_here", False)) and self._answer_now(
-                    template, timeout
+                    template, timeout, key
                 ):
                     if foreground:  # Client._blocking takes the result: no Future is made
                         here.answered = written
@@ -724,6 +739,7 @@ class Client:
             with self._lock:
                 if len(self._prepared) > 1024:
                     self._prepared.clear()
+                    self._armed.clear()
                 # Copied for each call by _send; _answer_now numbers and sends it as it is.
                 self._prepared[key] = _copy(message)
         try:
@@ -763,11 +779,15 @@ class Client:
                 self._addresses[id(a)] = (weakref.ref(a), address)
         return (address, a.nbytes, a.dtype, a.flags.c_contiguous)
 
-    def _answer_now(self, template: pb.SessionRequest, timeout: float) -> bool:
+    def _answer_now(self, template: pb.SessionRequest, timeout: float, key: tuple) -> bool:
         """A blocking call of a prepared request over the trigger socket, sent and its reply
         read on this thread with no Future in the table of requests in flight (TriggerStream
         .reply_to). True once it succeeded (raises the collective's error); False where
         another thread reads the replies now (``_send`` then).
+
+        Where the daemon armed the request's plan (``_armed``) and nothing else of this
+        client is in flight, it rings the job's doorbell instead (doorbell.py): no request,
+        no reply to parse; a FALLBACK sends the request after all, same sequence number.
 
         ``template`` is sent as it is, numbered in place: one thread at a time gets here
         (the reading lock), and every other sender numbers its own copy (``_send``)."""
@@ -780,15 +800,44 @@ class Client:
         try:
             with self._lock:  # sequence numbers leave in submission order
                 self._sequence += 1
-                template.collective.sequence = self._sequence
-                request_id = trigger.send_unlisted(template)
+                sequence = self._sequence
+            armed = self._armed.get(key)
+            if armed is not None and not trigger.pending():
+                if self._ring(armed, sequence, bound, trigger) == doorbell.OK:
+                    return True
+                self._armed.pop(key, None)  # ask again: the reply says whether it is armed
+            template.collective.sequence = sequence
+            request_id = trigger.send_unlisted(template)
             response = trigger.reply_to(request_id, bound)
         finally:
             trigger.stop_reading()
         if response is None:
             raise CollectiveTimeoutError(f"the daemon did not answer within {bound:g} s")
         _plain(None, response)  # raises the collective's error
+        plan = response.result.response.armed
+        if plan.page and self.world_size <= 256:
+            self._armed[key] = _Armed(plan.page, plan.plan, plan.generation)
         return True
+
+    def _ring(self, armed: _Armed, sequence: int, bound: float, trigger: TriggerStream) -> int:
+        """Ring the doorbell for ``sequence`` (the reading lock held); OK or FALLBACK."""
+        page = self._bells.get(armed.page)
+        if page is None:
+            try:
+                page = doorbell.Page(armed.page, self.rank)
+            except (OSError, ValueError):  # gone meanwhile: the request says why
+                return doorbell.FALLBACK
+            if len(self._bells) > 16:
+                for old in self._bells.values():
+                    old.close()
+                self._bells.clear()
+            self._bells[armed.page] = page
+        try:
+            return page.ring(sequence, armed.plan, armed.generation, bound, trigger.peer_closed)
+        except TimeoutError:
+            if trigger.peer_closed():
+                raise UnavailableError("the daemon closed the session during a collective") from None
+            raise CollectiveTimeoutError(f"the daemon did not answer within {bound:g} s") from None
 
     def answer_next_here(self, on: bool = True) -> None:
         """For a caller that waits for its next collective at once anyway (a framework's
@@ -1266,8 +1315,13 @@ class Client:
             self._segments.clear()
             self._scratch.clear()
             self._device.clear()  # the daemon closed its mappings; the arrays are ours
+            bells = list(self._bells.values())
+            self._bells.clear()
+            self._armed.clear()
         for segment in segments:
             segment.mapping.close()
+        for page in bells:
+            page.close()
         self._channel.close()
 
     def __enter__(self) -> Client:

@@ -1,14 +1,15 @@
-"""The "run" stage of a single-node collective: direct, a host pipeline, or the device chain.
+"""The single-node runners' work (runners.py chooses among them): direct, host, device.
 
 Chosen per collective and identical on every participant:
-  * direct (direct.py): host buffers up to DIRECT_MAX_BYTES, one participant, or
-    ``algorithm="direct"``;
+  * direct: host buffers up to DIRECT_MAX_BYTES, one participant, a barrier, or
+    ``algorithm="direct"``: the flat program of lpsync/native/program.py, run with numpy,
+    then armed for the native engine where the job runs natively;
   * a host pipeline: the tuner picks an algorithm and chunk count for local memory (or
     ``algorithm=`` forces one) and the engine's LocalGroup runs the schedule with one
     thread per participant over the zero-copy inproc transport;
   * device spans: the chain over the node's devices ordered by topology, run on streams
     (DeviceGroup), after each client's ready event.
-Pipelines are built once per (spec, algorithm, buffers) and reused (plans.py).
+Plans are built once per key (plans.plan_key: spec, schedule, buffers) and reused.
 """
 
 from __future__ import annotations
@@ -20,22 +21,28 @@ from lpsync.algorithms import LinkModel, generate, select
 from lpsync.algorithms.chain_order import chain_order
 from lpsync.algorithms.registry import DIRECT
 from lpsync.algorithms.tuner import chunks_for
-from lpsync.daemon.collectives import direct
-from lpsync.daemon.collectives.direct import DIRECT_MAX_BYTES
+from lpsync.daemon.collectives.plans import plan_key
 from lpsync.daemon.collectives.task import Task
-from lpsync.daemon.collectives.views import buffers, nccl_bytes, reduction
+from lpsync.daemon.collectives.views import buffers, facts, nccl_bytes, reduction
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.values import Outcome, Spec
 from lpsync.engine.device_group import DeviceGroup
 from lpsync.engine.group import LocalGroup
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.kind import Topology
+from lpsync.native import program
+from lpsync.native.program import Program
 from lpsync.types import BLOCKED, Collective, dtype_of
 
 if TYPE_CHECKING:
     import numpy as np
 
     from lpsync.memory.kind import Span
+
+# Measured (docs/benchmarks.md, 4 ranks on 2 cores): one thread reducing every view beats
+# the thread-per-participant schedules up to 2 MiB; be/lp win from 4 MiB on.
+DIRECT_MAX_BYTES = 2 * 1024 * 1024
+_BARRIER = Program(None, 1, 0)  # every participant arrived: nothing to move
 
 # Local memory as the tuner sees it: a thread hand-off per message, memcpy bandwidth,
 # and a link of its own between every pair of participants (no shared NIC).
@@ -68,61 +75,69 @@ def is_inline(spec: Spec, participants: int) -> bool:
     return nccl_bytes(spec.op, spec.count, dtype_of(spec.dtype).itemsize, participants) <= DIRECT_MAX_BYTES
 
 
-def run(task: Task, devices: DeviceRegistry | None) -> Outcome:
-    """Run a single-node collective (every participant arrived, specs agree)."""
+def direct_key(task: Task) -> tuple:
+    """The plan key of a direct-path collective (plans.key: buffers by address)."""
+    return plan_key(task.spec, (DIRECT, 1), task.arrivals)
+
+
+def direct_program(task: Task) -> tuple[Program, list[np.ndarray]]:
+    """The direct path's flat program for ``task`` (built once per plan key) and the
+    views it runs over, in buffer-number order."""
+    spec, p = task.spec, task.participants
     if task.op is Collective.BARRIER:
-        return Outcome(algorithm=DIRECT, chunks=1, seconds=task.elapsed())
-    if task.on_device:
-        if devices is None:
-            raise InvalidArgumentError("this daemon serves no devices (--devices)")
-        return _on_devices(task, devices)
-    return _on_host(task)
+        return _BARRIER, []
+    pairs = cast("list[tuple[np.ndarray, np.ndarray]]", [buffers(spec, a, p) for a in task.arrivals])
+
+    def build() -> Program:
+        return program.direct(task.op, spec.root, pairs, reduction(spec, task.dtype, p), spec.count)
+
+    return task.job.plans.get(direct_key(task), build), program.flatten(pairs)
 
 
-def _on_host(task: Task) -> Outcome:
+def arm(task: Task, compiled: Program, views: list[np.ndarray]) -> Outcome:
+    """The direct path ran ``compiled``: arm it where the job runs natively, so that its
+    identical later calls ring the engine (the reply tells the clients)."""
+    job = task.job
+    armed = None
+    native = job.native_plans()
+    if native is not None:
+        key = direct_key(task)
+        armed = native.find(key)
+        if armed is None:
+            _, _, nbytes, bus = facts(task.spec, task.participants)
+            series = (task.spec.op, DIRECT, task.spec.dtype, nbytes, bus)
+            handles = tuple(h for a in task.arrivals for h in a.handles)
+            armed = native.arm(key, compiled, views, task.timeout, handles, series, task.spec)
+    return Outcome(
+        algorithm=DIRECT, chunks=1, seconds=task.elapsed(), armed=armed.reply if armed is not None else None
+    )
+
+
+def on_host(task: Task) -> tuple[str, int]:
+    """A host pipeline: the tuner's (or the forced) schedule on a LocalGroup."""
     spec, op, p = task.spec, task.op, task.participants
     views = cast("list[tuple[np.ndarray, np.ndarray]]", [buffers(spec, a, p) for a in task.arrivals])  # host
-    reducing = reduction(spec, task.dtype, p)
     algorithm = spec.algorithm
-    if algorithm == DIRECT or (not algorithm and (task.nbytes <= DIRECT_MAX_BYTES or p == 1)):
-        direct.run(op, spec.root, views, reducing, spec.count)
-        return Outcome(algorithm=DIRECT, chunks=1, seconds=task.elapsed())
     if algorithm:
         chunks = chunks_for(algorithm, p, task.nbytes, LOCAL_LINK, op=op)
     else:
         choice = select(op, task.nbytes, p, LOCAL_LINK)
         algorithm, chunks = choice.algorithm, choice.chunks
-    # The views' addresses are part of the key (same handle, other offset: other plan);
-    # the handles come last so that forget() finds the groups of a released buffer.
-    key = (
-        spec,
-        algorithm,
-        chunks,
-        tuple(arr.__array_interface__["data"][0] for pair in views for arr in pair),
-        tuple(h for a in task.arrivals for h in a.handles),
-    )
 
     def build() -> LocalGroup:
-        return LocalGroup(generate(op, algorithm, p, spec.count, spec.root, chunks), views, reducing)
+        schedule = generate(op, algorithm, p, spec.count, spec.root, chunks)
+        return LocalGroup(schedule, views, reduction(spec, task.dtype, p))
 
-    task.job.plans.get(key, build).run(task.timeout)
-    return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
+    task.job.plans.get(plan_key(spec, (algorithm, chunks), task.arrivals), build).run(task.timeout)
+    return algorithm, chunks
 
 
-def _on_devices(task: Task, devices: DeviceRegistry) -> Outcome:
+def on_devices(task: Task, devices: DeviceRegistry) -> tuple[str, int]:
     """A collective over device spans: the chain ordered by topology, run on streams."""
     spec, op, p = task.spec, task.op, task.participants
     algorithm, chunks = device_schedule(op, spec.algorithm, p, task.nbytes, DEVICE_LINK)
     views = cast("list[tuple[Span, Span]]", [buffers(spec, a, p) for a in task.arrivals])  # on_device
     order = device_chain(op, spec.root, [inp.device for inp, _ in views], devices.context.topology)
-    key = (
-        spec,
-        algorithm,
-        chunks,
-        "device",
-        tuple((pair[0].lo, pair[1].lo) for pair in views),
-        tuple(h for a in task.arrivals for h in a.handles),
-    )
 
     def build() -> DeviceGroup:
         schedule = generate(op, algorithm, p, spec.count, order.index(spec.root), chunks)
@@ -130,7 +145,7 @@ def _on_devices(task: Task, devices: DeviceRegistry) -> Outcome:
             devices.context, schedule, [views[r] for r in order], reduction(spec, task.dtype, p)
         )
 
-    group = task.job.plans.get(key, build)
+    group = task.job.plans.get(plan_key(spec, (algorithm, chunks, "device"), task.arrivals), build)
     busy = devices.use([span.memory for pair in views for span in pair])
     try:
         # A failed run returns only once its streams drained: the error is answered after
@@ -138,7 +153,7 @@ def _on_devices(task: Task, devices: DeviceRegistry) -> Outcome:
         group.run(time.monotonic() + task.timeout, [task.arrivals[r].ready for r in order])
     finally:
         devices.done(busy)
-    return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
+    return algorithm, chunks
 
 
 def device_schedule(

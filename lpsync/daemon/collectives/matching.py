@@ -59,6 +59,7 @@ from lpsync.errors import (
     MismatchError,
     ResourceExhaustedError,
 )
+from lpsync.native.armed import ArmedPlans
 
 log = logging.getLogger("lpsync.daemon")
 
@@ -88,6 +89,7 @@ class Job:
         layout: NodeLayout | None = None,
         recorder: Recorder | None = None,
         max_pending: int = 4096,
+        native: Callable[[Job], ArmedPlans | None] | None = None,
     ) -> None:
         self.name, self.world_size = name, world_size
         # A multi-node job: the ranks this daemon serves; its collectives run when these
@@ -117,6 +119,10 @@ class Job:
         self._stall_watch: Timer | None = None
         self._dispatch = dispatch
         self.plans = GroupCache()  # this job's built plans, reused across calls (plans.py)
+        # The native path (lpsync/native): the job's armed plans, made by ``_native`` at the
+        # first plan armed (None: this daemon or job runs on Python only).
+        self.native: ArmedPlans | None = None
+        self._native = native
         self.learner: Learner | None = None  # multi-node: what node 0 learned (learning.py)
         # For metrics (read at scrape time): the unix time the job last completed a
         # collective (its creation before that).
@@ -125,6 +131,40 @@ class Job:
         # it could run (a mismatch, a local rank missing or gone), so that the other nodes
         # fail it too instead of waiting for this node (path.notify_failure).
         self.on_local_failure: Callable[[Job, Pending, LpsyncError], object] | None = None
+
+    def native_plans(self) -> ArmedPlans | None:
+        """The job's armed plans, made on first use where the job may run natively."""
+        if self.native is None and self._native is not None and self.layout is None:
+            with self.lock:
+                if self.native is None and self.sessions:
+                    self.native = self._native(self)
+                    if self.native is None:
+                        self._native = None  # not for this job: never asked again
+        return self.native
+
+    def native_finished(self) -> None:
+        """Bring what the engine answered since the last call into the flight recorder
+        (at a scrape and at ``lpsync status``: never per call)."""
+        if self.native is None:
+            return
+        records, finished = [], 0.0
+        for seq, spec, code, first, last, done in self.native.sync():
+            if spec is None or code != 0:  # fallbacks finish on the general path
+                continue
+            wall = time.time() - (time.monotonic() - first)
+            finished = time.time() - (time.monotonic() - done)
+            stages = ((ARRIVING, last - first), ("native", done - last))
+            records.append(FlightRecord(seq, spec, wall, (), stages, done - first, "direct", 1, "OK", ""))
+        if records:
+            with self.lock:
+                self.history.extend(records)
+                self.last_progress = max(self.last_progress, finished)
+
+    def close(self) -> None:
+        """The job ended: its plans go (armed ones first: their rings fall back)."""
+        if self.native is not None:
+            self.native.close()
+        self.plans.close()
 
     # -- membership ---------------------------------------------------------------------
     def join(self, rank: int, world_size: int, session_id: str) -> None:
@@ -151,6 +191,8 @@ class Job:
 
     def leave(self, rank: int, reason: str) -> bool:
         """Remove ``rank``; abort what waits on it. True when the job has no ranks left."""
+        if self.native is not None:
+            self.native.disarm_all()  # rings waiting on the rank that left fall back
         with self.lock:
             self.sessions.pop(rank, None)
             if self.sessions:
@@ -174,6 +216,8 @@ class Job:
         error: LpsyncError | None = None
         failed_pending: Pending | None = None
         arrival.at = time.monotonic()
+        if self.native is not None:  # rings of this sequence number fall back to here
+            self.native.yield_seq(arrival.sequence)
         with self.lock:
             seq = arrival.sequence
             if seq in self._failed:
@@ -490,8 +534,10 @@ class Jobs:
         dispatch: Dispatch = _inline,
         recorder: Recorder | None = None,
         max_pending: int = 4096,
+        native: Callable[[Job], ArmedPlans | None] | None = None,
     ) -> None:
         self.max_pending = max_pending
+        self._native = native  # makes a job's armed plans (Job.native_plans)
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
         self._watcher, self._runner, self._record = watcher, runner, record
@@ -514,6 +560,7 @@ class Jobs:
                     layout,
                     self._recorder,
                     self.max_pending,
+                    self._native,
                 )
             elif job.layout != layout:
                 raise InvalidArgumentError(_other_layout(job, rank, layout))
@@ -532,7 +579,7 @@ class Jobs:
             with self._lock:
                 if self._jobs.get(name) is job and not job.sessions:
                     del self._jobs[name]
-                    job.plans.close()
+                    job.close()
 
     def get(self, name: str) -> Job | None:
         with self._lock:

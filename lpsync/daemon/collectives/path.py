@@ -1,16 +1,16 @@
 """A collective's path through the daemon: one Task moving forward through its stages.
 
     matched (matching.py: every local participant arrived, specs agree; Task.matched)
-      single node:  run (local.py: direct, host pipeline or device chain) -> finished
+      single node:  run (runners.py: native, direct, host pipeline or device chain) -> finished
       multi-node:   agreed   (agreement.py: summaries up a tree, node 0's verdict down;
                               a small collective's data rides it and is done there, as
                               a barrier is; on a leaf, where the verdict lands)
                     planned  (planning.py: the forced algorithm, node 0's learned choice
                               or the tuner's pick for the slowest link of all)
-                    staged   (staging.py: device spans over host mirrors, chunk by chunk)
-                    run      (the plan bound to this run's buffers: local stage ->
-                              inter-node chain -> local stage, one chunk pipeline;
-                              hierarchy.py instead where every node's buffers are on
+                    run      (runners.py's table, by the verdict: the plan bound to this
+                              run's buffers, staged where they are on devices: local
+                              stage -> inter-node chain -> local stage, one chunk pipeline;
+                              hierarchy.py or packed.py where every node's buffers are on
                               devices: the device chain, a bounded host ring, the peers)
                     finished (an Outcome, or the error every node reports alike)
 Each stage takes what the earlier ones produced and hands its own result on; none calls
@@ -26,11 +26,11 @@ import contextlib
 import logging
 import time
 
-from lpsync.daemon.collectives import agreement, hierarchy, local, packed, planning
+from lpsync.daemon.collectives import agreement, hierarchy, planning, runners
 from lpsync.daemon.collectives.learning import Learner
 from lpsync.daemon.collectives.matching import Job
 from lpsync.daemon.collectives.small import SmallCollective, rides
-from lpsync.daemon.collectives.staging import stage, whole
+from lpsync.daemon.collectives.staging import whole
 from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.peers.plane import Link, PeerPlane
@@ -56,7 +56,7 @@ def run(
     collective on a leaf of the agreement tree finishes on the reader of its verdict."""
     task = Task.matched(job, pending)
     if job.layout is None or plane is None:
-        return local.run(task, devices)
+        return runners.run(task, runners.Context(devices))
     return _across_nodes(task, plane, devices)
 
 
@@ -100,28 +100,13 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
         _learn(learner, verdict)
         pending.enter(RUNNING)
         tags = planning.tag_base(job.name, pending.sequence)
-        if verdict.segment:  # every node's participants are on devices: bounded staging
-            assert devices is not None
-            runner = packed.run if task.op in packed.PACKED else hierarchy.run
-            algorithm, chunks = runner(task, link, devices, verdict, deadline, tags)
-            return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
-        algorithm, chunks = planning.choose(task, verdict.model, verdict.use)
-        staged = stage(task, devices) if devices is not None else None
-        group = planning.bind(task, link, algorithm, chunks, staged)
-        began = time.perf_counter()
-        timeout = max(0.0, deadline - time.monotonic())
-        if staged is None:
-            group.run(timeout, tags)
-        else:
-            staged.run(group, deadline, timeout, tags)
-        if verdict.trial:
-            learner.ran(pending.sequence, time.perf_counter() - began)
+        context = runners.Context(devices, link, verdict, learner, deadline, tags)
+        return runners.run(task, context)
     except Exception as error:
         reported = _failed(task, link, learner, last, proposal, error)
         if reported is error:
             raise
         raise reported from (error if not isinstance(error, LpsyncError) else None)
-    return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
 
 
 def _agree_and_finish(

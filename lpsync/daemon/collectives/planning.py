@@ -19,6 +19,7 @@ from lpsync.algorithms import LinkModel, generate, select
 from lpsync.algorithms.tuner import chunks_for
 from lpsync.daemon.collectives.hierarchy import HIERARCHICAL
 from lpsync.daemon.collectives.learning import Key, Learner, candidates
+from lpsync.daemon.collectives.plans import plan_key
 from lpsync.daemon.collectives.small import rides
 from lpsync.daemon.collectives.staging import Staged
 from lpsync.daemon.collectives.task import STEP_BITS, Task, job_hash
@@ -100,16 +101,10 @@ def bind(task: Task, link: Link, algorithm: str, chunks: int, staged: Staged | N
     spec, op, p = task.spec, task.op, task.participants
     arrivals = staged.arrivals if staged is not None else task.arrivals
     views = cast("list[tuple[np.ndarray, np.ndarray]]", [buffers(spec, a, p) for a in arrivals])
-    # The mesh generation is part of the key: a rebuilt mesh is another remote endpoint.
-    key = (
-        spec,
-        algorithm,
-        chunks,
-        link.generation,
-        tuple(arr.__array_interface__["data"][0] for pair in views for arr in pair),
-        staged.mirrors.serial if staged is not None else 0,  # plans bound to these mirrors
-        tuple(h for a in arrivals for h in a.handles),
-    )
+    # The mesh generation is part of the key: a rebuilt mesh is another remote endpoint;
+    # so are the mirrors a staged run is bound to.
+    mirrors = staged.mirrors.serial if staged is not None else 0
+    key = plan_key(spec, (algorithm, chunks), arrivals, link.generation, mirrors)
 
     def build() -> LocalGroup:
         schedule = generate(op, algorithm, p, spec.count, spec.root, chunks)

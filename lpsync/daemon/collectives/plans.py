@@ -10,11 +10,38 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
+from lpsync.daemon.values import Arrival, Spec
 from lpsync.engine.group import LocalGroup
 
 _CACHE_SIZE = 8  # plans per job; the least recently used beyond it are closed
+
+
+def plan_key(spec: Spec, schedule: tuple, arrivals: Sequence[Arrival], *extra: object) -> tuple:
+    """A plan's key, made here only: the spec, the schedule (algorithm, chunks, ...), where
+    each participant's buffers are (same handle, other offset: another plan), anything
+    else the plan is bound to (``extra``: a mesh generation, mirrors), and last the
+    buffers' (session id, handle) pairs, so that ``forget`` finds a released buffer's."""
+    return (
+        spec,
+        schedule,
+        tuple((_where(a.data), _where(a.out)) for a in arrivals),
+        *extra,
+        tuple(h for a in arrivals for h in a.handles),
+    )
+
+
+def _where(buffer: object) -> int:
+    """A buffer's address: a host view's data pointer, a device span's lo, 0 for none."""
+    if buffer is None:
+        return 0
+    if isinstance(buffer, np.ndarray):
+        return buffer.__array_interface__["data"][0]
+    return buffer.lo  # type: ignore[attr-defined]  # a Span
 
 
 class ClosedWhenIdle:

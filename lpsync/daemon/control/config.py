@@ -19,10 +19,14 @@ from lpsync.daemon.control.limits import MAX_TIMEOUT, Limits
 from lpsync.daemon.peers.discovery import PeerSet, discover
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.devices import parse_devices
+from lpsync.native import engine as native_engine
+from lpsync.native import reason as native_reason
 from lpsync.transport.backends import CHOICES as TRANSPORT_CHOICES
 from lpsync.transport.backends import DEVICE_PATH_CHOICES
 from lpsync.units import format_size
 from lpsync_client import DEFAULT_SOCKET
+
+NATIVE_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,10 @@ class DaemonConfig:
     flight_recorder: int = 32  # finished collectives `lpsync status` keeps per job
     stall_seconds: float = 60.0  # a collective waiting this long logs who is missing
     trigger: bool = True  # offer the trigger socket <socket>.trigger (trigger.py)
+    # The native steady-state path (lpsync/native): auto runs armed plans natively where
+    # the engine is built; on refuses to start without it; off keeps every collective on
+    # the Python path (the reference the tests compare against).
+    native: str = "auto"
     # An inherited file descriptor whose end of file stops the daemon as SIGTERM does: the
     # launcher holds the write end (lpsync.daemon.launch), so its death stops the daemon.
     lifeline_fd: int = -1
@@ -120,6 +128,12 @@ class DaemonConfig:
                 raise InvalidArgumentError(
                     f"lifeline_fd {self.lifeline_fd} is not an open file descriptor of this process"
                 ) from None
+        if self.native not in NATIVE_CHOICES:
+            raise InvalidArgumentError(
+                f"native must be one of {', '.join(NATIVE_CHOICES)}, got {self.native!r}"
+            )
+        if self.native == "on" and native_engine() is None:
+            raise InvalidArgumentError(f"--native on: {native_reason()}")
         if self.agreement_radix < 2:
             raise InvalidArgumentError(f"agreement_radix must be at least 2, got {self.agreement_radix}")
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
@@ -232,6 +246,14 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         help="pinned host memory through which a multi-node collective on device buffers "
         "crosses to the peer plane, per node and job: a ring of 4 chunks "
         f"(default {DaemonConfig.device_staging_bytes})",
+    )
+    add(
+        "--native",
+        choices=NATIVE_CHOICES,
+        help="the native steady-state path: a repeated single-node collective on host "
+        "buffers up to 2 MiB (and a barrier) runs armed in compiled code, its clients "
+        "ringing a shared-memory doorbell; auto (default): wherever the engine is built; "
+        "on: refuse to start without it; off: every collective on the Python path",
     )
     add(
         "--timeout",

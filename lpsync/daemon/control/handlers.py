@@ -32,7 +32,7 @@ from typing import cast
 
 import grpc
 
-from lpsync import __version__
+from lpsync import __version__, native
 from lpsync._proto import lpsync_pb2 as pb
 from lpsync._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync.algorithms import ALGORITHMS
@@ -46,7 +46,7 @@ from lpsync.daemon.control import layout as layouts
 from lpsync.daemon.control import limits, replies
 from lpsync.daemon.control.any_source import AnySource
 from lpsync.daemon.control.config import DaemonConfig
-from lpsync.daemon.control.metrics import JobState, Metrics
+from lpsync.daemon.control.metrics import BUCKETS, JobState, Metrics
 from lpsync.daemon.control.sessions import Session as _Session  # Service.Session (an RPC) shadows it
 from lpsync.daemon.control.sessions import SessionTable
 from lpsync.daemon.device_registry import DeviceRegistry
@@ -61,6 +61,7 @@ from lpsync.errors import (
 )
 from lpsync.memory.devices import open_kind, parse_devices
 from lpsync.memory.kind import Span
+from lpsync.native.armed import ArmedPlans
 from lpsync.types import OUT_OF_PLACE_ONLY, ROOTED_OPS, Collective, ReduceOp, blocks, dtype_of
 
 log = logging.getLogger("lpsync.daemon")
@@ -98,7 +99,10 @@ class Service(pb_grpc.LpSyncServicer):
             self._dispatch,
             Recorder(config.flight_recorder, config.stall_seconds),
             max_pending=self.limits.max_pending,
+            native=self._native_plans if config.native != "off" and native.engine() is not None else None,
         )
+        # The engine's counts join the metrics at each scrape (never per call).
+        metrics.before_collect(self._native_finished)
         metrics.session_bytes_limit.set(config.max_session_bytes)
         metrics.buffer_bytes_limit.set(config.max_buffer_bytes)
         metrics.watch(
@@ -122,6 +126,24 @@ class Service(pb_grpc.LpSyncServicer):
         self.loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = -1
         self._workers = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="lpsync-run")
+
+    def _native_plans(self, job: Job) -> ArmedPlans | None:
+        """A single-node job's armed plans (its doorbell page and engine thread), made at
+        its first plan armed; None where it cannot have them (its slots, a failure)."""
+        module = native.engine()
+        if module is None or job.world_size > module.MAX_SLOTS:
+            return None
+        try:
+            plans = ArmedPlans(job.world_size, BUCKETS, self.metrics.collectives_done)
+        except (OSError, LpsyncError, ValueError) as error:
+            log.warning("job runs on the Python path: " + str(error), extra={"job": job.name})
+            return None
+        log.info("job's repeated collectives run natively", extra={"job": job.name, "page": plans.page.name})
+        return plans
+
+    def _native_finished(self) -> None:
+        for job in self.jobs.all():
+            job.native_finished()
 
     def _bytes_changed(self, total: int) -> None:
         self.metrics.registered_bytes.set(total)
@@ -382,6 +404,9 @@ class Service(pb_grpc.LpSyncServicer):
     ) -> pb.ReleaseResponse:
         try:
             session = self.sessions.get(request.session_id)
+            armed = self.jobs.get(session.job)
+            if armed is not None and armed.native is not None:  # disarmed before it is unmapped
+                armed.native.forget(session.id, request.handle)
             # Off the event loop: closing a device mapping can synchronize the device.
             assert self.loop is not None  # bound before serving (bind_loop)
             await self.loop.run_in_executor(None, self.sessions.release, session, request.handle)
@@ -583,6 +608,7 @@ class Service(pb_grpc.LpSyncServicer):
             raise
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        self._native_finished()  # what the engine answered joins the flight recorder
         now = time.time()
         response = pb.StatusResponse(
             version=__version__, uptime_seconds=now - self.started, peer_plane=self.peer_plane
@@ -633,6 +659,10 @@ class Service(pb_grpc.LpSyncServicer):
         for job in sorted(self.jobs.all(), key=lambda j: j.name):
             info = response.jobs.add()
             _job_info(info, job, request.history)
+            info.path = self._path_of(job)
+            if job.native is not None:
+                info.armed_plans = job.native.armed()
+                info.native_answered, info.native_fallbacks = job.native.stats()
             for rank, tag, seconds in self.any_source.inbox.waiting(job.name):
                 info.receiving_any.add(rank=rank, tag=tag, waiting_seconds=seconds)
         for across in self.outcomes.failed(limit) if self.outcomes is not None else ():
@@ -643,6 +673,18 @@ class Service(pb_grpc.LpSyncServicer):
                 split=across.split(),
             )
         return response
+
+    def _path_of(self, job: Job) -> str:
+        """Which path the job's collectives take, and why (``lpsync status``)."""
+        if job.native is not None:
+            return "native"
+        if self.config.native == "off":
+            return "python (--native off)"
+        if native.engine() is None:
+            return f"python ({native.reason()})"
+        if job.layout is not None:
+            return "python (a multi-node job: the native path serves single-node jobs so far)"
+        return "python (no plan armed yet: a repeated host collective up to 2 MiB arms one)"
 
     # -- collectives -------------------------------------------------------------------------
     def _arrival(

@@ -29,6 +29,7 @@ from prometheus_client.utils import floatToGoString
 # 1-2.5-5 steps from 10 us to 1000 s: percentiles stay within a factor 2.5 of the truth
 # from a small-message barrier to a slow multi-GiB allreduce over a congested link.
 _BUCKETS = (*(float(f"{m}e{e}") for e in range(-5, 3) for m in (1, 2.5, 5)), 1000.0)
+BUCKETS = _BUCKETS  # the native engine keeps its histograms over the same bounds
 
 # Message-size classes (nccl-tests bytes) of the latency histogram: powers of 16 from 4 KiB.
 _SIZE_BOUNDS = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20, 4 << 30)
@@ -92,6 +93,26 @@ class _Collectives(Collector):
         self._seconds: dict[tuple[str, str, str, str], list] = {}
         self._bytes: dict[str, int] = {}
         self._busbw: dict[str, float] = {}
+        # Called first at each scrape: the native engine's counts join the series then.
+        self.before_collect: Callable[[], None] | None = None
+
+    def done_many(
+        self, op: str, algorithm: str, dtype: str, nbytes: int, counts: list[int], total: float, factor: float
+    ) -> None:
+        """Collectives the native engine ran since the last call: its per-bucket counts
+        (the bounds of BUCKETS, +Inf last) and their summed seconds."""
+        key = (op, algorithm, dtype, _SIZE_NAMES[bisect.bisect_left(_SIZE_BOUNDS, nbytes)])
+        calls = sum(counts)
+        with self._lock:
+            series = self._seconds.get(key)
+            if series is None:
+                series = self._seconds[key] = [[0] * (len(_BUCKETS) + 1), 0.0]
+            for bucket, count in enumerate(counts):
+                series[0][bucket] += count
+            series[1] += total
+            self._bytes[op] = self._bytes.get(op, 0) + nbytes * calls
+            if total > 0 and nbytes:
+                self._busbw[op] = nbytes * calls / total * factor
 
     def done(self, op: str, algorithm: str, dtype: str, nbytes: int, seconds: float, factor: float) -> None:
         key = (op, algorithm, dtype, _SIZE_NAMES[bisect.bisect_left(_SIZE_BOUNDS, nbytes)])
@@ -107,6 +128,8 @@ class _Collectives(Collector):
                 self._busbw[op] = nbytes / seconds * factor
 
     def collect(self):
+        if self.before_collect is not None:
+            self.before_collect()
         with self._lock:
             seconds = [(key, list(counts), total) for key, (counts, total) in self._seconds.items()]
             nbytes, busbw = dict(self._bytes), dict(self._busbw)
@@ -141,6 +164,7 @@ class Metrics:
         # A collective finished: (op, algorithm, dtype, nbytes, seconds, busbw factor), in
         # the series from the next scrape on. The counter's own method: no wrapper's call.
         self.collective_done = self._collectives.done
+        self.collectives_done = self._collectives.done_many
         self.collective_errors = Counter(
             "lpsync_collective_errors", "Collectives that failed, by status code", ["op", "code"], registry=r
         )
@@ -182,6 +206,10 @@ class Metrics:
     ) -> None:
         """Export the per-job and per-session series, read from these callables at scrape."""
         self.registry.register(_TableCollector(jobs, session_bytes))
+
+    def before_collect(self, sync: Callable[[], None]) -> None:
+        """Call ``sync`` first at each scrape (the native engine's counts join then)."""
+        self._collectives.before_collect = sync
 
     def describe_devices(self, kind: str, count: int) -> None:
         """The devices of this daemon (``kind``:0..count-1), shown at 0 bytes until used."""

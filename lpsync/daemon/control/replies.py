@@ -34,7 +34,10 @@ def result(rid: int, outcome: Outcome) -> pb.SessionResponse:
         buffer_state=_STATE[outcome.buffer_state],
         error="" if error is None else type(error).__name__,
         response=pb.CollectiveResponse(
-            algorithm=outcome.algorithm, chunks=outcome.chunks, seconds=outcome.seconds
+            algorithm=outcome.algorithm,
+            chunks=outcome.chunks,
+            seconds=outcome.seconds,
+            armed=_armed(outcome.armed),
         ),
     )
     return pb.SessionResponse(request_id=rid, result=body)
@@ -47,7 +50,7 @@ def result_bytes(rid: int, outcome: Outcome) -> bytes:
     return b"".join(
         (
             _varint_field(_REQUEST_ID, rid),
-            _success(outcome.algorithm, outcome.chunks, outcome.buffer_state),
+            _success(outcome.algorithm, outcome.chunks, outcome.buffer_state, outcome.armed),
             _SECONDS,
             _DOUBLE.pack(outcome.seconds),
         )
@@ -59,10 +62,17 @@ def with_id(response: pb.SessionResponse, rid: int) -> pb.SessionResponse:
     return response
 
 
+def _armed(armed: tuple[str, int, int] | None) -> pb.Armed | None:
+    if armed is None:
+        return None
+    page, plan, generation = armed
+    return pb.Armed(page=page, plan=plan, generation=generation)
+
+
 @functools.lru_cache(maxsize=256)
-def _success(algorithm: str, chunks: int, state: str) -> bytes:
+def _success(algorithm: str, chunks: int, state: str, armed: tuple[str, int, int] | None) -> bytes:
     """A successful result's fields but its seconds, serialized once per kind."""
-    response = pb.CollectiveResponse(algorithm=algorithm, chunks=chunks)
+    response = pb.CollectiveResponse(algorithm=algorithm, chunks=chunks, armed=_armed(armed))
     body = pb.CollectiveResult(code="OK", buffer_state=_STATE[state], response=response)
     return pb.SessionResponse(result=body).SerializeToString()
 

@@ -1,0 +1,145 @@
+"""The "run" stage: one table of runners, chosen per (task, verdict).
+
+Every runner has one signature, ``(task, context) -> Outcome``; ``choose`` names the row
+and nothing else learns which rows exist. Single node (no verdict):
+  native     the direct path's plan is armed: the engine runs it (lpsync/native)
+  direct     host buffers up to DIRECT_MAX_BYTES, one participant, a barrier, or
+             algorithm="direct": one thread runs the flat program (native/program.py)
+             with numpy, then arms it
+  host       a host pipeline: the tuner's schedule on the engine's LocalGroup
+  device     the chain over the node's devices, on streams
+Across nodes, after the verdict (path.py agreed it):
+  packed     every node on devices, a blocked op: packed segments (packed.py)
+  hierarchy  every node on devices: device chain, bounded host ring, peers (hierarchy.py)
+  pipeline   host buffers or mirrors: one chunk pipeline over the nodes (planning.py)
+Identical calls of an armed plan never reach this table: the clients ring the engine's
+doorbell (docs/architecture.md, "The native steady-state path").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lpsync.daemon.collectives import hierarchy as hierarchical
+from lpsync.daemon.collectives import local, packed, planning
+from lpsync.daemon.collectives.staging import stage
+from lpsync.daemon.collectives.task import Task
+from lpsync.daemon.device_registry import DeviceRegistry
+from lpsync.daemon.values import Outcome
+from lpsync.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from lpsync.daemon.collectives.agreement import Verdict
+    from lpsync.daemon.collectives.learning import Learner
+    from lpsync.daemon.peers.plane import Link
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a runner may need beyond the Task: the node's devices and, across nodes, the
+    mesh link, the verdict, the deadline and the collective's message tags."""
+
+    devices: DeviceRegistry | None
+    link: Link | None = None
+    verdict: Verdict | None = None
+    learner: Learner | None = None
+    deadline: float = 0.0
+    tags: int = 0
+
+
+Runner = Callable[[Task, Context], Outcome]
+
+
+def choose(task: Task, context: Context) -> str:
+    """The row of the table that runs ``task``."""
+    verdict = context.verdict
+    if verdict is not None:
+        if verdict.segment:  # every node's participants are on devices: bounded staging
+            return "packed" if task.op in packed.PACKED else "hierarchy"
+        return "pipeline"
+    if task.on_device:
+        return "device"
+    if local.is_direct(task.spec, task.participants):
+        native = task.job.native
+        return "native" if native is not None and native.find(local.direct_key(task)) else "direct"
+    return "host"
+
+
+def run(task: Task, context: Context) -> Outcome:
+    return RUNNERS[choose(task, context)](task, context)
+
+
+def _direct(task: Task, context: Context) -> Outcome:
+    program, views = local.direct_program(task)
+    program.run(views)
+    return local.arm(task, program, views)
+
+
+def _native(task: Task, context: Context) -> Outcome:
+    """A general-path call of an armed plan (a fallback, an async call): the engine runs
+    it on this thread; disarmed meanwhile, numpy does."""
+    native = task.job.native
+    plan = native.find(local.direct_key(task)) if native is not None else None
+    if native is None or plan is None or not native.run(plan):
+        return _direct(task, context)
+    return Outcome(algorithm=local.DIRECT, chunks=1, seconds=task.elapsed(), armed=plan.reply)
+
+
+def _host(task: Task, context: Context) -> Outcome:
+    algorithm, chunks = local.on_host(task)
+    return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
+
+
+def _device(task: Task, context: Context) -> Outcome:
+    if context.devices is None:
+        raise InvalidArgumentError("this daemon serves no devices (--devices)")
+    algorithm, chunks = local.on_devices(task, context.devices)
+    return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
+
+
+def _packed(task: Task, context: Context) -> Outcome:
+    assert context.link is not None and context.verdict is not None and context.devices is not None
+    algorithm, chunks = packed.run(
+        task, context.link, context.devices, context.verdict, context.deadline, context.tags
+    )
+    return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
+
+
+def _hierarchy(task: Task, context: Context) -> Outcome:
+    assert context.link is not None and context.verdict is not None and context.devices is not None
+    algorithm, chunks = hierarchical.run(
+        task, context.link, context.devices, context.verdict, context.deadline, context.tags
+    )
+    return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
+
+
+def _pipeline(task: Task, context: Context) -> Outcome:
+    """Host buffers (or host mirrors of device spans) in one chunk pipeline over the nodes."""
+    link, verdict = context.link, context.verdict
+    assert link is not None and verdict is not None
+    algorithm, chunks = planning.choose(task, verdict.model, verdict.use)
+    staged = stage(task, context.devices) if context.devices is not None else None
+    group = planning.bind(task, link, algorithm, chunks, staged)
+    began = time.perf_counter()
+    timeout = max(0.0, context.deadline - time.monotonic())
+    if staged is None:
+        group.run(timeout, context.tags)
+    else:
+        staged.run(group, context.deadline, timeout, context.tags)
+    if verdict.trial and context.learner is not None:
+        context.learner.ran(task.pending.sequence, time.perf_counter() - began)
+    return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
+
+
+RUNNERS: dict[str, Runner] = {
+    "native": _native,
+    "direct": _direct,
+    "host": _host,
+    "device": _device,
+    "packed": _packed,
+    "hierarchy": _hierarchy,
+    "pipeline": _pipeline,
+}

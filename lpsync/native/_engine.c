@@ -1,0 +1,251 @@
+/* The Python face of engine.c: lpsync.native._engine.Engine. Thin: arguments in, the
+ * GIL released around everything that may wait or move data. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "engine.h"
+
+typedef struct {
+    PyObject_HEAD
+    lpn_engine engine;
+    PyObject *owner; /* keeps the page's mapping alive */
+    int ready;
+} EngineObject;
+
+static int check_open(EngineObject *self) {
+    if (!self->ready) {
+        PyErr_SetString(PyExc_ValueError, "the engine is closed");
+        return -1;
+    }
+    return 0;
+}
+
+static int Engine_init(EngineObject *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"page", "address", "length", "slots", "bounds", NULL};
+    PyObject *owner, *bounds;
+    unsigned long long address;
+    Py_ssize_t length;
+    unsigned int slots;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OKnIO", names, &owner, &address, &length, &slots,
+                                     &bounds))
+        return -1;
+    if (self->ready) {
+        PyErr_SetString(PyExc_ValueError, "the engine is initialized already");
+        return -1;
+    }
+    PyObject *seq = PySequence_Fast(bounds, "bounds must be a sequence of floats");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    double values[LPN_BUCKETS];
+    if (n > (Py_ssize_t)LPN_BUCKETS) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "too many histogram bounds");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        values[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+        if (PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    const char *why = NULL;
+    if (length < 0 || lpn_engine_init(&self->engine, (uint8_t *)(uintptr_t)address, (size_t)length, slots,
+                                      values, (uint32_t)n, &why) != 0) {
+        PyErr_SetString(PyExc_ValueError, why ? why : "negative length");
+        return -1;
+    }
+    if (lpn_engine_start(&self->engine) != 0) {
+        lpn_engine_destroy(&self->engine);
+        PyErr_SetString(PyExc_OSError, "cannot start the engine's thread");
+        return -1;
+    }
+    Py_INCREF(owner);
+    self->owner = owner;
+    self->ready = 1;
+    return 0;
+}
+
+static PyObject *Engine_close(EngineObject *self, PyObject *unused) {
+    (void)unused;
+    if (self->ready) {
+        self->ready = 0;
+        Py_BEGIN_ALLOW_THREADS lpn_engine_destroy(&self->engine);
+        Py_END_ALLOW_THREADS Py_CLEAR(self->owner);
+    }
+    Py_RETURN_NONE;
+}
+
+static void Engine_dealloc(EngineObject *self) {
+    Engine_close(self, NULL);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Engine_arm(EngineObject *self, PyObject *args) {
+    unsigned int index;
+    Py_buffer program;
+    PyObject *bases;
+    double timeout;
+    if (check_open(self) || !PyArg_ParseTuple(args, "Iy*Od", &index, &program, &bases, &timeout)) return NULL;
+    PyObject *seq = PySequence_Fast(bases, "bases must be a sequence of addresses");
+    if (!seq) {
+        PyBuffer_Release(&program);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    uint64_t *values = n ? PyMem_Calloc((size_t)n, sizeof(uint64_t)) : NULL;
+    if (n && !values) {
+        Py_DECREF(seq);
+        PyBuffer_Release(&program);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        values[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (PyErr_Occurred()) {
+            PyMem_Free(values);
+            Py_DECREF(seq);
+            PyBuffer_Release(&program);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    const char *why = NULL;
+    long gen;
+    Py_BEGIN_ALLOW_THREADS gen = lpn_engine_arm(&self->engine, index, program.buf, (size_t)program.len, values,
+                                                (uint32_t)n, timeout, &why);
+    Py_END_ALLOW_THREADS PyMem_Free(values);
+    PyBuffer_Release(&program);
+    if (gen < 0) {
+        PyErr_SetString(PyExc_ValueError, why ? why : "cannot arm the plan");
+        return NULL;
+    }
+    return PyLong_FromLong(gen);
+}
+
+static PyObject *Engine_disarm(EngineObject *self, PyObject *args) {
+    unsigned int index;
+    if (check_open(self) || !PyArg_ParseTuple(args, "I", &index)) return NULL;
+    Py_BEGIN_ALLOW_THREADS lpn_engine_disarm(&self->engine, index);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+static PyObject *Engine_yield_seq(EngineObject *self, PyObject *arg) {
+    if (check_open(self)) return NULL;
+    unsigned long long seq = PyLong_AsUnsignedLongLongMask(arg);
+    if (PyErr_Occurred()) return NULL;
+    lpn_engine_yield(&self->engine, (uint32_t)seq); /* short: the lock guards no data work */
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_run(EngineObject *self, PyObject *args) {
+    unsigned int index, gen;
+    if (check_open(self) || !PyArg_ParseTuple(args, "II", &index, &gen)) return NULL;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS ok = lpn_engine_run(&self->engine, index, gen);
+    Py_END_ALLOW_THREADS return PyBool_FromLong(ok == 0);
+}
+
+/* (calls, seconds, buckets) of plan ``index`` and the engine's last records, under the lock. */
+static PyObject *Engine_stats(EngineObject *self, PyObject *args) {
+    unsigned int index;
+    if (check_open(self) || !PyArg_ParseTuple(args, "I", &index)) return NULL;
+    if (index >= LPN_MAX_PLANS) {
+        PyErr_SetString(PyExc_ValueError, "plan index out of range");
+        return NULL;
+    }
+    lpn_plan copy;
+    pthread_mutex_lock(&self->engine.mu);
+    copy = self->engine.plans[index];
+    pthread_mutex_unlock(&self->engine.mu);
+    PyObject *buckets = PyTuple_New(self->engine.nbounds + 1);
+    if (!buckets) return NULL;
+    for (uint32_t b = 0; b <= self->engine.nbounds; b++)
+        PyTuple_SET_ITEM(buckets, b, PyLong_FromUnsignedLongLong(copy.buckets[b]));
+    return Py_BuildValue("(KdN)", (unsigned long long)copy.calls, copy.seconds, buckets);
+}
+
+static PyObject *Engine_records(EngineObject *self, PyObject *unused) {
+    (void)unused;
+    if (check_open(self)) return NULL;
+    lpn_record records[LPN_RECORDS];
+    uint64_t total, fallbacks;
+    pthread_mutex_lock(&self->engine.mu);
+    memcpy(records, self->engine.records, sizeof records);
+    total = self->engine.nrecords;
+    fallbacks = self->engine.fallbacks;
+    pthread_mutex_unlock(&self->engine.mu);
+    uint64_t n = total < LPN_RECORDS ? total : LPN_RECORDS;
+    PyObject *list = PyList_New(0);
+    if (!list) return NULL;
+    for (uint64_t k = total - n; k < total; k++) {
+        lpn_record *r = &records[k % LPN_RECORDS];
+        PyObject *item = Py_BuildValue("(IIIddd)", r->seq, r->plan, r->code, r->first_arrival,
+                                       r->last_arrival, r->done);
+        if (!item || PyList_Append(list, item) != 0) {
+            Py_XDECREF(item);
+            Py_DECREF(list);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return Py_BuildValue("(KKN)", (unsigned long long)total, (unsigned long long)fallbacks, list);
+}
+
+static PyMethodDef Engine_methods[] = {
+    {"arm", (PyCFunction)Engine_arm, METH_VARARGS,
+     "arm(index, program, bases, timeout) -> generation: check the program against its buffers, arm it"},
+    {"disarm", (PyCFunction)Engine_disarm, METH_VARARGS,
+     "disarm(index): waiting rings of it fall back to the general path"},
+    {"yield_seq", (PyCFunction)Engine_yield_seq, METH_O,
+     "yield_seq(seq): a rank arrived for seq on the general path; rings of it fall back"},
+    {"run", (PyCFunction)Engine_run, METH_VARARGS, "run(index, generation) -> bool: run an armed plan once"},
+    {"stats", (PyCFunction)Engine_stats, METH_VARARGS, "stats(index) -> (calls, seconds, buckets)"},
+    {"records", (PyCFunction)Engine_records, METH_NOARGS,
+     "records() -> (answered, fallbacks, [(seq, plan, code, first, last, done)])"},
+    {"close", (PyCFunction)Engine_close, METH_NOARGS, "close(): pending rings fall back; the thread ends"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject EngineType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "lpsync.native._engine.Engine",
+    .tp_basicsize = sizeof(EngineObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Engine(page, address, length, slots, bounds): one job's armed plans and doorbell",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Engine_init,
+    .tp_dealloc = (destructor)Engine_dealloc,
+    .tp_methods = Engine_methods,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "lpsync.native._engine",
+    .m_doc = "The native steady-state engine (engine.c)", .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__engine(void) {
+    if (PyType_Ready(&EngineType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&EngineType);
+    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {
+        Py_DECREF(&EngineType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    const struct {
+        const char *name;
+        long value;
+    } constants[] = {
+        {"HEADER_BYTES", LPN_HEADER_BYTES}, {"BELL_OFFSET", LPN_BELL_OFFSET}, {"SLOT_BYTES", LPN_SLOT_BYTES},
+        {"MAX_SLOTS", LPN_MAX_SLOTS},       {"MAX_PLANS", LPN_MAX_PLANS},     {"OK", LPN_OK},
+        {"FALLBACK", LPN_FALLBACK},         {"VERSION", LPN_VERSION},         {"MAGIC", LPN_MAGIC},
+        {"PROGRAM_MAGIC", LPN_PROGRAM_MAGIC}, {"OP_BYTES", sizeof(lpn_op)},   {"BUCKETS", LPN_BUCKETS},
+    };
+    for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)
+        if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    return m;
+}

@@ -1,0 +1,205 @@
+"""One job's armed plans on this daemon: its doorbell page and its engine.
+
+A single-node job's collective that ran on the direct path is armed here: its program
+(program.py) goes to the engine with its buffers' addresses, and the reply tells the
+clients (Armed{page, plan, generation}); their identical later calls ring the page and
+the engine's own thread runs the program and answers them, without Python.
+
+What disarms (engine.c: waiting rings fall back, and the clients send their request the
+general way, where the daemon answers with the errors of docs/reliability.md): a buffer
+of the plan released (``forget``), a rank that leaves the job (``disarm_all``), the job's
+end or the daemon's stop (``close``), a plan evicted for a newer one (MAX_PLANS per job).
+Invariant: a plan is disarmed before any of its buffers is unmapped; the engine's lock,
+which a running program holds, makes ``disarm`` wait for that run.
+
+Counters and the last records live in the engine; ``sync`` brings them into the
+metrics and the flight recorder (at a scrape and at ``lpsync status``), never per call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lpsync.memory.shm import SharedSegment
+from lpsync.native import engine as native_engine
+from lpsync.native.program import Program, encode
+
+# (op, algorithm, dtype, nbytes, per-bucket counts, seconds, busbw factor): the metrics'
+# series of collectives the engine ran (Metrics.collectives_done).
+Record = Callable[[str, str, str, int, list[int], float, float], None]
+
+
+@dataclass
+class Plan:
+    index: int
+    generation: int
+    spec: Any  # the Spec it runs (daemon.values), for the flight recorder
+    views: list[np.ndarray]  # held: a released buffer stays mapped until the plan goes
+    handles: tuple[tuple[str, int], ...]
+    series: tuple[str, str, str, int, float]  # op, algorithm, dtype, nbytes, busbw factor
+    reply: tuple[str, int, int]  # Armed{page, plan, generation}
+    seen: tuple[int, float, tuple[int, ...]] = field(default=(0, 0.0, ()))  # stats read so far
+
+
+class ArmedPlans:
+    """Created by a job's first armed plan; closed with the job."""
+
+    def __init__(self, slots: int, bounds: tuple[float, ...], record: Record) -> None:
+        module = native_engine()
+        if module is None:
+            raise RuntimeError("the native engine is not built")
+        self._module = module
+        size = -(-(module.HEADER_BYTES + module.SLOT_BYTES * slots) // 4096) * 4096
+        self.page = SharedSegment.create(size)
+        address = self.page.array.__array_interface__["data"][0]
+        try:
+            self.engine: Any = module.Engine(self.page.array, address, size, slots, bounds)
+        except BaseException:
+            self.page.close()
+            self.page.unlink()
+            raise
+        self._record = record
+        self._lock = threading.Lock()
+        self._plans: OrderedDict[tuple, Plan] = OrderedDict()  # by plan key, oldest first
+        self._free = list(range(module.MAX_PLANS))
+        self._answered = 0  # engine records already brought into the flight recorder
+        self.closed = False
+
+    def find(self, key: tuple) -> Plan | None:
+        with self._lock:
+            return self._plans.get(key)
+
+    def arm(
+        self,
+        key: tuple,
+        program: Program,
+        views: list[np.ndarray],
+        timeout: float,
+        handles: tuple[tuple[str, int], ...],
+        series: tuple[str, str, str, int, float],
+        spec: Any = None,
+    ) -> Plan | None:
+        """Arm ``program`` over ``views`` under ``key``; None where the engine does not
+        serve it (an element type it lacks, an unaligned buffer: it stays on Python)."""
+        encoded = encode(program, views)
+        if encoded is None:
+            return None
+        data, bases = encoded
+        with self._lock:
+            if self.closed:
+                return None
+            evicted = None
+            if not self._free:
+                _, evicted = self._plans.popitem(last=False)
+                self._free.append(evicted.index)
+            index = self._free.pop()
+        if evicted is not None:
+            self._retire(evicted)
+        try:
+            generation = self.engine.arm(index, data, bases, timeout)
+        except ValueError:  # refused by the engine's checks: not armed
+            with self._lock:
+                self._free.append(index)
+            return None
+        plan = Plan(index, generation, spec, views, handles, series, (self.page.name, index, generation))
+        with self._lock:
+            self._plans[key] = plan
+        return plan
+
+    def run(self, plan: Plan) -> bool:
+        """Run an armed plan for a general-path call (False: disarmed meanwhile)."""
+        return bool(self.engine.run(plan.index, plan.generation))
+
+    def yield_seq(self, sequence: int) -> None:
+        self.engine.yield_seq(sequence)
+
+    def forget(self, session_id: str, handle: int) -> None:
+        """A buffer was released: disarm the plans over it, before it is unmapped."""
+        with self._lock:
+            stale = [k for k, plan in self._plans.items() if (session_id, handle) in plan.handles]
+            plans = [self._plans.pop(k) for k in stale]
+        for plan in plans:
+            self._retire(plan)
+            with self._lock:
+                self._free.append(plan.index)
+
+    def disarm_all(self) -> None:
+        """Membership changed: every plan of the job goes."""
+        with self._lock:
+            plans = list(self._plans.values())
+            self._plans.clear()
+        for plan in plans:
+            self._retire(plan)
+            with self._lock:
+                self._free.append(plan.index)
+
+    def _retire(self, plan: Plan) -> None:
+        self._drain(plan)
+        self.engine.disarm(plan.index)  # waits for a run of it: its buffers may go next
+        self._drain(plan)
+
+    def sync(self) -> list[tuple[int, Any, int, float, float, float]]:
+        """Bring the engine's counts into the metrics; the collectives it answered since the
+        last sync: (seq, spec, code, first arrival, last arrival, done), monotonic seconds;
+        spec None where the plan went meanwhile."""
+        with self._lock:
+            plans = list(self._plans.values())
+        by_index = {plan.index: plan for plan in plans}
+        for plan in plans:
+            self._drain(plan)
+        total, _, records = self.engine.records()
+        new = min(total - self._answered, len(records))
+        self._answered = total
+        out = []
+        for seq, index, code, first, last, done in records[len(records) - new :]:
+            found = by_index.get(index)
+            out.append((seq, found.spec if found is not None else None, code, first, last, done))
+        return out
+
+    def _drain(self, plan: Plan) -> None:
+        calls, seconds, buckets = self.engine.stats(plan.index)
+        seen_calls, seen_seconds, seen_buckets = plan.seen
+        if calls < seen_calls:  # re-armed meanwhile: counted from zero again
+            seen_calls, seen_seconds, seen_buckets = 0, 0.0, ()
+        if calls == seen_calls:
+            return
+        counts = [b - (seen_buckets[i] if seen_buckets else 0) for i, b in enumerate(buckets)]
+        plan.seen = (calls, seconds, tuple(buckets))
+        op, algorithm, dtype, nbytes, factor = plan.series
+        self._record(op, algorithm, dtype, nbytes, counts, seconds - seen_seconds, factor)
+
+    def armed(self) -> int:
+        """How many plans are armed now."""
+        with self._lock:
+            return len(self._plans)
+
+    def stats(self) -> tuple[int, int]:
+        """(collectives the engine answered, of them fallen back to the general path)."""
+        total, fallbacks, _ = self.engine.records()
+        return total, fallbacks
+
+    def close(self) -> None:
+        """Every waiting ring falls back; the engine's thread ends; the page goes."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            plans = list(self._plans.values())
+            self._plans.clear()
+        for plan in plans:
+            self._drain(plan)
+        self.engine.close()
+        self.page.close()
+        self.page.unlink()
+
+
+def monotonic_to_wall(t: float) -> float:
+    """A CLOCK_MONOTONIC reading as unix time."""
+    return time.time() - (time.monotonic() - t)

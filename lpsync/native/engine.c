@@ -1,0 +1,550 @@
+/* The native engine: program checks and execution, and the doorbell thread (engine.h). */
+#include "engine.h"
+
+#include <errno.h>
+#include <linux/futex.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---------------------------------------------------------------- element types */
+
+static const uint32_t ITEMSIZE[LPN_DTYPE_END] = {0, 2, 2, 4, 8, 1, 4, 8, 1};
+
+/* float16 and bfloat16 are computed in float and rounded to nearest even, as numpy and
+ * ml_dtypes do (float's 24 bits make the double rounding exact for + - * /). */
+static float h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, x;
+    if (exp == 0) {
+        if (man == 0) {
+            x = sign;
+        } else {
+            int e = -1;
+            do {
+                e++;
+                man <<= 1;
+            } while (!(man & 0x400u));
+            x = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 0x1f) {
+        x = sign | 0x7f800000u | (man << 13);
+    } else {
+        x = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+static uint16_t f2h(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    uint32_t exp = (x >> 23) & 0xffu, man = x & 0x7fffffu;
+    if (exp == 0xff) {
+        if (man) { /* NaN: numpy keeps the payload's top bits */
+            uint16_t r = (uint16_t)(0x7c00u | (man >> 13));
+            return (uint16_t)(sign | (r == 0x7c00u ? 0x7c01u : r));
+        }
+        return (uint16_t)(sign | 0x7c00u);
+    }
+    int e = (int)exp - 112;
+    if (e >= 0x1f) return (uint16_t)(sign | 0x7c00u);
+    if (e <= 0) {
+        if (e < -10) return sign;
+        uint32_t m = man | 0x800000u, shift = (uint32_t)(14 - e);
+        uint32_t h = m >> shift, rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+        if (rem > half || (rem == half && (h & 1u))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = ((uint32_t)e << 10) | (man >> 13), rem = man & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++; /* a carry rounds up to inf */
+    return (uint16_t)(sign | h);
+}
+
+static float b2f(uint16_t b) {
+    uint32_t x = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+static uint16_t f2b(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if (isnan(f)) return (x & 0x80000000u) ? 0xffc0u : 0x7fc0u; /* ml_dtypes' quiet NaN */
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
+/* ---------------------------------------------------------------- reductions */
+
+/* np.minimum / np.maximum: the first operand where it is NaN or wins the comparison. */
+#define PICK_MIN(x, y) (((x) <= (y) || (x) != (x)) ? (x) : (y))
+#define PICK_MAX(x, y) (((x) >= (y) || (x) != (x)) ? (x) : (y))
+
+#define COMBINE_FLOAT(T)                                                              \
+    static void combine_##T(T *d, const T *a, const T *b, uint64_t n, uint32_t op) { \
+        uint64_t i;                                                                   \
+        switch (op) {                                                                 \
+        case LPN_SUM: for (i = 0; i < n; i++) d[i] = a[i] + b[i]; break;              \
+        case LPN_PROD: for (i = 0; i < n; i++) d[i] = a[i] * b[i]; break;             \
+        case LPN_MIN: for (i = 0; i < n; i++) d[i] = PICK_MIN(a[i], b[i]); break;     \
+        default: for (i = 0; i < n; i++) d[i] = PICK_MAX(a[i], b[i]); break;          \
+        }                                                                             \
+    }
+COMBINE_FLOAT(float)
+COMBINE_FLOAT(double)
+
+/* Integers wrap around as numpy's do: computed unsigned (signed overflow is undefined). */
+#define COMBINE_INT(T, U)                                                                     \
+    static void combine_##T(T *d, const T *a, const T *b, uint64_t n, uint32_t op) {         \
+        uint64_t i;                                                                           \
+        switch (op) {                                                                         \
+        case LPN_SUM: for (i = 0; i < n; i++) d[i] = (T)(U)((U)a[i] + (U)b[i]); break;        \
+        case LPN_PROD: for (i = 0; i < n; i++) d[i] = (T)(U)((U)a[i] * (U)b[i]); break;       \
+        case LPN_MIN: for (i = 0; i < n; i++) d[i] = a[i] <= b[i] ? a[i] : b[i]; break;       \
+        default: for (i = 0; i < n; i++) d[i] = a[i] >= b[i] ? a[i] : b[i]; break;            \
+        }                                                                                     \
+    }
+COMBINE_INT(int8_t, uint8_t)
+COMBINE_INT(int32_t, uint32_t)
+COMBINE_INT(int64_t, uint64_t)
+COMBINE_INT(uint8_t, uint32_t)
+
+#define COMBINE_HALF(NAME, TO, FROM)                                                          \
+    static void combine_##NAME(uint16_t *d, const uint16_t *a, const uint16_t *b, uint64_t n, \
+                               uint32_t op) {                                                 \
+        for (uint64_t i = 0; i < n; i++) {                                                    \
+            float x = TO(a[i]), y = TO(b[i]);                                                 \
+            switch (op) {                                                                     \
+            case LPN_SUM: d[i] = FROM(x + y); break;                                          \
+            case LPN_PROD: d[i] = FROM(x * y); break;                                         \
+            case LPN_MIN: d[i] = (x <= y || x != x) ? a[i] : b[i]; break;                     \
+            default: d[i] = (x >= y || x != x) ? a[i] : b[i]; break;                          \
+            }                                                                                 \
+        }                                                                                     \
+    }
+COMBINE_HALF(f16, h2f, f2h)
+COMBINE_HALF(bf16, b2f, f2b)
+
+/* avg's last step: floats divided by the count (as the dtype holds it), integers floored. */
+static void divide(uint8_t *p, uint32_t dtype, uint64_t n, uint64_t by) {
+    uint64_t i;
+    switch (dtype) {
+    case LPN_F16: {
+        uint16_t *d = (uint16_t *)p;
+        float q = h2f(f2h((float)by));
+        for (i = 0; i < n; i++) d[i] = f2h(h2f(d[i]) / q);
+        break;
+    }
+    case LPN_BF16: {
+        uint16_t *d = (uint16_t *)p;
+        float q = b2f(f2b((float)by));
+        for (i = 0; i < n; i++) d[i] = f2b(b2f(d[i]) / q);
+        break;
+    }
+    case LPN_F32: {
+        float *d = (float *)p, q = (float)by;
+        for (i = 0; i < n; i++) d[i] = d[i] / q;
+        break;
+    }
+    case LPN_F64: {
+        double *d = (double *)p, q = (double)by;
+        for (i = 0; i < n; i++) d[i] = d[i] / q;
+        break;
+    }
+#define FLOOR_DIV(T)                                                   \
+    {                                                                  \
+        T *d = (T *)p;                                                 \
+        const T q = (T)by;                                             \
+        for (i = 0; i < n; i++) {                                      \
+            T r = (T)(d[i] / q);                                       \
+            if ((T)(d[i] % q) != 0 && (d[i] < 0) != (q < 0)) r--;     \
+            d[i] = r;                                                  \
+        }                                                              \
+    }
+    case LPN_I8: FLOOR_DIV(int8_t) break;
+    case LPN_I32: FLOOR_DIV(int32_t) break;
+    case LPN_I64: FLOOR_DIV(int64_t) break;
+    default: { /* LPN_U8 */
+        for (i = 0; i < n; i++) p[i] = (uint8_t)(p[i] / by);
+        break;
+    }
+    }
+}
+
+static void combine(uint8_t *d, const uint8_t *a, const uint8_t *b, uint32_t dtype, uint64_t n,
+                    uint32_t op) {
+    switch (dtype) {
+    case LPN_F16: combine_f16((uint16_t *)d, (const uint16_t *)a, (const uint16_t *)b, n, op); break;
+    case LPN_BF16: combine_bf16((uint16_t *)d, (const uint16_t *)a, (const uint16_t *)b, n, op); break;
+    case LPN_F32: combine_float((float *)d, (const float *)a, (const float *)b, n, op); break;
+    case LPN_F64: combine_double((double *)d, (const double *)a, (const double *)b, n, op); break;
+    case LPN_I8: combine_int8_t((int8_t *)d, (const int8_t *)a, (const int8_t *)b, n, op); break;
+    case LPN_I32: combine_int32_t((int32_t *)d, (const int32_t *)a, (const int32_t *)b, n, op); break;
+    case LPN_I64: combine_int64_t((int64_t *)d, (const int64_t *)a, (const int64_t *)b, n, op); break;
+    default: combine_uint8_t(d, a, b, n, op); break;
+    }
+}
+
+/* ---------------------------------------------------------------- programs */
+
+static int fits(uint64_t off, uint64_t n, uint64_t size) { return off <= size && n <= size - off; }
+
+int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, uint32_t nbases,
+                      lpn_program *out, const char **why) {
+    memset(out, 0, sizeof *out);
+    lpn_program_header h;
+    if (len < sizeof h) return *why = "shorter than its header", -1;
+    memcpy(&h, data, sizeof h);
+    if (h.magic != LPN_PROGRAM_MAGIC) return *why = "not a program (magic)", -1;
+    if (h.version != LPN_VERSION) return *why = "another program version", -1;
+    if (h.nbuf == 0 || h.nbuf > LPN_MAX_BUFFERS) return *why = "buffer count out of range", -1;
+    if (h.nops > LPN_MAX_OPS) return *why = "too many ops", -1;
+    if (nbases != h.nbuf - 1) return *why = "buffer addresses do not match the program", -1;
+    size_t need = sizeof h + (size_t)h.nbuf * 8u + (size_t)h.nops * sizeof(lpn_op);
+    if (len != need) return *why = "length does not match its counts", -1;
+    out->sizes = calloc(h.nbuf, sizeof(uint64_t));
+    out->ops = calloc(h.nops ? h.nops : 1, sizeof(lpn_op));
+    if (!out->sizes || !out->ops) {
+        lpn_program_free(out);
+        return *why = "out of memory", -1;
+    }
+    memcpy(out->sizes, data + sizeof h, (size_t)h.nbuf * 8u);
+    memcpy(out->ops, data + sizeof h + (size_t)h.nbuf * 8u, (size_t)h.nops * sizeof(lpn_op));
+    out->nbuf = h.nbuf;
+    out->nops = h.nops;
+    for (uint32_t i = 0; i < h.nops; i++) {
+        const lpn_op *o = &out->ops[i];
+        uint64_t item = 1, bytes;
+        if (o->dst >= h.nbuf) goto bad_buffer;
+        if (o->kind == LPN_COPY) {
+            if (o->a >= h.nbuf) goto bad_buffer;
+            if (!fits(o->dst_off, o->n, out->sizes[o->dst]) || !fits(o->a_off, o->n, out->sizes[o->a]))
+                goto bad_range;
+            continue;
+        }
+        if (o->dtype == 0 || o->dtype >= LPN_DTYPE_END) goto bad;
+        item = ITEMSIZE[o->dtype];
+        if (o->n > UINT64_MAX / item) goto bad_range;
+        bytes = o->n * item;
+        if (!fits(o->dst_off, bytes, out->sizes[o->dst])) goto bad_range;
+        if (o->kind == LPN_COMBINE) {
+            if (o->redop == 0 || o->redop >= LPN_REDOP_END) goto bad;
+            if (o->a >= h.nbuf || o->b >= h.nbuf) goto bad_buffer;
+            if (!fits(o->a_off, bytes, out->sizes[o->a]) || !fits(o->b_off, bytes, out->sizes[o->b]))
+                goto bad_range;
+        } else if (o->kind == LPN_DIVIDE) {
+            if (o->divisor == 0 || o->divisor > 0x7fffffffu) goto bad;
+        } else {
+            goto bad;
+        }
+        /* Aligned element access: buffer 0 (the scratch) is aligned by the engine. */
+        uint32_t touched[3] = {o->dst, o->a, o->b};
+        uint64_t offs[3] = {o->dst_off, o->a_off, o->b_off};
+        for (int k = 0; k < (o->kind == LPN_COMBINE ? 3 : 1); k++) {
+            uint64_t base = touched[k] ? bases[touched[k] - 1] : 0;
+            if ((base + offs[k]) % item) {
+                lpn_program_free(out);
+                return *why = "an element range is not aligned to its type", -1;
+            }
+        }
+    }
+    return 0;
+bad_buffer:
+    lpn_program_free(out);
+    return *why = "an op names a buffer the program does not have", -1;
+bad_range:
+    lpn_program_free(out);
+    return *why = "an op reaches past the end of its buffer", -1;
+bad:
+    lpn_program_free(out);
+    return *why = "an op has an unknown kind, type or reduction", -1;
+}
+
+void lpn_program_free(lpn_program *program) {
+    free(program->ops);
+    free(program->sizes);
+    memset(program, 0, sizeof *program);
+}
+
+void lpn_program_run(const lpn_program *program, uint8_t *const *bufs) {
+    for (uint32_t i = 0; i < program->nops; i++) {
+        const lpn_op *o = &program->ops[i];
+        uint8_t *d = bufs[o->dst] + o->dst_off;
+        switch (o->kind) {
+        case LPN_COPY:
+            if (o->n) memmove(d, bufs[o->a] + o->a_off, o->n);
+            break;
+        case LPN_COMBINE:
+            combine(d, bufs[o->a] + o->a_off, bufs[o->b] + o->b_off, o->dtype, o->n, o->redop);
+            break;
+        default:
+            divide(d, o->dtype, o->n, o->divisor);
+            break;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- the doorbell */
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static uint32_t *bell(lpn_engine *e) { return (uint32_t *)(e->page + LPN_BELL_OFFSET); }
+static uint8_t *slot(lpn_engine *e, uint32_t i) { return e->page + LPN_HEADER_BYTES + (size_t)i * LPN_SLOT_BYTES; }
+
+static void futex_wake(uint32_t *word) {
+    syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+}
+
+static void ring_bell(lpn_engine *e) {
+    __atomic_add_fetch(bell(e), 1u, __ATOMIC_SEQ_CST);
+    futex_wake(bell(e));
+}
+
+/* Serial-number order of 32-bit sequence numbers (they wrap). */
+static int seq_le(uint32_t a, uint32_t b) { return (int32_t)(a - b) <= 0; }
+
+static void answer(lpn_engine *e, uint32_t i, uint32_t seq, uint32_t code) {
+    uint8_t *s = slot(e, i);
+    __atomic_store_n((uint32_t *)(s + 12), code, __ATOMIC_RELAXED);
+    __atomic_store_n((uint32_t *)(s + 8), seq, __ATOMIC_RELEASE);
+    futex_wake((uint32_t *)(s + 8));
+    e->served[i] = seq;
+    e->first_seen[i] = 0;
+}
+
+static void record(lpn_engine *e, uint32_t seq, uint32_t plan, uint32_t code, double first, double last,
+                   double done) {
+    lpn_record *r = &e->records[e->nrecords % LPN_RECORDS];
+    r->seq = seq;
+    r->plan = plan;
+    r->code = code;
+    r->first_arrival = first;
+    r->last_arrival = last;
+    r->done = done;
+    e->nrecords++;
+}
+
+static void observe(lpn_engine *e, lpn_plan *p, double seconds) {
+    uint32_t b = 0;
+    while (b < e->nbounds && seconds > e->bounds[b]) b++;
+    p->buckets[b]++;
+    p->calls++;
+    p->seconds += seconds;
+}
+
+/* One pass over the slots (lock held): answer what can be answered. Returns whether
+ * anything was answered, and the earliest deadline of what still waits (0: none). */
+static int serve(lpn_engine *e, double *deadline) {
+    uint64_t rings[LPN_MAX_SLOTS];
+    uint32_t pending = 0, target = 0, i;
+    int have = 0, answered = 0;
+    double t = now();
+    *deadline = 0;
+    for (i = 0; i < e->slots; i++) {
+        rings[i] = __atomic_load_n((uint64_t *)slot(e, i), __ATOMIC_ACQUIRE);
+        uint32_t seq = (uint32_t)(rings[i] >> 32);
+        if (seq == e->served[i]) continue; /* nothing new in this slot */
+        if (e->stopping || seq_le(seq, e->abandoned)) { /* runs on the general path */
+            answer(e, i, seq, LPN_FALLBACK);
+            e->fallbacks++;
+            answered = 1;
+            continue;
+        }
+        if (e->first_seen[i] == 0) e->first_seen[i] = t;
+        if (!have || seq_le(seq, target)) target = seq;
+        have = 1;
+    }
+    if (!have) return answered;
+    /* The lowest pending seq: do all slots ring it, for one armed plan? */
+    uint32_t plan = 0, gen = 0, arrived = 0;
+    int agree = 1;
+    double first = 0, last = 0;
+    for (i = 0; i < e->slots; i++) {
+        uint32_t seq = (uint32_t)(rings[i] >> 32);
+        if (seq == e->served[i]) continue;
+        if (seq != target) { /* a slot is past ``target``: it went to the general path */
+            agree = 0;
+            continue;
+        }
+        uint32_t p = (uint32_t)(rings[i] & 0xffu), g = (uint32_t)((rings[i] >> 8) & 0xffffffu);
+        if (arrived == 0) {
+            plan = p;
+            gen = g;
+            first = last = e->first_seen[i];
+        } else if (p != plan || g != gen) {
+            agree = 0;
+        }
+        if (e->first_seen[i] < first) first = e->first_seen[i];
+        if (e->first_seen[i] > last) last = e->first_seen[i];
+        arrived++;
+        pending |= 1;
+    }
+    lpn_plan *p = plan < LPN_MAX_PLANS ? &e->plans[plan] : NULL;
+    if (!p || !p->armed || p->gen != gen) agree = 0;
+    if (agree && arrived < e->slots) { /* still arriving: until the plan's timeout */
+        double due = first + p->timeout;
+        if (t < due) {
+            *deadline = due;
+            return answered;
+        }
+        agree = 0;
+    }
+    if (!agree) { /* mismatch, disarmed or late: the general path says what went wrong */
+        e->abandoned = target;
+        for (i = 0; i < e->slots; i++)
+            if ((uint32_t)(rings[i] >> 32) == target && target != e->served[i]) {
+                answer(e, i, target, LPN_FALLBACK);
+                e->fallbacks++;
+            }
+        record(e, target, plan, LPN_FALLBACK, first, last, now());
+        return 1;
+    }
+    lpn_program_run(&p->program, p->bufs);
+    double done = now();
+    for (i = 0; i < e->slots; i++) answer(e, i, target, LPN_OK);
+    observe(e, p, done - last);
+    record(e, target, plan, LPN_OK, first, last, done);
+    return 1;
+}
+
+static void *loop(void *arg) {
+    lpn_engine *e = arg;
+    pthread_mutex_lock(&e->mu);
+    while (!e->stopping) {
+        uint32_t seen = __atomic_load_n(bell(e), __ATOMIC_SEQ_CST);
+        double deadline;
+        if (serve(e, &deadline)) continue;
+        pthread_mutex_unlock(&e->mu);
+        /* Sleep until a ring or the earliest deadline; a bounded wait all the same. */
+        double wait = deadline > 0 ? deadline - now() : 1.0;
+        if (wait > 1.0) wait = 1.0;
+        if (wait < 0) wait = 0;
+        struct timespec ts = {(time_t)wait, (long)((wait - (double)(time_t)wait) * 1e9)};
+        syscall(SYS_futex, bell(e), FUTEX_WAIT, seen, &ts, NULL, 0);
+        pthread_mutex_lock(&e->mu);
+    }
+    double ignored;
+    serve(e, &ignored); /* stopping: every pending ring falls back */
+    pthread_mutex_unlock(&e->mu);
+    return NULL;
+}
+
+int lpn_engine_init(lpn_engine *e, uint8_t *page, size_t page_len, uint32_t slots,
+                    const double *bounds, uint32_t nbounds, const char **why) {
+    memset(e, 0, sizeof *e);
+    if (slots == 0 || slots > LPN_MAX_SLOTS) return *why = "slot count out of range", -1;
+    if (page_len < LPN_HEADER_BYTES + (size_t)slots * LPN_SLOT_BYTES) return *why = "page too small", -1;
+    if ((uintptr_t)page % 64u) return *why = "page not aligned", -1;
+    if (nbounds > LPN_BUCKETS) return *why = "too many histogram bounds", -1;
+    e->page = page;
+    e->slots = slots;
+    memcpy(e->bounds, bounds, nbounds * sizeof(double));
+    e->nbounds = nbounds;
+    uint32_t header[3] = {LPN_MAGIC, LPN_VERSION, slots};
+    memset(page, 0, LPN_HEADER_BYTES + (size_t)slots * LPN_SLOT_BYTES);
+    memcpy(page, header, sizeof header);
+    pthread_mutex_init(&e->mu, NULL);
+    return 0;
+}
+
+int lpn_engine_start(lpn_engine *e) {
+    if (pthread_create(&e->thread, NULL, loop, e) != 0) return -1;
+    e->started = 1;
+    return 0;
+}
+
+void lpn_engine_stop(lpn_engine *e) {
+    if (!e->started) return;
+    pthread_mutex_lock(&e->mu);
+    e->stopping = 1;
+    pthread_mutex_unlock(&e->mu);
+    ring_bell(e);
+    pthread_join(e->thread, NULL);
+    e->started = 0;
+}
+
+static void release_plan(lpn_plan *p) {
+    if (p->bufs) free(p->bufs[0]);
+    free(p->bufs);
+    lpn_program_free(&p->program);
+    p->bufs = NULL;
+    p->armed = 0;
+}
+
+void lpn_engine_destroy(lpn_engine *e) {
+    lpn_engine_stop(e);
+    for (uint32_t i = 0; i < LPN_MAX_PLANS; i++) release_plan(&e->plans[i]);
+    pthread_mutex_destroy(&e->mu);
+}
+
+long lpn_engine_arm(lpn_engine *e, uint32_t index, const uint8_t *data, size_t len,
+                    const uint64_t *bases, uint32_t nbases, double timeout, const char **why) {
+    if (index >= LPN_MAX_PLANS) return *why = "plan index out of range", -1;
+    if (!(timeout > 0) || timeout > 1e7) return *why = "timeout out of range", -1;
+    lpn_program program;
+    if (lpn_program_parse(data, len, bases, nbases, &program, why) != 0) return -1;
+    uint8_t **bufs = calloc(program.nbuf, sizeof(uint8_t *));
+    /* The scratch: 64-byte aligned, at least one line so that it is never NULL. */
+    size_t scratch = (size_t)((program.sizes[0] + 63u) & ~(uint64_t)63u);
+    if (bufs) bufs[0] = aligned_alloc(64, scratch ? scratch : 64);
+    if (!bufs || !bufs[0]) {
+        free(bufs);
+        lpn_program_free(&program);
+        return *why = "out of memory", -1;
+    }
+    for (uint32_t i = 1; i < program.nbuf; i++) bufs[i] = (uint8_t *)(uintptr_t)bases[i - 1];
+    pthread_mutex_lock(&e->mu);
+    lpn_plan *p = &e->plans[index];
+    release_plan(p);
+    p->program = program;
+    p->bufs = bufs;
+    p->timeout = timeout;
+    p->gen = (p->gen + 1u) & 0xffffffu;
+    p->calls = 0;
+    p->seconds = 0;
+    memset(p->buckets, 0, sizeof p->buckets);
+    p->armed = 1;
+    long gen = (long)p->gen;
+    pthread_mutex_unlock(&e->mu);
+    return gen;
+}
+
+void lpn_engine_disarm(lpn_engine *e, uint32_t index) {
+    if (index >= LPN_MAX_PLANS) return;
+    pthread_mutex_lock(&e->mu); /* waits for a run of it: its buffers are unmapped next */
+    lpn_plan *p = &e->plans[index];
+    if (p->armed) {
+        p->gen = (p->gen + 1u) & 0xffffffu;
+        release_plan(p);
+    }
+    pthread_mutex_unlock(&e->mu);
+    ring_bell(e); /* rings of it that wait fall back now */
+}
+
+void lpn_engine_yield(lpn_engine *e, uint32_t seq) {
+    pthread_mutex_lock(&e->mu);
+    int later = !seq_le(seq, e->abandoned);
+    if (later) e->abandoned = seq;
+    pthread_mutex_unlock(&e->mu);
+    if (later) ring_bell(e);
+}
+
+int lpn_engine_run(lpn_engine *e, uint32_t index, uint32_t gen) {
+    if (index >= LPN_MAX_PLANS) return -1;
+    pthread_mutex_lock(&e->mu);
+    lpn_plan *p = &e->plans[index];
+    int ok = p->armed && p->gen == gen;
+    if (ok) lpn_program_run(&p->program, p->bufs);
+    pthread_mutex_unlock(&e->mu);
+    return ok ? 0 : -1;
+}

@@ -1,0 +1,132 @@
+/* The native steady-state engine of lpsync: armed plans run without Python.
+ *
+ * Policy stays in Python (the modules of lpsync/native): it compiles a plan that ran once on the
+ * general path into a flat program (copy / combine / divide over byte ranges of the
+ * plan's buffers) and arms it here. This file executes programs and serves the
+ * clients' doorbells; it never plans. Every access a program makes is checked against
+ * the buffers it was armed with, once, when it is parsed (lpn_program_parse).
+ *
+ * The doorbell page (shared memory, mapped by the daemon and by each client of the job):
+ *   [0, 64)            header: magic, version, slots
+ *   [64, 68)           bell: a futex word the engine sleeps on; a client bumps it and
+ *                      wakes it after ringing
+ *   [128 + 64*i, ...)  slot i (the job's local rank i):
+ *                        +0  u64 ring   client -> engine: seq << 32 | gen << 8 | plan
+ *                        +8  u32 reply  engine -> client: the seq answered (futex word)
+ *                        +12 u32 code   engine -> client: LPN_OK or LPN_FALLBACK
+ * The layout is the client's wire contract too (lpsync_client/doorbell.py); a test
+ * checks the two agree.
+ */
+#ifndef LPSYNC_NATIVE_ENGINE_H
+#define LPSYNC_NATIVE_ENGINE_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define LPN_MAGIC 0x4c50444eu /* "NDPL" little-endian: the page */
+#define LPN_PROGRAM_MAGIC 0x504e504cu
+#define LPN_VERSION 1u
+#define LPN_HEADER_BYTES 128u
+#define LPN_BELL_OFFSET 64u
+#define LPN_SLOT_BYTES 64u
+#define LPN_MAX_SLOTS 256u
+#define LPN_MAX_PLANS 32u
+#define LPN_MAX_BUFFERS 1024u
+#define LPN_MAX_OPS 65536u
+#define LPN_BUCKETS 32u
+
+#define LPN_OK 0u
+#define LPN_FALLBACK 1u
+
+enum lpn_kind { LPN_COPY = 1, LPN_COMBINE = 2, LPN_DIVIDE = 3 };
+enum lpn_dtype {
+    LPN_F16 = 1, LPN_BF16, LPN_F32, LPN_F64, LPN_I8, LPN_I32, LPN_I64, LPN_U8, LPN_DTYPE_END
+};
+enum lpn_redop { LPN_SUM = 1, LPN_PROD, LPN_MIN, LPN_MAX, LPN_REDOP_END };
+
+/* One instruction; COPY counts bytes, COMBINE and DIVIDE elements. */
+typedef struct {
+    uint32_t kind, dtype, redop, dst, a, b;
+    uint64_t dst_off, a_off, b_off, n, divisor;
+} lpn_op;
+
+/* The encoded form Python writes (lpsync/native/program.py): a header, then nbuf u64
+ * buffer sizes (buffer 0 is the plan's scratch, owned by the engine), then the ops. */
+typedef struct {
+    uint32_t magic, version, nbuf, nops;
+} lpn_program_header;
+
+typedef struct {
+    lpn_op *ops;
+    uint32_t nops, nbuf;
+    uint64_t *sizes; /* of every buffer */
+} lpn_program;
+
+/* Parse and check ``len`` bytes; 0 on success, else -1 with ``why`` set. Every op's
+ * ranges must lie inside its buffers and be aligned to its element size (given the
+ * addresses ``bases``, nbuf-1 of them: buffer 0 is the scratch, aligned by the engine). */
+int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, uint32_t nbases,
+                      lpn_program *out, const char **why);
+void lpn_program_free(lpn_program *program);
+/* Run a parsed program over ``bufs`` (nbuf pointers, bufs[0] the scratch). */
+void lpn_program_run(const lpn_program *program, uint8_t *const *bufs);
+
+typedef struct {
+    int armed;
+    uint32_t gen;       /* 24 bits: bumped by every disarm */
+    double timeout;     /* seconds: the clients' timeout for this plan */
+    lpn_program program;
+    uint8_t **bufs;     /* nbuf: bufs[0] the scratch */
+    /* Metrics, read by Python at a scrape: calls, seconds, a histogram over ``bounds``. */
+    uint64_t calls;
+    double seconds;
+    uint64_t buckets[LPN_BUCKETS + 1];
+} lpn_plan;
+
+/* The last collectives the engine answered, for the flight recorder. */
+#define LPN_RECORDS 64u
+typedef struct {
+    uint32_t seq, plan, code, pad;
+    double first_arrival, last_arrival, done; /* CLOCK_MONOTONIC seconds */
+} lpn_record;
+
+typedef struct {
+    uint8_t *page;
+    uint32_t slots;
+    pthread_mutex_t mu; /* guards everything below; held while a program runs */
+    pthread_t thread;
+    int started, stopping;
+    uint32_t abandoned;  /* every seq <= this (serial order) runs on the general path */
+    uint32_t served[LPN_MAX_SLOTS]; /* the last seq answered per slot */
+    double first_seen[LPN_MAX_SLOTS];
+    lpn_plan plans[LPN_MAX_PLANS];
+    double bounds[LPN_BUCKETS];
+    uint32_t nbounds;
+    lpn_record records[LPN_RECORDS];
+    uint64_t nrecords; /* ever written; records[i % LPN_RECORDS] */
+    uint64_t fallbacks;
+} lpn_engine;
+
+int lpn_engine_init(lpn_engine *e, uint8_t *page, size_t page_len, uint32_t slots,
+                    const double *bounds, uint32_t nbounds, const char **why);
+int lpn_engine_start(lpn_engine *e); /* the doorbell thread */
+void lpn_engine_stop(lpn_engine *e); /* every pending ring falls back; joins the thread */
+void lpn_engine_destroy(lpn_engine *e);
+/* Arm plan ``index`` (disarming what it held); returns the generation clients ring with,
+ * or -1 with ``why``. ``data`` is the encoded program, ``bases`` its buffers but the
+ * scratch. */
+long lpn_engine_arm(lpn_engine *e, uint32_t index, const uint8_t *data, size_t len,
+                    const uint64_t *bases, uint32_t nbases, double timeout, const char **why);
+void lpn_engine_disarm(lpn_engine *e, uint32_t index);
+/* A rank arrived for ``seq`` on the general path: rings of it fall back. */
+void lpn_engine_yield(lpn_engine *e, uint32_t seq);
+/* Run plan ``index`` once for a general-path collective (under the engine's lock). */
+int lpn_engine_run(lpn_engine *e, uint32_t index, uint32_t gen);
+
+/* The ring word a client writes. */
+static inline uint64_t lpn_ring(uint32_t seq, uint32_t gen, uint32_t plan) {
+    return ((uint64_t)seq << 32) | ((uint64_t)(gen & 0xffffffu) << 8) | (plan & 0xffu);
+}
+
+#endif

@@ -1,0 +1,185 @@
+"""A plan's flat program: the steps of a collective over its participants' buffers.
+
+The direct path (collectives/direct.py) compiles what it does into a Program (copy,
+combine, divide over byte ranges of the participants' views and a scratch buffer) and
+runs it here with numpy: that is the reference (``--native off``). An armed plan runs the
+same Program, encoded (``encode``), in the native engine (engine.c), which checks every
+range against the buffers once, when it is armed. One compiler, two executors: the
+engine executes programs and never plans.
+
+Buffers are numbered: 0 is the scratch (the reduction's accumulator), 1 + 2r the input
+view of participant r and 2 + 2r its output view (the same memory in place).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from lpsync.reduction import Reduction
+from lpsync.types import Collective, ReduceOp
+
+COPY, COMBINE, DIVIDE = 1, 2, 3
+# engine.h's enum lpn_dtype and lpn_redop.
+DTYPE_CODES = {
+    "float16": 1,
+    "bfloat16": 2,
+    "float32": 3,
+    "float64": 4,
+    "int8": 5,
+    "int32": 6,
+    "int64": 7,
+    "uint8": 8,
+}
+REDOP_CODES = {ReduceOp.SUM: 1, ReduceOp.AVG: 1, ReduceOp.PROD: 2, ReduceOp.MIN: 3, ReduceOp.MAX: 4}
+PROGRAM_MAGIC, VERSION = 0x504E504C, 1
+_HEADER = struct.Struct("<4I")
+_OP = struct.Struct("<6I5Q")  # engine.h's lpn_op: 64 bytes
+
+
+class Step(NamedTuple):
+    kind: int
+    dst: int  # buffer numbers (see the module's docstring)
+    dst_off: int  # bytes
+    a: int = 0
+    a_off: int = 0
+    b: int = 0
+    b_off: int = 0
+    n: int = 0  # bytes for COPY, elements for COMBINE and DIVIDE
+
+
+@dataclass
+class Program:
+    reduction: Reduction | None
+    itemsize: int
+    scratch: int  # bytes
+    steps: list[Step] = field(default_factory=list)
+
+    def copy(self, dst: int, dst_off: int, src: int, src_off: int, nbytes: int) -> None:
+        self.steps.append(Step(COPY, dst, dst_off, src, src_off, n=nbytes))
+
+    def combine(self, dst: int, a: int, b: int, elements: int) -> None:
+        self.steps.append(Step(COMBINE, dst, 0, a, 0, b, 0, elements))
+
+    def close(self, wait: bool = True) -> None:
+        """Nothing to free (the plan cache closes what it evicts): no threads, no memory
+        but the scratch each run makes."""
+
+    def run(self, views: list[np.ndarray]) -> None:
+        """Run it with numpy over ``views`` (input, output of each participant)."""
+        raw = [np.empty(self.scratch, np.uint8)] + [v.view(np.uint8).reshape(-1) for v in views]
+        typed = None
+        if self.reduction is not None:
+            dtype = self.reduction.dtype
+            typed = [r.view(dtype) if r.size % dtype.itemsize == 0 else None for r in raw]
+        for s in self.steps:
+            if s.kind == COPY:
+                np.copyto(raw[s.dst][s.dst_off : s.dst_off + s.n], raw[s.a][s.a_off : s.a_off + s.n])
+            elif s.kind == COMBINE:
+                assert self.reduction is not None and typed is not None
+                t = typed
+                self.reduction.combine(t[s.a][: s.n], t[s.b][: s.n], t[s.dst][: s.n])  # type: ignore[index]
+            else:
+                assert self.reduction is not None and typed is not None
+                self.reduction.finalize(typed[s.dst][: s.n])  # type: ignore[index]
+
+
+def encode(program: Program, views: list[np.ndarray]) -> tuple[bytes, list[int]] | None:
+    """(program bytes, buffer addresses but the scratch's) for the engine; None where it
+    does not serve the program's element type."""
+    dtype = redop = 0
+    divisor = 1
+    if program.reduction is not None:
+        dtype = DTYPE_CODES.get(program.reduction.dtype.name, 0)
+        redop = REDOP_CODES[program.reduction.op]
+        divisor = program.reduction.participants
+        if not dtype:
+            return None
+    ops = b"".join(
+        _OP.pack(s.kind, dtype, redop, s.dst, s.a, s.b, s.dst_off, s.a_off, s.b_off, s.n, divisor)
+        for s in program.steps
+    )
+    sizes = [program.scratch] + [v.nbytes for v in views]
+    header = _HEADER.pack(PROGRAM_MAGIC, VERSION, len(sizes), len(program.steps))
+    bases = [v.__array_interface__["data"][0] for v in views]
+    return header + struct.pack(f"<{len(sizes)}Q", *sizes) + ops, bases
+
+
+def direct(
+    op: Collective,
+    root: int,
+    pairs: list[tuple[np.ndarray, np.ndarray]],
+    reduction: Reduction | None,
+    count: int,
+) -> Program:
+    """The direct path's program: one thread reduces every view and writes every output.
+    Deterministic: views are reduced in rank order, so every participant and every run
+    get the same bits. Inputs of out-of-place collectives are only read; a non-root's
+    buffer of reduce is never written."""
+
+    def inp(r: int) -> int:
+        return 1 + 2 * r
+
+    def out(r: int) -> int:
+        return 2 + 2 * r
+
+    first = pairs[0][0]
+    itemsize = first.dtype.itemsize
+    block = count * itemsize
+    program = Program(reduction, itemsize, 0)
+    if op is Collective.BROADCAST:
+        source = pairs[root][0]
+        for r, (_, o) in enumerate(pairs):
+            if o is not source and not _same(o, source):
+                program.copy(out(r), 0, inp(root), 0, source.nbytes)
+        return program
+    if op in (Collective.ALLGATHER, Collective.GATHER):
+        for r, (_, o) in enumerate(pairs):
+            if op is Collective.GATHER and r != root:
+                continue
+            for q, (i, _) in enumerate(pairs):
+                if not np.shares_memory(o[q * count : (q + 1) * count], i):
+                    program.copy(out(r), q * block, inp(q), 0, block)
+        return program
+    if op is Collective.SCATTER:
+        source = pairs[root][0]
+        for r, (_, o) in enumerate(pairs):
+            if not np.shares_memory(source[r * count : (r + 1) * count], o):
+                program.copy(out(r), 0, inp(root), r * block, block)
+        return program
+    if op is Collective.ALLTOALL:  # out of place only: no output overlaps an input
+        for r in range(len(pairs)):
+            for q in range(len(pairs)):
+                program.copy(out(r), q * block, inp(q), r * block, block)
+        return program
+    assert reduction is not None
+    # Reduce into the scratch first: in place, the inputs are also the outputs.
+    nbytes, elements = first.nbytes, first.size
+    program.scratch = nbytes
+    program.copy(0, 0, inp(0), 0, nbytes)
+    for r in range(1, len(pairs)):
+        program.combine(0, 0, inp(r), elements)
+    if reduction.op is ReduceOp.AVG and reduction.participants > 1:
+        program.steps.append(Step(DIVIDE, 0, 0, n=elements))
+    if op is Collective.ALLREDUCE:
+        for r in range(len(pairs)):
+            program.copy(out(r), 0, 0, 0, nbytes)
+    elif op is Collective.REDUCE:
+        program.copy(out(root), 0, 0, 0, nbytes)
+    else:  # reduce_scatter
+        for r in range(len(pairs)):
+            program.copy(out(r), 0, 0, r * block, block)
+    return program
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """The same memory (an in-place root's input and output views)."""
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.nbytes == b.nbytes
+
+
+def flatten(pairs: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+    """The views in buffer-number order (1 + 2r, 2 + 2r)."""
+    return [v for pair in pairs for v in pair]
