@@ -16,9 +16,14 @@ UNIT := tests/algorithms tests/engine tests/memory tests/daemon/test_agreement.p
 # Workers for the whole suite: most tests wait on daemons, sockets and timeouts, not on CPU.
 JOBS ?= 4
 
-.PHONY: demo test check lint bytecode bench fuzz clean image test-deploy
+.PHONY: demo test check lint bytecode bench fuzz clean image test-deploy test-native
 
-$(BIN)/.installed: pyproject.toml clients/python/pyproject.toml
+# The native engine's sources: the install builds it (pyproject.toml), and an edit to them
+# installs again so that the tests never run a stale engine.
+NATIVE := lpsync/native/engine.c lpsync/native/engine.h lpsync/native/_engine.c
+CC ?= gcc
+
+$(BIN)/.installed: pyproject.toml clients/python/pyproject.toml $(NATIVE)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,torch,deploy]' -e clients/python
@@ -43,8 +48,18 @@ lint: $(BIN)/.installed
 check: lint bytecode
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(UNIT)
 
-test: lint bytecode
+test: lint bytecode test-native
 	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=30
+
+# The native engine alone under AddressSanitizer and UndefinedBehaviorSanitizer: programs
+# against a reference, the doorbell with threads as clients (fallbacks, disarm, deadline,
+# stop), and its program parser fuzzed with 200 000 corrupted programs (~10 s).
+test-native: $(NATIVE) tests/native/engine_test.c
+	mkdir -p out
+	$(CC) -O1 -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -fsanitize=address,undefined \
+		-fno-sanitize-recover=all -fno-omit-frame-pointer lpsync/native/engine.c \
+		tests/native/engine_test.c -o out/engine_test -lpthread -lm
+	out/engine_test 200000
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m lpsync.bench.executor --procs 4 --bytes 64MiB --algorithm lp,ring,be,mst

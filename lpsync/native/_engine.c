@@ -82,39 +82,53 @@ static void Engine_dealloc(EngineObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyObject *Engine_arm(EngineObject *self, PyObject *args) {
-    unsigned int index;
-    Py_buffer program;
-    PyObject *bases;
-    double timeout;
-    if (check_open(self) || !PyArg_ParseTuple(args, "Iy*Od", &index, &program, &bases, &timeout)) return NULL;
-    PyObject *seq = PySequence_Fast(bases, "bases must be a sequence of addresses");
-    if (!seq) {
-        PyBuffer_Release(&program);
+/* A sequence of ints as n u64 values (PyMem); NULL with an exception set on failure. */
+static uint64_t *u64s(PyObject *items, Py_ssize_t *n) {
+    PyObject *seq = PySequence_Fast(items, "expected a sequence of ints");
+    if (!seq) return NULL;
+    *n = PySequence_Fast_GET_SIZE(seq);
+    uint64_t *values = PyMem_Calloc((size_t)(*n ? *n : 1), sizeof(uint64_t));
+    if (!values) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    uint64_t *values = n ? PyMem_Calloc((size_t)n, sizeof(uint64_t)) : NULL;
-    if (n && !values) {
-        Py_DECREF(seq);
-        PyBuffer_Release(&program);
-        return PyErr_NoMemory();
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < *n; i++) {
         values[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, i));
         if (PyErr_Occurred()) {
             PyMem_Free(values);
             Py_DECREF(seq);
-            PyBuffer_Release(&program);
             return NULL;
         }
     }
     Py_DECREF(seq);
+    return values;
+}
+
+static PyObject *Engine_arm(EngineObject *self, PyObject *args) {
+    unsigned int index;
+    Py_buffer program;
+    PyObject *bases_arg, *sizes_arg;
+    double timeout;
+    if (check_open(self) ||
+        !PyArg_ParseTuple(args, "Iy*OOd", &index, &program, &bases_arg, &sizes_arg, &timeout))
+        return NULL;
+    Py_ssize_t n = 0, m = 0;
+    uint64_t *bases = u64s(bases_arg, &n);
+    uint64_t *sizes = bases ? u64s(sizes_arg, &m) : NULL;
+    if (!bases || !sizes || n != m) {
+        if (bases && sizes) PyErr_SetString(PyExc_ValueError, "bases and sizes differ in length");
+        PyMem_Free(bases);
+        PyMem_Free(sizes);
+        PyBuffer_Release(&program);
+        return NULL;
+    }
     const char *why = NULL;
     long gen;
-    Py_BEGIN_ALLOW_THREADS gen = lpn_engine_arm(&self->engine, index, program.buf, (size_t)program.len, values,
-                                                (uint32_t)n, timeout, &why);
-    Py_END_ALLOW_THREADS PyMem_Free(values);
+    Py_BEGIN_ALLOW_THREADS gen = lpn_engine_arm(&self->engine, index, program.buf, (size_t)program.len, bases,
+                                                sizes, (uint32_t)n, timeout, &why);
+    Py_END_ALLOW_THREADS PyMem_Free(bases);
+    PyMem_Free(sizes);
     PyBuffer_Release(&program);
     if (gen < 0) {
         PyErr_SetString(PyExc_ValueError, why ? why : "cannot arm the plan");
@@ -194,7 +208,7 @@ static PyObject *Engine_records(EngineObject *self, PyObject *unused) {
 
 static PyMethodDef Engine_methods[] = {
     {"arm", (PyCFunction)Engine_arm, METH_VARARGS,
-     "arm(index, program, bases, timeout) -> generation: check the program against its buffers, arm it"},
+     "arm(index, program, bases, sizes, timeout) -> generation: check the program against its buffers, arm it"},
     {"disarm", (PyCFunction)Engine_disarm, METH_VARARGS,
      "disarm(index): waiting rings of it fall back to the general path"},
     {"yield_seq", (PyCFunction)Engine_yield_seq, METH_O,

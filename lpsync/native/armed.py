@@ -91,7 +91,7 @@ class ArmedPlans:
         encoded = encode(program, views)
         if encoded is None:
             return None
-        data, bases = encoded
+        data, bases, sizes = encoded
         with self._lock:
             if self.closed:
                 return None
@@ -103,7 +103,7 @@ class ArmedPlans:
         if evicted is not None:
             self._retire(evicted)
         try:
-            generation = self.engine.arm(index, data, bases, timeout)
+            generation = self.engine.arm(index, data, bases, sizes, timeout)
         except ValueError:  # refused by the engine's checks: not armed
             with self._lock:
                 self._free.append(index)

@@ -82,19 +82,16 @@ static uint16_t f2b(float f) {
 
 /* ---------------------------------------------------------------- reductions */
 
-/* np.minimum / np.maximum: the first operand where it is NaN or wins the comparison. */
-#define PICK_MIN(x, y) (((x) <= (y) || (x) != (x)) ? (x) : (y))
-#define PICK_MAX(x, y) (((x) >= (y) || (x) != (x)) ? (x) : (y))
-
+/* Floats: sum and product only. numpy's min and max of floats differ by version and
+ * element type in the zero sign and NaN they return; those stay on numpy (the parser
+ * refuses them), so that both paths give the same bits. */
 #define COMBINE_FLOAT(T)                                                              \
     static void combine_##T(T *d, const T *a, const T *b, uint64_t n, uint32_t op) { \
         uint64_t i;                                                                   \
-        switch (op) {                                                                 \
-        case LPN_SUM: for (i = 0; i < n; i++) d[i] = a[i] + b[i]; break;              \
-        case LPN_PROD: for (i = 0; i < n; i++) d[i] = a[i] * b[i]; break;             \
-        case LPN_MIN: for (i = 0; i < n; i++) d[i] = PICK_MIN(a[i], b[i]); break;     \
-        default: for (i = 0; i < n; i++) d[i] = PICK_MAX(a[i], b[i]); break;          \
-        }                                                                             \
+        if (op == LPN_SUM)                                                            \
+            for (i = 0; i < n; i++) d[i] = a[i] + b[i];                               \
+        else                                                                          \
+            for (i = 0; i < n; i++) d[i] = a[i] * b[i];                               \
     }
 COMBINE_FLOAT(float)
 COMBINE_FLOAT(double)
@@ -118,15 +115,11 @@ COMBINE_INT(uint8_t, uint32_t)
 #define COMBINE_HALF(NAME, TO, FROM)                                                          \
     static void combine_##NAME(uint16_t *d, const uint16_t *a, const uint16_t *b, uint64_t n, \
                                uint32_t op) {                                                 \
-        for (uint64_t i = 0; i < n; i++) {                                                    \
-            float x = TO(a[i]), y = TO(b[i]);                                                 \
-            switch (op) {                                                                     \
-            case LPN_SUM: d[i] = FROM(x + y); break;                                          \
-            case LPN_PROD: d[i] = FROM(x * y); break;                                         \
-            case LPN_MIN: d[i] = (x <= y || x != x) ? a[i] : b[i]; break;                     \
-            default: d[i] = (x >= y || x != x) ? a[i] : b[i]; break;                          \
-            }                                                                                 \
-        }                                                                                     \
+        uint64_t i;                                                                           \
+        if (op == LPN_SUM)                                                                    \
+            for (i = 0; i < n; i++) d[i] = FROM(TO(a[i]) + TO(b[i]));                         \
+        else                                                                                  \
+            for (i = 0; i < n; i++) d[i] = FROM(TO(a[i]) * TO(b[i]));                         \
     }
 COMBINE_HALF(f16, h2f, f2h)
 COMBINE_HALF(bf16, b2f, f2b)
@@ -195,8 +188,8 @@ static void combine(uint8_t *d, const uint8_t *a, const uint8_t *b, uint32_t dty
 
 static int fits(uint64_t off, uint64_t n, uint64_t size) { return off <= size && n <= size - off; }
 
-int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, uint32_t nbases,
-                      lpn_program *out, const char **why) {
+int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, const uint64_t *sizes,
+                      uint32_t nbases, lpn_program *out, const char **why) {
     memset(out, 0, sizeof *out);
     lpn_program_header h;
     if (len < sizeof h) return *why = "shorter than its header", -1;
@@ -218,6 +211,15 @@ int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, ui
     memcpy(out->ops, data + sizeof h + (size_t)h.nbuf * 8u, (size_t)h.nops * sizeof(lpn_op));
     out->nbuf = h.nbuf;
     out->nops = h.nops;
+    if (out->sizes[0] > LPN_MAX_SCRATCH) {
+        lpn_program_free(out);
+        return *why = "scratch too large", -1;
+    }
+    for (uint32_t i = 1; i < h.nbuf; i++)
+        if (out->sizes[i] != sizes[i - 1]) {
+            lpn_program_free(out);
+            return *why = "a buffer's size differs from the program's", -1;
+        }
     for (uint32_t i = 0; i < h.nops; i++) {
         const lpn_op *o = &out->ops[i];
         uint64_t item = 1, bytes;
@@ -235,6 +237,7 @@ int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, ui
         if (!fits(o->dst_off, bytes, out->sizes[o->dst])) goto bad_range;
         if (o->kind == LPN_COMBINE) {
             if (o->redop == 0 || o->redop >= LPN_REDOP_END) goto bad;
+            if (o->redop >= LPN_MIN && o->dtype <= LPN_F64) goto bad; /* float min/max: numpy's */
             if (o->a >= h.nbuf || o->b >= h.nbuf) goto bad_buffer;
             if (!fits(o->a_off, bytes, out->sizes[o->a]) || !fits(o->b_off, bytes, out->sizes[o->b]))
                 goto bad_range;
@@ -263,7 +266,7 @@ bad_range:
     return *why = "an op reaches past the end of its buffer", -1;
 bad:
     lpn_program_free(out);
-    return *why = "an op has an unknown kind, type or reduction", -1;
+    return *why = "an op has an unknown kind, type or reduction, or one the engine leaves to numpy", -1;
 }
 
 void lpn_program_free(lpn_program *program) {
@@ -346,7 +349,7 @@ static void observe(lpn_engine *e, lpn_plan *p, double seconds) {
  * anything was answered, and the earliest deadline of what still waits (0: none). */
 static int serve(lpn_engine *e, double *deadline) {
     uint64_t rings[LPN_MAX_SLOTS];
-    uint32_t pending = 0, target = 0, i;
+    uint32_t target = 0, i;
     int have = 0, answered = 0;
     double t = now();
     *deadline = 0;
@@ -387,7 +390,6 @@ static int serve(lpn_engine *e, double *deadline) {
         if (e->first_seen[i] < first) first = e->first_seen[i];
         if (e->first_seen[i] > last) last = e->first_seen[i];
         arrived++;
-        pending |= 1;
     }
     lpn_plan *p = plan < LPN_MAX_PLANS ? &e->plans[plan] : NULL;
     if (!p || !p->armed || p->gen != gen) agree = 0;
@@ -488,11 +490,12 @@ void lpn_engine_destroy(lpn_engine *e) {
 }
 
 long lpn_engine_arm(lpn_engine *e, uint32_t index, const uint8_t *data, size_t len,
-                    const uint64_t *bases, uint32_t nbases, double timeout, const char **why) {
+                    const uint64_t *bases, const uint64_t *sizes, uint32_t nbases, double timeout,
+                    const char **why) {
     if (index >= LPN_MAX_PLANS) return *why = "plan index out of range", -1;
     if (!(timeout > 0) || timeout > 1e7) return *why = "timeout out of range", -1;
     lpn_program program;
-    if (lpn_program_parse(data, len, bases, nbases, &program, why) != 0) return -1;
+    if (lpn_program_parse(data, len, bases, sizes, nbases, &program, why) != 0) return -1;
     uint8_t **bufs = calloc(program.nbuf, sizeof(uint8_t *));
     /* The scratch: 64-byte aligned, at least one line so that it is never NULL. */
     size_t scratch = (size_t)((program.sizes[0] + 63u) & ~(uint64_t)63u);

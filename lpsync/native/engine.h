@@ -63,11 +63,14 @@ typedef struct {
     uint64_t *sizes; /* of every buffer */
 } lpn_program;
 
-/* Parse and check ``len`` bytes; 0 on success, else -1 with ``why`` set. Every op's
- * ranges must lie inside its buffers and be aligned to its element size (given the
- * addresses ``bases``, nbuf-1 of them: buffer 0 is the scratch, aligned by the engine). */
-int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, uint32_t nbases,
-                      lpn_program *out, const char **why);
+/* Parse and check ``len`` bytes; 0 on success, else -1 with ``why`` set. The buffers are
+ * the real ones, ``bases`` and ``sizes`` (nbuf-1 of them: buffer 0 is the scratch, which
+ * the engine allocates, aligned, at the program's size, at most LPN_MAX_SCRATCH): the
+ * program must declare exactly their sizes, and every op's ranges must lie inside them
+ * and be aligned to its element size. */
+#define LPN_MAX_SCRATCH ((uint64_t)1 << 32)
+int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, const uint64_t *sizes,
+                      uint32_t nbases, lpn_program *out, const char **why);
 void lpn_program_free(lpn_program *program);
 /* Run a parsed program over ``bufs`` (nbuf pointers, bufs[0] the scratch). */
 void lpn_program_run(const lpn_program *program, uint8_t *const *bufs);
@@ -114,10 +117,11 @@ int lpn_engine_start(lpn_engine *e); /* the doorbell thread */
 void lpn_engine_stop(lpn_engine *e); /* every pending ring falls back; joins the thread */
 void lpn_engine_destroy(lpn_engine *e);
 /* Arm plan ``index`` (disarming what it held); returns the generation clients ring with,
- * or -1 with ``why``. ``data`` is the encoded program, ``bases`` its buffers but the
- * scratch. */
+ * or -1 with ``why``. ``data`` is the encoded program, ``bases`` and ``sizes`` its buffers
+ * but the scratch. */
 long lpn_engine_arm(lpn_engine *e, uint32_t index, const uint8_t *data, size_t len,
-                    const uint64_t *bases, uint32_t nbases, double timeout, const char **why);
+                    const uint64_t *bases, const uint64_t *sizes, uint32_t nbases, double timeout,
+                    const char **why);
 void lpn_engine_disarm(lpn_engine *e, uint32_t index);
 /* A rank arrived for ``seq`` on the general path: rings of it fall back. */
 void lpn_engine_yield(lpn_engine *e, uint32_t seq);

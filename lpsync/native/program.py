@@ -35,6 +35,9 @@ DTYPE_CODES = {
     "uint8": 8,
 }
 REDOP_CODES = {ReduceOp.SUM: 1, ReduceOp.AVG: 1, ReduceOp.PROD: 2, ReduceOp.MIN: 3, ReduceOp.MAX: 4}
+# numpy's min and max of floats differ by version and element type in the zero sign and
+# the NaN they return: the engine leaves them to numpy (the same bits on both paths).
+_MIN_MAX, _FLOATS = {3, 4}, {1, 2, 3, 4}
 PROGRAM_MAGIC, VERSION = 0x504E504C, 1
 _HEADER = struct.Struct("<4I")
 _OP = struct.Struct("<6I5Q")  # engine.h's lpn_op: 64 bytes
@@ -87,16 +90,16 @@ class Program:
                 self.reduction.finalize(typed[s.dst][: s.n])  # type: ignore[index]
 
 
-def encode(program: Program, views: list[np.ndarray]) -> tuple[bytes, list[int]] | None:
-    """(program bytes, buffer addresses but the scratch's) for the engine; None where it
-    does not serve the program's element type."""
+def encode(program: Program, views: list[np.ndarray]) -> tuple[bytes, list[int], list[int]] | None:
+    """(program bytes, addresses and sizes of the buffers but the scratch) for the engine;
+    None where it does not serve the program's element type."""
     dtype = redop = 0
     divisor = 1
     if program.reduction is not None:
         dtype = DTYPE_CODES.get(program.reduction.dtype.name, 0)
         redop = REDOP_CODES[program.reduction.op]
         divisor = program.reduction.participants
-        if not dtype:
+        if not dtype or (redop in _MIN_MAX and dtype in _FLOATS):
             return None
     ops = b"".join(
         _OP.pack(s.kind, dtype, redop, s.dst, s.a, s.b, s.dst_off, s.a_off, s.b_off, s.n, divisor)
@@ -105,7 +108,7 @@ def encode(program: Program, views: list[np.ndarray]) -> tuple[bytes, list[int]]
     sizes = [program.scratch] + [v.nbytes for v in views]
     header = _HEADER.pack(PROGRAM_MAGIC, VERSION, len(sizes), len(program.steps))
     bases = [v.__array_interface__["data"][0] for v in views]
-    return header + struct.pack(f"<{len(sizes)}Q", *sizes) + ops, bases
+    return header + struct.pack(f"<{len(sizes)}Q", *sizes) + ops, bases, sizes[1:]
 
 
 def direct(

@@ -1,0 +1,279 @@
+/* The native engine under AddressSanitizer and UndefinedBehaviorSanitizer (make test-native).
+ *
+ * Runs without Python: programs against a reference written here, the doorbell with
+ * threads as clients (armed runs, a disarm while a ring waits, a yield, a deadline, a
+ * stop), and the program parser against every truncation and random corruption of valid
+ * programs (a fuzz of its checks: nothing it accepts may reach past its buffers). */
+#include "../../lpsync/native/engine.h"
+
+#include <linux/futex.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+static int failures;
+#define CHECK(cond, ...)                                       \
+    do {                                                       \
+        if (!(cond)) {                                         \
+            failures++;                                        \
+            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+            fprintf(stderr, __VA_ARGS__);                      \
+            fputc('\n', stderr);                               \
+        }                                                      \
+    } while (0)
+
+/* ---- encoding, as lpsync/native/program.py writes it */
+typedef struct {
+    uint8_t bytes[1 << 16];
+    size_t len;
+} blob;
+
+static void put(blob *b, const void *p, size_t n) {
+    memcpy(b->bytes + b->len, p, n);
+    b->len += n;
+}
+
+static void program(blob *b, uint32_t nbuf, const uint64_t *sizes, uint32_t nops, const lpn_op *ops) {
+    lpn_program_header h = {LPN_PROGRAM_MAGIC, LPN_VERSION, nbuf, nops};
+    b->len = 0;
+    put(b, &h, sizeof h);
+    put(b, sizes, nbuf * 8u);
+    put(b, ops, nops * sizeof(lpn_op));
+}
+
+/* allreduce(sum, float32) of P participants of N elements, as program.direct compiles it:
+ * scratch = in0; scratch += in_r; out_r = scratch. */
+#define P 3
+#define N 1000
+static lpn_op allreduce_ops[1 + (P - 1) + P];
+static uint64_t allreduce_sizes[1 + 2 * P];
+
+static uint32_t allreduce_program(blob *b, uint32_t redop, uint32_t dtype, uint32_t item) {
+    uint32_t k = 0;
+    allreduce_sizes[0] = (uint64_t)N * item;
+    for (int r = 0; r < P; r++) allreduce_sizes[1 + 2 * r] = allreduce_sizes[2 + 2 * r] = (uint64_t)N * item;
+    allreduce_ops[k++] = (lpn_op){LPN_COPY, 0, 0, 0, 1, 0, 0, 0, 0, (uint64_t)N * item, 1};
+    for (uint32_t r = 1; r < P; r++)
+        allreduce_ops[k++] = (lpn_op){LPN_COMBINE, dtype, redop, 0, 0, 1 + 2 * r, 0, 0, 0, N, P};
+    for (uint32_t r = 0; r < P; r++)
+        allreduce_ops[k++] = (lpn_op){LPN_COPY, 0, 0, 2 + 2 * r, 0, 0, 0, 0, 0, (uint64_t)N * item, 1};
+    program(b, 1 + 2 * P, allreduce_sizes, k, allreduce_ops);
+    return k;
+}
+
+static float inputs[P][N], outputs[P][N];
+
+static void fill(void) {
+    for (int r = 0; r < P; r++)
+        for (int i = 0; i < N; i++) {
+            inputs[r][i] = (float)((r + 1) * 0.5 + i * 0.25);
+            outputs[r][i] = -1.0f;
+        }
+}
+
+static uint64_t bases[2 * P], real_sizes[2 * P];
+static void set_bases(void) {
+    for (int r = 0; r < P; r++) {
+        bases[2 * r] = (uint64_t)(uintptr_t)inputs[r];
+        bases[2 * r + 1] = (uint64_t)(uintptr_t)outputs[r];
+        real_sizes[2 * r] = real_sizes[2 * r + 1] = sizeof inputs[r];
+    }
+}
+
+static void check_sum(const char *what) {
+    for (int r = 0; r < P; r++)
+        for (int i = 0; i < N; i++) {
+            float want = inputs[0][i];
+            for (int q = 1; q < P; q++) want = want + inputs[q][i];
+            if (outputs[r][i] != want) {
+                CHECK(0, "%s: rank %d element %d is %g, want %g", what, r, i, outputs[r][i], want);
+                return;
+            }
+        }
+}
+
+static void test_programs(void) {
+    blob b;
+    lpn_program prog;
+    const char *why = NULL;
+    allreduce_program(&b, LPN_SUM, LPN_F32, 4);
+    set_bases();
+    CHECK(lpn_program_parse(b.bytes, b.len, bases, real_sizes, 2 * P, &prog, &why) == 0, "parse: %s", why);
+    uint8_t *bufs[1 + 2 * P];
+    bufs[0] = aligned_alloc(64, 4096);
+    for (int i = 0; i < 2 * P; i++) bufs[1 + i] = (uint8_t *)(uintptr_t)bases[i];
+    fill();
+    lpn_program_run(&prog, bufs);
+    check_sum("run");
+    free(bufs[0]);
+    lpn_program_free(&prog);
+}
+
+/* ---- the parser: truncations and random corruptions of a valid program */
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static uint64_t next(void) {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return rng;
+}
+
+static void test_parser(unsigned rounds) {
+    blob good, bad;
+    lpn_program prog;
+    const char *why;
+    allreduce_program(&good, LPN_SUM, LPN_F32, 4);
+    set_bases();
+    for (size_t cut = 0; cut < good.len; cut++) /* every truncation is refused */
+        CHECK(lpn_program_parse(good.bytes, cut, bases, real_sizes, 2 * P, &prog, &why) != 0, "truncated at %zu accepted", cut);
+    uint8_t *bufs[1 + 2 * P];
+    bufs[0] = aligned_alloc(64, 4096);
+    for (int i = 0; i < 2 * P; i++) bufs[1 + i] = (uint8_t *)(uintptr_t)bases[i];
+    unsigned accepted = 0;
+    for (unsigned round = 0; round < rounds; round++) {
+        bad = good;
+        unsigned flips = 1 + (unsigned)(next() % 4);
+        for (unsigned f = 0; f < flips; f++) {
+            size_t at = (size_t)(next() % bad.len);
+            switch (next() % 3) {
+            case 0: bad.bytes[at] ^= (uint8_t)(1u << (next() % 8)); break;
+            case 1: bad.bytes[at] = (uint8_t)next(); break;
+            default: { /* a whole field set to an edge value */
+                uint64_t edges[] = {0, 1, 0xffffffffull, 0xffffffffffffffffull, N * 4, N * 4 + 1, 1ull << 63};
+                uint64_t v = edges[next() % 7];
+                size_t n = bad.len - at < 8 ? bad.len - at : 8;
+                memcpy(bad.bytes + at, &v, n);
+            }
+            }
+        }
+        if (lpn_program_parse(bad.bytes, bad.len, bases, real_sizes, 2 * P, &prog, &why) == 0) {
+            /* Accepted: it must stay inside the buffers (ASan says otherwise); the
+             * scratch is as large as the program says, as the engine makes it. */
+            accepted++;
+            uint8_t *scratch = bufs[0];
+            if (prog.sizes[0] > 4096) {
+                if (prog.sizes[0] > (1u << 26)) { /* large but allowed: not worth the memory here */
+                    lpn_program_free(&prog);
+                    continue;
+                }
+                bufs[0] = aligned_alloc(64, (prog.sizes[0] + 63) & ~(uint64_t)63);
+            }
+            fill();
+            lpn_program_run(&prog, bufs);
+            if (bufs[0] != scratch) {
+                free(bufs[0]);
+                bufs[0] = scratch;
+            }
+            lpn_program_free(&prog);
+        }
+    }
+    free(bufs[0]);
+    printf("parser: %u corrupted programs, %u accepted and run inside their buffers\n", rounds, accepted);
+}
+
+/* ---- the doorbell, clients as threads */
+static uint8_t page[LPN_HEADER_BYTES + P * LPN_SLOT_BYTES] __attribute__((aligned(64)));
+
+typedef struct {
+    uint32_t slot, seq, plan, gen, code;
+} ringer;
+
+static void *ring(void *arg) {
+    ringer *r = arg;
+    uint8_t *s = page + LPN_HEADER_BYTES + r->slot * LPN_SLOT_BYTES;
+    __atomic_store_n((uint64_t *)s, lpn_ring(r->seq, r->gen, r->plan), __ATOMIC_RELEASE);
+    __atomic_add_fetch((uint32_t *)(page + LPN_BELL_OFFSET), 1u, __ATOMIC_SEQ_CST);
+    syscall(SYS_futex, page + LPN_BELL_OFFSET, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+    uint32_t *reply = (uint32_t *)(s + 8);
+    for (;;) {
+        uint32_t seen = __atomic_load_n(reply, __ATOMIC_ACQUIRE);
+        if (seen == r->seq) break;
+        struct timespec ts = {1, 0};
+        syscall(SYS_futex, reply, FUTEX_WAIT, seen, &ts, NULL, 0);
+    }
+    r->code = __atomic_load_n((uint32_t *)(s + 12), __ATOMIC_RELAXED);
+    return NULL;
+}
+
+static void ring_all(ringer *rs, uint32_t n) {
+    pthread_t t[P];
+    for (uint32_t i = 0; i < n; i++) pthread_create(&t[i], NULL, ring, &rs[i]);
+    for (uint32_t i = 0; i < n; i++) pthread_join(t[i], NULL);
+}
+
+static void test_doorbell(void) {
+    lpn_engine e;
+    const char *why = NULL;
+    double bounds[] = {1e-5, 1e-3, 1.0};
+    CHECK(lpn_engine_init(&e, page, sizeof page, P, bounds, 3, &why) == 0, "init: %s", why);
+    CHECK(lpn_engine_start(&e) == 0, "start");
+    blob b;
+    allreduce_program(&b, LPN_SUM, LPN_F32, 4);
+    set_bases();
+    long gen = lpn_engine_arm(&e, 3, b.bytes, b.len, bases, real_sizes, 2 * P, 5.0, &why);
+    CHECK(gen > 0, "arm: %s", why);
+    ringer rs[P];
+    for (uint32_t seq = 1; seq <= 200; seq++) { /* armed runs */
+        fill();
+        for (uint32_t i = 0; i < P; i++) rs[i] = (ringer){i, seq, 3, (uint32_t)gen, 99};
+        ring_all(rs, P);
+        for (uint32_t i = 0; i < P; i++) CHECK(rs[i].code == LPN_OK, "seq %u slot %u: code %u", seq, i, rs[i].code);
+        check_sum("armed");
+    }
+    CHECK(e.plans[3].calls == 200, "calls %llu", (unsigned long long)e.plans[3].calls);
+    /* Another generation: every ring falls back. */
+    for (uint32_t i = 0; i < P; i++) rs[i] = (ringer){i, 201, 3, (uint32_t)gen + 1, 99};
+    ring_all(rs, P);
+    for (uint32_t i = 0; i < P; i++) CHECK(rs[i].code == LPN_FALLBACK, "stale generation answered %u", rs[i].code);
+    /* A yielded sequence number falls back at once. */
+    lpn_engine_yield(&e, 202);
+    for (uint32_t i = 0; i < P; i++) rs[i] = (ringer){i, 202, 3, (uint32_t)gen, 99};
+    ring_all(rs, P);
+    for (uint32_t i = 0; i < P; i++) CHECK(rs[i].code == LPN_FALLBACK, "yielded seq answered %u", rs[i].code);
+    /* One slot rings and the others never do: it falls back at the plan's deadline. */
+    gen = lpn_engine_arm(&e, 3, b.bytes, b.len, bases, real_sizes, 2 * P, 0.2, &why);
+    rs[0] = (ringer){0, 203, 3, (uint32_t)gen, 99};
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    ring_all(rs, 1);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double took = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+    CHECK(rs[0].code == LPN_FALLBACK && took >= 0.19 && took < 2.0, "deadline: code %u after %.3f s", rs[0].code, took);
+    /* The others arrive late for that sequence number: they fall back at once. */
+    for (uint32_t i = 1; i < P; i++) rs[i - 1] = (ringer){i, 203, 3, (uint32_t)gen, 99};
+    ring_all(rs, P - 1);
+    for (uint32_t i = 0; i < P - 1; i++) CHECK(rs[i].code == LPN_FALLBACK, "late ring answered %u", rs[i].code);
+    /* A disarm while one waits: it falls back. */
+    gen = lpn_engine_arm(&e, 3, b.bytes, b.len, bases, real_sizes, 2 * P, 30.0, &why);
+    rs[0] = (ringer){0, 204, 3, (uint32_t)gen, 99};
+    pthread_t waiter;
+    pthread_create(&waiter, NULL, ring, &rs[0]);
+    usleep(50000);
+    lpn_engine_disarm(&e, 3);
+    pthread_join(waiter, NULL);
+    CHECK(rs[0].code == LPN_FALLBACK, "disarmed ring answered %u", rs[0].code);
+    /* A stop while one waits: it falls back, the thread ends. */
+    gen = lpn_engine_arm(&e, 5, b.bytes, b.len, bases, real_sizes, 2 * P, 30.0, &why);
+    rs[0] = (ringer){0, 205, 5, (uint32_t)gen, 99};
+    pthread_create(&waiter, NULL, ring, &rs[0]);
+    usleep(50000);
+    lpn_engine_destroy(&e);
+    pthread_join(waiter, NULL);
+    CHECK(rs[0].code == LPN_FALLBACK, "ring at stop answered %u", rs[0].code);
+}
+
+int main(int argc, char **argv) {
+    unsigned rounds = argc > 1 ? (unsigned)strtoul(argv[1], NULL, 10) : 200000;
+    test_programs();
+    test_parser(rounds);
+    test_doorbell();
+    if (failures) {
+        fprintf(stderr, "%d check(s) failed\n", failures);
+        return 1;
+    }
+    printf("engine_test: all checks passed\n");
+    return 0;
+}

@@ -1,0 +1,245 @@
+"""The flat program of the direct path, run by numpy (the reference path) and by the
+native engine: both against an independent numpy reference, and bitwise against each
+other, over every op, element type, reduction, participant count and placement; and the
+engine's checks of a program against its buffers. Unit tier: no daemon."""
+
+from __future__ import annotations
+
+import mmap
+import struct
+
+import numpy as np
+import pytest
+
+import lpsync_client.doorbell as client_doorbell
+from lpsync.engine.group import layout
+from lpsync.native import engine as native_engine
+from lpsync.native import program
+from lpsync.reduction import Reduction
+from lpsync.types import DTYPES, Collective, ReduceOp
+from lpsync_client.wire import blocks
+
+ENGINE = native_engine()
+# The engine must be built where the tests run (the install builds it): a missing one fails
+# these tests (_Engine asserts), never skips them, or CI would pass without running it.
+
+OPS = [
+    Collective.ALLREDUCE,
+    Collective.REDUCE,
+    Collective.BROADCAST,
+    Collective.ALLGATHER,
+    Collective.REDUCE_SCATTER,
+    Collective.GATHER,
+    Collective.SCATTER,
+    Collective.ALLTOALL,
+]
+REDUCING = {Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER}
+COUNT = 37  # elements per block: odd, so no vector loop ends evenly
+
+
+def _inputs(dtype: np.dtype, n: int, rank: int, rng: np.random.Generator) -> np.ndarray:
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return rng.integers(max(info.min, -100), min(info.max, 100), n, endpoint=True).astype(dtype)
+    values = rng.standard_normal(n) * 10
+    if n:
+        values[rank % n] = -0.0  # signed zeros through min/max
+    return values.astype(dtype)
+
+
+def _buffers(op, p, dtype, in_place, root, rng):
+    """Each participant's buffers and their (input, output) views, as the daemon makes them."""
+    count = COUNT
+    pairs, keep, originals = [], [], []
+    for r in range(p):
+        blocks_in, blocks_out = blocks(op, p, r, root)  # as the daemon sizes them
+        n_in = count * (max(blocks_in, blocks_out) if in_place else blocks_in)
+        data = _inputs(dtype, n_in, r, rng)
+        originals.append(data.copy())
+        if in_place:
+            pair = layout(op, r, p, count, data, in_place=True, root=root)
+        else:
+            out = np.full(count * blocks_out, 7, dtype)
+            pair = (data, out)
+        keep.append(data)
+        pairs.append(pair)
+    return pairs, originals
+
+
+def _reference(op, p, root, reduce_op, inputs, dtype):
+    """What the participants' outputs must hold, from their inputs alone (numpy)."""
+    count = COUNT
+    if op in REDUCING:
+        red = Reduction(reduce_op, dtype, p)
+        acc = inputs[0].copy()
+        for r in range(1, p):
+            red.combine(acc, inputs[r], acc)
+        red.finalize(acc)
+        if op is Collective.REDUCE_SCATTER:
+            return {r: acc[r * count : (r + 1) * count] for r in range(p)}
+        return {r: acc for r in range(p)} if op is Collective.ALLREDUCE else {root: acc}
+    if op is Collective.BROADCAST:
+        return {r: inputs[root] for r in range(p)}
+    if op in (Collective.ALLGATHER, Collective.GATHER):
+        full = np.concatenate(inputs)
+        return {r: full for r in range(p)} if op is Collective.ALLGATHER else {root: full}
+    if op is Collective.SCATTER:
+        return {r: inputs[root][r * count : (r + 1) * count] for r in range(p)}
+    return {r: np.concatenate([inputs[q][r * count : (r + 1) * count] for q in range(p)]) for r in range(p)}
+
+
+class _Engine:
+    """An engine over an anonymous page, for arming and running programs directly."""
+
+    def __init__(self, slots: int) -> None:
+        assert ENGINE is not None, "the native engine is not built"
+        self.map = mmap.mmap(-1, 4096)
+        self.page = np.frombuffer(self.map, np.uint8)
+        address = self.page.__array_interface__["data"][0]
+        self.engine = ENGINE.Engine(self.page, address, 4096, slots, (1e-3, 1.0))
+
+    def close(self) -> None:
+        self.engine.close()
+        del self.page
+        self.map.close()
+
+
+def _dtypes():
+    return [DTYPES[name] for name in program.DTYPE_CODES]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # float16 products
+@pytest.mark.parametrize("op", OPS, ids=str)
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+@pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "out_of_place"])
+def test_numpy_and_engine_agree_with_the_reference(op, p: int, in_place: bool) -> None:
+    if in_place and op is Collective.ALLTOALL:
+        pytest.skip("alltoall runs out of place only")
+    rng = np.random.default_rng([p, OPS.index(op), in_place])
+    reduce_ops = list(ReduceOp) if op in REDUCING else [ReduceOp.SUM]
+    engine = _Engine(p)
+    try:
+        for dtype in _dtypes():
+            for reduce_op in reduce_ops:
+                root = p - 1
+                results = []
+                for executor in ("numpy", "engine"):
+                    state = np.random.default_rng([p, OPS.index(op), in_place, dtype.num]).bit_generator.state
+                    rng.bit_generator.state = state
+                    pairs, originals = _buffers(op, p, dtype, in_place, root, rng)
+                    inputs = [inp.copy() for inp, _ in pairs]
+                    reduction = Reduction(reduce_op, dtype, p) if op in REDUCING else None
+                    compiled = program.direct(op, root, pairs, reduction, COUNT)
+                    views = program.flatten(pairs)
+                    encoded = program.encode(compiled, views)
+                    float_min_max = (
+                        (reduce_op in (ReduceOp.MIN, ReduceOp.MAX)
+                        and dtype.kind == "f")
+                        or (reduce_op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.name == "bfloat16")
+                    )
+                    assert (encoded is None) == (op in REDUCING and float_min_max), "served or left to numpy"
+                    if executor == "numpy" or encoded is None:
+                        compiled.run(views)
+                    else:
+                        data, bases, sizes = encoded
+                        generation = engine.engine.arm(0, data, bases, sizes, 5.0)
+                        assert engine.engine.run(0, generation)
+                        assert not engine.engine.run(0, generation + 1)  # a stale generation never runs
+                    results.append([out.copy() for _, out in pairs])
+                    want = _reference(op, p, root, reduce_op, inputs, dtype)
+                    for r, expected in want.items():
+                        got = pairs[r][1]
+                        np.testing.assert_array_equal(
+                            got, expected, err_msg=f"{executor} {op} {dtype} {reduce_op} rank {r}"
+                        )
+                    if not in_place:  # out of place the inputs are only read
+                        for r, (inp, _) in enumerate(pairs):
+                            assert inp.tobytes() == originals[r].tobytes()
+                numpy_out, engine_out = results
+                for a, b in zip(numpy_out, engine_out, strict=True):
+                    assert a.tobytes() == b.tobytes(), f"{op} {dtype} {reduce_op}: engine and numpy differ"
+    finally:
+        engine.close()
+
+
+def test_nan_and_signed_zero_bits_agree() -> None:
+    """NaN, infinities, signed zeros and overflow: the engine's sums, products and averages
+    give numpy's bits (float16 and bfloat16 rounded to nearest even as numpy and
+    ml_dtypes do); float min and max are left to numpy."""
+    engine = _Engine(2)
+    try:
+        for dtype in _dtypes():
+            if np.issubdtype(dtype, np.integer):
+                continue
+            a = np.array([np.nan, 1.0, -0.0, 0.0, np.inf, -np.inf, 65504.0, 1e-4, 3.0, np.nan], dtype)
+            b = np.array([2.0, np.nan, 0.0, -0.0, -np.inf, np.inf, 65504.0, 3e-8, 1e-3, np.nan], dtype)
+            for reduce_op in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.AVG):
+                outs = []
+                for executor in ("numpy", "engine"):
+                    pairs = [(a.copy(), np.zeros_like(a)), (b.copy(), np.zeros_like(b))]
+                    compiled = program.direct(
+                        Collective.ALLREDUCE, 0, pairs, Reduction(reduce_op, dtype, 2), a.size
+                    )
+                    views = program.flatten(pairs)
+                    if executor == "numpy":
+                        compiled.run(views)
+                    else:
+                        data, bases, sizes = program.encode(compiled, views)  # type: ignore[misc]
+                        assert engine.engine.run(0, engine.engine.arm(0, data, bases, sizes, 5.0))
+                    outs.append(pairs[0][1].tobytes())
+                assert outs[0] == outs[1], f"{dtype} {reduce_op}"
+    finally:
+        engine.close()
+
+
+def test_engine_refuses_programs_that_reach_outside_their_buffers() -> None:
+    engine = _Engine(2)
+    try:
+        pairs = [(np.ones(8, np.float32), np.zeros(8, np.float32)) for _ in range(2)]
+        compiled = program.direct(
+            Collective.ALLREDUCE, 0, pairs, Reduction(ReduceOp.SUM, np.dtype(np.float32), 2), 8
+        )
+        views = program.flatten(pairs)
+        data, bases, sizes = program.encode(compiled, views)  # type: ignore[misc]
+        engine.engine.arm(0, data, bases, sizes, 5.0)  # the real buffers: accepted
+        cases = {
+            "a buffer smaller than the program says": (data, bases, [sizes[0] - 4, *sizes[1:]]),
+            "one address too few": (data, bases[:-1], sizes[:-1]),
+            "truncated": (data[:-1], bases, sizes),
+            "an unaligned input to reduce": (data, [*bases[:2], bases[2] + 1, bases[3]], sizes),
+        }
+        # An op whose length reaches past its buffer: the last op's n field.
+        header = struct.calcsize("<4I") + 8 * (1 + len(sizes))
+        last = header + (len(compiled.steps) - 1) * 64
+        bad = bytearray(data)
+        struct.pack_into("<Q", bad, last + 24 + 24, 8 * 4 + 4)
+        cases["past the end"] = (bytes(bad), bases, sizes)
+        for why, (d, b, s) in cases.items():
+            with pytest.raises(ValueError):
+                engine.engine.arm(1, d, b, s, 5.0)
+                pytest.fail(f"armed a program with {why}")
+        with pytest.raises(ValueError):
+            engine.engine.arm(99, data, bases, sizes, 5.0)  # no such plan
+        with pytest.raises(ValueError):
+            engine.engine.arm(1, data, bases, sizes, -1.0)  # a timeout that never ends nothing
+    finally:
+        engine.close()
+
+
+def test_client_and_engine_share_the_page_layout() -> None:
+    """The doorbell page is a wire contract (lpsync_client/doorbell.py and engine.h)."""
+    assert ENGINE is not None, "the native engine is not built"
+    d = client_doorbell
+    assert (d.HEADER_BYTES, d.BELL_OFFSET, d.SLOT_BYTES) == (
+        ENGINE.HEADER_BYTES,
+        ENGINE.BELL_OFFSET,
+        ENGINE.SLOT_BYTES,
+    )
+    assert (d.OK, d.FALLBACK, d.MAGIC, d.VERSION) == (
+        ENGINE.OK,
+        ENGINE.FALLBACK,
+        ENGINE.MAGIC,
+        ENGINE.VERSION,
+    )
+    assert (program.PROGRAM_MAGIC, program.VERSION) == (ENGINE.PROGRAM_MAGIC, ENGINE.VERSION)
+    assert struct.calcsize("<6I5Q") == ENGINE.OP_BYTES
