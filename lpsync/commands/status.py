@@ -140,6 +140,14 @@ def _print_failed_across(failed) -> None:
 def _print_job(job) -> None:
     where = f"node {job.node} of {job.nodes}, " if job.nodes > 1 else ""
     print(f"  {job.job}: world {job.world_size}, {where}attached ranks {ranges(job.attached)}")
+    if job.path:
+        native = (
+            f": {job.armed_plans} plan(s) armed, {job.native_answered} answered by the engine "
+            f"({job.native_fallbacks} sent back to Python)"
+            if job.path == "native"
+            else ""
+        )
+        print(f"    path: {job.path}{native}")
     for w in job.waiting:
         flag = "  STALLED" if w.stalled else ""
         nodes = f", nodes not heard from: {ranges(w.missing_nodes)}" if w.missing_nodes else ""

@@ -403,19 +403,20 @@ static int serve(lpn_engine *e, double *deadline) {
     }
     if (!agree) { /* mismatch, disarmed or late: the general path says what went wrong */
         e->abandoned = target;
+        record(e, target, plan, LPN_FALLBACK, first, last, now());
         for (i = 0; i < e->slots; i++)
             if ((uint32_t)(rings[i] >> 32) == target && target != e->served[i]) {
                 answer(e, i, target, LPN_FALLBACK);
                 e->fallbacks++;
             }
-        record(e, target, plan, LPN_FALLBACK, first, last, now());
         return 1;
     }
     lpn_program_run(&p->program, p->bufs);
     double done = now();
-    for (i = 0; i < e->slots; i++) answer(e, i, target, LPN_OK);
+    /* Counted before the answers: a client that asks for status next finds it there. */
     observe(e, p, done - last);
     record(e, target, plan, LPN_OK, first, last, done);
+    for (i = 0; i < e->slots; i++) answer(e, i, target, LPN_OK);
     return 1;
 }
 

@@ -132,10 +132,8 @@ def test_numpy_and_engine_agree_with_the_reference(op, p: int, in_place: bool) -
                     compiled = program.direct(op, root, pairs, reduction, COUNT)
                     views = program.flatten(pairs)
                     encoded = program.encode(compiled, views)
-                    float_min_max = (
-                        (reduce_op in (ReduceOp.MIN, ReduceOp.MAX)
-                        and dtype.kind == "f")
-                        or (reduce_op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.name == "bfloat16")
+                    float_min_max = (reduce_op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.kind == "f") or (
+                        reduce_op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.name == "bfloat16"
                     )
                     assert (encoded is None) == (op in REDUCING and float_min_max), "served or left to numpy"
                     if executor == "numpy" or encoded is None:

@@ -1,0 +1,179 @@
+"""The native steady-state path with real daemons and rank processes: every collective
+case through both paths (--native on and off), bitwise against each other and numpy;
+and every failure path the error table names, provoked while a rank rings the doorbell:
+a mismatch, a rank that never comes, a rank that dies, a released buffer, a daemon that
+is killed. Nothing may hang or leak (the daemon's stop checks shared memory)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import lpsync_client
+from lpsync._proto import lpsync_pb2 as pb
+from lpsync.native import engine as native_engine
+from tests.collective_cases import check_case_results, every_case
+from tests.daemon.harness import DaemonProcess, cli_status, run_ranks, shm_segments
+from tests.native import workers
+from tests.ports import free_ports
+
+WORLD = 3
+
+
+def _daemon(tmp: Path, native: str) -> DaemonProcess:
+    tmp.mkdir(parents=True, exist_ok=True)
+    return DaemonProcess(tmp, "--native", native)
+
+
+def test_every_case_bitwise_on_both_paths(tmp_path: Path) -> None:
+    """Every op x dtype x reduce op, in and out of place, repeated on the same buffers: the
+    engine answers the repeats of what it serves; the results are the Python path's bits,
+    and numpy's."""
+    assert native_engine() is not None, "the native engine is not built (the install builds it)"
+    cases = every_case(WORLD, 29, root=1, seed=44)
+    outputs = {}
+    for native in ("on", "off"):
+        daemon = _daemon(tmp_path / native, native)
+        try:
+            ranks = run_ranks(WORLD, workers.run_cases, daemon.socket, WORLD, cases, timeout=240)
+        finally:
+            daemon.stop_and_check()
+        results = [r[0] for r in ranks]
+        check_case_results(cases, results, WORLD, inputs_kept=True)
+        outputs[native] = results
+        info = ranks[0][1]
+        if native == "on":
+            assert info["path"] == "native"
+            # Every case but float min/max (left to numpy) is served: its 3rd and 4th calls.
+            served = sum(1 for c in cases if not (c[2] in ("min", "max") and c[1] in _FLOATS))
+            assert info["answered"] - info["fallbacks"] >= 2 * served, info
+        else:
+            assert info["path"] == "python (--native off)" and info["answered"] == 0
+    assert outputs["on"] == outputs["off"]
+
+
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+@pytest.fixture
+def native_daemon(tmp_path: Path):
+    daemon = _daemon(tmp_path, "on")
+    try:
+        yield daemon
+    finally:
+        daemon.stop_and_check()
+
+
+def test_mismatch_while_ringing_names_fields(native_daemon) -> None:
+    r0, r1 = run_ranks(2, workers.repeat_then, native_daemon.socket, 2, "mm", "mismatch")
+    assert r0["armed"] and r1["armed"]
+    for r in (r0, r1):
+        name, code, message = r["error"]
+        assert (name, code) == ("MismatchError", "INVALID_ARGUMENT"), r
+        assert "count" in message and "rank 0=16" in message and "rank 1=8" in message
+        assert r["seconds"] < 5
+
+
+def test_rank_that_never_comes_times_out_naming_it(native_daemon) -> None:
+    r0, _ = run_ranks(2, workers.repeat_then, native_daemon.socket, 2, "late", "absent", 2.0, timeout=60)
+    name, code, message = r0["error"]
+    assert (name, code) == ("CollectiveTimeoutError", "DEADLINE_EXCEEDED"), r0
+    assert "rank(s) 1 did not arrive" in message
+    assert 1.5 < r0["seconds"] < 6.0  # its timeout (2 s), not twice it
+
+
+def test_rank_that_dies_aborts_the_ringing_one(native_daemon) -> None:
+    r0, _ = run_ranks(2, workers.repeat_then, native_daemon.socket, 2, "dies", "die", dies=(1,))
+    name, code, message = r0["error"]
+    assert (name, code) == ("AbortedError", "ABORTED"), r0
+    assert "lost rank(s) 1" in message
+    assert r0["seconds"] < 0.5 + 2.0 + 1.0  # rank 1 dies 0.5 s in; ABORTED within 2 s of it
+
+
+def test_released_buffer_disarms_and_the_new_one_sums(native_daemon) -> None:
+    r0, r1 = run_ranks(2, workers.repeat_then, native_daemon.socket, 2, "rel", "release")
+    assert r0["sum"] == [10.0] * 16 and r1["sum"] == [10.0] * 16
+    assert "error" not in r0 and "error" not in r1
+
+
+def test_killed_daemon_fails_the_ringing_rank(tmp_path: Path) -> None:
+    daemon = _daemon(tmp_path, "on")
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    results = ctx.Queue()
+
+    def run(rank: int) -> mp.Process:
+        proc = ctx.Process(target=_report, args=(results, rank, daemon.socket, ready))
+        proc.start()
+        return proc
+
+    procs = [run(0), run(1)]
+    try:
+        assert {ready.get(timeout=60), ready.get(timeout=60)} == {0, 1}
+        time.sleep(0.5)  # rank 0 rings now
+        daemon.proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        report = results.get(timeout=30)
+        took = time.monotonic() - killed
+        assert report["armed"] and report["error"] is not None, report
+        assert report["error"][0] in ("UnavailableError", "AbortedError"), report
+        assert took < 5.0
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join(10)
+        daemon.proc.wait(10)
+        for name in shm_segments(daemon.pid):  # a killed daemon leaves them: the test cleans up
+            Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def _report(results, rank: int, socket: str, ready) -> None:
+    report = workers.ring_until_killed(rank, socket, ready)
+    if rank == 0:
+        results.put(report)
+
+
+def test_status_says_which_path(tmp_path: Path) -> None:
+    """`lpsync status` names each job's path; the flight recorder and the metrics count the
+    engine's collectives as the Python path's (read at a scrape, not per call)."""
+    for native, says in (("on", "native"), ("off", "python (--native off)")):
+        (port,) = free_ports(1)
+        (tmp_path / native).mkdir()
+        daemon = DaemonProcess(tmp_path / native, "--native", native, "--metrics-port", str(port))
+        try:
+            with lpsync_client.connect(daemon.socket, job="alone", rank=0, world_size=1) as c:
+                x = c.zeros(4)
+                for _ in range(5):
+                    c.allreduce(x)
+                # The Python path records a collective just after its reply (off its critical
+                # path): the off daemon gets a moment; the engine records before it answers.
+                deadline = time.monotonic() + (0 if native == "on" else 5)
+                while True:
+                    status = c._call(c._stub.Status, pb.StatusRequest(history=10))
+                    job = next(j for j in status.jobs if j.job == "alone")
+                    if len(job.history) == 5 or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.05)
+                assert job.path == says
+                sequences = [r.sequence for r in job.history]
+                assert sequences == [1, 2, 3, 4, 5], sequences  # the engine's calls recorded too
+                if native == "on":
+                    assert job.armed_plans == 1 and job.native_answered == 3
+                    assert [r.stages[-1].stage for r in job.history][2:] == ["native"] * 3
+                text = cli_status(daemon.socket)
+                assert f"path: {says}" in text
+                metrics = (
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+                )
+                line = next(
+                    ln for ln in metrics.splitlines() if ln.startswith("lpsync_collective_seconds_count{")
+                )
+                assert 'op="allreduce"' in line and line.endswith(" 5.0"), line
+                assert 'lpsync_collective_bytes_total{op="allreduce"} 80.0' in metrics
+        finally:
+            daemon.stop_and_check()
