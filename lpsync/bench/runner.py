@@ -56,10 +56,13 @@ class Options:
     devices: str = ""  # the daemon's --devices ("" : to match --memory)
     local_nodes: int = 1  # >1: that many daemons on this machine joined over loopback
     peer_device_path: str = ""  # the local daemons' --peer-device-path ("": their default)
+    native: str = ""  # the started daemon's --native ("": its default, auto)
 
     def daemon_flags(self) -> tuple[str, ...]:
         """The flags of the --local-nodes daemons."""
         flags: tuple[str, ...] = ("--devices", self.device_flag())
+        if self.native:
+            flags += ("--native", self.native)
         if self.peer_device_path:
             flags += ("--peer-device-path", self.peer_device_path)
         if self.peer_device_path == "device" and self.memory == "cuda":
@@ -109,7 +112,10 @@ def _run(options: Options, tmp: str) -> dict[str, list[Row]]:
     elif socket is None or not serving(socket):
         socket = socket or os.path.join(tmp, "lpsync.sock")
         try:
-            daemon = launch.Daemon(socket, "--log-level", "WARNING", "--devices", options.device_flag())
+            native = ("--native", options.native) if options.native else ()
+            daemon = launch.Daemon(
+                socket, "--log-level", "WARNING", "--devices", options.device_flag(), *native
+            )
         except launch.DaemonStartError as error:
             raise SystemExit(f"lpsync bench: the daemon did not start: {error}") from None
     ctx = mp.get_context("spawn")

@@ -4,6 +4,7 @@ cluster (--cluster), optionally beside gloo."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from lpsync.bench import OPS
@@ -117,6 +118,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     local = parser.add_argument_group("local daemon")
     local.add_argument("--procs", type=int, help="client processes (ranks; default 2)")
     local.add_argument("--socket", help="use the daemon on this socket if one is serving")
+    local.add_argument(
+        "--native",
+        help="the started daemon's --native: auto, on or off; a comma list (on,off) runs the "
+        "sweep once per value, a daemon each, and prints each size's median time side by "
+        "side with the ratio to the last value (the baseline)",
+    )
     local.add_argument(
         "--memory",
         choices=["host", "emulated", "cuda"],
@@ -296,6 +303,15 @@ def run_local(args: argparse.Namespace) -> int:
         )
     if options.memory != "host" and options.algorithm == "direct":
         raise InvalidArgumentError("--algorithm direct serves host memory only")
+    natives = [v.strip() for v in (args.native or "").split(",") if v.strip()]
+    if any(v not in ("auto", "on", "off") for v in natives):
+        raise InvalidArgumentError(f"--native {args.native!r}: expected auto, on or off (a comma list)")
+    if natives and args.socket:
+        raise InvalidArgumentError("--native sets the started daemon's flag: drop --socket")
+    if len(natives) > 1:
+        return _native_side_by_side(options, natives, args.json)
+    if natives:
+        options = dataclasses.replace(options, native=natives[0])
     rows = runner.run(options)
     if options.memory != "host" and not args.json:
         print(
@@ -307,6 +323,26 @@ def run_local(args: argparse.Namespace) -> int:
         from lpsync.bench import ipc_copy
 
         print(ipc_copy.report(ipc_copy.measure(max(options.sizes))))
+    return 0
+
+
+def _native_side_by_side(options, natives: list[str], as_json: bool) -> int:
+    """The sweep once per --native value (a daemon each, in turn), each table printed, then
+    every size's median with the ratio to the last value's."""
+    from lpsync.bench import runner
+
+    medians: dict[str, dict[int, float]] = {}
+    for native in natives:
+        rows = runner.run(dataclasses.replace(options, native=native))
+        print(f"# --native {native}")
+        print(runner.report(dataclasses.replace(options, native=native), rows, as_json))
+        medians[native] = {row.nbytes: row.median() for row in rows["lpsync"]}
+    base = natives[-1]
+    print(f"# median time per call (us), --native {' vs '.join(natives)}; ratio: each / {base}")
+    for nbytes in sorted(medians[base]):
+        cells = "  ".join(f"{v}: {medians[v][nbytes] * 1e6:9.1f}" for v in natives)
+        ratios = "  ".join(f"{medians[v][nbytes] / medians[base][nbytes]:.2f}x" for v in natives[:-1])
+        print(f"{nbytes:>12}  {cells}  {ratios}")
     return 0
 
 
