@@ -233,13 +233,17 @@ class CudaKind:
         self._warming.start()
 
     def warm(self) -> None:
+        """Compile the float32/float16 reductions on every served device: an
+        ElementwiseKernel compiles (NVRTC) at its first launch for a dtype, so each is
+        launched once on a one-element array (the device's legacy stream, idle at start)."""
         for device in sorted(self.allowed):
             try:
                 _use(device)
                 for dtype in (np.dtype(np.float32), np.dtype(np.float16)):
+                    x = cupy.zeros(1, dtype)
                     for op in ReduceOp:
-                        self._kernel(op, dtype, "combine", device)
-                    self._kernel(ReduceOp.AVG, dtype, "divide", device)
+                        self._kernel(op, dtype, "combine", device)(x, x, x)
+                    self._kernel(ReduceOp.AVG, dtype, "divide", device)(np.int64(2), x)
             except Exception as error:  # compiled on first use instead
                 import logging
 

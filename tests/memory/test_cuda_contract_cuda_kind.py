@@ -74,6 +74,19 @@ def cuda() -> Iterator[tuple[types.ModuleType, Runtime]]:
     runtime = Runtime()
     cupy, cupy_cuda = types.ModuleType("cupy"), types.ModuleType("cupy.cuda")
     cupy.cuda, cupy_cuda.runtime = cupy_cuda, runtime
+    cupy.compiled = []  # (kernel, device) compiled: cupy compiles at a kernel's first launch
+    cupy.zeros = lambda n, dtype: ("array", n, dtype)
+
+    class ElementwiseKernel:
+        def __init__(self, *spec: object) -> None:
+            self.spec, self.launched = spec, False
+
+        def __call__(self, *args: object) -> None:
+            if not self.launched:
+                self.launched = True
+                cupy.compiled.append((self.spec, runtime.getDevice()))
+
+    cupy.ElementwiseKernel = ElementwiseKernel
     names = ("cupy", "cupy.cuda", "cupy.cuda.runtime", "lpsync.memory.cuda")
     saved = {name: sys.modules.pop(name, None) for name in names}
     sys.modules.update({"cupy": cupy, "cupy.cuda": cupy_cuda, "cupy.cuda.runtime": runtime})
@@ -189,3 +202,24 @@ def test_cuda_contract_mig_instances_are_named_by_the_v2_uuid(monkeypatch):
     assert _cuda.device_uuid(0) == b"M" * 16
     monkeypatch.setattr(_cuda, "_driver", lambda: Driver(v2=False))
     assert _cuda.device_uuid(0) == b"G" * 16  # a driver before CUDA 11.4: v1 is all there is
+
+
+def test_cuda_contract_the_common_kernels_are_compiled_at_start_on_each_device(cuda):
+    module, runtime = cuda
+    import numpy as np
+
+    from lpsync.types import ReduceOp
+
+    kind = _kind(module)
+    kind._kernels, kind._lock = {}, threading.Lock()
+    compiled = sys.modules["cupy"].compiled
+    kind.warm()  # what the constructor starts on its own thread
+    per_device = len(ReduceOp) + 1  # every op's combine, the avg division
+    assert len(compiled) == 2 * 2 * per_device  # float32 and float16, on GPUs 0 and 1
+    assert {device for _, device in compiled} == {0, 1}  # each compiled with its device current
+    before = len(compiled)
+    for op in ReduceOp:  # a collective's launches: no compile inside its deadline
+        kind._kernel(op, np.dtype(np.float32), "combine", 1)("a", "b", "c")
+    assert len(compiled) == before
+    kind._kernel(ReduceOp.SUM, np.dtype(np.float64), "combine", 1)("a", "b", "c")
+    assert len(compiled) == before + 1  # a rarer dtype still compiles at its first use
