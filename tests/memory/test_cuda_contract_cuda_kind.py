@@ -14,10 +14,12 @@ import time
 import types
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from lpsync.errors import CollectiveTimeoutError, UnavailableError
 from lpsync.memory.kind import Releaser
+from lpsync.types import ReduceOp
 
 READY, NOT_READY, ILLEGAL_ADDRESS = 0, 600, 700  # cudaSuccess, cudaErrorNotReady, cudaErrorIllegalAddress
 
@@ -205,10 +207,7 @@ def test_cuda_contract_mig_instances_are_named_by_the_v2_uuid(monkeypatch):
 
 
 def test_cuda_contract_the_common_kernels_are_compiled_at_start_on_each_device(cuda):
-    module, runtime = cuda
-    import numpy as np
-
-    from lpsync.types import ReduceOp
+    module, _ = cuda
 
     kind = _kind(module)
     kind._kernels, kind._lock = {}, threading.Lock()
