@@ -5,11 +5,14 @@ Pure: participants sit on devices, devices are joined by links of a cost class
 P participants crosses P-1 links; its cost is the tuple of how many links of each class
 it crosses, slowest first, compared lexicographically: one PCIe crossing fewer beats any
 number of NVLink crossings. Participants that share a device sit next to each other.
-Devices are ordered exactly (every permutation) up to 8 of them, greedily beyond.
+Devices are ordered exactly (every permutation) up to 8 of them, greedily beyond. The
+exact search (8! orders on an 8-GPU node) runs once per (devices, links, first, last):
+``device_order`` is memoized, bounded, since a daemon asks it on every collective.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -28,7 +31,20 @@ def device_order(
     devices: Sequence[int], links: Sequence[Sequence[int]], first: int | None = None, last: int | None = None
 ) -> list[int]:
     """The distinct ``devices`` in chain order, starting at ``first`` / ending at ``last`` if given."""
-    distinct = list(dict.fromkeys(devices))
+    key = tuple(dict.fromkeys(devices))
+    return list(_device_order(key, tuple(tuple(int(x) for x in row) for row in links), first, last))
+
+
+@functools.lru_cache(maxsize=1024)  # a node has few device sets; entries are small
+def _device_order(
+    distinct: tuple[int, ...], links: tuple[tuple[int, ...], ...], first: int | None, last: int | None
+) -> tuple[int, ...]:
+    return tuple(_search(list(distinct), links, first, last))
+
+
+def _search(
+    distinct: list[int], links: Sequence[Sequence[int]], first: int | None, last: int | None
+) -> list[int]:
     if len(distinct) <= _EXACT:
         best, best_cost = None, None
         for perm in itertools.permutations(distinct):

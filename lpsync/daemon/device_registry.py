@@ -216,15 +216,28 @@ class DeviceRegistry:
 
     def close(self) -> None:
         """Daemon shutdown: the streams drain first (destroying one waits for its work),
-        then the mappings close; unmapping under queued work faults on CUDA."""
+        then the idle mappings close; unmapping under queued work faults on CUDA. A
+        mapping a collective still holds (one that outlived ``drain_seconds``: its peers
+        may still write into it through the peer plane, which stops after this) is left
+        mapped: it closes when that collective is ``done``, or the driver unmaps it when
+        the process exits."""
         self.context.close()
         with self._lock:
             self._closed = True  # later closes run where they are asked for
         self._closer.shutdown(wait=True)
         with self._lock:
-            entries = list(self._by_memory.values())
+            entries = [e for e in self._by_memory.values() if e.active == 0]
+            held = [e for e in self._by_memory.values() if e.active > 0]
             self._open.clear()
-            self._by_memory.clear()
+            self._by_memory = {id(e.memory): e for e in held}
+            for entry in held:
+                entry.refs = 0  # closed by ``done``, not by a release
         for entry in entries:
             self.kind.close(entry.memory)
+        if held:
+            log.warning(
+                "%d device mapping(s) still held by a running collective at shutdown: left mapped "
+                "until it ends (the peer plane may still write into them)",
+                len(held),
+            )
         self.kind.close_kind()

@@ -43,14 +43,18 @@ STAGING_SLOTS = 2  # device staging buffers per reducing participant: double-buf
 
 
 class StagingPool:
-    """Device and host staging memory, reused across plans (allocations are slow on CUDA)."""
+    """Device and host staging memory, reused across plans (allocations are slow on CUDA).
+    What it keeps unused is bounded by count and by bytes (``keep_bytes``: 32 buffers of
+    256 MiB would hold 8 GiB of a GPU); beyond, a buffer given back is freed (on the
+    kind's Releaser, off the caller's thread)."""
 
-    def __init__(self, kind: MemoryKind, keep: int = 32) -> None:
-        self.kind, self.keep = kind, keep
+    def __init__(self, kind: MemoryKind, keep: int = 32, keep_bytes: int = 512 << 20) -> None:
+        self.kind, self.keep, self.keep_bytes = kind, keep, keep_bytes
         self._lock = threading.Lock()
         self._free: dict[tuple[int, int], list[Any]] = defaultdict(list)
         self.allocated = 0  # allocations made (tests: reuse keeps this flat)
         self.outstanding = 0
+        self.kept_bytes = 0  # unused, held for reuse
 
     def take(self, device: int, nbytes: int, near: int = -1) -> Any:
         """Device memory on ``device``, or (``device`` < 0) pinned host memory allocated in
@@ -60,6 +64,7 @@ class StagingPool:
             self.outstanding += 1
             free = self._free.get((device, size))
             if free:
+                self.kept_bytes -= size
                 return free.pop()
             self.allocated += 1
         try:
@@ -73,8 +78,10 @@ class StagingPool:
         key = (memory.device, memory.nbytes)
         with self._lock:
             self.outstanding -= 1
-            if sum(len(v) for v in self._free.values()) < self.keep:
+            kept = sum(len(v) for v in self._free.values())
+            if kept < self.keep and self.kept_bytes + memory.nbytes <= self.keep_bytes:
                 self._free[key].append(memory)
+                self.kept_bytes += memory.nbytes
                 return
         self.kind.free(memory)
 
@@ -82,6 +89,7 @@ class StagingPool:
         with self._lock:
             memories = [m for v in self._free.values() for m in v]
             self._free.clear()
+            self.kept_bytes = 0
         for memory in memories:
             self.kind.free(memory)
 

@@ -17,20 +17,32 @@ as the daemon sees it; clients must see the same numbering (same CUDA_VISIBLE_DE
                            a second open of the same handle in one context
   stream                   cupy.cuda.Stream(non_blocking=True) on the device: never
                            synchronises with the legacy default stream
-  event / record / wait    cupy.cuda.Event(block=True, disable_timing=True), Event.record(s),
-                           Stream.wait_event(e) (cudaStreamWaitEvent: the latest record)
+  event / record / wait    runtime.eventCreateWithFlags(blocking sync | disable timing) in
+                           a CudaEvent, runtime.eventRecord, runtime.streamWaitEvent (the
+                           latest record); destroyed (runtime.eventDestroy) on the kind's
+                           Releaser with its device current, whether by destroy_event or
+                           when dropped: never by the garbage collector on whatever thread
+                           (the event loop) let go of a plan
+  free                     on the Releaser too: cudaFree/cudaFreeHost synchronize the device
   open_event / close_event runtime.ipcOpenEventHandle(handle) on the event's device (a
                            client's Event(interprocess=True, disable_timing=True)) /
                            runtime.eventDestroy; ``wait`` on it is
                            runtime.streamWaitEvent(stream, event, 0)
   synchronize              runtime.eventQuery first (complete: return at once); else
-                           Event.synchronize() (blocking sync, no spinning) in a helper
-                           thread, so that the deadline holds
+                           runtime.eventSynchronize (blocking sync, no spinning) in a helper
+                           thread, so that the deadline holds; helpers are not a small shared
+                           pool (more waits than helpers queued and timed out spuriously)
+  wait_ready / queries     every status other than cudaSuccess and cudaErrorNotReady fails
+                           the wait, whether cupy returns it or raises it; a closed event is
+                           never queried again (a use after free of the handle)
   copy_async               runtime.memcpyPeerAsync across devices, memcpyAsync on one device
                            or with pinned host memory
   reduce_async             an ElementwiseKernel per (op, dtype); bfloat16 a RawKernel over
                            its 16 bits (round-to-nearest-even, as ml_dtypes does), since
-                           cupy has no bfloat16 dtype
+                           cupy has no bfloat16 dtype; the common ones compiled at start
+                           on a background thread (``warm``), not inside a deadline
+  bind_thread              runtime.setDevice: makes the device's primary context current in
+                           a thread the kind does not own (the UCX progress thread)
   enable_peer_access       runtime.deviceEnablePeerAccess (cudaErrorPeerAccessAlreadyEnabled
                            ignored)
   topology                 nvidia-ml-py when installed: nvmlDeviceGetP2PStatus(NVLINK) ->
@@ -49,6 +61,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -62,7 +75,7 @@ from lpsync.errors import (
     NotFoundError,
     UnavailableError,
 )
-from lpsync.memory.kind import Link, Span, Topology
+from lpsync.memory.kind import Link, Releaser, Span, Topology
 from lpsync.reduction import Reduction
 from lpsync.types import ReduceOp
 
@@ -83,6 +96,8 @@ _PEER_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 _NOT_READY = 600  # cudaErrorNotReady
 _TOO_MANY_PEERS = 711  # cudaErrorTooManyPeers
 _HOST_ALLOC_PORTABLE = 1  # cudaHostAllocPortable
+_EVENT_FLAGS = 0x1 | 0x2  # cudaEventBlockingSync | cudaEventDisableTiming
+_SYNC_HELPERS = 256  # threads blocked in cudaEventSynchronize at most (one per wait)
 
 
 def _use(device: int) -> None:
@@ -108,6 +123,39 @@ class CudaIpcEvent:
 
     device: int
     pointer: int  # cudaEvent_t in this process
+    closed: bool = False  # destroyed: the handle must never be queried again
+
+
+class CudaEvent:
+    """An own event (cudaEvent_t ``ptr`` of ``device``). Dropped without ``destroy_event``,
+    it hands its handle to the kind's Releaser, never destroying it on the dropping thread."""
+
+    __slots__ = ("_drop", "destroyed", "device", "ptr")
+
+    def __init__(self, device: int, ptr: int, drop: Callable[[int, int], None]) -> None:
+        self.device, self.ptr, self._drop, self.destroyed = device, ptr, drop, False
+
+    def __del__(self) -> None:
+        if not self.destroyed:
+            self.destroyed = True
+            self._drop(self.device, self.ptr)
+
+
+def query(pointer: int) -> bool:
+    """cudaEventQuery: True when complete, False when not yet; any other status raises
+    UnavailableError. cupy returns some statuses rather than raising them (the first
+    reading's wait polled a failed event until its deadline), so both are checked."""
+    try:
+        status = runtime.eventQuery(pointer)
+    except runtime.CUDARuntimeError as error:
+        status = getattr(error, "status", -1)
+        if status != _NOT_READY:
+            raise UnavailableError(f"a CUDA event reports an error: {error}") from None
+    if status == 0:
+        return True
+    if status == _NOT_READY:
+        return False
+    raise UnavailableError(f"a CUDA event reports error status {status}")
 
 
 def _nan_aware(pick: str) -> str:
@@ -174,10 +222,37 @@ class CudaKind:
         self._kernels: dict[tuple, Callable[..., object]] = {}
         self._lock = threading.Lock()
         self._waiters = concurrent.futures.ThreadPoolExecutor(
-            max_workers=4, thread_name_prefix="lpsync-cuda-sync"
+            max_workers=_SYNC_HELPERS, thread_name_prefix="lpsync-cuda-sync"
         )
+        self.releaser = Releaser("lpsync-cuda-release", _use)
         self.opens = [0] * count
         self.closes = [0] * count
+        # The common reductions compiled now, off every collective's deadline (NVRTC
+        # takes ~0.1-1 s per kernel); the first collective of a rarer one compiles it.
+        self._warming = threading.Thread(target=self.warm, name="lpsync-cuda-warm", daemon=True)
+        self._warming.start()
+
+    def warm(self) -> None:
+        """Compile the float32/float16 reductions on every served device: an
+        ElementwiseKernel compiles (NVRTC) at its first launch for a dtype, so each is
+        launched once on a one-element array (the device's legacy stream, idle at start)."""
+        for device in sorted(self.allowed):
+            try:
+                _use(device)
+                for dtype in (np.dtype(np.float32), np.dtype(np.float16)):
+                    x = cupy.zeros(1, dtype)
+                    for op in ReduceOp:
+                        self._kernel(op, dtype, "combine", device)(x, x, x)
+                    self._kernel(ReduceOp.AVG, dtype, "divide", device)(np.int64(2), x)
+            except Exception as error:  # compiled on first use instead
+                import logging
+
+                logging.getLogger("lpsync.memory").warning("compiling reduction kernels: %r", error)
+                return
+
+    def bind_thread(self, device: int) -> None:
+        self._check(device)
+        _use(device)
 
     def _check(self, device: int) -> None:
         if device not in self.allowed:
@@ -204,12 +279,11 @@ class CudaKind:
         return CudaMemory(-1, nbytes, address, "host", context=on)
 
     def free(self, memory: CudaMemory) -> None:
+        # On the Releaser (it makes the device current): both synchronize the device.
         if memory.how == "host":
-            _use(memory.context)
-            runtime.freeHost(memory.address)
+            self.releaser.put(memory.context, lambda: runtime.freeHost(memory.address))
         elif memory.how == "malloc":
-            _use(memory.device)
-            runtime.free(memory.address)
+            self.releaser.put(memory.device, lambda: runtime.free(memory.address))
 
     def export(self, memory: CudaMemory) -> bytes:
         _use(memory.device)
@@ -266,13 +340,26 @@ class CudaKind:
         _use(stream.lpsync_device)
         stream.synchronize()
 
-    def event(self, device: int) -> cupy.cuda.Event:
+    def event(self, device: int) -> CudaEvent:
         # An event belongs to the device current when it is made: make it on ``device``.
         self._check(device)
         _use(device)
-        event = cupy.cuda.Event(block=True, disable_timing=True)
-        event.lpsync_device = device
-        return event
+        return CudaEvent(device, runtime.eventCreateWithFlags(_EVENT_FLAGS), self._drop_event)
+
+    def timing_event(self, device: int) -> CudaEvent:
+        """An event with timing (benchmarks: runtime.eventElapsedTime), else as ``event``."""
+        self._check(device)
+        _use(device)
+        return CudaEvent(device, runtime.eventCreateWithFlags(0x1), self._drop_event)
+
+    def _drop_event(self, device: int, pointer: int) -> None:
+        self.releaser.put(device, lambda: runtime.eventDestroy(pointer))
+
+    def destroy_event(self, event: CudaEvent) -> None:
+        if event.destroyed:
+            raise InvalidArgumentError("an event destroyed twice")
+        event.destroyed = True
+        self._drop_event(event.device, event.ptr)
 
     def open_event(self, handle: bytes, device: int) -> CudaIpcEvent:
         self._check(device)
@@ -288,62 +375,60 @@ class CudaKind:
             ) from None
 
     def close_event(self, event: CudaIpcEvent) -> None:
+        if event.closed:
+            return
+        event.closed = True
         _use(event.device)
         runtime.eventDestroy(event.pointer)  # pending waits on it still complete
 
     def wait_ready(self, event: CudaIpcEvent, deadline: float) -> None:
-        # Polled from the host (cudaEventQuery, backing off to 1 ms), never a daemon stream's
-        # cudaStreamWaitEvent: those streams are shared by every job.
-        import time
-
-        pause = 20e-6
+        # Polled from the host (cudaEventQuery), never a daemon stream's
+        # cudaStreamWaitEvent: those streams are shared by every job. The pause backs off
+        # from 5 us to 200 us: a client's event mostly completes within microseconds.
+        pause = 5e-6
         _use(event.device)
         while True:
-            try:
-                status = runtime.eventQuery(event.pointer)
-            except runtime.CUDARuntimeError as error:
-                status = getattr(error, "status", -1)
-                if status != _NOT_READY:
-                    raise UnavailableError(f"the client's ready event failed: {error}") from None
-            if status == 0:
+            if event.closed:
+                raise UnavailableError("the client's event was closed (the client has gone)")
+            if query(event.pointer):  # raises on any status but ready / not ready
                 return
             if time.monotonic() >= deadline:
                 raise CollectiveTimeoutError("the client's stream did not reach its ready event in time")
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            pause = min(pause * 2, 200e-6)
 
-    def record(self, event: cupy.cuda.Event, stream: cupy.cuda.Stream) -> None:
-        if event.lpsync_device != stream.lpsync_device:  # CUDA would fail the record
+    def record(self, event: CudaEvent, stream: cupy.cuda.Stream) -> None:
+        if event.destroyed:
+            raise InvalidArgumentError("an event recorded after it was destroyed")
+        if event.device != stream.lpsync_device:  # CUDA would fail the record
             raise InvalidArgumentError(
-                f"an event of GPU {event.lpsync_device} recorded on a stream of GPU {stream.lpsync_device}"
+                f"an event of GPU {event.device} recorded on a stream of GPU {stream.lpsync_device}"
             )
         _use(stream.lpsync_device)
-        event.record(stream)
+        runtime.eventRecord(event.ptr, stream.ptr)
 
-    def wait(self, stream: cupy.cuda.Stream, event: cupy.cuda.Event | CudaIpcEvent) -> None:
+    def wait(self, stream: cupy.cuda.Stream, event: CudaEvent | CudaIpcEvent) -> None:
+        if event.closed if isinstance(event, CudaIpcEvent) else event.destroyed:
+            raise InvalidArgumentError("a wait on an event that was destroyed")
         _use(stream.lpsync_device)
-        if isinstance(event, CudaIpcEvent):
-            runtime.streamWaitEvent(stream.ptr, event.pointer, 0)
-        else:
-            stream.wait_event(event)
+        pointer = event.pointer if isinstance(event, CudaIpcEvent) else event.ptr
+        runtime.streamWaitEvent(stream.ptr, pointer, 0)
 
     @staticmethod
-    def _synchronize(event: cupy.cuda.Event) -> None:
-        _use(event.lpsync_device)  # a helper thread starts with device 0 current
-        event.synchronize()
+    def _synchronize(event: CudaEvent) -> None:
+        _use(event.device)  # a helper thread starts with device 0 current
+        runtime.eventSynchronize(event.ptr)
+        query(event.ptr)  # the status the synchronize may have returned quietly
 
-    def synchronize(self, event: cupy.cuda.Event, deadline: float) -> None:
-        import time
-
+    def synchronize(self, event: CudaEvent, deadline: float) -> None:
+        if event.destroyed:
+            raise InvalidArgumentError("a synchronize on an event that was destroyed")
         # Done already (cudaEventQuery: cudaSuccess): no hand-off to a helper thread and
         # back. A run waits for every stream's final event in turn, and once the first
         # returns the others mostly have finished.
-        _use(event.lpsync_device)
-        try:
-            if runtime.eventQuery(event.ptr) == 0:
-                return
-        except runtime.CUDARuntimeError:
-            pass  # not ready (where cupy raises for it) or failed: the synchronize tells
+        _use(event.device)
+        if query(event.ptr):  # an error status raises here
+            return
         future = self._waiters.submit(self._synchronize, event)
         try:
             future.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -446,6 +531,7 @@ class CudaKind:
 
     def close_kind(self) -> None:
         self._waiters.shutdown(wait=False)
+        self.releaser.stop()
 
 
 def _topology(count: int) -> Topology:

@@ -29,6 +29,17 @@ What stands in for what:
     a shared lock on the allocation's memfd that the client's ``free`` tests
     (lpsync_client.emulated), and a mapping whose allocation was freed fails the next
     operation that touches it (``check_mapped``) instead of reading freed memory.
+  * as strict as CUDA where CUDA is unforgiving (docs/gpu.md, second reading):
+    querying, recording or waiting on a destroyed event is an error (a use after free of
+    the handle on CUDA); a device whose context took a sticky error (``fail_device``,
+    CUDA's cudaErrorLaunchFailure and kin) fails every wait and synchronize, never reads
+    as "not ready"; a thread the kind does not own has no current device until
+    ``bind_thread`` (cudaSetDevice), and posting a device span to the wire from such a
+    thread is an error (UCX's cuda transports segfault there, nixl#2102); freeing or
+    unmapping memory while a transfer is posted on it is recorded in ``faults`` and the
+    memory is kept until the transfer let go (CUDA: UCX would write into freed memory);
+  * frees and event destruction run on the kind's Releaser (kind.py), never on the
+    caller's thread (the event loop's), with the device current.
 ``opens``/``closes`` count IPC opens and closes per device for tests and status.
 """
 
@@ -54,7 +65,7 @@ from lpsync.errors import (
     NotFoundError,
     UnavailableError,
 )
-from lpsync.memory.kind import Span, Topology
+from lpsync.memory.kind import Releaser, Span, Topology
 from lpsync.reduction import Reduction
 from lpsync_client import futex
 from lpsync_client.wire import EMULATED_EVENT_HANDLE as EVENT_HANDLE
@@ -67,6 +78,12 @@ from lpsync_client.wire import emulated_uuid
 _MEMFD_PREFIX = "/memfd:lpsync-"  # memfd_create names: lpsync-emu<d>, lpsync-client-emu<d>
 _EVENT_PREFIX = "/memfd:lpsync-event"
 _EVENT_BYTES = 8
+_current = threading.local()  # per thread: the device made current (cudaSetDevice's stand-in)
+
+
+def current_device() -> int | None:
+    """The device current in the calling thread, None where none was made current."""
+    return getattr(_current, "device", None)
 
 
 @dataclass(eq=False)
@@ -84,6 +101,8 @@ class EmulatedMemory:
     # a shared flock for as long as it is mapped (the client's free() tests for it).
     origin: tuple[int, int] | None = None
     lock_fd: int = -1
+    posted: int = 0  # transfers posted on it (wire views handed to UCX) not yet ended
+    freed: bool = False  # freed or closed: a transfer posted on it now is a fault
 
     def release(self) -> None:
         mapping, self._mmap = self._mmap, None
@@ -123,9 +142,36 @@ def _view(span: Span) -> np.ndarray:
     return span.memory.array[span.offset : span.offset + span.nbytes]
 
 
+class WireView(np.ndarray):
+    """Device bytes as ``wire`` hands them to a transport: UCX posts them from its progress
+    thread, which must have made a device current first (``lpsync_bind``), and counts the
+    transfer on the memory while it is posted (``lpsync_post``): what UCX's cuda
+    transports need, and what a free must not overtake."""
+
+    lpsync_kind: EmulatedKind | None = None
+    lpsync_memory: EmulatedMemory | None = None
+
+    def __array_finalize__(self, obj: object) -> None:
+        self.lpsync_kind = getattr(obj, "lpsync_kind", None)
+        self.lpsync_memory = getattr(obj, "lpsync_memory", None)
+
+    def lpsync_bind(self) -> None:
+        if self.lpsync_kind is not None and self.lpsync_memory is not None:
+            self.lpsync_kind.bind_thread(self.lpsync_memory.device)
+
+    def lpsync_post(self) -> Callable[[], None]:
+        """Count a transfer posted on these bytes; returns its end (call once)."""
+        kind, memory = self.lpsync_kind, self.lpsync_memory
+        if kind is None or memory is None:
+            return lambda: None
+        return kind.post(memory)
+
+
 class EmulatedEvent:
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: int, on_drop: Callable[[int], None] | None = None) -> None:
         self.device = device  # as a CUDA event, it belongs to one device
+        self.destroyed = False  # destroy_event: any later use is an error
+        self._on_drop = on_drop  # dropped undestroyed: destroyed on the kind's Releaser
         self._cond = threading.Condition()
         self.recorded = 0  # records enqueued
         self.completed = 0  # records whose stream reached them
@@ -136,6 +182,10 @@ class EmulatedEvent:
             self.completed = max(self.completed, generation)
             self.error = error  # the state of the latest record
             self._cond.notify_all()
+
+    def __del__(self) -> None:
+        if self._on_drop is not None and not self.destroyed:
+            self._on_drop(self.device)
 
     def wait_for(self, generation: int, deadline: float | None) -> None:
         with self._cond:
@@ -150,8 +200,9 @@ class EmulatedIpcEvent:
     """An event another process exports (cudaIpcOpenEventHandle's stand-in): its shared
     record of (records enqueued, records completed); waits sleep on the completed word."""
 
-    def __init__(self, words: np.ndarray, mapping: mmap.mmap) -> None:
+    def __init__(self, words: np.ndarray, mapping: mmap.mmap, device: int = 0) -> None:
         self._words, self._mapping = words, mapping  # the mapping lives as long as this
+        self.device = device
         self.address = words.__array_interface__["data"][0]
         self.closed = False
 
@@ -194,6 +245,7 @@ class EmulatedStream:
         self._queue.put((op, wants_error))
 
     def _work(self) -> None:
+        _current.device = self.device  # a stream's work runs in its device's context
         while True:
             item = self._queue.get()  # blocks: no polling
             if item is _STOP:
@@ -247,12 +299,91 @@ class EmulatedKind:
         self.max_peers = max_peers
         self.contexts = [0] * devices  # contexts made per device (one at most, as CUDA's primary)
         self._legacy: dict[int, EmulatedStream] = {}  # per device: where pageable writes land
+        self.releaser = Releaser("lpsync-emu-release", self.bind_thread)
+        self.faults: list[str] = []  # what CUDA would have done wrong, silently (tests read it)
+        self._sticky: dict[int, BaseException] = {}  # per device: a sticky error (fail_device)
+        self.destroyed_events = 0  # on the Releaser, with the device current
 
     def _context(self, device: int) -> None:
         """An operation needs ``device``'s context: made at the first (CUDA: ~300-500 MB)."""
         if device >= 0 and not self.contexts[device]:
             with self._lock:
                 self.contexts[device] = 1
+
+    def _fault(self, what: str) -> None:
+        with self._lock:
+            self.faults.append(what)
+
+    def bind_thread(self, device: int) -> None:
+        self._check(device)
+        self._context(device)
+        _current.device = device
+
+    def fail_device(self, device: int, error: str = "cudaErrorLaunchFailure") -> None:
+        """A sticky error in ``device``'s context (a kernel fault on CUDA): every later
+        query, wait and synchronize of its events fails with it; nothing clears it."""
+        with self._lock:
+            self._sticky[device] = UnavailableError(
+                f"device {device}: {error} (a sticky error: the context is lost)"
+            )
+
+    def _status(self, device: int) -> None:
+        """Raise the device's sticky error, if it has one (what cudaEventQuery returns)."""
+        error = self._sticky.get(device)
+        if error is not None:
+            raise type(error)(*error.args)
+
+    def post(self, memory: EmulatedMemory) -> Callable[[], None]:
+        """A transfer posted on ``memory`` from the calling thread (WireView.lpsync_post):
+        an error unless a device is current here; returns the transfer's end."""
+        if current_device() is None:
+            raise UnavailableError(
+                f"thread {threading.current_thread().name} touches device {memory.device}'s memory "
+                "with no device current (UCX's cuda transports segfault there: nixl#2102)"
+            )
+        if memory.freed:
+            self._fault(f"a transfer posted on freed memory of device {memory.device}")
+            raise UnavailableError("a transfer posted on freed device memory")
+        with self._lock:
+            memory.posted += 1
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            with self._lock:
+                if ended:
+                    return
+                ended = True
+                memory.posted -= 1
+                release = memory.freed and memory.posted == 0
+            if release:  # freed while posted (a fault, recorded): let go of it now
+                self.releaser.put(-1, memory.release)
+
+        return end
+
+    def _let_go(self, memory: EmulatedMemory, what: str, later: bool) -> None:
+        """Free (``later``: on the Releaser) or unmap (now: the registry answers once the
+        client may free) ``memory``; a transfer still posted on it is a fault (CUDA: UCX
+        writes into freed memory), and the bytes are kept until it ends."""
+        with self._lock:
+            memory.freed = True
+            posted = memory.posted
+        if posted:
+            self._fault(
+                f"{what} of device {memory.device}'s memory while {posted} transfer(s) were posted on it"
+            )
+            return
+        if not later:
+            memory.release()
+            return
+        device = memory.device
+
+        def release() -> None:
+            if device >= 0 and current_device() is None:
+                self._context(0)  # CUDA: the free makes device 0's context current
+            memory.release()
+
+        self.releaser.put(device, release)
 
     # -- memory ------------------------------------------------------------------------------
     def _check(self, device: int) -> None:
@@ -285,7 +416,7 @@ class EmulatedKind:
         return EmulatedMemory(-1, nbytes, array, array.__array_interface__["data"][0], None)
 
     def free(self, memory: EmulatedMemory) -> None:
-        memory.release()
+        self._let_go(memory, "a free", later=True)
 
     def export(self, memory: EmulatedMemory) -> bytes:
         if memory.fd < 0:
@@ -333,7 +464,7 @@ class EmulatedKind:
             memory.opened, memory.closed = False, True
             with self._lock:
                 self.closes[memory.device] += 1
-            memory.release()
+            self._let_go(memory, "an unmap", later=False)
 
     def check_mapped(self, memory: EmulatedMemory) -> None:
         """InvalidArgumentError if the process that exported ``memory`` freed it while it
@@ -363,7 +494,12 @@ class EmulatedKind:
             return stream
 
     def wire(self, span: Span) -> np.ndarray:
-        return _view(span)  # device memory is host memory here: any transport carries it
+        view = _view(span)  # device memory is host memory here: any transport carries it
+        if span.device < 0:
+            return view
+        wire = view.view(WireView)
+        wire.lpsync_kind, wire.lpsync_memory = self, span.memory
+        return wire
 
     def read(self, span: Span) -> np.ndarray:
         """A pageable device-to-host cudaMemcpy: complete on return, ordered after the
@@ -410,9 +546,27 @@ class EmulatedKind:
     def event(self, device: int) -> EmulatedEvent:
         self._check(device)
         self._context(device)
-        return EmulatedEvent(device)
+        return EmulatedEvent(device, self._destroy)
+
+    def destroy_event(self, event: EmulatedEvent) -> None:
+        _alive(event)
+        event.destroyed = True
+        self._destroy(event.device)
+
+    def _destroy(self, device: int) -> None:
+        """cudaEventDestroy's stand-in, on the Releaser with ``device`` current (a thread
+        with another device current, or none, is what CUDA punishes: a fault here)."""
+
+        def destroy() -> None:
+            if current_device() != device:
+                self._fault(f"an event of device {device} destroyed with device {current_device()} current")
+            with self._lock:
+                self.destroyed_events += 1
+
+        self.releaser.put(device, destroy)
 
     def record(self, event: EmulatedEvent, stream: EmulatedStream) -> None:
+        _alive(event)
         if event.device != stream.device:  # CUDA: cudaErrorInvalidResourceHandle
             raise InvalidArgumentError(
                 f"an event of device {event.device} recorded on a stream of device {stream.device}"
@@ -438,7 +592,7 @@ class EmulatedKind:
             mapping = mmap.mmap(opened, _EVENT_BYTES)
         finally:
             os.close(opened)
-        return EmulatedIpcEvent(np.frombuffer(mapping, np.uint32, 2), mapping)
+        return EmulatedIpcEvent(np.frombuffer(mapping, np.uint32, 2), mapping, device)
 
     def close_event(self, event: EmulatedIpcEvent) -> None:
         event.close()
@@ -447,6 +601,7 @@ class EmulatedKind:
         if isinstance(event, EmulatedIpcEvent):
             self._wait_ipc(stream, event)
             return
+        _alive(event)
         generation = event.recorded
         if generation == 0:
             return  # never recorded: CUDA ignores the wait too
@@ -479,8 +634,14 @@ class EmulatedKind:
 
     def wait_ready(self, event: EmulatedEvent | EmulatedIpcEvent, deadline: float) -> None:
         if isinstance(event, EmulatedEvent):
+            _alive(event)
+            self._status(event.device)
             event.wait_for(event.recorded, deadline)
+            self._status(event.device)
             return
+        if event.closed:  # a query of a destroyed handle: an error, never "complete"
+            raise UnavailableError("the client's event was closed (the client has gone)")
+        self._status(event.device)
         generation = event.recorded()  # the latest record now, as cudaEventQuery sees it
         if generation == 0:
             return
@@ -489,13 +650,17 @@ class EmulatedKind:
                 raise UnavailableError(
                     "the client's event was closed before it completed (the client has gone)"
                 )
+            self._status(event.device)  # a sticky error is a status: it fails the wait
             left = deadline - time.monotonic()
             if left <= 0:
                 raise CollectiveTimeoutError("the client's stream did not reach its ready event in time")
             event.wait_for(generation, min(left, 1.0))
 
     def synchronize(self, event: EmulatedEvent, deadline: float) -> None:
+        _alive(event)
+        self._status(event.device)
         event.wait_for(event.recorded, deadline)
+        self._status(event.device)
         if event.error is not None:
             error, event.error = event.error, None
             raise (
@@ -566,3 +731,9 @@ class EmulatedKind:
             self._streams.clear()
         for stream in streams:
             stream.stop()
+        self.releaser.stop()
+
+
+def _alive(event: EmulatedEvent) -> None:
+    if event.destroyed:  # CUDA: cudaErrorInvalidResourceHandle, or worse, another's event
+        raise InvalidArgumentError(f"an event of device {event.device} used after it was destroyed")

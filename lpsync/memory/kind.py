@@ -23,6 +23,10 @@ Semantics follow the CUDA runtime so that the emulation tests what CUDA will do:
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Protocol
@@ -30,6 +34,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from lpsync.reduction import Reduction
+
+log = logging.getLogger("lpsync.memory")
 
 
 class Link(IntEnum):
@@ -134,7 +140,9 @@ class MemoryKind(Protocol):
         """Host memory the devices copy to and from asynchronously (pinned on CUDA, usable
         by every device); allocated in ``device``'s context, a device the daemon serves."""
 
-    def free(self, memory: Memory) -> None: ...
+    def free(self, memory: Memory) -> None:
+        """Hand ``memory`` to the kind's Releaser and return at once: cudaFree and
+        cudaFreeHost synchronize the device, and the caller may be the event loop."""
 
     def export(self, memory: Memory) -> bytes:
         """The IPC handle of ``memory`` (an allocation's base), for another process."""
@@ -167,7 +175,20 @@ class MemoryKind(Protocol):
         move again. CollectiveTimeoutError at ``deadline``; UnavailableError once closed."""
 
     def close_event(self, event: Any) -> None:
-        """Release an opened event; a stream still waiting on it is released too."""
+        """Release an opened event; a stream still waiting on it is released too. Any
+        later query of it is an error (CUDA: a use after free of the handle)."""
+
+    def destroy_event(self, event: Any) -> None:
+        """End an own event (``event``) on the kind's Releaser, with its device current;
+        recording, waiting on or querying it afterwards is an error. An event dropped
+        without it is destroyed there too (CUDA: never by the garbage collector on the
+        event loop, where no device is current and device 0's context would be made)."""
+
+    def bind_thread(self, device: int) -> None:
+        """Make ``device`` (its primary context) current in the calling thread: a thread
+        the kind does not own (the UCX progress thread) must before it touches device
+        memory (CUDA: UCX's cuda transports query pointers and events in the caller's
+        context; without one, a segfault, nixl#2102)."""
 
     def record(self, event: Any, stream: Any) -> None:
         """Mark ``stream``'s work so far; the event must be of the stream's device."""
@@ -211,3 +232,70 @@ class MemoryKind(Protocol):
 
     def close_kind(self) -> None:
         """End every stream and free what the kind holds (daemon shutdown)."""
+
+
+class Releaser:
+    """The one thread of a kind that frees device memory and destroys events.
+
+    Why a thread: cudaFree and cudaFreeHost synchronize the whole device, so a free on the
+    event loop stalls every RPC behind the slowest stream; and a destroy needs its object's
+    device current (``bind``): a thread without one would make device 0's context. Work
+    runs in order; ``flush`` waits (bounded) until what was handed in before is done.
+    Started at the first hand-off; a failure is logged, never raised to the caller who
+    has long moved on.
+    """
+
+    def __init__(self, name: str, bind: Callable[[int], None]) -> None:
+        self.name, self._bind = name, bind
+        self._queue: queue.SimpleQueue[tuple[int, Callable[[], None]] | None] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._handed = self._done = 0
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def put(self, device: int, work: Callable[[], None]) -> None:
+        """Run ``work`` on the thread with ``device`` current (< 0: no device needed)."""
+        with self._cond:
+            if self._stopped:
+                stopped = True
+            else:
+                stopped = False
+                self._handed += 1
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                    self._thread.start()
+                self._queue.put((device, work))
+        if stopped:  # after close_kind: nothing else will run it
+            self._run_one(device, work)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Until everything handed in so far ran; False at ``timeout``."""
+        with self._cond:
+            target = self._handed
+            return self._cond.wait_for(lambda: self._done >= target, timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopped = True
+            thread = self._thread
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout)
+
+    def _run_one(self, device: int, work: Callable[[], None]) -> None:
+        try:
+            if device >= 0:
+                self._bind(device)
+            work()
+        except Exception:
+            log.exception("%s: a release failed", self.name)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()  # blocks: no polling
+            if item is None:
+                return
+            self._run_one(*item)
+            with self._cond:
+                self._done += 1
+                self._cond.notify_all()

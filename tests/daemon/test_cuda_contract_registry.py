@@ -119,3 +119,29 @@ def test_cuda_contract_a_mapping_released_under_a_collective_closes_before_its_r
     finally:
         registry.close()
         allocation.free()
+
+
+def test_cuda_contract_shutdown_leaves_a_mapping_a_running_collective_holds():
+    """A collective that outlived drain_seconds still holds its mapping at shutdown: its
+    peers may still write into it through the peer plane, stopped after the registry
+    (second reading, point 12). The mapping stays until that collective is done."""
+    kind = EmulatedKind(1)
+    registry = DeviceRegistry(kind)
+    busy_allocation, idle_allocation = (
+        client_emulated.Allocation(4096, 0),
+        client_emulated.Allocation(4096, 0),
+    )
+    try:
+        busy = _registered(registry, busy_allocation)
+        _registered(registry, idle_allocation)
+        running = registry.use([busy.allocation.memory])
+        registry.close()
+        assert kind.closes[0] == 1  # the idle one
+        assert not busy.allocation.memory.closed
+        busy.allocation.memory.array[:] = 5  # a late write from the peer plane lands in mapped memory
+        assert (busy_allocation.bytes == 5).all()
+        registry.done(running)  # the collective ends: now it closes
+        assert kind.closes[0] == 2 and busy.allocation.memory.closed
+    finally:
+        busy_allocation.free()
+        idle_allocation.free()

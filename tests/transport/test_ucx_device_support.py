@@ -254,10 +254,14 @@ def test_device_is_refused_with_autos_reason_where_ucx_cannot(
     assert why in str(caught.value)
 
 
-def test_auto_is_the_decision() -> None:
-    for memory in ("cpu", "emulated", "cuda"):
+def test_auto_is_the_decision_where_that_stages() -> None:
+    # Where the decision is device, auto stages until validated: test_cuda_contract_ucx.
+    for memory in ("cpu", "emulated"):
         chosen = ds.choose("auto", "ucx", memory, "", reported(GPU_NODE), peermem)
         assert chosen == ds.decide("ucx", memory, "", reported(GPU_NODE), peermem)
+    assert ds.choose("auto", "ucx", "cuda", "tcp", never, no_peermem) == ds.decide(
+        "ucx", "cuda", "tcp", never, no_peermem
+    )
 
 
 # -- asking UCX ------------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 
   cuPointerGetAttribute(BUFFER_ID)            one call per known allocation (the cache below)
   cuPointerGetAttribute(DEVICE_ORDINAL, IS_MANAGED, IS_LEGACY_CUDA_IPC_CAPABLE)
-  cuDeviceGetUuid(&uuid, device)              how the daemon names the GPU (its ordinal differs
-                                              under another CUDA_VISIBLE_DEVICES)
+  cuDeviceGetUuid_v2(&uuid, device)           how the daemon names the GPU (its ordinal differs
+                                              under another CUDA_VISIBLE_DEVICES); _v2 tells
+                                              MIG instances apart (v1 gives every instance
+                                              its parent GPU's uuid); v1 only where a driver
+                                              older than CUDA 11.4 lacks _v2
   cuMemGetAddressRange_v2(&base, &size, ptr)  the allocation containing ptr
   cuIpcGetMemHandle(&handle, base)            64 bytes naming the allocation
   cuStreamSynchronize(stream)                 a __cuda_array_interface__ producer's stream
@@ -77,8 +80,18 @@ def device_uuid(ordinal: int) -> bytes:
     cuda = _driver()
     device, uuid = ctypes.c_int(), (ctypes.c_char * 16)()
     _check(cuda.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
-    _check(cuda.cuDeviceGetUuid(ctypes.byref(uuid), device), "cuDeviceGetUuid")
+    name = uuid_symbol(cuda)
+    _check(getattr(cuda, name)(ctypes.byref(uuid), device), name)
     return bytes(uuid.raw)
+
+
+def uuid_symbol(cuda: Any) -> str:
+    """cuDeviceGetUuid_v2 where the driver has it (MIG instances get their own uuids)."""
+    try:
+        getattr(cuda, "cuDeviceGetUuid_v2")  # noqa: B009  # a ctypes lookup, may raise
+        return "cuDeviceGetUuid_v2"
+    except AttributeError:
+        return "cuDeviceGetUuid"
 
 
 def _in_context(ordinal: int, work: Callable[[], Any]) -> Any:

@@ -359,9 +359,12 @@ def _segments(
             assert where is not None
             memory_of = direct.get(on[b])
             if memory_of is None:  # its own stream: its reductions never queue behind copies
+                # Its own event too (not the context's, shared by every job on the lane): a
+                # synchronize waits for this collective's record, not another job's later one.
+                # Dropped with the plan, it is destroyed on the kind's Releaser (kind.py).
                 lane = (on[b], 0, "across")
                 memory_of = direct[on[b]] = DeviceBuffers(
-                    kind, on[b], devices.context.stream(*lane), devices.context.event(*lane)
+                    kind, on[b], devices.context.stream(*lane), kind.event(on[b])
                 )
             schedule = generate(op, algorithm, layout.nodes, n, cross_root, chunks)
             # The engine's buffer types name host arrays; a DeviceBuffers memory takes Spans.

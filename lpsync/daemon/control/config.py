@@ -325,8 +325,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--peer-device-path",
         choices=DEVICE_PATH_CHOICES,
         help=f"how device chunks cross the peer plane (default {DaemonConfig.peer_device_path}): "
-        "auto sends device memory through UCX where UCX reports its cuda transports, else "
-        "stages chunks through pinned host memory; staged always stages; device refuses to "
+        "auto stages chunks through pinned host memory (it will send device memory through "
+        "UCX where UCX reports its cuda transports once that path has passed "
+        "scripts/gpu_check.sh on a GPU; it has not yet); staged always stages; device sends "
+        "device memory through UCX where UCX reports its cuda transports and refuses to "
         "start where UCX cannot (emulated devices allow it: their memory is host memory). "
         "`lpsync status` shows the choice and why",
     )

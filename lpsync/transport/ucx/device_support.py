@@ -13,6 +13,10 @@ Three outcomes (``DevicePath.path``):
   UCX reports none (built without CUDA, no driver) or could not be asked;
 * ``host``: the daemon serves no devices; the peer plane carries host memory only.
 
+``auto`` (the default) runs ``staged`` wherever ``decide`` would pick ``device`` until the
+direct path has passed scripts/gpu_check.sh on a GPU (``DIRECT_PATH_VALIDATED``): it has
+never run on one, and ``lpsync status`` says so in the path's reason.
+
 The daemon's ``peer_device_path`` setting may ask for either instead of ``auto``:
 ``staged`` always (e.g. to rule out a CUDA-aware UCX that misbehaves), ``device`` only
 where ``auto`` would choose it, and on emulated devices, whose memory is host memory any
@@ -36,6 +40,7 @@ import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DEVICE, STAGED, HOST = "device", "staged", "host"
 AUTO = "auto"  # the daemon's peer_device_path setting: AUTO, STAGED or DEVICE
@@ -45,6 +50,9 @@ CUDA_TRANSPORTS = ("cuda_copy", "cuda_ipc")
 _RDMA_PREFIXES = ("rc_", "dc_", "ud_")
 PEERMEM_MODULES = ("nvidia_peermem", "nv_peer_mem")
 SYS_MODULE = Path("/sys/module")
+# Set once the direct path passed scripts/gpu_check.sh on a GPU (docs/gpu.md); until
+# then ``auto`` stages what it would send directly.
+DIRECT_PATH_VALIDATED = False
 PROBE_TIMEOUT = 10.0  # ucx_info -d opens every device; a node with many HCAs takes seconds
 
 # UCX_TLS aliases as UCX expands them (ucp_context.c, ucp_tl_aliases); ":aux" members
@@ -64,6 +72,30 @@ _ALIASES = {
     "dc_x": ("dc_mlx5",),
     "cuda": ("cuda_copy", "cuda_ipc", "gdr_copy"),
 }
+
+
+def _nothing() -> None:
+    return None
+
+
+def claim(buffer: Any) -> Callable[[], None]:
+    """On the progress thread, before UCX is handed ``buffer``: a device buffer's device
+    made current in this thread (UCX's cuda transports work in the caller's context; with
+    none, cuEventQuery in ucp_worker_arm segfaults, nixl#2102) and, on emulated devices,
+    the transfer counted on its memory (a free before it ended is a fault). Returns what
+    to call once UCX let go of it."""
+    bind = getattr(buffer, "lpsync_bind", None)
+    if bind is not None:  # an emulated device's bytes (lpsync.memory.emulated.WireView)
+        bind()
+        end: Callable[[], None] = buffer.lpsync_post()
+        return end
+    if hasattr(buffer, "__cuda_array_interface__"):  # a cuda kind's wire (cupy)
+        from cupy.cuda import runtime
+
+        device = int(buffer.device.id)
+        if runtime.getDevice() != device:
+            runtime.setDevice(device)  # and its primary context current (CUDA >= 12)
+    return _nothing
 
 
 @dataclass(frozen=True)
@@ -237,6 +269,11 @@ def choose(
             return decide(peer_transport, memory, ucx_tls, capabilities, peermem)
         return _staged("asked for (--peer-device-path staged)")
     found = decide(peer_transport, memory, ucx_tls, capabilities, peermem)
+    if wanted == AUTO and found.path == DEVICE and not DIRECT_PATH_VALIDATED:
+        return _staged(
+            f"auto stages until the direct path has passed scripts/gpu_check.sh on a GPU "
+            f"(--peer-device-path device asks for it; {found.reason})"
+        )
     if wanted == AUTO or found.path == DEVICE:
         return found
     if memory == "emulated":

@@ -14,6 +14,12 @@ threads may use one endpoint at once (the daemon's participants and heartbeats).
 ``close`` is collective like MPI_Finalize: each side says goodbye and waits
 (bounded) for the others' goodbyes before closing connections, so an eager message
 still in flight is never lost to an early close.
+
+Device memory (the direct path): a send or receive of a device span is posted with its
+device current on the progress thread (device_support.claim: UCX's cuda transports
+query the pointer and arm cuda events in the caller's context). ``abort`` returns only
+once UCX let go of every buffer posted here (bounded): a failed collective answers its
+error, and its plans free staging memory, after that, never while a receive can land.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from lpsync.transport.mesh import (
     bytes_view,
     port_open,
 )
+from lpsync.transport.ucx.device_support import claim
 from lpsync.transport.ucx.progress import ProgressThread
 from lpsync.transport.ucx.runtime import RuntimeOptions, UcxRuntime
 
@@ -47,6 +54,7 @@ log = logging.getLogger("lpsync.ucx")
 
 _MASK = (1 << 64) - 1
 _MIX = 0x9E3779B97F4A7C15  # odd: tag -> key + tag * _MIX is a bijection mod 2**64
+ABORT_RELEASE_S = 10.0  # how long abort waits for UCX to let go of posted buffers
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,7 @@ class UcxEndpoint(MeshEndpoint):
         self._conns: dict[int, _Conn] = {}
         self._runtime: UcxRuntime | None = None
         self._channels: dict[int, Channel] = {}  # made once per peer: a leaf asks per collective
+        self._posted: set[Request] = set()  # sends and receives UCX still holds (abort waits)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -275,13 +284,46 @@ class UcxEndpoint(MeshEndpoint):
         progress = self._runtime.progress
         buf = bytes_view(data)
         wire = progress.api.UCXXTag(conn.tag(tag))
+        posted = self._posted
+        ended: list[Callable[[], None]] = []
 
         def start() -> Any:
             ep = conn.ep.get()  # UnavailableError once closed: the endpoint broke
+            ended.append(claim(buf))  # device memory: its device current, the transfer counted
             array = progress.array(buf)
             return ep.tag_recv(array, wire) if recv else ep.tag_send(array, wire)
 
-        return progress.submit(start, buf, on_done)
+        def done(request: Request) -> None:
+            posted.discard(request)
+            for end in ended:
+                end()
+            if on_done is not None:
+                on_done(request)
+
+        request = Request()
+        posted.add(request)
+        return progress.submit(start, buf, done, request=request)
+
+    def abort(self, error: BaseException) -> None:
+        """Break the endpoint (MeshEndpoint.abort), then wait, bounded, until UCX finished
+        or cancelled every send and receive posted here: only then may the caller answer
+        the error and free what the transfers named (a receive landing in freed device
+        memory, or in a client's buffer it was told is free, otherwise)."""
+        super().abort(error)
+        runtime = self._runtime
+        if runtime is None or not runtime.alive:
+            return
+        deadline = time.monotonic() + ABORT_RELEASE_S
+        try:  # the close _fail posted has run (it cancels what is in flight)
+            runtime.progress.call(self._close_all).result(ABORT_RELEASE_S)
+        except Exception as failure:
+            log.warning("rank %d: closing UCX connections on abort: %r", self.rank, failure)
+        for request in list(self._posted):
+            if not request.event().wait(max(0.0, deadline - time.monotonic())):
+                log.error(
+                    "rank %d: UCX still holds a posted buffer %.0f s after abort", self.rank, ABORT_RELEASE_S
+                )
+                return
 
     def send(self, peer: int, tag: int, data: np.ndarray) -> InFlight:
         request = self._post(self._conn(peer), tag, data, recv=False)

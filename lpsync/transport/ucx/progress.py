@@ -106,13 +106,18 @@ class ProgressThread:
         return future
 
     def submit(
-        self, start: Callable[[], Any], keep: Any = None, on_done: Callable[[Request], None] | None = None
+        self,
+        start: Callable[[], Any],
+        keep: Any = None,
+        on_done: Callable[[Request], None] | None = None,
+        request: Request | None = None,
     ) -> Request:
         """Start a UCX operation: ``start`` runs on the progress thread and returns the
         UCXRequest (e.g. ``lambda: ep.tag_send(...)``); ``keep`` (its buffer) stays
         referenced until it ends. ``on_done`` runs on the progress thread when it
-        finishes; waiters use ``request.event()``."""
-        request = Request()
+        finishes; waiters use ``request.event()``. ``request``: the one to fill (made
+        by the caller to track it before it is posted)."""
+        request = request if request is not None else Request()
         request.on_done, request.keep = on_done, keep
 
         def run() -> None:

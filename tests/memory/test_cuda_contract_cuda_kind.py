@@ -1,0 +1,224 @@
+"""lpsync.memory.cuda's own logic without a GPU: the module imported against a stand-in for
+cupy's runtime that records each call and the thread it came from and returns the statuses
+the CUDA documentation lists. What the runtime does with them is the GPU check's to see
+(scripts/gpu_check.sh); here: which calls the kind makes, where, and what it does with
+each answer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+import time
+import types
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from lpsync.errors import CollectiveTimeoutError, UnavailableError
+from lpsync.memory.kind import Releaser
+from lpsync.types import ReduceOp
+
+READY, NOT_READY, ILLEGAL_ADDRESS = 0, 600, 700  # cudaSuccess, cudaErrorNotReady, cudaErrorIllegalAddress
+
+
+class CUDARuntimeError(RuntimeError):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"cudaError {status}")
+        self.status = status
+
+
+class Runtime(types.ModuleType):
+    """cupy.cuda.runtime's calls the tests reach; ``statuses``: what eventQuery answers in
+    turn (an int is returned, an exception raised), as cupy does for either."""
+
+    CUDARuntimeError = CUDARuntimeError
+
+    def __init__(self) -> None:
+        super().__init__("cupy.cuda.runtime")
+        self.statuses: list = []
+        self.calls: list[tuple[str, int, str, int | None]] = []  # (call, arg, thread, device)
+        self._current = threading.local()
+
+    def _log(self, name: str, arg: int) -> None:
+        self.calls.append(
+            (name, arg, threading.current_thread().name, getattr(self._current, "device", None))
+        )
+
+    def getDevice(self) -> int:  # cupy's names
+        return getattr(self._current, "device", 0)
+
+    def setDevice(self, device: int) -> None:
+        self._current.device = device
+
+    def eventQuery(self, pointer: int) -> int:
+        self._log("eventQuery", pointer)
+        status = self.statuses.pop(0)
+        if isinstance(status, BaseException):
+            raise status
+        return status
+
+    def eventDestroy(self, pointer: int) -> None:
+        self._log("eventDestroy", pointer)
+
+    def free(self, pointer: int) -> None:
+        self._log("free", pointer)
+
+    def freeHost(self, pointer: int) -> None:
+        self._log("freeHost", pointer)
+
+
+@pytest.fixture
+def cuda() -> Iterator[tuple[types.ModuleType, Runtime]]:
+    """lpsync.memory.cuda bound to the stand-in; the real module state restored after."""
+    runtime = Runtime()
+    cupy, cupy_cuda = types.ModuleType("cupy"), types.ModuleType("cupy.cuda")
+    cupy.cuda, cupy_cuda.runtime = cupy_cuda, runtime
+    cupy.compiled = []  # (kernel, device) compiled: cupy compiles at a kernel's first launch
+    cupy.zeros = lambda n, dtype: ("array", n, dtype)
+
+    class ElementwiseKernel:
+        def __init__(self, *spec: object) -> None:
+            self.spec, self.launched = spec, False
+
+        def __call__(self, *args: object) -> None:
+            if not self.launched:
+                self.launched = True
+                cupy.compiled.append((self.spec, runtime.getDevice()))
+
+    cupy.ElementwiseKernel = ElementwiseKernel
+    names = ("cupy", "cupy.cuda", "cupy.cuda.runtime", "lpsync.memory.cuda")
+    saved = {name: sys.modules.pop(name, None) for name in names}
+    sys.modules.update({"cupy": cupy, "cupy.cuda": cupy_cuda, "cupy.cuda.runtime": runtime})
+    try:
+        yield importlib.import_module("lpsync.memory.cuda"), runtime
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+            if saved[name] is not None:
+                sys.modules[name] = saved[name]
+
+
+def _kind(module: types.ModuleType):
+    """A CudaKind without its constructor (which counts GPUs): what the calls need."""
+    kind = object.__new__(module.CudaKind)
+    kind.allowed = frozenset({0, 1})
+    kind.releaser = Releaser("lpsync-cuda-release", module._use)
+    return kind
+
+
+def test_cuda_contract_an_event_status_other_than_ready_or_not_ready_fails(cuda):
+    module, runtime = cuda
+    runtime.statuses = [READY, NOT_READY, CUDARuntimeError(NOT_READY), ILLEGAL_ADDRESS]
+    assert module.query(1) is True
+    assert module.query(1) is False
+    assert module.query(1) is False
+    with pytest.raises(UnavailableError, match="700"):
+        module.query(1)  # returned, not raised, by cupy: still an error
+    runtime.statuses = [CUDARuntimeError(ILLEGAL_ADDRESS)]
+    with pytest.raises(UnavailableError, match="700"):
+        module.query(1)
+
+
+def test_cuda_contract_wait_ready_fails_on_an_error_at_once_and_never_queries_a_closed_event(cuda):
+    module, runtime = cuda
+    kind = _kind(module)
+    event = module.CudaIpcEvent(1, 4242)
+    runtime.statuses = [NOT_READY, NOT_READY, ILLEGAL_ADDRESS]
+    started = time.monotonic()
+    with pytest.raises(UnavailableError):
+        kind.wait_ready(event, time.monotonic() + 30)  # the first reading polled to the deadline
+    assert time.monotonic() - started < 1.0
+    runtime.statuses = [NOT_READY] * 100000
+    with pytest.raises(CollectiveTimeoutError):
+        kind.wait_ready(event, time.monotonic() + 0.05)  # not ready is no failure
+    runtime.statuses = []
+    kind.close_event(event)
+    kind.close_event(event)  # once only: a second eventDestroy is a double free
+    assert [c[0] for c in runtime.calls].count("eventDestroy") == 1
+    queries = len(runtime.calls)
+    with pytest.raises(UnavailableError, match="closed"):
+        kind.wait_ready(event, time.monotonic() + 5)
+    assert len(runtime.calls) == queries  # the destroyed handle was not queried
+
+
+def test_cuda_contract_events_and_frees_end_on_the_releaser_with_their_device_current(cuda):
+    module, runtime = cuda
+    kind = _kind(module)
+    try:
+
+        def drop() -> None:  # an event and memory let go of on a thread with device 0 current
+            event = module.CudaEvent(1, 77, kind._drop_event)
+            kind.free(module.CudaMemory(1, 64, 555, "malloc"))
+            kind.free(module.CudaMemory(-1, 64, 666, "host", context=1))
+            del event
+
+        thread = threading.Thread(target=drop, name="event-loop-stand-in")
+        thread.start()
+        thread.join(5)
+        assert kind.releaser.flush(5)
+        ends = [c for c in runtime.calls if c[0] in ("eventDestroy", "free", "freeHost")]
+        assert sorted((name, arg) for name, arg, *_ in ends) == [
+            ("eventDestroy", 77),
+            ("free", 555),
+            ("freeHost", 666),
+        ]
+        assert {(thread, device) for *_, thread, device in ends} == {("lpsync-cuda-release", 1)}
+        explicit = module.CudaEvent(0, 88, kind._drop_event)
+        kind.destroy_event(explicit)
+        del explicit  # destroyed once, not again when dropped
+        assert kind.releaser.flush(5)
+        assert [c[:2] for c in runtime.calls if c[0] == "eventDestroy"] == [
+            ("eventDestroy", 77),
+            ("eventDestroy", 88),
+        ]
+    finally:
+        kind.releaser.stop()
+
+
+def test_cuda_contract_mig_instances_are_named_by_the_v2_uuid(monkeypatch):
+    from lpsync_client import _cuda
+
+    class Driver:
+        """cuDeviceGet and the uuid calls: v1 gives every MIG instance its GPU's uuid."""
+
+        def __init__(self, v2: bool) -> None:
+            if v2:
+                self.cuDeviceGetUuid_v2 = lambda out, device: self._fill(out, b"M" * 16)
+
+        @staticmethod
+        def _fill(out, value: bytes) -> int:
+            out._obj.raw = value
+            return 0
+
+        def cuDeviceGet(self, out, ordinal: int) -> int:
+            out._obj.value = ordinal
+            return 0
+
+        def cuDeviceGetUuid(self, out, device) -> int:
+            return self._fill(out, b"G" * 16)
+
+    monkeypatch.setattr(_cuda, "_driver", lambda: Driver(v2=True))
+    assert _cuda.device_uuid(0) == b"M" * 16
+    monkeypatch.setattr(_cuda, "_driver", lambda: Driver(v2=False))
+    assert _cuda.device_uuid(0) == b"G" * 16  # a driver before CUDA 11.4: v1 is all there is
+
+
+def test_cuda_contract_the_common_kernels_are_compiled_at_start_on_each_device(cuda):
+    module, _ = cuda
+
+    kind = _kind(module)
+    kind._kernels, kind._lock = {}, threading.Lock()
+    compiled = sys.modules["cupy"].compiled
+    kind.warm()  # what the constructor starts on its own thread
+    per_device = len(ReduceOp) + 1  # every op's combine, the avg division
+    assert len(compiled) == 2 * 2 * per_device  # float32 and float16, on GPUs 0 and 1
+    assert {device for _, device in compiled} == {0, 1}  # each compiled with its device current
+    before = len(compiled)
+    for op in ReduceOp:  # a collective's launches: no compile inside its deadline
+        kind._kernel(op, np.dtype(np.float32), "combine", 1)("a", "b", "c")
+    assert len(compiled) == before
+    kind._kernel(ReduceOp.SUM, np.dtype(np.float64), "combine", 1)("a", "b", "c")
+    assert len(compiled) == before + 1  # a rarer dtype still compiles at its first use
