@@ -43,6 +43,7 @@ from lpsync.cluster import ClusterSpec, down, format_rate, netns, run_in, up
 from lpsync.daemon import launch
 from lpsync.errors import ClusterError, InvalidArgumentError
 from lpsync.memory.shm import PREFIX as SHM_PREFIX
+from lpsync.transport import backends
 from lpsync.transport.backends import check as check_transport
 from lpsync.units import format_size
 
@@ -80,7 +81,7 @@ class ClusterOptions:
     prefix: str = "lpbench"  # namespace names PREFIX-n<i>, PREFIX-sw
     logs: str | None = None  # keep every daemon's and rank's log under logs/<N>nodes/
     model: str | None = None  # --model: replay this network's step instead of ops x sizes
-    transports: tuple[str, ...] = ("ucx",)  # the daemons' peer transport; each in turn
+    transports: tuple[str, ...] = ("auto",)  # the daemons' peer transport; each in turn
     collective_timeout: float = 600.0  # seconds, each collective (client and daemon)
     timeout: float = 3600.0  # seconds, one node count from cluster up to the last point
 
@@ -173,7 +174,7 @@ def run(options: ClusterOptions) -> Iterator[list[Point]]:
     with _Interrupts() as interrupts:
         for nodes in options.nodes:
             points = []
-            for i, transport in enumerate(options.transports):
+            for i, transport in enumerate(map(_resolved, options.transports)):
                 points += _run_nodes(
                     replace(options, compare=options.compare if i == 0 else None),
                     nodes,
@@ -181,6 +182,12 @@ def run(options: ClusterOptions) -> Iterator[list[Point]]:
                     transport,
                 )
             yield points
+
+
+def _resolved(transport: str) -> str:
+    """``auto`` as the daemons resolve it inside the namespaces (RDMA devices are the
+    host's: sysfs is not per namespace), so that points say what ran."""
+    return backends.resolve(transport, backends.Rdma.scan())[0] if transport == backends.AUTO else transport
 
 
 @dataclass

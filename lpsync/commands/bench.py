@@ -163,8 +163,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     cluster.add_argument(
         "--peer-transport",
         metavar="T,...",
-        help="the daemons' transport between nodes: ucx (default), tcp, or "
-        "ucx,tcp to run every lpsync point on each in turn, each on a "
+        help="the daemons' transport between nodes: auto (default: what a daemon's own "
+        "--peer-transport auto picks here, UCX where the node has an RDMA device, else "
+        "TCP), ucx, tcp, or ucx,tcp to run every lpsync point on each in turn, each on a "
         "fresh emulated cluster (tcp points are labelled @tcp)",
     )
     cluster.add_argument(
@@ -387,7 +388,7 @@ def cluster_options(args: argparse.Namespace):
         compare=args.compare,
         prefix=args.prefix,
         logs=args.logs,
-        transports=items(args.peer_transport or "ucx"),
+        transports=items(args.peer_transport or "auto"),
     )
 
 
