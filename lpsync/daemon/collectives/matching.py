@@ -142,12 +142,13 @@ class Job:
                         self._native = None  # not for this job: never asked again
         return self.native
 
-    def native_finished(self) -> None:
+    def native_finished(self) -> list[FlightRecord]:
         """Bring what the engine answered since the last call into the flight recorder
-        (at a scrape and at ``lpsync status``: never per call)."""
+        (at a scrape and at ``lpsync status``: never per call); the records added."""
         if self.native is None:
-            return
-        records, finished = [], 0.0
+            return []
+        records: list[FlightRecord] = []
+        finished = 0.0
         for seq, spec, code, first, last, done in self.native.sync():
             if spec is None or code != 0:  # fallbacks finish on the general path
                 continue
@@ -159,6 +160,7 @@ class Job:
             with self.lock:
                 self.history.extend(records)
                 self.last_progress = max(self.last_progress, finished)
+        return records
 
     def close(self) -> None:
         """The job ended: its plans go (armed ones first: their rings fall back)."""

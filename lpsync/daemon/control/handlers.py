@@ -142,8 +142,23 @@ class Service(pb_grpc.LpSyncServicer):
         return plans
 
     def _native_finished(self) -> None:
+        """What the engines answered joins the flight recorders and the recent list."""
         for job in self.jobs.all():
-            job.native_finished()
+            for r in job.native_finished():
+                finished = r.started_at + r.seconds
+                self.recent.append(
+                    (
+                        job.name,
+                        r.sequence,
+                        r.spec.op,
+                        r.spec.dtype,
+                        r.spec.count,
+                        r.algorithm,
+                        r.seconds,
+                        r.code,
+                        finished,
+                    )
+                )
 
     def _bytes_changed(self, total: int) -> None:
         self.metrics.registered_bytes.set(total)
