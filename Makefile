@@ -7,12 +7,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-# The unit tier: no daemons, processes or namespaces (CONTRIBUTING.md).
-UNIT := tests/algorithms tests/engine tests/memory tests/daemon/test_agreement.py \
-	tests/daemon/test_learning.py tests/daemon/test_multinode_tags.py tests/daemon/test_peers.py \
-	tests/daemon/test_outcomes.py tests/daemon/test_inbox.py tests/daemon/test_replies.py \
-	tests/daemon/test_metrics_series.py \
-	tests/transport/test_auth.py tests/transport/test_addresses.py
+# The unit tier, by folder: no daemons, processes or namespaces (CONTRIBUTING.md). A pure test
+# goes into its package's unit/ folder (tests/daemon/unit, tests/transport/unit).
+UNIT := tests/algorithms tests/engine tests/memory tests/daemon/unit tests/transport/unit
 # Workers for the whole suite: most tests wait on daemons, sockets and timeouts, not on CPU.
 JOBS ?= 4
 
