@@ -8,8 +8,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 
 # The unit tier, by folder: no daemons, processes or namespaces (CONTRIBUTING.md). A pure test
-# goes into its package's unit/ folder (tests/daemon/unit, tests/transport/unit).
-UNIT := tests/algorithms tests/engine tests/memory tests/daemon/unit tests/transport/unit
+# goes into its package's unit/ folder (tests/daemon/unit, tests/transport/unit, tests/client/unit).
+UNIT := tests/algorithms tests/engine tests/memory tests/daemon/unit tests/transport/unit tests/client/unit
 # Workers for the whole suite: most tests wait on daemons, sockets and timeouts, not on CPU.
 JOBS ?= 4
 
