@@ -63,7 +63,7 @@ def select(
     Answers are remembered: the daemon asks once per collective (a device one, a host
     one past the direct path's size, a multi-node one not learned) and the answer
     depends on the arguments alone, where working it out costs every candidate's closed
-    form (~40 us of Python on this machine, docs/benchmarks.md).
+    form (~40 us of Python on this machine; docs/benchmarks.md at 623decd, 2026-12-06).
     """
     names = None if candidates is None else tuple(candidates)
     return _select(op, nbytes, participants, link, names, min_chunk_bytes)

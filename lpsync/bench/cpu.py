@@ -50,7 +50,7 @@ _SWITCH_FIELDS = ("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")
 def context_switches(pid: int) -> int:
     """How often ``pid``'s threads have been switched out so far, voluntarily (a sleep: a
     wait for a socket, a lock, a condition) or not: each is a wake-up later, which costs
-    ~15 us of CPU on these VMs (docs/benchmarks.md, sixth pass). Every thread of this
+    ~15 us of CPU on these VMs (docs/benchmarks.md at 623decd, 2026-12-05). Every thread of this
     process, exited ones included (getrusage); of another, its live threads
     (/proc/<pid>/task), so a thread that ends during a measurement takes its count with it."""
     if pid == os.getpid():

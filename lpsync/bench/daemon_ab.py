@@ -7,8 +7,8 @@ this tree, to check an earlier change against its own base) and runs
 odd pairs, the other first in even ones), then removes the worktrees. Each run starts in
 its own tree's directory with that tree on ``PYTHONPATH``: ``python -m`` puts the
 current directory first on ``sys.path``, so a daemon started from this tree's directory
-would run this tree's code whatever ``PYTHONPATH`` says (docs/benchmarks.md, seventh
-pass). Before the pairs, each tree's interpreter is asked where ``lpsync`` and
+would run this tree's code whatever ``PYTHONPATH`` says (CONTRIBUTING.md, "Benchmarks").
+Before the pairs, each tree's interpreter is asked where ``lpsync`` and
 ``lpsync_client`` come from; a tree that would not import its own code is refused.
 
 Per pair it prints node 0's CPU per call, the median leaf's, the mean per daemon and the

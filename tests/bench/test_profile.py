@@ -1,5 +1,5 @@
 """The profile's reading of py-spy's collapsed stacks (the sampling itself needs root,
-ptrace and a cluster: docs/benchmarks.md shows a run)."""
+ptrace and a cluster: docs/benchmarks.md at 623decd shows a run)."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ _STATES = {pb.INTACT: "INTACT", pb.PARTIAL: "PARTIAL"}
 # What _submit gives a blocking call (Client._blocking) answered on its own thread: a done
 # Future standing for "the result is in Client._here.answered". A Future per call, with
 # its Condition, locks and completion, was most of such a call's client CPU
-# (docs/benchmarks.md). Never leaves the client.
+# (docs/benchmarks.md at 623decd, 2026-12-06). Never leaves the client.
 _ANSWERED: Future = Future()
 _ANSWERED.set_result(None)
 _SCRATCH_KEEP = 8  # staging segments kept for reuse by unregistered arrays

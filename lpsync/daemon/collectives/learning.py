@@ -1,7 +1,7 @@
 """A tuner that learns: node 0 times the close candidates on a job's first calls of a size.
 
 The link model alone mispredicts on real links (on 8 emulated nodes at 256 KiB it picks
-BE for broadcast, 15.4 ms, where MST takes 9.6: docs/benchmarks.md). So for a multi-node
+BE for broadcast, 15.4 ms, where MST takes 9.6: docs/benchmarks.md at 623decd). So for a multi-node
 collective whose algorithm is not forced, the tuner's answer is a shortlist: every
 candidate the model predicts within SHORTLIST x of the fastest (a pipelined one also with
 half and twice its chunk count: the model leaves per-message CPU out). Node 0 decides for every

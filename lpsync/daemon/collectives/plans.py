@@ -84,7 +84,7 @@ class GroupCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._groups: OrderedDict[tuple, LocalGroup] = OrderedDict()
-        # Multi-node device collectives: host mirrors of device spans (device_staging.py),
+        # Multi-node device collectives: host mirrors of device spans (collectives/staging.py),
         # keyed by the spans' addresses and, last, their handles (so ``forget`` finds them).
         self.staging: OrderedDict[tuple, Any] = OrderedDict()
 

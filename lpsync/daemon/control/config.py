@@ -66,7 +66,7 @@ class DaemonConfig:
     # An inherited file descriptor whose end of file stops the daemon as SIGTERM does: the
     # launcher holds the write end (lpsync.daemon.launch), so its death stops the daemon.
     lifeline_fd: int = -1
-    # Multi-node (peers.py, peer_plane.py). Exactly one peer source, or none (one node).
+    # Multi-node (peers/discovery.py, peers/plane.py). Exactly one peer source, or none (one node).
     node_rank: int = -1  # this daemon's index into the peer list; -1: derive it
     peers: str = ""  # every daemon's peer address H:P,... in node-rank order
     peers_dns: str = ""  # NAME:PORT: every address NAME resolves to

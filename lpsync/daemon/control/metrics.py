@@ -3,7 +3,7 @@
 Recorded once at the end of each collective (never per chunk), into plain counts of our
 own (``_Collectives``): a bucket found by bisection and a few list and dict updates
 under one lock, where prometheus_client's Histogram, Counter and Gauge cost about a dozen
-Python calls per collective (docs/benchmarks.md, cost per collective). A scrape reads
+Python calls per collective (docs/benchmarks.md at 623decd, 2026-12-06). A scrape reads
 the counts as the histogram, counter and gauge families they stand for, so a scrape
 sees every collective finished before it. Session and buffer changes are recorded at
 once; per-job and per-session figures are read from the daemon's own tables when

@@ -6,7 +6,7 @@ bytes directly (``result_bytes``): the serialized fields that repeat call after 
 that change (the request id and the seconds). Protobuf parses a field that comes twice
 by merging it (the language guide, "Encoding": last one wins for scalars, embedded
 messages merge), so the joined bytes are the message ``result`` builds;
-tests/daemon/test_replies.py parses both and compares them.
+tests/daemon/unit/test_replies.py parses both and compares them.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ class Session:
     on_close: list[Callable[[], None]] = field(default_factory=list)
     stream_bound: bool = False
     closed: bool = False  # removed from the table; its buffers are freed
-    ended: bool = False  # end_session ran (servicer.py)
+    ended: bool = False  # end_session ran (handlers.py)
 
 
 class SessionTable:

@@ -15,7 +15,7 @@ Invariants:
   * a Link is one generation of the mesh; once broken it stays broken (the endpoint is a
     communicator) and collectives that used it fail with UnavailableError;
   * control messages (heartbeats, probes, spec exchange) use tags with bit 63 set; the
-    collectives' folded tags never set it (multinode.py keeps their tag < 2**39);
+    collectives' folded tags never set it (collectives/planning.py keeps their tag < 2**39);
   * several local participant threads use one Link at once: the endpoints' send and
     recv_into are safe from any thread; only their recv_borrow staging buffer is
     shared, so SharedEndpoint gives each thread its own.
@@ -703,7 +703,7 @@ def _ping_pong(endpoint: MeshEndpoint, peer: int, initiator: bool, deadline: flo
     one_way = max(times[1] / 2 - alpha, 1e-6)
     result = np.array([alpha, _PROBES[1][0] / one_way])
     # The initiator's measurement is the pair's: both ends must agree (the tuner's input
-    # has to be identical on every node; multinode.py also takes the slowest of all).
+    # has to be identical on every node; agreement.py also takes the slowest of all).
     if initiator:
         endpoint.send(peer, control_tag(PROBE, tag), result).wait(deadline)
     else:

@@ -1,4 +1,4 @@
-"""Node 0's learning tuner (lpsync/daemon/collectives/learning.py), driven as multinode.py drives it.
+"""Node 0's learning tuner (lpsync/daemon/collectives/learning.py), driven as collectives/path.py drives it.
 (Across real daemons: tests/daemon/test_daemon_multinode.py.)"""
 
 from __future__ import annotations
