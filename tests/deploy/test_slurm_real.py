@@ -116,7 +116,7 @@ def wait_for(what: str, ready, timeout: float) -> None:
         time.sleep(0.5)
 
 
-def assert_drained(cluster: SlurmCluster, job: Job) -> None:
+def assert_drained(cluster: SlurmCluster, job: Job, trainers: int = RANKS) -> None:
     """The daemon drained and exited by itself; nothing of the job is left."""
     log = job.daemon_log()
     messages = [r["msg"] for r in log]
@@ -133,10 +133,10 @@ def assert_drained(cluster: SlurmCluster, job: Job) -> None:
     assert cluster.task_exits(job.id).get(daemon) == "exit code 0", cluster.task_exits(job.id)
     # The daemon, the trainers and every process of the job are gone (slurmstepd may take
     # a moment after the job's end).
-    trainers = [r["pid"] for r in log if r["msg"] == "attached"]
-    assert len(trainers) == RANKS, job.text()
+    attached = [r["pid"] for r in log if r["msg"] == "attached"]
+    assert len(attached) == trainers, job.text()
     wait_for("the job's processes to end", lambda: not cluster.job_processes(job.id), 30)
-    for pid in (daemon, *trainers):
+    for pid in (daemon, *attached):
         assert not Path(f"/proc/{pid}").exists(), f"process {pid} of job {job.id} is still alive"
 
 
@@ -200,3 +200,14 @@ def test_the_time_limit_stops_the_trainers_and_the_daemon_drains(
     assert "forcing job termination" not in text, text
     assert "lpsync-daemons ended (srun status 0)" in text, text
     assert_drained(cluster, job)
+
+
+def test_failing_trainers_fail_the_job_and_the_daemon_drains(cluster: SlurmCluster, tmp_path: Path) -> None:
+    job = submit(cluster, tmp_path, "--no-such-option")  # every rank exits 2 (argparse)
+    fields = cluster.wait_job(job.id, timeout=300)
+    text = job.text()
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] != "0:0", fields
+    assert "unrecognized arguments: --no-such-option" in text, text
+    assert re.search(r"lpsync-train: the trainers ended \(srun status [1-9]", text), text
+    assert "lpsync-daemons ended (srun status 0)" in text, text
+    assert_drained(cluster, job, trainers=0)
