@@ -1,10 +1,11 @@
 """deploy/slurm/lpsync-train.sbatch under a real Slurm (Debian's slurm-wlm 22.05 and munge,
 a one-node cluster started by tests/deploy/slurm_cluster.py): the trainers of
 examples/train_digits.py (2 ranks) through the job's lpsync daemon, run to the end, cancelled
-with scancel in the middle, and stopped by the time limit's warning. In each, the daemon
-drains (its "shutting down" and "daemon stopped" lines), leaves no socket in the run
-directory and no segment in /dev/shm, no process of the job is left, and Slurm records the
-job as COMPLETED, or CANCELLED for scancel. The stub tests (test_slurm.py) keep what one node
+with scancel in the middle, stopped by the time limit's warning, and failing. In each, the daemon
+drains (its "shutting down" and "daemon stopped" lines) and its task exits 0 by
+slurmstepd's record (not killed), it leaves no socket in the run directory and no segment in
+/dev/shm, no process of the job is left, and Slurm records the job as COMPLETED (CANCELLED
+for scancel, FAILED for failing trainers). The stub tests (test_slurm.py) keep what one node
 cannot show: two nodes.
 
 Runs only with LPSYNC_SLURM_E2E=1 (`make test-slurm`, which .ci/run calls); skips with the
