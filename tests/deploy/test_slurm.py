@@ -2,7 +2,8 @@
 lpsync/torchrun that record what happens: a daemon on every node (its peers and node rank
 from that node's Slurm variables), a wait until every one is healthy, the trainers on every
 node, and every daemon stopped at the end; a daemon that fails on one node fails the job
-before training. One node cannot show these; everything else (the stop through Slurm's
+before training; daemons that ignore their stop signal are cancelled after the stop
+timeout. One node cannot show these; everything else (the stop through Slurm's
 signals, scancel, the time limit) runs on a real Slurm in test_slurm_real.py.
 
 The stubs follow real Slurm where the script depends on it: srun answers SIGTERM by
@@ -16,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,8 +112,8 @@ print("\n".join(expand_nodelist(sys.argv[3])))
 """
 
 # lpsync: `daemon` records its argv and waits for SIGTERM or SIGINT (STUB_DAEMON_FAIL_NODE
-# exits 1 at once instead); `health` fails its first call per node, then says whether that
-# node's daemon runs. torchrun: records and exits 0.
+# exits 1 at once instead; STUB_DAEMON_HANG ignores both); `health` fails its first call
+# per node, then says whether that node's daemon runs. torchrun: records and exits 0.
 COMMON = r"""
 import json, os, signal, sys, time
 def event(kind, **extra):
@@ -131,10 +133,11 @@ if sys.argv[1] == "daemon":
         event("daemon-failed", argv=sys.argv[1:])
         sys.exit(1)
     stopped = []
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda s, f: stopped.append(s))
-    event("daemon-start", argv=sys.argv[1:], env={k: v for k, v in os.environ.items()
-                                                   if k.startswith(("SLURM_", "LPSYNC_"))})
+    for signum in (signal.SIGTERM, signal.SIGINT):  # STUB_DAEMON_HANG: a daemon that never stops
+        hang = os.environ.get("STUB_DAEMON_HANG") == "1"
+        signal.signal(signum, signal.SIG_IGN if hang else lambda s, f: stopped.append(s))
+    event("daemon-start", argv=sys.argv[1:], pid=os.getpid(),
+          env={k: v for k, v in os.environ.items() if k.startswith(("SLURM_", "LPSYNC_"))})
     open(f"{state}/running-{node}", "w").close()
     while not stopped:
         signal.pause()
@@ -283,3 +286,19 @@ def test_a_daemon_that_does_not_start_fails_the_job_before_training(slurm) -> No
     # (then SIGTERM ends it at once): every daemon that started was stopped.
     assert _nodes(events, "daemon-stop") == _nodes(events, "daemon-start")
     assert set(_nodes(events, "daemon-start")) <= {0}
+
+
+def test_daemons_that_do_not_stop_are_cancelled_after_the_stop_timeout(slurm, tmp_path: Path) -> None:
+    start, read = slurm
+    began = time.monotonic()
+    rc, err = _finish(start(STUB_DAEMON_HANG="1", LPSYNC_STOP_TIMEOUT="2"))
+    events = read()
+    assert rc == 0, err  # the trainers' status
+    assert "lpsync-daemons did not end within 2 s of SIGINT: cancelling it" in err, err
+    assert "lpsync-daemons ended (srun status 137)" in err, err  # SIGKILL from scancel
+    assert time.monotonic() - began < 30
+    assert not _nodes(events, "daemon-stop")
+    for e in (e for e in events if e["event"] == "daemon-start"):
+        assert not Path(f"/proc/{e['pid']}").exists(), f"daemon on node {e['node']} still alive"
+    for marker in (tmp_path / "state").glob("running-*"):
+        marker.unlink()  # left by the killed stubs (the fixture checks for live ones)
