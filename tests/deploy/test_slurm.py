@@ -3,8 +3,9 @@ lpsync/torchrun that record what happens: a daemon on every node (its peers and 
 from that node's Slurm variables), a wait until every one is healthy, the trainers on every
 node, and every daemon stopped at the end; a daemon that fails on one node fails the job
 before training; daemons that ignore their stop signal are cancelled after the stop
-timeout. One node cannot show these; everything else (the stop through Slurm's
-signals, scancel, the time limit) runs on a real Slurm in test_slurm_real.py.
+timeout. The real Slurm of test_slurm_real.py has one node and a daemon that does stop,
+so these run here; everything else (the stop through Slurm's signals, scancel, the time
+limit, failing trainers) runs there.
 
 The stubs follow real Slurm where the script depends on it: srun answers SIGTERM by
 killing its tasks (SIGKILL), so a step is stopped by `scancel --signal` on its tasks."""
