@@ -23,8 +23,10 @@ from pathlib import Path
 
 from tests.ports import free_ports
 
-# Job states of a job that has not ended yet (squeue's long names).
-ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "RESIZING"}
+# The states of a job that has ended (`scontrol show job`); any other (PENDING, RUNNING,
+# SIGNALING, COMPLETING, ...) is passing.
+ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+         "DEADLINE", "OUT_OF_MEMORY"}  # fmt: skip
 
 CONF = """\
 ClusterName=lpsynctest
@@ -86,7 +88,7 @@ class SlurmCluster:
     def wait_job(self, job_id: int, timeout: float) -> dict[str, str]:
         """The job's fields once it has ended; SlurmError after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        while (job := self.job(job_id))["JobState"] in ACTIVE:
+        while (job := self.job(job_id))["JobState"] not in ENDED:
             if time.monotonic() > deadline:
                 raise SlurmError(f"job {job_id} still {job['JobState']} after {timeout} s")
             time.sleep(0.5)

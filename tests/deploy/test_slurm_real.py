@@ -31,7 +31,7 @@ import pytest
 from lpsync.demo.job import EQUIVALENCE_BOUND
 from lpsync.memory.shm import leaked_segments
 from tests.deploy.deploy_files import DEPLOY, ROOT, tool
-from tests.deploy.slurm_cluster import SlurmCluster, SlurmError, slurm_cluster
+from tests.deploy.slurm_cluster import ENDED, SlurmCluster, SlurmError, slurm_cluster
 from tests.ports import free_ports
 
 SCRIPT = DEPLOY / "slurm" / "lpsync-train.sbatch"
@@ -172,7 +172,7 @@ def test_scancel_in_the_middle_cancels_the_job_and_the_daemon_drains(
     job = submit(cluster, tmp_path, "--epochs", "100000")
     wait_for(
         "the first epoch",
-        lambda: job.epochs() or cluster.job(job.id)["JobState"] not in {"RUNNING", "PENDING"},
+        lambda: job.epochs() or cluster.job(job.id)["JobState"] in ENDED,
         240,
     )
     assert job.epochs(), job.text()
