@@ -84,7 +84,7 @@ class Job:
         return serving[0]
 
     def epochs(self) -> list[str]:
-        return re.findall(r"^\[lpsync x2\] epoch \d+:.*$", self.text(), re.M)
+        return re.findall(rf"^\[lpsync x{RANKS}\] epoch \d+:.*$", self.text(), re.M)
 
 
 def submit(cluster: SlurmCluster, tmp_path: Path, *train_args: str, sbatch: tuple[str, ...] = ()) -> Job:
