@@ -14,7 +14,7 @@ UNIT := tests/algorithms tests/engine tests/memory tests/daemon/unit tests/trans
 # Workers for the whole suite: most tests wait on daemons, sockets and timeouts, not on CPU.
 JOBS ?= 4
 
-.PHONY: demo test check unit lint bytecode bench fuzz clean image test-deploy test-native
+.PHONY: demo test check unit lint bytecode bench fuzz clean image test-deploy test-native test-slurm
 
 # The native engine's sources: the install builds it (pyproject.toml), and an edit to them
 # installs again so that the tests never run a stale engine.
@@ -85,6 +85,13 @@ image:
 # reason where no engine answers; .ci/run starts dockerd for it). ~6 min warm.
 test-deploy: $(BIN)/.installed
 	LPSYNC_DEPLOY_E2E=1 $(BIN)/python -m pytest -q -s -m deploy_e2e tests/deploy/test_compose_e2e.py
+
+# deploy/slurm/lpsync-train.sbatch on a real one-node Slurm: Debian's slurm-wlm and munge,
+# started and stopped by the test in a temporary directory (root). A training run, scancel
+# in the middle, the time limit, failing trainers (docs/deploy.md, "Slurm"); skips with the
+# reason where Slurm is not installed or does not start. ~3.5 min.
+test-slurm: $(BIN)/.installed
+	LPSYNC_SLURM_E2E=1 $(BIN)/python -m pytest -q tests/deploy/test_slurm_real.py
 
 # PyTorch's own distributed tests (torch's DistributedTest suite, in the torch wheel) on
 # gloo and on lpsync (a local daemon), world sizes 2 and 3; fails on a test that passes on

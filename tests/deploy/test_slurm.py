@@ -1,6 +1,14 @@
-"""deploy/slurm/lpsync-train.sbatch run against stub srun/scontrol/lpsync/torchrun that
-record what happens: daemons on every node, a wait until every one is healthy, the
-trainers, and the daemons stopped at the end, on failure and on cancellation."""
+"""deploy/slurm/lpsync-train.sbatch on two nodes, against stub srun/squeue/scancel/scontrol/
+lpsync/torchrun that record what happens: a daemon on every node (its peers and node rank
+from that node's Slurm variables), a wait until every one is healthy, the trainers on every
+node, and every daemon stopped at the end; a daemon that fails on one node fails the job
+before training; daemons that ignore their stop signal are cancelled after the stop
+timeout. The real Slurm of test_slurm_real.py has one node and a daemon that does stop,
+so these run here; everything else (the stop through Slurm's signals, scancel, the time
+limit, failing trainers) runs there.
+
+The stubs follow real Slurm where the script depends on it: srun answers SIGTERM by
+killing its tasks (SIGKILL), so a step is stopped by `scancel --signal` on its tasks."""
 
 from __future__ import annotations
 
@@ -22,27 +30,44 @@ from tests.deploy.deploy_files import DEPLOY
 SCRIPT = DEPLOY / "slurm" / "lpsync-train.sbatch"
 NODELIST, NODES = "node[01-02]", 2
 
-# srun: runs its command once per node (SLURM_NODEID), in parallel, as srun does; passes
-# SIGTERM on to every task; exits with the worst status.
+# srun: runs its command once per node (SLURM_NODEID), in parallel, as one step of the job
+# (STUB_STATE/step-N: its name and task pids, for squeue and scancel); answers SIGTERM by
+# killing its tasks, as real srun does ("forcing job termination"); exits with the worst
+# status.
 SRUN = r"""
-import os, signal, subprocess, sys
+import json, os, signal, subprocess, sys
 args = sys.argv[1:]
-nodes = 1
+nodes, name = 1, "srun"
 while args and args[0].startswith("-"):
     option = args.pop(0)
     if option.startswith("--nodes="):
         nodes = int(option.split("=", 1)[1])
+    if option.startswith("--job-name="):
+        name = option.split("=", 1)[1]
 kill_on_bad_exit = "--kill-on-bad-exit=1" in sys.argv
+state = os.environ["STUB_STATE"]
+step = 0
+while True:  # the job's next step id
+    try:
+        os.close(os.open(f"{state}/step-{step}.claim", os.O_CREAT | os.O_EXCL))
+        break
+    except FileExistsError:
+        step += 1
 tasks = {}
-for n in range(nodes):
-    task = subprocess.Popen(args, env={**os.environ, "SLURM_NODEID": str(n),
-                                       "SLURMD_NODENAME": f"node0{n + 1}"})
-    tasks[task.pid] = task
-def forward(signum, frame=None):
+def kill(signum=None, frame=None):
+    if signum is not None:
+        print("srun: forcing job termination", file=sys.stderr)
     for t in tasks.values():
         if t.poll() is None:
-            t.send_signal(signum)
-signal.signal(signal.SIGTERM, forward)
+            t.kill()
+signal.signal(signal.SIGTERM, kill)
+for n in range(nodes):
+    task = subprocess.Popen(args, env={**os.environ, "SLURM_NODEID": str(n), "SLURM_STEP_ID": str(step),
+                                       "SLURMD_NODENAME": f"node0{n + 1}"})
+    tasks[task.pid] = task
+with open(f"{state}/step-{step}.tmp", "w") as f:
+    json.dump({"name": name, "pids": list(tasks)}, f)
+os.rename(f"{state}/step-{step}.tmp", f"{state}/step-{step}")
 worst = 0
 for _ in range(nodes):
     pid, status = os.wait()
@@ -50,8 +75,34 @@ for _ in range(nodes):
     tasks[pid].returncode = rc
     worst = max(worst, rc if rc >= 0 else 128 - rc)
     if rc != 0 and kill_on_bad_exit:  # --kill-on-bad-exit: one failed task ends the step
-        forward(signal.SIGTERM)
+        for t in tasks.values():
+            if t.returncode is None and t.poll() is None:
+                t.send_signal(signal.SIGTERM)
+os.unlink(f"{state}/step-{step}")
 sys.exit(worst)
+"""
+
+# squeue --steps: the live steps as JOBID.STEP NAME; scancel [--signal=SIG] JOBID.STEP...:
+# the signal (default KILL) to every task of those steps.
+SQUEUE = r"""
+import json, os, re
+state = os.environ["STUB_STATE"]
+for name in sorted(os.listdir(state)):
+    if re.fullmatch(r"step-\d+", name):  # not .claim (an id taken) nor .tmp (being written)
+        with open(f"{state}/{name}") as f:
+            print(f"{os.environ['SLURM_JOB_ID']}.{name[5:]}", json.load(f)["name"])
+"""
+
+SCANCEL = r"""
+import json, os, signal, sys
+args = sys.argv[1:]
+signum = signal.SIGKILL
+if args[0].startswith("--signal="):
+    signum = signal.Signals["SIG" + args.pop(0).split("=", 1)[1]]
+for step in args:
+    with open(os.environ["STUB_STATE"] + "/step-" + step.split(".")[1]) as f:
+        for pid in json.load(f)["pids"]:
+            os.kill(pid, signum)
 """
 
 SCONTROL = r"""
@@ -61,9 +112,9 @@ assert sys.argv[1:3] == ["show", "hostnames"], sys.argv
 print("\n".join(expand_nodelist(sys.argv[3])))
 """
 
-# lpsync: `daemon` records its argv and waits for SIGTERM (STUB_DAEMON_FAIL_NODE exits 1
-# at once instead); `health` fails its first call per node, then says whether that
-# node's daemon runs. torchrun: records, sleeps STUB_TRAIN_SECONDS, exits STUB_TRAIN_RC.
+# lpsync: `daemon` records its argv and waits for SIGTERM or SIGINT (STUB_DAEMON_FAIL_NODE
+# exits 1 at once instead; STUB_DAEMON_HANG ignores both); `health` fails its first call
+# per node, then says whether that node's daemon runs. torchrun: records and exits 0.
 COMMON = r"""
 import json, os, signal, sys, time
 def event(kind, **extra):
@@ -83,14 +134,16 @@ if sys.argv[1] == "daemon":
         event("daemon-failed", argv=sys.argv[1:])
         sys.exit(1)
     stopped = []
-    signal.signal(signal.SIGTERM, lambda s, f: stopped.append(s))
-    event("daemon-start", argv=sys.argv[1:], env={k: v for k, v in os.environ.items()
-                                                   if k.startswith(("SLURM_", "LPSYNC_"))})
+    for signum in (signal.SIGTERM, signal.SIGINT):  # STUB_DAEMON_HANG: a daemon that never stops
+        hang = os.environ.get("STUB_DAEMON_HANG") == "1"
+        signal.signal(signum, signal.SIG_IGN if hang else lambda s, f: stopped.append(s))
+    event("daemon-start", argv=sys.argv[1:], pid=os.getpid(),
+          env={k: v for k, v in os.environ.items() if k.startswith(("SLURM_", "LPSYNC_"))})
     open(f"{state}/running-{node}", "w").close()
     while not stopped:
         signal.pause()
     os.unlink(f"{state}/running-{node}")
-    event("daemon-stop")
+    event("daemon-stop", signal=stopped[0])
     sys.exit(0)
 if sys.argv[1] == "health":
     calls = f"{state}/health-calls-{node}"
@@ -108,11 +161,7 @@ TORCHRUN = (
     + r"""
 event("train-start", argv=sys.argv[1:], socket=os.environ.get("LPSYNC_SOCKET"),
       job=os.environ.get("LPSYNC_JOB"), secret=bool(os.environ.get("LPSYNC_SECRET")))
-signal.signal(signal.SIGTERM, lambda s, f: (event("train-term"), sys.exit(143)))
-time.sleep(float(os.environ.get("STUB_TRAIN_SECONDS", "0")))
-rc = int(os.environ.get("STUB_TRAIN_RC", "0"))
-event("train-end", rc=rc)
-sys.exit(rc)
+event("train-end")
 """
 )
 
@@ -122,7 +171,8 @@ def slurm(tmp_path: Path):
     bin_dir, state = tmp_path / "bin", tmp_path / "state"
     bin_dir.mkdir()
     state.mkdir()
-    for name, body in (("srun", SRUN), ("scontrol", SCONTROL), ("lpsync", LPSYNC), ("torchrun", TORCHRUN)):
+    stubs = {"srun": SRUN, "squeue": SQUEUE, "scancel": SCANCEL, "scontrol": SCONTROL}
+    for name, body in {**stubs, "lpsync": LPSYNC, "torchrun": TORCHRUN}.items():
         (bin_dir / name).write_text(f"#!{sys.executable}\n{body}")
         (bin_dir / name).chmod(0o755)
     events = tmp_path / "events.jsonl"
@@ -200,6 +250,11 @@ def test_daemons_then_health_then_trainers_then_stop(slurm) -> None:
     assert _last(events, "daemon-start") < _first(events, "train-start")
     assert max(e["t"] for e in healthy) < _first(events, "train-start")
     assert _last(events, "train-end") < _first(events, "daemon-stop")
+    # Stopped through Slurm (scancel --signal=INT on the daemons' step), not through srun,
+    # whose SIGTERM would have killed them.
+    assert {e["signal"] for e in events if e["event"] == "daemon-stop"} == {signal.SIGINT}
+    assert "forcing job termination" not in err
+    assert "lpsync-daemons ended (srun status 0)" in err, err
 
     # Every daemon's command line is lpsync's own, and under this node's Slurm variables
     # it finds every node as a peer, itself at SLURM_NODEID.
@@ -222,34 +277,6 @@ def test_daemons_then_health_then_trainers_then_stop(slurm) -> None:
         assert e["socket"] == config.socket and e["job"] == "slurm-4242" and e["secret"]
 
 
-def test_a_failing_trainer_fails_the_job_and_stops_the_daemons(slurm) -> None:
-    start, read = slurm
-    rc, err = _finish(start(STUB_TRAIN_RC="3"))
-    events = read()
-    assert rc != 0, err  # srun's status: 3, or the signal that ended the other node's task
-    assert {e["rc"] for e in events if e["event"] == "train-end"} == {3}
-    assert _nodes(events, "daemon-stop") == list(range(NODES))
-
-
-def test_cancellation_stops_trainers_and_daemons(slurm) -> None:
-    start, read = slurm
-    proc = start(STUB_TRAIN_SECONDS="120")
-    deadline = time.monotonic() + 60
-    while len(_nodes(read(), "train-start")) < NODES:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
-    cancelled = time.monotonic()
-    proc.send_signal(signal.SIGTERM)  # what scancel (or the time limit's warning) sends
-    rc, err = _finish(proc, timeout=30)
-    events = read()
-    assert rc == 143, err
-    assert "cancelled" in err
-    assert time.monotonic() - cancelled < 20
-    assert _nodes(events, "train-term") == list(range(NODES))
-    assert _nodes(events, "daemon-stop") == list(range(NODES))
-    assert not [e for e in events if e["event"] == "train-end"]
-
-
 def test_a_daemon_that_does_not_start_fails_the_job_before_training(slurm) -> None:
     start, read = slurm
     rc, err = _finish(start(STUB_DAEMON_FAIL_NODE="1"))
@@ -260,3 +287,19 @@ def test_a_daemon_that_does_not_start_fails_the_job_before_training(slurm) -> No
     # (then SIGTERM ends it at once): every daemon that started was stopped.
     assert _nodes(events, "daemon-stop") == _nodes(events, "daemon-start")
     assert set(_nodes(events, "daemon-start")) <= {0}
+
+
+def test_daemons_that_do_not_stop_are_cancelled_after_the_stop_timeout(slurm, tmp_path: Path) -> None:
+    start, read = slurm
+    began = time.monotonic()
+    rc, err = _finish(start(STUB_DAEMON_HANG="1", LPSYNC_STOP_TIMEOUT="2"))
+    events = read()
+    assert rc == 0, err  # the trainers' status
+    assert "lpsync-daemons did not end within 2 s of SIGINT: cancelling it" in err, err
+    assert "lpsync-daemons ended (srun status 137)" in err, err  # SIGKILL from scancel
+    assert time.monotonic() - began < 30
+    assert not _nodes(events, "daemon-stop")
+    for e in (e for e in events if e["event"] == "daemon-start"):
+        assert not Path(f"/proc/{e['pid']}").exists(), f"daemon on node {e['node']} still alive"
+    for marker in (tmp_path / "state").glob("running-*"):
+        marker.unlink()  # left by the killed stubs (the fixture checks for live ones)
