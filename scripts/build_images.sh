@@ -111,6 +111,22 @@ for path in sys.argv[1:]:
     done_step
 }
 
+# The project's two wheels, built on the host every time (the source changes): the daemon's
+# carries the native engine (lpsync/native, compiled by the host's C compiler; the images'
+# minbase has none, and the host is Debian bookworm with CPython 3.11 as they are). The
+# Dockerfile installs these where present (deploy/dist), else builds them inside.
+make_project_wheels() {
+    step "the project's wheels (deploy/dist, the native engine compiled here)"
+    rm -f "$ROOT"/deploy/dist/*.whl
+    PIP_FIND_LINKS="$WHEELHOUSE" nice "$PY" -m pip wheel -q --no-deps --wheel-dir "$ROOT/deploy/dist" \
+        "$ROOT" "$ROOT/clients/python" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+    if ! "$PY" -m zipfile -l "$ROOT"/deploy/dist/lpsync-[0-9]*.whl | grep -q 'lpsync/native/_engine'; then
+        echo "build_images.sh: the lpsync wheel has no native engine (no C compiler?): the images" \
+             "run every collective on the Python path" >&2
+    fi
+    done_step
+}
+
 make_base() {
     if [ -n "$BASE" ]; then
         echo "== base: $BASE (given)"
@@ -183,6 +199,7 @@ build_prometheus() {
 
 total=$SECONDS
 if wants wheelhouse; then make_wheelhouse; fi
+if wants daemon || wants trainer; then make_project_wheels; fi
 if wants base || wants daemon || wants trainer || wants prometheus; then make_base; fi
 if wants daemon; then build_target deps daemon lpsync; fi
 if wants trainer; then build_target deps-trainer trainer lpsync-trainer; fi

@@ -67,6 +67,12 @@ def cluster_iterations(nbytes: int, forced: int | None) -> int:
     return forced or min(_MOST_ITERS, max(5, (_BULK_BYTES * 5) // nbytes))
 
 
+def _resolved(transport: str) -> str:
+    """``auto`` as the daemons resolve it inside the namespaces (RDMA devices are the
+    host's: sysfs is not per namespace), so that points say what ran."""
+    return backends.resolve(transport, backends.Rdma.scan())[0] if transport == backends.AUTO else transport
+
+
 @dataclass(frozen=True)
 class ClusterOptions:
     nodes: tuple[int, ...]  # node counts; one emulated cluster each, in this order
@@ -101,6 +107,8 @@ class ClusterOptions:
             raise InvalidArgumentError(f"--op {','.join(unknown)}: expected some of {', '.join(OPS)}")
         if unknown := [s for s in self.sizes if s < 4]:
             raise InvalidArgumentError(f"--bytes: sizes must be >= 4 (one float32), got {unknown}")
+        # auto as the daemons will resolve it, so that every point says what ran
+        object.__setattr__(self, "transports", tuple(map(_resolved, self.transports)))
         for transport in self.transports:
             check_transport(transport)
         if not self.transports:
@@ -174,7 +182,7 @@ def run(options: ClusterOptions) -> Iterator[list[Point]]:
     with _Interrupts() as interrupts:
         for nodes in options.nodes:
             points = []
-            for i, transport in enumerate(map(_resolved, options.transports)):
+            for i, transport in enumerate(options.transports):
                 points += _run_nodes(
                     replace(options, compare=options.compare if i == 0 else None),
                     nodes,
@@ -182,12 +190,6 @@ def run(options: ClusterOptions) -> Iterator[list[Point]]:
                     transport,
                 )
             yield points
-
-
-def _resolved(transport: str) -> str:
-    """``auto`` as the daemons resolve it inside the namespaces (RDMA devices are the
-    host's: sysfs is not per namespace), so that points say what ran."""
-    return backends.resolve(transport, backends.Rdma.scan())[0] if transport == backends.AUTO else transport
 
 
 @dataclass

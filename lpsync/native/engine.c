@@ -316,6 +316,16 @@ static void ring_bell(lpn_engine *e) {
 /* Serial-number order of 32-bit sequence numbers (they wrap). */
 static int seq_le(uint32_t a, uint32_t b) { return (int32_t)(a - b) <= 0; }
 
+/* abandoned = max(abandoned, seq), lock-free: lpn_engine_yield runs on the daemon's event
+ * loop and must never wait behind a program that runs under the lock. Whether it rose. */
+static int raise_abandoned(lpn_engine *e, uint32_t seq) {
+    uint32_t seen = __atomic_load_n(&e->abandoned, __ATOMIC_ACQUIRE);
+    while (!seq_le(seq, seen))
+        if (__atomic_compare_exchange_n(&e->abandoned, &seen, seq, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return 1;
+    return 0;
+}
+
 static void answer(lpn_engine *e, uint32_t i, uint32_t seq, uint32_t code) {
     uint8_t *s = slot(e, i);
     __atomic_store_n((uint32_t *)(s + 12), code, __ATOMIC_RELAXED);
@@ -357,7 +367,8 @@ static int serve(lpn_engine *e, double *deadline) {
         rings[i] = __atomic_load_n((uint64_t *)slot(e, i), __ATOMIC_ACQUIRE);
         uint32_t seq = (uint32_t)(rings[i] >> 32);
         if (seq == e->served[i]) continue; /* nothing new in this slot */
-        if (e->stopping || seq_le(seq, e->abandoned)) { /* runs on the general path */
+        if (e->stopping || seq_le(seq, __atomic_load_n(&e->abandoned, __ATOMIC_ACQUIRE))) {
+            /* it runs on the general path */
             answer(e, i, seq, LPN_FALLBACK);
             e->fallbacks++;
             answered = 1;
@@ -402,7 +413,7 @@ static int serve(lpn_engine *e, double *deadline) {
         agree = 0;
     }
     if (!agree) { /* mismatch, disarmed or late: the general path says what went wrong */
-        e->abandoned = target;
+        raise_abandoned(e, target);
         record(e, target, plan, LPN_FALLBACK, first, last, now());
         for (i = 0; i < e->slots; i++)
             if ((uint32_t)(rings[i] >> 32) == target && target != e->served[i]) {
@@ -536,11 +547,7 @@ void lpn_engine_disarm(lpn_engine *e, uint32_t index) {
 }
 
 void lpn_engine_yield(lpn_engine *e, uint32_t seq) {
-    pthread_mutex_lock(&e->mu);
-    int later = !seq_le(seq, e->abandoned);
-    if (later) e->abandoned = seq;
-    pthread_mutex_unlock(&e->mu);
-    if (later) ring_bell(e);
+    if (raise_abandoned(e, seq)) ring_bell(e); /* the engine's thread falls back its rings */
 }
 
 int lpn_engine_run(lpn_engine *e, uint32_t index, uint32_t gen) {

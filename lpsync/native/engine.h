@@ -100,7 +100,7 @@ typedef struct {
     pthread_mutex_t mu; /* guards everything below; held while a program runs */
     pthread_t thread;
     int started, stopping;
-    uint32_t abandoned;  /* every seq <= this (serial order) runs on the general path */
+    uint32_t abandoned;  /* every seq <= this (serial order) runs on the general path; atomic */
     uint32_t served[LPN_MAX_SLOTS]; /* the last seq answered per slot */
     double first_seen[LPN_MAX_SLOTS];
     lpn_plan plans[LPN_MAX_PLANS];
@@ -123,7 +123,7 @@ long lpn_engine_arm(lpn_engine *e, uint32_t index, const uint8_t *data, size_t l
                     const uint64_t *bases, const uint64_t *sizes, uint32_t nbases, double timeout,
                     const char **why);
 void lpn_engine_disarm(lpn_engine *e, uint32_t index);
-/* A rank arrived for ``seq`` on the general path: rings of it fall back. */
+/* A rank arrived for ``seq`` on the general path: rings of it fall back. Never blocks. */
 void lpn_engine_yield(lpn_engine *e, uint32_t seq);
 /* Run plan ``index`` once for a general-path collective (under the engine's lock). */
 int lpn_engine_run(lpn_engine *e, uint32_t index, uint32_t gen);

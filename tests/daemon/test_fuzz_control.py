@@ -127,7 +127,9 @@ def _check_bounded(daemon: DaemonProcess, channel: grpc.Channel, pool: Pool, bas
     deadline = time.monotonic() + 5
     while True:
         status = pool.stub.Status(pb.StatusRequest(), timeout=5)
-        reported = sorted(b.shm_name for b in status.buffers)
+        # Buffers, and the doorbell pages of jobs with armed plans (docs/daemon.md).
+        pages = [j.doorbell_page for j in status.jobs if j.doorbell_page]
+        reported = sorted([b.shm_name for b in status.buffers] + pages)
         if reported == shm_segments(daemon.pid) or time.monotonic() > deadline:
             break
         time.sleep(0.05)

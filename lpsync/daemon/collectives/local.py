@@ -99,7 +99,9 @@ def arm(task: Task, compiled: Program, views: list[np.ndarray]) -> Outcome:
     identical later calls ring the engine (the reply tells the clients)."""
     job = task.job
     armed = None
-    native = job.native_plans()
+    # Only what the direct path serves by size: a forced direct one over a big buffer would
+    # hold the engine's lock as long as it runs, and a disarm waits for that.
+    native = job.native_plans() if task.nbytes <= DIRECT_MAX_BYTES else None
     if native is not None:
         key = direct_key(task)
         armed = native.find(key)

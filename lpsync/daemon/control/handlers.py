@@ -419,18 +419,23 @@ class Service(pb_grpc.LpSyncServicer):
     ) -> pb.ReleaseResponse:
         try:
             session = self.sessions.get(request.session_id)
-            armed = self.jobs.get(session.job)
-            if armed is not None and armed.native is not None:  # disarmed before it is unmapped
-                armed.native.forget(session.id, request.handle)
-            # Off the event loop: closing a device mapping can synchronize the device.
+            # Off the event loop: closing a device mapping can synchronize the device, and a
+            # disarm waits for a run of the plan.
             assert self.loop is not None  # bound before serving (bind_loop)
-            await self.loop.run_in_executor(None, self.sessions.release, session, request.handle)
+            await self.loop.run_in_executor(None, self._release, session, request.handle)
         except LpsyncError as error:
             await _abort(context, error)
         job = self.jobs.get(session.job)
         if job is not None:
             job.plans.forget(session.id, request.handle)
         return pb.ReleaseResponse()
+
+    def _release(self, session: _Session, handle: int) -> None:
+        """Release a buffer: its armed plans are disarmed before it is unmapped."""
+        job = self.jobs.get(session.job)
+        if job is not None and job.native is not None:
+            job.native.forget(session.id, handle)
+        self.sessions.release(session, handle)
 
     async def Collective(
         self, request: pb.CollectiveRequest, context: grpc.aio.ServicerContext
@@ -678,6 +683,7 @@ class Service(pb_grpc.LpSyncServicer):
             if job.native is not None:
                 info.armed_plans = job.native.armed()
                 info.native_answered, info.native_fallbacks = job.native.stats()
+                info.doorbell_page = job.native.page.name
             for rank, tag, seconds in self.any_source.inbox.waiting(job.name):
                 info.receiving_any.add(rank=rank, tag=tag, waiting_seconds=seconds)
         for across in self.outcomes.failed(limit) if self.outcomes is not None else ():

@@ -398,7 +398,7 @@ class WaitingCollective(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., op: _Optional[str] = ..., stage: _Optional[str] = ..., started_at: _Optional[float] = ..., waiting_seconds: _Optional[float] = ..., arrived: _Optional[_Iterable[int]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., missing_nodes: _Optional[_Iterable[int]] = ..., stalled: _Optional[bool] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job", "world_size", "nodes", "node", "attached", "waiting", "history", "receiving_any", "path", "armed_plans", "native_answered", "native_fallbacks")
+    __slots__ = ("job", "world_size", "nodes", "node", "attached", "waiting", "history", "receiving_any", "path", "armed_plans", "native_answered", "native_fallbacks", "doorbell_page")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
@@ -411,6 +411,7 @@ class JobInfo(_message.Message):
     ARMED_PLANS_FIELD_NUMBER: _ClassVar[int]
     NATIVE_ANSWERED_FIELD_NUMBER: _ClassVar[int]
     NATIVE_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_PAGE_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
     nodes: int
@@ -423,7 +424,8 @@ class JobInfo(_message.Message):
     armed_plans: int
     native_answered: int
     native_fallbacks: int
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., nodes: _Optional[int] = ..., node: _Optional[int] = ..., attached: _Optional[_Iterable[int]] = ..., waiting: _Optional[_Iterable[_Union[WaitingCollective, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[FlightRecord, _Mapping]]] = ..., receiving_any: _Optional[_Iterable[_Union[AnySourceWait, _Mapping]]] = ..., path: _Optional[str] = ..., armed_plans: _Optional[int] = ..., native_answered: _Optional[int] = ..., native_fallbacks: _Optional[int] = ...) -> None: ...
+    doorbell_page: str
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., nodes: _Optional[int] = ..., node: _Optional[int] = ..., attached: _Optional[_Iterable[int]] = ..., waiting: _Optional[_Iterable[_Union[WaitingCollective, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[FlightRecord, _Mapping]]] = ..., receiving_any: _Optional[_Iterable[_Union[AnySourceWait, _Mapping]]] = ..., path: _Optional[str] = ..., armed_plans: _Optional[int] = ..., native_answered: _Optional[int] = ..., native_fallbacks: _Optional[int] = ..., doorbell_page: _Optional[str] = ...) -> None: ...
 
 class AnySourceWait(_message.Message):
     __slots__ = ("rank", "tag", "waiting_seconds")
