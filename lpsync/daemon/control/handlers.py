@@ -47,11 +47,13 @@ from lpsync.daemon.control import limits, replies
 from lpsync.daemon.control.any_source import AnySource
 from lpsync.daemon.control.config import DaemonConfig
 from lpsync.daemon.control.metrics import JobState, Metrics
+from lpsync.daemon.control.placing import Placing
 from lpsync.daemon.control.sessions import Session as _Session  # Service.Session (an RPC) shadows it
 from lpsync.daemon.control.sessions import SessionTable
 from lpsync.daemon.device_registry import DeviceRegistry
+from lpsync.daemon.peers.attached import MAX_JOB_BYTES, Attached
 from lpsync.daemon.peers.plane import PeerPlane
-from lpsync.daemon.values import Arrival, Later, Outcome, Pending, Spec
+from lpsync.daemon.values import Arrival, Later, Outcome, Pending, Spec, Waiting
 from lpsync.daemon.watcher import Watcher
 from lpsync.errors import (
     InvalidArgumentError,
@@ -99,6 +101,13 @@ class Service(pb_grpc.LpSyncServicer):
             Recorder(config.flight_recorder, config.stall_seconds),
             max_pending=self.limits.max_pending,
         )
+        # Multi-node: where every job's ranks attached, as the daemons tell each other, and
+        # its first collectives held until that settles its layout (placing.py).
+        self.placing = (
+            Placing(Attached(plane), self.watcher, self._release, self._placed, self.jobs.get)
+            if plane is not None
+            else None
+        )
         metrics.session_bytes_limit.set(config.max_session_bytes)
         metrics.buffer_bytes_limit.set(config.max_buffer_bytes)
         metrics.watch(
@@ -139,6 +148,8 @@ class Service(pb_grpc.LpSyncServicer):
             session.ended = True
         # Abort first, so the other ranks hear of it; then free the buffers.
         self.jobs.leave(session.job, session.rank, reason)
+        if self.placing is not None:
+            self.placing.left(session.job, session.rank, reason)
         buffers = self.sessions.remove(session, wait)
         job = self.jobs.get(session.job)
         if job is not None:
@@ -248,6 +259,7 @@ class Service(pb_grpc.LpSyncServicer):
             )
             info = self.node_info
             limits.check_rank_nodes(request.rank_nodes, request.world_size, info.nodes)
+            said = self._hints(request)
             layout = layouts.resolve(
                 request.job,
                 request.rank,
@@ -258,19 +270,22 @@ class Service(pb_grpc.LpSyncServicer):
                 info.node_rank,
                 info.nodes,
             )
-            limits.check_local_world(
-                request.job, len(layout.local_ranks) if layout else request.world_size, self.limits
-            )
+            hinted = layouts.Hinted(layout, said) if said is not None else None
+            if hinted is None and self.placing is not None:  # found by the daemons: as settled
+                existing = self.jobs.get(request.job)
+                layout = existing.layout if existing is not None else None
+            else:
+                limits.check_local_world(
+                    request.job, len(layout.local_ranks) if layout else request.world_size, self.limits
+                )
             session = self.sessions.create(
                 request.job, request.rank, request.world_size, request.pid, multinode=layout is not None
             )
             try:
                 job = self.jobs.join(session.job, session.rank, session.world_size, session.id, layout)
-                if job.layout is not None and self.plane is not None:
-                    plane = self.plane
-                    job.on_local_failure = lambda j, p, e: self._workers.submit(
-                        path.notify_failure, j, p, e, plane
-                    )
+                self._watch_failures(job)
+                if self.placing is not None:
+                    self.placing.attached(job, session.rank, hinted)
             except LpsyncError:
                 self.sessions.remove(session)
                 raise
@@ -287,6 +302,8 @@ class Service(pb_grpc.LpSyncServicer):
             )
             if isinstance(error, InvalidArgumentError):
                 self._refused(request.job, request.rank, error)
+                if self.placing is not None and request.job and request.rank < request.world_size:
+                    self.placing.refused(request.job[:MAX_JOB_BYTES], request.world_size, request.rank, error)
             await _abort(context, error)
             raise AssertionError from error  # unreachable: abort raises
         # A session whose client never opens its stream would never learn of its death.
@@ -309,6 +326,41 @@ class Service(pb_grpc.LpSyncServicer):
             trigger_socket=self.trigger_path,
             node=self.node_info,
         )
+
+    def _hints(self, request: pb.AttachRequest) -> str | None:
+        """What an attach said of its job's layout, in words (None: nothing; on a daemon
+        with peers the daemons find it). A job name too long to tell the peers is refused."""
+        if self.placing is not None and len(request.job.encode()) > MAX_JOB_BYTES:
+            raise InvalidArgumentError(
+                f"a job name of over {MAX_JOB_BYTES} bytes cannot be told to the peer daemons"
+            )
+        if request.rank_nodes:
+            return "a layout discovered through a store (rank_nodes)"
+        if request.local_world_size:
+            return f"LOCAL_WORLD_SIZE={request.local_world_size}, LOCAL_RANK={request.local_rank}"
+        return None
+
+    def _watch_failures(self, job: Job) -> None:
+        """A multi-node job's collectives that fail here before they run are told to the
+        other nodes (path.notify_failure)."""
+        if job.layout is not None and self.plane is not None and job.on_local_failure is None:
+            plane = self.plane
+            job.on_local_failure = lambda j, p, e: self._workers.submit(path.notify_failure, j, p, e, plane)
+
+    def _placed(self, job: Job) -> None:
+        """``job``'s layout settled (placing.py), before its first collective goes on."""
+        for session in self.sessions.all():
+            if session.job == job.name:
+                session.multinode = job.layout is not None
+        self._watch_failures(job)
+
+    def _release(self, session: _Session, arrival: Arrival) -> None:
+        """A collective that waited for its job's layout goes on (placing.py)."""
+        try:
+            self._submit(session, arrival)
+        except LpsyncError as error:
+            self.metrics.collective_failed(arrival.spec.op, error.code)
+            arrival.done(Outcome(error))
 
     async def Node(self, request: pb.NodeRequest, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
         return self.node_info
@@ -573,6 +625,8 @@ class Service(pb_grpc.LpSyncServicer):
         job = self.jobs.get(session.job)
         if job is None or session.closed:
             raise NotFoundError(f"session {session.id} has ended")
+        if self.placing is not None and self.placing.holds(job, session, arrival):
+            return  # it goes on once the job's layout is settled
         # Announced first: submit may run the collective on this thread, which waits for
         # the receiver, which waits for the announcement.
         self.any_source.sent(job, session.rank, arrival)
@@ -633,6 +687,8 @@ class Service(pb_grpc.LpSyncServicer):
         for job in sorted(self.jobs.all(), key=lambda j: j.name):
             info = response.jobs.add()
             _job_info(info, job, request.history)
+            for w in self.placing.waiting(job) if self.placing is not None else ():
+                _waiting_info(info, w)
             for rank, tag, seconds in self.any_source.inbox.waiting(job.name):
                 info.receiving_any.add(rank=rank, tag=tag, waiting_seconds=seconds)
         for across in self.outcomes.failed(limit) if self.outcomes is not None else ():
@@ -830,17 +886,7 @@ def _job_info(info: pb.JobInfo, job: Job, history: int) -> None:
         info.attached.extend(sorted(job.sessions))
         records = list(job.history)
     for w in job.waiting():
-        info.waiting.add(
-            sequence=w.sequence,
-            op=w.op,
-            stage=w.stage,
-            started_at=w.started_at,
-            waiting_seconds=w.seconds,
-            arrived=w.arrived,
-            missing_ranks=w.missing_ranks,
-            missing_nodes=w.missing_nodes,
-            stalled=w.stalled,
-        )
+        _waiting_info(info, w)
     for r in records[-history if history else 0 :]:
         record = info.history.add(
             sequence=r.sequence,
@@ -858,6 +904,20 @@ def _job_info(info: pb.JobInfo, job: Job, history: int) -> None:
             record.arrivals.add(rank=rank, after_seconds=after)
         for stage, seconds in r.stages:
             record.stages.add(stage=stage, seconds=seconds)
+
+
+def _waiting_info(info: pb.JobInfo, w: Waiting) -> None:
+    info.waiting.add(
+        sequence=w.sequence,
+        op=w.op,
+        stage=w.stage,
+        started_at=w.started_at,
+        waiting_seconds=w.seconds,
+        arrived=w.arrived,
+        missing_ranks=w.missing_ranks,
+        missing_nodes=w.missing_nodes,
+        stalled=w.stalled,
+    )
 
 
 def _on_device(pending: Pending) -> bool:
