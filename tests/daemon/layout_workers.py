@@ -225,3 +225,34 @@ def jax_pytree(rank: int, world: int, sockets: list[str], job: str) -> list[str]
 
 def _jax(jnp, value):
     return [jnp.asarray(v) for v in value] if isinstance(value, list) else jnp.asarray(value)
+
+
+def plain_p2p(rank: int, world: int, sockets: list[str], job: str) -> list[str]:
+    """Point-to-point with no hint and no store: a ring of sends (async both ways), then
+    rank 0 receives from any source a message from every other rank; what differed."""
+    _env(None)
+    failures: list[str] = []
+    with lpsync_client.connect(sockets[rank], job=job, rank=rank, world_size=world, timeout=60) as c:
+        c.barrier()  # the job's layout is settled on every node: its pair jobs take theirs
+        right, left = (rank + 1) % world, (rank - 1) % world
+        out, got = c.zeros(5, "int64"), c.zeros(5, "int64")
+        out[:] = rank * 100
+        sent = c.send_async(out, right)
+        c.recv(got, left)
+        sent.result(60)
+        if list(got) != [left * 100] * 5:
+            failures.append(f"ring: got {list(got)} from {left}")
+        if rank:
+            c.send(np.full(4, rank * 10, np.int64), 0, tag=5)
+        else:
+            sources = []
+            for _ in range(world - 1):
+                x = np.zeros(4, np.int64)
+                source = c.recv_any(x, tag=5)
+                sources.append(source)
+                if list(x) != [source * 10] * 4:
+                    failures.append(f"any source: from {source} got {list(x)}")
+            if sorted(sources) != list(range(1, world)):
+                failures.append(f"any source: sources {sources}")
+        c.barrier()
+    return failures

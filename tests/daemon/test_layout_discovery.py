@@ -27,7 +27,7 @@ from lpsync.daemon.peers.plane import ATTACHED
 from lpsync.daemon.values import NodeLayout
 from lpsync.errors import AbortedError, InvalidArgumentError
 from tests.daemon.harness import PeeredDaemons, cli_status, run_ranks
-from tests.daemon.layout_workers import jax_pytree, plain
+from tests.daemon.layout_workers import jax_pytree, plain, plain_p2p
 
 FAST = 10.0  # seconds: the issue's bound for a contradiction, once it is knowable
 STALL = 2.0  # the cluster's --stall-seconds
@@ -354,6 +354,13 @@ def test_a_stalled_rank_elsewhere_is_attached_to_its_node_not_missing(cluster: P
     finally:
         for c in clients:
             c.close()
+
+
+def test_point_to_point_with_no_hint_across_two_daemons(cluster: PeeredDaemons) -> None:
+    # A send's pair job takes its two ranks' nodes from its main job's settled layout.
+    sockets = [cluster.sockets[n] for n in (0, 1, 1, 0)]
+    results = run_ranks(4, plain_p2p, 4, sockets, "p2p-plain", timeout=180)
+    assert results == [[], [], [], []], results
 
 
 def test_the_jax_adapter_across_two_daemons_without_local_world_size(cluster: PeeredDaemons) -> None:

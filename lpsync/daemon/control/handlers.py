@@ -64,6 +64,7 @@ from lpsync.errors import (
 from lpsync.memory.devices import open_kind, parse_devices
 from lpsync.memory.kind import Span
 from lpsync.types import OUT_OF_PLACE_ONLY, ROOTED_OPS, Collective, ReduceOp, blocks, dtype_of
+from lpsync_client._p2p import parse_pair  # as any_source.py: until issue 46's wire module
 
 log = logging.getLogger("lpsync.daemon")
 
@@ -260,13 +261,20 @@ class Service(pb_grpc.LpSyncServicer):
             info = self.node_info
             limits.check_rank_nodes(request.rank_nodes, request.world_size, info.nodes)
             said = self._hints(request)
+            rank_nodes = request.rank_nodes
+            if said is None and (parent := self._pair_parent(request)) is not None:
+                # A pair job of send/recv whose main job's layout is settled here: its two
+                # ranks are where that says (a send's announcement needs its receiver's node).
+                _, source, destination, _ = cast(tuple, parse_pair(request.job))
+                rank_nodes = layouts.pair_nodes(parent.layout, source, destination, info.node_rank)
+                said = f"the layout of its main job {parent.name!r}"
             layout = layouts.resolve(
                 request.job,
                 request.rank,
                 request.world_size,
                 request.local_rank,
                 request.local_world_size,
-                request.rank_nodes,
+                rank_nodes,
                 info.node_rank,
                 info.nodes,
             )
@@ -340,6 +348,17 @@ class Service(pb_grpc.LpSyncServicer):
             return f"LOCAL_WORLD_SIZE={request.local_world_size}, LOCAL_RANK={request.local_rank}"
         return None
 
+    def _pair_parent(self, request: pb.AttachRequest) -> Job | None:
+        """The settled main job here of a pair job (lpsync_client._p2p) that brought no
+        layout; None for any other attach."""
+        pair = parse_pair(request.job) if self.placing is not None and request.world_size == 2 else None
+        if pair is None:
+            return None
+        parent = self.jobs.get(pair[0])
+        if parent is None or not cast(Placing, self.placing).settled(parent):
+            return None
+        return parent if max(pair[1], pair[2]) < parent.world_size else None
+
     def _watch_failures(self, job: Job) -> None:
         """A multi-node job's collectives that fail here before they run are told to the
         other nodes (path.notify_failure)."""
@@ -355,9 +374,14 @@ class Service(pb_grpc.LpSyncServicer):
         self._watch_failures(job)
 
     def _release(self, session: _Session, arrival: Arrival) -> None:
-        """A collective that waited for its job's layout goes on (placing.py)."""
+        """A collective that waited for its job's layout goes on (placing.py), on a worker
+        thread: the thread that settled the layout may be a peer's note reader, which a
+        collective run on it would hold from the notes it waits for."""
+        self._workers.submit(self._resubmit, session, arrival)
+
+    def _resubmit(self, session: _Session, arrival: Arrival) -> None:
         try:
-            self._submit(session, arrival)
+            self._submit(session, arrival, announced=True)
         except LpsyncError as error:
             self.metrics.collective_failed(arrival.spec.op, error.code)
             arrival.done(Outcome(error))
@@ -619,18 +643,21 @@ class Service(pb_grpc.LpSyncServicer):
             self.metrics.collective_failed(request.collective.op, error.code)
             (done if arrival is None else arrival.done)(Outcome(error))
 
-    def _submit(self, session: _Session, arrival: Arrival) -> None:
+    def _submit(self, session: _Session, arrival: Arrival, announced: bool = False) -> None:
+        """``announced``: a collective released by placing.py, announced when it came."""
         if self._closing:  # _check_open, inline: this runs for every request
             self._check_open()
         job = self.jobs.get(session.job)
         if job is None or session.closed:
             raise NotFoundError(f"session {session.id} has ended")
-        if self.placing is not None and self.placing.holds(job, session, arrival):
-            return  # it goes on once the job's layout is settled
         # Announced first: submit may run the collective on this thread, which waits for
-        # the receiver, which waits for the announcement.
-        self.any_source.sent(job, session.rank, arrival)
+        # the receiver, which waits for the announcement (and so does a receiver's attach,
+        # which the layout of a send held by placing waits for).
+        if not announced:
+            self.any_source.sent(job, session.rank, arrival)
         try:
+            if self.placing is not None and self.placing.holds(job, session, arrival):
+                return  # it goes on once the job's layout is settled
             job.submit(arrival)
         except LpsyncError:
             self.any_source.refused(job, session.rank, arrival)

@@ -149,6 +149,14 @@ def placed(
     return _layout(job, [next(iter(seen.nodes_of[r])) for r in range(world_size)], node)
 
 
+def pair_nodes(parent: NodeLayout | None, source: int, destination: int, node: int) -> list[int]:
+    """The daemons of a pair job's two ranks (a send's ``source``, its ``destination``) from
+    its main job's settled layout here (None: that job is on this node alone)."""
+    if parent is None:
+        return [node, node]
+    return [_daemon_of(parent, source, node), _daemon_of(parent, destination, node)]
+
+
 def _daemon_of(layout: NodeLayout | None, rank: int, node: int) -> int:
     return node if layout is None else layout.daemon(layout.node_of[rank])
 

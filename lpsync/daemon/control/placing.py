@@ -100,6 +100,9 @@ class Placing:
     def refused(self, name: str, world_size: int, rank: int, error: LpsyncError) -> None:
         self._attached.refused(name, world_size, rank, f"{error.code}: {error}")
 
+    def settled(self, job: Job) -> bool:
+        return job in self._settled
+
     # -- collectives ---------------------------------------------------------------------------
     def holds(self, job: Job, session: Session, arrival: Arrival) -> bool:
         """True: ``arrival`` waits here for the job's layout (or failed already)."""

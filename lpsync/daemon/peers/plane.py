@@ -5,7 +5,9 @@ by default, or plain TCP: lpsync.transport.backends; listener on this daemon's p
 port, kept for the daemon's life), connect the mesh on it (rank = node rank; the daemon
 serves single-node jobs meanwhile), probe alpha/beta to every peer, tell each other
 whether any had a mesh before and what the Exchange carries (the outcomes of their
-last collectives), start heartbeats, then wait until the mesh breaks (a peer killed, cut off, silent for
+last collectives), start heartbeats and the note readers (NOTE: any-source sends;
+ATTACHED: the ranks each node serves, peers/attached.py, which on_mesh tells anew),
+then wait until the mesh breaks (a peer killed, cut off, silent for
 ``heartbeat_timeout``, or any transport error). A broken mesh is closed, logged and
 rebuilt on the same runtime in the background (only connections are made anew),
 retrying until the peers are back; meanwhile a collective fails UNAVAILABLE at once
