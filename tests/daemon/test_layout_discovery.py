@@ -13,6 +13,7 @@ import re
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -22,7 +23,8 @@ import lpsync_client
 from lpsync._proto import lpsync_pb2 as pb
 from lpsync._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync.daemon.control.layout import Hinted, Unplaced, placed
-from lpsync.daemon.peers.attached import Attached, JobSeen
+from lpsync.daemon.peers import attached
+from lpsync.daemon.peers.attached import REFUSAL_SECONDS, Attached, JobSeen
 from lpsync.daemon.peers.plane import ATTACHED
 from lpsync.daemon.values import NodeLayout
 from lpsync.errors import AbortedError, InvalidArgumentError
@@ -165,6 +167,16 @@ def test_a_new_mesh_sets_right_what_a_broken_one_lost() -> None:
     assert b.seen("j").nodes_of == {}  # forgotten: a said it anew
     assert sorted(b.seen("big").nodes_of) == list(range(0, 1000, 2))
     assert wire.notes > 2  # the reset, then the runs in batches
+
+
+def test_a_refusal_is_forgotten_after_a_while(monkeypatch) -> None:
+    # A later run of a job of the same name must not fail for an old refusal.
+    a, b = _Wire().tables
+    a.refused("j", 2, 1, "INVALID_ARGUMENT: why")
+    assert b.seen("j").refused == {1: (0, "INVALID_ARGUMENT: why")}
+    later = time.monotonic() + REFUSAL_SECONDS + 1
+    monkeypatch.setattr(attached, "time", SimpleNamespace(monotonic=lambda: later))
+    assert b.seen("j").refused == {} and a.seen("j").refused == {}
 
 
 # -- real daemons ------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -30,6 +31,10 @@ log = logging.getLogger("lpsync.peers")
 _RUNS = 64  # rank runs per note: with a job name of MAX_JOB_BYTES, well under NOTE_BYTES
 MAX_JOB_BYTES = 2048  # the longest job name a note carries (UTF-8 bytes)
 _REFUSALS = 256  # refused attaches remembered (of ranks not attached since), oldest dropped
+# Seconds a refusal is remembered: what waits for that rank hears of it meanwhile (and
+# then waits for it no longer than placing.BOUND); a later run of a job of the same name
+# is not failed by it.
+REFUSAL_SECONDS = 30.0
 _WHY = 600  # characters of a refusal's reason told
 
 
@@ -51,8 +56,9 @@ class Attached:
         self._lock = threading.Lock()
         # daemon -> job -> (world size, ranks); this daemon's own entry included.
         self._serves: dict[int, dict[str, tuple[int, set[int]]]] = {plane.rank: {}}
-        # (job, rank) -> (daemon, world size, why): attaches refused, until that rank attaches.
-        self._refused: OrderedDict[tuple[str, int], tuple[int, int, str]] = OrderedDict()
+        # (job, rank) -> (daemon, world size, why, monotonic time heard): attaches refused,
+        # until that rank attaches or REFUSAL_SECONDS pass.
+        self._refused: OrderedDict[tuple[str, int], tuple[int, int, str, float]] = OrderedDict()
         self._listeners: list[Callable[[str], None]] = []
         plane.on_attached = self._heard
         plane.on_mesh = self._retell
@@ -95,8 +101,9 @@ class Attached:
                 out.sizes[daemon] = entry[0]
                 for rank in entry[1]:
                     out.nodes_of.setdefault(rank, set()).add(daemon)
-            for (name, rank), (daemon, world, why) in self._refused.items():
-                if name == job:
+            recent = time.monotonic() - REFUSAL_SECONDS
+            for (name, rank), (daemon, world, why, heard) in self._refused.items():
+                if name == job and heard >= recent:
                     out.refused[rank] = (daemon, why)
                     out.sizes.setdefault(daemon, world)
         return out
@@ -108,8 +115,9 @@ class Attached:
             notes: list[dict] = [{"reset": 1}]
             for job, (world, ranks) in self._serves[self.node].items():
                 notes += [{"job": job, "world": world, "add": runs} for runs in _batches(ranks)]
-            for (job, rank), (daemon, world, why) in self._refused.items():
-                if daemon == self.node:
+            recent = time.monotonic() - REFUSAL_SECONDS
+            for (job, rank), (daemon, world, why, heard) in self._refused.items():
+                if daemon == self.node and heard >= recent:
                     notes.append({"job": job, "world": world, "refused": rank, "why": why})
             self._tell_all(notes)
 
@@ -155,7 +163,7 @@ class Attached:
             del jobs[job]
 
     def _refuse(self, daemon: int, job: str, world_size: int, rank: int, why: str) -> None:
-        self._refused[job, rank] = (daemon, world_size, why)
+        self._refused[job, rank] = (daemon, world_size, why, time.monotonic())
         self._refused.move_to_end((job, rank))
         while len(self._refused) > _REFUSALS:
             self._refused.popitem(last=False)
