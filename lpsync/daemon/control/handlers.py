@@ -262,10 +262,10 @@ class Service(pb_grpc.LpSyncServicer):
             limits.check_rank_nodes(request.rank_nodes, request.world_size, info.nodes)
             said = self._hints(request)
             rank_nodes = request.rank_nodes
-            if said is None and (parent := self._pair_parent(request)) is not None:
+            if said is None and (pair := self._pair_of(request)) is not None:
                 # A pair job of send/recv whose main job's layout is settled here: its two
                 # ranks are where that says (a send's announcement needs its receiver's node).
-                _, source, destination, _ = cast(tuple, parse_pair(request.job))
+                parent, source, destination = pair
                 rank_nodes = layouts.pair_nodes(parent.layout, source, destination, info.node_rank)
                 said = f"the layout of its main job {parent.name!r}"
             layout = layouts.resolve(
@@ -348,16 +348,21 @@ class Service(pb_grpc.LpSyncServicer):
             return f"LOCAL_WORLD_SIZE={request.local_world_size}, LOCAL_RANK={request.local_rank}"
         return None
 
-    def _pair_parent(self, request: pb.AttachRequest) -> Job | None:
-        """The settled main job here of a pair job (lpsync_client._p2p) that brought no
-        layout; None for any other attach."""
+    def _pair_of(self, request: pb.AttachRequest) -> tuple[Job, int, int] | None:
+        """(main job, source, destination) of a pair job (lpsync_client._p2p) whose main
+        job's layout is settled here; None for any other attach."""
         pair = parse_pair(request.job) if self.placing is not None and request.world_size == 2 else None
         if pair is None:
             return None
-        parent = self.jobs.get(pair[0])
-        if parent is None or not cast(Placing, self.placing).settled(parent):
+        parent, source, destination, _ = pair
+        job = self.jobs.get(parent)
+        if (
+            job is None
+            or not cast(Placing, self.placing).settled(job)
+            or max(source, destination) >= job.world_size
+        ):
             return None
-        return parent if max(pair[1], pair[2]) < parent.world_size else None
+        return job, source, destination
 
     def _watch_failures(self, job: Job) -> None:
         """A multi-node job's collectives that fail here before they run are told to the
