@@ -137,6 +137,20 @@ def _print_failed_across(failed) -> None:
         print(f"  {f.job} #{f.sequence}: {describe(list(codes), codes)}{flag}")
 
 
+def _waits_for(w, attached) -> str:
+    """What a waiting collective waits for, by where each rank is: ranks of other nodes
+    are attached there (agreeing: their nodes not heard from), not missing."""
+    if w.stage == "attaching":  # control/placing.py: the job's layout is not settled yet
+        return f"ranks {ranges(w.missing_ranks)} not attached to any node yet"
+    if w.missing_nodes:
+        return (
+            f"ranks {ranges(w.missing_ranks)} attached to node(s) {ranges(w.missing_nodes)}, not heard from"
+        )
+    absent = [r for r in w.missing_ranks if r not in attached]
+    text = f"missing ranks {ranges(w.missing_ranks)}"
+    return text + (f" ({ranges(absent)} not attached)" if absent else "")
+
+
 def _print_job(job) -> None:
     where = f"node {job.node} of {job.nodes}, " if job.nodes > 1 else ""
     print(f"  {job.job}: world {job.world_size}, {where}attached ranks {ranges(job.attached)}")
@@ -150,10 +164,9 @@ def _print_job(job) -> None:
         print(f"    path: {job.path}{native}")
     for w in job.waiting:
         flag = "  STALLED" if w.stalled else ""
-        nodes = f", nodes not heard from: {ranges(w.missing_nodes)}" if w.missing_nodes else ""
         print(
             f"    waiting #{w.sequence} {w.op} {w.stage} for {w.waiting_seconds:.1f} s{flag}: "
-            f"missing ranks {ranges(w.missing_ranks)}{nodes} (arrived {ranges(w.arrived)})"
+            f"{_waits_for(w, job.attached)} (arrived {ranges(w.arrived)})"
         )
     for a in job.receiving_any:
         print(

@@ -22,7 +22,6 @@ import math
 import os
 import queue
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -313,11 +312,11 @@ class Client:
                 # Held while the client lives: rank 0's may host the store (a TCPStore made
                 # for connect() alone), and the other ranks may still be reading the table.
                 self._store = store
-            else:  # claimed: node-major from local_world_size; without it, one node
+            else:  # claimed: node-major from local_world_size; without it, the daemons find it
                 _ready(self._channel, where, bool(target), connect_timeout)
                 hints = layout.Hints(
-                    rank if local_rank is None else local_rank,
-                    world_size if local_world_size is None else local_world_size,
+                    0 if local_world_size is None else local_rank or 0,
+                    local_world_size or 0,
                 )
                 rank_nodes = []
             attached = self._call(
@@ -337,13 +336,14 @@ class Client:
             # The daemon this rank attached to, and the node of every rank when discovered.
             self.node = _node(attached.node)
             self.rank_nodes: list[int] | None = list(rank_nodes) or None
-            per_node = max(1, hints.local_world_size or world_size)
+            per_node = hints.local_world_size
             self._p2p = PairJobs(
                 job,
                 rank,
                 world_size,
-                # The node of a rank: discovered, or node-major by LOCAL_WORLD_SIZE.
-                lambda r: self.rank_nodes[r] if self.rank_nodes else r // per_node,
+                # The node of a rank: discovered, node-major by LOCAL_WORLD_SIZE, or unknown
+                # here (-1: the daemons find it, as for this job).
+                lambda r: self.rank_nodes[r] if self.rank_nodes else r // per_node if per_node else -1,
                 self._open_pair,
             )
             self._stream = SessionStream(self._stub, self.session_id, self._metadata, connect_timeout)
@@ -1261,6 +1261,8 @@ class Client:
 
     def _open_pair(self, job: str, rank: int, rank_nodes: list[int]) -> Client:
         """Attach a pair job of send/recv (_p2p.py) to this client's daemon."""
+        if -1 in rank_nodes:  # unknown here: the daemons find the pair's layout
+            return Client(**self._settings, job=job, rank=rank, world_size=2)
         local = sum(1 for n in rank_nodes if n == rank_nodes[rank])
         return Client(
             **self._settings,
@@ -1397,12 +1399,16 @@ def connect(
     times lower latency for small collectives), "grpc" the gRPC Session stream, "auto"
     (default) the socket when the daemon offers one (Unix socket), else gRPC.
 
+    Which node serves each rank needs no saying: daemons that are peers tell each other
+    which ranks attached to them and settle the job's layout before its first collective
+    (any launcher, any numbering of ranks, any number of ranks per node).
+    LOCAL_RANK / LOCAL_WORLD_SIZE, where set, are hints the daemons check (node-major:
+    RANK = node * LOCAL_WORLD_SIZE + LOCAL_RANK), never trusted over what they saw.
     ``store``: a store every rank of the job reaches (``set(key, bytes)``, ``get(key)``
     waiting for the key; torch.distributed's TCPStore and FileStore qualify), fresh for
-    the job or under a job name of its own. With it the ranks discover which node serves
-    each of them (lpsync_client.layout) and LOCAL_RANK / LOCAL_WORLD_SIZE are only checked:
-    any launcher, any numbering of ranks, any number of ranks per node. Without it a job
-    spans nodes only as LOCAL_WORLD_SIZE says (node-major), and is on one node when unset.
+    the job or under a job name of its own: the ranks then also exchange the layout
+    themselves before attaching (lpsync_client.layout), each rank knows it
+    (``Client.rank_nodes``), and daemons that are not peers are found out at once.
 
     >>> with lpsync_client.connect(job="demo", rank=0, world_size=2) as client:
     ...     client.allreduce(client.zeros(8))
@@ -1421,18 +1427,17 @@ def connect(
 
     rank = pick(rank, "RANK", cast=int)
     world_size = pick(world_size, "WORLD_SIZE", cast=int)
-    if store is not None:  # hints only: 0 where the launcher said nothing
-        local_rank = pick(local_rank, "LOCAL_RANK", 0, int)
-        local_world_size = pick(local_world_size, "LOCAL_WORLD_SIZE", 0, int)
-    unplaced = store is None and local_world_size is None and not env.get("LOCAL_WORLD_SIZE")
-    client = Client(
+    # Hints only (0 where the launcher said nothing): the daemons check them.
+    local_world_size = pick(local_world_size, "LOCAL_WORLD_SIZE", 0, int)
+    local_rank = pick(local_rank, "LOCAL_RANK", 0, int) if local_world_size else 0
+    return Client(
         socket=pick(socket, "LPSYNC_SOCKET", DEFAULT_SOCKET),
         target=target or env.get("LPSYNC_TARGET") or None,
         job=pick(job, "LPSYNC_JOB", "default"),
         rank=rank,
         world_size=world_size,
-        local_rank=pick(local_rank, "LOCAL_RANK", rank, int),
-        local_world_size=pick(local_world_size, "LOCAL_WORLD_SIZE", world_size, int),
+        local_rank=local_rank,
+        local_world_size=local_world_size or None,
         token=token or env.get("LPSYNC_TOKEN") or None,
         root_certificates=root_certificates,
         timeout=timeout,
@@ -1440,15 +1445,3 @@ def connect(
         store=store,
         connect_timeout=_connect_timeout(connect_timeout, env.get("LPSYNC_CONNECT_TIMEOUT")),
     )
-    if unplaced and world_size > 1 and client.node.nodes > 1:
-        # Nothing says where the other ranks are: were they on other nodes, this one would
-        # wait for them at its first collective until the timeout.
-        warnings.warn(
-            f"lpsync: job {client.job!r} ({world_size} ranks) attached to node "
-            f"{client.node.node_rank} of a {client.node.nodes}-node cluster with no layout: "
-            "it runs as a single-node job of this daemon. If its ranks are on several nodes, "
-            "pass store= to connect() (the ranks then discover their layout) or set "
-            "LOCAL_WORLD_SIZE",
-            stacklevel=2,
-        )
-    return client

@@ -24,7 +24,8 @@ is emulated memory too, and the result is imported from it through DLPack again;
 bfloat16 results are one XLA copy out of it (numpy's DLPack has no bfloat16).
 
 The client attaches from the environment (RANK, WORLD_SIZE, LPSYNC_SOCKET, LPSYNC_JOB...)
-unless ``client=`` is given.
+unless ``client=`` is given. Across nodes nothing more is needed (no LOCAL_WORLD_SIZE, no
+store): the daemons find which node serves each rank (docs/multinode.md).
 """
 
 from __future__ import annotations

@@ -191,6 +191,15 @@ class Job:
             self.sessions[rank] = session_id
             self.gone.pop(rank, None)
 
+    def place(self, layout: NodeLayout | None) -> None:
+        """The job's layout, as the daemons found it (control/placing.py), before any of its
+        collectives reached matching: until then it served every rank as if local."""
+        if self.native is not None and layout != self.layout:
+            self.native.disarm_all()  # armed for the old layout (slot = rank on one node)
+        with self.lock:
+            self.layout = layout
+            self.local_ranks = layout.local_ranks if layout is not None else range(self.world_size)
+
     def leave(self, rank: int, reason: str) -> bool:
         """Remove ``rank``; abort what waits on it. True when the job has no ranks left."""
         if self.native is not None:
@@ -338,8 +347,8 @@ class Job:
             )
             log.warning(
                 f"collective #{pending.sequence} ({pending.spec.op}) of job {self.name!r} has "
-                f"waited {waiting.seconds:.1f} s ({waiting.stage}): missing rank(s) "
-                f"{', '.join(map(str, waiting.missing_ranks)) or '-'}{nodes}",
+                f"waited {waiting.seconds:.1f} s ({waiting.stage}): "
+                f"{self._whereabouts(waiting.missing_ranks)}{nodes}",
                 extra={
                     "job": self.name,
                     "sequence": pending.sequence,
@@ -347,6 +356,23 @@ class Job:
                     "missing_nodes": list(waiting.missing_nodes),
                 },
             )
+
+    def _whereabouts(self, missing: Sequence[int]) -> str:
+        """'missing rank(s) 1; rank(s) 2, 3 attached to node 1': a rank another node serves
+        is attached there (its node is the one not heard from), not missing."""
+        layout = self.layout
+        here: list[int] = []
+        elsewhere: dict[int, list[int]] = {}
+        for r in missing:
+            if layout is not None and layout.node_of[r] != layout.node:
+                elsewhere.setdefault(layout.daemon(layout.node_of[r]), []).append(r)
+            else:
+                here.append(r)
+        parts = [f"missing rank(s) {', '.join(map(str, here)) or '-'}"] if here or not elsewhere else []
+        parts += [
+            f"rank(s) {', '.join(map(str, rs))} attached to node {d}" for d, rs in sorted(elsewhere.items())
+        ]
+        return "; ".join(parts)
 
     def waiting(self) -> list[Waiting]:
         """What this job's unfinished collectives wait for, oldest first."""

@@ -47,11 +47,13 @@ from lpsync.daemon.control import limits, replies
 from lpsync.daemon.control.any_source import AnySource
 from lpsync.daemon.control.config import DaemonConfig
 from lpsync.daemon.control.metrics import BUCKETS, JobState, Metrics
+from lpsync.daemon.control.placing import Placing
 from lpsync.daemon.control.sessions import Session as _Session  # Service.Session (an RPC) shadows it
 from lpsync.daemon.control.sessions import SessionTable
 from lpsync.daemon.device_registry import DeviceRegistry
+from lpsync.daemon.peers.attached import MAX_JOB_BYTES, Attached
 from lpsync.daemon.peers.plane import PeerPlane
-from lpsync.daemon.values import Arrival, Later, Outcome, Pending, Spec
+from lpsync.daemon.values import Arrival, Later, Outcome, Pending, Spec, Waiting
 from lpsync.daemon.watcher import Watcher
 from lpsync.errors import (
     InvalidArgumentError,
@@ -63,6 +65,7 @@ from lpsync.memory.devices import open_kind, parse_devices
 from lpsync.memory.kind import Span
 from lpsync.native.armed import ArmedPlans
 from lpsync.types import OUT_OF_PLACE_ONLY, ROOTED_OPS, Collective, ReduceOp, blocks, dtype_of
+from lpsync_client._p2p import parse_pair  # as any_source.py: until issue 46's wire module
 
 log = logging.getLogger("lpsync.daemon")
 
@@ -103,6 +106,13 @@ class Service(pb_grpc.LpSyncServicer):
         )
         # The engine's counts join the metrics at each scrape (never per call).
         metrics.before_collect(self._native_finished)
+        # Multi-node: where every job's ranks attached, as the daemons tell each other, and
+        # its first collectives held until that settles its layout (placing.py).
+        self.placing = (
+            Placing(Attached(plane), self.watcher, self._release, self._placed, self.jobs.get)
+            if plane is not None
+            else None
+        )
         metrics.session_bytes_limit.set(config.max_session_bytes)
         metrics.buffer_bytes_limit.set(config.max_buffer_bytes)
         metrics.watch(
@@ -176,6 +186,8 @@ class Service(pb_grpc.LpSyncServicer):
             session.ended = True
         # Abort first, so the other ranks hear of it; then free the buffers.
         self.jobs.leave(session.job, session.rank, reason)
+        if self.placing is not None:
+            self.placing.left(session.job, session.rank, reason)
         buffers = self.sessions.remove(session, wait)
         job = self.jobs.get(session.job)
         if job is not None:
@@ -285,29 +297,40 @@ class Service(pb_grpc.LpSyncServicer):
             )
             info = self.node_info
             limits.check_rank_nodes(request.rank_nodes, request.world_size, info.nodes)
+            said = self._hints(request)
+            rank_nodes = request.rank_nodes
+            if said is None and (pair := self._pair_of(request)) is not None:
+                # A pair job of send/recv whose main job's layout is settled here: its two
+                # ranks are where that says (a send's announcement needs its receiver's node).
+                parent, source, destination = pair
+                rank_nodes = layouts.pair_nodes(parent.layout, source, destination, info.node_rank)
+                said = f"the layout of its main job {parent.name!r}"
             layout = layouts.resolve(
                 request.job,
                 request.rank,
                 request.world_size,
                 request.local_rank,
                 request.local_world_size,
-                request.rank_nodes,
+                rank_nodes,
                 info.node_rank,
                 info.nodes,
             )
-            limits.check_local_world(
-                request.job, len(layout.local_ranks) if layout else request.world_size, self.limits
-            )
+            hinted = layouts.Hinted(layout, said) if said is not None else None
+            if hinted is None and self.placing is not None:  # found by the daemons: as settled
+                existing = self.jobs.get(request.job)
+                layout = existing.layout if existing is not None else None
+            else:
+                limits.check_local_world(
+                    request.job, len(layout.local_ranks) if layout else request.world_size, self.limits
+                )
             session = self.sessions.create(
                 request.job, request.rank, request.world_size, request.pid, multinode=layout is not None
             )
             try:
                 job = self.jobs.join(session.job, session.rank, session.world_size, session.id, layout)
-                if job.layout is not None and self.plane is not None:
-                    plane = self.plane
-                    job.on_local_failure = lambda j, p, e: self._workers.submit(
-                        path.notify_failure, j, p, e, plane
-                    )
+                self._watch_failures(job)
+                if self.placing is not None:
+                    self.placing.attached(job, session.rank, hinted)
             except LpsyncError:
                 self.sessions.remove(session)
                 raise
@@ -324,6 +347,8 @@ class Service(pb_grpc.LpSyncServicer):
             )
             if isinstance(error, InvalidArgumentError):
                 self._refused(request.job, request.rank, error)
+                if self.placing is not None and request.job and request.rank < request.world_size:
+                    self.placing.refused(request.job[:MAX_JOB_BYTES], request.world_size, request.rank, error)
             await _abort(context, error)
             raise AssertionError from error  # unreachable: abort raises
         # A session whose client never opens its stream would never learn of its death.
@@ -346,6 +371,62 @@ class Service(pb_grpc.LpSyncServicer):
             trigger_socket=self.trigger_path,
             node=self.node_info,
         )
+
+    def _hints(self, request: pb.AttachRequest) -> str | None:
+        """What an attach said of its job's layout, in words (None: nothing; on a daemon
+        with peers the daemons find it). A job name too long to tell the peers is refused."""
+        if self.placing is not None and len(request.job.encode()) > MAX_JOB_BYTES:
+            raise InvalidArgumentError(
+                f"a job name of over {MAX_JOB_BYTES} bytes cannot be told to the peer daemons"
+            )
+        if request.rank_nodes:
+            return "a layout discovered through a store (rank_nodes)"
+        if request.local_world_size:
+            return f"LOCAL_WORLD_SIZE={request.local_world_size}, LOCAL_RANK={request.local_rank}"
+        return None
+
+    def _pair_of(self, request: pb.AttachRequest) -> tuple[Job, int, int] | None:
+        """(main job, source, destination) of a pair job (lpsync_client._p2p) whose main
+        job's layout is settled here; None for any other attach."""
+        pair = parse_pair(request.job) if self.placing is not None and request.world_size == 2 else None
+        if pair is None:
+            return None
+        parent, source, destination, _ = pair
+        job = self.jobs.get(parent)
+        if (
+            job is None
+            or not cast(Placing, self.placing).settled(job)
+            or max(source, destination) >= job.world_size
+        ):
+            return None
+        return job, source, destination
+
+    def _watch_failures(self, job: Job) -> None:
+        """A multi-node job's collectives that fail here before they run are told to the
+        other nodes (path.notify_failure)."""
+        if job.layout is not None and self.plane is not None and job.on_local_failure is None:
+            plane = self.plane
+            job.on_local_failure = lambda j, p, e: self._workers.submit(path.notify_failure, j, p, e, plane)
+
+    def _placed(self, job: Job) -> None:
+        """``job``'s layout settled (placing.py), before its first collective goes on."""
+        for session in self.sessions.all():
+            if session.job == job.name:
+                session.multinode = job.layout is not None
+        self._watch_failures(job)
+
+    def _release(self, session: _Session, arrival: Arrival) -> None:
+        """A collective that waited for its job's layout goes on (placing.py), on a worker
+        thread: the thread that settled the layout may be a peer's note reader, which a
+        collective run on it would hold from the notes it waits for."""
+        self._workers.submit(self._resubmit, session, arrival)
+
+    def _resubmit(self, session: _Session, arrival: Arrival) -> None:
+        try:
+            self._submit(session, arrival, announced=True)
+        except LpsyncError as error:
+            self.metrics.collective_failed(arrival.spec.op, error.code)
+            arrival.done(Outcome(error))
 
     async def Node(self, request: pb.NodeRequest, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
         return self.node_info
@@ -422,7 +503,7 @@ class Service(pb_grpc.LpSyncServicer):
             # Off the event loop: closing a device mapping can synchronize the device, and a
             # disarm waits for a run of the plan.
             assert self.loop is not None  # bound before serving (bind_loop)
-            await self.loop.run_in_executor(None, self._release, session, request.handle)
+            await self.loop.run_in_executor(None, self._release_buffer, session, request.handle)
         except LpsyncError as error:
             await _abort(context, error)
         job = self.jobs.get(session.job)
@@ -430,7 +511,7 @@ class Service(pb_grpc.LpSyncServicer):
             job.plans.forget(session.id, request.handle)
         return pb.ReleaseResponse()
 
-    def _release(self, session: _Session, handle: int) -> None:
+    def _release_buffer(self, session: _Session, handle: int) -> None:
         """Release a buffer: its armed plans are disarmed before it is unmapped."""
         job = self.jobs.get(session.job)
         if job is not None and job.native is not None:
@@ -612,16 +693,21 @@ class Service(pb_grpc.LpSyncServicer):
             self.metrics.collective_failed(request.collective.op, error.code)
             (done if arrival is None else arrival.done)(Outcome(error))
 
-    def _submit(self, session: _Session, arrival: Arrival) -> None:
+    def _submit(self, session: _Session, arrival: Arrival, announced: bool = False) -> None:
+        """``announced``: a collective released by placing.py, announced when it came."""
         if self._closing:  # _check_open, inline: this runs for every request
             self._check_open()
         job = self.jobs.get(session.job)
         if job is None or session.closed:
             raise NotFoundError(f"session {session.id} has ended")
         # Announced first: submit may run the collective on this thread, which waits for
-        # the receiver, which waits for the announcement.
-        self.any_source.sent(job, session.rank, arrival)
+        # the receiver, which waits for the announcement (and so does a receiver's attach,
+        # which the layout of a send held by placing waits for).
+        if not announced:
+            self.any_source.sent(job, session.rank, arrival)
         try:
+            if self.placing is not None and self.placing.holds(job, session, arrival):
+                return  # it goes on once the job's layout is settled
             job.submit(arrival)
         except LpsyncError:
             self.any_source.refused(job, session.rank, arrival)
@@ -684,6 +770,8 @@ class Service(pb_grpc.LpSyncServicer):
                 info.armed_plans = job.native.armed()
                 info.native_answered, info.native_fallbacks = job.native.stats()
                 info.doorbell_page = job.native.page.name
+            for w in self.placing.waiting(job) if self.placing is not None else ():
+                _waiting_info(info, w)
             for rank, tag, seconds in self.any_source.inbox.waiting(job.name):
                 info.receiving_any.add(rank=rank, tag=tag, waiting_seconds=seconds)
         for across in self.outcomes.failed(limit) if self.outcomes is not None else ():
@@ -893,17 +981,7 @@ def _job_info(info: pb.JobInfo, job: Job, history: int) -> None:
         info.attached.extend(sorted(job.sessions))
         records = list(job.history)
     for w in job.waiting():
-        info.waiting.add(
-            sequence=w.sequence,
-            op=w.op,
-            stage=w.stage,
-            started_at=w.started_at,
-            waiting_seconds=w.seconds,
-            arrived=w.arrived,
-            missing_ranks=w.missing_ranks,
-            missing_nodes=w.missing_nodes,
-            stalled=w.stalled,
-        )
+        _waiting_info(info, w)
     for r in records[-history if history else 0 :]:
         record = info.history.add(
             sequence=r.sequence,
@@ -921,6 +999,20 @@ def _job_info(info: pb.JobInfo, job: Job, history: int) -> None:
             record.arrivals.add(rank=rank, after_seconds=after)
         for stage, seconds in r.stages:
             record.stages.add(stage=stage, seconds=seconds)
+
+
+def _waiting_info(info: pb.JobInfo, w: Waiting) -> None:
+    info.waiting.add(
+        sequence=w.sequence,
+        op=w.op,
+        stage=w.stage,
+        started_at=w.started_at,
+        waiting_seconds=w.seconds,
+        arrived=w.arrived,
+        missing_ranks=w.missing_ranks,
+        missing_nodes=w.missing_nodes,
+        stalled=w.stalled,
+    )
 
 
 def _on_device(pending: Pending) -> bool:

@@ -5,7 +5,9 @@ by default, or plain TCP: lpsync.transport.backends; listener on this daemon's p
 port, kept for the daemon's life), connect the mesh on it (rank = node rank; the daemon
 serves single-node jobs meanwhile), probe alpha/beta to every peer, tell each other
 whether any had a mesh before and what the Exchange carries (the outcomes of their
-last collectives), start heartbeats, then wait until the mesh breaks (a peer killed, cut off, silent for
+last collectives), start heartbeats and the note readers (NOTE: any-source sends;
+ATTACHED: the ranks each node serves, peers/attached.py, which on_mesh tells anew),
+then wait until the mesh breaks (a peer killed, cut off, silent for
 ``heartbeat_timeout``, or any transport error). A broken mesh is closed, logged and
 rebuilt on the same runtime in the background (only connections are made anew),
 retrying until the peers are back; meanwhile a collective fails UNAVAILABLE at once
@@ -50,6 +52,7 @@ CONTROL = 1 << 63
 _KIND_SHIFT = 56
 CONTROL_VALUE = (1 << _KIND_SHIFT) - 1  # the bits of a control tag that carry its value
 HEARTBEAT, PROBE, SPEC, VERDICT, HISTORY, TOLD, NOTE = 1, 2, 3, 4, 5, 6, 7  # SPEC/VERDICT: agreement.py
+ATTACHED = 8  # notes of the ranks each node serves (peers/attached.py)
 NOTE_BYTES = 4096  # the largest note (note()), framed by its length
 _NOTE_LENGTH = struct.Struct("<I")
 _FOREVER = 1e6  # seconds a note receive waits before it is posted again: notes may not come
@@ -171,7 +174,7 @@ class Link:
         # Some node of this mesh had one before: a rebuild, not the cluster's start
         # (PeerPlane._history); the same on every node of the mesh.
         self.rebuilt = False
-        self.notes_sent: dict[int, int] = {}  # peer -> notes sent to it (their tags' counts)
+        self.notes_sent: dict[tuple[int, int], int] = {}  # (kind, peer) -> notes sent (tag counts)
         self.notes_lock = threading.Lock()
         # Deadlines of waits no thread blocks in (a Later's): the watchdog calls each
         # one's expiry on its first tick past it. Per call a dict entry, not a timer.
@@ -274,6 +277,10 @@ class PeerPlane:
         self.options = options
         self.exchange: Exchange | None = None  # set before start() (the collectives' side)
         self.on_note: Callable[[int, bytes], None] | None = None  # (peer, data): note()s heard
+        # (peer, data): ATTACHED notes heard; and what runs on each new mesh once it is up
+        # (peers/attached.py tells the ranks this node serves again).
+        self.on_attached: Callable[[int, bytes], None] | None = None
+        self.on_mesh: Callable[[], None] | None = None
         self.rank, self.size = options.peers.node_rank, len(options.peers.peers)
         self._metrics = metrics
         metrics.peers_expected.set(self.size - 1)
@@ -350,10 +357,11 @@ class PeerPlane:
                 return
         _pay(link, [(until, tell)])
 
-    def note(self, peer: int, data: bytes) -> None:
-        """Send ``data`` (at most NOTE_BYTES) to ``peer``'s ``on_note`` on the current mesh,
-        in order with this node's other notes to it. Best effort: dropped without a mesh
-        (what it announces then fails anyway: UNAVAILABLE)."""
+    def note(self, peer: int, data: bytes, kind: int = NOTE) -> None:
+        """Send ``data`` (at most NOTE_BYTES) to ``peer``'s ``on_note`` (``on_attached`` for
+        kind ATTACHED) on the current mesh, in order with this node's other notes of that
+        kind to it. Best effort: dropped without a mesh (what it announces then fails
+        anyway: UNAVAILABLE; ATTACHED notes are told again on the next mesh)."""
         if len(data) > NOTE_BYTES:
             raise ValueError(f"a note of {len(data)} bytes (at most {NOTE_BYTES})")
         with self._lock:
@@ -362,10 +370,10 @@ class PeerPlane:
             return
         message = np.frombuffer(_NOTE_LENGTH.pack(len(data)) + data, np.uint8)  # never written
         with link.notes_lock:
-            count = link.notes_sent.get(peer, 0)
-            link.notes_sent[peer] = count + 1
+            count = link.notes_sent.get((kind, peer), 0)
+            link.notes_sent[kind, peer] = count + 1
             with contextlib.suppress(LpsyncError):  # the mesh broke: it is being rebuilt
-                link.mesh.send(peer, control_tag(NOTE, count), message)
+                link.mesh.send(peer, control_tag(kind, count), message)
 
     def stop(self, bound: float = STOP_BOUND) -> bool:
         """Close the mesh and the runtime within ``bound`` seconds in all; False when a
@@ -451,13 +459,15 @@ class PeerPlane:
                 target=self._heartbeats_to, args=(link, others), daemon=True, name="lpsync-hb-send"
             )
         )
-        if self.on_note is not None:
+        for kind, on_note in ((NOTE, self.on_note), (ATTACHED, self.on_attached)):
+            if on_note is None:
+                continue
             workers += [
                 threading.Thread(
                     target=self._notes_from,
-                    args=(link, p, self.on_note),
+                    args=(link, p, kind, on_note),
                     daemon=True,
-                    name=f"lpsync-note-{p}",
+                    name=f"lpsync-note{kind}-{p}",
                 )
                 for p in others
             ]
@@ -481,6 +491,11 @@ class PeerPlane:
             owed, self._owed = self._owed, []
             self._changed.notify_all()
         _pay(link, owed)
+        if self.on_mesh is not None:
+            try:
+                self.on_mesh()
+            except Exception:  # the mesh serves on; what it would have told is retold next time
+                log.exception("node %d: telling the new mesh failed", self.rank)
         self._metrics.peers_connected.set(len(others))
         log.info(
             "node %d: peer mesh up (generation %d, %d peers; alpha %.1f us, %.3g bytes/s)",
@@ -544,13 +559,13 @@ class PeerPlane:
             beats.inc()
             count += 1
 
-    def _notes_from(self, link: Link, peer: int, on_note: Callable[[int, bytes], None]) -> None:
-        """Until the link breaks: hand ``peer``'s notes, in order, to ``on_note``."""
+    def _notes_from(self, link: Link, peer: int, kind: int, on_note: Callable[[int, bytes], None]) -> None:
+        """Until the link breaks: hand ``peer``'s notes of ``kind``, in order, to ``on_note``."""
         buf = np.zeros(_NOTE_LENGTH.size + NOTE_BYTES, np.uint8)
         count = 0
         while not link.broken.is_set():
             try:
-                link.mesh.recv_into(peer, control_tag(NOTE, count), buf, time.monotonic() + _FOREVER)
+                link.mesh.recv_into(peer, control_tag(kind, count), buf, time.monotonic() + _FOREVER)
             except LpsyncError:
                 return  # the mesh broke (its watchdog and heartbeats say why)
             count += 1
