@@ -173,6 +173,13 @@ def observed(tmp_path_factory) -> Iterator[dict]:
             daemons[0].socket, job="waiting", rank=0, world_size=2, local_world_size=2
         )
         clients.append(waiting)
+        # Its rank 1 attaches and never calls: the collective waits for it in matching (a
+        # rank attached nowhere would fail it after the daemons' 30 s bound, placing.py).
+        clients.append(
+            lpsync_client.connect(
+                daemons[0].socket, job="waiting", rank=1, world_size=2, local_rank=1, local_world_size=2
+            )
+        )
         pending = waiting.allreduce_async(waiting.zeros(8), timeout=300)
         targets = [f"127.0.0.1:{p}" for p in metric_ports]
         prometheus = Prometheus(tmp, targets)

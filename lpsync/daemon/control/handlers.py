@@ -109,7 +109,14 @@ class Service(pb_grpc.LpSyncServicer):
         # Multi-node: where every job's ranks attached, as the daemons tell each other, and
         # its first collectives held until that settles its layout (placing.py).
         self.placing = (
-            Placing(Attached(plane), self.watcher, self._release, self._placed, self.jobs.get)
+            Placing(
+                Attached(plane),
+                self.watcher,
+                self._release,
+                self._placed,
+                self.jobs.get,
+                on_failure=metrics.collective_failed,
+            )
             if plane is not None
             else None
         )
@@ -706,6 +713,16 @@ class Service(pb_grpc.LpSyncServicer):
         if not announced:
             self.any_source.sent(job, session.rank, arrival)
         try:
+            if self.placing is not None and not self.placing.settled(job):
+                # Without a mesh no daemon can learn where the job's ranks are: UNAVAILABLE
+                # within the heartbeat bound, as a settled job's collective gets it.
+                assert self.plane is not None  # placing exists with peers only
+                lost = self.plane.down()
+                if lost is not None:
+                    raise UnavailableError(
+                        f"node {self.plane.rank}: the peer mesh is down and rebuilding (lost: {lost}); "
+                        f"job {job.name!r}'s layout cannot be settled without it"
+                    )
             if self.placing is not None and self.placing.holds(job, session, arrival):
                 return  # it goes on once the job's layout is settled
             job.submit(arrival)

@@ -59,13 +59,15 @@ class Placing:
         placed_job: Callable[[Job], None],
         find: Callable[[str], Job | None],
         bound: float = BOUND,
+        on_failure: Callable[[str, str], object] | None = None,
     ) -> None:
         """``submit``: hand a released collective to matching (its errors are its own
         reply); ``placed_job``: a job's layout settled (before its collectives go on);
-        ``find``: this daemon's job of a name (Jobs.get)."""
+        ``find``: this daemon's job of a name (Jobs.get); ``on_failure``: (op, code) of
+        each collective failed here (the error counter)."""
         self.node = attached.node
         self._attached, self._watcher, self._submit, self._find = attached, watcher, submit, find
-        self._placed, self.bound = placed_job, bound
+        self._placed, self.bound, self._on_failure = placed_job, bound, on_failure
         self._lock = threading.Lock()
         self._open: dict[str, _Open] = {}
         self._settled: weakref.WeakSet[Job] = weakref.WeakSet()  # never opened again
@@ -232,4 +234,6 @@ class Placing:
                 state.timer.cancel()
                 state.timer = None
         for _, arrival in parked:
+            if self._on_failure is not None:
+                self._on_failure(arrival.spec.op, failure.code)
             arrival.done(Outcome(failure, INTACT if arrival.in_place else UNSPECIFIED))

@@ -346,6 +346,13 @@ class PeerPlane:
                 waited = True
                 self._changed.wait(remaining)
 
+    def down(self) -> str | None:
+        """Why the mesh is down after having been up (None: it is up, or not up yet)."""
+        link = self._link
+        if link is not None and link.error is None and link.model is not None:
+            return None
+        return self._lost or (link.failure() if link is not None and link.error is not None else None)
+
     def owe(self, until: float, tell: Callable[[Link], None]) -> None:
         """Run ``tell(link)`` on the next healthy mesh (now, if one is up), unless
         ``until`` (monotonic) has passed by then: a collective this node failed while its
