@@ -802,7 +802,8 @@ class Client:
                 self._sequence += 1
                 sequence = self._sequence
             armed = self._armed.get(key)
-            if armed is not None and not trigger.pending():
+            # Sequence numbers ring as 32 bits; one that is 0 there would look unrung.
+            if armed is not None and sequence & 0xFFFFFFFF and not trigger.pending():
                 if self._ring(armed, sequence, bound, trigger) == doorbell.OK:
                     return True
                 self._armed.pop(key, None)  # ask again: the reply says whether it is armed

@@ -55,7 +55,8 @@ class Page:
         seq &= 0xFFFFFFFF
         u32 = self._u32
         self._u64[self._ring_index] = (seq << 32) | ((generation & 0xFFFFFF) << 8) | (plan & 0xFF)
-        u32[self._bell_index] += 1  # a lost increment still changes the word: the wake holds
+        bell = self._bell_index  # a lost increment still changes the word: the wake holds
+        u32[bell] = (int(u32[bell]) + 1) & 0xFFFFFFFF
         futex.wake(self._bell)
         reply = self._reply_index
         deadline = None
