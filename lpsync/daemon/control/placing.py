@@ -68,6 +68,10 @@ class Placing:
         self.node = attached.node
         self._attached, self._watcher, self._submit, self._find = attached, watcher, submit, find
         self._placed, self.bound, self._on_failure = placed_job, bound, on_failure
+        # A contradiction outlives the job's last rank here for ``bound`` seconds: a rank
+        # that attaches after the ones it failed left must fail with it too, not wait out
+        # the bound for ranks that are gone (name -> (error, monotonic time)).
+        self._recent: dict[str, tuple[InvalidArgumentError, float]] = {}
         self._lock = threading.Lock()
         self._open: dict[str, _Open] = {}
         self._settled: weakref.WeakSet[Job] = weakref.WeakSet()  # never opened again
@@ -79,7 +83,10 @@ class Placing:
         with self._lock:
             state = self._open.get(job.name)
             if (state is None or state.job is not job) and job not in self._settled:
-                self._open[job.name] = _Open(job, hinted)  # a new job: open until settled
+                state = self._open[job.name] = _Open(job, hinted)  # a new job: open until settled
+                recent = self._recent.pop(job.name, None)
+                if recent is not None and time.monotonic() - recent[1] < self.bound:
+                    state.contradiction = recent[0]
         self._attached.attached(job.name, job.world_size, rank)
 
     def left(self, name: str, rank: int, reason: str) -> None:
@@ -89,6 +96,11 @@ class Placing:
             state = self._open.get(name)
             if state is not None and not state.job.sessions:
                 del self._open[name]
+                if state.contradiction is not None:
+                    self._recent[name] = (state.contradiction, time.monotonic())
+                    now = time.monotonic()  # bounded: stale ones go as new ones come
+                    for old in [n for n, (_, at) in self._recent.items() if now - at >= self.bound]:
+                        del self._recent[old]
         if state is not None:
             self._fail(
                 state,
