@@ -713,9 +713,14 @@ class Service(pb_grpc.LpSyncServicer):
         if not announced:
             self.any_source.sent(job, session.rank, arrival)
         try:
-            if self.placing is not None and not self.placing.settled(job):
-                # Without a mesh no daemon can learn where the job's ranks are: UNAVAILABLE
-                # within the heartbeat bound, as a settled job's collective gets it.
+            if (
+                self.placing is not None
+                and len(job.sessions) < job.world_size
+                and not self.placing.settled(job)
+            ):
+                # Some ranks are elsewhere, and without a mesh no daemon can learn where:
+                # UNAVAILABLE within the heartbeat bound, as a settled job's collective gets
+                # it. A job whose ranks are all here runs (the survivors keep serving).
                 assert self.plane is not None  # placing exists with peers only
                 lost = self.plane.down()
                 if lost is not None:
