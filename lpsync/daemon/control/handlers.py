@@ -713,27 +713,35 @@ class Service(pb_grpc.LpSyncServicer):
         if not announced:
             self.any_source.sent(job, session.rank, arrival)
         try:
-            if (
-                self.placing is not None
-                and len(job.sessions) < job.world_size
-                and not self.placing.settled(job)
-            ):
-                # Some ranks are elsewhere, and without a mesh no daemon can learn where:
-                # UNAVAILABLE within the heartbeat bound, as a settled job's collective gets
-                # it. A job whose ranks are all here runs (the survivors keep serving).
-                assert self.plane is not None  # placing exists with peers only
-                lost = self.plane.down()
-                if lost is not None:
-                    raise UnavailableError(
-                        f"node {self.plane.rank}: the peer mesh is down and rebuilding (lost: {lost}); "
-                        f"job {job.name!r}'s layout cannot be settled without it"
-                    )
             if self.placing is not None and self.placing.holds(job, session, arrival):
-                return  # it goes on once the job's layout is settled
+                # It goes on once the job's layout is settled. Without a mesh no daemon can
+                # learn where ranks elsewhere are: if it is still down a heartbeat timeout
+                # from now, UNAVAILABLE, as a settled job's collective gets (a job whose
+                # ranks all come here settles meanwhile: the survivors keep serving).
+                assert self.plane is not None  # placing exists with peers only
+                if self.plane.down() is not None:
+                    self.watcher.at(
+                        time.monotonic() + self.config.heartbeat_timeout, lambda: self._unplaceable(job)
+                    )
+                return
             job.submit(arrival)
         except LpsyncError:
             self.any_source.refused(job, session.rank, arrival)
             raise
+
+    def _unplaceable(self, job: Job) -> None:
+        """A heartbeat timeout after a collective of ``job`` was held with the mesh down:
+        if it is still down, what the job holds fails UNAVAILABLE."""
+        assert self.plane is not None and self.placing is not None
+        lost = self.plane.down()
+        if lost is not None:
+            self.placing.fail_open(
+                job.name,
+                UnavailableError(
+                    f"node {self.plane.rank}: the peer mesh is down and rebuilding (lost: {lost}); "
+                    f"job {job.name!r}'s layout cannot be settled without it"
+                ),
+            )
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         self._native_finished()  # what the engine answered joins the flight recorder

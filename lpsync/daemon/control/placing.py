@@ -239,6 +239,12 @@ class Placing:
             ),
         )
 
+    def fail_open(self, name: str, failure: LpsyncError) -> None:
+        """Fail what job ``name`` holds here now, if it is still open (not settled)."""
+        state = self._open.get(name)
+        if state is not None:
+            self._fail(state, failure)
+
     def _fail(self, state: _Open, failure: LpsyncError) -> None:
         with self._lock:
             parked, state.parked = state.parked, []
