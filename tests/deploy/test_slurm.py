@@ -35,7 +35,7 @@ NODELIST, NODES = "node[01-02]", 2
 # killing its tasks, as real srun does ("forcing job termination"); exits with the worst
 # status.
 SRUN = r"""
-import json, os, signal, subprocess, sys
+import json, os, signal, subprocess, sys, time
 args = sys.argv[1:]
 nodes, name = 1, "srun"
 while args and args[0].startswith("-"):
@@ -69,15 +69,21 @@ with open(f"{state}/step-{step}.tmp", "w") as f:
     json.dump({"name": name, "pids": list(tasks)}, f)
 os.rename(f"{state}/step-{step}.tmp", f"{state}/step-{step}")
 worst = 0
-for _ in range(nodes):
-    pid, status = os.wait()
-    rc = os.waitstatus_to_exitcode(status)
-    tasks[pid].returncode = rc
-    worst = max(worst, rc if rc >= 0 else 128 - rc)
-    if rc != 0 and kill_on_bad_exit:  # --kill-on-bad-exit: one failed task ends the step
-        for t in tasks.values():
-            if t.returncode is None and t.poll() is None:
-                t.send_signal(signal.SIGTERM)
+ended = set()
+# Each task's end through Popen (kill() polls them too: an os.wait() here raced it and found
+# its child reaped already), checked every 50 ms.
+while len(ended) < len(tasks):
+    for pid, t in tasks.items():
+        if pid in ended or t.poll() is None:
+            continue
+        ended.add(pid)
+        rc = t.returncode
+        worst = max(worst, rc if rc >= 0 else 128 - rc)
+        if rc != 0 and kill_on_bad_exit:  # --kill-on-bad-exit: one failed task ends the step
+            for other in tasks.values():
+                if other.poll() is None:
+                    other.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
 os.unlink(f"{state}/step-{step}")
 sys.exit(worst)
 """
