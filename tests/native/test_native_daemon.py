@@ -91,7 +91,9 @@ def test_rank_that_dies_aborts_the_ringing_one(native_daemon) -> None:
     r0, _ = run_ranks(2, workers.repeat_then, native_daemon.socket, 2, "dies", "die", dies=(1,))
     name, code, message = r0["error"]
     assert (name, code) == ("AbortedError", "ABORTED"), r0
-    assert "lost rank(s) 1" in message
+    # The general path's two messages, by whether rank 0's fallback came before or after
+    # the daemon saw rank 1 go: "job 'dies' lost rank(s) 1 ..." / "rank 1 of job 'dies' left".
+    assert "lost rank(s) 1 " in message or "rank 1 of job 'dies' left" in message, message
     assert r0["seconds"] < 0.5 + 2.0 + 1.0  # rank 1 dies 0.5 s in; ABORTED within 2 s of it
 
 
