@@ -37,7 +37,8 @@ DTYPE_CODES = {
 REDOP_CODES = {ReduceOp.SUM: 1, ReduceOp.AVG: 1, ReduceOp.PROD: 2, ReduceOp.MIN: 3, ReduceOp.MAX: 4}
 # numpy's min and max of floats differ by version and element type in the zero sign and
 # the NaN they return: the engine leaves them to numpy (the same bits on both paths).
-_MIN_MAX, _FLOATS = {3, 4}, {1, 2, 3, 4}
+_MIN_MAX = {REDOP_CODES[ReduceOp.MIN], REDOP_CODES[ReduceOp.MAX]}
+_FLOATS = {DTYPE_CODES[name] for name in ("float16", "bfloat16", "float32", "float64")}
 PROGRAM_MAGIC, VERSION = 0x504E504C, 1
 _HEADER = struct.Struct("<4I")
 _OP = struct.Struct("<6I5Q")  # engine.h's lpn_op: 64 bytes

@@ -59,7 +59,7 @@ from lpsync.errors import (
     MismatchError,
     ResourceExhaustedError,
 )
-from lpsync.native.armed import ArmedPlans
+from lpsync.native.armed import ArmedPlans, monotonic_to_wall
 
 log = logging.getLogger("lpsync.daemon")
 
@@ -152,8 +152,7 @@ class Job:
         for seq, spec, code, first, last, done in self.native.sync():
             if spec is None or code != 0:  # fallbacks finish on the general path
                 continue
-            wall = time.time() - (time.monotonic() - first)
-            finished = time.time() - (time.monotonic() - done)
+            wall, finished = monotonic_to_wall(first), monotonic_to_wall(done)
             stages = ((ARRIVING, last - first), ("native", done - last))
             records.append(FlightRecord(seq, spec, wall, (), stages, done - first, "direct", 1, "OK", ""))
         if records:
