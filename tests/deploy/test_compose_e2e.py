@@ -345,13 +345,12 @@ def test_compose_cluster_end_to_end(cluster: Cluster) -> None:
     single = epochs(out, "single")
     assert len(single) == len(lpsync_epochs), out
     # The daemons sum in the order of the algorithm the tuner picks per call (mst, be, lp,
-    # ring across the two containers), the one process in its own. Measured over runs: the
-    # first epoch equal to the printed digits, then either the same five epochs or, from a
-    # 2e-4 difference in epoch 2 on, another trajectory of SGD (final loss 0.0956 and 98.7%
-    # against 0.111 and 96.3%). So: the first epoch equal, the loss falling every epoch, and
-    # the end at least as good as the one process (within 40% of its loss, 4 of the 297 test
-    # images: 2026-12-07 the one process ended at 0.085 and 97.6%, so the 0.111 and 96.3%
-    # trajectory is 1.31x its loss and 1.3 points under it).
+    # ring across the two containers), the one process in its own. At the learning rate
+    # 0.1 that rounding split SGD's trajectory from epoch 2 on (final loss 0.0956 or 0.111
+    # against the one process's 0.085); train_digits.py trains at 0.05 now, where it stays
+    # under 1e-6 (make demo). The bounds are kept loose all the same: the first epoch
+    # equal, the loss falling every epoch, and the end at least as good as the one process
+    # (within 40% of its loss, 4 of the 297 test images).
     # A wrong average or a lost rank fails all of these.
     table = f"lpsync x{WORLD}: {lpsync_epochs}\none process: {single}"
     assert abs(lpsync_epochs[0]["loss"] - single[0]["loss"]) <= 2e-3, f"epoch 1 differs\n{table}"
