@@ -12,6 +12,9 @@ from __future__ import annotations
 import functools
 from types import ModuleType
 
+# A run's result (engine.h): the doorbell's reply code, and Engine.run's.
+OK, FALLBACK, TIMEOUT, LOST, MISMATCH = range(5)
+
 
 @functools.cache
 def _load() -> tuple[ModuleType | None, str]:

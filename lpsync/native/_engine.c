@@ -110,8 +110,9 @@ static PyObject *Engine_arm(EngineObject *self, PyObject *args) {
     Py_buffer program;
     PyObject *bases_arg, *sizes_arg;
     double timeout;
+    unsigned long long key = 0;
     if (check_open(self) ||
-        !PyArg_ParseTuple(args, "Iy*OOd", &index, &program, &bases_arg, &sizes_arg, &timeout))
+        !PyArg_ParseTuple(args, "Iy*OOd|K", &index, &program, &bases_arg, &sizes_arg, &timeout, &key))
         return NULL;
     Py_ssize_t n = 0, m = 0;
     uint64_t *bases = u64s(bases_arg, &n);
@@ -126,7 +127,7 @@ static PyObject *Engine_arm(EngineObject *self, PyObject *args) {
     const char *why = NULL;
     long gen;
     Py_BEGIN_ALLOW_THREADS gen = lpn_engine_arm(&self->engine, index, program.buf, (size_t)program.len, bases,
-                                                sizes, (uint32_t)n, timeout, &why);
+                                                sizes, (uint32_t)n, timeout, (uint64_t)key, &why);
     Py_END_ALLOW_THREADS PyMem_Free(bases);
     PyMem_Free(sizes);
     PyBuffer_Release(&program);
@@ -153,11 +154,35 @@ static PyObject *Engine_yield_seq(EngineObject *self, PyObject *arg) {
 }
 
 static PyObject *Engine_run(EngineObject *self, PyObject *args) {
-    unsigned int index, gen;
-    if (check_open(self) || !PyArg_ParseTuple(args, "II", &index, &gen)) return NULL;
-    int ok;
-    Py_BEGIN_ALLOW_THREADS ok = lpn_engine_run(&self->engine, index, gen);
-    Py_END_ALLOW_THREADS return PyBool_FromLong(ok == 0);
+    unsigned int index, gen, seq = 0;
+    if (check_open(self) || !PyArg_ParseTuple(args, "II|I", &index, &gen, &seq)) return NULL;
+    uint32_t code;
+    Py_BEGIN_ALLOW_THREADS code = lpn_engine_run(&self->engine, index, gen, seq);
+    Py_END_ALLOW_THREADS return PyLong_FromUnsignedLong(code);
+}
+
+static PyObject *Engine_connect(EngineObject *self, PyObject *args) {
+    unsigned int chan;
+    int fd;
+    if (check_open(self) || !PyArg_ParseTuple(args, "Ii", &chan, &fd)) return NULL;
+    const char *why = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = lpn_engine_connect(&self->engine, chan, fd, &why);
+    Py_END_ALLOW_THREADS if (rc != 0) {
+        PyErr_SetString(PyExc_ValueError, why ? why : "cannot connect the channel");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_failed_channel(EngineObject *self, PyObject *unused) {
+    (void)unused;
+    if (check_open(self)) return NULL;
+    int chan;
+    Py_BEGIN_ALLOW_THREADS pthread_mutex_lock(&self->engine.mu);
+    chan = self->engine.failed_channel;
+    pthread_mutex_unlock(&self->engine.mu);
+    Py_END_ALLOW_THREADS return PyLong_FromLong(chan);
 }
 
 /* (calls, seconds, buckets) of plan ``index`` and the engine's last records, under the lock. */
@@ -208,12 +233,19 @@ static PyObject *Engine_records(EngineObject *self, PyObject *unused) {
 
 static PyMethodDef Engine_methods[] = {
     {"arm", (PyCFunction)Engine_arm, METH_VARARGS,
-     "arm(index, program, bases, sizes, timeout) -> generation: check the program against its buffers, arm it"},
+     "arm(index, program, bases, sizes, timeout, key=0) -> generation: check the program against its "
+     "buffers, arm it (key: a net plan's identity in its message headers)"},
     {"disarm", (PyCFunction)Engine_disarm, METH_VARARGS,
      "disarm(index): waiting rings of it fall back to the general path"},
     {"yield_seq", (PyCFunction)Engine_yield_seq, METH_O,
      "yield_seq(seq): a rank arrived for seq on the general path; rings of it fall back"},
-    {"run", (PyCFunction)Engine_run, METH_VARARGS, "run(index, generation) -> bool: run an armed plan once"},
+    {"run", (PyCFunction)Engine_run, METH_VARARGS,
+     "run(index, generation, seq=0) -> code: run an armed plan once (0 ok, 1 not armed at that "
+     "generation, 2 timeout, 3 channel lost, 4 message mismatch), its messages numbered seq"},
+    {"connect", (PyCFunction)Engine_connect, METH_VARARGS,
+     "connect(channel, fd): the channel becomes a duplicate of the connected socket fd (-1: closed)"},
+    {"failed_channel", (PyCFunction)Engine_failed_channel, METH_NOARGS,
+     "failed_channel() -> int: the channel the last failed net run failed on (-1: none)"},
     {"stats", (PyCFunction)Engine_stats, METH_VARARGS, "stats(index) -> (calls, seconds, buckets)"},
     {"records", (PyCFunction)Engine_records, METH_NOARGS,
      "records() -> (answered, fallbacks, [(seq, plan, code, first, last, done)])"},

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from lpsync.memory.shm import SharedSegment
+from lpsync.native import OK
 from lpsync.native import engine as native_engine
 from lpsync.native.program import Program, encode
 
@@ -115,7 +116,7 @@ class ArmedPlans:
 
     def run(self, plan: Plan) -> bool:
         """Run an armed plan for a general-path call (False: disarmed meanwhile)."""
-        return bool(self.engine.run(plan.index, plan.generation))
+        return self.engine.run(plan.index, plan.generation) == OK
 
     def yield_seq(self, sequence: int) -> None:
         self.engine.yield_seq(sequence)

@@ -2,6 +2,7 @@
 #include "engine.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <math.h>
 #include <stdlib.h>
@@ -13,6 +14,8 @@
 /* ---------------------------------------------------------------- element types */
 
 static const uint32_t ITEMSIZE[LPN_DTYPE_END] = {0, 2, 2, 4, 8, 1, 4, 8, 1};
+
+uint32_t lpn_itemsize(uint32_t dtype) { return dtype < LPN_DTYPE_END ? ITEMSIZE[dtype] : 0; }
 
 /* float16 and bfloat16 are computed in float and rounded to nearest even, as numpy and
  * ml_dtypes do (float's 24 bits make the double rounding exact for + - * /). */
@@ -125,7 +128,7 @@ COMBINE_HALF(f16, h2f, f2h)
 COMBINE_HALF(bf16, b2f, f2b)
 
 /* avg's last step: floats divided by the count (as the dtype holds it), integers floored. */
-static void divide(uint8_t *p, uint32_t dtype, uint64_t n, uint64_t by) {
+void lpn_divide(uint8_t *p, uint32_t dtype, uint64_t n, uint64_t by) {
     uint64_t i;
     switch (dtype) {
     case LPN_F16: {
@@ -170,8 +173,7 @@ static void divide(uint8_t *p, uint32_t dtype, uint64_t n, uint64_t by) {
     }
 }
 
-static void combine(uint8_t *d, const uint8_t *a, const uint8_t *b, uint32_t dtype, uint64_t n,
-                    uint32_t op) {
+void lpn_combine(uint8_t *d, const uint8_t *a, const uint8_t *b, uint32_t dtype, uint64_t n, uint32_t op) {
     switch (dtype) {
     case LPN_F16: combine_f16((uint16_t *)d, (const uint16_t *)a, (const uint16_t *)b, n, op); break;
     case LPN_BF16: combine_bf16((uint16_t *)d, (const uint16_t *)a, (const uint16_t *)b, n, op); break;
@@ -187,6 +189,81 @@ static void combine(uint8_t *d, const uint8_t *a, const uint8_t *b, uint32_t dty
 /* ---------------------------------------------------------------- programs */
 
 static int fits(uint64_t off, uint64_t n, uint64_t size) { return off <= size && n <= size - off; }
+
+static int aligned(const uint64_t *bases, uint32_t buf, uint64_t off, uint64_t item) {
+    uint64_t base = buf ? bases[buf - 1] : 0; /* buffer 0, the scratch: aligned by the engine */
+    return (base + off) % item == 0;
+}
+
+/* A net op's checks (engine.h says what each kind reads and writes); NULL when sound. */
+static const char *check_net_op(const lpn_op *o, const uint64_t *sizes, uint32_t nbuf, const uint64_t *bases) {
+    if (o->b >= LPN_MAX_CHANNELS) return "a message names a channel out of range";
+    if (o->kind == LPN_SEND) { /* writes nothing: no destination */
+        if (o->dst != 0 || o->dst_off != 0) return "a send names a destination";
+        if (o->a >= nbuf) return "an op names a buffer the program does not have";
+        if (!fits(o->a_off, o->n, sizes[o->a])) return "an op reaches past the end of its buffer";
+        return NULL;
+    }
+    if (o->kind == LPN_RECV) {
+        if (!fits(o->dst_off, o->n, sizes[o->dst]) || !fits(o->b_off, o->n, sizes[0]))
+            return "an op reaches past the end of its buffer";
+        return NULL;
+    }
+    /* LPN_RECV_COMBINE */
+    if (o->dtype == 0 || o->dtype >= LPN_DTYPE_END || o->redop == 0 || o->redop >= LPN_REDOP_END ||
+        (o->redop >= LPN_MIN && o->dtype <= LPN_F64))
+        return "an op has an unknown kind, type or reduction, or one the engine leaves to numpy";
+    if (o->a >= nbuf) return "an op names a buffer the program does not have";
+    uint64_t item = ITEMSIZE[o->dtype];
+    if (o->n > UINT64_MAX / item) return "an op reaches past the end of its buffer";
+    uint64_t bytes = o->n * item;
+    if (!fits(o->dst_off, bytes, sizes[o->dst]) || !fits(o->a_off, bytes, sizes[o->a]) ||
+        !fits(o->b_off, bytes, sizes[0]))
+        return "an op reaches past the end of its buffer";
+    if (!aligned(bases, o->dst, o->dst_off, item) || !aligned(bases, o->a, o->a_off, item) ||
+        !aligned(bases, 0, o->b_off, item))
+        return "an element range is not aligned to its type";
+    return NULL;
+}
+
+/* List each channel's sends and receives by message number (net.c matches messages by
+ * it): sends numbered 0, 1, ... in program order, receives each number once. */
+static const char *index_messages(lpn_program *p) {
+    uint32_t nsend[LPN_MAX_CHANNELS] = {0}, nrecv[LPN_MAX_CHANNELS] = {0}, c, i;
+    p->msg = calloc(p->nops, sizeof(uint32_t));
+    p->tx = calloc(p->nops, sizeof(uint32_t));
+    p->rx = malloc((size_t)p->nops * sizeof(uint32_t));
+    if (!p->msg || !p->tx || !p->rx) return "out of memory";
+    memset(p->rx, 0xff, (size_t)p->nops * sizeof(uint32_t));
+    for (i = 0; i < p->nops; i++) {
+        const lpn_op *o = &p->ops[i];
+        if (o->kind == LPN_SEND) {
+            if (o->arg != nsend[o->b]) return "a channel's sends are not numbered in program order";
+            nsend[o->b]++;
+        } else if (o->kind == LPN_RECV || o->kind == LPN_RECV_COMBINE) {
+            nrecv[o->b]++;
+        }
+    }
+    p->tx_start[0] = p->rx_start[0] = 0;
+    for (c = 0; c < LPN_MAX_CHANNELS; c++) {
+        p->tx_start[c + 1] = p->tx_start[c] + nsend[c];
+        p->rx_start[c + 1] = p->rx_start[c] + nrecv[c];
+    }
+    for (i = 0; i < p->nops; i++) {
+        const lpn_op *o = &p->ops[i];
+        if (o->kind == LPN_SEND) {
+            p->msg[i] = (uint32_t)o->arg;
+            p->tx[p->tx_start[o->b] + o->arg] = i;
+        } else if (o->kind == LPN_RECV || o->kind == LPN_RECV_COMBINE) {
+            if (o->arg >= nrecv[o->b]) return "a receive's message number is out of range";
+            uint32_t *at = &p->rx[p->rx_start[o->b] + o->arg];
+            if (*at != UINT32_MAX) return "two receives take the same message";
+            *at = i;
+            p->msg[i] = (uint32_t)o->arg;
+        }
+    }
+    return NULL;
+}
 
 int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, const uint64_t *sizes,
                       uint32_t nbases, lpn_program *out, const char **why) {
@@ -224,6 +301,15 @@ int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, co
         const lpn_op *o = &out->ops[i];
         uint64_t item = 1, bytes;
         if (o->dst >= h.nbuf) goto bad_buffer;
+        if (o->kind >= LPN_SEND && o->kind <= LPN_RECV_COMBINE) {
+            const char *net_why = check_net_op(o, out->sizes, h.nbuf, bases);
+            if (net_why) {
+                lpn_program_free(out);
+                return *why = net_why, -1;
+            }
+            out->net = 1;
+            continue;
+        }
         if (o->kind == LPN_COPY) {
             if (o->a >= h.nbuf) goto bad_buffer;
             if (!fits(o->dst_off, o->n, out->sizes[o->dst]) || !fits(o->a_off, o->n, out->sizes[o->a]))
@@ -242,7 +328,7 @@ int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, co
             if (!fits(o->a_off, bytes, out->sizes[o->a]) || !fits(o->b_off, bytes, out->sizes[o->b]))
                 goto bad_range;
         } else if (o->kind == LPN_DIVIDE) {
-            if (o->divisor == 0 || o->divisor > 0x7fffffffu) goto bad;
+            if (o->arg == 0 || o->arg > 0x7fffffffu) goto bad;
         } else {
             goto bad;
         }
@@ -256,6 +342,11 @@ int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, co
                 return *why = "an element range is not aligned to its type", -1;
             }
         }
+    }
+    const char *unindexed = out->net ? index_messages(out) : NULL;
+    if (unindexed) {
+        lpn_program_free(out);
+        return *why = unindexed, -1;
     }
     return 0;
 bad_buffer:
@@ -272,6 +363,9 @@ bad:
 void lpn_program_free(lpn_program *program) {
     free(program->ops);
     free(program->sizes);
+    free(program->msg);
+    free(program->tx);
+    free(program->rx);
     memset(program, 0, sizeof *program);
 }
 
@@ -284,10 +378,12 @@ void lpn_program_run(const lpn_program *program, uint8_t *const *bufs) {
             if (o->n) memmove(d, bufs[o->a] + o->a_off, o->n);
             break;
         case LPN_COMBINE:
-            combine(d, bufs[o->a] + o->a_off, bufs[o->b] + o->b_off, o->dtype, o->n, o->redop);
+            lpn_combine(d, bufs[o->a] + o->a_off, bufs[o->b] + o->b_off, o->dtype, o->n, o->redop);
             break;
-        default:
-            divide(d, o->dtype, o->n, o->divisor);
+        case LPN_DIVIDE:
+            lpn_divide(d, o->dtype, o->n, o->arg);
+            break;
+        default: /* net ops: a program with them runs in lpn_program_run_net (net.c) */
             break;
         }
     }
@@ -295,7 +391,7 @@ void lpn_program_run(const lpn_program *program, uint8_t *const *bufs) {
 
 /* ---------------------------------------------------------------- the doorbell */
 
-static double now(void) {
+double lpn_now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
@@ -355,13 +451,39 @@ static void observe(lpn_engine *e, lpn_plan *p, double seconds) {
     p->seconds += seconds;
 }
 
+static void release_plan(lpn_plan *p);
+
+/* Run plan ``p`` for ``seq`` (lock held). A failed net run leaves its channels
+ * mid-message: they are closed, and the plan is disarmed (the daemon connects and arms
+ * again once it has settled what failed). */
+static uint32_t run_plan(lpn_engine *e, lpn_plan *p, uint32_t seq) {
+    if (!p->program.net) {
+        lpn_program_run(&p->program, p->bufs);
+        return p->last_code = LPN_OK;
+    }
+    int failed = -1;
+    uint32_t code = lpn_program_run_net(&p->program, p->bufs, e->fds, p->key, seq, p->timeout, &failed);
+    p->last_code = code;
+    if (code == LPN_OK) return code;
+    e->failed_channel = failed;
+    for (uint32_t c = 0; c < LPN_MAX_CHANNELS; c++)
+        if (e->fds[c] >= 0 && (p->program.tx_start[c] != p->program.tx_start[c + 1] ||
+                               p->program.rx_start[c] != p->program.rx_start[c + 1])) {
+            close(e->fds[c]);
+            e->fds[c] = -1;
+        }
+    p->gen = (p->gen + 1u) & 0xffffffu;
+    release_plan(p);
+    return code;
+}
+
 /* One pass over the slots (lock held): answer what can be answered. Returns whether
  * anything was answered, and the earliest deadline of what still waits (0: none). */
 static int serve(lpn_engine *e, double *deadline) {
     uint64_t rings[LPN_MAX_SLOTS];
     uint32_t target = 0, i;
     int have = 0, answered = 0;
-    double t = now();
+    double t = lpn_now();
     *deadline = 0;
     for (i = 0; i < e->slots; i++) {
         rings[i] = __atomic_load_n((uint64_t *)slot(e, i), __ATOMIC_ACQUIRE);
@@ -414,7 +536,7 @@ static int serve(lpn_engine *e, double *deadline) {
     }
     if (!agree) { /* mismatch, disarmed or late: the general path says what went wrong */
         raise_abandoned(e, target);
-        record(e, target, plan, LPN_FALLBACK, first, last, now());
+        record(e, target, plan, LPN_FALLBACK, first, last, lpn_now());
         for (i = 0; i < e->slots; i++)
             if ((uint32_t)(rings[i] >> 32) == target && target != e->served[i]) {
                 answer(e, i, target, LPN_FALLBACK);
@@ -422,12 +544,12 @@ static int serve(lpn_engine *e, double *deadline) {
             }
         return 1;
     }
-    lpn_program_run(&p->program, p->bufs);
-    double done = now();
+    uint32_t code = run_plan(e, p, target);
+    double done = lpn_now();
     /* Counted before the answers: a client that asks for status next finds it there. */
-    observe(e, p, done - last);
-    record(e, target, plan, LPN_OK, first, last, done);
-    for (i = 0; i < e->slots; i++) answer(e, i, target, LPN_OK);
+    if (code == LPN_OK) observe(e, p, done - last);
+    record(e, target, plan, code, first, last, done);
+    for (i = 0; i < e->slots; i++) answer(e, i, target, code);
     return 1;
 }
 
@@ -440,7 +562,7 @@ static void *loop(void *arg) {
         if (serve(e, &deadline)) continue;
         pthread_mutex_unlock(&e->mu);
         /* Sleep until a ring or the earliest deadline; a bounded wait all the same. */
-        double wait = deadline > 0 ? deadline - now() : 1.0;
+        double wait = deadline > 0 ? deadline - lpn_now() : 1.0;
         if (wait > 1.0) wait = 1.0;
         if (wait < 0) wait = 0;
         struct timespec ts = {(time_t)wait, (long)((wait - (double)(time_t)wait) * 1e9)};
@@ -467,6 +589,8 @@ int lpn_engine_init(lpn_engine *e, uint8_t *page, size_t page_len, uint32_t slot
     uint32_t header[3] = {LPN_MAGIC, LPN_VERSION, slots};
     memset(page, 0, LPN_HEADER_BYTES + (size_t)slots * LPN_SLOT_BYTES);
     memcpy(page, header, sizeof header);
+    for (uint32_t c = 0; c < LPN_MAX_CHANNELS; c++) e->fds[c] = -1;
+    e->failed_channel = -1;
     pthread_mutex_init(&e->mu, NULL);
     return 0;
 }
@@ -498,12 +622,14 @@ static void release_plan(lpn_plan *p) {
 void lpn_engine_destroy(lpn_engine *e) {
     lpn_engine_stop(e);
     for (uint32_t i = 0; i < LPN_MAX_PLANS; i++) release_plan(&e->plans[i]);
+    for (uint32_t c = 0; c < LPN_MAX_CHANNELS; c++)
+        if (e->fds[c] >= 0) close(e->fds[c]);
     pthread_mutex_destroy(&e->mu);
 }
 
 long lpn_engine_arm(lpn_engine *e, uint32_t index, const uint8_t *data, size_t len,
                     const uint64_t *bases, const uint64_t *sizes, uint32_t nbases, double timeout,
-                    const char **why) {
+                    uint64_t key, const char **why) {
     if (index >= LPN_MAX_PLANS) return *why = "plan index out of range", -1;
     if (!(timeout > 0) || timeout > 1e7) return *why = "timeout out of range", -1;
     lpn_program program;
@@ -524,6 +650,8 @@ long lpn_engine_arm(lpn_engine *e, uint32_t index, const uint8_t *data, size_t l
     p->program = program;
     p->bufs = bufs;
     p->timeout = timeout;
+    p->key = key;
+    p->last_code = LPN_OK;
     p->gen = (p->gen + 1u) & 0xffffffu;
     p->calls = 0;
     p->seconds = 0;
@@ -550,12 +678,30 @@ void lpn_engine_yield(lpn_engine *e, uint32_t seq) {
     if (raise_abandoned(e, seq)) ring_bell(e); /* the engine's thread falls back its rings */
 }
 
-int lpn_engine_run(lpn_engine *e, uint32_t index, uint32_t gen) {
-    if (index >= LPN_MAX_PLANS) return -1;
+uint32_t lpn_engine_run(lpn_engine *e, uint32_t index, uint32_t gen, uint32_t seq) {
+    if (index >= LPN_MAX_PLANS) return LPN_FALLBACK;
     pthread_mutex_lock(&e->mu);
     lpn_plan *p = &e->plans[index];
-    int ok = p->armed && p->gen == gen;
-    if (ok) lpn_program_run(&p->program, p->bufs);
+    uint32_t code = p->armed && p->gen == gen ? run_plan(e, p, seq) : LPN_FALLBACK;
     pthread_mutex_unlock(&e->mu);
-    return ok ? 0 : -1;
+    return code;
+}
+
+int lpn_engine_connect(lpn_engine *e, uint32_t chan, int fd, const char **why) {
+    if (chan >= LPN_MAX_CHANNELS) return *why = "channel out of range", -1;
+    int mine = -1;
+    if (fd >= 0) {
+        mine = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+        if (mine < 0) return *why = "cannot duplicate the socket", -1;
+        int flags = fcntl(mine, F_GETFL);
+        if (flags < 0 || fcntl(mine, F_SETFL, flags | O_NONBLOCK) < 0) {
+            close(mine);
+            return *why = "cannot make the socket non-blocking", -1;
+        }
+    }
+    pthread_mutex_lock(&e->mu); /* never under a run that uses the channel */
+    if (e->fds[chan] >= 0) close(e->fds[chan]);
+    e->fds[chan] = mine;
+    pthread_mutex_unlock(&e->mu);
+    return 0;
 }

@@ -36,19 +36,35 @@
 #define LPN_MAX_OPS 65536u
 #define LPN_BUCKETS 32u
 
+#define LPN_MAX_CHANNELS 64u
+
+/* A run's result: the doorbell's reply code, and lpn_engine_run's. */
 #define LPN_OK 0u
 #define LPN_FALLBACK 1u
+#define LPN_TIMEOUT 2u  /* a message or a send did not complete by the plan's timeout */
+#define LPN_LOST 3u     /* a channel closed, failed, or was never connected */
+#define LPN_MISMATCH 4u /* a message's header is not the one the plan expects next */
 
-enum lpn_kind { LPN_COPY = 1, LPN_COMBINE = 2, LPN_DIVIDE = 3 };
+/* Kinds 1-3 work on memory; 4-6 move messages over channels (net.c): a node's part of a
+ * collective across nodes. SEND: a/a_off, n bytes, to channel b. RECV: n bytes from
+ * channel b, landed in the scratch at b_off, then copied to dst/dst_off. RECV_COMBINE:
+ * n elements landed at b_off, dst = a (op) landed. Each channel's messages are numbered
+ * in the order they are sent (``arg``); every message carries a header (net.c) with the
+ * plan's key, the run's sequence number and that number, checked on arrival. */
+enum lpn_kind {
+    LPN_COPY = 1, LPN_COMBINE = 2, LPN_DIVIDE = 3, LPN_SEND = 4, LPN_RECV = 5, LPN_RECV_COMBINE = 6
+};
 enum lpn_dtype {
     LPN_F16 = 1, LPN_BF16, LPN_F32, LPN_F64, LPN_I8, LPN_I32, LPN_I64, LPN_U8, LPN_DTYPE_END
 };
 enum lpn_redop { LPN_SUM = 1, LPN_PROD, LPN_MIN, LPN_MAX, LPN_REDOP_END };
 
-/* One instruction; COPY counts bytes, COMBINE and DIVIDE elements. */
+/* One instruction; COPY, SEND and RECV count bytes, the others elements. ``arg``: DIVIDE's
+ * divisor; a net op's message number on its channel (sends: 0, 1, ... in program order;
+ * receives: the order the peer sends them in, which may differ from theirs). */
 typedef struct {
     uint32_t kind, dtype, redop, dst, a, b;
-    uint64_t dst_off, a_off, b_off, n, divisor;
+    uint64_t dst_off, a_off, b_off, n, arg;
 } lpn_op;
 
 /* The encoded form Python writes (lpsync/native/program.py): a header, then nbuf u64
@@ -61,6 +77,12 @@ typedef struct {
     lpn_op *ops;
     uint32_t nops, nbuf;
     uint64_t *sizes; /* of every buffer */
+    /* Net ops, indexed at parse time: per op its message number on its channel; per
+     * channel the op indices of its sends (tx) and receives (rx) by message number:
+     * tx[tx_start[c] .. tx_start[c+1]). */
+    int net;
+    uint32_t *msg, *tx, *rx;
+    uint32_t tx_start[LPN_MAX_CHANNELS + 1], rx_start[LPN_MAX_CHANNELS + 1];
 } lpn_program;
 
 /* Parse and check ``len`` bytes; 0 on success, else -1 with ``why`` set. The buffers are
@@ -72,13 +94,26 @@ typedef struct {
 int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, const uint64_t *sizes,
                       uint32_t nbases, lpn_program *out, const char **why);
 void lpn_program_free(lpn_program *program);
-/* Run a parsed program over ``bufs`` (nbuf pointers, bufs[0] the scratch). */
+/* Run a parsed program without net ops over ``bufs`` (nbuf pointers, bufs[0] the scratch). */
 void lpn_program_run(const lpn_program *program, uint8_t *const *bufs);
+/* Run any parsed program: net ops over ``fds`` (LPN_MAX_CHANNELS, -1 where none), their
+ * headers carrying ``key`` and ``seq``; every wait bounded by ``timeout`` seconds from
+ * now. LPN_OK, or LPN_TIMEOUT / LPN_LOST / LPN_MISMATCH (net.c); ``failed`` is then the
+ * channel that failed (-1: none in particular). */
+uint32_t lpn_program_run_net(const lpn_program *program, uint8_t *const *bufs, const int *fds,
+                             uint64_t key, uint32_t seq, double timeout, int *failed);
+/* The element operations the two runners share (engine.c). */
+void lpn_combine(uint8_t *d, const uint8_t *a, const uint8_t *b, uint32_t dtype, uint64_t n, uint32_t op);
+void lpn_divide(uint8_t *p, uint32_t dtype, uint64_t n, uint64_t by);
+uint32_t lpn_itemsize(uint32_t dtype);
+double lpn_now(void);
 
 typedef struct {
     int armed;
     uint32_t gen;       /* 24 bits: bumped by every disarm */
     double timeout;     /* seconds: the clients' timeout for this plan */
+    uint64_t key;       /* net plans: the plan's identity in every message header */
+    uint32_t last_code; /* the last run's result (LPN_OK ...) */
     lpn_program program;
     uint8_t **bufs;     /* nbuf: bufs[0] the scratch */
     /* Metrics, read by Python at a scrape: calls, seconds, a histogram over ``bounds``. */
@@ -109,6 +144,8 @@ typedef struct {
     lpn_record records[LPN_RECORDS];
     uint64_t nrecords; /* ever written; records[i % LPN_RECORDS] */
     uint64_t fallbacks;
+    int fds[LPN_MAX_CHANNELS]; /* the engine's own (dup'ed) sockets; -1: none */
+    int failed_channel;        /* of the last failed net run, -1: none */
 } lpn_engine;
 
 int lpn_engine_init(lpn_engine *e, uint8_t *page, size_t page_len, uint32_t slots,
@@ -121,12 +158,18 @@ void lpn_engine_destroy(lpn_engine *e);
  * but the scratch. */
 long lpn_engine_arm(lpn_engine *e, uint32_t index, const uint8_t *data, size_t len,
                     const uint64_t *bases, const uint64_t *sizes, uint32_t nbases, double timeout,
-                    const char **why);
+                    uint64_t key, const char **why);
+/* Channel ``chan`` becomes a duplicate of the connected stream socket ``fd`` (made
+ * non-blocking), replacing what it was; fd -1 closes it. 0, or -1 with ``why``. A net
+ * run that fails closes every channel its plan uses: their streams are mid-message. */
+int lpn_engine_connect(lpn_engine *e, uint32_t chan, int fd, const char **why);
 void lpn_engine_disarm(lpn_engine *e, uint32_t index);
 /* A rank arrived for ``seq`` on the general path: rings of it fall back. Never blocks. */
 void lpn_engine_yield(lpn_engine *e, uint32_t seq);
-/* Run plan ``index`` once for a general-path collective (under the engine's lock). */
-int lpn_engine_run(lpn_engine *e, uint32_t index, uint32_t gen);
+/* Run plan ``index`` once for a general-path collective (under the engine's lock), its
+ * messages numbered ``seq``: LPN_OK or a failure code; LPN_FALLBACK where the plan is not
+ * armed at ``gen``. */
+uint32_t lpn_engine_run(lpn_engine *e, uint32_t index, uint32_t gen, uint32_t seq);
 
 /* The ring word a client writes. */
 static inline uint64_t lpn_ring(uint32_t seq, uint32_t gen, uint32_t plan) {

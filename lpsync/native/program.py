@@ -23,6 +23,11 @@ from lpsync.reduction import Reduction
 from lpsync.types import Collective, ReduceOp
 
 COPY, COMBINE, DIVIDE = 1, 2, 3
+# Messages between nodes (across.py compiles them; only the engine runs them, net.c):
+# SEND a/a_off n bytes on channel b; RECV n bytes from channel b landed in the scratch at
+# b_off, then copied to dst; RECV_COMBINE n elements landed at b_off, dst = a (op) landed.
+SEND, RECV, RECV_COMBINE = 4, 5, 6
+NET = frozenset({SEND, RECV, RECV_COMBINE})
 # engine.h's enum lpn_dtype and lpn_redop.
 DTYPE_CODES = {
     "float16": 1,
@@ -52,7 +57,8 @@ class Step(NamedTuple):
     a_off: int = 0
     b: int = 0
     b_off: int = 0
-    n: int = 0  # bytes for COPY, elements for COMBINE and DIVIDE
+    n: int = 0  # bytes for COPY, SEND and RECV, elements for the others
+    arg: int = 0  # a net op's message number on its channel (engine.h)
 
 
 @dataclass
@@ -74,6 +80,10 @@ class Program:
 
     def run(self, views: list[np.ndarray]) -> None:
         """Run it with numpy over ``views`` (input, output of each participant)."""
+        if any(s.kind in NET for s in self.steps):
+            raise ValueError(
+                "a program with messages runs in the engine only (its reference is the general path)"
+            )
         raw = [np.empty(self.scratch, np.uint8)] + [v.view(np.uint8).reshape(-1) for v in views]
         typed = None
         if self.reduction is not None:
@@ -103,7 +113,19 @@ def encode(program: Program, views: list[np.ndarray]) -> tuple[bytes, list[int],
         if not dtype or (redop in _MIN_MAX and dtype in _FLOATS):
             return None
     ops = b"".join(
-        _OP.pack(s.kind, dtype, redop, s.dst, s.a, s.b, s.dst_off, s.a_off, s.b_off, s.n, divisor)
+        _OP.pack(
+            s.kind,
+            dtype,
+            redop,
+            s.dst,
+            s.a,
+            s.b,
+            s.dst_off,
+            s.a_off,
+            s.b_off,
+            s.n,
+            s.arg if s.kind in NET else divisor,
+        )
         for s in program.steps
     )
     sizes = [program.scratch] + [v.nbytes for v in views]

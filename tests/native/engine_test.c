@@ -6,10 +6,14 @@
  * programs (a fuzz of its checks: nothing it accepts may reach past its buffers). */
 #include "../../lpsync/native/engine.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <linux/futex.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -121,11 +125,30 @@ static uint64_t next(void) {
     return rng;
 }
 
-static void test_parser(unsigned rounds) {
+static void net_program(int r);
+static blob net_blob[2];
+
+/* Seed 0: the local allreduce; seed 1: the same with a message each way in the middle
+ * (net ops over the same buffers, as across.py compiles them). */
+static void fuzz_seed(blob *good, int seed) {
+    allreduce_program(good, LPN_SUM, LPN_F32, 4);
+    if (seed == 0) return;
+    lpn_op extra[2] = {
+        {LPN_SEND, 0, 0, 0, 1, 1, 0, 0, 0, (uint64_t)N * 4, 0},
+        {LPN_RECV_COMBINE, LPN_F32, LPN_SUM, 2, 1, 1, 0, 0, 0, N, 0},
+    };
+    uint32_t k = 1 + (P - 1) + P;
+    lpn_op ops[1 + (P - 1) + P + 2];
+    memcpy(ops, allreduce_ops, sizeof allreduce_ops);
+    memcpy(ops + k, extra, sizeof extra);
+    program(good, 1 + 2 * P, allreduce_sizes, k + 2, ops);
+}
+
+static void test_parser(unsigned rounds, int seed) {
     blob good, bad;
     lpn_program prog;
     const char *why;
-    allreduce_program(&good, LPN_SUM, LPN_F32, 4);
+    fuzz_seed(&good, seed);
     set_bases();
     for (size_t cut = 0; cut < good.len; cut++) /* every truncation is refused */
         CHECK(lpn_program_parse(good.bytes, cut, bases, real_sizes, 2 * P, &prog, &why) != 0, "truncated at %zu accepted", cut);
@@ -162,7 +185,14 @@ static void test_parser(unsigned rounds) {
                 bufs[0] = aligned_alloc(64, (prog.sizes[0] + 63) & ~(uint64_t)63);
             }
             fill();
-            lpn_program_run(&prog, bufs);
+            if (prog.net) { /* no channels: it runs up to its first message, then fails */
+                int fds[LPN_MAX_CHANNELS], failed;
+                for (unsigned c = 0; c < LPN_MAX_CHANNELS; c++) fds[c] = -1;
+                uint32_t code = lpn_program_run_net(&prog, bufs, fds, 0, 0, 0.01, &failed);
+                CHECK(code == LPN_LOST, "a program with messages and no channels ended %u", code);
+            } else {
+                lpn_program_run(&prog, bufs);
+            }
             if (bufs[0] != scratch) {
                 free(bufs[0]);
                 bufs[0] = scratch;
@@ -171,7 +201,140 @@ static void test_parser(unsigned rounds) {
         }
     }
     free(bufs[0]);
-    printf("parser: %u corrupted programs, %u accepted and run inside their buffers\n", rounds, accepted);
+    printf("parser (%s): %u corrupted programs, %u accepted and run inside their buffers\n",
+           seed ? "with messages" : "local", rounds, accepted);
+}
+
+/* ---- net ops (net.c): two nodes over a socket pair, each on a thread. Node r's program
+ * is a 2-node allreduce as lpsync/native/across.py compiles it: send the input to the
+ * peer (channel = the peer node), receive the peer's input and add it into the output. */
+typedef struct { /* net.c's header: the wire contract this test writes by hand */
+    uint64_t key;
+    uint32_t seq, msg;
+    uint64_t nbytes;
+    uint32_t kind, magic;
+} wire_header;
+
+static float net_data[2][N];
+static lpn_program net_prog[2];
+
+static void net_program(int r) {
+    uint64_t sizes[3] = {(uint64_t)N * 4, (uint64_t)N * 4, (uint64_t)N * 4}; /* scratch, in, out */
+    uint32_t peer = 1u - (uint32_t)r;
+    lpn_op ops[2] = {
+        {LPN_SEND, 0, 0, 0, 1, peer, 0, 0, 0, (uint64_t)N * 4, 0},
+        {LPN_RECV_COMBINE, LPN_F32, LPN_SUM, 2, 1, peer, 0, 0, 0, N, 0},
+    };
+    program(&net_blob[r], 3, sizes, 2, ops);
+}
+
+typedef struct {
+    int node, fds[LPN_MAX_CHANNELS], failed;
+    uint64_t key;
+    uint32_t seq, code;
+    double timeout;
+} net_node;
+
+static void *net_run(void *arg) {
+    net_node *n = arg;
+    uint8_t *scratch = aligned_alloc(64, ((size_t)N * 4 + 63) & ~(size_t)63);
+    uint8_t *bufs[3] = {scratch, (uint8_t *)net_data[n->node], (uint8_t *)net_data[n->node]};
+    n->code = lpn_program_run_net(&net_prog[n->node], bufs, n->fds, n->key, n->seq, n->timeout, &n->failed);
+    free(scratch);
+    return NULL;
+}
+
+static void net_pair(net_node *nodes, int sv[2]) {
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0, "socketpair");
+    for (int r = 0; r < 2; r++) {
+        fcntl(sv[r], F_SETFL, fcntl(sv[r], F_GETFL) | O_NONBLOCK);
+        memset(&nodes[r], 0, sizeof nodes[r]);
+        nodes[r].node = r;
+        for (unsigned c = 0; c < LPN_MAX_CHANNELS; c++) nodes[r].fds[c] = -1;
+        nodes[r].fds[1 - r] = sv[r];
+        nodes[r].key = 7;
+        nodes[r].seq = 3;
+        nodes[r].timeout = 5.0;
+        for (int i = 0; i < N; i++) net_data[r][i] = (float)(r + 1) * (float)i;
+    }
+}
+
+static void net_both(net_node *nodes, int only) {
+    pthread_t t[2];
+    for (int r = 0; r < 2; r++)
+        if (only < 0 || only == r) pthread_create(&t[r], NULL, net_run, &nodes[r]);
+    for (int r = 0; r < 2; r++)
+        if (only < 0 || only == r) pthread_join(t[r], NULL);
+}
+
+static void test_net(void) {
+    const char *why;
+    uint64_t net_bases[2][2];
+    for (int r = 0; r < 2; r++) {
+        net_program(r);
+        net_bases[r][0] = net_bases[r][1] = (uint64_t)(uintptr_t)net_data[r];
+        uint64_t sizes[2] = {(uint64_t)N * 4, (uint64_t)N * 4};
+        CHECK(lpn_program_parse(net_blob[r].bytes, net_blob[r].len, net_bases[r], sizes, 2, &net_prog[r], &why) == 0,
+              "net program refused: %s", why);
+    }
+    net_node nodes[2];
+    int sv[2];
+
+    net_pair(nodes, sv); /* both run: the sum on both */
+    net_both(nodes, -1);
+    CHECK(nodes[0].code == LPN_OK && nodes[1].code == LPN_OK, "allreduce codes %u %u", nodes[0].code, nodes[1].code);
+    for (int i = 0; i < N; i++)
+        CHECK(net_data[0][i] == 3.0f * (float)i && net_data[1][i] == 3.0f * (float)i, "sum at %d", i);
+    close(sv[0]);
+    close(sv[1]);
+
+    net_pair(nodes, sv); /* another plan's key on node 1: a mismatch on both, nothing summed */
+    nodes[1].key = 8;
+    net_both(nodes, -1);
+    CHECK(nodes[0].code == LPN_MISMATCH && nodes[1].code == LPN_MISMATCH, "key mismatch codes %u %u", nodes[0].code,
+          nodes[1].code);
+    CHECK(nodes[0].failed == 1 && net_data[0][5] == 5.0f, "a mismatch reduced nothing");
+    close(sv[0]);
+    close(sv[1]);
+
+    net_pair(nodes, sv); /* a peer that never runs: the deadline */
+    nodes[0].timeout = 0.2;
+    double began = lpn_now();
+    net_both(nodes, 0);
+    CHECK(nodes[0].code == LPN_TIMEOUT && lpn_now() - began >= 0.19, "timeout code %u", nodes[0].code);
+    close(sv[0]);
+    close(sv[1]);
+
+    net_pair(nodes, sv); /* a peer that is gone: at once */
+    close(sv[1]);
+    began = lpn_now();
+    net_both(nodes, 0);
+    CHECK(nodes[0].code == LPN_LOST && lpn_now() - began < 1.0, "lost code %u", nodes[0].code);
+    close(sv[0]);
+
+    net_pair(nodes, sv); /* a forged header (right key, wrong message number): a mismatch */
+    wire_header forged = {7, 3, 1, (uint64_t)N * 4, 1, 0x4c504e57u};
+    CHECK(write(sv[1], &forged, sizeof forged) == (ssize_t)sizeof forged, "write");
+    net_both(nodes, 0);
+    CHECK(nodes[0].code == LPN_MISMATCH, "forged header code %u", nodes[0].code);
+    close(sv[0]);
+    close(sv[1]);
+
+    /* Misnumbered messages are refused at parse. */
+    lpn_program bad;
+    lpn_op *ops = (lpn_op *)(net_blob[0].bytes + sizeof(lpn_program_header) + 3 * 8);
+    ops[0].arg = 1;
+    CHECK(lpn_program_parse(net_blob[0].bytes, net_blob[0].len, net_bases[0], (uint64_t[]){N * 4, N * 4}, 2, &bad,
+                            &why) != 0,
+          "a send numbered 1 first was accepted");
+    ops[0].arg = 0;
+    ops[1].arg = 1;
+    CHECK(lpn_program_parse(net_blob[0].bytes, net_blob[0].len, net_bases[0], (uint64_t[]){N * 4, N * 4}, 2, &bad,
+                            &why) != 0,
+          "a receive numbered past its channel's count was accepted");
+    ops[1].arg = 0;
+    for (int r = 0; r < 2; r++) lpn_program_free(&net_prog[r]);
+    printf("net: allreduce, key mismatch, deadline, lost peer, forged header, misnumbered messages\n");
 }
 
 /* ---- the doorbell, clients as threads */
@@ -213,7 +376,7 @@ static void test_doorbell(void) {
     blob b;
     allreduce_program(&b, LPN_SUM, LPN_F32, 4);
     set_bases();
-    long gen = lpn_engine_arm(&e, 3, b.bytes, b.len, bases, real_sizes, 2 * P, 5.0, &why);
+    long gen = lpn_engine_arm(&e, 3, b.bytes, b.len, bases, real_sizes, 2 * P, 5.0, 0, &why);
     CHECK(gen > 0, "arm: %s", why);
     ringer rs[P];
     for (uint32_t seq = 1; seq <= 200; seq++) { /* armed runs */
@@ -234,7 +397,7 @@ static void test_doorbell(void) {
     ring_all(rs, P);
     for (uint32_t i = 0; i < P; i++) CHECK(rs[i].code == LPN_FALLBACK, "yielded seq answered %u", rs[i].code);
     /* One slot rings and the others never do: it falls back at the plan's deadline. */
-    gen = lpn_engine_arm(&e, 3, b.bytes, b.len, bases, real_sizes, 2 * P, 0.2, &why);
+    gen = lpn_engine_arm(&e, 3, b.bytes, b.len, bases, real_sizes, 2 * P, 0.2, 0, &why);
     rs[0] = (ringer){0, 203, 3, (uint32_t)gen, 99};
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -247,7 +410,7 @@ static void test_doorbell(void) {
     ring_all(rs, P - 1);
     for (uint32_t i = 0; i < P - 1; i++) CHECK(rs[i].code == LPN_FALLBACK, "late ring answered %u", rs[i].code);
     /* A disarm while one waits: it falls back. */
-    gen = lpn_engine_arm(&e, 3, b.bytes, b.len, bases, real_sizes, 2 * P, 30.0, &why);
+    gen = lpn_engine_arm(&e, 3, b.bytes, b.len, bases, real_sizes, 2 * P, 30.0, 0, &why);
     rs[0] = (ringer){0, 204, 3, (uint32_t)gen, 99};
     pthread_t waiter;
     pthread_create(&waiter, NULL, ring, &rs[0]);
@@ -256,7 +419,7 @@ static void test_doorbell(void) {
     pthread_join(waiter, NULL);
     CHECK(rs[0].code == LPN_FALLBACK, "disarmed ring answered %u", rs[0].code);
     /* A stop while one waits: it falls back, the thread ends. */
-    gen = lpn_engine_arm(&e, 5, b.bytes, b.len, bases, real_sizes, 2 * P, 30.0, &why);
+    gen = lpn_engine_arm(&e, 5, b.bytes, b.len, bases, real_sizes, 2 * P, 30.0, 0, &why);
     rs[0] = (ringer){0, 205, 5, (uint32_t)gen, 99};
     pthread_create(&waiter, NULL, ring, &rs[0]);
     usleep(50000);
@@ -268,7 +431,9 @@ static void test_doorbell(void) {
 int main(int argc, char **argv) {
     unsigned rounds = argc > 1 ? (unsigned)strtoul(argv[1], NULL, 10) : 200000;
     test_programs();
-    test_parser(rounds);
+    test_parser(rounds, 0);
+    test_parser(rounds / 2, 1);
+    test_net();
     test_doorbell();
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);

@@ -13,8 +13,8 @@ import pytest
 
 import lpsync_client.doorbell as client_doorbell
 from lpsync.engine.group import layout
+from lpsync.native import FALLBACK, OK, program
 from lpsync.native import engine as native_engine
-from lpsync.native import program
 from lpsync.reduction import Reduction
 from lpsync.types import DTYPES, Collective, ReduceOp
 from lpsync_client.wire import blocks
@@ -141,8 +141,10 @@ def test_numpy_and_engine_agree_with_the_reference(op, p: int, in_place: bool) -
                     else:
                         data, bases, sizes = encoded
                         generation = engine.engine.arm(0, data, bases, sizes, 5.0)
-                        assert engine.engine.run(0, generation)
-                        assert not engine.engine.run(0, generation + 1)  # a stale generation never runs
+                        assert engine.engine.run(0, generation) == OK
+                        assert (
+                            engine.engine.run(0, generation + 1) == FALLBACK
+                        )  # a stale generation never runs
                     results.append([out.copy() for _, out in pairs])
                     want = _reference(op, p, root, reduce_op, inputs, dtype)
                     for r, expected in want.items():
@@ -183,7 +185,7 @@ def test_nan_and_signed_zero_bits_agree() -> None:
                         compiled.run(views)
                     else:
                         data, bases, sizes = program.encode(compiled, views)  # type: ignore[misc]
-                        assert engine.engine.run(0, engine.engine.arm(0, data, bases, sizes, 5.0))
+                        assert engine.engine.run(0, engine.engine.arm(0, data, bases, sizes, 5.0)) == OK
                     outs.append(pairs[0][1].tobytes())
                 assert outs[0] == outs[1], f"{dtype} {reduce_op}"
     finally:

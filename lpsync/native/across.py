@@ -1,0 +1,194 @@
+"""A node's part of a collective across nodes, compiled into one flat program.
+
+The general path runs a schedule (lpsync/algorithms) with one executor per participant
+and a thread per message hand-off (lpsync/engine). Armed, the same schedule runs as one
+program per node that the native engine executes on one thread (net.c): this module
+turns the schedule's rows for the node's participants into the engine's steps.
+
+- One order for every node. With several participants on a node, their rows are
+  interleaved in the order of one deterministic walk over the whole schedule (every
+  participant runs until it waits for a message not yet sent), which every node
+  computes alike. Projected onto a node, that order never waits for a message that the
+  walk sends later, so the nodes' programs cannot deadlock (sends never block in the
+  engine).
+- Channels are peer nodes (channel c carries the messages to and from node c). A
+  channel's messages are numbered in the walk's order of their sends, on both sides.
+- Buffers: 1 + 2i and 2 + 2i are the input and output views of the node's i-th
+  participant (program.py's numbering); the scratch (buffer 0) holds each participant's
+  TMP, then a landing range per message received from another node, then a staging
+  range per message between two participants of this node (copied there at the send,
+  taken at the receive: the sender may overwrite its span before the receiver runs).
+- Spans are the schedule's elements times the item size; a copy onto itself (in place)
+  is dropped, as the Python executor drops it.
+
+The schedule stays the one source of truth: nothing here chooses an algorithm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lpsync.algorithms.schedule import Buf, Kind, Schedule
+from lpsync.errors import ScheduleError
+from lpsync.native.program import COMBINE, COPY, DIVIDE, RECV, RECV_COMBINE, SEND, Program, Step
+from lpsync.reduction import Reduction
+from lpsync.types import ReduceOp
+
+MAX_NODES = 64  # engine.h's LPN_MAX_CHANNELS: a channel per peer node
+_ALIGN = 64  # scratch ranges start on a cache line (and so on any element)
+
+_SEND, _RECV, _RECV_REDUCE, _COPY = (int(k) for k in Kind)
+
+
+@dataclass(frozen=True)
+class NodeProgram:
+    """A node's program and the peer nodes it exchanges messages with (its channels)."""
+
+    program: Program
+    peers: tuple[int, ...]
+
+
+def walk(schedule: Schedule) -> np.ndarray:
+    """Every row of ``schedule`` in one order that runs: each participant in turn runs
+    its rows until it reaches a receive whose message is not yet sent."""
+    kind, offsets = schedule.ops["kind"], schedule.offsets
+    sender_of = np.full(schedule.num_ops, -1, np.int64)  # receive row -> its send row
+    sender_of[schedule.recv_op] = schedule.send_op
+    sent = np.zeros(schedule.num_ops, np.bool_)
+    position = offsets[:-1].astype(np.int64).copy()
+    ends = offsets[1:].astype(np.int64)
+    order: list[int] = []
+    while len(order) < schedule.num_ops:
+        before = len(order)
+        for rank in range(schedule.participants):
+            row, end = int(position[rank]), int(ends[rank])
+            while row < end:
+                k = int(kind[row])
+                if k in (_RECV, _RECV_REDUCE) and not sent[sender_of[row]]:
+                    break
+                if k == _SEND:
+                    sent[row] = True
+                order.append(row)
+                row += 1
+            position[rank] = row
+        if len(order) == before:
+            raise ScheduleError(f"{schedule.algorithm} {schedule.op}: the schedule waits on itself")
+    return np.asarray(order, np.int64)
+
+
+def compile_node(
+    schedule: Schedule,
+    node_of: tuple[int, ...],
+    node: int,
+    pairs: list[tuple[np.ndarray, np.ndarray]],
+    reduction: Reduction | None,
+) -> NodeProgram | None:
+    """Node ``node``'s program of ``schedule`` over ``pairs`` (the (input, output) views of
+    its participants, in rank order); None where the engine cannot run it (more nodes
+    than channels)."""
+    nodes = max(node_of) + 1
+    if nodes > MAX_NODES:
+        return None
+    local = [r for r, n in enumerate(node_of) if n == node]
+    if len(local) != len(pairs):
+        raise ValueError(f"node {node} has {len(local)} participants, given {len(pairs)} buffer pairs")
+    slot = {rank: i for i, rank in enumerate(local)}
+    itemsize = pairs[0][0].dtype.itemsize if pairs else 1
+    ops = schedule.ops
+    order = walk(schedule)
+    message_of = {}  # receive row -> message index (schedule.send_op / recv_op order)
+    for m, row in enumerate(schedule.recv_op.tolist()):
+        message_of[row] = m
+    message_of_send = {row: m for m, row in enumerate(schedule.send_op.tolist())}
+
+    # Scratch layout: TMP per participant, then landing and staging ranges.
+    scratch = 0
+
+    def reserve(nbytes: int) -> int:
+        nonlocal scratch
+        at = scratch
+        scratch += -(-nbytes // _ALIGN) * _ALIGN
+        return at
+
+    tmp = {rank: reserve(schedule.tmp_elements * itemsize) for rank in local}
+    numbers: dict[int, int] = {}  # message -> its number on its channel (send order)
+    sends_on: dict[int, int] = {}
+    for row in order.tolist():  # numbered by the walk's send order: alike on both nodes
+        if int(ops["kind"][row]) != _SEND:
+            continue
+        sender, receiver = int(ops["rank"][row]), int(ops["peer"][row])
+        a, b = node_of[sender], node_of[receiver]
+        if a == b or node not in (a, b):
+            continue
+        pair = (a, b)
+        m = message_of_send[row]
+        numbers[m] = sends_on.get(pair[0] * nodes + pair[1], 0)
+        sends_on[pair[0] * nodes + pair[1]] = numbers[m] + 1
+
+    def where(rank: int, buf: int, lo: int) -> tuple[int, int]:
+        if buf == Buf.TMP:
+            return 0, tmp[rank] + lo * itemsize
+        return 1 + 2 * slot[rank] + (0 if buf == Buf.IN else 1), lo * itemsize
+
+    def address(rank: int, buf: int, lo: int) -> int:
+        if buf == Buf.TMP:
+            return -1 - lo  # the scratch never aliases a view
+        view = pairs[slot[rank]][0 if buf == Buf.IN else 1]
+        return int(view.__array_interface__["data"][0]) + lo * itemsize
+
+    program = Program(reduction, itemsize, 0)
+    steps = program.steps
+    staging: dict[int, int] = {}  # local message -> its staging offset
+    landing: dict[int, int] = {}
+    peers: set[int] = set()
+    avg = reduction is not None and reduction.op is ReduceOp.AVG and reduction.participants > 1
+    for row in order.tolist():
+        rank = int(ops["rank"][row])
+        if node_of[rank] != node:
+            continue
+        k, peer = int(ops["kind"][row]), int(ops["peer"][row])
+        buf, lo, hi = int(ops["buf"][row]), int(ops["lo"][row]), int(ops["hi"][row])
+        nbytes, elements = (hi - lo) * itemsize, hi - lo
+        dst, dst_off = where(rank, buf, lo)
+        if k == _COPY:
+            src, src_lo = int(ops["src"][row]), int(ops["src_lo"][row])
+            if address(rank, src, src_lo) != address(rank, buf, lo):
+                a, a_off = where(rank, src, src_lo)
+                steps.append(Step(COPY, dst, dst_off, a, a_off, n=nbytes))
+            continue
+        if k == _SEND:
+            m = message_of_send[row]
+            if node_of[peer] == node:  # to a participant of this node: staged
+                staging[m] = reserve(nbytes)
+                steps.append(Step(COPY, 0, staging[m], dst, dst_off, n=nbytes))
+            else:
+                peers.add(node_of[peer])
+                steps.append(Step(SEND, 0, 0, dst, dst_off, node_of[peer], 0, nbytes, numbers[m]))
+            continue
+        m = message_of[row]
+        remote = node_of[peer] != node
+        if remote:
+            peers.add(node_of[peer])
+            landing[m] = reserve(nbytes)
+        if k == _RECV:
+            if remote:
+                steps.append(Step(RECV, dst, dst_off, 0, 0, node_of[peer], landing[m], nbytes, numbers[m]))
+            else:
+                steps.append(Step(COPY, dst, dst_off, 0, staging[m], n=nbytes))
+            continue
+        # RECV_REDUCE: dst = src (op) message, then avg's division where final.
+        if reduction is None:
+            raise ScheduleError(f"{schedule.op} reduces but has no reduce op")
+        a, a_off = where(rank, int(ops["src"][row]), int(ops["src_lo"][row]))
+        if remote:
+            steps.append(
+                Step(RECV_COMBINE, dst, dst_off, a, a_off, node_of[peer], landing[m], elements, numbers[m])
+            )
+        else:
+            steps.append(Step(COMBINE, dst, dst_off, a, a_off, 0, staging[m], elements))
+        if avg and bool(ops["final"][row]):
+            steps.append(Step(DIVIDE, dst, dst_off, n=elements))
+    program.scratch = scratch
+    return NodeProgram(program, tuple(sorted(peers)))

@@ -1,0 +1,256 @@
+/* A program's net ops (engine.h): a node's part of a collective across nodes, over the
+ * connected stream sockets the daemon handed the engine (one per peer node: a channel).
+ *
+ * Each channel carries its messages in program order, both ways, so a message is known
+ * by its number on the channel; each is a 32-byte header and its bytes. The header
+ * carries the plan's key (a hash of the job and the collective's spec), the run's
+ * sequence number and the message's number: anything else on arrival is a mismatch, and
+ * the run fails with LPN_MISMATCH instead of reducing someone else's data.
+ *
+ * Sends never block: a SEND queues its message and writes what the socket takes; the
+ * rest is written whenever the run waits. Receives land in the plan's scratch (each
+ * message its own range, laid out by the compiler) as soon as they arrive, whatever op
+ * the run is at: so a peer's sends always progress, and two nodes sending to each other
+ * at once never wait on each other. An op that writes memory a queued send still reads
+ * waits for that send first. Every wait is one poll() over the channels with work left,
+ * bounded by the run's deadline: nothing spins.
+ */
+#include "engine.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+
+#define WIRE_MAGIC 0x4c504e57u /* "WNPL" */
+#define WIRE_DATA 1u
+
+typedef struct {
+    uint64_t key;
+    uint32_t seq, msg;
+    uint64_t nbytes;
+    uint32_t kind, magic;
+} wire_header;
+
+_Static_assert(sizeof(wire_header) == 32, "the header is 32 bytes on the wire");
+
+typedef struct {
+    const lpn_program *p;
+    uint8_t *const *bufs;
+    const int *fds;
+    uint64_t key;
+    uint32_t seq;
+    double deadline;
+    int failed;
+    /* Per channel: sends queued (tx_tail) and written (tx_head; tx_done bytes of the one
+     * being written, header included); receives landed (rx_next; rx_done bytes of the
+     * next one, header included, its header gathered in rx_hdr). */
+    uint32_t tx_head[LPN_MAX_CHANNELS], tx_tail[LPN_MAX_CHANNELS], rx_next[LPN_MAX_CHANNELS];
+    uint64_t tx_done[LPN_MAX_CHANNELS], rx_done[LPN_MAX_CHANNELS];
+    wire_header rx_hdr[LPN_MAX_CHANNELS];
+} run_state;
+
+static uint64_t op_bytes(const lpn_op *o) {
+    return o->kind == LPN_RECV_COMBINE ? o->n * lpn_itemsize(o->dtype) : o->n;
+}
+
+static uint32_t fail(run_state *r, int chan, uint32_t code) {
+    r->failed = chan;
+    return code;
+}
+
+/* Write what channel c's socket takes of its queued sends. */
+static uint32_t write_some(run_state *r, uint32_t c) {
+    const lpn_program *p = r->p;
+    while (r->tx_head[c] < r->tx_tail[c]) {
+        uint32_t index = p->tx[p->tx_start[c] + r->tx_head[c]];
+        const lpn_op *o = &p->ops[index];
+        wire_header h = {r->key, r->seq, p->msg[index], o->n, WIRE_DATA, WIRE_MAGIC};
+        uint64_t done = r->tx_done[c], total = sizeof h + o->n;
+        struct iovec iov[2];
+        int n = 0;
+        if (done < sizeof h) iov[n++] = (struct iovec){(uint8_t *)&h + done, sizeof h - done};
+        uint64_t from = done < sizeof h ? 0 : done - sizeof h;
+        if (o->n > from) iov[n++] = (struct iovec){r->bufs[o->a] + o->a_off + from, o->n - from};
+        struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)n};
+        ssize_t wrote = sendmsg(r->fds[c], &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (wrote < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return LPN_OK;
+            if (errno == EINTR) continue;
+            return fail(r, (int)c, LPN_LOST);
+        }
+        r->tx_done[c] += (uint64_t)wrote;
+        if (r->tx_done[c] == total) {
+            r->tx_head[c]++;
+            r->tx_done[c] = 0;
+        }
+    }
+    return LPN_OK;
+}
+
+/* Land what channel c's socket holds of the run's next messages, checking each header. */
+static uint32_t read_some(run_state *r, uint32_t c) {
+    const lpn_program *p = r->p;
+    uint32_t count = p->rx_start[c + 1] - p->rx_start[c];
+    while (r->rx_next[c] < count) {
+        const lpn_op *o = &p->ops[p->rx[p->rx_start[c] + r->rx_next[c]]];
+        uint64_t nbytes = op_bytes(o), done = r->rx_done[c];
+        wire_header *h = &r->rx_hdr[c];
+        struct iovec iov[2];
+        int n = 0;
+        /* The header and the bytes the program expects in one call; a message that is not
+         * the expected one fails the run once its header is in, whatever landed. */
+        if (done < sizeof *h) iov[n++] = (struct iovec){(uint8_t *)h + done, sizeof *h - done};
+        uint64_t from = done < sizeof *h ? 0 : done - sizeof *h;
+        if (nbytes > from) iov[n++] = (struct iovec){r->bufs[0] + o->b_off + from, nbytes - from};
+        ssize_t got = readv(r->fds[c], iov, n);
+        if (got == 0) return fail(r, (int)c, LPN_LOST);
+        if (got < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return LPN_OK;
+            if (errno == EINTR) continue;
+            return fail(r, (int)c, LPN_LOST);
+        }
+        r->rx_done[c] += (uint64_t)got;
+        if (done < sizeof *h && r->rx_done[c] >= sizeof *h) {
+            if (h->magic != WIRE_MAGIC || h->kind != WIRE_DATA || h->key != r->key || h->seq != r->seq ||
+                h->msg != r->rx_next[c] || h->nbytes != nbytes)
+                return fail(r, (int)c, LPN_MISMATCH);
+        }
+        if (r->rx_done[c] == sizeof *h + nbytes) {
+            r->rx_next[c]++;
+            r->rx_done[c] = 0;
+        }
+    }
+    return LPN_OK;
+}
+
+typedef int (*condition)(const run_state *r, const void *arg);
+
+/* Move messages until ``done(r, arg)``, the deadline, or a failure. */
+static uint32_t wait_for(run_state *r, condition done, const void *arg) {
+    const lpn_program *p = r->p;
+    for (;;) {
+        struct pollfd fds[LPN_MAX_CHANNELS];
+        uint32_t chans[LPN_MAX_CHANNELS], n = 0, code;
+        for (uint32_t c = 0; c < LPN_MAX_CHANNELS; c++) {
+            short events = 0;
+            if (r->tx_head[c] < r->tx_tail[c]) events |= POLLOUT;
+            if (r->rx_next[c] < p->rx_start[c + 1] - p->rx_start[c]) events |= POLLIN;
+            if (!events) continue;
+            if (r->fds[c] < 0) return fail(r, (int)c, LPN_LOST);
+            if ((events & POLLOUT) && (code = write_some(r, c)) != LPN_OK) return code;
+            if ((events & POLLIN) && (code = read_some(r, c)) != LPN_OK) return code;
+            events = 0; /* what is left after trying */
+            if (r->tx_head[c] < r->tx_tail[c]) events |= POLLOUT;
+            if (r->rx_next[c] < p->rx_start[c + 1] - p->rx_start[c]) events |= POLLIN;
+            if (events) {
+                fds[n] = (struct pollfd){r->fds[c], events, 0};
+                chans[n++] = c;
+            }
+        }
+        if (done(r, arg)) return LPN_OK;
+        if (n == 0) return fail(r, -1, LPN_LOST); /* waiting on nothing: cannot happen */
+        double left = r->deadline - lpn_now();
+        if (left <= 0) return fail(r, (int)chans[0], LPN_TIMEOUT);
+        struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
+        int ready = ppoll(fds, n, &ts, NULL);
+        if (ready < 0 && errno != EINTR) return fail(r, -1, LPN_LOST);
+        for (uint32_t k = 0; ready > 0 && k < n; k++)
+            if (fds[k].revents & POLLNVAL) return fail(r, (int)chans[k], LPN_LOST);
+    }
+}
+
+typedef struct {
+    uint32_t chan, msg;
+} landed_arg;
+
+static int landed(const run_state *r, const void *arg) {
+    const landed_arg *a = arg;
+    return r->rx_next[a->chan] > a->msg;
+}
+
+typedef struct {
+    uintptr_t lo, hi;
+} range_arg;
+
+/* No queued send reads [lo, hi). */
+static int sends_clear(const run_state *r, const void *arg) {
+    const range_arg *a = arg;
+    const lpn_program *p = r->p;
+    for (uint32_t c = 0; c < LPN_MAX_CHANNELS; c++)
+        for (uint32_t k = r->tx_head[c]; k < r->tx_tail[c]; k++) {
+            const lpn_op *o = &p->ops[p->tx[p->tx_start[c] + k]];
+            uintptr_t lo = (uintptr_t)(r->bufs[o->a] + o->a_off), hi = lo + o->n;
+            if (lo < a->hi && a->lo < hi) return 0;
+        }
+    return 1;
+}
+
+static int all_sent(const run_state *r, const void *arg) {
+    (void)arg;
+    for (uint32_t c = 0; c < LPN_MAX_CHANNELS; c++)
+        if (r->tx_head[c] < r->tx_tail[c]) return 0;
+    return 1;
+}
+
+/* Before an op writes [d, d + n): the sends that still read there are written first. */
+static uint32_t clear_for_write(run_state *r, uint8_t *d, uint64_t n) {
+    range_arg a = {(uintptr_t)d, (uintptr_t)d + n};
+    return sends_clear(r, &a) ? LPN_OK : wait_for(r, sends_clear, &a);
+}
+
+uint32_t lpn_program_run_net(const lpn_program *p, uint8_t *const *bufs, const int *fds, uint64_t key,
+                             uint32_t seq, double timeout, int *failed) {
+    run_state r;
+    memset(&r, 0, sizeof r);
+    r.p = p;
+    r.bufs = bufs;
+    r.fds = fds;
+    r.key = key;
+    r.seq = seq;
+    r.deadline = lpn_now() + timeout;
+    r.failed = -1;
+    uint32_t code = LPN_OK;
+    for (uint32_t i = 0; i < p->nops && code == LPN_OK; i++) {
+        const lpn_op *o = &p->ops[i];
+        uint8_t *d = bufs[o->dst] + o->dst_off;
+        uint64_t item = o->kind == LPN_COPY || o->kind == LPN_SEND || o->kind == LPN_RECV ? 1 : lpn_itemsize(o->dtype);
+        switch (o->kind) {
+        case LPN_SEND:
+            if (fds[o->b] < 0) {
+                code = fail(&r, (int)o->b, LPN_LOST);
+                break;
+            }
+            r.tx_tail[o->b]++;
+            code = write_some(&r, o->b);
+            break;
+        case LPN_RECV:
+        case LPN_RECV_COMBINE: {
+            landed_arg a = {o->b, p->msg[i]};
+            if (!landed(&r, &a) && (code = wait_for(&r, landed, &a)) != LPN_OK) break;
+            if ((code = clear_for_write(&r, d, o->n * item)) != LPN_OK) break;
+            if (o->kind == LPN_RECV) {
+                if (o->n) memmove(d, bufs[0] + o->b_off, o->n);
+            } else {
+                lpn_combine(d, bufs[o->a] + o->a_off, bufs[0] + o->b_off, o->dtype, o->n, o->redop);
+            }
+            break;
+        }
+        case LPN_COPY:
+            if ((code = clear_for_write(&r, d, o->n)) == LPN_OK && o->n) memmove(d, bufs[o->a] + o->a_off, o->n);
+            break;
+        case LPN_COMBINE:
+            if ((code = clear_for_write(&r, d, o->n * item)) == LPN_OK)
+                lpn_combine(d, bufs[o->a] + o->a_off, bufs[o->b] + o->b_off, o->dtype, o->n, o->redop);
+            break;
+        default: /* LPN_DIVIDE */
+            if ((code = clear_for_write(&r, d, o->n * item)) == LPN_OK) lpn_divide(d, o->dtype, o->n, o->arg);
+            break;
+        }
+    }
+    if (code == LPN_OK && !all_sent(&r, NULL)) code = wait_for(&r, all_sent, NULL);
+    *failed = r.failed;
+    return code;
+}
