@@ -175,6 +175,34 @@ static PyObject *Engine_connect(EngineObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Engine_notice(EngineObject *self, PyObject *arg) {
+    if (check_open(self)) return NULL;
+    unsigned long long seq = PyLong_AsUnsignedLongLongMask(arg);
+    if (PyErr_Occurred()) return NULL;
+    Py_BEGIN_ALLOW_THREADS lpn_engine_notice(&self->engine, (uint32_t)seq);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+static PyObject *Engine_drop_net(EngineObject *self, PyObject *unused) {
+    (void)unused;
+    if (check_open(self)) return NULL;
+    Py_BEGIN_ALLOW_THREADS lpn_engine_drop_net(&self->engine);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+static PyObject *Engine_activate(EngineObject *self, PyObject *args) {
+    Py_buffer flags;
+    if (check_open(self) || !PyArg_ParseTuple(args, "y*", &flags)) return NULL;
+    const char *why = NULL;
+    int rc = lpn_engine_activate(&self->engine, flags.buf, (uint32_t)flags.len, &why);
+    PyBuffer_Release(&flags);
+    if (rc != 0) {
+        PyErr_SetString(PyExc_ValueError, why ? why : "cannot activate the slots");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *Engine_failed_channel(EngineObject *self, PyObject *unused) {
     (void)unused;
     if (check_open(self)) return NULL;
@@ -244,6 +272,12 @@ static PyMethodDef Engine_methods[] = {
      "generation, 2 timeout, 3 channel lost, 4 message mismatch), its messages numbered seq"},
     {"connect", (PyCFunction)Engine_connect, METH_VARARGS,
      "connect(channel, fd): the channel becomes a duplicate of the connected socket fd (-1: closed)"},
+    {"notice", (PyCFunction)Engine_notice, METH_O,
+     "notice(seq): this node runs seq on the general path; armed peers fall back at once"},
+    {"drop_net", (PyCFunction)Engine_drop_net, METH_NOARGS,
+     "drop_net(): close every channel and disarm every plan with messages"},
+    {"activate", (PyCFunction)Engine_activate, METH_VARARGS,
+     "activate(flags: bytes): one flag per slot, set for this node's ranks"},
     {"failed_channel", (PyCFunction)Engine_failed_channel, METH_NOARGS,
      "failed_channel() -> int: the channel the last failed net run failed on (-1: none)"},
     {"stats", (PyCFunction)Engine_stats, METH_VARARGS, "stats(index) -> (calls, seconds, buckets)"},

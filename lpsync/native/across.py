@@ -13,6 +13,8 @@ turns the schedule's rows for the node's participants into the engine's steps.
   engine).
 - Channels are peer nodes (channel c carries the messages to and from node c). A
   channel's messages are numbered in the walk's order of their sends, on both sides.
+- A GO round opens the program, with every other node (engine.h): nothing is written
+  unless every node runs this plan for this call; otherwise all take the general path.
 - Buffers: 1 + 2i and 2 + 2i are the input and output views of the node's i-th
   participant (program.py's numbering); the scratch (buffer 0) holds each participant's
   TMP, then a landing range per message received from another node, then a staging
@@ -32,7 +34,7 @@ import numpy as np
 
 from lpsync.algorithms.schedule import Buf, Kind, Schedule
 from lpsync.errors import ScheduleError
-from lpsync.native.program import COMBINE, COPY, DIVIDE, RECV, RECV_COMBINE, SEND, Program, Step
+from lpsync.native.program import COMBINE, COPY, DIVIDE, GO, RECV, RECV_COMBINE, SEND, Program, Step
 from lpsync.reduction import Reduction
 from lpsync.types import ReduceOp
 
@@ -44,7 +46,8 @@ _SEND, _RECV, _RECV_REDUCE, _COPY = (int(k) for k in Kind)
 
 @dataclass(frozen=True)
 class NodeProgram:
-    """A node's program and the peer nodes it exchanges messages with (its channels)."""
+    """A node's program and the other nodes of the job (its channels: the GO round is
+    with each of them, messages with the schedule's neighbours among them)."""
 
     program: Program
     peers: tuple[int, ...]
@@ -140,9 +143,12 @@ def compile_node(
 
     program = Program(reduction, itemsize, 0)
     steps = program.steps
+    # The GO round with every other node (not only the schedule's neighbours): one that
+    # took the general path for this call stops every armed node before it writes.
+    others = [n for n in range(nodes) if n != node]
+    steps.extend(Step(GO, 0, 0, b=n) for n in others)
     staging: dict[int, int] = {}  # local message -> its staging offset
     landing: dict[int, int] = {}
-    peers: set[int] = set()
     avg = reduction is not None and reduction.op is ReduceOp.AVG and reduction.participants > 1
     for row in order.tolist():
         rank = int(ops["rank"][row])
@@ -164,13 +170,11 @@ def compile_node(
                 staging[m] = reserve(nbytes)
                 steps.append(Step(COPY, 0, staging[m], dst, dst_off, n=nbytes))
             else:
-                peers.add(node_of[peer])
                 steps.append(Step(SEND, 0, 0, dst, dst_off, node_of[peer], 0, nbytes, numbers[m]))
             continue
         m = message_of[row]
         remote = node_of[peer] != node
         if remote:
-            peers.add(node_of[peer])
             landing[m] = reserve(nbytes)
         if k == _RECV:
             if remote:
@@ -191,4 +195,4 @@ def compile_node(
         if avg and bool(ops["final"][row]):
             steps.append(Step(DIVIDE, dst, dst_off, n=elements))
     program.scratch = scratch
-    return NodeProgram(program, tuple(sorted(peers)))
+    return NodeProgram(program, tuple(others))

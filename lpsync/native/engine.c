@@ -301,6 +301,15 @@ int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, co
         const lpn_op *o = &out->ops[i];
         uint64_t item = 1, bytes;
         if (o->dst >= h.nbuf) goto bad_buffer;
+        if (o->kind == LPN_GO) { /* before anything else: nothing is written until every GO */
+            if (o->b >= LPN_MAX_CHANNELS || o->dst != 0 || o->dst_off != 0) goto bad;
+            if (i > 0 && out->ops[i - 1].kind != LPN_GO) {
+                lpn_program_free(out);
+                return *why = "a GO after another op", -1;
+            }
+            out->net = 1;
+            continue;
+        }
         if (o->kind >= LPN_SEND && o->kind <= LPN_RECV_COMBINE) {
             const char *net_why = check_net_op(o, out->sizes, h.nbuf, bases);
             if (net_why) {
@@ -453,6 +462,21 @@ static void observe(lpn_engine *e, lpn_plan *p, double seconds) {
 
 static void release_plan(lpn_plan *p);
 
+/* Every channel closed and every plan with messages disarmed (lock held): after a failed
+ * run the channels are mid-message; the daemon connects and arms again. */
+static void drop_net(lpn_engine *e) {
+    for (uint32_t c = 0; c < LPN_MAX_CHANNELS; c++)
+        if (e->fds[c] >= 0) {
+            close(e->fds[c]);
+            e->fds[c] = -1;
+        }
+    for (uint32_t i = 0; i < LPN_MAX_PLANS; i++)
+        if (e->plans[i].armed && e->plans[i].program.net) {
+            e->plans[i].gen = (e->plans[i].gen + 1u) & 0xffffffu;
+            release_plan(&e->plans[i]);
+        }
+}
+
 /* Run plan ``p`` for ``seq`` (lock held). A failed net run leaves its channels
  * mid-message: they are closed, and the plan is disarmed (the daemon connects and arms
  * again once it has settled what failed). */
@@ -464,16 +488,9 @@ static uint32_t run_plan(lpn_engine *e, lpn_plan *p, uint32_t seq) {
     int failed = -1;
     uint32_t code = lpn_program_run_net(&p->program, p->bufs, e->fds, p->key, seq, p->timeout, &failed);
     p->last_code = code;
-    if (code == LPN_OK) return code;
     e->failed_channel = failed;
-    for (uint32_t c = 0; c < LPN_MAX_CHANNELS; c++)
-        if (e->fds[c] >= 0 && (p->program.tx_start[c] != p->program.tx_start[c + 1] ||
-                               p->program.rx_start[c] != p->program.rx_start[c + 1])) {
-            close(e->fds[c]);
-            e->fds[c] = -1;
-        }
-    p->gen = (p->gen + 1u) & 0xffffffu;
-    release_plan(p);
+    if (code == LPN_OK || code == LPN_FALLBACK) return code; /* a fallback wrote nothing */
+    drop_net(e);
     return code;
 }
 
@@ -486,6 +503,7 @@ static int serve(lpn_engine *e, double *deadline) {
     double t = lpn_now();
     *deadline = 0;
     for (i = 0; i < e->slots; i++) {
+        if (!e->active[i]) continue; /* a rank of another node */
         rings[i] = __atomic_load_n((uint64_t *)slot(e, i), __ATOMIC_ACQUIRE);
         uint32_t seq = (uint32_t)(rings[i] >> 32);
         if (seq == e->served[i]) continue; /* nothing new in this slot */
@@ -506,6 +524,7 @@ static int serve(lpn_engine *e, double *deadline) {
     int agree = 1;
     double first = 0, last = 0;
     for (i = 0; i < e->slots; i++) {
+        if (!e->active[i]) continue;
         uint32_t seq = (uint32_t)(rings[i] >> 32);
         if (seq == e->served[i]) continue;
         if (seq != target) { /* a slot is past ``target``: it went to the general path */
@@ -526,7 +545,7 @@ static int serve(lpn_engine *e, double *deadline) {
     }
     lpn_plan *p = plan < LPN_MAX_PLANS ? &e->plans[plan] : NULL;
     if (!p || !p->armed || p->gen != gen) agree = 0;
-    if (agree && arrived < e->slots) { /* still arriving: until the plan's timeout */
+    if (agree && arrived < e->nactive) { /* still arriving: until the plan's timeout */
         double due = first + p->timeout;
         if (t < due) {
             *deadline = due;
@@ -538,7 +557,7 @@ static int serve(lpn_engine *e, double *deadline) {
         raise_abandoned(e, target);
         record(e, target, plan, LPN_FALLBACK, first, last, lpn_now());
         for (i = 0; i < e->slots; i++)
-            if ((uint32_t)(rings[i] >> 32) == target && target != e->served[i]) {
+            if (e->active[i] && (uint32_t)(rings[i] >> 32) == target && target != e->served[i]) {
                 answer(e, i, target, LPN_FALLBACK);
                 e->fallbacks++;
             }
@@ -549,7 +568,8 @@ static int serve(lpn_engine *e, double *deadline) {
     /* Counted before the answers: a client that asks for status next finds it there. */
     if (code == LPN_OK) observe(e, p, done - last);
     record(e, target, plan, code, first, last, done);
-    for (i = 0; i < e->slots; i++) answer(e, i, target, code);
+    for (i = 0; i < e->slots; i++)
+        if (e->active[i]) answer(e, i, target, code);
     return 1;
 }
 
@@ -584,6 +604,8 @@ int lpn_engine_init(lpn_engine *e, uint8_t *page, size_t page_len, uint32_t slot
     if (nbounds > LPN_BUCKETS) return *why = "too many histogram bounds", -1;
     e->page = page;
     e->slots = slots;
+    e->nactive = slots;
+    memset(e->active, 1, slots);
     memcpy(e->bounds, bounds, nbounds * sizeof(double));
     e->nbounds = nbounds;
     uint32_t header[3] = {LPN_MAGIC, LPN_VERSION, slots};
@@ -685,6 +707,36 @@ uint32_t lpn_engine_run(lpn_engine *e, uint32_t index, uint32_t gen, uint32_t se
     uint32_t code = p->armed && p->gen == gen ? run_plan(e, p, seq) : LPN_FALLBACK;
     pthread_mutex_unlock(&e->mu);
     return code;
+}
+
+void lpn_engine_drop_net(lpn_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    drop_net(e);
+    pthread_mutex_unlock(&e->mu);
+    ring_bell(e); /* rings of a disarmed plan fall back */
+}
+
+void lpn_engine_notice(lpn_engine *e, uint32_t seq) {
+    pthread_mutex_lock(&e->mu); /* never between a run's messages */
+    for (uint32_t c = 0; c < LPN_MAX_CHANNELS; c++)
+        if (e->fds[c] >= 0 && lpn_send_notice(e->fds[c], seq) != 0) {
+            close(e->fds[c]); /* a channel that does not take 32 bytes is of no use */
+            e->fds[c] = -1;
+        }
+    pthread_mutex_unlock(&e->mu);
+}
+
+int lpn_engine_activate(lpn_engine *e, const uint8_t *active, uint32_t n, const char **why) {
+    if (n != e->slots) return *why = "one flag per slot", -1;
+    uint32_t count = 0;
+    for (uint32_t i = 0; i < n; i++) count += active[i] ? 1u : 0u;
+    if (count == 0) return *why = "no slot of this node", -1;
+    pthread_mutex_lock(&e->mu);
+    for (uint32_t i = 0; i < n; i++) e->active[i] = active[i] ? 1 : 0;
+    e->nactive = count;
+    pthread_mutex_unlock(&e->mu);
+    ring_bell(e);
+    return 0;
 }
 
 int lpn_engine_connect(lpn_engine *e, uint32_t chan, int fd, const char **why) {

@@ -50,9 +50,15 @@
  * channel b, landed in the scratch at b_off, then copied to dst/dst_off. RECV_COMBINE:
  * n elements landed at b_off, dst = a (op) landed. Each channel's messages are numbered
  * in the order they are sent (``arg``); every message carries a header (net.c) with the
- * plan's key, the run's sequence number and that number, checked on arrival. */
+ * plan's key, the run's sequence number and that number, checked on arrival.
+ * GO (channel b) ops open a program, one per other node of the job: every node says GO
+ * (key, seq) to every other before anything is written, and reads theirs. A node whose
+ * ranks took the general path for this seq says NOTICE instead (lpn_engine_notice);
+ * a NOTICE, or a GO for another plan, makes the run LPN_FALLBACK with nothing written,
+ * so the collective runs on the general path on every node, which says what differs. */
 enum lpn_kind {
-    LPN_COPY = 1, LPN_COMBINE = 2, LPN_DIVIDE = 3, LPN_SEND = 4, LPN_RECV = 5, LPN_RECV_COMBINE = 6
+    LPN_COPY = 1, LPN_COMBINE = 2, LPN_DIVIDE = 3, LPN_SEND = 4, LPN_RECV = 5, LPN_RECV_COMBINE = 6,
+    LPN_GO = 7
 };
 enum lpn_dtype {
     LPN_F16 = 1, LPN_BF16, LPN_F32, LPN_F64, LPN_I8, LPN_I32, LPN_I64, LPN_U8, LPN_DTYPE_END
@@ -145,6 +151,8 @@ typedef struct {
     uint64_t nrecords; /* ever written; records[i % LPN_RECORDS] */
     uint64_t fallbacks;
     int fds[LPN_MAX_CHANNELS]; /* the engine's own (dup'ed) sockets; -1: none */
+    uint8_t active[LPN_MAX_SLOTS]; /* slots of this node's ranks (others ring elsewhere) */
+    uint32_t nactive;
     int failed_channel;        /* of the last failed net run, -1: none */
 } lpn_engine;
 
@@ -163,6 +171,15 @@ long lpn_engine_arm(lpn_engine *e, uint32_t index, const uint8_t *data, size_t l
  * non-blocking), replacing what it was; fd -1 closes it. 0, or -1 with ``why``. A net
  * run that fails closes every channel its plan uses: their streams are mid-message. */
 int lpn_engine_connect(lpn_engine *e, uint32_t chan, int fd, const char **why);
+/* This node runs ``seq`` on the general path: a NOTICE on every channel, so that armed
+ * peers fall back at once (their GO round) instead of waiting. */
+void lpn_engine_notice(lpn_engine *e, uint32_t seq);
+/* Close every channel and disarm every plan with messages (a failed collective). */
+void lpn_engine_drop_net(lpn_engine *e);
+/* Which slots are this node's ranks (``n`` = slots flags); all, until called. */
+int lpn_engine_activate(lpn_engine *e, const uint8_t *active, uint32_t n, const char **why);
+/* Write a NOTICE header for ``seq`` to a connected socket without blocking (net.c). */
+int lpn_send_notice(int fd, uint32_t seq);
 void lpn_engine_disarm(lpn_engine *e, uint32_t index);
 /* A rank arrived for ``seq`` on the general path: rings of it fall back. Never blocks. */
 void lpn_engine_yield(lpn_engine *e, uint32_t seq);

@@ -7,6 +7,10 @@
  * sequence number and the message's number: anything else on arrival is a mismatch, and
  * the run fails with LPN_MISMATCH instead of reducing someone else's data.
  *
+ * A run opens with a GO round (engine.h): a GO to every other node, and one GO or NOTICE
+ * read from each (older ones, left from runs that fell back, are skipped). Only a GO for
+ * this plan and seq from every node lets the run write anything.
+ *
  * Sends never block: a SEND queues its message and writes what the socket takes; the
  * rest is written whenever the run waits. Receives land in the plan's scratch (each
  * message its own range, laid out by the compiler) as soon as they arrive, whatever op
@@ -26,6 +30,8 @@
 
 #define WIRE_MAGIC 0x4c504e57u /* "WNPL" */
 #define WIRE_DATA 1u
+#define WIRE_GO 2u     /* this node runs the plan ``key`` for ``seq`` (no bytes) */
+#define WIRE_NOTICE 3u /* this node runs ``seq`` on the general path (no bytes) */
 
 typedef struct {
     uint64_t key;
@@ -126,6 +132,83 @@ static uint32_t read_some(run_state *r, uint32_t c) {
     return LPN_OK;
 }
 
+/* Serial-number order of 32-bit sequence numbers (they wrap). */
+static int seq_lt(uint32_t a, uint32_t b) { return (int32_t)(a - b) < 0; }
+
+/* Write a whole header, waiting (bounded by ``deadline``) while the socket is full. */
+static int write_header(int fd, const wire_header *h, double deadline) {
+    size_t done = 0;
+    while (done < sizeof *h) {
+        ssize_t n = send(fd, (const uint8_t *)h + done, sizeof *h - done, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0) {
+            done += (size_t)n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return -1;
+        double left = deadline - lpn_now();
+        if (left <= 0) return -2;
+        struct pollfd p = {fd, POLLOUT, 0};
+        struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
+        if (ppoll(&p, 1, &ts, NULL) < 0 && errno != EINTR) return -1;
+    }
+    return 0;
+}
+
+int lpn_send_notice(int fd, uint32_t seq) {
+    wire_header h = {0, seq, 0, 0, WIRE_NOTICE, WIRE_MAGIC};
+    return write_header(fd, &h, lpn_now() + 0.5) == 0 ? 0 : -1;
+}
+
+/* The GO round: LPN_OK when every GO channel said GO for this plan and seq; LPN_FALLBACK
+ * when one said NOTICE or GO for another plan; a failure code otherwise. */
+static uint32_t go_round(run_state *r, uint32_t ngo) {
+    const lpn_program *p = r->p;
+    wire_header mine = {r->key, r->seq, 0, 0, WIRE_GO, WIRE_MAGIC};
+    uint32_t i, outcome = LPN_OK;
+    for (i = 0; i < ngo; i++) {
+        int fd = r->fds[p->ops[i].b];
+        if (fd < 0) return fail(r, (int)p->ops[i].b, LPN_LOST);
+        int w = write_header(fd, &mine, r->deadline);
+        if (w != 0) return fail(r, (int)p->ops[i].b, w == -2 ? LPN_TIMEOUT : LPN_LOST);
+    }
+    for (i = 0; i < ngo; i++) {
+        uint32_t c = p->ops[i].b;
+        int fd = r->fds[c];
+        for (;;) {
+            wire_header h;
+            size_t done = 0;
+            while (done < sizeof h) {
+                ssize_t n = recv(fd, (uint8_t *)&h + done, sizeof h - done, MSG_DONTWAIT);
+                if (n == 0) return fail(r, (int)c, LPN_LOST);
+                if (n > 0) {
+                    done += (size_t)n;
+                    continue;
+                }
+                if (errno == EINTR) continue;
+                if (errno != EAGAIN && errno != EWOULDBLOCK) return fail(r, (int)c, LPN_LOST);
+                double left = r->deadline - lpn_now();
+                if (left <= 0) return fail(r, (int)c, LPN_TIMEOUT);
+                struct pollfd pf = {fd, POLLIN, 0};
+                struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
+                if (ppoll(&pf, 1, &ts, NULL) < 0 && errno != EINTR) return fail(r, (int)c, LPN_LOST);
+            }
+            if (h.magic != WIRE_MAGIC || (h.kind != WIRE_GO && h.kind != WIRE_NOTICE) || h.nbytes != 0)
+                return fail(r, (int)c, LPN_MISMATCH);
+            if (seq_lt(h.seq, r->seq)) continue; /* left from a run that fell back */
+            if (h.seq != r->seq) return fail(r, (int)c, LPN_MISMATCH);
+            if (h.kind == WIRE_NOTICE || h.key != r->key) {
+                /* The peer runs it otherwise: so do we, writing nothing. The other GOs stay
+                 * unread; later runs skip them (older seq). */
+                r->failed = (int)c;
+                return LPN_FALLBACK;
+            }
+            break;
+        }
+    }
+    return outcome;
+}
+
 typedef int (*condition)(const run_state *r, const void *arg);
 
 /* Move messages until ``done(r, arg)``, the deadline, or a failure. */
@@ -212,8 +295,10 @@ uint32_t lpn_program_run_net(const lpn_program *p, uint8_t *const *bufs, const i
     r.seq = seq;
     r.deadline = lpn_now() + timeout;
     r.failed = -1;
-    uint32_t code = LPN_OK;
-    for (uint32_t i = 0; i < p->nops && code == LPN_OK; i++) {
+    uint32_t ngo = 0;
+    while (ngo < p->nops && p->ops[ngo].kind == LPN_GO) ngo++;
+    uint32_t code = go_round(&r, ngo);
+    for (uint32_t i = ngo; i < p->nops && code == LPN_OK; i++) {
         const lpn_op *o = &p->ops[i];
         uint8_t *d = bufs[o->dst] + o->dst_off;
         uint64_t item = o->kind == LPN_COPY || o->kind == LPN_SEND || o->kind == LPN_RECV ? 1 : lpn_itemsize(o->dtype);

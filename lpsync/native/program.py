@@ -26,8 +26,10 @@ COPY, COMBINE, DIVIDE = 1, 2, 3
 # Messages between nodes (across.py compiles them; only the engine runs them, net.c):
 # SEND a/a_off n bytes on channel b; RECV n bytes from channel b landed in the scratch at
 # b_off, then copied to dst; RECV_COMBINE n elements landed at b_off, dst = a (op) landed.
-SEND, RECV, RECV_COMBINE = 4, 5, 6
-NET = frozenset({SEND, RECV, RECV_COMBINE})
+# GO (channel b) opens a program, one per other node of the job: the round in which
+# every node says it runs this plan for this seq before anything is written (engine.h).
+SEND, RECV, RECV_COMBINE, GO = 4, 5, 6, 7
+NET = frozenset({SEND, RECV, RECV_COMBINE, GO})
 # engine.h's enum lpn_dtype and lpn_redop.
 DTYPE_CODES = {
     "float16": 1,

@@ -221,11 +221,12 @@ static lpn_program net_prog[2];
 static void net_program(int r) {
     uint64_t sizes[3] = {(uint64_t)N * 4, (uint64_t)N * 4, (uint64_t)N * 4}; /* scratch, in, out */
     uint32_t peer = 1u - (uint32_t)r;
-    lpn_op ops[2] = {
+    lpn_op ops[3] = {
+        {LPN_GO, 0, 0, 0, 0, peer, 0, 0, 0, 0, 0},
         {LPN_SEND, 0, 0, 0, 1, peer, 0, 0, 0, (uint64_t)N * 4, 0},
         {LPN_RECV_COMBINE, LPN_F32, LPN_SUM, 2, 1, peer, 0, 0, 0, N, 0},
     };
-    program(&net_blob[r], 3, sizes, 2, ops);
+    program(&net_blob[r], 3, sizes, 3, ops);
 }
 
 typedef struct {
@@ -279,6 +280,7 @@ static void test_net(void) {
     }
     net_node nodes[2];
     int sv[2];
+    double began;
 
     net_pair(nodes, sv); /* both run: the sum on both */
     net_both(nodes, -1);
@@ -288,18 +290,36 @@ static void test_net(void) {
     close(sv[0]);
     close(sv[1]);
 
-    net_pair(nodes, sv); /* another plan's key on node 1: a mismatch on both, nothing summed */
+    net_pair(nodes, sv); /* another plan on node 1: the GO round sends both back, nothing written */
     nodes[1].key = 8;
     net_both(nodes, -1);
-    CHECK(nodes[0].code == LPN_MISMATCH && nodes[1].code == LPN_MISMATCH, "key mismatch codes %u %u", nodes[0].code,
+    CHECK(nodes[0].code == LPN_FALLBACK && nodes[1].code == LPN_FALLBACK, "key mismatch codes %u %u",
+          nodes[0].code, nodes[1].code);
+    CHECK(nodes[0].failed == 1 && net_data[0][5] == 5.0f, "a fallback reduced nothing");
+    nodes[1].key = 7; /* and then the same plan, the next seq: the round's leftovers are skipped */
+    nodes[0].seq = nodes[1].seq = 4;
+    net_both(nodes, -1);
+    CHECK(nodes[0].code == LPN_OK && nodes[1].code == LPN_OK, "after a fallback codes %u %u", nodes[0].code,
           nodes[1].code);
-    CHECK(nodes[0].failed == 1 && net_data[0][5] == 5.0f, "a mismatch reduced nothing");
+    close(sv[0]);
+    close(sv[1]);
+
+    net_pair(nodes, sv); /* node 1 runs seq 3 on the general path: node 0 falls back at once */
+    CHECK(lpn_send_notice(sv[1], 3) == 0, "notice");
+    began = lpn_now();
+    net_both(nodes, 0);
+    CHECK(nodes[0].code == LPN_FALLBACK && lpn_now() - began < 1.0, "notice code %u", nodes[0].code);
+    CHECK(lpn_send_notice(sv[1], 3) == 0, "notice"); /* an old notice: skipped at seq 4 */
+    nodes[0].seq = nodes[1].seq = 4;
+    net_both(nodes, -1);
+    CHECK(nodes[0].code == LPN_OK && nodes[1].code == LPN_OK, "after a notice codes %u %u", nodes[0].code,
+          nodes[1].code);
     close(sv[0]);
     close(sv[1]);
 
     net_pair(nodes, sv); /* a peer that never runs: the deadline */
     nodes[0].timeout = 0.2;
-    double began = lpn_now();
+    began = lpn_now();
     net_both(nodes, 0);
     CHECK(nodes[0].code == LPN_TIMEOUT && lpn_now() - began >= 0.19, "timeout code %u", nodes[0].code);
     close(sv[0]);
@@ -322,7 +342,7 @@ static void test_net(void) {
 
     /* Misnumbered messages are refused at parse. */
     lpn_program bad;
-    lpn_op *ops = (lpn_op *)(net_blob[0].bytes + sizeof(lpn_program_header) + 3 * 8);
+    lpn_op *ops = (lpn_op *)(net_blob[0].bytes + sizeof(lpn_program_header) + 3 * 8) + 1; /* past the GO */
     ops[0].arg = 1;
     CHECK(lpn_program_parse(net_blob[0].bytes, net_blob[0].len, net_bases[0], (uint64_t[]){N * 4, N * 4}, 2, &bad,
                             &why) != 0,
@@ -334,7 +354,8 @@ static void test_net(void) {
           "a receive numbered past its channel's count was accepted");
     ops[1].arg = 0;
     for (int r = 0; r < 2; r++) lpn_program_free(&net_prog[r]);
-    printf("net: allreduce, key mismatch, deadline, lost peer, forged header, misnumbered messages\n");
+    printf("net: allreduce, another plan and a notice (fallbacks), deadline, lost peer, forged header, "
+           "misnumbered messages\n");
 }
 
 /* ---- the doorbell, clients as threads */

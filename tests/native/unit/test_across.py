@@ -21,7 +21,7 @@ import pytest
 from lpsync.algorithms import generate
 from lpsync.algorithms.registry import algorithms_for
 from lpsync.engine.group import LocalGroup, layout
-from lpsync.native import LOST, MISMATCH, OK, TIMEOUT, across, program
+from lpsync.native import FALLBACK, LOST, MISMATCH, OK, TIMEOUT, across, program
 from lpsync.native import engine as native_engine
 from lpsync.reduction import Reduction
 from lpsync.types import Collective, ReduceOp
@@ -62,22 +62,20 @@ class Node:
 
 
 @contextmanager
-def cluster(nodes: int) -> Iterator[tuple[list[Node], list[socket.socket]]]:
+def cluster(nodes: int) -> Iterator[list[Node]]:
     """``nodes`` engines, each pair connected by a socket pair: channel c of node a is
-    node c. Yields the nodes and every socket (the test's ends, to break or close)."""
+    node c. The engines hold the only descriptors (as the daemon hands them over): one
+    that an engine closes is closed for its peer too."""
     engines = [Node() for _ in range(nodes)]
-    sockets: list[socket.socket] = []
     try:
         for a in range(nodes):
             for b in range(a + 1, nodes):
                 x, y = socket.socketpair()
-                sockets += [x, y]
-                engines[a].engine.connect(b, x.fileno())
-                engines[b].engine.connect(a, y.fileno())
-        yield engines, sockets
+                with x, y:
+                    engines[a].engine.connect(b, x.fileno())
+                    engines[b].engine.connect(a, y.fileno())
+        yield engines
     finally:
-        for s in sockets:
-            s.close()
         for e in engines:
             e.close()
 
@@ -190,7 +188,7 @@ def test_a_node_program_gives_the_general_paths_bits(op: Collective, algorithm: 
         general, native = Bound(op, count, in_place, root, datas), Bound(op, count, in_place, root, datas)
         expected = numpy_reference(op, general.pairs, reduce_op, count, root)
         LocalGroup(schedule, general.pairs, reduction).run(30.0)
-        with cluster(nodes) as (engines, _):
+        with cluster(nodes) as engines:
             for node, engine in enumerate(engines):
                 mine = [native.pairs[r] for r in range(p) if node_of[r] == node]
                 compiled = across.compile_node(schedule, node_of, node, mine, reduction)
@@ -228,7 +226,7 @@ def _arm_pair(engines: list[Node], keys: tuple[int, int] = (1, 1), timeout: floa
 
 
 def test_a_peer_that_never_runs_times_out_by_the_plans_deadline() -> None:
-    with cluster(2) as (engines, _):
+    with cluster(2) as engines:
         _arm_pair(engines, timeout=0.3)
         began = time.monotonic()
         codes = run_all(engines, 1, only={0})
@@ -238,44 +236,58 @@ def test_a_peer_that_never_runs_times_out_by_the_plans_deadline() -> None:
 
 
 def test_a_closed_channel_is_lost_at_once() -> None:
-    with cluster(2) as (engines, sockets):
+    with cluster(2) as engines:
         _arm_pair(engines, timeout=30.0)
-        sockets[1].close()  # node 1's end of the pair: the engine holds its own duplicate
-        engines[1].engine.connect(0, -1)  # and node 1 lets go of it: the peer is gone
+        engines[1].engine.connect(0, -1)  # node 1 lets go of its end: the peer is gone
         began = time.monotonic()
         assert run_all(engines, 1, only={0})[0] == LOST
         assert time.monotonic() - began < 5.0
         assert engines[0].engine.failed_channel() == 1
 
 
-def test_someone_elses_message_is_a_mismatch_not_a_sum() -> None:
-    with cluster(2) as (engines, _):
+def test_another_plan_on_a_peer_sends_both_to_the_general_path_writing_nothing() -> None:
+    with cluster(2) as engines:
         pairs = _arm_pair(engines, keys=(1, 2))  # another plan's key on node 1
+        before = [pairs[0][1].copy(), pairs[1][1].copy()]
+        assert run_all(engines, 1) == [FALLBACK, FALLBACK]  # the GO round: nothing ran
+        for node in range(2):
+            np.testing.assert_array_equal(pairs[node][1], before[node])
+        # Still armed, channels kept: the same plan on both, the next call, runs (the
+        # round's unread leftovers are older and skipped).
+        again = _arm_pair(engines, keys=(1, 1))  # held: the engine writes into them
+        assert run_all(engines, 2) == [OK, OK]
+        np.testing.assert_array_equal(again[0][1], np.full_like(before[0], 3.0))
+
+
+def test_a_peer_on_the_general_path_sends_an_armed_node_back_at_once() -> None:
+    with cluster(2) as engines:
+        pairs = _arm_pair(engines, timeout=30.0)
         before = pairs[0][1].copy()
-        codes = run_all(engines, 1)
-        assert MISMATCH in codes, codes
-        # Node 0 failed on node 1's first message: nothing of it was reduced into its data.
-        assert codes[0] == MISMATCH
+        engines[1].engine.notice(1)  # node 1's ranks took the general path for call 1
+        began = time.monotonic()
+        assert run_all(engines, 1, only={0})[0] == FALLBACK
+        assert time.monotonic() - began < 5.0, "a notice ends the wait, not the deadline"
         np.testing.assert_array_equal(pairs[0][1], before)
+        engines[1].engine.notice(1)  # an old notice again: skipped by the next call
+        assert run_all(engines, 2) == [OK, OK]
 
 
-def test_another_runs_sequence_number_is_a_mismatch() -> None:
-    with cluster(2) as (engines, _):
+def test_another_runs_sequence_number_fails_instead_of_mixing_calls() -> None:
+    with cluster(2) as engines:
         _arm_pair(engines)
         codes = [-1, -1]
-        threads = [
-            threading.Thread(
-                target=lambda i=i, s=s: codes.__setitem__(
-                    i, engines[i].engine.run(0, engines[i].generation, s)
-                )
-            )
-            for i, s in ((0, 5), (1, 6))
-        ]
+
+        def one(node: int, seq: int) -> None:
+            codes[node] = engines[node].engine.run(0, engines[node].generation, seq)
+
+        threads = [threading.Thread(target=one, args=(node, 5 + node)) for node in range(2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(60)
-        assert codes == [MISMATCH, MISMATCH]
+        # Node 0 (call 5) reads node 1's GO for call 6: ahead of it, a failure, which
+        # closes its channels; node 1 (call 6) skipped the older GO and then loses node 0.
+        assert codes == [MISMATCH, LOST]
 
 
 def test_sends_larger_than_the_socket_buffers_cross_both_ways_at_once() -> None:
@@ -287,7 +299,7 @@ def test_sends_larger_than_the_socket_buffers_cross_both_ways_at_once() -> None:
     rng = np.random.default_rng(3)
     inputs = [rng.standard_normal(count).astype(np.float32) for _ in range(2)]
     pairs = [layout(Collective.ALLREDUCE, r, 2, count, inputs[r].copy(), True) for r in range(2)]
-    with cluster(2) as (engines, _):
+    with cluster(2) as engines:
         for node in range(2):
             compiled = across.compile_node(schedule, (0, 1), node, [pairs[node]], reduction)
             assert compiled is not None
@@ -304,5 +316,5 @@ def test_the_engine_refuses_a_program_whose_messages_are_misnumbered() -> None:
     steps = compiled.program.steps
     first_send = next(i for i, s in enumerate(steps) if s.kind == program.SEND)
     steps[first_send] = steps[first_send]._replace(arg=5)
-    with cluster(2) as (engines, _), pytest.raises(ValueError, match="not numbered in program order"):
+    with cluster(2) as engines, pytest.raises(ValueError, match="not numbered in program order"):
         engines[0].arm(compiled, [pairs[0]], 1)
