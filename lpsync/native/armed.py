@@ -1,14 +1,18 @@
 """One job's armed plans on this daemon: its doorbell page and its engine.
 
-A single-node job's collective that ran on the direct path is armed here: its program
-(program.py) goes to the engine with its buffers' addresses, and the reply tells the
-clients (Armed{page, plan, generation}); their identical later calls ring the page and
-the engine's own thread runs the program and answers them, without Python.
+A single-node job's collective that ran on the direct path is armed here, and so is a
+multi-node job's node program (across.py) once the nodes agreed to: its program goes to
+the engine with its buffers' addresses, and the reply tells the clients (Armed{page,
+plan, generation}); their identical later calls ring the page and the engine's own
+thread runs the program and answers them, without Python. A multi-node job's page has a
+slot per rank of the job, of which the engine serves this node's (``local``); its
+channels (one socket per other node) are the engine's once handed over (``connect``).
 
 What disarms (engine.c: waiting rings fall back, and the clients send their request the
 general way, where the daemon answers with the errors of docs/reliability.md): a buffer
 of the plan released (``forget``), a rank that leaves the job (``disarm_all``), the job's
-end or the daemon's stop (``close``), a plan evicted for a newer one (MAX_PLANS per job).
+end or the daemon's stop (``close``), a plan evicted for a newer one (MAX_PLANS per job);
+for plans with messages also a failed run and a failed collective (``drop_net``).
 Invariant: a plan is disarmed before any of its buffers is unmapped; the engine's lock,
 which a running program holds, makes ``disarm`` wait for that run.
 
@@ -21,14 +25,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from lpsync.memory.shm import SharedSegment
-from lpsync.native import OK
+from lpsync.native import FALLBACK, OK
 from lpsync.native import engine as native_engine
 from lpsync.native.program import Program, encode
 
@@ -46,13 +50,16 @@ class Plan:
     handles: tuple[tuple[str, int], ...]
     series: tuple[str, str, str, int, float]  # op, algorithm, dtype, nbytes, busbw factor
     reply: tuple[str, int, int]  # Armed{page, plan, generation}
+    net: bool = False  # it has messages (a multi-node job's node program)
     seen: tuple[int, float, tuple[int, ...]] = field(default=(0, 0.0, ()))  # stats read so far
 
 
 class ArmedPlans:
     """Created by a job's first armed plan; closed with the job."""
 
-    def __init__(self, slots: int, bounds: tuple[float, ...], record: Record) -> None:
+    def __init__(
+        self, slots: int, bounds: tuple[float, ...], record: Record, local: tuple[int, ...] | None = None
+    ) -> None:
         module = native_engine()
         if module is None:
             raise RuntimeError("the native engine is not built")
@@ -66,6 +73,16 @@ class ArmedPlans:
             self.page.close()
             self.page.unlink()
             raise
+        self.slots = slots
+        try:
+            if local is not None:  # a multi-node job: the engine serves this node's ranks
+                self.activate(local)
+        except BaseException:
+            self.engine.close()
+            self.page.close()
+            self.page.unlink()
+            raise
+        self.channels: set[int] = set()  # the other nodes the engine holds a socket to
         self._record = record
         self._lock = threading.Lock()
         self._plans: OrderedDict[tuple, Plan] = OrderedDict()  # by plan key, oldest first
@@ -86,6 +103,7 @@ class ArmedPlans:
         handles: tuple[tuple[str, int], ...],
         series: tuple[str, str, str, int, float],
         spec: Any = None,
+        net_key: int = 0,
     ) -> Plan | None:
         """Arm ``program`` over ``views`` under ``key``; None where the engine does not
         serve it (an element type it lacks, an unaligned buffer: it stays on Python)."""
@@ -104,12 +122,14 @@ class ArmedPlans:
         if evicted is not None:
             self._retire(evicted)
         try:
-            generation = self.engine.arm(index, data, bases, sizes, timeout)
+            generation = self.engine.arm(index, data, bases, sizes, timeout, net_key)
         except ValueError:  # refused by the engine's checks: not armed
             with self._lock:
                 self._free.append(index)
             return None
-        plan = Plan(index, generation, spec, views, handles, series, (self.page.name, index, generation))
+        plan = Plan(
+            index, generation, spec, views, handles, series, (self.page.name, index, generation), net_key != 0
+        )
         with self._lock:
             self._plans[key] = plan
         return plan
@@ -120,6 +140,45 @@ class ArmedPlans:
 
     def yield_seq(self, sequence: int) -> None:
         self.engine.yield_seq(sequence)
+
+    def activate(self, local: Iterable[int]) -> None:
+        """The slots the engine serves: this node's ranks of the job."""
+        mine = set(local)
+        self.engine.activate(bytes(1 if slot in mine else 0 for slot in range(self.slots)))
+
+    # -- plans with messages (a multi-node job) -----------------------------------------------
+    def connect(self, node: int, sock: Any) -> None:
+        """Hand the socket to ``node`` to the engine: it holds the only descriptor from then
+        on, so that one it closes (a failed run) is closed for the peer too."""
+        with sock:
+            self.engine.connect(node, sock.fileno())
+        with self._lock:
+            self.channels.add(node)
+
+    def notice(self, sequence: int) -> None:
+        """This node runs ``sequence`` on the general path: armed peers fall back at once."""
+        if self.channels:
+            self.engine.notice(sequence)
+
+    def drop_net(self) -> None:
+        """A collective failed: every channel closed, every plan with messages disarmed."""
+        with self._lock:
+            self.channels.clear()
+            stale = [k for k, plan in self._plans.items() if plan.net]
+            plans = [self._plans.pop(k) for k in stale]
+        for plan in plans:
+            self._drain(plan)
+        self.engine.drop_net()
+        with self._lock:
+            self._free.extend(plan.index for plan in plans)
+
+    def failure(self, sequence: int) -> tuple[int, int] | None:
+        """(code, node) where the engine's run of ``sequence`` failed (not a fallback)."""
+        _, _, records = self.engine.records()
+        for seq, _, code, *_ in reversed(records):
+            if seq == sequence & 0xFFFFFFFF and code not in (OK, FALLBACK):
+                return code, self.engine.failed_channel()
+        return None
 
     def forget(self, session_id: str, handle: int) -> None:
         """A buffer was released: disarm the plans over it, before it is unmapped."""
@@ -146,10 +205,10 @@ class ArmedPlans:
         self.engine.disarm(plan.index)  # waits for a run of it: its buffers may go next
         self._drain(plan)
 
-    def sync(self) -> list[tuple[int, Any, int, float, float, float]]:
+    def sync(self) -> list[tuple[int, Any, str, int, float, float, float]]:
         """Bring the engine's counts into the metrics; the collectives it answered since the
-        last sync: (seq, spec, code, first arrival, last arrival, done), monotonic seconds;
-        spec None where the plan went meanwhile."""
+        last sync: (seq, spec, algorithm, code, first arrival, last arrival, done),
+        monotonic seconds; spec None where the plan went meanwhile."""
         with self._lock:
             plans = list(self._plans.values())
         by_index = {plan.index: plan for plan in plans}
@@ -161,7 +220,8 @@ class ArmedPlans:
         out = []
         for seq, index, code, first, last, done in records[len(records) - new :]:
             found = by_index.get(index)
-            out.append((seq, found.spec if found is not None else None, code, first, last, done))
+            spec, algorithm = (found.spec, found.series[1]) if found is not None else (None, "")
+            out.append((seq, spec, algorithm, code, first, last, done))
         return out
 
     def _drain(self, plan: Plan) -> None:

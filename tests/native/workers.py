@@ -15,7 +15,9 @@ from tests.collective_cases import in_place_buffer
 REPEATS = 4  # the first call plans, the second arms, the later ones ring the engine
 
 
-def run_cases(rank: int, socket: str, world: int, cases: list[tuple]) -> tuple[list, dict]:
+def run_cases(
+    rank: int, socket: str, world: int, cases: list[tuple], repeats: int = REPEATS
+) -> tuple[list, dict]:
     """Each case (tests/collective_cases.every_case) REPEATS times on shared-memory buffers
     made once (so the call repeats exactly), the inputs written afresh before each call;
     per case this rank's output bytes and input bytes after the last call, and how the
@@ -35,7 +37,7 @@ def run_cases(rank: int, socket: str, world: int, cases: list[tuple]) -> tuple[l
                 kwargs["op"] = reduce_op
             if op in ROOTED_OPS:
                 kwargs["root"] = root
-            for _ in range(REPEATS):
+            for _ in range(repeats):
                 if x is not None:
                     x[:] = start
                 if out is not None:
@@ -120,3 +122,21 @@ def ring_until_killed(rank: int, socket: str, ready, timeout: float = 60.0) -> d
         }
     finally:
         client.close()
+
+
+def run_cases_on_nodes(
+    rank: int, sockets: list[str], per_node: int, world: int, cases: list[tuple], repeats: int
+) -> tuple:
+    """run_cases on this rank's node's daemon (node-major ranks, as torchrun numbers them)."""
+    os.environ["LOCAL_RANK"] = str(rank % per_node)
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    return run_cases(rank, sockets[rank // per_node], world, cases, repeats)
+
+
+def repeat_then_on_nodes(
+    rank: int, sockets: list[str], per_node: int, world: int, job: str, then: str
+) -> dict:
+    """repeat_then on this rank's node's daemon."""
+    os.environ["LOCAL_RANK"] = str(rank % per_node)
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    return repeat_then(rank, sockets[rank // per_node], world, job, then)

@@ -23,6 +23,7 @@ fails that node's part as a mismatch instead of breaking the mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -77,11 +78,15 @@ class Verdict:
     # Every node's participants pass device buffers: the segment (bytes) of the
     # hierarchical pipeline (hierarchy.py), the smallest any node offered; 0: flat.
     segment: int = 0
+    # Every node offered to run this collective armed (native_across.py): each node's
+    # (host, port) for the engine's channels, and whether every node's are connected.
+    native: tuple[tuple[str, int], ...] = ()
+    native_ready: bool = False
 
     def carrying(self, result: np.ndarray | None) -> Verdict:
         """This verdict with a small collective's ``result`` (a go verdict is read once
         and shared; the result is this call's)."""
-        return Verdict(self.model, result, self.use, self.trial, self.reports, self.segment)
+        return dataclasses.replace(self, result=result)
 
 
 # -- the tree ------------------------------------------------------------------------------
@@ -323,10 +328,26 @@ def judge(
     # A peer's summary is input: only a whole number of bytes in range runs hierarchically.
     if all(type(b) is int and _MIN_SEGMENT <= b <= _MAX_SEGMENT for b in offered):
         verdict["device"] = min(offered)
+    offers: list[Any] = [o for o in (by_node[n].get("native") for n in nodes) if _native_offer(o)]
+    if len(offers) == len(nodes):  # every node may run it armed
+        verdict["native"] = {"at": [[o[0], o[1]] for o in offers], "ready": all(o[2] for o in offers)}
     first = by_node[nodes[0]]
     if "use" in first:  # node 0 decides the schedule for all (learning.py)
         verdict["use"], verdict["trial"] = first["use"], first.get("trial", False)
     return verdict
+
+
+def _native_offer(offer: Any) -> bool:
+    """A peer's summary is input: [host, port, channels ready] or nothing."""
+    return (
+        isinstance(offer, (list, tuple))
+        and len(offer) == 3
+        and isinstance(offer[0], str)
+        and 0 < len(offer[0]) <= 255
+        and type(offer[1]) is int
+        and 0 < offer[1] < 65536
+        and type(offer[2]) is bool
+    )
 
 
 def reports(summaries: list[dict[str, Any]]) -> tuple[tuple[int, int, float], ...]:
@@ -340,6 +361,7 @@ def _apply(
     if "error" in verdict:
         raise _error(verdict)
     use = verdict.get("use")
+    native = verdict.get("native") or {"at": [], "ready": False}
     return Verdict(
         LinkModel(alpha=verdict["alpha"], beta=verdict["beta"], shared_nic=True),
         result,
@@ -347,6 +369,8 @@ def _apply(
         bool(verdict.get("trial", False)),
         reports(summaries or []),
         int(verdict.get("device", 0)),
+        tuple((str(host), int(port)) for host, port in native["at"]),
+        bool(native["ready"]),
     )
 
 

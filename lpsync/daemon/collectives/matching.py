@@ -122,6 +122,7 @@ class Job:
         # The native path (lpsync/native): the job's armed plans, made by ``_native`` at the
         # first plan armed (None: this daemon or job runs on Python only).
         self.native: ArmedPlans | None = None
+        self.native_retry_at = 0.0  # no armed plans across nodes before (native_across.py)
         self._native = native
         self.learner: Learner | None = None  # multi-node: what node 0 learned (learning.py)
         # For metrics (read at scrape time): the unix time the job last completed a
@@ -134,7 +135,7 @@ class Job:
 
     def native_plans(self) -> ArmedPlans | None:
         """The job's armed plans, made on first use where the job may run natively."""
-        if self.native is None and self._native is not None and self.layout is None:
+        if self.native is None and self._native is not None:
             with self.lock:
                 if self.native is None and self.sessions:
                     self.native = self._native(self)
@@ -149,12 +150,12 @@ class Job:
             return []
         records: list[FlightRecord] = []
         finished = 0.0
-        for seq, spec, code, first, last, done in self.native.sync():
-            if spec is None or code != 0:  # fallbacks finish on the general path
+        for seq, spec, algorithm, code, first, last, done in self.native.sync():
+            if spec is None or code != 0:  # fallbacks and failures finish on the general path
                 continue
             wall, finished = monotonic_to_wall(first), monotonic_to_wall(done)
             stages = ((ARRIVING, last - first), ("native", done - last))
-            records.append(FlightRecord(seq, spec, wall, (), stages, done - first, "direct", 1, "OK", ""))
+            records.append(FlightRecord(seq, spec, wall, (), stages, done - first, algorithm, 1, "OK", ""))
         if records:
             with self.lock:
                 self.history.extend(records)
@@ -194,7 +195,9 @@ class Job:
         """The job's layout, as the daemons found it (control/placing.py), before any of its
         collectives reached matching: until then it served every rank as if local."""
         if self.native is not None and layout != self.layout:
-            self.native.disarm_all()  # armed for the old layout (slot = rank on one node)
+            self.native.disarm_all()  # armed for the old layout
+            self.native.drop_net()
+            self.native.activate(layout.local_ranks if layout is not None else range(self.world_size))
         with self.lock:
             self.layout = layout
             self.local_ranks = layout.local_ranks if layout is not None else range(self.world_size)

@@ -25,8 +25,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import NoReturn
 
-from lpsync.daemon.collectives import agreement, hierarchy, planning, runners
+from lpsync.daemon.collectives import agreement, hierarchy, native_across, planning, runners
 from lpsync.daemon.collectives.learning import Learner
 from lpsync.daemon.collectives.matching import Job
 from lpsync.daemon.collectives.small import SmallCollective, rides
@@ -79,12 +80,17 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
             lambda link: agreement.announce(job, sequence, link.for_job(cluster), failure),
         )
         raise
+    armed_failure = native_across.failure(task)
+    if armed_failure is not None:  # its armed run failed here: it fails, on every node
+        _armed_run_failed(task, link, armed_failure)
+    native_across.notice(task)  # armed peers fall back at once: this node runs it here
     learner = _learner(job)
     last = learner.take_last()  # an earlier trial's time, for node 0
     proposal = None
     try:
         proposal = planning.propose(task, learner, link, last)
-        mine = agreement.summary(job, task.spec, link, proposal.extras + hierarchy.offer(task, devices))
+        offers = proposal.extras + hierarchy.offer(task, devices) + native_across.offer(task, plane)
+        mine = agreement.summary(job, task.spec, link, offers)
         barrier = task.op is Collective.BARRIER
         if barrier or rides(task):  # finished once agreed: a barrier, or data riding it
             if task.on_device:
@@ -92,21 +98,40 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
                     riding = SmallCollective(task, hosts)
                     return _agree_and_finish(task, link, learner, deadline, mine, riding)
             small = None if barrier else SmallCollective(task, task.arrivals)  # host: no staging
-            later = agreement.agree_later(job, pending, link, deadline, mine, small)
+            # Where it may be armed, it finishes on this thread: arming may connect sockets.
+            armable = any(name == "native" for name, _ in offers)
+            later = None if armable else agreement.agree_later(job, pending, link, deadline, mine, small)
             if later is None:
-                return _agree_and_finish(task, link, learner, deadline, mine, small)
+                verdict = agreement.agree(job, pending, link, deadline, mine, small)
+                outcome = _finish_agreed(task, learner, small, verdict)
+                if small is not None:
+                    outcome.armed = native_across.after_ride(task, plane, verdict)
+                return outcome
             return _finished_later(task, link, learner, last, proposal, small, later)
         verdict = agreement.agree(job, pending, link, deadline, mine)
         _learn(learner, verdict)
         pending.enter(RUNNING)
         tags = planning.tag_base(job.name, pending.sequence)
-        context = runners.Context(devices, link, verdict, learner, deadline, tags)
+        context = runners.Context(devices, link, verdict, learner, deadline, tags, plane)
         return runners.run(task, context)
     except Exception as error:
+        native_across.drop(task)  # a failed call: the job's channels start afresh
         reported = _failed(task, link, learner, last, proposal, error)
         if reported is error:
             raise
         raise reported from (error if not isinstance(error, LpsyncError) else None)
+
+
+def _armed_run_failed(task: Task, link: Link, error: LpsyncError) -> NoReturn:
+    """This node's armed run of the call failed (native_across.failure): the job's
+    channels go, the nodes that run the call on the general path learn it through the
+    agreement (bounded: a node whose armed run went on never comes), and it fails here."""
+    job, pending = task.job, task.pending
+    native_across.drop(task)
+    deadline = time.monotonic() + _NOTIFY_TIMEOUT
+    with contextlib.suppress(LpsyncError):
+        agreement.agree(job, pending, link, deadline, agreement.failure_summary(job, error))
+    raise error
 
 
 def _agree_and_finish(

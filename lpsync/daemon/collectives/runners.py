@@ -13,7 +13,8 @@ Across nodes, after the verdict (path.py agreed it):
   hierarchy  every node on devices: device chain, bounded host ring, peers (hierarchy.py)
   pipeline   host buffers or mirrors: one chunk pipeline over the nodes (planning.py)
 Identical calls of an armed plan never reach this table: the clients ring the engine's
-doorbell (docs/architecture.md, "The native steady-state path").
+doorbell (docs/architecture.md, "The native steady-state path"); across nodes, a
+pipeline run on host buffers arms its node's part of the plan (native_across.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lpsync.daemon.collectives import hierarchy as hierarchical
-from lpsync.daemon.collectives import local, packed, planning
+from lpsync.daemon.collectives import local, native_across, packed, planning
 from lpsync.daemon.collectives.staging import stage
 from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.device_registry import DeviceRegistry
@@ -34,7 +35,7 @@ from lpsync.errors import InvalidArgumentError
 if TYPE_CHECKING:
     from lpsync.daemon.collectives.agreement import Verdict
     from lpsync.daemon.collectives.learning import Learner
-    from lpsync.daemon.peers.plane import Link
+    from lpsync.daemon.peers.plane import Link, PeerPlane
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Context:
     learner: Learner | None = None
     deadline: float = 0.0
     tags: int = 0
+    plane: PeerPlane | None = None  # across nodes: where armed plans' channels come from
 
 
 Runner = Callable[[Task, Context], Outcome]
@@ -131,7 +133,10 @@ def _pipeline(task: Task, context: Context) -> Outcome:
         staged.run(group, context.deadline, timeout, context.tags)
     if verdict.trial and context.learner is not None:
         context.learner.ran(task.pending.sequence, time.perf_counter() - began)
-    return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
+    armed = None
+    if staged is None and context.plane is not None:  # host buffers: it may run armed next
+        armed = native_across.after_run(task, context.plane, verdict, group.schedule, algorithm, chunks)
+    return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed(), armed=armed)
 
 
 RUNNERS: dict[str, Runner] = {

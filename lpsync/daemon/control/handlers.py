@@ -145,13 +145,14 @@ class Service(pb_grpc.LpSyncServicer):
         self._workers = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="lpsync-run")
 
     def _native_plans(self, job: Job) -> ArmedPlans | None:
-        """A single-node job's armed plans (its doorbell page and engine thread), made at
-        its first plan armed; None where it cannot have them (its slots, a failure)."""
+        """A job's armed plans (its doorbell page and engine thread), made at its first plan
+        armed; None where it cannot have them (its slots, a failure)."""
         module = native.engine()
         if module is None or job.world_size > module.MAX_SLOTS:
             return None
         try:
-            plans = ArmedPlans(job.world_size, BUCKETS, self.metrics.collectives_done)
+            local = tuple(job.local_ranks) if job.layout is not None else None
+            plans = ArmedPlans(job.world_size, BUCKETS, self.metrics.collectives_done, local)
         except (OSError, LpsyncError, ValueError) as error:
             log.warning("job runs on the Python path: " + str(error), extra={"job": job.name})
             return None

@@ -40,6 +40,7 @@ from prometheus_client import Counter, Gauge
 
 from lpsync.algorithms import LinkModel
 from lpsync.daemon.peers.discovery import PeerSet
+from lpsync.daemon.peers.native_channels import NativeChannels
 from lpsync.engine.endpoint import PostingEndpoint, RecvRequest, SendRequest
 from lpsync.errors import LpsyncError, UnavailableError
 from lpsync.transport import backends
@@ -296,6 +297,29 @@ class PeerPlane:
         # without one (owe()); bounded, oldest dropped first.
         self._owed: list[tuple[float, Callable[[Link], None]]] = []
         self._thread = threading.Thread(target=self._main, name="lpsync-peers", daemon=True)
+        self._native: NativeChannels | None = None  # made on first use (native_channels)
+        self._native_failed = False
+
+    def native_channels(self) -> NativeChannels | None:
+        """The listener and dialler of armed plans' channels (native_channels.py), on the
+        TCP transport only (the engine's channels are TCP sockets); None elsewhere, or
+        where it cannot listen (said once in the log)."""
+        if self.options.transport != "tcp" or self._native_failed:
+            return None
+        with self._lock:
+            if self._native is None and not self._stop.is_set():
+                try:
+                    self._native = NativeChannels(
+                        self.options.peers.peers[self.rank], self.options.secret, self.rank
+                    )
+                except OSError as error:
+                    self._native_failed = True
+                    log.warning(
+                        "node %d: armed plans stay within the node: no listener for their channels: %s",
+                        self.rank,
+                        error,
+                    )
+            return self._native
 
     def start(self) -> None:
         self._thread.start()
@@ -391,7 +415,10 @@ class PeerPlane:
         self._stop.set()
         with self._changed:
             link, self._link = self._link, None
+            native, self._native = self._native, None
             self._changed.notify_all()
+        if native is not None:
+            native.close()
         if link is not None:
             link.broken.set()
             _close(link, bound=bound / 2)

@@ -1,0 +1,72 @@
+"""Armed plans across nodes, with real daemons meshed over loopback TCP and real rank
+processes: repeated collectives of every op on the same buffers run armed from their third
+call (the first connects the engine's channels, the second arms), bitwise as on the
+general path and against numpy; and what fails while ranks ring the doorbell across nodes
+(a rank that calls another collective, a daemon that is killed) fails with the error table's
+errors on every rank, in seconds, nothing left behind."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from lpsync.native import engine as native_engine
+from tests.collective_cases import check_case_results, rotating_cases
+from tests.daemon.harness import PeeredDaemons, run_ranks
+from tests.native import workers
+
+NODES, PER_NODE = 2, 2
+WORLD = NODES * PER_NODE
+KINDS = [("float32", "sum"), ("int32", "max"), ("float64", "avg"), ("int64", "prod")]
+
+
+def _cluster(tmp: Path, native: str, nodes: int = NODES) -> PeeredDaemons:
+    tmp.mkdir(parents=True, exist_ok=True)
+    return PeeredDaemons(
+        tmp, nodes, "--peer-transport", "tcp", "--native", native, "--heartbeat-timeout", "3"
+    )
+
+
+@pytest.mark.parametrize(("count", "repeats"), [(29, 4), (20_011, 14)], ids=["small", "pipelined"])
+def test_repeated_collectives_run_armed_and_match_numpy(tmp_path: Path, count: int, repeats: int) -> None:
+    """Small ones (riding the agreement on the general path) arm at their second call;
+    pipelined ones once node 0 has timed its candidate schedules (learning.py). Their
+    float bits may differ from the general path's: a small one rides the agreement's
+    tree there, and node 0 may keep another schedule in another run; numpy judges."""
+    assert native_engine() is not None, "the native engine is not built (the install builds it)"
+    cases = rotating_cases(WORLD, count, KINDS, root=1, seed=count)
+    cluster = _cluster(tmp_path, "on")
+    try:
+        sockets = [str(d.socket) for d in cluster.daemons if d is not None]
+        ranks = run_ranks(
+            WORLD, workers.run_cases_on_nodes, sockets, PER_NODE, WORLD, cases, repeats, timeout=300
+        )
+    finally:
+        unclean = cluster.stop()
+    assert not unclean, unclean
+    check_case_results(cases, [r[0] for r in ranks], WORLD, inputs_kept=True)
+    infos = [ranks[node * PER_NODE][1] for node in range(NODES)]
+    answered = [i["answered"] - i["fallbacks"] for i in infos]  # run by the engine
+    # From the third call of a small case on; a pipelined one once its trials end.
+    least = (repeats - 2) * len(cases) if count < 1000 else len(cases)
+    assert all(a >= least for a in answered), (answered, len(cases))
+
+
+def test_another_collective_on_one_node_fails_every_rank_as_a_mismatch_in_seconds(tmp_path: Path) -> None:
+    cluster = _cluster(tmp_path, "on")
+    try:
+        sockets = [str(d.socket) for d in cluster.daemons if d is not None]
+        began = time.monotonic()
+        reports = run_ranks(2, workers.repeat_then_on_nodes, sockets, 1, 2, "mm", "mismatch", timeout=120)
+    finally:
+        unclean = cluster.stop()
+    assert not unclean, unclean
+    for r in reports:
+        assert r["armed"], r
+        name, code, message = r["error"]
+        assert (name, code) == ("MismatchError", "INVALID_ARGUMENT"), r
+        assert "count" in message, message
+        assert r["seconds"] < 10, r
+    assert time.monotonic() - began < 90
