@@ -88,6 +88,7 @@ class ClusterOptions:
     logs: str | None = None  # keep every daemon's and rank's log under logs/<N>nodes/
     model: str | None = None  # --model: replay this network's step instead of ops x sizes
     transports: tuple[str, ...] = ("auto",)  # the daemons' peer transport; each in turn
+    natives: tuple[str, ...] = ("auto",)  # the daemons' --native; each in turn, per transport
     collective_timeout: float = 600.0  # seconds, each collective (client and daemon)
     timeout: float = 3600.0  # seconds, one node count from cluster up to the last point
 
@@ -113,6 +114,8 @@ class ClusterOptions:
             check_transport(transport)
         if not self.transports:
             raise InvalidArgumentError("--peer-transport must not be empty")
+        if not self.natives or any(n not in ("auto", "on", "off") for n in self.natives):
+            raise InvalidArgumentError(f"--native {','.join(self.natives)}: expected auto, on or off")
         if self.compare not in (None, "gloo"):
             raise InvalidArgumentError(f"--compare {self.compare}: only gloo")
         for algorithm in self.algorithms:
@@ -176,18 +179,20 @@ def progress(message: str) -> None:
 
 
 def run(options: ClusterOptions) -> Iterator[list[Point]]:
-    """Each node count's points, once its cluster is down again: every transport's in
-    turn, each on a fresh cluster (gloo, if compared, runs with the first)."""
+    """Each node count's points, once its cluster is down again: every (transport, --native)
+    in turn, each on a fresh cluster (gloo, if compared, runs with the first)."""
     netns.require_root()
+    variants = [(t, n) for t in options.transports for n in options.natives]
     with _Interrupts() as interrupts:
         for nodes in options.nodes:
             points = []
-            for i, transport in enumerate(options.transports):
+            for i, (transport, native) in enumerate(variants):
                 points += _run_nodes(
                     replace(options, compare=options.compare if i == 0 else None),
                     nodes,
                     interrupts,
                     transport,
+                    native,
                 )
             yield points
 
@@ -199,7 +204,9 @@ class _Node:
     log: Path
 
 
-def _run_nodes(options: ClusterOptions, nodes: int, interrupts: _Interrupts, transport: str) -> list[Point]:
+def _run_nodes(
+    options: ClusterOptions, nodes: int, interrupts: _Interrupts, transport: str, native: str = "auto"
+) -> list[Point]:
     spec = ClusterSpec(nodes, options.rate_bits, prefix=options.prefix)
     try:
         up(spec)  # removes what it made if it fails or is interrupted halfway
@@ -212,9 +219,9 @@ def _run_nodes(options: ClusterOptions, nodes: int, interrupts: _Interrupts, tra
         progress(
             f"{nodes} nodes: cluster {spec.prefix!r} up "
             f"({format_rate(spec.rate_bits)} full duplex per node; peer transport "
-            f"{transport})"
+            f"{transport}, --native {native})"
         )
-        _start_daemons(spec, options, tmp, daemons, transport)
+        _start_daemons(spec, options, tmp, daemons, transport, native)
         pids = ", ".join(str(d.daemon.pid) for d in daemons)
         progress(
             f"{nodes} nodes: {nodes} daemons serving (pids {pids}); starting "
@@ -224,7 +231,7 @@ def _run_nodes(options: ClusterOptions, nodes: int, interrupts: _Interrupts, tra
         points = _collect(options, nodes, workers, daemons, tmp)
         for point in points:
             if point.algorithm != "gloo" and not point.algorithm.startswith("gloo "):
-                point.transport = transport
+                point.transport = transport if native == "auto" else f"{transport} native {native}"
         return points
     finally:
         with interrupts.deferred():
@@ -233,6 +240,7 @@ def _run_nodes(options: ClusterOptions, nodes: int, interrupts: _Interrupts, tra
             _reclaim(daemons)
             if options.logs:
                 where = f"{nodes}nodes" + ("" if transport == "ucx" else f"-{transport}")
+                where += "" if native == "auto" else f"-native-{native}"
                 try:
                     shutil.copytree(
                         tmp,
@@ -252,7 +260,12 @@ def _clean_env() -> dict[str, str]:
 
 
 def _start_daemons(
-    spec: ClusterSpec, options: ClusterOptions, tmp: Path, daemons: list[_Node], transport: str = "ucx"
+    spec: ClusterSpec,
+    options: ClusterOptions,
+    tmp: Path,
+    daemons: list[_Node],
+    transport: str = "ucx",
+    native: str = "auto",
 ) -> None:
     peers = ",".join(f"{spec.address(i)}:{PEER_PORT}" for i in range(spec.nodes))
     env = {
@@ -260,6 +273,7 @@ def _start_daemons(
         "LPSYNC_SECRET": secrets.token_hex(32),
         "LPSYNC_UCX_TLS": "tcp",
         "LPSYNC_PEER_TRANSPORT": transport,
+        "LPSYNC_NATIVE": native,
     }
     for node in range(spec.nodes):
         where = tmp / f"node{node}"

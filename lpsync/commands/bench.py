@@ -120,9 +120,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     local.add_argument("--socket", help="use the daemon on this socket if one is serving")
     local.add_argument(
         "--native",
-        help="the started daemon's --native: auto, on or off; a comma list (on,off) runs the "
+        help="the started daemons' --native: auto, on or off; a comma list (on,off) runs the "
         "sweep once per value, a daemon each, and prints each size's median time side by "
-        "side with the ratio to the last value (the baseline)",
+        "side with the ratio to the last value (the baseline); with --cluster each value on "
+        "a fresh cluster, its points labelled",
     )
     local.add_argument(
         "--memory",
@@ -389,6 +390,7 @@ def cluster_options(args: argparse.Namespace):
         prefix=args.prefix,
         logs=args.logs,
         transports=items(args.peer_transport or "auto"),
+        natives=items(args.native or "auto"),
     )
 
 

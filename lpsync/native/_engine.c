@@ -183,6 +183,13 @@ static PyObject *Engine_notice(EngineObject *self, PyObject *arg) {
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
+static PyObject *Engine_abort(EngineObject *self, PyObject *unused) {
+    (void)unused;
+    if (check_open(self)) return NULL;
+    lpn_engine_abort(&self->engine); /* no lock: safe on any thread, the event loop's too */
+    Py_RETURN_NONE;
+}
+
 static PyObject *Engine_drop_net(EngineObject *self, PyObject *unused) {
     (void)unused;
     if (check_open(self)) return NULL;
@@ -274,6 +281,8 @@ static PyMethodDef Engine_methods[] = {
      "connect(channel, fd): the channel becomes a duplicate of the connected socket fd (-1: closed)"},
     {"notice", (PyCFunction)Engine_notice, METH_O,
      "notice(seq): this node runs seq on the general path; armed peers fall back at once"},
+    {"abort", (PyCFunction)Engine_abort, METH_NOARGS,
+     "abort(): a net run waiting now ends LOST at once (the peers are lost); never blocks"},
     {"drop_net", (PyCFunction)Engine_drop_net, METH_NOARGS,
      "drop_net(): close every channel and disarm every plan with messages"},
     {"activate", (PyCFunction)Engine_activate, METH_VARARGS,

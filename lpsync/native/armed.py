@@ -160,6 +160,13 @@ class ArmedPlans:
         if self.channels:
             self.engine.notice(sequence)
 
+    def abort_net(self) -> None:
+        """The peers are lost: a run waiting on them ends now (LOST), and the channels and
+        plans with messages go."""
+        if self.channels:
+            self.engine.abort()  # never blocks: the run holds the lock drop_net takes
+            self.drop_net()
+
     def drop_net(self) -> None:
         """A collective failed: every channel closed, every plan with messages disarmed."""
         with self._lock:

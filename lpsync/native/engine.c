@@ -7,6 +7,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -465,6 +466,9 @@ static void release_plan(lpn_plan *p);
 /* Every channel closed and every plan with messages disarmed (lock held): after a failed
  * run the channels are mid-message; the daemon connects and arms again. */
 static void drop_net(lpn_engine *e) {
+    uint64_t drained;
+    if (e->abort_fd >= 0 && read(e->abort_fd, &drained, sizeof drained) < 0) { /* not aborted: fine */
+    }
     for (uint32_t c = 0; c < LPN_MAX_CHANNELS; c++)
         if (e->fds[c] >= 0) {
             close(e->fds[c]);
@@ -486,7 +490,8 @@ static uint32_t run_plan(lpn_engine *e, lpn_plan *p, uint32_t seq) {
         return p->last_code = LPN_OK;
     }
     int failed = -1;
-    uint32_t code = lpn_program_run_net(&p->program, p->bufs, e->fds, p->key, seq, p->timeout, &failed);
+    uint32_t code =
+        lpn_program_run_net(&p->program, p->bufs, e->fds, p->key, seq, p->timeout, e->abort_fd, &failed);
     p->last_code = code;
     e->failed_channel = failed;
     if (code == LPN_OK || code == LPN_FALLBACK) return code; /* a fallback wrote nothing */
@@ -613,6 +618,8 @@ int lpn_engine_init(lpn_engine *e, uint8_t *page, size_t page_len, uint32_t slot
     memcpy(page, header, sizeof header);
     for (uint32_t c = 0; c < LPN_MAX_CHANNELS; c++) e->fds[c] = -1;
     e->failed_channel = -1;
+    e->abort_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (e->abort_fd < 0) return *why = "no eventfd for aborts", -1;
     pthread_mutex_init(&e->mu, NULL);
     return 0;
 }
@@ -646,6 +653,7 @@ void lpn_engine_destroy(lpn_engine *e) {
     for (uint32_t i = 0; i < LPN_MAX_PLANS; i++) release_plan(&e->plans[i]);
     for (uint32_t c = 0; c < LPN_MAX_CHANNELS; c++)
         if (e->fds[c] >= 0) close(e->fds[c]);
+    if (e->abort_fd >= 0) close(e->abort_fd);
     pthread_mutex_destroy(&e->mu);
 }
 
@@ -714,6 +722,12 @@ void lpn_engine_drop_net(lpn_engine *e) {
     drop_net(e);
     pthread_mutex_unlock(&e->mu);
     ring_bell(e); /* rings of a disarmed plan fall back */
+}
+
+void lpn_engine_abort(lpn_engine *e) {
+    uint64_t one = 1;
+    if (write(e->abort_fd, &one, sizeof one) < 0) { /* full (aborted many times): still set */
+    }
 }
 
 void lpn_engine_notice(lpn_engine *e, uint32_t seq) {

@@ -104,10 +104,11 @@ void lpn_program_free(lpn_program *program);
 void lpn_program_run(const lpn_program *program, uint8_t *const *bufs);
 /* Run any parsed program: net ops over ``fds`` (LPN_MAX_CHANNELS, -1 where none), their
  * headers carrying ``key`` and ``seq``; every wait bounded by ``timeout`` seconds from
- * now. LPN_OK, or LPN_TIMEOUT / LPN_LOST / LPN_MISMATCH (net.c); ``failed`` is then the
- * channel that failed (-1: none in particular). */
+ * now, and by ``abort_fd`` (-1: none) becoming readable (LPN_LOST). LPN_OK, or
+ * LPN_TIMEOUT / LPN_LOST / LPN_MISMATCH (net.c); ``failed`` is then the channel that
+ * failed (-1: none in particular). */
 uint32_t lpn_program_run_net(const lpn_program *program, uint8_t *const *bufs, const int *fds,
-                             uint64_t key, uint32_t seq, double timeout, int *failed);
+                             uint64_t key, uint32_t seq, double timeout, int abort_fd, int *failed);
 /* The element operations the two runners share (engine.c). */
 void lpn_combine(uint8_t *d, const uint8_t *a, const uint8_t *b, uint32_t dtype, uint64_t n, uint32_t op);
 void lpn_divide(uint8_t *p, uint32_t dtype, uint64_t n, uint64_t by);
@@ -154,6 +155,7 @@ typedef struct {
     uint8_t active[LPN_MAX_SLOTS]; /* slots of this node's ranks (others ring elsewhere) */
     uint32_t nactive;
     int failed_channel;        /* of the last failed net run, -1: none */
+    int abort_fd;              /* an eventfd: lpn_engine_abort wakes a net run's waits */
 } lpn_engine;
 
 int lpn_engine_init(lpn_engine *e, uint8_t *page, size_t page_len, uint32_t slots,
@@ -176,6 +178,9 @@ int lpn_engine_connect(lpn_engine *e, uint32_t chan, int fd, const char **why);
 void lpn_engine_notice(lpn_engine *e, uint32_t seq);
 /* Close every channel and disarm every plan with messages (a failed collective). */
 void lpn_engine_drop_net(lpn_engine *e);
+/* The peers are lost (the mesh broke): a net run waiting now ends LPN_LOST at once, as
+ * does any until lpn_engine_drop_net. Never blocks (no lock). */
+void lpn_engine_abort(lpn_engine *e);
 /* Which slots are this node's ranks (``n`` = slots flags); all, until called. */
 int lpn_engine_activate(lpn_engine *e, const uint8_t *active, uint32_t n, const char **why);
 /* Write a NOTICE header for ``seq`` to a connected socket without blocking (net.c). */

@@ -49,6 +49,7 @@ typedef struct {
     uint64_t key;
     uint32_t seq;
     double deadline;
+    int abort_fd; /* readable: stop now (lpn_engine_abort); -1: none */
     int failed;
     /* Per channel: sends queued (tx_tail) and written (tx_head; tx_done bytes of the one
      * being written, header included); receives landed (rx_next; rx_done bytes of the
@@ -189,9 +190,11 @@ static uint32_t go_round(run_state *r, uint32_t ngo) {
                 if (errno != EAGAIN && errno != EWOULDBLOCK) return fail(r, (int)c, LPN_LOST);
                 double left = r->deadline - lpn_now();
                 if (left <= 0) return fail(r, (int)c, LPN_TIMEOUT);
-                struct pollfd pf = {fd, POLLIN, 0};
+                struct pollfd pf[2] = {{fd, POLLIN, 0}, {r->abort_fd, POLLIN, 0}};
                 struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
-                if (ppoll(&pf, 1, &ts, NULL) < 0 && errno != EINTR) return fail(r, (int)c, LPN_LOST);
+                if (ppoll(pf, r->abort_fd >= 0 ? 2 : 1, &ts, NULL) < 0 && errno != EINTR)
+                    return fail(r, (int)c, LPN_LOST);
+                if (r->abort_fd >= 0 && (pf[1].revents & POLLIN)) return fail(r, -1, LPN_LOST);
             }
             if (h.magic != WIRE_MAGIC || (h.kind != WIRE_GO && h.kind != WIRE_NOTICE) || h.nbytes != 0)
                 return fail(r, (int)c, LPN_MISMATCH);
@@ -215,7 +218,7 @@ typedef int (*condition)(const run_state *r, const void *arg);
 static uint32_t wait_for(run_state *r, condition done, const void *arg) {
     const lpn_program *p = r->p;
     for (;;) {
-        struct pollfd fds[LPN_MAX_CHANNELS];
+        struct pollfd fds[LPN_MAX_CHANNELS + 1];
         uint32_t chans[LPN_MAX_CHANNELS], n = 0, code;
         for (uint32_t c = 0; c < LPN_MAX_CHANNELS; c++) {
             short events = 0;
@@ -238,8 +241,11 @@ static uint32_t wait_for(run_state *r, condition done, const void *arg) {
         double left = r->deadline - lpn_now();
         if (left <= 0) return fail(r, (int)chans[0], LPN_TIMEOUT);
         struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
-        int ready = ppoll(fds, n, &ts, NULL);
+        uint32_t watched = n;
+        if (r->abort_fd >= 0) fds[watched++] = (struct pollfd){r->abort_fd, POLLIN, 0};
+        int ready = ppoll(fds, watched, &ts, NULL);
         if (ready < 0 && errno != EINTR) return fail(r, -1, LPN_LOST);
+        if (r->abort_fd >= 0 && ready > 0 && (fds[n].revents & POLLIN)) return fail(r, -1, LPN_LOST);
         for (uint32_t k = 0; ready > 0 && k < n; k++)
             if (fds[k].revents & POLLNVAL) return fail(r, (int)chans[k], LPN_LOST);
     }
@@ -285,7 +291,7 @@ static uint32_t clear_for_write(run_state *r, uint8_t *d, uint64_t n) {
 }
 
 uint32_t lpn_program_run_net(const lpn_program *p, uint8_t *const *bufs, const int *fds, uint64_t key,
-                             uint32_t seq, double timeout, int *failed) {
+                             uint32_t seq, double timeout, int abort_fd, int *failed) {
     run_state r;
     memset(&r, 0, sizeof r);
     r.p = p;
@@ -294,6 +300,7 @@ uint32_t lpn_program_run_net(const lpn_program *p, uint8_t *const *bufs, const i
     r.key = key;
     r.seq = seq;
     r.deadline = lpn_now() + timeout;
+    r.abort_fd = abort_fd;
     r.failed = -1;
     uint32_t ngo = 0;
     while (ngo < p->nops && p->ops[ngo].kind == LPN_GO) ngo++;

@@ -188,7 +188,7 @@ static void test_parser(unsigned rounds, int seed) {
             if (prog.net) { /* no channels: it runs up to its first message, then fails */
                 int fds[LPN_MAX_CHANNELS], failed;
                 for (unsigned c = 0; c < LPN_MAX_CHANNELS; c++) fds[c] = -1;
-                uint32_t code = lpn_program_run_net(&prog, bufs, fds, 0, 0, 0.01, &failed);
+                uint32_t code = lpn_program_run_net(&prog, bufs, fds, 0, 0, 0.01, -1, &failed);
                 CHECK(code == LPN_LOST, "a program with messages and no channels ended %u", code);
             } else {
                 lpn_program_run(&prog, bufs);
@@ -230,7 +230,7 @@ static void net_program(int r) {
 }
 
 typedef struct {
-    int node, fds[LPN_MAX_CHANNELS], failed;
+    int node, fds[LPN_MAX_CHANNELS], failed, abort_fd;
     uint64_t key;
     uint32_t seq, code;
     double timeout;
@@ -240,7 +240,8 @@ static void *net_run(void *arg) {
     net_node *n = arg;
     uint8_t *scratch = aligned_alloc(64, ((size_t)N * 4 + 63) & ~(size_t)63);
     uint8_t *bufs[3] = {scratch, (uint8_t *)net_data[n->node], (uint8_t *)net_data[n->node]};
-    n->code = lpn_program_run_net(&net_prog[n->node], bufs, n->fds, n->key, n->seq, n->timeout, &n->failed);
+    n->code = lpn_program_run_net(&net_prog[n->node], bufs, n->fds, n->key, n->seq, n->timeout, n->abort_fd,
+                                  &n->failed);
     free(scratch);
     return NULL;
 }
@@ -256,6 +257,7 @@ static void net_pair(net_node *nodes, int sv[2]) {
         nodes[r].key = 7;
         nodes[r].seq = 3;
         nodes[r].timeout = 5.0;
+        nodes[r].abort_fd = -1;
         for (int i = 0; i < N; i++) net_data[r][i] = (float)(r + 1) * (float)i;
     }
 }
@@ -322,6 +324,23 @@ static void test_net(void) {
     began = lpn_now();
     net_both(nodes, 0);
     CHECK(nodes[0].code == LPN_TIMEOUT && lpn_now() - began >= 0.19, "timeout code %u", nodes[0].code);
+    close(sv[0]);
+    close(sv[1]);
+
+    net_pair(nodes, sv); /* a frozen peer (no reset, no data): an abort ends the wait at once */
+    int stop[2];
+    CHECK(pipe(stop) == 0, "pipe");
+    nodes[0].abort_fd = stop[0];
+    nodes[0].timeout = 30.0;
+    pthread_t aborted;
+    began = lpn_now();
+    pthread_create(&aborted, NULL, net_run, &nodes[0]);
+    usleep(100000);
+    CHECK(write(stop[1], "x", 1) == 1, "write");
+    pthread_join(aborted, NULL);
+    CHECK(nodes[0].code == LPN_LOST && lpn_now() - began < 5.0, "abort code %u", nodes[0].code);
+    close(stop[0]);
+    close(stop[1]);
     close(sv[0]);
     close(sv[1]);
 

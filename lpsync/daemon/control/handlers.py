@@ -106,6 +106,8 @@ class Service(pb_grpc.LpSyncServicer):
         )
         # The engine's counts join the metrics at each scrape (never per call).
         metrics.before_collect(self._native_finished)
+        if plane is not None:  # a lost mesh stops armed runs across nodes (their engines
+            plane.on_lost = self._peers_lost  # do not hear the heartbeats)
         # Multi-node: where every job's ranks attached, as the daemons tell each other, and
         # its first collectives held until that settles its layout (placing.py).
         self.placing = (
@@ -158,6 +160,11 @@ class Service(pb_grpc.LpSyncServicer):
             return None
         log.info("job's repeated collectives run natively", extra={"job": job.name, "page": plans.page.name})
         return plans
+
+    def _peers_lost(self) -> None:
+        for job in self.jobs.all():
+            if job.native is not None:
+                job.native.abort_net()
 
     def _native_finished(self) -> None:
         """What the engines answered joins the flight recorders and the recent list."""

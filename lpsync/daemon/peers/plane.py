@@ -282,6 +282,9 @@ class PeerPlane:
         # (peers/attached.py tells the ranks this node serves again).
         self.on_attached: Callable[[int, bytes], None] | None = None
         self.on_mesh: Callable[[], None] | None = None
+        # What runs once a mesh is lost: armed plans across nodes stop waiting on the peers
+        # (their engines do not hear the heartbeats).
+        self.on_lost: Callable[[], None] | None = None
         self.rank, self.size = options.peers.node_rank, len(options.peers.peers)
         self._metrics = metrics
         metrics.peers_expected.set(self.size - 1)
@@ -553,6 +556,11 @@ class PeerPlane:
         self._metrics.peers_connected.set(0)
         if not self._stop.is_set():
             log.warning("node %d: peer mesh lost (%s); rebuilding it", self.rank, failure)
+        if self.on_lost is not None:
+            try:
+                self.on_lost()
+            except Exception:
+                log.exception("node %d: stopping the armed plans across nodes failed", self.rank)
         _close(link)
         for worker in workers:
             worker.join(self.options.heartbeat_timeout + 1.0)
