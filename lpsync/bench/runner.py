@@ -208,8 +208,8 @@ def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
             "busbw_gbps": algbw * factor,
             "wrong": row.wrong,
             "mean_us": statistics.fmean(row.times) * 1e6,
-            "p10_us": _pct(row.times, 10) * 1e6,
-            "p90_us": _pct(row.times, 90) * 1e6,
+            "p10_us": percentile(row.times, 10) * 1e6,
+            "p90_us": percentile(row.times, 90) * 1e6,
             "iterations": len(row.times),
             "algorithm": row.algorithm,
             "ping_median_us": statistics.median(row.pings) * 1e6 if row.pings else None,
@@ -291,6 +291,6 @@ def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
     return "\n".join(lines)
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]

@@ -1,6 +1,6 @@
 """How fast every daemon of an emulated cluster exits on SIGTERM, idle and mid-collective.
 
-    sudo python -m lpsync.bench.exits --nodes 2,5,8,16 --transport tcp,ucx [--json]
+    sudo python -m lab.exits --nodes 2,5,8,16 --transport tcp,ucx [--json]
 
 For each point: a cluster of N namespaces, one daemon per node, and one trainer per node
 running verified allreduces across all nodes. Once every trainer has completed a
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lpsync.bench.netnodes import Exit, Nodes, Trainer
+from lpsync.chaos.nodes import Exit, Nodes, Trainer
 from lpsync.cluster import Cluster, existing
 
 BOUND = 5.0  # the issue's bound: every daemon exits within 5 s of SIGTERM
@@ -116,9 +116,7 @@ def _alive(pid: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m lpsync.bench.exits", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m lab.exits", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", default="2,5", help="node counts, comma-separated (default 2,5)")
     parser.add_argument("--transport", default="tcp,ucx", help="peer transports (default tcp,ucx)")
     parser.add_argument("--state", default="idle,busy", help="idle, busy or both (default both)")

@@ -164,7 +164,7 @@ class Nodes:
 
 
 class Trainer:
-    """A lpsync.bench.chaos_trainer process; its reports go to ``sink`` as dicts."""
+    """A lpsync.chaos.trainer process; its reports go to ``sink`` as dicts."""
 
     def __init__(
         self, socket: str, rank: int, world: int, per_node: int, timeout: float, sink: queue.Queue[Any]
@@ -174,7 +174,7 @@ class Trainer:
             [
                 sys.executable,
                 "-m",
-                "lpsync.bench.chaos_trainer",
+                "lpsync.chaos.trainer",
                 socket,
                 str(rank),
                 str(world),
