@@ -82,16 +82,12 @@ def test_size_is_the_whole_p_block_buffer_and_the_table_has_the_ops() -> None:
     assert line[3:5] == ["none", "-1"]
 
 
-class _Rows(list):
-    put = list.append  # worker.run's queue
-
-
 def _bench_rank(rank: int, world: int, socket: str, ops: tuple[str, ...], compare: str | None) -> list[tuple]:
     got = []
     for op in ops:
-        rows = _Rows()
-        worker.run(rank, world, socket, f"bench-ops-{op}", op, [4, 65536], None, 1, 0, compare, rows)
-        got += [(engine, op, nbytes, count, wrong) for engine, _, nbytes, count, _, wrong, _, _ in rows]
+        rows: list[dict] = []
+        worker.run(rank, world, socket, f"bench-ops-{op}", op, [4, 65536], None, 1, 0, compare, rows.append)
+        got += [(r["engine"], op, r["bytes"], r["count"], r["wrong"]) for r in rows]
     return got
 
 
