@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lpsync.chaos.nodes import Exit, Nodes, Trainer
+from lpsync.chaos.nodes import Exit, Nodes, Trainer, alive
 from lpsync.cluster import Cluster, existing
 
 BOUND = 5.0  # the bound: every daemon exits within 5 s of SIGTERM
@@ -93,7 +93,7 @@ def measure(nodes: int, transport: str, busy: bool, prefix: str | None = None) -
             net.stop_all()
             net.reclaim()
         pids = [d.pid for d in net.daemons if d is not None] + [t.proc.pid for t in trainers]
-    leftover = existing(prefix) + [f"pid {p}" for p in pids if _alive(p)]
+    leftover = existing(prefix) + [f"pid {p}" for p in pids if alive(p)]
     return Point(nodes, transport, busy, exits, leftover)
 
 
@@ -105,14 +105,6 @@ def _wait_all_ok(reports: queue.Queue[Any], world: int, deadline: float) -> None
             done.add(report["rank"])
         elif report["outcome"] == "wrong":
             raise AssertionError(f"a wrong result delivered as OK: {report}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

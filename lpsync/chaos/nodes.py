@@ -25,6 +25,15 @@ from lpsync.daemon import launch
 PEER_PORT = 13337
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (a zombie counts: its parent has not reaped it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def shm_segments(pid: int) -> list[str]:
     """The shared-memory segments daemon ``pid`` made (named lpsync-<pid>-*)."""
     return sorted(p.name for p in Path("/dev/shm").glob(f"lpsync-{pid}-*"))

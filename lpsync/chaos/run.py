@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lpsync.chaos.nodes import Nodes, Trainer, shm_segments
+from lpsync.chaos.nodes import Nodes, Trainer, alive, shm_segments
 from lpsync.chaos.report import Bounds, Record
 from lpsync.cluster import Cluster, ClusterSpec, existing, faults
 from lpsync.daemon import launch
@@ -223,16 +223,8 @@ class Chaos:
                 if Path(p).exists()
             ],
             "namespaces": existing(prefix),
-            "processes": [str(pid) for pid in self._pids if _alive(pid)],
+            "processes": [str(pid) for pid in self._pids if alive(pid)],
         }
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
