@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 # The unit tier, by folder: no daemons, processes or namespaces (CONTRIBUTING.md). A pure test
 # goes into its package's unit/ folder (tests/daemon/unit, tests/transport/unit, tests/client/unit).
 UNIT := tests/algorithms tests/engine tests/memory tests/daemon/unit tests/transport/unit tests/client/unit \
-	tests/native/unit
+	tests/native/unit tests/lab/unit
 # Workers for the whole suite: most tests wait on daemons, sockets and timeouts, not on CPU.
 JOBS ?= 4
 
@@ -35,11 +35,11 @@ demo: $(BIN)/.installed bytecode
 # trainers) compiled lpsync from source again, ~0.1 s of CPU each (CONTRIBUTING.md).
 # Edits are safe: a .pyc records its source's mtime and size, and a stale one is ignored.
 bytecode: $(BIN)/.installed
-	$(BIN)/python -m compileall -q -j 0 lpsync clients/python/lpsync_client tests examples
+	$(BIN)/python -m compileall -q -j 0 lpsync lab clients/python/lpsync_client tests examples
 
 lint: $(BIN)/.installed
-	$(BIN)/ruff check lpsync tests clients examples scripts protos deploy
-	$(BIN)/ruff format --check lpsync tests clients examples scripts protos deploy
+	$(BIN)/ruff check lpsync lab tests clients examples scripts protos deploy
+	$(BIN)/ruff format --check lpsync lab tests clients examples scripts protos deploy
 	$(BIN)/mypy
 	cd clients/python && ../../$(BIN)/mypy
 
@@ -65,9 +65,9 @@ test-native: $(NATIVE) tests/native/engine_test.c
 	out/engine_test 200000
 
 bench: $(BIN)/.installed
-	$(BIN)/python -m lpsync.bench.executor --procs 4 --bytes 64MiB --algorithm lp,ring,be,mst
+	$(BIN)/python -m lab.executor --procs 4 --bytes 64MiB --algorithm lp,ring,be,mst
 	$(BIN)/lpsync bench --op allreduce --bytes 4:256MiB --procs 4 --compare gloo
-	$(BIN)/python -m lpsync.bench.responsive --seconds 10
+	$(BIN)/python -m lab.responsive --seconds 10
 
 # The long fuzz run of docs/reliability.md (the suite runs 300 cases).
 fuzz: $(BIN)/.installed

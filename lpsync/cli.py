@@ -12,7 +12,18 @@ from lpsync import __version__
 from lpsync.errors import LpsyncError
 
 # Subcommand modules, each with add_parser(subparsers) and run(args) -> int.
-COMMANDS = ("daemon", "status", "health", "bench", "simulate", "claims", "cluster", "demo", "paper")
+COMMANDS = (
+    "daemon",
+    "status",
+    "health",
+    "bench",
+    "chaos",
+    "simulate",
+    "claims",
+    "cluster",
+    "demo",
+    "paper",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,9 +1,10 @@
 """Generate the Python gRPC modules from protos/ into the daemon and the client packages.
 
 Run ``python protos/generate.py`` after editing a .proto (needs grpcio-tools, the
-``dev`` extra). The output is committed; tests/daemon/test_proto_fresh.py regenerates
-into a temporary directory and fails when the committed files are stale. The daemon
-and the client each carry their own copy so that lpsync_client installs without lpsync.
+``dev`` extra). The output is committed;
+tests/daemon/test_daemon_lifecycle.py::test_generated_code_is_fresh regenerates into a
+temporary directory and fails when the committed files are stale. The daemon and the
+client each carry their own copy so that lpsync_client installs without lpsync.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ wheels, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 names = os.environ["GPU_CHECK_IMAGE_PACKAGES"].split() + os.environ["GPU_CHECK_WHEEL_PACKAGES"].split()
 allowed = {re.sub(r"[-_.]+", "-", n).lower() for n in names}
 owners = md.packages_distributions()  # top-level module -> the distributions that ship it
-project = {"lpsync", "lpsync_client", "tests"}
+project = {"lpsync", "lpsync_client", "lab", "tests"}
 
 class ImageOnly(importlib.abc.MetaPathFinder):
     """Refuse a top-level module that only a distribution outside the image provides."""
@@ -110,7 +110,7 @@ class ImageOnly(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, ImageOnly())
 problems = []
 modules = ["lpsync.cli", "lpsync.daemon.control.server", "lpsync.daemon.launch", "lpsync_client",
-           "lpsync.bench.ipc_copy", "lpsync.bench.nccl", "lpsync.engine.device_group",
+           "lpsync.bench.ipc_copy", "lab.nccl", "lpsync.engine.device_group",
            "lpsync.memory.emulated", "lpsync.transport.ucx.device_support"]
 for name in modules:
     try:
@@ -139,7 +139,7 @@ try:
             problems.append(f"lpsync {argv}: the options do not parse")
 except Exception as error:
     problems.append(f"lpsync.cli's parser: {error!r}")
-for module, argv in (("lpsync.bench.ipc_copy", "--mib 256 --json x"), ("lpsync.bench.nccl", "--sizes 1MiB:64MiB --iters 10 --json x")):
+for module, argv in (("lpsync.bench.ipc_copy", "--mib 256 --json x"), ("lab.nccl", "--sizes 1MiB:64MiB --iters 10 --json x")):
     try:
         source = open(importlib.util.find_spec(module).origin).read()
         for option in re.findall(r"--[a-z][a-z-]+", argv):
@@ -259,7 +259,7 @@ else
         skip allreduce_2daemons_direct "ucxx is not in the image: the direct device path needs UCX's cuda transports"
     fi
     step profile 20 profile cuda:0
-    step nccl 30 "$py" -m lpsync.bench.nccl --sizes "$sizes" --iters 10 --json "$out/nccl.json"
+    step nccl 30 "$py" -m lab.nccl --sizes "$sizes" --iters 10 --json "$out/nccl.json"
 fi
 
 # The table and result.json, whatever happened above.

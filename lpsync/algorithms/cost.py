@@ -47,7 +47,7 @@ class LinkModel:
 # (the executor over the inproc transport): a chunk hand-off costs ~150 us of thread
 # wake-ups and GIL traffic on a 2-core machine, memory moves ~6 GB/s per stream, and
 # each pair of participants has its own "link". Fitted from `python -m
-# lpsync.bench.executor --chunk-bytes 256KiB|1MiB|4MiB` (docs/benchmarks.md).
+# lab.executor --chunk-bytes 256KiB|1MiB|4MiB` (docs/benchmarks.md).
 SHARED_MEMORY_LINK = LinkModel(alpha=150e-6, beta=1 / 6e9, gamma=0.0, shared_nic=False)
 
 

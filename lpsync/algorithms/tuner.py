@@ -17,6 +17,13 @@ from lpsync.algorithms.registry import ALGORITHMS, algorithms_for
 from lpsync.errors import InvalidArgumentError
 from lpsync.types import Collective
 
+# The learning tuner (lpsync/daemon/collectives/learning.py) times at most MAX_CANDIDATES
+# candidates TRIALS times each on a job's first calls of a size; here, beside the model
+# it refines, so that a benchmark can skip those calls without reaching into the daemon.
+TRIALS = 2  # timed runs per shortlisted candidate
+MAX_CANDIDATES = 6  # trials per size stay bounded: TRIALS * MAX_CANDIDATES calls at most
+LEARNING_CALLS = MAX_CANDIDATES * TRIALS + 1  # the trials, and the call that reports the last
+
 
 @dataclass(frozen=True)
 class Choice:

@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import secrets
-import selectors
 import shutil
 import signal
 import subprocess
@@ -37,7 +36,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from lpsync.bench import OPS, worker
+from lpsync.bench import OPS, ranks, worker
 from lpsync.bench.cluster_report import AUTO, Point, label
 from lpsync.cluster import ClusterSpec, down, format_rate, netns, run_in, up
 from lpsync.daemon import launch
@@ -347,68 +346,44 @@ def _collect(
     daemons: list[_Node],
     tmp: Path,
 ) -> list[Point]:
-    """Read every rank's JSON lines (blocking in select) until all have exited; a rank
-    or daemon that fails ends the run with its log."""
-    world = len(workers)
+    """Every rank's points (ranks.read); a rank or daemon that fails ends the run with its log."""
     expected = options.points_per_cluster()
-    partial: dict[tuple[str, str, str, int], dict[int, dict[str, Any]]] = {}
     points: list[Point] = []
-    pending = {rank: b"" for rank in range(world)}
-    deadline = time.monotonic() + options.timeout
-    with selectors.DefaultSelector() as selector:
-        for rank, proc in enumerate(workers):
-            assert proc.stdout is not None
-            selector.register(proc.stdout, selectors.EVENT_READ, rank)
-        while pending:
-            if time.monotonic() > deadline:
-                raise ClusterError(f"{nodes} nodes: no result after {options.timeout:.0f} s")
-            for node, d in enumerate(daemons):
-                if d.daemon.poll() is not None:
-                    raise ClusterError(
-                        f"the daemon of node {node} exited with code {d.daemon.returncode}:\n{_tail(d.log)}"
-                    )
-            for key, _ in selector.select(timeout=1.0):
-                rank = key.data
-                data = os.read(key.fd, 1 << 16)
-                if not data:
-                    selector.unregister(key.fileobj)
-                    del pending[rank]
-                    if (rc := workers[rank].wait(30)) != 0:
-                        raise ClusterError(
-                            f"rank {rank} (node {rank // options.procs_per_node})"
-                            f" failed with exit code {rc}:\n"
-                            f"{_tail(tmp / f'rank{rank}.log')}"
-                        )
-                    continue
-                *lines, pending[rank] = (pending[rank] + data).split(b"\n")
-                for line in lines:
-                    point = _take(options, nodes, world, partial, json.loads(line))
-                    if point is not None:
-                        points.append(point)
-                        progress(
-                            f"[{len(points)}/{expected}] {nodes} nodes {point.op} "
-                            f"{label(point)} {format_size(point.nbytes)}: "
-                            f"{point.seconds:.4f} s = {point.seconds / point.wire_seconds:.2f}"
-                            f"x wire, {_cpu_text(point)}, #wrong {point.wrong}"
-                        )
+
+    def daemons_alive() -> None:
+        for node, d in enumerate(daemons):
+            if d.daemon.poll() is not None:
+                raise ClusterError(
+                    f"the daemon of node {node} exited with code {d.daemon.returncode}:\n{_tail(d.log)}"
+                )
+
+    def take(rows: dict[int, dict[str, Any]]) -> None:
+        point = _point(options, nodes, rows)
+        points.append(point)
+        progress(
+            f"[{len(points)}/{expected}] {nodes} nodes {point.op} "
+            f"{label(point)} {format_size(point.nbytes)}: "
+            f"{point.seconds:.4f} s = {point.seconds / point.wire_seconds:.2f}"
+            f"x wire, {_cpu_text(point)}, #wrong {point.wrong}"
+        )
+
+    ranks.read(
+        workers,
+        lambda row: (row["engine"], row["op"], row["algorithm"], row["bytes"]),
+        take,
+        time.monotonic() + options.timeout,
+        daemons_alive,
+        lambda rank: f"rank {rank} (node {rank // options.procs_per_node})",
+        lambda rank: _tail(tmp / f"rank{rank}.log"),
+    )
     if len(points) != expected:
         raise ClusterError(f"{nodes} nodes: got {len(points)} of {expected} points")
     return points
 
 
-def _take(
-    options: ClusterOptions,
-    nodes: int,
-    world: int,
-    partial: dict[tuple[str, str, str, int], dict[int, dict[str, Any]]],
-    row: dict[str, Any],
-) -> Point | None:
-    key = (row["engine"], row["op"], row["algorithm"], row["bytes"])
-    got = partial.setdefault(key, {})
-    got[row["rank"]] = row
-    if len(got) < world:
-        return None
-    del partial[key]
+def _point(options: ClusterOptions, nodes: int, got: dict[int, dict[str, Any]]) -> Point:
+    """One point from every rank's row of it."""
+    row = got[0]
     cpu = None
     if all("cpu" in r for r in got.values()):  # --model's rows carry none
         cpu = {part: sum(r["cpu"][part] for r in got.values()) for part in row["cpu"]}
@@ -427,7 +402,7 @@ def _take(
         options.rate_bits,
         row["bytes"],
         row["count"],
-        [max(t) for t in zip(*(r["times"] for r in got.values()), strict=True)],
+        ranks.slowest([r["times"] for r in got.values()]),
         sum(r["wrong"] for r in got.values()),
         cpu,
         records,
@@ -451,20 +426,8 @@ def _cpu_text(point: Point) -> str:
 def _stop(workers: list[subprocess.Popen[bytes]], daemons: list[_Node]) -> None:
     """Ranks first, then the daemons with SIGTERM (they drain, say goodbye to their
     peers and unlink their shared memory); whatever outlives that is killed."""
-    for group, grace in ((workers, 5.0), ([d.daemon for d in daemons], _STOP_TIMEOUT)):
-        for proc in group:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + grace
-        for proc in group:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        for proc in group:
-            if proc.stdout is not None:
-                proc.stdout.close()
+    ranks.stop(workers, 5.0)
+    ranks.stop([d.daemon for d in daemons], _STOP_TIMEOUT)
 
 
 def _reclaim(daemons: list[_Node]) -> None:

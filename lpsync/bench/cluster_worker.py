@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lpsync.algorithms.tuner import LEARNING_CALLS
 from lpsync.bench.cpu import CpuMeter
 from lpsync.bench.worker import (
     DTYPE,
@@ -42,11 +43,8 @@ from lpsync.bench.worker import (
     gloo_verify,
     lpsync_call,
 )
-from lpsync.daemon.collectives.learning import MAX_CANDIDATES, TRIALS
 
 ROOT = 0  # of the rooted ops: broadcast, reduce, gather, scatter
-# Node 0's trials, each timed once the next call reports: learning.py
-LEARNING_CALLS = MAX_CANDIDATES * TRIALS + 1
 
 
 @dataclass

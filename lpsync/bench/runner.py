@@ -2,23 +2,24 @@
 
 Steps, as in nccl-tests: set up (a daemon, or the one on --socket; N rank processes;
 buffers), run (warm-up, timed iterations per rank, worker.py), verify (#wrong after a
-final checked iteration), report (the table, or JSON with the distributions).
+final checked iteration), report (the table, or JSON with the distributions). The ranks
+report as the emulated cluster's do, one JSON line per point, read by ranks.py.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lpsync.bench import worker
+from lpsync.bench import ranks, worker
 from lpsync.daemon import launch
 from lpsync.daemon.launch import serving
 from lpsync.units import format_size
@@ -118,76 +119,62 @@ def _run(options: Options, tmp: str) -> dict[str, list[Row]]:
             )
         except launch.DaemonStartError as error:
             raise SystemExit(f"lpsync bench: the daemon did not start: {error}") from None
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     job = f"bench-{os.getpid()}"
-    procs = [
-        ctx.Process(
-            target=worker.run,
-            args=(
-                r,
-                options.procs,
-                sockets[r // per_node] if per_node else socket,
-                job,
-                options.op,
-                options.sizes,
-                options.algorithm,
-                options.iters,
-                options.warmup,
-                options.compare,
-                queue,
-                options.trigger,
-                options.memory,
-                options.device_count(),
-                per_node,
-            ),
-        )
-        for r in range(options.procs)
-    ]
-    for p in procs:
-        p.start()
     engines = ["lpsync"] + ([options.compare] if options.compare else [])
-    partial: dict[tuple[str, int], list] = {}
-    algorithms: dict[tuple[str, int], str] = {}
     rows: dict[str, list[Row]] = {e: [] for e in engines}
     expected = len(engines) * len(options.sizes)
-    deadline = time.monotonic() + options.timeout
+
+    def take(got: dict[int, dict]) -> None:
+        first = got[0]
+        row = Row(
+            first["bytes"],
+            first["count"],
+            ranks.slowest([g["times"] for g in got.values()]),
+            sum(g["wrong"] for g in got.values()),
+            [p for g in got.values() for p in g.get("pings", [])],
+            first.get("algorithm", ""),
+            [p for g in got.values() for p in g.get("trigger_pings", [])],
+        )
+        rows[first["engine"]].append(row)
+        done = sum(len(v) for v in rows.values())
+        print(
+            f"[{done}/{expected}] {first['engine']} {format_size(row.nbytes)}: {row.median() * 1e6:.1f} us",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    workers: list[subprocess.Popen[bytes]] = []
     try:
-        while sum(len(v) for v in rows.values()) < expected:
-            stopped = not any(p.is_alive() for p in procs) and queue.empty()
-            if time.monotonic() > deadline or stopped:
-                raise SystemExit("lpsync bench: rank processes stopped early")
-            try:
-                engine, rank, nbytes, count, times, wrong, pings, algo = queue.get(timeout=1.0)
-            except Exception:
-                continue
-            key = (engine, nbytes)
-            partial.setdefault(key, []).append((times, wrong, pings, count))
-            if rank == 0:
-                algorithms[key] = algo
-            if len(partial[key]) == options.procs:
-                got = partial.pop(key)
-                row = Row(
-                    nbytes,
-                    got[0][3],
-                    [max(t) for t in zip(*[g[0] for g in got], strict=True)],
-                    sum(g[1] for g in got),
-                    [p for g in got for p in g[2][0]],
-                    algorithms.get(key, ""),
-                    [p for g in got for p in g[2][1]],
+        for r in range(options.procs):
+            plan = {
+                "rank": r,
+                "world": options.procs,
+                "socket": sockets[r // per_node] if per_node else socket,
+                "job": job,
+                "op": options.op,
+                "sizes": options.sizes,
+                "algorithm": options.algorithm,
+                "iters": options.iters,
+                "warmup": options.warmup,
+                "compare": options.compare,
+                "trigger": options.trigger,
+                "memory": options.memory,
+                "devices": options.device_count(),
+                "per_node": per_node,
+            }
+            # stderr is ours: a rank's traceback reaches the terminal as it happens
+            workers.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "lpsync.bench.worker", "--plan", json.dumps(plan)],
+                    stdout=subprocess.PIPE,
                 )
-                rows[engine].append(row)
-                done = sum(len(v) for v in rows.values())
-                print(
-                    f"[{done}/{expected}] {engine} {format_size(nbytes)}: {row.median() * 1e6:.1f} us",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            )
+        deadline = time.monotonic() + options.timeout
+        ranks.read(workers, lambda row: (row["engine"], row["bytes"]), take, deadline)
+        if (done := sum(len(v) for v in rows.values())) != expected:
+            raise ranks.RankError(f"the ranks reported {done} of {expected} points")
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        ranks.stop(workers, 30.0)
         if daemon is not None:
             daemon.stop(30)
         if cluster is not None:
@@ -208,8 +195,8 @@ def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
             "busbw_gbps": algbw * factor,
             "wrong": row.wrong,
             "mean_us": statistics.fmean(row.times) * 1e6,
-            "p10_us": _pct(row.times, 10) * 1e6,
-            "p90_us": _pct(row.times, 90) * 1e6,
+            "p10_us": percentile(row.times, 10) * 1e6,
+            "p90_us": percentile(row.times, 90) * 1e6,
             "iterations": len(row.times),
             "algorithm": row.algorithm,
             "ping_median_us": statistics.median(row.pings) * 1e6 if row.pings else None,
@@ -291,6 +278,7 @@ def report(options: Options, rows: dict[str, list[Row]], as_json: bool) -> str:
     return "\n".join(lines)
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile of ``values`` (not empty)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]

@@ -1,8 +1,9 @@
 """One benchmark rank: the same sizes through lpsync, then (optionally) through gloo.
 
 Each timed iteration is one blocking collective on buffers set up once per size; the
-per-iteration times go back to the runner, which takes the slowest rank per iteration
-(a collective is as slow as its last participant). The verify pass fills the buffers
+per-iteration times go back to the runner as one JSON line per point on stdout
+(``python -m lpsync.bench.worker --plan JSON``; ranks.py reads them, as it reads the
+cluster's ranks), and the runner takes the slowest rank per iteration. The verify pass fills the buffers
 with known values, runs once more and counts wrong elements.
 
 Sizes follow nccl-tests: a size is the whole buffer of P blocks for the blocked ops
@@ -208,13 +209,14 @@ def run(
     iters: int,
     warmup: int,
     compare: str | None,
-    queue,
+    put: Callable[[dict[str, Any]], None],
     trigger: str = "auto",
     memory: str = "host",
     devices: int = 1,
     per_node: int = 0,
 ) -> None:
-    """``per_node``: ranks per daemon of several (node-major, as torchrun numbers them)."""
+    """``put`` takes each point's row; ``per_node``: ranks per daemon of several
+    (node-major, as torchrun numbers them)."""
     import lpsync_client
 
     root = 0
@@ -263,27 +265,35 @@ def run(
             wrong = count_wrong(op, [b.load() for b in held], rank, world, count, root)
             recent = client.status().recent if rank == 0 else []
             mine = [r for r in recent if r.job == job]
-            queue.put(
-                (
-                    "lpsync",
-                    rank,
-                    nbytes,
-                    count,
-                    times,
-                    wrong,
-                    (pings, trigger_pings),
-                    mine[-1].algorithm if mine else "",
-                )
+            put(
+                {
+                    "engine": "lpsync",
+                    "bytes": nbytes,
+                    "count": count,
+                    "times": times,
+                    "wrong": wrong,
+                    "pings": pings,
+                    "trigger_pings": trigger_pings,
+                    "algorithm": mine[-1].algorithm if mine else "",
+                }
             )
             for b in held:
                 b.release(client)
             del call, held, out
     if compare == "gloo":
-        _gloo(rank, world, socket, job, op, sizes, iters, warmup, queue)
+        _gloo(rank, world, socket, job, op, sizes, iters, warmup, put)
 
 
 def _gloo(
-    rank: int, world: int, socket: str, job: str, op: str, sizes: list[int], iters: int, warmup: int, queue
+    rank: int,
+    world: int,
+    socket: str,
+    job: str,
+    op: str,
+    sizes: list[int],
+    iters: int,
+    warmup: int,
+    put: Callable[[dict[str, Any]], None],
 ) -> None:
     import os
 
@@ -308,7 +318,7 @@ def _gloo(
                 call()
                 times.append(time.perf_counter() - t)
             wrong = gloo_verify(dist, op, tensors, rank, world, count)
-            queue.put(("gloo", rank, nbytes, count, times, wrong, ([], []), "gloo"))
+            put({"engine": "gloo", "bytes": nbytes, "count": count, "times": times, "wrong": wrong})
     finally:
         dist.destroy_process_group()
 
@@ -367,3 +377,25 @@ def gloo_call(dist, op: str, full, mine, out=None, root: int = 0):
     if op == "scatter":
         return lambda: dist.scatter(mine, parts, src=root)
     return lambda: dist.all_to_all_single(out, full)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One rank, as runner.py starts it: the plan's fields are ``run``'s arguments."""
+    import argparse
+    import json
+
+    from lpsync.bench import ranks
+
+    parser = argparse.ArgumentParser(
+        prog="python -m lpsync.bench.worker", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--plan", required=True, help="JSON: run()'s arguments by name, but put")
+    plan = json.loads(parser.parse_args(argv).plan)
+    run(**plan, put=lambda row: ranks.emit(**row))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """The 60-second seeded chaos run (root: an emulated cluster of 4 nodes x 2 ranks): daemons
 and trainers SIGKILLed and SIGSTOPped, links cut one way and both, while every collective
-is checked (lpsync.bench.chaos; docs/reliability.md, "Chaos").
+is checked (`lpsync chaos`, lpsync/chaos; docs/reliability.md, "Chaos").
 
 Every check of the run is asserted: no wrong result delivered as OK, every error within
 its kind's bound, no hang, survivors keep serving, every rank succeeds again within 45 s
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 
-from lpsync.bench.chaos import options, run
-from lpsync.bench.chaos_report import table
+from lpsync.chaos.report import table
+from lpsync.chaos.run import run
+from lpsync.cli import build_parser
 from tests.cluster.test_cluster import needs_netns
 
 CHECKS = (
@@ -28,7 +29,10 @@ CHECKS = (
 
 @needs_netns
 def test_a_seeded_minute_of_chaos_keeps_results_right_and_leaves_nothing() -> None:
-    args = options(["--seconds", "60", "--seed", "21", "--prefix", f"tc{os.getpid() % 100000}"])
+    # The operator's command line, through the CLI's own parser (`lpsync chaos`)
+    args = build_parser().parse_args(
+        ["chaos", "--seconds", "60", "--seed", "21", "--prefix", f"tc{os.getpid() % 100000}"]
+    )
     summary = run(args)
     report = table(summary, "chaos, 60 s, seed 21")
     print(report)

@@ -1,6 +1,6 @@
 """Every daemon exits within 5 s of SIGTERM, idle and mid-collective, with either peer
 transport, leaving no shared memory, sockets, processes or namespaces (root: an emulated
-cluster; 8 and 16 nodes are measured by `python -m lpsync.bench.exits`, docs/reliability.md)."""
+cluster; 8 and 16 nodes are measured by `python -m lab.exits`, docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from lpsync.bench.exits import BOUND, measure
+from lab.exits import BOUND, measure
 from tests.cluster.test_cluster import needs_netns
 
 pytest.importorskip("ucxx")

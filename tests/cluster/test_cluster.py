@@ -304,7 +304,7 @@ def test_peer_plane_benchmark_smoke() -> None:
         [
             PY,
             "-m",
-            "lpsync.bench.peer_plane",
+            "lab.peer_plane",
             "--nodes",
             "2",
             "--link",

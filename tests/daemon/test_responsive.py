@@ -1,11 +1,11 @@
 """Always responsive (issue 8, point 4): health and Status answer while the daemon is
 flooded with bad requests, runs a 256 MiB allreduce and holds a stalled collective; SIGTERM
 then drains and exits within its bound. The figures of docs/reliability.md come from the
-benchmark (python -m lpsync.bench.responsive); this test asserts generous bounds only."""
+benchmark (python -m lab.responsive); this test asserts generous bounds only."""
 
 from __future__ import annotations
 
-from lpsync.bench.responsive import measure
+from lab.responsive import measure
 
 DRAIN_SECONDS = 10.0  # DaemonConfig.drain_seconds: SIGTERM's documented bound is this + 5 s
 

@@ -31,15 +31,13 @@ from dataclasses import dataclass, field
 from lpsync.algorithms import LinkModel
 from lpsync.algorithms.cost import closed_form
 from lpsync.algorithms.registry import ALGORITHMS
-from lpsync.algorithms.tuner import Choice, predictions
+from lpsync.algorithms.tuner import MAX_CANDIDATES, TRIALS, Choice, predictions
 from lpsync.types import Collective
 
 log = logging.getLogger("lpsync.daemon")
 
-TRIALS = 2  # timed runs per shortlisted candidate
 SHORTLIST = 2.0  # candidates predicted within this factor of the fastest are tried
 MIN_VARIANT_CHUNK = 32 * 1024  # bytes: no chunk count variant cuts finer than this
-MAX_CANDIDATES = 6  # trials per size stay bounded: TRIALS * MAX_CANDIDATES calls at most
 NEAR = 0.02  # measured medians this close to the fastest count as ties: fewest chunks wins
 
 Key = tuple[str, int]  # (op, nccl-tests bytes)

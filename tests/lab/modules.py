@@ -1,4 +1,4 @@
-"""Running a benchmark module as its users do: ``python -m lpsync.bench.<name> ...``."""
+"""Running a lab module as its users do: ``python -m lab.<name> ...``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from tests.daemon.harness import ROOT
 
 
 def run_bench(name: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    """``python -m lpsync.bench.<name> *args`` from the repository, its output captured."""
+    """``python -m lab.<name> *args`` from the repository, its output captured."""
     return subprocess.run(
-        [sys.executable, "-m", f"lpsync.bench.{name}", *args],
+        [sys.executable, "-m", f"lab.{name}", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

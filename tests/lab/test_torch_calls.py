@@ -1,4 +1,4 @@
-"""``python -m lpsync.bench.torch_calls``: small synchronous torch.distributed calls on
+"""``python -m lab.torch_calls``: small synchronous torch.distributed calls on
 the lpsync backend beside gloo, real ranks and a real daemon, in one run."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.bench.modules import run_bench
+from tests.lab.modules import run_bench
 
 pytest.importorskip("torch")
 

@@ -1,6 +1,6 @@
 """The floor under a collective answered through a futex: two processes wake each other in
 turn over a word of shared memory, as a client and the native engine do (ctypes futexes,
-lpsync_client.futex), and nothing else. ``python -m lpsync.bench.wake_floor [--iters N]``
+lpsync_client.futex), and nothing else. ``python -m lab.wake_floor [--iters N]``
 prints the median round trip (two wake-ups, two sleeps): no collective on this machine
 that sleeps between its messages can be answered faster than that.
 """

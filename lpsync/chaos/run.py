@@ -1,16 +1,16 @@
 """A chaos run: trainers keep checking collectives while daemons, clients and links fail.
 
-    sudo python -m lpsync.bench.chaos --seconds 60 --seed 1 [--json]
+    sudo lpsync chaos --seconds 60 --seed 1 [--json]      (lpsync/commands/chaos.py)
 
 On an emulated cluster (default 4 nodes x 2 ranks, plain TCP peers) every trainer runs
 allreduces and broadcasts whose results it checks against numpy on every call
-(lpsync.bench.chaos_trainer). A seeded schedule injects one fault at a time: SIGKILL or
+(lpsync.chaos.trainer). A seeded schedule injects one fault at a time: SIGKILL or
 SIGSTOP a daemon or a trainer, cut a node's link in one direction or both; holds it a
 while; then releases it (SIGCONT, restore, restart what it killed). After each release
 the run waits until a collective of all ranks succeeds again: in the same job if the fault
 broke nothing, else in a fresh job (an epoch), announced once every rank has failed in the
 old one (or a collective's timeout has passed). The checks and the table:
-lpsync.bench.chaos_report. Everything is torn down at the end, also on failure and Ctrl-C;
+lpsync.chaos.report. Everything is torn down at the end, also on failure and Ctrl-C;
 exit status 1 when a check fails.
 """
 
@@ -23,15 +23,14 @@ import os
 import queue
 import random
 import signal
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from lpsync.bench.chaos_report import Bounds, Record, table
-from lpsync.bench.netnodes import Nodes, Trainer, shm_segments
+from lpsync.chaos.nodes import Nodes, Trainer, alive, shm_segments
+from lpsync.chaos.report import Bounds, Record
 from lpsync.cluster import Cluster, ClusterSpec, existing, faults
 from lpsync.daemon import launch
 
@@ -224,16 +223,8 @@ class Chaos:
                 if Path(p).exists()
             ],
             "namespaces": existing(prefix),
-            "processes": [str(pid) for pid in self._pids if _alive(pid)],
+            "processes": [str(pid) for pid in self._pids if alive(pid)],
         }
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -263,61 +254,3 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ):
                     out.write(json.dumps(entry) + "\n")
     return chaos.record.summary()
-
-
-def options(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m lpsync.bench.chaos", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument(
-        "--seconds", type=float, default=60.0, help="how long faults are injected (default 60)"
-    )
-    parser.add_argument("--seed", type=int, default=1, help="the schedule's seed (default 1)")
-    parser.add_argument("--nodes", type=int, default=4, help="emulated nodes (default 4)")
-    parser.add_argument("--per-node", type=int, default=2, help="trainers per node (default 2)")
-    parser.add_argument(
-        "--transport", default="tcp", choices=("tcp", "ucx"), help="peer transport (default tcp)"
-    )
-    parser.add_argument(
-        "--heartbeat-timeout", type=float, default=2.0, help="the daemons' (default 2; theirs is 5)"
-    )
-    parser.add_argument("--timeout", type=float, default=8.0, help="each collective's timeout (default 8)")
-    parser.add_argument(
-        "--rejoin-bound",
-        type=float,
-        default=45.0,
-        help="seconds for all ranks to succeed again after a release (default 45)",
-    )
-    parser.add_argument(
-        "--slack",
-        type=float,
-        default=2.0,
-        help="seconds added to every bound on a loaded machine (default 2)",
-    )
-    parser.add_argument("--prefix", default="", help="the cluster's namespace prefix (default lpc<pid>)")
-    parser.add_argument(
-        "--keep",
-        default="",
-        help="keep the daemons' logs and every fault and report (chaos.jsonl) in this folder",
-    )
-    parser.add_argument("--json", action="store_true", help="the summary as one JSON object")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = options(argv)
-    summary = run(args)
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        header = (
-            f"chaos: {args.nodes} nodes x {args.per_node} ranks, {args.transport}, "
-            f"{args.seconds:g} s, seed {args.seed}, "
-            f"heartbeat timeout {args.heartbeat_timeout:g} s, collective timeout {args.timeout:g} s"
-        )
-        print(table(summary, header))
-    return 0 if summary["passed"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

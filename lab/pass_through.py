@@ -11,8 +11,8 @@ clock (every thread) around each call. Prints the median CPU per call of the roo
 buffer against numpy. No emulated network: what a chunk costs in the processes, not on a
 shaped link (``lpsync bench --cluster`` is that).
 
-    python -m lpsync.bench.pass_through --ranks 3 --bytes 64MiB --chunks 186,744 --reps 20
-    python -m lpsync.bench.pass_through --op allreduce --ranks 3 --bytes 64MiB --chunks 8,17
+    python -m lab.pass_through --ranks 3 --bytes 64MiB --chunks 186,744 --reps 20
+    python -m lab.pass_through --op allreduce --ranks 3 --bytes 64MiB --chunks 8,17
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def _inputs(op: Collective, p: int, rank: int, count: int, seed: int) -> tuple[n
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lpsync.bench.pass_through",
+        prog="python -m lab.pass_through",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

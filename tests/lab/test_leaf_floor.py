@@ -1,9 +1,9 @@
-"""``python -m lpsync.bench.leaf_floor``: the bare imitation (real processes and sockets)
+"""``python -m lab.leaf_floor``: the bare imitation (real processes and sockets)
 beside real daemons on loopback, in one run."""
 
 from __future__ import annotations
 
-from tests.bench.modules import run_bench
+from tests.lab.modules import run_bench
 
 
 def test_the_floor_and_the_daemons_side_by_side() -> None:

@@ -9,7 +9,7 @@ time per call and the mean rank's CPU per call, and lpsync / gloo. What a framew
 small synchronous op costs through the backend: the tensor staged into shared memory,
 the collective, the work torch waits for.
 
-    python -m lpsync.bench.torch_calls --procs 2 --iters 2000 [--bytes 4] [--rounds 5] \
+    python -m lab.torch_calls --procs 2 --iters 2000 [--bytes 4] [--rounds 5] \
         [--op all_reduce|broadcast|all_gather|reduce_scatter|barrier]
 """
 
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lpsync.bench.ranks import spawn_ranks, torchrun_env
+from lab.ranks import spawn_ranks, torchrun_env
 from lpsync.demo.local_cluster import DemoError, LocalCluster
 from lpsync.transport.ports import free_ports
 
@@ -109,9 +109,7 @@ def measure(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m lpsync.bench.torch_calls", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m lab.torch_calls", description=__doc__.split("\n\n")[0])
     parser.add_argument("--procs", type=int, default=2, help="rank processes (default 2)")
     parser.add_argument("--iters", type=int, default=2000, help="timed calls per round and engine")
     parser.add_argument("--rounds", type=int, default=5, help="rounds, alternating lpsync and gloo")

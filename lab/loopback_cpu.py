@@ -8,7 +8,7 @@ around the loop, and both processes' context switches (each a sleep and a wake-u
 to rerun than ``lpsync bench --cluster`` (no root, no namespaces), for A/B runs of a
 change; the emulated network and gloo beside it are ``--cluster``'s.
 
-    python -m lpsync.bench.loopback_cpu --nodes 3 --iters 3000 [--bytes 4] [--peer-transport tcp]
+    python -m lab.loopback_cpu --nodes 3 --iters 3000 [--bytes 4] [--peer-transport tcp]
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import time
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
+from lab.ranks import spawn_ranks
 from lpsync.bench.cpu import CpuMeter
-from lpsync.bench.ranks import spawn_ranks
 from lpsync.demo.local_cluster import DemoError, LocalCluster
 
 _WARMUP = 200
@@ -88,7 +88,7 @@ def measure(nodes: int, nbytes: int, iters: int, transport: str) -> list[Calls]:
 
 
 def add_point_arguments(parser: argparse.ArgumentParser, nodes: int, iters: int) -> None:
-    """The point this bench measures, as its flags (lpsync.bench.daemon_ab passes them on)."""
+    """The point this bench measures, as its flags (lab.daemon_ab passes them on)."""
     parser.add_argument(
         "--nodes", type=int, default=nodes, help=f"daemons on loopback, one rank each (default {nodes})"
     )
@@ -98,9 +98,7 @@ def add_point_arguments(parser: argparse.ArgumentParser, nodes: int, iters: int)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m lpsync.bench.loopback_cpu", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m lab.loopback_cpu", description=__doc__.split("\n\n")[0])
     add_point_arguments(parser, nodes=3, iters=3000)
     args = parser.parse_args(argv)
     if args.nodes < 1 or args.iters < 1 or args.bytes < 4:

@@ -1,4 +1,4 @@
-"""``python -m lpsync.bench.pass_through``: real processes on a TCP mesh over loopback,
+"""``python -m lab.pass_through``: real processes on a TCP mesh over loopback,
 data flow on and off; every rank's buffer is checked against numpy's result."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.bench.modules import run_bench
+from tests.lab.modules import run_bench
 
 
 @pytest.mark.parametrize("op", ["broadcast", "allreduce"])

@@ -1,7 +1,7 @@
 """One trainer of the chaos run: verified allreduces and broadcasts in a loop.
 
-Run by lpsync.bench.chaos (and the clean-exit measurement) as
-``python -m lpsync.bench.chaos_trainer SOCKET RANK WORLD PER_NODE TIMEOUT``. Its stdin
+Run by lpsync.chaos (and the clean-exit measurement) as
+``python -m lpsync.chaos.trainer SOCKET RANK WORLD PER_NODE TIMEOUT``. Its stdin
 carries epochs, one number a line: epoch E is the job ``chaos-E``; a trainer moves to the
 newest epoch before each collective, and after a failure waits (blocking) for a newer one,
 since its job's sequence numbers may no longer line up with the other ranks'. Its stdout

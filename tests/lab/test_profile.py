@@ -3,7 +3,7 @@ ptrace and a cluster: docs/benchmarks.md at 623decd shows a run)."""
 
 from __future__ import annotations
 
-from lpsync.bench.profile import top_frames
+from lab.profile import top_frames
 
 
 def test_self_and_inclusive_samples_are_counted_per_frame() -> None:

@@ -7,7 +7,7 @@ the median over reps of the slowest node's time beside the wire limit (bytes / l
 rate). The cluster is always torn down. Setup, run and verify are separate steps:
 each node checks its result against numpy after the timed reps.
 
-    python -m lpsync.bench.peer_plane --nodes 4 --link 1gbit --op broadcast \\
+    python -m lab.peer_plane --nodes 4 --link 1gbit --op broadcast \\
         --algorithm lp,be,mst --bytes 64MiB --reps 3
 """
 
@@ -109,7 +109,7 @@ def coordinate(args: argparse.Namespace) -> int:
                 [
                     sys.executable,
                     "-m",
-                    "lpsync.bench.peer_plane",
+                    "lab.peer_plane",
                     "node",
                     "--rank",
                     str(i),
@@ -172,9 +172,7 @@ def coordinate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m lpsync.bench.peer_plane", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m lab.peer_plane", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--link", default="1gbit")
     parser.add_argument("--op", default="broadcast")

@@ -1,9 +1,9 @@
 """The daemons' CPU per call, this tree against another revision, side by side:
-``python -m lpsync.bench.daemon_ab --base REV [--head REV]``.
+``python -m lab.daemon_ab --base REV [--head REV]``.
 
 Checks REV out into a temporary git worktree (``--head``: that revision too, in place of
 this tree, to check an earlier change against its own base) and runs
-``lpsync.bench.loopback_cpu`` in each tree in turn, ``--pairs`` times (the base first in
+``lab.loopback_cpu`` in each tree in turn, ``--pairs`` times (the base first in
 odd pairs, the other first in even ones), then removes the worktrees. Each run starts in
 its own tree's directory with that tree on ``PYTHONPATH``: ``python -m`` puts the
 current directory first on ``sys.path``, so a daemon started from this tree's directory
@@ -17,7 +17,7 @@ where both trees share it, the rank's CPU moves only with the machine's load, so
 daemons' CPU divided by the rank's, compared between the trees, takes most of that load
 out (the "per rank" ratios). The last line gives the medians over the pairs.
 
-    python -m lpsync.bench.daemon_ab --base HEAD~1 [--pairs 4] [--nodes 8] [--iters 2000]
+    python -m lab.daemon_ab --base HEAD~1 [--pairs 4] [--nodes 8] [--iters 2000]
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from lpsync.bench.loopback_cpu import add_point_arguments
+from lab.loopback_cpu import add_point_arguments
 
-HERE = Path(__file__).resolve().parents[2]  # this tree's root
+HERE = Path(__file__).resolve().parents[1]  # this tree's root
 # node, time, daemon CPU, rank CPU per call; then context switches (not printed before 2026-12-06)
 _ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)(?:\s+[\d.]+\s+[\d.]+)?\s*$")
 
@@ -88,9 +88,15 @@ def check_imports(tree: Path) -> None:
         raise SystemExit(f"a process in {tree} does not import its own lpsync: {done.stdout}{done.stderr}")
 
 
+def bench_module(tree: Path) -> str:
+    """The loopback bench of ``tree``: lab/ since the lab left the package, before that
+    lpsync/bench/ (the same flags and rows), so that a base from before the move runs."""
+    return "lab.loopback_cpu" if (tree / "lab" / "loopback_cpu.py").exists() else "lpsync.bench.loopback_cpu"
+
+
 def run_once(tree: Path, bench_args: list[str], timeout: float) -> Run:
     done = subprocess.run(
-        [sys.executable, "-m", "lpsync.bench.loopback_cpu", *bench_args],
+        [sys.executable, "-m", bench_module(tree), *bench_args],
         cwd=tree,
         env=_env(tree),
         capture_output=True,
@@ -139,9 +145,7 @@ def _ratios(base: Run, this: Run) -> tuple[float, float, float, float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m lpsync.bench.daemon_ab", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m lab.daemon_ab", description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="the revision to compare with (git rev)")
     parser.add_argument(
         "--head", help="the revision compared with the base (git rev; default: this tree, as it is)"

@@ -1,4 +1,4 @@
-"""``python -m lpsync.bench.nccl``: allreduce through NCCL (torch.distributed), one process
+"""``python -m lab.nccl``: allreduce through NCCL (torch.distributed), one process
 per GPU, for scripts/gpu_check.sh to set beside lpsync's device path.
 
 NCCL refuses two ranks on one GPU, so this needs at least two GPUs; with fewer, or without
@@ -89,7 +89,7 @@ def measure(sizes: list[int], iters: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lpsync.bench.nccl", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m lab.nccl", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1MiB:256MiB", help="message sizes (default 1MiB:256MiB)")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per size (default 10)")
     parser.add_argument("--json", metavar="FILE", help="also write the results there")

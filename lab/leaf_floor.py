@@ -13,10 +13,10 @@ Python logic (checks, matching, agreement, flight recorder, metrics). The rank's
 one send and one blocking receive of a few bytes; lpsync's rank runs the client's
 blocking ``allreduce`` (request built, reply parsed).
 
-Then ``lpsync.bench.loopback_cpu`` runs the same shape through real daemons (node 0 with
+Then ``lab.loopback_cpu`` runs the same shape through real daemons (node 0 with
 a rank of its own besides), and the ratios are printed.
 
-    python -m lpsync.bench.leaf_floor --nodes 8 --iters 5000
+    python -m lab.leaf_floor --nodes 8 --iters 5000
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from lab.loopback_cpu import measure as measure_daemons
 from lpsync.bench.cpu import CpuMeter, cpu_seconds
-from lpsync.bench.loopback_cpu import measure as measure_daemons
 from lpsync.demo.local_cluster import DemoError
 
 _MESSAGE = struct.Struct("<Q")  # a call's sequence number: the summary, the verdict
@@ -179,9 +179,7 @@ def measure_floor(nodes: int, iters: int) -> list[Floor]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m lpsync.bench.leaf_floor", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m lab.leaf_floor", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=8, help="root and leaves (default 8)")
     parser.add_argument("--iters", type=int, default=5000, help="timed calls (default 5000)")
     args = parser.parse_args(argv)

@@ -6,7 +6,7 @@ Set up (a daemon, or the one on --socket; N rank processes, torchrun's environme
 with DDP's gradient allreduce, optimizer step), verify (every rank ends with the same
 parameters), report (median and p90 step time of the slowest rank, per variant).
 
-    python -m lpsync.bench.ddp_step --procs 4 --width 2048 --depth 4 --steps 30
+    python -m lab.ddp_step --procs 4 --width 2048 --depth 4 --steps 30
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import statistics
 import tempfile
 import time
 
-from lpsync.bench.ranks import torchrun_env
+from lab.ranks import torchrun_env
 from lpsync.daemon import launch
 from lpsync.daemon.launch import serving
 
@@ -79,7 +79,7 @@ def _rank(rank: int, procs: int, socket: str, port: int, args: argparse.Namespac
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lpsync.bench.ddp_step",
+        prog="python -m lab.ddp_step",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,12 +1,12 @@
-"""``python -m lpsync.bench.daemon_ab``: a revision checked out beside this tree, real
+"""``python -m lab.daemon_ab``: a revision checked out beside this tree, real
 daemons run from each tree in turn, the ratios printed, the worktree removed."""
 
 from __future__ import annotations
 
 import subprocess
 
-from lpsync.bench.daemon_ab import HERE, Run, _ratios
-from tests.bench.modules import run_bench
+from lab.daemon_ab import HERE, Run, _ratios
+from tests.lab.modules import run_bench
 
 
 def _worktrees() -> str:

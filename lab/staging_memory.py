@@ -1,4 +1,4 @@
-"""``python -m lpsync.bench.staging_memory``: how much host memory each daemon takes to
+"""``python -m lab.staging_memory``: how much host memory each daemon takes to
 run one allreduce on device buffers across two daemons (docs/benchmarks.md, "Device
 buffers across nodes").
 
@@ -106,9 +106,7 @@ def measure(nbytes: int, flags: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m lpsync.bench.staging_memory", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m lab.staging_memory", description=__doc__.splitlines()[0])
     parser.add_argument("--bytes", default="256MiB", help="the allreduce's size per rank (default 256MiB)")
     parser.add_argument("flags", nargs="*", help="more daemon flags, after --")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """How fast every daemon of an emulated cluster exits on SIGTERM, idle and mid-collective.
 
-    sudo python -m lpsync.bench.exits --nodes 2,5,8,16 --transport tcp,ucx [--json]
+    sudo python -m lab.exits --nodes 2,5,8,16 --transport tcp,ucx [--json]
 
 For each point: a cluster of N namespaces, one daemon per node, and one trainer per node
 running verified allreduces across all nodes. Once every trainer has completed a
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lpsync.bench.netnodes import Exit, Nodes, Trainer
+from lpsync.chaos.nodes import Exit, Nodes, Trainer, alive
 from lpsync.cluster import Cluster, existing
 
 BOUND = 5.0  # the issue's bound: every daemon exits within 5 s of SIGTERM
@@ -93,7 +93,7 @@ def measure(nodes: int, transport: str, busy: bool, prefix: str | None = None) -
             net.stop_all()
             net.reclaim()
         pids = [d.pid for d in net.daemons if d is not None] + [t.proc.pid for t in trainers]
-    leftover = existing(prefix) + [f"pid {p}" for p in pids if _alive(p)]
+    leftover = existing(prefix) + [f"pid {p}" for p in pids if alive(p)]
     return Point(nodes, transport, busy, exits, leftover)
 
 
@@ -107,18 +107,8 @@ def _wait_all_ok(reports: queue.Queue[Any], world: int, deadline: float) -> None
             raise AssertionError(f"a wrong result delivered as OK: {report}")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m lpsync.bench.exits", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m lab.exits", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", default="2,5", help="node counts, comma-separated (default 2,5)")
     parser.add_argument("--transport", default="tcp,ucx", help="peer transports (default tcp,ucx)")
     parser.add_argument("--state", default="idle,busy", help="idle, busy or both (default both)")

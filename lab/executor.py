@@ -7,7 +7,7 @@ buffer as the schedule's RECV_REDUCE and RECV/COPY ops add up to — so the rati
 (and its gain from running participants on several cores). Runs alternate between
 the two to share the machine's noise; medians are reported.
 
-    python -m lpsync.bench.executor --procs 4 --bytes 64MiB --algorithm lp,ring
+    python -m lab.executor --procs 4 --bytes 64MiB --algorithm lp,ring
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lpsync.bench.executor",
+        prog="python -m lab.executor",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

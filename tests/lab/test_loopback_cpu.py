@@ -1,9 +1,9 @@
-"""``python -m lpsync.bench.loopback_cpu``: real daemons on loopback and rank processes;
+"""``python -m lab.loopback_cpu``: real daemons on loopback and rank processes;
 every rank checks its sum, and the CPU and switch columns are read from real processes."""
 
 from __future__ import annotations
 
-from tests.bench.modules import run_bench
+from tests.lab.modules import run_bench
 
 
 def test_two_daemons_report_time_and_cpu_per_call() -> None:

@@ -1,7 +1,7 @@
 """Is the daemon still responsive under load? Health-check latency while it is flooded with
 bad requests, runs a 256 MiB allreduce, and holds a stalled collective; then SIGTERM.
 
-    python -m lpsync.bench.responsive [--seconds 5] [--flooders 4] [--mib 256] [--json]
+    python -m lab.responsive [--seconds 5] [--flooders 4] [--mib 256] [--json]
 
 Set up: a daemon of its own (Unix socket in a temporary directory). Each scenario runs for
 ``--seconds`` while this process checks health every 10 ms over a fresh channel per check
@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lpsync.bench.runner import _pct as percentile
+from lpsync.bench.runner import percentile
 from lpsync.daemon import launch
 from lpsync.daemon.launch import serving
 
@@ -235,9 +235,7 @@ def _join(procs: list) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m lpsync.bench.responsive", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m lab.responsive", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="per scenario")
     parser.add_argument("--flooders", type=int, default=4, help="bad-request processes")
     parser.add_argument("--mib", type=int, default=256, help="size of the big allreduce")

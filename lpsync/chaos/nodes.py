@@ -25,6 +25,15 @@ from lpsync.daemon import launch
 PEER_PORT = 13337
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (a zombie counts: its parent has not reaped it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def shm_segments(pid: int) -> list[str]:
     """The shared-memory segments daemon ``pid`` made (named lpsync-<pid>-*)."""
     return sorted(p.name for p in Path("/dev/shm").glob(f"lpsync-{pid}-*"))
@@ -164,7 +173,7 @@ class Nodes:
 
 
 class Trainer:
-    """A lpsync.bench.chaos_trainer process; its reports go to ``sink`` as dicts."""
+    """A lpsync.chaos.trainer process; its reports go to ``sink`` as dicts."""
 
     def __init__(
         self, socket: str, rank: int, world: int, per_node: int, timeout: float, sink: queue.Queue[Any]
@@ -174,7 +183,7 @@ class Trainer:
             [
                 sys.executable,
                 "-m",
-                "lpsync.bench.chaos_trainer",
+                "lpsync.chaos.trainer",
                 socket,
                 str(rank),
                 str(world),

@@ -1,4 +1,4 @@
-"""Where a daemon's CPU goes for one benchmark point: ``python -m lpsync.bench.profile``.
+"""Where a daemon's CPU goes for one benchmark point: ``python -m lab.profile``.
 
 Runs ``lpsync bench --cluster ...`` (the arguments after ``--``), waits until the daemon
 of ``--node`` serves and the timed loop is under way, then samples that daemon with
@@ -8,7 +8,7 @@ process's user and system CPU from /proc over a window of the same length, unsam
 Prints the top frames by self and inclusive samples; the raw stacks (py-spy's collapsed
 format, for flamegraph.pl or speedscope) go to --out. Needs root (the emulated cluster) and ptrace rights.
 
-    sudo python -m lpsync.bench.profile --node 3 --seconds 10 -- \\
+    sudo python -m lab.profile --node 3 --seconds 10 -- \\
         --nodes 8 --link 1gbit --op allreduce --algorithm auto --bytes 4 --iters 5000
 """
 
@@ -97,7 +97,7 @@ def _print(title: str, raw: str, count: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lpsync.bench.profile",
+        prog="python -m lab.profile",
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )

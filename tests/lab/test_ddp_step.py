@@ -1,11 +1,11 @@
-"""``python -m lpsync.bench.ddp_step``: DDP steps through the lpsync backend, the lpsync
+"""``python -m lab.ddp_step``: DDP steps through the lpsync backend, the lpsync
 hook on a gloo group, gloo, and no DDP, real ranks and a real daemon, in one run."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.bench.modules import run_bench
+from tests.lab.modules import run_bench
 from tests.ports import free_ports
 
 pytest.importorskip("torch")
