@@ -152,7 +152,7 @@ def test_device_buffer_errors(emu, tmp_path):
         with pytest.raises(lpsync_client.InvalidArgumentError, match="device 5"):
             client.register(bad_device)
         # A handle that is not one.
-        from lpsync_client._proto import lpsync_pb2 as pb
+        from lpsync_client.wire.proto import lpsync_pb2 as pb
 
         for handle, error in (
             (b"nonsense", lpsync_client.InvalidArgumentError),

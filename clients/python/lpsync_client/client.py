@@ -37,8 +37,6 @@ from lpsync_client._device import DeviceOperand, describe, is_device_array
 from lpsync_client._order import InFlight, array_spans
 from lpsync_client._p2p import PairJobs
 from lpsync_client._pending import Call, Latch
-from lpsync_client._proto import lpsync_pb2 as pb
-from lpsync_client._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync_client._shm import Mapping
 from lpsync_client._stream import SessionStream
 from lpsync_client._trigger import TriggerStream
@@ -52,6 +50,8 @@ from lpsync_client.errors import (
     from_status,
 )
 from lpsync_client.wire import DEFAULT_SOCKET
+from lpsync_client.wire.proto import lpsync_pb2 as pb
+from lpsync_client.wire.proto import lpsync_pb2_grpc as pb_grpc
 
 DEFAULT_TIMEOUT = 300.0
 _STATES = {pb.INTACT: "INTACT", pb.PARTIAL: "PARTIAL"}
