@@ -31,7 +31,7 @@ from typing import Any, cast
 import grpc
 import numpy as np
 
-from lpsync_client import doorbell, layout
+from lpsync_client import _ops, doorbell, layout
 from lpsync_client._convert import as_numpy, numpy_dtype
 from lpsync_client._device import DeviceOperand, describe, is_device_array
 from lpsync_client._order import InFlight, array_spans
@@ -888,18 +888,38 @@ class Client:
                 raise  # the daemon's own timeout error, delivered through the future
             raise CollectiveTimeoutError(f"the daemon did not answer within {bound:g} s") from None
 
-    def _same(self, n: int, m: int | None) -> int:
-        if m is not None and m != n:
-            raise InvalidArgumentError(f"out has {m} elements, the input {n}")
-        return n
+    def _start(
+        self,
+        op: str,
+        x: object | None,
+        out: object | None,
+        root: int = 0,
+        reduce_op: str = "",
+        algorithm: str | None = None,
+        timeout: float | None = None,
+        name: str = "",
+    ) -> Future:
+        """Submit collective ``op`` with its element-count rule from the table (_ops.OPS)."""
+        if op == "gather" and self.rank != root:
+            out = None  # only the root receives: another rank's out is ignored, as in MPI
+        elif op == "scatter" and self.rank != root and out is not None:
+            x, out = out, None  # another rank only receives: into out
+        elif op == "alltoall" and out is None:
+            raise InvalidArgumentError("alltoall runs out of place: pass out (as large as x)")
+        rule = _ops.OPS[op].count
+        return self._submit(
+            op,
+            x,
+            out,
+            count_of=None if rule is None else rule(self.world_size, self.rank, root),
+            root=root,
+            reduce_op=reduce_op,
+            algorithm=algorithm,
+            timeout=timeout,
+            name=name,
+        )
 
-    def _blocks(self, n: int, what: str) -> int:
-        if n % self.world_size:
-            raise InvalidArgumentError(
-                f"{what} has {n} elements, not a multiple of the world size {self.world_size}"
-            )
-        return n // self.world_size
-
+    # Each call: its *_async method here, its blocking twin made from the table (_ops.py).
     def allreduce_async(
         self,
         x,
@@ -910,35 +930,7 @@ class Client:
         name: str = "",
     ) -> Future:
         """Start an allreduce; the Future's result is the output (``out`` or ``x``)."""
-        return self._submit(
-            "allreduce",
-            x,
-            out,
-            count_of=self._same,
-            reduce_op=op,
-            algorithm=algorithm,
-            timeout=timeout,
-            name=name,
-        )
-
-    def allreduce(
-        self,
-        x,
-        op: str = "sum",
-        out=None,
-        algorithm: str | None = None,
-        timeout: float | None = None,
-        name: str = "",
-    ):
-        """Reduce ``x`` over every rank of the job (op: sum, prod, min, max, avg).
-
-        In place unless ``out`` is given (then ``x`` is only read).
-        ``algorithm`` forces one (lp, ring, mst, be, direct); None lets the daemon tune.
-
-        >>> g = client.zeros(4); g[:] = client.rank
-        >>> client.allreduce(g, op="sum")    # every rank: 0 + 1 + ... + (P-1)
-        """
-        return self._blocking(lambda: self.allreduce_async(x, op, out, algorithm, timeout, name), timeout)
+        return self._start("allreduce", x, out, 0, op, algorithm, timeout, name)
 
     def broadcast_async(
         self,
@@ -949,31 +941,7 @@ class Client:
         timeout: float | None = None,
         name: str = "",
     ) -> Future:
-        return self._submit(
-            "broadcast",
-            x,
-            out,
-            count_of=self._same,
-            root=root,
-            algorithm=algorithm,
-            timeout=timeout,
-            name=name,
-        )
-
-    def broadcast(
-        self,
-        x,
-        root: int = 0,
-        out=None,
-        algorithm: str | None = None,
-        timeout: float | None = None,
-        name: str = "",
-    ):
-        """Copy root's ``x`` to every rank (into ``x``, or ``out`` if given).
-
-        >>> client.broadcast(weights, root=0)
-        """
-        return self._blocking(lambda: self.broadcast_async(x, root, out, algorithm, timeout, name), timeout)
+        return self._start("broadcast", x, out, root, "", algorithm, timeout, name)
 
     def reduce_async(
         self,
@@ -985,59 +953,12 @@ class Client:
         timeout: float | None = None,
         name: str = "",
     ) -> Future:
-        return self._submit(
-            "reduce",
-            x,
-            out,
-            count_of=self._same,
-            root=root,
-            reduce_op=op,
-            algorithm=algorithm,
-            timeout=timeout,
-            name=name,
-        )
-
-    def reduce(
-        self,
-        x,
-        root: int = 0,
-        op: str = "sum",
-        out=None,
-        algorithm: str | None = None,
-        timeout: float | None = None,
-        name: str = "",
-    ):
-        """Reduce ``x`` over every rank into root's buffer; other ranks' buffers are untouched.
-
-        >>> client.reduce(loss, root=0, op="avg")
-        """
-        return self._blocking(lambda: self.reduce_async(x, root, op, out, algorithm, timeout, name), timeout)
+        return self._start("reduce", x, out, root, op, algorithm, timeout, name)
 
     def allgather_async(
         self, x, out=None, algorithm: str | None = None, timeout: float | None = None, name: str = ""
     ) -> Future:
-        def count(n: int, m: int | None) -> int:
-            if m is None:  # in place: x is the whole output, this rank's block at rank*count
-                return self._blocks(n, "the allgather buffer")
-            if m != n * self.world_size:
-                raise InvalidArgumentError(f"out must have {n * self.world_size} elements")
-            return n
-
-        return self._submit(
-            "allgather", x, out, count_of=count, algorithm=algorithm, timeout=timeout, name=name
-        )
-
-    def allgather(
-        self, x, out=None, algorithm: str | None = None, timeout: float | None = None, name: str = ""
-    ):
-        """Gather every rank's block into every rank's output.
-
-        Out of place: ``x`` holds this rank's count elements, ``out`` P*count. In place:
-        ``x`` is the P*count output with this rank's block at rank*count.
-
-        >>> out = client.empty(client.world_size * 4); client.allgather(block, out=out)
-        """
-        return self._blocking(lambda: self.allgather_async(x, out, algorithm, timeout, name), timeout)
+        return self._start("allgather", x, out, 0, "", algorithm, timeout, name)
 
     def reduce_scatter_async(
         self,
@@ -1048,39 +969,7 @@ class Client:
         timeout: float | None = None,
         name: str = "",
     ) -> Future:
-        def count(n: int, m: int | None) -> int:
-            c = self._blocks(n, "the reduce_scatter input")
-            if m is not None and m != c:
-                raise InvalidArgumentError(f"out must have {c} elements")
-            return c
-
-        return self._submit(
-            "reduce_scatter",
-            x,
-            out,
-            count_of=count,
-            reduce_op=op,
-            algorithm=algorithm,
-            timeout=timeout,
-            name=name,
-        )
-
-    def reduce_scatter(
-        self,
-        x,
-        op: str = "sum",
-        out=None,
-        algorithm: str | None = None,
-        timeout: float | None = None,
-        name: str = "",
-    ):
-        """Reduce the P*count input over ranks; rank r gets block r (into ``out``, or in
-        place into x[r*count:(r+1)*count]).
-
-        >>> mine = client.empty(n // client.world_size); client.reduce_scatter(x, out=mine)
-        """
-        start = self.reduce_scatter_async
-        return self._blocking(lambda: start(x, op, out, algorithm, timeout, name), timeout)
+        return self._start("reduce_scatter", x, out, 0, op, algorithm, timeout, name)
 
     def gather_async(
         self,
@@ -1091,41 +980,7 @@ class Client:
         timeout: float | None = None,
         name: str = "",
     ) -> Future:
-        if self.rank != root:
-            out = None  # only the root receives: another rank's out is ignored, as in MPI
-
-        def count(n: int, m: int | None) -> int:
-            if self.rank != root:
-                return n
-            if m is None:  # in place: x is the whole output, the root's block at root*count
-                return self._blocks(n, "the gather buffer")
-            if m != n * self.world_size:
-                raise InvalidArgumentError(f"out must have {n * self.world_size} elements")
-            return n
-
-        return self._submit(
-            "gather", x, out, count_of=count, root=root, algorithm=algorithm, timeout=timeout, name=name
-        )
-
-    def gather(
-        self,
-        x,
-        root: int = 0,
-        out=None,
-        algorithm: str | None = None,
-        timeout: float | None = None,
-        name: str = "",
-    ):
-        """Gather every rank's block ``x`` into the root's output, in rank order.
-
-        At the root: ``out`` of P*count elements, or in place ``x`` is the P*count output
-        holding the root's block at root*count. Other ranks pass their count elements;
-        their ``out`` is ignored.
-
-        >>> everything = client.empty(client.world_size * 4) if client.rank == 0 else None
-        >>> client.gather(mine, root=0, out=everything)
-        """
-        return self._blocking(lambda: self.gather_async(x, root, out, algorithm, timeout, name), timeout)
+        return self._start("gather", x, out, root, "", algorithm, timeout, name)
 
     def scatter_async(
         self,
@@ -1136,88 +991,38 @@ class Client:
         timeout: float | None = None,
         name: str = "",
     ) -> Future:
-        if self.rank != root and out is not None:
-            x, out = out, None  # another rank only receives: into out
-
-        def count(n: int, m: int | None) -> int:
-            if self.rank != root:
-                return n
-            c = self._blocks(n, "the scatter input")
-            if m is not None and m != c:
-                raise InvalidArgumentError(f"out must have {c} elements")
-            return c
-
-        return self._submit(
-            "scatter", x, out, count_of=count, root=root, algorithm=algorithm, timeout=timeout, name=name
-        )
-
-    def scatter(
-        self,
-        x,
-        root: int = 0,
-        out=None,
-        algorithm: str | None = None,
-        timeout: float | None = None,
-        name: str = "",
-    ):
-        """Send block r of the root's P*count ``x`` to rank r.
-
-        At the root: into ``out`` (count elements), or in place (its block of ``x`` is
-        already there). Other ranks receive into ``out`` or, without one, into ``x``.
-
-        >>> mine = client.empty(4); client.scatter(shards if client.rank == 0 else mine, out=mine)
-        """
-        return self._blocking(lambda: self.scatter_async(x, root, out, algorithm, timeout, name), timeout)
+        return self._start("scatter", x, out, root, "", algorithm, timeout, name)
 
     def alltoall_async(
         self, x, out, algorithm: str | None = None, timeout: float | None = None, name: str = ""
     ) -> Future:
-        if out is None:
-            raise InvalidArgumentError("alltoall runs out of place: pass out (as large as x)")
+        return self._start("alltoall", x, out, 0, "", algorithm, timeout, name)
 
-        def count(n: int, m: int | None) -> int:
-            if m != n:
-                raise InvalidArgumentError(f"out has {m} elements, x {n}: they must be equal")
-            return self._blocks(n, "the alltoall input")
-
-        return self._submit(
-            "alltoall", x, out, count_of=count, algorithm=algorithm, timeout=timeout, name=name
-        )
-
-    def alltoall(self, x, out, algorithm: str | None = None, timeout: float | None = None, name: str = ""):
-        """Block j of this rank's ``x`` goes to rank j, and block i of ``out`` comes from
-        rank i (P blocks of count elements each; out of place).
-
-        >>> client.alltoall(tokens_by_expert, out=tokens_for_me)
-        """
-        return self._blocking(lambda: self.alltoall_async(x, out, algorithm, timeout, name), timeout)
+    def barrier_async(self, timeout: float | None = None, name: str = "") -> Future:
+        return self._start("barrier", None, None, timeout=timeout, name=name)
 
     def send_async(self, x, dst: int, tag: int = 0, timeout: float | None = None) -> Future:
         return self._p2p.send(x, dst, tag, timeout)
 
-    def send(self, x, dst: int, tag: int = 0, timeout: float | None = None) -> None:
-        """Send ``x`` to rank ``dst``; returns once ``dst`` received it (its recv with the
-        same tag, the same count and dtype). Messages keep their order per (source,
-        destination, tag); another tag never waits on this one.
-
-        >>> client.send(activations, dst=client.rank + 1)
-        """
-        self._wait(self.send_async(x, dst, tag, timeout), timeout)
-
     def recv_async(self, x, src: int, tag: int = 0, timeout: float | None = None) -> Future:
         return self._p2p.recv(x, src, tag, timeout)
-
-    def recv(self, x, src: int, tag: int = 0, timeout: float | None = None):
-        """Receive rank ``src``'s message with ``tag`` into ``x`` (as many elements of the
-        same dtype as were sent: another size fails on both sides, naming both counts).
-
-        >>> client.recv(activations, src=client.rank - 1)
-        """
-        return self._wait(self.recv_async(x, src, tag, timeout), timeout)
 
     def recv_any_async(self, x, tag: int = 0, timeout: float | None = None) -> Future:
         """A Future of the sending rank; ``x`` holds its message once it completes."""
         return self.any_source_async(tag, lambda source: self._p2p.recv(x, source, tag, timeout), timeout)
+
+    allreduce = _ops.blocking(allreduce_async)
+    broadcast = _ops.blocking(broadcast_async)
+    reduce = _ops.blocking(reduce_async)
+    allgather = _ops.blocking(allgather_async)
+    reduce_scatter = _ops.blocking(reduce_scatter_async)
+    gather = _ops.blocking(gather_async)
+    scatter = _ops.blocking(scatter_async)
+    alltoall = _ops.blocking(alltoall_async)
+    barrier = _ops.blocking(barrier_async)
+    send = _ops.blocking(send_async)
+    recv = _ops.blocking(recv_async)
+    recv_any = _ops.blocking(recv_any_async)
 
     def any_source_async(
         self, tag: int, issue: Callable[[int], Future | None], timeout: float | None = None
@@ -1233,17 +1038,6 @@ class Client:
             return source, issue(source)
 
         return self._p2p.any_source(tag, receive)
-
-    def recv_any(self, x, tag: int = 0, timeout: float | None = None) -> int:
-        """Receive the next message with ``tag`` from whichever rank sends one (torch's
-        ``recv(src=None)``) into ``x``; returns the sender's rank. Receives from any source
-        match messages in the order they were issued; a receive from a named source issued
-        earlier keeps that source's next message. Fails DEADLINE_EXCEEDED when no message
-        comes within ``timeout``.
-
-        >>> sender = client.recv_any(result)
-        """
-        return cast(int, self._wait(self.recv_any_async(x, tag, timeout), timeout))
 
     def _probe(self, tag: int, timeout: float) -> Future:
         """Ask the daemon which rank's message with ``tag`` comes next (pb.Probe)."""
@@ -1274,13 +1068,6 @@ class Client:
             local_world_size=local,
             rank_nodes=rank_nodes if rank_nodes[0] != rank_nodes[1] else None,
         )
-
-    def barrier_async(self, timeout: float | None = None, name: str = "") -> Future:
-        return self._submit("barrier", None, None, count_of=None, timeout=timeout, name=name)
-
-    def barrier(self, timeout: float | None = None, name: str = "") -> None:
-        """Block until every rank of the job has reached this barrier."""
-        self._blocking(lambda: self.barrier_async(timeout, name), timeout)
 
     def ping(self, timeout: float = 10.0, via: str | None = None) -> None:
         """One empty round trip: on the path collectives take (default), or ``via="grpc"``
