@@ -29,9 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--per-node", type=int, default=2, help="trainers per node (default 2)")
     p.add_argument("--epochs", type=int, default=5, help="epochs (default 5)")
     p.add_argument("--batch", type=int, default=16, help="samples per trainer and step")
-    p.add_argument(
-        "--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9; default 0.05)"
-    )
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9; default 0.05)")
     p.add_argument(
         "--script", type=Path, help="the training script (default examples/train_digits.py of the checkout)"
     )
