@@ -67,7 +67,7 @@ def _pct(values: list[float], q: float) -> float:
 def flood(socket: str, stop) -> None:
     import grpc
 
-    from lpsync._proto import lpsync_pb2 as pb
+    from lpsync_client.wire.proto import lpsync_pb2 as pb
 
     bad = [
         ("Attach", b"\xff\xff\xff\xff"),

@@ -1,46 +1,44 @@
-"""One exception hierarchy for lpsync; the daemon maps each class to a gRPC status code."""
+"""One exception hierarchy for lpsync and its client: the client's (lpsync_client.errors).
+
+The daemon raises the client's classes, so what it answers reaches a user as the same
+class (each maps to one gRPC status code, ``.code``); the classes below are the daemon's
+own, raised on this machine (configuration, the emulated cluster, the simulator) and
+never answered over the wire.
+"""
 
 from __future__ import annotations
 
+from lpsync_client.errors import (
+    AbortedError,
+    AlreadyExistsError,
+    CollectiveTimeoutError,
+    InvalidArgumentError,
+    LpsyncError,
+    MismatchError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+    UnimplementedError,
+)
 
-class LpsyncError(Exception):
-    """Root of every error lpsync raises on purpose."""
-
-    code = "UNKNOWN"
-
-
-class InvalidArgumentError(LpsyncError, ValueError):
-    """A request that can never succeed as given (bad size, dtype, op or root)."""
-
-    code = "INVALID_ARGUMENT"
-
-
-class MismatchError(InvalidArgumentError):
-    """Participants called the same collective with different op/count/dtype/root/reduce-op."""
-
-
-class CollectiveTimeoutError(LpsyncError, TimeoutError):
-    """A participant or a message did not arrive before the collective's timeout."""
-
-    code = "DEADLINE_EXCEEDED"
-
-
-class AbortedError(LpsyncError):
-    """The collective was abandoned because another participant failed."""
-
-    code = "ABORTED"
-
-
-class UnavailableError(LpsyncError):
-    """A peer (daemon or link) needed by the collective is gone."""
-
-    code = "UNAVAILABLE"
-
-
-class UnauthenticatedError(LpsyncError):
-    """A peer without the cluster secret, or a client without the daemon's token."""
-
-    code = "UNAUTHENTICATED"
+__all__ = [
+    "AbortedError",
+    "AlreadyExistsError",
+    "ClusterError",
+    "CollectiveTimeoutError",
+    "ConfigError",
+    "InvalidArgumentError",
+    "LpsyncError",
+    "MismatchError",
+    "NotFoundError",
+    "ResourceExhaustedError",
+    "ScheduleError",
+    "SimulationError",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "UnimplementedError",
+]
 
 
 class ConfigError(InvalidArgumentError):
@@ -63,27 +61,3 @@ class ScheduleError(LpsyncError):
     """A generated schedule is malformed (unmatched messages, size mismatch)."""
 
     code = "INTERNAL"
-
-
-class NotFoundError(LpsyncError):
-    """A handle, session or job that the daemon does not know (or no longer knows)."""
-
-    code = "NOT_FOUND"
-
-
-class AlreadyExistsError(LpsyncError):
-    """A second attach of a (job, rank) that is already attached."""
-
-    code = "ALREADY_EXISTS"
-
-
-class ResourceExhaustedError(LpsyncError):
-    """A request beyond a limit: buffer size, per-session bytes, shared memory."""
-
-    code = "RESOURCE_EXHAUSTED"
-
-
-class UnimplementedError(LpsyncError):
-    """A request this build cannot serve yet (another device kind, several nodes)."""
-
-    code = "UNIMPLEMENTED"

@@ -6,7 +6,7 @@
 # Env: GPU_WHEELS_DIR (default .gpu-wheels), GPU_WHEELS_PYTHON (default 3.12),
 #      GPU_WHEELS_ARCH (default x86_64; aarch64 for Grace machines: GH200, GB200).
 # The image is expected to hold numpy, ml_dtypes, cupy, prometheus-client and pytest; what
-# it lacks or holds too old is the gRPC stack: the generated code in lpsync/_proto names
+# it lacks or holds too old is the gRPC stack: the generated code in clients/python/lpsync_client/wire/proto names
 # the grpcio and protobuf it needs at least, and those versions are fetched (the list
 # below is GPU_CHECK_WHEEL_PACKAGES in gpu_check.sh: tests/test_gpu_preflight.py).
 set -euo pipefail
@@ -15,9 +15,9 @@ dest=${GPU_WHEELS_DIR:-.gpu-wheels}
 version=${GPU_WHEELS_PYTHON:-3.12}
 arch=${GPU_WHEELS_ARCH:-x86_64}
 
-grpc=$(sed -n "s/^GRPC_GENERATED_VERSION = '\(.*\)'/\1/p" lpsync/_proto/lpsync_pb2_grpc.py)
-protobuf=$(sed -n 's/^# Protobuf Python Version: \(.*\)/\1/p' lpsync/_proto/lpsync_pb2.py)
-[ -n "$grpc" ] && [ -n "$protobuf" ] || { echo "gpu_wheels: cannot read the versions from lpsync/_proto" >&2; exit 1; }
+grpc=$(sed -n "s/^GRPC_GENERATED_VERSION = '\(.*\)'/\1/p" clients/python/lpsync_client/wire/proto/lpsync_pb2_grpc.py)
+protobuf=$(sed -n 's/^# Protobuf Python Version: \(.*\)/\1/p' clients/python/lpsync_client/wire/proto/lpsync_pb2.py)
+[ -n "$grpc" ] && [ -n "$protobuf" ] || { echo "gpu_wheels: cannot read the versions from clients/python/lpsync_client/wire/proto" >&2; exit 1; }
 
 mkdir -p "$dest"
 platforms=()

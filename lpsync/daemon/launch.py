@@ -54,8 +54,8 @@ def status(socket: str, recent: int = 20, token: str = "", timeout: float = 5.0,
     """The daemon's StatusResponse (sessions, jobs, the flight recorder)."""
     import grpc
 
-    from lpsync._proto import lpsync_pb2 as pb
-    from lpsync._proto import lpsync_pb2_grpc as pb_grpc
+    from lpsync_client.wire.proto import lpsync_pb2 as pb
+    from lpsync_client.wire.proto import lpsync_pb2_grpc as pb_grpc
 
     metadata = [("authorization", f"Bearer {token}")] if token else None
     with grpc.insecure_channel(f"unix:{socket}") as channel:

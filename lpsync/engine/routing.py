@@ -22,18 +22,9 @@ import numpy as np
 from lpsync.engine.endpoint import Endpoint, RecvRequest, SendRequest
 from lpsync.errors import InvalidArgumentError
 from lpsync.transport.mesh import Channel
+from lpsync.transport.tags import FOLD_SHIFT, MAX_PARTICIPANTS, MESSAGE_BITS, fold
 
-# Folded tag: message tag (40 bits) | sender (12 bits) | receiver (12 bits) = 64 bits,
-# the width of a UCX tag.
-RANK_BITS, TAG_BITS = 12, 40
-MAX_PARTICIPANTS = 1 << RANK_BITS
-_MAX_TAG = 1 << TAG_BITS
-
-
-def fold(src: int, dst: int, tag: int) -> int:
-    if tag >= _MAX_TAG:
-        raise InvalidArgumentError(f"message tag {tag} does not fit in {TAG_BITS} bits")
-    return (tag << 2 * RANK_BITS) | (src << RANK_BITS) | dst
+_MAX_TAG = 1 << MESSAGE_BITS  # a message tag above the folded ranks (lpsync.transport.tags)
 
 
 @dataclass(frozen=True)
@@ -90,7 +81,7 @@ class RoutedEndpoint:
             return self._local.send(peer, tag, data)
         if tag >= _MAX_TAG:
             fold(self.rank, peer, tag)  # raises, naming the tag
-        return self._remote.send(node, (tag << 2 * RANK_BITS) | self._to_bits[peer], data)
+        return self._remote.send(node, (tag << FOLD_SHIFT) | self._to_bits[peer], data)
 
     def recv_into(self, peer: int, tag: int, out: np.ndarray, deadline: float) -> None:
         if self._is_local(peer):
@@ -106,7 +97,7 @@ class RoutedEndpoint:
             return None
         if tag >= _MAX_TAG:
             fold(peer, self.rank, tag)  # raises, naming the tag
-        return post(node, (tag << 2 * RANK_BITS) | self._from_bits[peer], out)  # type: ignore[no-any-return]
+        return post(node, (tag << FOLD_SHIFT) | self._from_bits[peer], out)  # type: ignore[no-any-return]
 
     def channel(self, peer: int) -> Channel | None:
         """A peer on another node: the node-level transport's Channel to its node, with
@@ -119,7 +110,7 @@ class RoutedEndpoint:
         if remote is None:
             return None
         return dataclasses.replace(
-            remote, shift=2 * RANK_BITS, send_bits=self._to_bits[peer], recv_bits=self._from_bits[peer]
+            remote, shift=FOLD_SHIFT, send_bits=self._to_bits[peer], recv_bits=self._from_bits[peer]
         )
 
     def abort(self, error: BaseException) -> None:

@@ -262,7 +262,7 @@ class CudaKind:
             )
 
     def uuid(self, device: int) -> bytes:
-        from lpsync_client._cuda import device_uuid  # the driver's cuDeviceGetUuid
+        from lpsync_client.wire import device_uuid  # the driver's cuDeviceGetUuid
 
         return device_uuid(device)
 

@@ -39,8 +39,6 @@ from lpsync.transport.addresses import PeerAddress
 
 log = logging.getLogger("lpsync.mesh")
 
-GOODBYE = (1 << 64) - 1  # a control tag no caller uses (peer_plane's kinds stop below 127)
-
 
 @dataclass(frozen=True)
 class MeshOptions:

@@ -21,7 +21,7 @@ import pytest
 
 import lpsync_client
 from lpsync_client import _device, emulated
-from lpsync_client._proto import lpsync_pb2 as pb
+from lpsync_client.wire.proto import lpsync_pb2 as pb
 from tests.daemon.harness import DaemonProcess
 
 torch = pytest.importorskip("torch")

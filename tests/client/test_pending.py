@@ -11,8 +11,8 @@ from concurrent.futures import CancelledError, wait
 import pytest
 
 from lpsync_client._pending import Call, Latch, PendingRequests
-from lpsync_client._proto import lpsync_pb2 as pb
 from lpsync_client.errors import UnavailableError
+from lpsync_client.wire.proto import lpsync_pb2 as pb
 
 
 def _submitted(table: PendingRequests, hook=lambda r: r.result.code) -> tuple[Call, list]:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from lpsync_client._proto import lpsync_pb2 as pb
 from lpsync_client._trigger import TriggerStream
 from lpsync_client.errors import ResourceExhaustedError, UnavailableError
+from lpsync_client.wire.proto import lpsync_pb2 as pb
 
 
 class ScriptedDaemon:

@@ -156,7 +156,7 @@ def under_another_ordinal(rank: int, socket: str, framework: str = "emulated") -
     Then a handle whose UUID names no GPU of the daemon: refused, not mapped somewhere."""
     import dataclasses
 
-    import lpsync_client.client as client_module
+    import lpsync_client._operands as client_module  # where device arrays are described
     from lpsync_client.wire import split_device_uuid, with_device_uuid
 
     real = client_module.describe

@@ -20,8 +20,8 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from hypothesis import strategies as st
 
-from lpsync._proto import lpsync_pb2 as pb
-from lpsync._proto import lpsync_pb2_grpc as pb_grpc
+from lpsync_client.wire.proto import lpsync_pb2 as pb
+from lpsync_client.wire.proto import lpsync_pb2_grpc as pb_grpc
 
 F = FieldDescriptor
 SERVICE = pb.DESCRIPTOR.services_by_name["LpSync"]

@@ -83,7 +83,7 @@ def shm_segments(pid: int | None = None) -> list[str]:
 # two of imports, which was a large share of the suite's CPU on 2 cores. The server only
 # imports (no threads, no channels), so forking from it is safe; each child takes the
 # test's environment and working directory as a spawned one would.
-_PRELOAD = ["numpy", "grpc", "lpsync_client", "torch", "lpsync_client.torch", "tests.daemon.harness"]
+_PRELOAD = ["numpy", "grpc", "lpsync_client.client", "torch", "lpsync_client.torch", "tests.daemon.harness"]
 
 
 @functools.cache

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from lpsync._proto import lpsync_pb2 as pb
+from lpsync_client.wire.proto import lpsync_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["LpSync"]
 # Codes a request may never get back, whatever it held (DESIGN.md's error table).

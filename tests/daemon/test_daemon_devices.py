@@ -152,7 +152,7 @@ def test_device_buffer_errors(emu, tmp_path):
         with pytest.raises(lpsync_client.InvalidArgumentError, match="device 5"):
             client.register(bad_device)
         # A handle that is not one.
-        from lpsync_client._proto import lpsync_pb2 as pb
+        from lpsync_client.wire.proto import lpsync_pb2 as pb
 
         for handle, error in (
             (b"nonsense", lpsync_client.InvalidArgumentError),
@@ -203,7 +203,7 @@ def test_bad_ready_events_are_refused(emu, monkeypatch):
     with lpsync_client.connect(emu.socket, job="bad-events", rank=0, world_size=1) as client:
         x = emulated.zeros(10, "float32", device=0)
         client.register(x)
-        order = client_module._order_streams
+        order = client_module.order_streams
         for handle, error, match in (
             (b"x" * 100, lpsync_client.InvalidArgumentError, "event handle"),
             (
@@ -222,10 +222,10 @@ def test_bad_ready_events_are_refused(emu, monkeypatch):
                 order(request, operands)
                 request.ready_event = handle
 
-            monkeypatch.setattr(client_module, "_order_streams", garbage)
+            monkeypatch.setattr(client_module, "order_streams", garbage)
             with pytest.raises(error, match=match):
                 client.allreduce(x)
-        monkeypatch.setattr(client_module, "_order_streams", order)
+        monkeypatch.setattr(client_module, "order_streams", order)
         x.host[:] = 2.0
         client.allreduce(x)  # world of one: unchanged, and the daemon still serves
         assert x.host.tolist() == [2.0] * 10

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import lpsync_client
-from lpsync._proto import lpsync_pb2 as pb
-from lpsync._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync.daemon.launch import serving
+from lpsync_client.wire.proto import lpsync_pb2 as pb
+from lpsync_client.wire.proto import lpsync_pb2_grpc as pb_grpc
 from tests.daemon.harness import DaemonProcess, run_ranks, shm_segments
 from tests.daemon.workers import attach_and_wait, isolated, mismatch
 

@@ -33,13 +33,16 @@ from tests.daemon.harness import ROOT, DaemonProcess, shm_segments
 
 def test_generated_code_is_fresh(tmp_path: Path) -> None:
     generate = runpy.run_path(str(ROOT / "protos" / "generate.py"), run_name="lpsync_protos_generate")
-    for committed in generate["TARGETS"].values():
-        fresh = tmp_path / committed.name
-        for path in generate["generate"](fresh):
-            old = committed / path.name
-            assert old.exists() and old.read_text() == path.read_text(), (
-                f"{old} is stale: run python protos/generate.py"
-            )
+    committed = generate["TARGET"]
+    fresh = generate["generate"](tmp_path / "proto")
+    for path in fresh:
+        old = committed / path.name
+        assert old.exists() and old.read_text() == path.read_text(), (
+            f"{old} is stale: run python protos/generate.py"
+        )
+    # One copy, and nothing beside it that the generator no longer writes.
+    assert {p.name for p in committed.iterdir() if p.is_file()} == {p.name for p in fresh}
+    assert not (ROOT / "lpsync" / "_proto").exists()
 
 
 def test_reflection_lists_services(daemon) -> None:

@@ -18,8 +18,8 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from lpsync._proto import lpsync_pb2 as pb
 from lpsync.bench.runner import percentile
+from lpsync_client.wire.proto import lpsync_pb2 as pb
 from tests.daemon.fuzzing import SERVICE, Pool, Stream, Unary, build, cases, substitute
 from tests.daemon.harness import DaemonProcess, shm_segments
 from tests.daemon.probes import FORBIDDEN, health_seconds, usage

@@ -15,14 +15,14 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from lpsync._proto import lpsync_pb2 as pb
-from lpsync._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync.daemon.collectives.agreement import failure_summary
 from lpsync.daemon.control.layout import resolve
 from lpsync.daemon.control.limits import check_rank_nodes
 from lpsync.daemon.values import NodeLayout
 from lpsync.engine.routing import Placement
 from lpsync.errors import InvalidArgumentError, MismatchError, UnimplementedError
+from lpsync_client.wire.proto import lpsync_pb2 as pb
+from lpsync_client.wire.proto import lpsync_pb2_grpc as pb_grpc
 from tests.daemon.harness import DaemonProcess, PeeredDaemons, run_ranks
 from tests.daemon.layout_workers import inline_store_late_reader, one_allreduce, ops, refused
 from tests.ports import free_ports

@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 
 import lpsync_client
-from lpsync._proto import lpsync_pb2 as pb
-from lpsync._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync.daemon.control.layout import Hinted, Unplaced, placed
 from lpsync.daemon.peers import attached
 from lpsync.daemon.peers.attached import REFUSAL_SECONDS, Attached, JobSeen
-from lpsync.daemon.peers.plane import ATTACHED
 from lpsync.daemon.values import NodeLayout
 from lpsync.errors import AbortedError, InvalidArgumentError
+from lpsync.transport.tags import ATTACHED
+from lpsync_client.wire.proto import lpsync_pb2 as pb
+from lpsync_client.wire.proto import lpsync_pb2_grpc as pb_grpc
 from tests.daemon.harness import PeeredDaemons, cli_status, run_ranks
 from tests.daemon.layout_workers import jax_pytree, plain, plain_p2p
 

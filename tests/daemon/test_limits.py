@@ -16,9 +16,9 @@ import grpc
 import pytest
 
 import lpsync_client
-from lpsync._proto import lpsync_pb2 as pb
-from lpsync._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync.daemon.launch import serving
+from lpsync_client.wire.proto import lpsync_pb2 as pb
+from lpsync_client.wire.proto import lpsync_pb2_grpc as pb_grpc
 from tests.daemon.harness import ROOT, DaemonProcess, shm_segments
 from tests.daemon.probes import SERVICE, health_seconds, raw_stream, raw_unary, usage
 

@@ -22,8 +22,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import lpsync_client
-from lpsync._proto import lpsync_pb2 as pb
 from lpsync.daemon import launch
+from lpsync_client.wire.proto import lpsync_pb2 as pb
 from tests.daemon.harness import ROOT, DaemonProcess, cli_status, run_ranks, shm_segments
 from tests.daemon.security_workers import allreduces, as_user
 from tests.ports import free_ports

@@ -12,10 +12,11 @@ import pytest
 
 from lpsync.algorithms import Kind, generate
 from lpsync.engine.group import LocalGroup, layout
-from lpsync.engine.routing import Placement, fold
+from lpsync.engine.routing import Placement
 from lpsync.errors import CollectiveTimeoutError, InvalidArgumentError
 from lpsync.reduction import Reduction
 from lpsync.transport.inproc import InprocFabric
+from lpsync.transport.tags import fold
 from lpsync.types import Collective, ReduceOp
 from tests.collective_cases import (
     OPS_ALGS,

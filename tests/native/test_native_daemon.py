@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import lpsync_client
-from lpsync._proto import lpsync_pb2 as pb
 from lpsync.native import engine as native_engine
+from lpsync_client.wire.proto import lpsync_pb2 as pb
 from tests.collective_cases import check_case_results, every_case
 from tests.daemon.harness import DaemonProcess, cli_status, run_ranks, shm_segments
 from tests.native import workers

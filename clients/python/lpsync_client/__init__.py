@@ -10,7 +10,11 @@ Blocking calls: allreduce, broadcast, reduce, allgather, reduce_scatter, gather,
 alltoall, barrier; each has an ``*_async`` twin returning a concurrent.futures.Future.
 """
 
-from lpsync_client.client import Client, DeviceRegistered, Registered, connect
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from lpsync_client.errors import (
     AbortedError,
     AlreadyExistsError,
@@ -26,6 +30,21 @@ from lpsync_client.errors import (
     UnimplementedError,
 )
 from lpsync_client.wire import DEFAULT_SOCKET
+
+if TYPE_CHECKING:
+    from lpsync_client.client import Client, DeviceRegistered, Registered, connect
+
+_CLIENT = frozenset({"Client", "DeviceRegistered", "Registered", "connect"})
+
+
+def __getattr__(name: str) -> Any:
+    """The client's names, imported on first use: the daemon imports this package for its
+    contract (wire, errors, futex) and needs neither numpy nor grpc for that."""
+    if name in _CLIENT or name == "client":
+        client = importlib.import_module("lpsync_client.client")  # (a from-import would ask here again)
+        return client if name == "client" else getattr(client, name)
+    raise AttributeError(f"module 'lpsync_client' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 __all__ = [
@@ -47,3 +66,7 @@ __all__ = [
     "UnimplementedError",
     "connect",
 ]
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_CLIENT})

@@ -25,7 +25,6 @@ for good: the caller cannot release it from a session it never sees.
 from __future__ import annotations
 
 import contextlib
-import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,20 +32,7 @@ from typing import Any
 
 from lpsync_client._device import is_device_array
 from lpsync_client.errors import InvalidArgumentError, LpsyncError, UnavailableError
-
-MAX_TAG = 1 << 31  # torch's tags are int32
-_PAIR = re.compile(r"(?P<job>.+)/p2p/(?P<src>\d+)>(?P<dst>\d+)/(?P<tag>\d+)")
-
-
-def pair_job(job: str, src: int, dst: int, tag: int) -> str:
-    """The two-rank job of messages from ``src`` to ``dst`` with ``tag`` in ``job``."""
-    return f"{job}/p2p/{src}>{dst}/{tag}"
-
-
-def parse_pair(name: str) -> tuple[str, int, int, int] | None:
-    """(job, src, dst, tag) of a pair job's name; None for any other job."""
-    m = _PAIR.fullmatch(name)
-    return None if m is None else (m["job"], int(m["src"]), int(m["dst"]), int(m["tag"]))
+from lpsync_client.wire.pairs import MAX_TAG, pair_job
 
 
 class PairJobs:

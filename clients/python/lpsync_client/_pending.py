@@ -10,8 +10,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from lpsync_client._proto import lpsync_pb2 as pb
 from lpsync_client.errors import LpsyncError, UnavailableError
+from lpsync_client.wire.proto import lpsync_pb2 as pb
 
 Hook = Callable[[pb.SessionResponse], object]
 

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import grpc
 
 from lpsync_client._pending import Call, Hook, PendingRequests
-from lpsync_client._proto import lpsync_pb2 as pb
 from lpsync_client.errors import LpsyncError, UnavailableError, from_rpc_error
+from lpsync_client.wire.proto import lpsync_pb2 as pb
 
 
 class SessionStream:

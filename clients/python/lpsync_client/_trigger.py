@@ -24,8 +24,8 @@ import threading
 import time
 
 from lpsync_client._pending import Call, Hook, PendingRequests
-from lpsync_client._proto import lpsync_pb2 as pb
 from lpsync_client.errors import LpsyncError, UnavailableError, from_status
+from lpsync_client.wire.proto import lpsync_pb2 as pb
 
 MAX_PACKET = 1 << 16
 

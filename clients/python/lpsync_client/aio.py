@@ -14,8 +14,26 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
 
+from lpsync_client import _ops
 from lpsync_client import client as _sync
+
+
+def _awaitable(name: str) -> Callable[..., asyncio.Future]:
+    """Collective ``name`` as an asyncio Future: the sync client's ``<name>_async``, its
+    parameters and the table's docstring."""
+    start = getattr(_sync.Client, f"{name}_async")
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> asyncio.Future:
+        return asyncio.wrap_future(getattr(self.sync, start.__name__)(*args, **kwargs))
+
+    call.__name__, call.__qualname__ = name, f"Client.{name}"
+    call.__doc__ = inspect.cleandoc(_ops.OPS[name].doc)
+    call.__signature__ = inspect.signature(start).replace(return_annotation="asyncio.Future")  # type: ignore[attr-defined]
+    return call
 
 
 class Client:
@@ -37,32 +55,16 @@ class Client:
     def release(self, x) -> None:
         self.sync.release(x)
 
-    def allreduce(self, *args, **kwargs) -> asyncio.Future:
-        return asyncio.wrap_future(self.sync.allreduce_async(*args, **kwargs))
-
-    def broadcast(self, *args, **kwargs) -> asyncio.Future:
-        return asyncio.wrap_future(self.sync.broadcast_async(*args, **kwargs))
-
-    def reduce(self, *args, **kwargs) -> asyncio.Future:
-        return asyncio.wrap_future(self.sync.reduce_async(*args, **kwargs))
-
-    def allgather(self, *args, **kwargs) -> asyncio.Future:
-        return asyncio.wrap_future(self.sync.allgather_async(*args, **kwargs))
-
-    def reduce_scatter(self, *args, **kwargs) -> asyncio.Future:
-        return asyncio.wrap_future(self.sync.reduce_scatter_async(*args, **kwargs))
-
-    def gather(self, *args, **kwargs) -> asyncio.Future:
-        return asyncio.wrap_future(self.sync.gather_async(*args, **kwargs))
-
-    def scatter(self, *args, **kwargs) -> asyncio.Future:
-        return asyncio.wrap_future(self.sync.scatter_async(*args, **kwargs))
-
-    def alltoall(self, *args, **kwargs) -> asyncio.Future:
-        return asyncio.wrap_future(self.sync.alltoall_async(*args, **kwargs))
-
-    def barrier(self, *args, **kwargs) -> asyncio.Future:
-        return asyncio.wrap_future(self.sync.barrier_async(*args, **kwargs))
+    # The collectives of lpsync_client.Client (_ops.OPS), each submitted at once.
+    allreduce = _awaitable("allreduce")
+    broadcast = _awaitable("broadcast")
+    reduce = _awaitable("reduce")
+    allgather = _awaitable("allgather")
+    reduce_scatter = _awaitable("reduce_scatter")
+    gather = _awaitable("gather")
+    scatter = _awaitable("scatter")
+    alltoall = _awaitable("alltoall")
+    barrier = _awaitable("barrier")
 
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.sync.close)

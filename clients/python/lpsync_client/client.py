@@ -31,27 +31,23 @@ from typing import Any, cast
 import grpc
 import numpy as np
 
-from lpsync_client import doorbell, layout
-from lpsync_client._convert import as_numpy, numpy_dtype
-from lpsync_client._device import DeviceOperand, describe, is_device_array
+from lpsync_client import _ops, doorbell, layout
+from lpsync_client._operands import Buffers, DeviceRegistered, Operand, Registered, order_streams
 from lpsync_client._order import InFlight, array_spans
 from lpsync_client._p2p import PairJobs
 from lpsync_client._pending import Call, Latch
-from lpsync_client._proto import lpsync_pb2 as pb
-from lpsync_client._proto import lpsync_pb2_grpc as pb_grpc
-from lpsync_client._shm import Mapping
 from lpsync_client._stream import SessionStream
 from lpsync_client._trigger import TriggerStream
-from lpsync_client.emulated import DeviceArrayInfo
 from lpsync_client.errors import (
     CollectiveTimeoutError,
     InvalidArgumentError,
     LpsyncError,
     UnavailableError,
-    from_rpc_error,
     from_status,
 )
 from lpsync_client.wire import DEFAULT_SOCKET
+from lpsync_client.wire.proto import lpsync_pb2 as pb
+from lpsync_client.wire.proto import lpsync_pb2_grpc as pb_grpc
 
 DEFAULT_TIMEOUT = 300.0
 _STATES = {pb.INTACT: "INTACT", pb.PARTIAL: "PARTIAL"}
@@ -61,13 +57,6 @@ _STATES = {pb.INTACT: "INTACT", pb.PARTIAL: "PARTIAL"}
 # (docs/benchmarks.md at 623decd, 2026-12-06). Never leaves the client.
 _ANSWERED: Future = Future()
 _ANSWERED.set_result(None)
-_SCRATCH_KEEP = 8  # staging segments kept for reuse by unregistered arrays
-
-
-@dataclass
-class _Segment:
-    handle: int
-    mapping: Mapping
 
 
 @dataclass(frozen=True)
@@ -77,119 +66,6 @@ class _Armed:
     page: str
     plan: int
     generation: int
-
-
-class Registered:
-    """A tensor of yours staged through a daemon segment: copied in before each collective
-    that reads it, copied back after each that writes it. Made by Client.register()."""
-
-    def __init__(
-        self, client: Client, source: np.ndarray, dtype: str, segment: _Segment, original: object
-    ) -> None:
-        self.client, self.source, self.dtype, self.original = client, source, dtype, original
-        self.segment = segment
-        self.staging = segment.mapping.array[: source.nbytes].view(source.dtype)
-
-    @property
-    def handle(self) -> int:
-        return self.segment.handle
-
-    def release(self) -> None:
-        self.client.release(self)
-
-
-class DeviceRegistered:
-    """A span of device memory the daemon has opened (through CUDA IPC, or the emulated
-    device's equivalent); collectives on it run on the daemon's streams, no copies. Holds
-    the user's array, so the allocation stays alive while registered. Made by
-    Client.register() (or on first use of an unregistered device array)."""
-
-    def __init__(self, client: Client, operand: DeviceOperand, handle: int, hold: bool = True) -> None:
-        self.client, self.handle, self.info = client, handle, operand.info
-        # hold=False (the framework adapters): the array is not kept alive; a finalizer
-        # releases this registration once it is collected (Client.register). Its memory
-        # is (the storage, not the array): the daemon maps it until the release, and
-        # CUDA leaves a cudaFree before the daemon's cudaIpcCloseMemHandle undefined.
-        self.operand: DeviceOperand | None = operand if hold else None
-        self.original = operand.keep if hold else None
-        self.sync = operand.sync if hold else None  # (a bound method would hold the array)
-        self.memory = operand.memory
-
-    @property
-    def size(self) -> int:
-        return self.info.count
-
-    def covers(self, info: DeviceArrayInfo) -> bool:
-        mine = self.info
-        return (
-            (mine.kind, mine.device, mine.handle) == (info.kind, info.device, info.handle)
-            and mine.offset <= info.offset
-            and info.offset + info.nbytes <= mine.offset + mine.nbytes
-        )
-
-    def release(self) -> None:
-        self.client.release(self)
-
-
-@dataclass
-class _Sized:
-    size: int
-
-
-@dataclass
-class _Operand:
-    ref: pb.BufferRef
-    array: np.ndarray | _Sized  # the 1-D typed view the daemon reads/writes; its size
-    dtype: str
-    copy_in: tuple[np.ndarray, np.ndarray] | None = None  # (staging, source) pairs to copy before / after
-    copy_out: tuple[np.ndarray, np.ndarray] | None = None
-    scratch: _Segment | None = None
-    device: DeviceOperand | None = None  # a device array: its stream is ordered in _submit
-
-
-def _release_later(client_ref: weakref.ref, handle: int) -> None:
-    """A hold=False registration's array was collected: queue its release (Client._reap)."""
-    client = client_ref()
-    if client is not None:
-        client._dead.put(handle)
-
-
-def _reap_forever(dead: queue.SimpleQueue, client_ref: weakref.ref) -> None:
-    """The reaper thread: releases hold=False registrations as their arrays go, so their
-    memory returns to the allocator within one Release call of the array's death (a
-    gradient dropped by zero_grad(set_to_none=True) is not held into the next backward).
-    A threading.Event in the queue is set once everything queued before it is released."""
-    while True:
-        item = dead.get()
-        if item is None:
-            return
-        if isinstance(item, threading.Event):
-            item.set()
-            continue
-        client = client_ref()
-        if client is None:
-            return
-        with contextlib.suppress(Exception):  # a closed channel: the session's end frees it
-            client._release_dead(item)
-        del client
-
-
-def _order_streams(request: pb.CollectiveRequest, operands: list[_Operand]) -> None:
-    """Device buffers: the input's current stream is ordered by an interprocess event the
-    daemon's streams wait on (no host wait); an output on another device (or without IPC
-    events) waits on the host."""
-    first = operands[0].device
-    assert first is not None
-    request.ready_event = first.order()
-    for other in operands[1:]:
-        d = other.device
-        if d is not None and not (
-            request.ready_event
-            and d.ready is not None
-            and d.info.kind == first.info.kind
-            and d.info.device == first.info.device
-        ):
-            d.sync()
 
 
 def _copy(message: pb.SessionRequest) -> pb.SessionRequest:
@@ -226,7 +102,7 @@ def _plain(result: object, response: pb.SessionResponse) -> object:
     return result
 
 
-class Client:
+class Client(Buffers):
     """One attached rank. Prefer :func:`connect`, which reads torchrun's environment.
     ``node`` is the daemon it attached to (node rank, node count, cluster); ``rank_nodes``
     the node of every rank when they were discovered through a store (else None)."""
@@ -262,13 +138,10 @@ class Client:
         else:
             self._channel = grpc.insecure_channel(f"unix:{socket or DEFAULT_SOCKET}")
         self._stub = pb_grpc.LpSyncStub(self._channel)
-        self._segments: dict[int, _Segment] = {}
-        self._device: dict[int, DeviceRegistered] = {}  # device registrations by handle
-        # Handles of hold=False registrations whose array died (a finalizer may run inside
-        # any locked region of this thread: a queue, not self._lock).
-        self._dead: queue.SimpleQueue[int | threading.Event | None] = queue.SimpleQueue()
-        self._reaper: threading.Thread | None = None  # started by the first hold=False registration
-        self._scratch: dict[int, list[_Segment]] = {}
+        # Buffers and registrations (_operands.py, which documents each).
+        self._segments, self._device, self._scratch = {}, {}, {}
+        self._dead = queue.SimpleQueue()
+        self._reaper = None
         self._lock = threading.Lock()
         # .foreground: this thread's next request is waited at once (a blocking call);
         # .answer_here: its next request is answered on it if it can be (answer_next_here).
@@ -369,270 +242,6 @@ class Client:
             raise
 
     # -- plumbing --------------------------------------------------------------------------
-    def _call(self, method, request, timeout: float | None = 30.0):
-        try:
-            return method(request, timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from None
-
-    def _map(self, buffer: pb.Buffer) -> _Segment:
-        segment = _Segment(buffer.handle, Mapping(buffer.shm_name, buffer.nbytes))
-        with self._lock:
-            self._segments[buffer.handle] = segment
-        return segment
-
-    def _find(self, array: np.ndarray) -> tuple[_Segment, int] | None:
-        address = array.__array_interface__["data"][0]
-        with self._lock:
-            for segment in self._segments.values():
-                if segment.mapping.contains(address, array.nbytes):
-                    return segment, address - segment.mapping.base
-        return None
-
-    # -- buffers ---------------------------------------------------------------------------
-    def empty(self, shape: int | Sequence[int], dtype: str | np.dtype = "float32") -> np.ndarray:
-        """An uninitialised array in shared memory the daemon maps too (zero copy).
-
-        >>> grads = client.empty((1024, 1024), "float32")
-        """
-        dt = numpy_dtype(np.dtype(dtype).name if not isinstance(dtype, str) else dtype)
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        segment = self._map(
-            self._call(self._stub.Allocate, pb.AllocateRequest(session_id=self.session_id, nbytes=nbytes))
-        )
-        return segment.mapping.array[:nbytes].view(dt).reshape(shape)
-
-    def zeros(self, shape: int | Sequence[int], dtype: str | np.dtype = "float32") -> np.ndarray:
-        """Like :meth:`empty`, filled with zeros."""
-        array = self.empty(shape, dtype)
-        array.fill(0)
-        return array
-
-    def register(self, x: object, *, hold: bool = True) -> Registered | DeviceRegistered:
-        """Stage ``x`` (numpy array, torch CPU tensor, __dlpack__ or buffer-protocol object)
-        through shared memory; pass the result to collectives instead of ``x``.
-
-        Device memory (cupy, torch CUDA, JAX GPU, lpsync_client.emulated) is not staged: the
-        daemon opens the allocation through IPC and works on it in place; collectives then
-        take the array itself or the returned handle.
-
-        >>> h = client.register(torch.zeros(10))
-        >>> client.allreduce(h)          # h.original now holds the sum
-        """
-        if is_device_array(x):
-            self._reap()
-            operand = describe(x)
-            registered = self._register_device(operand, hold)
-            if not hold:
-                try:
-                    if operand.memory is None:  # its memory cannot be held apart from it
-                        raise TypeError
-                    weakref.finalize(x, _release_later, weakref.ref(self), registered.handle)
-                except TypeError:  # held: released with the client (or by the adapter)
-                    registered.operand, registered.original = operand, x
-                else:
-                    self._start_reaper()
-            return registered
-        source, dtype = as_numpy(x)
-        buffer = self._call(
-            self._stub.Register,
-            pb.RegisterRequest(session_id=self.session_id, nbytes=source.nbytes, device="cpu"),
-        )
-        return Registered(self, source, dtype, self._map(buffer), x)
-
-    def _start_reaper(self) -> None:
-        with self._lock:
-            if self._reaper is not None or self._closed:
-                return
-            self._reaper = threading.Thread(
-                target=_reap_forever,
-                args=(self._dead, weakref.ref(self)),
-                name="lpsync-client-reaper",
-                daemon=True,
-            )
-        self._reaper.start()
-
-    def _reap(self, wait: bool = False) -> None:
-        """Release the registrations whose arrays were collected (queued by finalizers,
-        which must not call the daemon from whatever thread the GC runs in): the reaper
-        thread does once started (``wait``: until what is queued now is released), else
-        this thread. Each holds its memory until released: it goes back to the allocator
-        only once the daemon answered the release, having closed its mapping."""
-        if self._reaper is not None:
-            if wait and self._reaper.is_alive():
-                flushed = threading.Event()
-                self._dead.put(flushed)
-                flushed.wait(self.timeout)
-            return
-        dead = []
-        with contextlib.suppress(queue.Empty):
-            while True:
-                item = self._dead.get_nowait()
-                if isinstance(item, int):
-                    dead.append(item)
-        for handle in dead:
-            self._release_dead(handle)
-
-    def _release_dead(self, handle: int) -> None:
-        with self._lock:
-            if self._closed:  # close() detaches, then drops every registration and its memory
-                return
-            registered = self._device.pop(handle, None)
-        if registered is not None:
-            with contextlib.suppress(LpsyncError):
-                self._call(self._stub.Release, pb.ReleaseRequest(session_id=self.session_id, handle=handle))
-        del registered  # its memory goes now: the daemon has closed its mapping
-
-    def device_registrations(self) -> int:
-        """Device spans registered now (after releasing those of collected arrays)."""
-        self._reap(wait=True)
-        with self._lock:
-            return len(self._device)
-
-    def ensure_registered(self, x: object) -> DeviceRegistered | None:
-        """Register device array ``x``'s span unless a registration covers it already
-        (hold=False: released once the array is collected). Returns a registration the
-        caller must release after its collective: one that had to hold the array (not
-        weakly referenceable), which would otherwise live as long as the client."""
-        self._reap()
-        info = describe(x).info
-        with self._lock:
-            covered = any(r.covers(info) for r in self._device.values())
-        if covered:
-            return None
-        registered = self.register(x, hold=False)
-        assert isinstance(registered, DeviceRegistered)
-        return registered if registered.original is not None else None
-
-    def _register_device(self, operand: DeviceOperand, hold: bool = True) -> DeviceRegistered:
-        info = operand.info
-        buffer = self._call(
-            self._stub.Register,
-            pb.RegisterRequest(
-                session_id=self.session_id,
-                nbytes=info.nbytes,
-                device=info.kind,
-                device_index=info.device,
-                ipc_handle=info.handle,
-                ipc_offset=info.offset,
-                allocation_bytes=info.allocation_bytes,
-            ),
-        )
-        registered = DeviceRegistered(self, operand, buffer.handle, hold)
-        with self._lock:
-            self._device[buffer.handle] = registered
-        return registered
-
-    def _device_operand(self, x: object) -> _Operand:
-        if isinstance(x, DeviceRegistered):
-            if x.operand is None:
-                raise InvalidArgumentError(
-                    "this registration does not hold its array (register(hold=False)): pass the array itself"
-                )
-            return _Operand(
-                pb.BufferRef(handle=x.handle), _Sized(x.info.count), x.info.dtype, device=x.operand
-            )
-        operand = describe(x)
-        info = operand.info
-        with self._lock:
-            found = next((r for r in self._device.values() if r.covers(info)), None)
-        if found is None:  # first use: registered for good (release(x) gives it back)
-            found = self._register_device(operand)
-        return _Operand(
-            pb.BufferRef(handle=found.handle, offset=info.offset - found.info.offset),
-            _Sized(info.count),
-            info.dtype,
-            device=operand,
-        )
-
-    def release(self, x: object) -> None:
-        """Give a buffer from empty()/zeros()/register() back to the daemon."""
-        if isinstance(x, DeviceRegistered) or (
-            not isinstance(x, Registered | np.ndarray) and is_device_array(x)
-        ):
-            if not isinstance(x, DeviceRegistered):
-                info = describe(x).info
-                with self._lock:
-                    x = next((r for r in self._device.values() if r.covers(info)), None)
-                if x is None:
-                    raise InvalidArgumentError("this device array is not registered")
-            self._call(self._stub.Release, pb.ReleaseRequest(session_id=self.session_id, handle=x.handle))
-            with self._lock:
-                self._device.pop(x.handle, None)
-            return
-        if isinstance(x, Registered):
-            segment = x.segment
-        else:
-            found = self._find(np.asarray(x))
-            if found is None:
-                raise InvalidArgumentError("this array is not in a buffer of this client")
-            segment = found[0]
-        self._call(self._stub.Release, pb.ReleaseRequest(session_id=self.session_id, handle=segment.handle))
-        with self._lock:
-            self._segments.pop(segment.handle, None)
-            self._prepared.clear()  # an address may come back in another segment
-            self._armed.clear()
-        segment.mapping.close()
-
-    def _operand(self, x: object, writes: bool) -> _Operand:
-        if isinstance(x, DeviceRegistered) or (type(x) is not np.ndarray and is_device_array(x)):
-            return self._device_operand(x)
-        if isinstance(x, Registered):
-            return _Operand(
-                pb.BufferRef(handle=x.handle),
-                x.staging.reshape(-1),
-                x.dtype,
-                (x.staging, x.source),
-                (x.staging, x.source) if writes else None,
-            )
-        array, dtype = as_numpy(x)
-        found = self._find(array)
-        if found is not None:
-            segment, offset = found
-            return _Operand(pb.BufferRef(handle=segment.handle, offset=offset), array, dtype)
-        scratch = self._take_scratch(array.nbytes)
-        staging = scratch.mapping.array[: array.nbytes].view(array.dtype)
-        return _Operand(
-            pb.BufferRef(handle=scratch.handle),
-            staging,
-            dtype,
-            (staging, array),
-            (staging, array) if writes else None,
-            scratch,
-        )
-
-    def _take_scratch(self, nbytes: int) -> _Segment:
-        with self._lock:
-            pool = self._scratch.get(nbytes)
-            if pool:
-                return pool.pop()
-        return self._map(
-            self._call(
-                self._stub.Register,
-                pb.RegisterRequest(session_id=self.session_id, nbytes=nbytes, device="cpu"),
-            )
-        )
-
-    def _give_scratch(self, segment: _Segment) -> None:
-        with self._lock:
-            pool = self._scratch.setdefault(segment.mapping.nbytes, [])
-            if sum(len(p) for p in self._scratch.values()) < _SCRATCH_KEEP:
-                pool.append(segment)
-                return
-        # The session may be gone already; then the daemon has freed the segment.
-        with contextlib.suppress(Exception):
-            self.release_handle(segment.handle)
-
-    def release_handle(self, handle: int) -> None:
-        self._call(self._stub.Release, pb.ReleaseRequest(session_id=self.session_id, handle=handle))
-        with self._lock:
-            segment = self._segments.pop(handle, None)
-            self._prepared.clear()
-            self._armed.clear()
-        if segment is not None:
-            segment.mapping.close()
-
     # -- collectives -----------------------------------------------------------------------
     def _submit(
         self,
@@ -681,7 +290,7 @@ class Client:
                     call.set_result(written)
                     return call
                 return self._send(_copy(template), functools.partial(_plain, written))
-        operands: list[_Operand] = []
+        operands: list[Operand] = []
         message = pb.SessionRequest()
         request = message.collective
         request.session_id, request.op, request.root = self.session_id, op, root
@@ -712,7 +321,7 @@ class Client:
                     staging, source = operand.copy_in
                     np.copyto(staging, source)
             if operands and operands[0].device is not None:
-                _order_streams(request, operands)
+                order_streams(request, operands)
         except BaseException:
             self._recycle(operands)
             raise
@@ -854,11 +463,6 @@ class Client:
         with contextlib.suppress(LpsyncError):  # the session is gone: nothing waits on it
             self._path.submit(pb.SessionRequest(cancel=pb.Cancel(sequence=sequence)), lambda r: None)
 
-    def _recycle(self, operands: list[_Operand]) -> None:
-        for operand in operands:
-            if operand.scratch is not None:
-                self._give_scratch(operand.scratch)
-
     def _blocking(self, start: Callable[[], Future], timeout: float | None) -> object:
         """``start()`` a collective and wait for it, its reply read on this thread where
         it can be (TriggerStream.settle)."""
@@ -888,18 +492,38 @@ class Client:
                 raise  # the daemon's own timeout error, delivered through the future
             raise CollectiveTimeoutError(f"the daemon did not answer within {bound:g} s") from None
 
-    def _same(self, n: int, m: int | None) -> int:
-        if m is not None and m != n:
-            raise InvalidArgumentError(f"out has {m} elements, the input {n}")
-        return n
+    def _start(
+        self,
+        op: str,
+        x: object | None,
+        out: object | None,
+        root: int = 0,
+        reduce_op: str = "",
+        algorithm: str | None = None,
+        timeout: float | None = None,
+        name: str = "",
+    ) -> Future:
+        """Submit collective ``op`` with its element-count rule from the table (_ops.OPS)."""
+        if op == "gather" and self.rank != root:
+            out = None  # only the root receives: another rank's out is ignored, as in MPI
+        elif op == "scatter" and self.rank != root and out is not None:
+            x, out = out, None  # another rank only receives: into out
+        elif op == "alltoall" and out is None:
+            raise InvalidArgumentError("alltoall runs out of place: pass out (as large as x)")
+        rule = _ops.OPS[op].count
+        return self._submit(
+            op,
+            x,
+            out,
+            count_of=None if rule is None else rule(self.world_size, self.rank, root),
+            root=root,
+            reduce_op=reduce_op,
+            algorithm=algorithm,
+            timeout=timeout,
+            name=name,
+        )
 
-    def _blocks(self, n: int, what: str) -> int:
-        if n % self.world_size:
-            raise InvalidArgumentError(
-                f"{what} has {n} elements, not a multiple of the world size {self.world_size}"
-            )
-        return n // self.world_size
-
+    # Each call: its *_async method here, its blocking twin made from the table (_ops.py).
     def allreduce_async(
         self,
         x,
@@ -910,35 +534,7 @@ class Client:
         name: str = "",
     ) -> Future:
         """Start an allreduce; the Future's result is the output (``out`` or ``x``)."""
-        return self._submit(
-            "allreduce",
-            x,
-            out,
-            count_of=self._same,
-            reduce_op=op,
-            algorithm=algorithm,
-            timeout=timeout,
-            name=name,
-        )
-
-    def allreduce(
-        self,
-        x,
-        op: str = "sum",
-        out=None,
-        algorithm: str | None = None,
-        timeout: float | None = None,
-        name: str = "",
-    ):
-        """Reduce ``x`` over every rank of the job (op: sum, prod, min, max, avg).
-
-        In place unless ``out`` is given (then ``x`` is only read).
-        ``algorithm`` forces one (lp, ring, mst, be, direct); None lets the daemon tune.
-
-        >>> g = client.zeros(4); g[:] = client.rank
-        >>> client.allreduce(g, op="sum")    # every rank: 0 + 1 + ... + (P-1)
-        """
-        return self._blocking(lambda: self.allreduce_async(x, op, out, algorithm, timeout, name), timeout)
+        return self._start("allreduce", x, out, 0, op, algorithm, timeout, name)
 
     def broadcast_async(
         self,
@@ -949,31 +545,7 @@ class Client:
         timeout: float | None = None,
         name: str = "",
     ) -> Future:
-        return self._submit(
-            "broadcast",
-            x,
-            out,
-            count_of=self._same,
-            root=root,
-            algorithm=algorithm,
-            timeout=timeout,
-            name=name,
-        )
-
-    def broadcast(
-        self,
-        x,
-        root: int = 0,
-        out=None,
-        algorithm: str | None = None,
-        timeout: float | None = None,
-        name: str = "",
-    ):
-        """Copy root's ``x`` to every rank (into ``x``, or ``out`` if given).
-
-        >>> client.broadcast(weights, root=0)
-        """
-        return self._blocking(lambda: self.broadcast_async(x, root, out, algorithm, timeout, name), timeout)
+        return self._start("broadcast", x, out, root, "", algorithm, timeout, name)
 
     def reduce_async(
         self,
@@ -985,59 +557,12 @@ class Client:
         timeout: float | None = None,
         name: str = "",
     ) -> Future:
-        return self._submit(
-            "reduce",
-            x,
-            out,
-            count_of=self._same,
-            root=root,
-            reduce_op=op,
-            algorithm=algorithm,
-            timeout=timeout,
-            name=name,
-        )
-
-    def reduce(
-        self,
-        x,
-        root: int = 0,
-        op: str = "sum",
-        out=None,
-        algorithm: str | None = None,
-        timeout: float | None = None,
-        name: str = "",
-    ):
-        """Reduce ``x`` over every rank into root's buffer; other ranks' buffers are untouched.
-
-        >>> client.reduce(loss, root=0, op="avg")
-        """
-        return self._blocking(lambda: self.reduce_async(x, root, op, out, algorithm, timeout, name), timeout)
+        return self._start("reduce", x, out, root, op, algorithm, timeout, name)
 
     def allgather_async(
         self, x, out=None, algorithm: str | None = None, timeout: float | None = None, name: str = ""
     ) -> Future:
-        def count(n: int, m: int | None) -> int:
-            if m is None:  # in place: x is the whole output, this rank's block at rank*count
-                return self._blocks(n, "the allgather buffer")
-            if m != n * self.world_size:
-                raise InvalidArgumentError(f"out must have {n * self.world_size} elements")
-            return n
-
-        return self._submit(
-            "allgather", x, out, count_of=count, algorithm=algorithm, timeout=timeout, name=name
-        )
-
-    def allgather(
-        self, x, out=None, algorithm: str | None = None, timeout: float | None = None, name: str = ""
-    ):
-        """Gather every rank's block into every rank's output.
-
-        Out of place: ``x`` holds this rank's count elements, ``out`` P*count. In place:
-        ``x`` is the P*count output with this rank's block at rank*count.
-
-        >>> out = client.empty(client.world_size * 4); client.allgather(block, out=out)
-        """
-        return self._blocking(lambda: self.allgather_async(x, out, algorithm, timeout, name), timeout)
+        return self._start("allgather", x, out, 0, "", algorithm, timeout, name)
 
     def reduce_scatter_async(
         self,
@@ -1048,39 +573,7 @@ class Client:
         timeout: float | None = None,
         name: str = "",
     ) -> Future:
-        def count(n: int, m: int | None) -> int:
-            c = self._blocks(n, "the reduce_scatter input")
-            if m is not None and m != c:
-                raise InvalidArgumentError(f"out must have {c} elements")
-            return c
-
-        return self._submit(
-            "reduce_scatter",
-            x,
-            out,
-            count_of=count,
-            reduce_op=op,
-            algorithm=algorithm,
-            timeout=timeout,
-            name=name,
-        )
-
-    def reduce_scatter(
-        self,
-        x,
-        op: str = "sum",
-        out=None,
-        algorithm: str | None = None,
-        timeout: float | None = None,
-        name: str = "",
-    ):
-        """Reduce the P*count input over ranks; rank r gets block r (into ``out``, or in
-        place into x[r*count:(r+1)*count]).
-
-        >>> mine = client.empty(n // client.world_size); client.reduce_scatter(x, out=mine)
-        """
-        start = self.reduce_scatter_async
-        return self._blocking(lambda: start(x, op, out, algorithm, timeout, name), timeout)
+        return self._start("reduce_scatter", x, out, 0, op, algorithm, timeout, name)
 
     def gather_async(
         self,
@@ -1091,41 +584,7 @@ class Client:
         timeout: float | None = None,
         name: str = "",
     ) -> Future:
-        if self.rank != root:
-            out = None  # only the root receives: another rank's out is ignored, as in MPI
-
-        def count(n: int, m: int | None) -> int:
-            if self.rank != root:
-                return n
-            if m is None:  # in place: x is the whole output, the root's block at root*count
-                return self._blocks(n, "the gather buffer")
-            if m != n * self.world_size:
-                raise InvalidArgumentError(f"out must have {n * self.world_size} elements")
-            return n
-
-        return self._submit(
-            "gather", x, out, count_of=count, root=root, algorithm=algorithm, timeout=timeout, name=name
-        )
-
-    def gather(
-        self,
-        x,
-        root: int = 0,
-        out=None,
-        algorithm: str | None = None,
-        timeout: float | None = None,
-        name: str = "",
-    ):
-        """Gather every rank's block ``x`` into the root's output, in rank order.
-
-        At the root: ``out`` of P*count elements, or in place ``x`` is the P*count output
-        holding the root's block at root*count. Other ranks pass their count elements;
-        their ``out`` is ignored.
-
-        >>> everything = client.empty(client.world_size * 4) if client.rank == 0 else None
-        >>> client.gather(mine, root=0, out=everything)
-        """
-        return self._blocking(lambda: self.gather_async(x, root, out, algorithm, timeout, name), timeout)
+        return self._start("gather", x, out, root, "", algorithm, timeout, name)
 
     def scatter_async(
         self,
@@ -1136,88 +595,38 @@ class Client:
         timeout: float | None = None,
         name: str = "",
     ) -> Future:
-        if self.rank != root and out is not None:
-            x, out = out, None  # another rank only receives: into out
-
-        def count(n: int, m: int | None) -> int:
-            if self.rank != root:
-                return n
-            c = self._blocks(n, "the scatter input")
-            if m is not None and m != c:
-                raise InvalidArgumentError(f"out must have {c} elements")
-            return c
-
-        return self._submit(
-            "scatter", x, out, count_of=count, root=root, algorithm=algorithm, timeout=timeout, name=name
-        )
-
-    def scatter(
-        self,
-        x,
-        root: int = 0,
-        out=None,
-        algorithm: str | None = None,
-        timeout: float | None = None,
-        name: str = "",
-    ):
-        """Send block r of the root's P*count ``x`` to rank r.
-
-        At the root: into ``out`` (count elements), or in place (its block of ``x`` is
-        already there). Other ranks receive into ``out`` or, without one, into ``x``.
-
-        >>> mine = client.empty(4); client.scatter(shards if client.rank == 0 else mine, out=mine)
-        """
-        return self._blocking(lambda: self.scatter_async(x, root, out, algorithm, timeout, name), timeout)
+        return self._start("scatter", x, out, root, "", algorithm, timeout, name)
 
     def alltoall_async(
         self, x, out, algorithm: str | None = None, timeout: float | None = None, name: str = ""
     ) -> Future:
-        if out is None:
-            raise InvalidArgumentError("alltoall runs out of place: pass out (as large as x)")
+        return self._start("alltoall", x, out, 0, "", algorithm, timeout, name)
 
-        def count(n: int, m: int | None) -> int:
-            if m != n:
-                raise InvalidArgumentError(f"out has {m} elements, x {n}: they must be equal")
-            return self._blocks(n, "the alltoall input")
-
-        return self._submit(
-            "alltoall", x, out, count_of=count, algorithm=algorithm, timeout=timeout, name=name
-        )
-
-    def alltoall(self, x, out, algorithm: str | None = None, timeout: float | None = None, name: str = ""):
-        """Block j of this rank's ``x`` goes to rank j, and block i of ``out`` comes from
-        rank i (P blocks of count elements each; out of place).
-
-        >>> client.alltoall(tokens_by_expert, out=tokens_for_me)
-        """
-        return self._blocking(lambda: self.alltoall_async(x, out, algorithm, timeout, name), timeout)
+    def barrier_async(self, timeout: float | None = None, name: str = "") -> Future:
+        return self._start("barrier", None, None, timeout=timeout, name=name)
 
     def send_async(self, x, dst: int, tag: int = 0, timeout: float | None = None) -> Future:
         return self._p2p.send(x, dst, tag, timeout)
 
-    def send(self, x, dst: int, tag: int = 0, timeout: float | None = None) -> None:
-        """Send ``x`` to rank ``dst``; returns once ``dst`` received it (its recv with the
-        same tag, the same count and dtype). Messages keep their order per (source,
-        destination, tag); another tag never waits on this one.
-
-        >>> client.send(activations, dst=client.rank + 1)
-        """
-        self._wait(self.send_async(x, dst, tag, timeout), timeout)
-
     def recv_async(self, x, src: int, tag: int = 0, timeout: float | None = None) -> Future:
         return self._p2p.recv(x, src, tag, timeout)
-
-    def recv(self, x, src: int, tag: int = 0, timeout: float | None = None):
-        """Receive rank ``src``'s message with ``tag`` into ``x`` (as many elements of the
-        same dtype as were sent: another size fails on both sides, naming both counts).
-
-        >>> client.recv(activations, src=client.rank - 1)
-        """
-        return self._wait(self.recv_async(x, src, tag, timeout), timeout)
 
     def recv_any_async(self, x, tag: int = 0, timeout: float | None = None) -> Future:
         """A Future of the sending rank; ``x`` holds its message once it completes."""
         return self.any_source_async(tag, lambda source: self._p2p.recv(x, source, tag, timeout), timeout)
+
+    allreduce = _ops.blocking(allreduce_async)
+    broadcast = _ops.blocking(broadcast_async)
+    reduce = _ops.blocking(reduce_async)
+    allgather = _ops.blocking(allgather_async)
+    reduce_scatter = _ops.blocking(reduce_scatter_async)
+    gather = _ops.blocking(gather_async)
+    scatter = _ops.blocking(scatter_async)
+    alltoall = _ops.blocking(alltoall_async)
+    barrier = _ops.blocking(barrier_async)
+    send = _ops.blocking(send_async)
+    recv = _ops.blocking(recv_async)
+    recv_any = _ops.blocking(recv_any_async)
 
     def any_source_async(
         self, tag: int, issue: Callable[[int], Future | None], timeout: float | None = None
@@ -1233,17 +642,6 @@ class Client:
             return source, issue(source)
 
         return self._p2p.any_source(tag, receive)
-
-    def recv_any(self, x, tag: int = 0, timeout: float | None = None) -> int:
-        """Receive the next message with ``tag`` from whichever rank sends one (torch's
-        ``recv(src=None)``) into ``x``; returns the sender's rank. Receives from any source
-        match messages in the order they were issued; a receive from a named source issued
-        earlier keeps that source's next message. Fails DEADLINE_EXCEEDED when no message
-        comes within ``timeout``.
-
-        >>> sender = client.recv_any(result)
-        """
-        return cast(int, self._wait(self.recv_any_async(x, tag, timeout), timeout))
 
     def _probe(self, tag: int, timeout: float) -> Future:
         """Ask the daemon which rank's message with ``tag`` comes next (pb.Probe)."""
@@ -1274,13 +672,6 @@ class Client:
             local_world_size=local,
             rank_nodes=rank_nodes if rank_nodes[0] != rank_nodes[1] else None,
         )
-
-    def barrier_async(self, timeout: float | None = None, name: str = "") -> Future:
-        return self._submit("barrier", None, None, count_of=None, timeout=timeout, name=name)
-
-    def barrier(self, timeout: float | None = None, name: str = "") -> None:
-        """Block until every rank of the job has reached this barrier."""
-        self._blocking(lambda: self.barrier_async(timeout, name), timeout)
 
     def ping(self, timeout: float = 10.0, via: str | None = None) -> None:
         """One empty round trip: on the path collectives take (default), or ``via="grpc"``

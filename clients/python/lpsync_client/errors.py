@@ -1,4 +1,5 @@
-"""Typed exceptions mirroring the daemon's; each comes from one gRPC status code.
+"""lpsync's one exception hierarchy: the daemon raises these classes (lpsync.errors
+re-exports them), and each travels as one gRPC status code back to the same class here.
 
 try:
     client.allreduce(x, timeout=5)
@@ -11,12 +12,14 @@ except lpsync_client.AbortedError as error:    # a participant died
 from __future__ import annotations
 
 import builtins
+from typing import TYPE_CHECKING
 
-import grpc
+if TYPE_CHECKING:  # grpc itself only where a call failed: lpsync.errors imports this module
+    import grpc
 
 
 class LpsyncError(Exception):
-    """Root of every error the client raises on purpose.
+    """Root of every error lpsync raises on purpose, in the client or the daemon.
 
     ``code`` is the gRPC status name; ``buffer_state`` says, for a failed in-place
     collective, whether the buffer is "INTACT" (not written) or "PARTIAL".
@@ -36,11 +39,11 @@ class InvalidArgumentError(LpsyncError, ValueError):
 
 
 class MismatchError(InvalidArgumentError):
-    """Participants called the same collective with different parameters."""
+    """Participants called the same collective with different op/count/dtype/root/reduce-op."""
 
 
 class CollectiveTimeoutError(LpsyncError, builtins.TimeoutError):
-    """A participant did not arrive (or the collective did not finish) in time."""
+    """A participant or a message did not arrive (or the collective did not finish) in time."""
 
     code = "DEADLINE_EXCEEDED"
 
@@ -55,13 +58,14 @@ class AbortedError(LpsyncError):
 
 
 class UnavailableError(LpsyncError):
-    """The daemon cannot be reached, or is shutting down."""
+    """The daemon cannot be reached or is shutting down, or a peer (daemon or link) that a
+    collective needs is gone."""
 
     code = "UNAVAILABLE"
 
 
 class NotFoundError(LpsyncError):
-    """An unknown handle or session (released, detached, or never created)."""
+    """An unknown handle, session or job (released, detached, or never created)."""
 
     code = "NOT_FOUND"
 
@@ -73,13 +77,14 @@ class AlreadyExistsError(LpsyncError):
 
 
 class ResourceExhaustedError(LpsyncError):
-    """A buffer larger than the daemon allows, or shared memory is full."""
+    """A request beyond a limit: buffer size, per-session bytes, shared memory."""
 
     code = "RESOURCE_EXHAUSTED"
 
 
 class UnauthenticatedError(LpsyncError):
-    """The daemon wants a token and got none, or a wrong one."""
+    """A client without the daemon's token (none, or a wrong one), or a peer daemon without
+    the cluster secret."""
 
     code = "UNAUTHENTICATED"
 
@@ -116,12 +121,12 @@ def from_status(code: str, message: str, error_class: str = "", buffer_state: st
 
 
 def from_rpc_error(error: grpc.RpcError) -> LpsyncError:
-    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    code = error.code().name if hasattr(error, "code") else "UNKNOWN"
     details = error.details() if hasattr(error, "details") else str(error)
     trailers = dict(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else {}
     return from_status(
-        code.name,
-        details or code.name,
+        code,
+        details or code,
         trailers.get("lpsync-error", ""),
         trailers.get("lpsync-buffer-state", ""),
     )

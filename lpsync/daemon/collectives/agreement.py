@@ -37,8 +37,7 @@ import numpy as np
 from lpsync.algorithms import LinkModel
 from lpsync.daemon.collectives.matching import Job
 from lpsync.daemon.collectives.small import SMALL_MAX_BYTES, SmallCollective
-from lpsync.daemon.collectives.task import job_hash
-from lpsync.daemon.peers.plane import CONTROL_VALUE, SPEC, VERDICT, Link, control_tag
+from lpsync.daemon.peers.plane import Link
 from lpsync.daemon.values import SPEC_FIELDS, Later, Pending, Spec, ranks_text
 from lpsync.errors import (
     AbortedError,
@@ -48,6 +47,7 @@ from lpsync.errors import (
     MismatchError,
     UnavailableError,
 )
+from lpsync.transport.tags import SPEC, VERDICT, agreement_value, control_tag, job_hash
 
 log = logging.getLogger("lpsync.daemon")
 
@@ -290,7 +290,7 @@ _SPEC_TAG, _VERDICT_TAG = control_tag(SPEC, 0), control_tag(VERDICT, 0)
 def _tags(job_hash: int, sequence: int) -> tuple[int, int]:
     """(summary tag, verdict tag) of a job's collective: control_tag(SPEC and VERDICT,
     the value), written out (two calls less per collective)."""
-    value = ((job_hash << 32) | (sequence & 0xFFFFFFFF)) & CONTROL_VALUE
+    value = agreement_value(job_hash, sequence)
     return _SPEC_TAG | value, _VERDICT_TAG | value
 
 

@@ -32,7 +32,7 @@ from lpsync.daemon.collectives.agreement import Verdict
 from lpsync.daemon.collectives.local import device_schedule
 from lpsync.daemon.collectives.plans import ClosedWhenIdle
 from lpsync.daemon.collectives.staging import RING_SLOTS, drain
-from lpsync.daemon.collectives.task import STEP_BITS, Task
+from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.collectives.views import buffers, reduction
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.peers.plane import Link
@@ -41,6 +41,7 @@ from lpsync.engine.routing import Placement
 from lpsync.engine.staging import HostMirrors
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.kind import Span
+from lpsync.transport.tags import STEP_BITS
 from lpsync.types import Collective
 
 PACKED = frozenset({Collective.GATHER, Collective.SCATTER, Collective.ALLTOALL})

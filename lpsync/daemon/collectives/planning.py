@@ -6,8 +6,8 @@ the verdict. After it, every node resolves the same (algorithm, chunks) (``choos
 the forced algorithm, node 0's word, or the tuner's pick for the slowest link of all.
 ``bind`` then takes the job's plan for that schedule over this run's buffers, built once
 per (spec, schedule, buffers, mesh generation) and reused (plans.py).
-Invariant: message tags of collectives stay below 2**39 (bit 63 is the peer plane's
-control space): tag = job hash (7 bits) | sequence (12 bits) | step (20 bits).
+A collective's message tags are ``tag_base`` plus its steps (lpsync.transport.tags, where
+every tag layout lives; ``path.py`` reads ``planning.tag_base``).
 """
 
 from __future__ import annotations
@@ -22,24 +22,18 @@ from lpsync.daemon.collectives.learning import Key, Learner, candidates
 from lpsync.daemon.collectives.plans import plan_key
 from lpsync.daemon.collectives.small import rides
 from lpsync.daemon.collectives.staging import Staged
-from lpsync.daemon.collectives.task import STEP_BITS, Task, job_hash
+from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.collectives.views import buffers, reduction
 from lpsync.daemon.peers.plane import Link
 from lpsync.engine.group import LocalGroup
 from lpsync.engine.routing import Placement
 from lpsync.errors import InvalidArgumentError
+from lpsync.transport.tags import STEP_BITS
+from lpsync.transport.tags import tag_base as tag_base
 from lpsync.types import Collective
 
 if TYPE_CHECKING:
     import numpy as np
-
-_SEQ_BITS, _JOB_BITS = 12, 7
-
-
-def tag_base(job: str, sequence: int) -> int:
-    return (
-        (job_hash(job) & ((1 << _JOB_BITS) - 1)) << _SEQ_BITS | (sequence & ((1 << _SEQ_BITS) - 1))
-    ) << STEP_BITS
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,7 @@ finished, each stage a module of its own that reads the Task and hands its resul
 
 from __future__ import annotations
 
-import functools
 import time
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,15 +20,6 @@ from lpsync.daemon.values import Arrival, Pending, Spec
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.kind import Span
 from lpsync.types import Collective
-
-# A collective's message tags (planning.tag_base): job hash | sequence | STEP_BITS of steps.
-STEP_BITS = 20
-
-
-@functools.lru_cache(maxsize=1024)
-def job_hash(name: str) -> int:
-    """A job's name as a number: what its messages' tags are made of."""
-    return zlib.crc32(name.encode())
 
 
 @dataclass(slots=True)

@@ -9,7 +9,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from lpsync._proto import lpsync_pb2 as pb
 from lpsync.daemon.collectives import inbox
 from lpsync.daemon.collectives.inbox import Inbox
 from lpsync.daemon.collectives.matching import Job
@@ -18,7 +17,8 @@ from lpsync.daemon.peers.plane import PeerPlane
 from lpsync.daemon.values import Arrival, Pending
 from lpsync.daemon.watcher import Watcher
 from lpsync.errors import InvalidArgumentError, LpsyncError
-from lpsync_client._p2p import MAX_TAG, parse_pair
+from lpsync_client.wire.pairs import MAX_TAG, parse_pair
+from lpsync_client.wire.proto import lpsync_pb2 as pb
 
 log = logging.getLogger("lpsync.daemon")
 

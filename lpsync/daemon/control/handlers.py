@@ -33,8 +33,6 @@ from typing import cast
 import grpc
 
 from lpsync import __version__, native
-from lpsync._proto import lpsync_pb2 as pb
-from lpsync._proto import lpsync_pb2_grpc as pb_grpc
 from lpsync.algorithms import ALGORITHMS
 from lpsync.algorithms.registry import DIRECT
 from lpsync.daemon.collectives import path
@@ -65,7 +63,9 @@ from lpsync.memory.devices import open_kind, parse_devices
 from lpsync.memory.kind import Span
 from lpsync.native.armed import ArmedPlans
 from lpsync.types import OUT_OF_PLACE_ONLY, ROOTED_OPS, Collective, ReduceOp, blocks, dtype_of
-from lpsync_client._p2p import parse_pair  # as any_source.py: until issue 46's wire module
+from lpsync_client.wire.pairs import parse_pair
+from lpsync_client.wire.proto import lpsync_pb2 as pb
+from lpsync_client.wire.proto import lpsync_pb2_grpc as pb_grpc
 
 log = logging.getLogger("lpsync.daemon")
 
@@ -401,7 +401,7 @@ class Service(pb_grpc.LpSyncServicer):
         return None
 
     def _pair_of(self, request: pb.AttachRequest) -> tuple[Job, int, int] | None:
-        """(main job, source, destination) of a pair job (lpsync_client._p2p) whose main
+        """(main job, source, destination) of a pair job (lpsync_client.wire.pairs) whose main
         job's layout is settled here; None for any other attach."""
         pair = parse_pair(request.job) if self.placing is not None and request.world_size == 2 else None
         if pair is None:

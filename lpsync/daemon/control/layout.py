@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 from lpsync.daemon.peers.attached import JobSeen
 from lpsync.daemon.values import NodeLayout, ranks_text
-from lpsync.engine.routing import MAX_PARTICIPANTS
 from lpsync.errors import AbortedError, InvalidArgumentError, UnimplementedError
+from lpsync.transport.tags import MAX_PARTICIPANTS
 
 
 def resolve(

@@ -14,8 +14,8 @@ from __future__ import annotations
 import functools
 import struct
 
-from lpsync._proto import lpsync_pb2 as pb
 from lpsync.daemon.values import Outcome
+from lpsync_client.wire.proto import lpsync_pb2 as pb
 
 _STATE = {"INTACT": pb.INTACT, "PARTIAL": pb.PARTIAL, "": pb.BUFFER_STATE_UNSPECIFIED}
 # SessionResponse.result (field 3, 11 bytes) { response (field 4, 9 bytes) { seconds

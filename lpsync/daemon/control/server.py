@@ -24,7 +24,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from lpsync._proto import lpsync_pb2 as pb
 from lpsync.daemon.control import decoding
 from lpsync.daemon.control.config import DaemonConfig
 from lpsync.daemon.control.handlers import Service
@@ -39,6 +38,7 @@ from lpsync.transport.auth import load_secret
 from lpsync.transport.tcp import congestion as tcp_congestion
 from lpsync.transport.ucx import device_support
 from lpsync.types import dtype_of
+from lpsync_client.wire.proto import lpsync_pb2 as pb
 
 log = logging.getLogger("lpsync.daemon")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LpSync"].full_name

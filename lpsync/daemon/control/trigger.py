@@ -37,9 +37,9 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from lpsync._proto import lpsync_pb2 as pb
 from lpsync.daemon.control.handlers import Service
 from lpsync.errors import InvalidArgumentError, LpsyncError, ResourceExhaustedError
+from lpsync_client.wire.proto import lpsync_pb2 as pb
 
 log = logging.getLogger("lpsync.daemon")
 MAX_PACKET = 1 << 16  # requests are a few hundred bytes

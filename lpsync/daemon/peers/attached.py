@@ -24,7 +24,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from lpsync.daemon.peers.plane import ATTACHED, NOTE_BYTES, PeerPlane
+from lpsync.daemon.peers.plane import NOTE_BYTES, PeerPlane
+from lpsync.transport.tags import ATTACHED
 
 log = logging.getLogger("lpsync.peers")
 

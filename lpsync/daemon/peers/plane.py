@@ -17,7 +17,7 @@ Invariants:
   * a Link is one generation of the mesh; once broken it stays broken (the endpoint is a
     communicator) and collectives that used it fail with UnavailableError;
   * control messages (heartbeats, probes, spec exchange) use tags with bit 63 set; the
-    collectives' folded tags never set it (collectives/planning.py keeps their tag < 2**39);
+    collectives' folded tags never set it (lpsync.transport.tags: every tag layout);
   * several local participant threads use one Link at once: the endpoints' send and
     recv_into are safe from any thread; only their recv_borrow staging buffer is
     shared, so SharedEndpoint gives each thread its own.
@@ -46,14 +46,10 @@ from lpsync.errors import LpsyncError, UnavailableError
 from lpsync.transport import backends
 from lpsync.transport.addresses import PeerAddress
 from lpsync.transport.mesh import Channel, MeshEndpoint, MeshOptions
+from lpsync.transport.tags import ATTACHED, HEARTBEAT, HISTORY, NOTE, PROBE, TOLD, control_tag
 
 log = logging.getLogger("lpsync.peers")
 
-CONTROL = 1 << 63
-_KIND_SHIFT = 56
-CONTROL_VALUE = (1 << _KIND_SHIFT) - 1  # the bits of a control tag that carry its value
-HEARTBEAT, PROBE, SPEC, VERDICT, HISTORY, TOLD, NOTE = 1, 2, 3, 4, 5, 6, 7  # SPEC/VERDICT: agreement.py
-ATTACHED = 8  # notes of the ranks each node serves (peers/attached.py)
 NOTE_BYTES = 4096  # the largest note (note()), framed by its length
 _NOTE_LENGTH = struct.Struct("<I")
 _FOREVER = 1e6  # seconds a note receive waits before it is posted again: notes may not come
@@ -71,11 +67,6 @@ class PeerMetrics(Protocol):
     peers_connected: Gauge
     peer_link_bw: Gauge
     peer_heartbeats: Counter
-
-
-def control_tag(kind: int, value: int) -> int:
-    """A peer-plane control tag: bit 63, the kind in bits 56..62, ``value`` below."""
-    return CONTROL | (kind << _KIND_SHIFT) | (value & CONTROL_VALUE)
 
 
 @dataclass(frozen=True)

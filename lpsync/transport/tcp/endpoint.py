@@ -40,7 +40,8 @@ import numpy as np
 from lpsync.errors import InvalidArgumentError, UnavailableError
 from lpsync.transport.addresses import PeerAddress
 from lpsync.transport.auth import authenticate_client_socket, authenticate_server_socket
-from lpsync.transport.mesh import GOODBYE, Channel, InFlight, MeshEndpoint, MeshOptions, Request, bytes_view
+from lpsync.transport.mesh import Channel, InFlight, MeshEndpoint, MeshOptions, Request, bytes_view
+from lpsync.transport.tags import GOODBYE
 from lpsync.transport.tcp import congestion
 from lpsync.transport.tcp.runtime import TcpRuntime
 

@@ -37,7 +37,6 @@ from lpsync.errors import UnavailableError
 from lpsync.transport.addresses import PeerAddress
 from lpsync.transport.auth import Recv, Send, client_handshake, server_handshake
 from lpsync.transport.mesh import (
-    GOODBYE,
     Channel,
     InFlight,
     MeshEndpoint,
@@ -46,6 +45,7 @@ from lpsync.transport.mesh import (
     bytes_view,
     port_open,
 )
+from lpsync.transport.tags import GOODBYE
 from lpsync.transport.ucx.device_support import claim
 from lpsync.transport.ucx.progress import ProgressThread
 from lpsync.transport.ucx.runtime import RuntimeOptions, UcxRuntime

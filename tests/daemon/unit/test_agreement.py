@@ -21,8 +21,8 @@ from lpsync.daemon.collectives.agreement import (
     judge,
 )
 from lpsync.daemon.collectives.small import SMALL_MAX_BYTES
-from lpsync.daemon.peers.plane import SPEC, VERDICT, control_tag
 from lpsync.daemon.values import Later
+from lpsync.transport.tags import SPEC, VERDICT, control_tag
 
 
 def _depth(tree: Tree, node: int) -> int:

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from lpsync._proto import lpsync_pb2 as pb
 from lpsync.daemon.collectives import inbox
 from lpsync.daemon.collectives.inbox import Inbox
 from lpsync.daemon.control.any_source import AnySource
 from lpsync.daemon.watcher import Watcher
 from lpsync.errors import CollectiveTimeoutError, InvalidArgumentError, LpsyncError, ResourceExhaustedError
+from lpsync_client.wire.proto import lpsync_pb2 as pb
 
 KEY = ("job", 0, 5)
 

@@ -7,10 +7,10 @@ import itertools
 
 import pytest
 
-from lpsync._proto import lpsync_pb2 as pb
 from lpsync.daemon.control import replies
 from lpsync.daemon.values import INTACT, PARTIAL, UNSPECIFIED, Outcome
 from lpsync.errors import CollectiveTimeoutError, MismatchError
+from lpsync_client.wire.proto import lpsync_pb2 as pb
 
 _IDS = (0, 1, 127, 128, 300, 16383, 16384, (1 << 32) + 5, (1 << 64) - 1)
 _OUTCOMES = [

@@ -1,12 +1,16 @@
 """The client <-> daemon contract that is not in the .proto files, defined once here.
 
 The daemon (package ``lpsync``) imports these names; the client never imports lpsync.
+  * ``lpsync_client.wire.proto``: the generated gRPC modules (protos/generate.py writes
+    them here, once);
   * DEFAULT_SOCKET: where both look for the control plane without LPSYNC_SOCKET/--socket;
   * the emulated device's handle layouts: what a client packs into a Register or a ready
-    event and the daemon unpacks (lpsync.memory.emulated);
-  * futexes on shared words: lpsync_client.futex, used by both sides' interprocess events.
-The error classes mirror the daemon's (lpsync.errors) by name and gRPC code; a test holds
-the two hierarchies together (tests/client/test_wire.py).
+    event and the daemon unpacks (lpsync.memory.emulated), and a device handle's UUID tail;
+  * the sizes of each op's buffers (``blocks``), which both sides check;
+  * ``lpsync_client.wire.pairs``: the names of point-to-point pair jobs;
+  * futexes on shared words: lpsync_client.futex, used by both sides' interprocess events;
+  * the error classes: lpsync_client.errors, which lpsync.errors re-exports.
+The daemon imports no private client name (tests/daemon/unit/test_client_contract.py).
 """
 
 from __future__ import annotations
@@ -41,6 +45,15 @@ def split_device_uuid(handle: bytes) -> tuple[bytes, bytes | None]:
     if len(handle) > n and handle[-n:].startswith(DEVICE_UUID_TAG):
         return handle[:-n], handle[-DEVICE_UUID_BYTES:]
     return handle, None
+
+
+def device_uuid(ordinal: int) -> bytes:
+    """The 16-byte UUID the CUDA driver gives GPU ``ordinal`` (cuDeviceGetUuid): what a
+    client appends to a handle and the daemon matches its own GPUs against, read the same
+    way on both sides."""
+    from lpsync_client import _cuda  # ctypes and the driver, only where a GPU is asked of
+
+    return _cuda.device_uuid(ordinal)
 
 
 def emulated_uuid(device: int) -> bytes:
