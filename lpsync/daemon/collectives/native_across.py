@@ -177,12 +177,15 @@ def failure(task: Task) -> LpsyncError | None:
 
 
 def _connect(task: Task, plane: PeerPlane, verdict: Verdict) -> None:
-    """Connect the job's channels: dial every higher node, take every lower one's dial."""
+    """Connect the job's channels afresh (some node has none, or lost them): dial every
+    higher node, take every lower one's dial. Every node does it for the same verdict."""
     job, layout, native = task.job, task.job.layout, task.job.native
     channels = plane.native_channels()
     assert layout is not None and native is not None
     if channels is None:
         return
+    if native.channels:  # ours may lead to a node that dropped its own
+        native.drop_net()
     deadline = time.monotonic() + _CONNECT_SECONDS
     try:
         for other in range(layout.node + 1, layout.nodes):
