@@ -70,3 +70,18 @@ def test_another_collective_on_one_node_fails_every_rank_as_a_mismatch_in_second
         assert "count" in message, message
         assert r["seconds"] < 10, r
     assert time.monotonic() - began < 90
+
+
+def test_asynchronous_calls_ring_too_in_order_with_blocking_and_new_ones(tmp_path: Path) -> None:
+    """A comm hook's shape (two asynchronous allreduces in flight), blocking calls and
+    calls seen once between them: all correct, and the repeated ones run armed."""
+    cluster = _cluster(tmp_path, "on")
+    try:
+        sockets = [str(d.socket) for d in cluster.daemons if d is not None]
+        reports = run_ranks(WORLD, workers.async_mix, sockets, PER_NODE, WORLD, 60, timeout=300)
+    finally:
+        unclean = cluster.stop()
+    assert not unclean, unclean
+    assert [r["wrong"] for r in reports] == [0] * WORLD, reports
+    # Each rank's own daemon counts its job's engine runs: most of the 2 x 60 + 9 repeats.
+    assert all(r["answered"] >= 60 for r in reports), reports

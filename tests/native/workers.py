@@ -140,3 +140,37 @@ def repeat_then_on_nodes(
     os.environ["LOCAL_RANK"] = str(rank % per_node)
     os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
     return repeat_then(rank, sockets[rank // per_node], world, job, then)
+
+
+def async_mix(rank: int, sockets: list[str], per_node: int, world: int, calls: int) -> dict:
+    """Two asynchronous allreduces in flight at once, as a comm hook's buckets are, with a
+    blocking broadcast and a call seen once in between now and then: every result checked
+    against the closed form; how many the engine answered."""
+    os.environ["LOCAL_RANK"] = str(rank % per_node)
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    wrong = 0
+    with lpsync_client.connect(
+        sockets[rank // per_node], job="async", rank=rank, world_size=world, timeout=60
+    ) as client:
+        x, y, z = client.zeros(30_000, "float32"), client.zeros(7, "int32"), client.zeros(5, "float64")
+        for i in range(calls):
+            x[:] = rank + i
+            y[:] = rank * i
+            first, second = client.allreduce_async(x), client.allreduce_async(y)
+            first.result(60)
+            second.result(60)
+            wrong += int(not (x == sum(range(world)) + world * i).all())
+            wrong += int(not (y == i * sum(range(world))).all())
+            if i % 7 == 3:
+                z[:] = rank
+                client.broadcast(z, root=i % world)
+                wrong += int(not (z == i % world).all())
+            if i % 11 == 5:  # a call seen once: the general path between armed ones
+                once = client.zeros(3 + i, "int64")
+                once[:] = 1
+                client.allreduce(once)
+                wrong += int(not (once == world).all())
+                client.release(once)
+        status = client.status()
+        job = next(j for j in status.jobs if j.job == "async")
+    return {"wrong": wrong, "answered": job.native_answered - job.native_fallbacks}

@@ -36,6 +36,7 @@ from lpsync_client._operands import Buffers, DeviceRegistered, Operand, Register
 from lpsync_client._order import InFlight, array_spans
 from lpsync_client._p2p import PairJobs
 from lpsync_client._pending import Call, Latch
+from lpsync_client._rings import Ring, Rings
 from lpsync_client._stream import SessionStream
 from lpsync_client._trigger import TriggerStream
 from lpsync_client.errors import (
@@ -154,6 +155,7 @@ class Client(Buffers):
         # Prepared requests whose plans the daemon armed, and the doorbell pages mapped.
         self._armed: dict[tuple, _Armed] = {}
         self._bells: dict[str, doorbell.Page] = {}
+        self._rings: Rings | None = None  # asynchronous calls of armed plans (_rings.py)
         # Each live view's data address by id(): __array_interface__ makes a dict per call.
         self._addresses: dict[int, tuple[weakref.ref, int]] = {}
         self._in_flight = InFlight()  # staged collectives not finished yet (_order.py)
@@ -289,7 +291,12 @@ class Client(Buffers):
                     call.settle_with = _read_already
                     call.set_result(written)
                     return call
-                return self._send(_copy(template), functools.partial(_plain, written))
+                armed = self._armed.get(key)
+                if armed is not None and not foreground:  # an async call of an armed plan
+                    rung = self._ring_later(armed, template, written, timeout, key)
+                    if rung is not None:
+                        return rung
+                return self._send(_copy(template), self._learning(written, key))
         operands: list[Operand] = []
         message = pb.SessionRequest()
         request = message.collective
@@ -359,7 +366,56 @@ class Client(Buffers):
         self._in_flight.add(finished, staged)
         return future
 
+    def _learning(self, written: object, key: tuple) -> Callable[[pb.SessionResponse], object]:
+        """The completion of a prepared request sent the general way: its result, and
+        the plan the daemon armed for it (its next asynchronous call rings)."""
+
+        def complete(response: pb.SessionResponse) -> object:
+            result = _plain(written, response)
+            plan = response.result.response.armed
+            if plan.page and self.world_size <= 256:
+                self._armed[key] = _Armed(plan.page, plan.plan, plan.generation)
+            return result
+
+        return complete
+
+    def _ring_later(
+        self, armed: _Armed, template: pb.SessionRequest, written: object, timeout: float, key: tuple
+    ) -> Call | None:
+        """An asynchronous call of an armed plan, queued to ring (_rings.py); None where it
+        cannot ring now (a general request in flight, the page gone): it goes the
+        general way."""
+        trigger = self._trigger
+        if trigger is None or trigger.pending():
+            return None
+        page = self._bell(armed)
+        if page is None:
+            return None
+        if self._rings is None:
+            self._rings = Rings(trigger.peer_closed)
+        message = _copy(template)
+
+        def general() -> Call:  # the engine did not run it: the request, same number
+            self._armed.pop(key, None)
+            return self._path.submit(message, self._learning(written, key))
+
+        call = Call()
+        with self._lock:  # sequence numbers leave in submission order
+            self._sequence += 1
+            sequence = self._sequence
+            if not sequence & 0xFFFFFFFF:  # would look unrung as 32 bits
+                self._sequence -= 1
+                return None
+            message.collective.sequence = sequence
+            call.on_cancel = functools.partial(self._cancelled, sequence)
+            ring = Ring(
+                page, armed.plan, armed.generation, sequence, written, general, 2 * timeout + 10, call
+            )
+            return self._rings.submit(ring)
+
     def _send(self, message: pb.SessionRequest, hook) -> Call:
+        if self._rings is not None and self._rings.busy():  # after the queued rings, in order
+            self._rings.drain(2 * self.timeout + 10)
         here = self._here
         foreground = getattr(here, "foreground", False)
         if foreground:
@@ -401,6 +457,8 @@ class Client(Buffers):
         ``template`` is sent as it is, numbered in place: one thread at a time gets here
         (the reading lock), and every other sender numbers its own copy (``_send``)."""
         trigger = self._trigger
+        if self._rings is not None and self._rings.busy():  # one ring at a time per slot
+            self._rings.drain(2 * timeout + 10)
         if trigger is None or not trigger.read_alone():
             return False
         here = self._here
@@ -429,19 +487,26 @@ class Client(Buffers):
             self._armed[key] = _Armed(plan.page, plan.plan, plan.generation)
         return True
 
-    def _ring(self, armed: _Armed, sequence: int, bound: float, trigger: TriggerStream) -> int:
-        """Ring the doorbell for ``sequence`` (the reading lock held); OK or FALLBACK."""
+    def _bell(self, armed: _Armed) -> doorbell.Page | None:
+        """The doorbell page ``armed`` rings, mapped once (None: gone meanwhile)."""
         page = self._bells.get(armed.page)
         if page is None:
             try:
                 page = doorbell.Page(armed.page, self.rank)
             except (OSError, ValueError):  # gone meanwhile: the request says why
-                return doorbell.FALLBACK
-            if len(self._bells) > 16:
+                return None
+            if len(self._bells) > 16 and not (self._rings is not None and self._rings.busy()):
                 for old in self._bells.values():
                     old.close()
                 self._bells.clear()
             self._bells[armed.page] = page
+        return page
+
+    def _ring(self, armed: _Armed, sequence: int, bound: float, trigger: TriggerStream) -> int:
+        """Ring the doorbell for ``sequence`` (the reading lock held); OK or FALLBACK."""
+        page = self._bell(armed)
+        if page is None:
+            return doorbell.FALLBACK
         try:
             return page.ring(sequence, armed.plan, armed.generation, bound, trigger.peer_closed)
         except TimeoutError:
@@ -698,6 +763,9 @@ class Client(Buffers):
             if reaper is not threading.current_thread():
                 reaper.join(5.0)
         self._p2p.close()
+        if self._rings is not None:  # what is queued is answered first (or times out)
+            self._rings.drain(2 * self.timeout + 10)
+            self._rings.close()
         # The daemon may be gone or have ended the session already: nothing to free then.
         with contextlib.suppress(Exception):
             self._call(self._stub.Detach, pb.DetachRequest(session_id=self.session_id), 10.0)

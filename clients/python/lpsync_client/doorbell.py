@@ -49,15 +49,27 @@ class Page:
         self._reply_index, self._reply = (at + 8) // 4, base + at + 8
 
     def ring(self, seq: int, plan: int, generation: int, timeout: float, gone: Callable[[], bool]) -> int:
-        """Ring for collective ``seq`` and wait for the answer: OK or FALLBACK. Raises
-        TimeoutError after ``timeout`` seconds without one, or where ``gone()`` says the
-        daemon's session ended meanwhile."""
+        """Ring for collective ``seq`` and wait for the answer: OK or FALLBACK (or another
+        code the engine gave up with: the request says why). Raises TimeoutError after
+        ``timeout`` seconds without one, or where ``gone()`` says the daemon's session
+        ended meanwhile."""
+        self.post(seq, plan, generation)
+        return self.answer(seq, timeout, gone)
+
+    def post(self, seq: int, plan: int, generation: int) -> None:
+        """Ring for collective ``seq`` without waiting (one ring at a time per slot: the
+        next only once this one is answered)."""
         seq &= 0xFFFFFFFF
         u32 = self._u32
         self._u64[self._ring_index] = (seq << 32) | ((generation & 0xFFFFFF) << 8) | (plan & 0xFF)
         bell = self._bell_index  # a lost increment still changes the word: the wake holds
         u32[bell] = (int(u32[bell]) + 1) & 0xFFFFFFFF
         futex.wake(self._bell)
+
+    def answer(self, seq: int, timeout: float, gone: Callable[[], bool]) -> int:
+        """Wait for the answer to the ring for ``seq`` (post)."""
+        seq &= 0xFFFFFFFF
+        u32 = self._u32
         reply = self._reply_index
         deadline = None
         while True:
