@@ -830,7 +830,9 @@ class Service(pb_grpc.LpSyncServicer):
         if native.engine() is None:
             return f"python ({native.reason()})"
         if job.layout is not None:
-            return "python (a multi-node job: the native path serves single-node jobs so far)"
+            if self.plane is None or self.plane.native_channels() is None:
+                return "python (a multi-node job on the UCX peer transport: armed plans cross nodes on tcp)"
+            return "python (no plan armed yet: a repeated host collective arms one on its third call)"
         return "python (no plan armed yet: a repeated host collective up to 2 MiB arms one)"
 
     # -- collectives -------------------------------------------------------------------------
