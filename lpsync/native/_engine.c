@@ -175,11 +175,11 @@ static PyObject *Engine_connect(EngineObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Engine_notice(EngineObject *self, PyObject *arg) {
-    if (check_open(self)) return NULL;
-    unsigned long long seq = PyLong_AsUnsignedLongLongMask(arg);
-    if (PyErr_Occurred()) return NULL;
-    Py_BEGIN_ALLOW_THREADS lpn_engine_notice(&self->engine, (uint32_t)seq);
+static PyObject *Engine_notice(EngineObject *self, PyObject *args) {
+    unsigned int seq;
+    int chan = -1;
+    if (check_open(self) || !PyArg_ParseTuple(args, "I|i", &seq, &chan)) return NULL;
+    Py_BEGIN_ALLOW_THREADS lpn_engine_notice(&self->engine, seq, chan);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
@@ -279,8 +279,9 @@ static PyMethodDef Engine_methods[] = {
      "generation, 2 timeout, 3 channel lost, 4 message mismatch), its messages numbered seq"},
     {"connect", (PyCFunction)Engine_connect, METH_VARARGS,
      "connect(channel, fd): the channel becomes a duplicate of the connected socket fd (-1: closed)"},
-    {"notice", (PyCFunction)Engine_notice, METH_O,
-     "notice(seq): this node runs seq on the general path; armed peers fall back at once"},
+    {"notice", (PyCFunction)Engine_notice, METH_VARARGS,
+     "notice(seq, channel=-1): this node runs seq on the general path (a NOTICE to the GO "
+     "round's root; the root's to every channel: -1); armed peers fall back at once"},
     {"abort", (PyCFunction)Engine_abort, METH_NOARGS,
      "abort(): a net run waiting now ends LOST at once (the peers are lost); never blocks"},
     {"drop_net", (PyCFunction)Engine_drop_net, METH_NOARGS,

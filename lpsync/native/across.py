@@ -13,7 +13,7 @@ turns the schedule's rows for the node's participants into the engine's steps.
   engine).
 - Channels are peer nodes (channel c carries the messages to and from node c). A
   channel's messages are numbered in the walk's order of their sends, on both sides.
-- A GO round opens the program, with every other node (engine.h): nothing is written
+- A GO round opens the program, a tree rooted at node 0 (engine.h): nothing is written
   unless every node runs this plan for this call; otherwise all take the general path.
 - Buffers: 1 + 2i and 2 + 2i are the input and output views of the node's i-th
   participant (program.py's numbering); the scratch (buffer 0) holds each participant's
@@ -143,10 +143,13 @@ def compile_node(
 
     program = Program(reduction, itemsize, 0)
     steps = program.steps
-    # The GO round with every other node (not only the schedule's neighbours): one that
-    # took the general path for this call stops every armed node before it writes.
+    # The GO round, rooted at node 0 (engine.h): one that took the general path for this
+    # call stops every armed node before it writes.
     others = [n for n in range(nodes) if n != node]
-    steps.extend(Step(GO, 0, 0, b=n) for n in others)
+    if node == 0:
+        steps.extend(Step(GO, 0, 0, a=1, b=n) for n in others)
+    else:
+        steps.append(Step(GO, 0, 0, a=0, b=0))
     staging: dict[int, int] = {}  # local message -> its staging offset
     landing: dict[int, int] = {}
     avg = reduction is not None and reduction.op is ReduceOp.AVG and reduction.participants > 1

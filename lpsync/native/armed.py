@@ -155,10 +155,11 @@ class ArmedPlans:
         with self._lock:
             self.channels.add(node)
 
-    def notice(self, sequence: int) -> None:
-        """This node runs ``sequence`` on the general path: armed peers fall back at once."""
+    def notice(self, sequence: int, node: int) -> None:
+        """This node (``node`` of the job) runs ``sequence`` on the general path: armed
+        peers fall back at once (a NOTICE to the GO round's root, node 0; its to all)."""
         if self.channels:
-            self.engine.notice(sequence)
+            self.engine.notice(sequence & 0xFFFFFFFF, -1 if node == 0 else 0)
 
     def abort_net(self) -> None:
         """The peers are lost: a run waiting on them ends now (LOST), and the channels and

@@ -303,10 +303,10 @@ int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, co
         uint64_t item = 1, bytes;
         if (o->dst >= h.nbuf) goto bad_buffer;
         if (o->kind == LPN_GO) { /* before anything else: nothing is written until every GO */
-            if (o->b >= LPN_MAX_CHANNELS || o->dst != 0 || o->dst_off != 0) goto bad;
-            if (i > 0 && out->ops[i - 1].kind != LPN_GO) {
+            if (o->b >= LPN_MAX_CHANNELS || o->dst != 0 || o->dst_off != 0 || o->a > 1) goto bad;
+            if (i > 0 && (out->ops[i - 1].kind != LPN_GO || out->ops[i - 1].a != o->a || !o->a)) {
                 lpn_program_free(out);
-                return *why = "a GO after another op", -1;
+                return *why = "GO ops open a program: one to the root, or the root's to every other node", -1;
             }
             out->net = 1;
             continue;
@@ -580,6 +580,7 @@ static int serve(lpn_engine *e, double *deadline) {
 
 static void *loop(void *arg) {
     lpn_engine *e = arg;
+    pthread_setname_np(pthread_self(), "lpsync-engine"); /* top, ps -L: which thread is busy */
     pthread_mutex_lock(&e->mu);
     while (!e->stopping) {
         uint32_t seen = __atomic_load_n(bell(e), __ATOMIC_SEQ_CST);
@@ -730,10 +731,10 @@ void lpn_engine_abort(lpn_engine *e) {
     }
 }
 
-void lpn_engine_notice(lpn_engine *e, uint32_t seq) {
+void lpn_engine_notice(lpn_engine *e, uint32_t seq, int chan) {
     pthread_mutex_lock(&e->mu); /* never between a run's messages */
     for (uint32_t c = 0; c < LPN_MAX_CHANNELS; c++)
-        if (e->fds[c] >= 0 && lpn_send_notice(e->fds[c], seq) != 0) {
+        if ((chan < 0 || (uint32_t)chan == c) && e->fds[c] >= 0 && lpn_send_notice(e->fds[c], seq) != 0) {
             close(e->fds[c]); /* a channel that does not take 32 bytes is of no use */
             e->fds[c] = -1;
         }

@@ -51,11 +51,14 @@
  * n elements landed at b_off, dst = a (op) landed. Each channel's messages are numbered
  * in the order they are sent (``arg``); every message carries a header (net.c) with the
  * plan's key, the run's sequence number and that number, checked on arrival.
- * GO (channel b) ops open a program, one per other node of the job: every node says GO
- * (key, seq) to every other before anything is written, and reads theirs. A node whose
- * ranks took the general path for this seq says NOTICE instead (lpn_engine_notice);
- * a NOTICE, or a GO for another plan, makes the run LPN_FALLBACK with nothing written,
- * so the collective runs on the general path on every node, which says what differs. */
+ * GO (channel b) ops open a program: the GO round, a tree rooted at the job's node 0
+ * (a = 1: this node is the root, a GO op per other node; a = 0: one GO op, to the root).
+ * Every node says GO (key, seq) to the root before anything is written, and the root
+ * answers each: GO when all did, for this plan and seq, NOTICE otherwise. A node whose
+ * ranks took the general path for this seq sends NOTICE instead (lpn_engine_notice: to
+ * the root; the root to every node); a NOTICE verdict makes the run LPN_FALLBACK with
+ * nothing written, so the collective runs on the general path on every node, which says
+ * what differs. */
 enum lpn_kind {
     LPN_COPY = 1, LPN_COMBINE = 2, LPN_DIVIDE = 3, LPN_SEND = 4, LPN_RECV = 5, LPN_RECV_COMBINE = 6,
     LPN_GO = 7
@@ -173,9 +176,10 @@ long lpn_engine_arm(lpn_engine *e, uint32_t index, const uint8_t *data, size_t l
  * non-blocking), replacing what it was; fd -1 closes it. 0, or -1 with ``why``. A net
  * run that fails closes every channel its plan uses: their streams are mid-message. */
 int lpn_engine_connect(lpn_engine *e, uint32_t chan, int fd, const char **why);
-/* This node runs ``seq`` on the general path: a NOTICE on every channel, so that armed
- * peers fall back at once (their GO round) instead of waiting. */
-void lpn_engine_notice(lpn_engine *e, uint32_t seq);
+/* This node runs ``seq`` on the general path: a NOTICE on channel ``chan`` (the root's;
+ * -1: every channel, from the root), so that armed peers fall back at once (their GO
+ * round) instead of waiting. */
+void lpn_engine_notice(lpn_engine *e, uint32_t seq, int chan);
 /* Close every channel and disarm every plan with messages (a failed collective). */
 void lpn_engine_drop_net(lpn_engine *e);
 /* The peers are lost (the mesh broke): a net run waiting now ends LPN_LOST at once, as

@@ -7,9 +7,11 @@
  * sequence number and the message's number: anything else on arrival is a mismatch, and
  * the run fails with LPN_MISMATCH instead of reducing someone else's data.
  *
- * A run opens with a GO round (engine.h): a GO to every other node, and one GO or NOTICE
- * read from each (older ones, left from runs that fell back, are skipped). Only a GO for
- * this plan and seq from every node lets the run write anything.
+ * A run opens with a GO round (engine.h), a tree rooted at the job's node 0: each other
+ * node says GO to it and reads its verdict, GO when every node said GO for this plan and
+ * seq, NOTICE otherwise (older GOs and NOTICEs, left from runs that fell back, are
+ * skipped). Only a GO verdict lets the run write anything. Control headers travel between
+ * the root and the others only, so a data channel carries nothing but this run's data.
  *
  * Sends never block: a SEND queues its message and writes what the socket takes; the
  * rest is written whenever the run waits. Receives land in the plan's scratch (each
@@ -161,55 +163,76 @@ int lpn_send_notice(int fd, uint32_t seq) {
     return write_header(fd, &h, lpn_now() + 0.5) == 0 ? 0 : -1;
 }
 
-/* The GO round: LPN_OK when every GO channel said GO for this plan and seq; LPN_FALLBACK
- * when one said NOTICE or GO for another plan; a failure code otherwise. */
+/* Read the next control header (GO or NOTICE) of this run from channel c, skipping
+ * older ones (left by runs that fell back). LPN_OK with *h filled, or a failure code. */
+static uint32_t read_control(run_state *r, uint32_t c, wire_header *h) {
+    int fd = r->fds[c];
+    if (fd < 0) return fail(r, (int)c, LPN_LOST);
+    for (;;) {
+        size_t done = 0;
+        while (done < sizeof *h) {
+            ssize_t n = recv(fd, (uint8_t *)h + done, sizeof *h - done, MSG_DONTWAIT);
+            if (n == 0) return fail(r, (int)c, LPN_LOST);
+            if (n > 0) {
+                done += (size_t)n;
+                continue;
+            }
+            if (errno == EINTR) continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK) return fail(r, (int)c, LPN_LOST);
+            double left = r->deadline - lpn_now();
+            if (left <= 0) return fail(r, (int)c, LPN_TIMEOUT);
+            struct pollfd pf[2] = {{fd, POLLIN, 0}, {r->abort_fd, POLLIN, 0}};
+            struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
+            if (ppoll(pf, r->abort_fd >= 0 ? 2 : 1, &ts, NULL) < 0 && errno != EINTR)
+                return fail(r, (int)c, LPN_LOST);
+            if (r->abort_fd >= 0 && (pf[1].revents & POLLIN)) return fail(r, -1, LPN_LOST);
+        }
+        if (h->magic != WIRE_MAGIC || (h->kind != WIRE_GO && h->kind != WIRE_NOTICE) || h->nbytes != 0)
+            return fail(r, (int)c, LPN_MISMATCH);
+        if (seq_lt(h->seq, r->seq)) continue; /* left from a run that fell back */
+        if (h->seq != r->seq) return fail(r, (int)c, LPN_MISMATCH);
+        return LPN_OK;
+    }
+}
+
+/* Whether a control header says: run this plan for this seq. */
+static int says_go(const run_state *r, const wire_header *h) { return h->kind == WIRE_GO && h->key == r->key; }
+
+/* The GO round, a tree rooted at the job's node 0 (GO ops with a = 1: this node is the
+ * root; a leaf has one GO op, to the root). A leaf says GO to the root and reads its
+ * verdict; the root reads every leaf's GO, then answers each GO when all said GO for this
+ * plan, NOTICE otherwise. LPN_OK when the verdict is GO, LPN_FALLBACK otherwise. */
 static uint32_t go_round(run_state *r, uint32_t ngo) {
     const lpn_program *p = r->p;
-    wire_header mine = {r->key, r->seq, 0, 0, WIRE_GO, WIRE_MAGIC};
-    uint32_t i, outcome = LPN_OK;
-    for (i = 0; i < ngo; i++) {
-        int fd = r->fds[p->ops[i].b];
-        if (fd < 0) return fail(r, (int)p->ops[i].b, LPN_LOST);
-        int w = write_header(fd, &mine, r->deadline);
-        if (w != 0) return fail(r, (int)p->ops[i].b, w == -2 ? LPN_TIMEOUT : LPN_LOST);
+    wire_header mine = {r->key, r->seq, 0, 0, WIRE_GO, WIRE_MAGIC}, h;
+    uint32_t i, code;
+    if (ngo == 0) return LPN_OK;
+    if (!p->ops[0].a) { /* a leaf */
+        uint32_t root = p->ops[0].b;
+        if (r->fds[root] < 0) return fail(r, (int)root, LPN_LOST);
+        int w = write_header(r->fds[root], &mine, r->deadline);
+        if (w != 0) return fail(r, (int)root, w == -2 ? LPN_TIMEOUT : LPN_LOST);
+        if ((code = read_control(r, root, &h)) != LPN_OK) return code;
+        if (says_go(r, &h)) return LPN_OK;
+        r->failed = (int)root;
+        return LPN_FALLBACK;
     }
-    for (i = 0; i < ngo; i++) {
-        uint32_t c = p->ops[i].b;
-        int fd = r->fds[c];
-        for (;;) {
-            wire_header h;
-            size_t done = 0;
-            while (done < sizeof h) {
-                ssize_t n = recv(fd, (uint8_t *)&h + done, sizeof h - done, MSG_DONTWAIT);
-                if (n == 0) return fail(r, (int)c, LPN_LOST);
-                if (n > 0) {
-                    done += (size_t)n;
-                    continue;
-                }
-                if (errno == EINTR) continue;
-                if (errno != EAGAIN && errno != EWOULDBLOCK) return fail(r, (int)c, LPN_LOST);
-                double left = r->deadline - lpn_now();
-                if (left <= 0) return fail(r, (int)c, LPN_TIMEOUT);
-                struct pollfd pf[2] = {{fd, POLLIN, 0}, {r->abort_fd, POLLIN, 0}};
-                struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
-                if (ppoll(pf, r->abort_fd >= 0 ? 2 : 1, &ts, NULL) < 0 && errno != EINTR)
-                    return fail(r, (int)c, LPN_LOST);
-                if (r->abort_fd >= 0 && (pf[1].revents & POLLIN)) return fail(r, -1, LPN_LOST);
-            }
-            if (h.magic != WIRE_MAGIC || (h.kind != WIRE_GO && h.kind != WIRE_NOTICE) || h.nbytes != 0)
-                return fail(r, (int)c, LPN_MISMATCH);
-            if (seq_lt(h.seq, r->seq)) continue; /* left from a run that fell back */
-            if (h.seq != r->seq) return fail(r, (int)c, LPN_MISMATCH);
-            if (h.kind == WIRE_NOTICE || h.key != r->key) {
-                /* The peer runs it otherwise: so do we, writing nothing. The other GOs stay
-                 * unread; later runs skip them (older seq). */
-                r->failed = (int)c;
-                return LPN_FALLBACK;
-            }
-            break;
+    int go = 1;
+    for (i = 0; i < ngo && go; i++) { /* the first NOTICE or other plan decides */
+        if ((code = read_control(r, p->ops[i].b, &h)) != LPN_OK) return code;
+        if (!says_go(r, &h)) {
+            go = 0;
+            r->failed = (int)p->ops[i].b;
         }
     }
-    return outcome;
+    wire_header verdict = {r->key, r->seq, 0, 0, go ? WIRE_GO : WIRE_NOTICE, WIRE_MAGIC};
+    for (i = 0; i < ngo; i++) {
+        uint32_t c = p->ops[i].b;
+        if (r->fds[c] < 0) return fail(r, (int)c, LPN_LOST);
+        int w = write_header(r->fds[c], &verdict, r->deadline);
+        if (w != 0) return fail(r, (int)c, w == -2 ? LPN_TIMEOUT : LPN_LOST);
+    }
+    return go ? LPN_OK : LPN_FALLBACK;
 }
 
 typedef int (*condition)(const run_state *r, const void *arg);

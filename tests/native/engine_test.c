@@ -222,7 +222,7 @@ static void net_program(int r) {
     uint64_t sizes[3] = {(uint64_t)N * 4, (uint64_t)N * 4, (uint64_t)N * 4}; /* scratch, in, out */
     uint32_t peer = 1u - (uint32_t)r;
     lpn_op ops[3] = {
-        {LPN_GO, 0, 0, 0, 0, peer, 0, 0, 0, 0, 0},
+        {LPN_GO, 0, 0, 0, r == 0 ? 1u : 0u, peer, 0, 0, 0, 0, 0}, /* node 0 is the GO round's root */
         {LPN_SEND, 0, 0, 0, 1, peer, 0, 0, 0, (uint64_t)N * 4, 0},
         {LPN_RECV_COMBINE, LPN_F32, LPN_SUM, 2, 1, peer, 0, 0, 0, N, 0},
     };

@@ -84,8 +84,8 @@ def offer(task: Task, plane: PeerPlane) -> tuple[tuple[str, Any], ...]:
 
 def notice(task: Task) -> None:
     """This node runs the call on the general path: armed peers fall back at once."""
-    if task.job.native is not None:
-        task.job.native.notice(task.pending.sequence)
+    if task.job.native is not None and task.job.layout is not None:
+        task.job.native.notice(task.pending.sequence, task.job.layout.node)
 
 
 def drop(task: Task) -> None:
