@@ -14,10 +14,11 @@ streams, the chain ordered by topology), so the node's devices talk to each othe
 only the boundary's bytes cross host memory.
 
 The message goes in segments of ``staging_bytes / RING_SLOTS`` bytes through a ring of
-RING_SLOTS pinned host slots per job (the bound on host memory, whatever the message's
-size). While the peer plane carries segment k (its own chunked pipeline, one participant
-per node), the device streams reduce and copy out segments k+1..k+RING_SLOTS-1 and
-broadcast segment k-1: no stage waits for the whole message. The device groups of the
+RING_SLOTS pinned host slots, leased for the run from the daemon's pool (DeviceRegistry.rings:
+bounded in bytes for the whole daemon, whatever the message's size or the number of jobs).
+While the peer plane carries segment k (its own chunked pipeline, one participant per
+node), the device streams reduce and copy out segments k+1..k+RING_SLOTS-1 and broadcast
+segment k-1: no stage waits for the whole message. The device groups of the
 segments share their staging memory (Scratch) and each is queued behind the previous one
 (its streams wait for the previous group's final events), so they never overlap.
 
@@ -43,8 +44,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import Any, cast
-
-import numpy as np
 
 from lpsync.algorithms import LinkModel, generate
 from lpsync.algorithms.registry import DIRECT, algorithms_for
@@ -146,19 +145,18 @@ def run(
     nodes, chunks in all)."""
     segment_bytes, model = verdict.segment, verdict.model
     # Where UCX sends device memory itself, no ring: each node decides for its own side.
-    ring = None if devices.peer_direct else _ring(task, devices, segment_bytes)
-    plan = _plan(task, link, devices, ring, segment_bytes // task.dtype.itemsize, model)
-    _run(plan, task, devices, deadline, tags)
+    # Else the job leases one from the daemon's pool (bounded for the daemon, not per job)
+    # and gives it back once this run's streams drained (_run drains on a failure too).
+    owner = (task.job.name, "hierarchy")
+    near = cast(Span, task.arrivals[0].data).device  # device spans: on_device
+    rings = [] if devices.peer_direct else devices.rings.lease(owner, segment_bytes, 1, near, deadline)
+    try:
+        ring = rings[0] if rings else None
+        plan = _plan(task, link, devices, ring, segment_bytes // task.dtype.itemsize, model)
+        _run(plan, task, devices, deadline, tags)
+    finally:
+        devices.rings.give_back(rings, owner)
     return plan.algorithm, plan.chunks
-
-
-def _ring(task: Task, devices: DeviceRegistry, segment_bytes: int) -> HostMirrors:
-    """The job's RING_SLOTS pinned slots (portable: any device copies through them)."""
-    first = cast(Span, task.arrivals[0].data)  # device spans: on_device
-    slot = Span(first.memory, 0, segment_bytes, np.dtype(np.uint8))
-    return task.job.plans.mirrors(
-        ("ring", segment_bytes, ()), lambda: HostMirrors(devices.kind, [slot] * RING_SLOTS)
-    )
 
 
 @dataclass(frozen=True)
@@ -431,8 +429,6 @@ def _run(plan: Hierarchy, task: Task, devices: DeviceRegistry, deadline: float, 
     busy = devices.use(
         [cast(Span, span).memory for a in task.arrivals for span in (a.data, a.out) if span is not None]
     )
-    if plan.ring is not None:
-        plan.ring.acquire()
     plan.acquire()
     queued: list[DeviceGroup] = []
     fence: list[Any] = []  # the last queued device group's final events
@@ -491,5 +487,3 @@ def _run(plan: Hierarchy, task: Task, devices: DeviceRegistry, deadline: float, 
     finally:
         plan.release()
         devices.done(busy)
-        if plan.ring is not None:
-            plan.ring.release()

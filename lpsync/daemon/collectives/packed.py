@@ -4,7 +4,8 @@ rank in one pipeline, in segments through bounded host memory.
 These ops move blocks to one rank or to each (no reduction, no copy to every node), so
 there is no node-level stage to run on the device chain: every byte that leaves a device
 crosses host memory once either way. What hierarchy.py's ring gives them is the bound.
-Each local participant gets RING_SLOTS pinned slots; segment k of the collective covers
+Each local participant gets a ring of RING_SLOTS pinned slots (leased for the run from the
+daemon's pool, DeviceRegistry.rings); segment k of the collective covers
 elements [lo, hi) of every block, packed into a slot (its input blocks' pieces, then its
 output blocks'), so the schedule of all ranks (linear gather/scatter, pairwise alltoall,
 over the peer plane and the node's inproc fabric, as for host buffers) runs on packed
@@ -93,7 +94,34 @@ def run(
         )
         for n in lengths
     }
-    rings = [_ring(task, devices, i, per, cast(Span, a.data)) for i, a in enumerate(task.arrivals)]
+    # Each local participant's ring, leased from the daemon's pool for this run (all at
+    # once) and given back once its streams drained (_run drains on a failure too).
+    owner = (task.job.name, "packed")
+    slot_bytes = 2 * task.participants * per * dtype.itemsize  # a segment's blocks in and out
+    near = cast(Span, task.arrivals[0].data).device
+    rings = devices.rings.lease(owner, slot_bytes, len(task.arrivals), near, deadline)
+    rings.sort(key=lambda ring: ring.serial)  # the same rings in the same order: the same plan
+    try:
+        return _run_on(task, link, devices, deadline, tags, views, per, lengths, schedules, rings)
+    finally:
+        devices.rings.give_back(rings, owner)
+
+
+def _run_on(
+    task: Task,
+    link: Link,
+    devices: DeviceRegistry,
+    deadline: float,
+    tags: int,
+    views: list[tuple[Span, Span]],
+    per: int,
+    lengths: list[int],
+    schedules: dict[int, tuple[str, int]],
+    rings: list[HostMirrors],
+) -> tuple[str, int]:
+    layout = task.job.layout
+    assert layout is not None
+    spec, op, dtype, count = task.spec, task.op, task.dtype, task.spec.count
     key = (
         spec,
         "packed",
@@ -143,16 +171,6 @@ def run(
     return first.schedule.algorithm, first.schedule.chunks * len(range(0, count, per))
 
 
-def _ring(task: Task, devices: DeviceRegistry, index: int, per: int, near: Span) -> HostMirrors:
-    """Participant ``index``'s RING_SLOTS pinned slots, each room for every block of a
-    segment in and out (the larger side has P blocks, the smaller at most P)."""
-    nbytes = 2 * task.participants * per * task.dtype.itemsize
-    slot = Span(near.memory, 0, nbytes, np.dtype(np.uint8))
-    return task.job.plans.mirrors(
-        ("packed-ring", index, nbytes, ()), lambda: HostMirrors(devices.kind, [slot] * RING_SLOTS)
-    )
-
-
 def _lanes(
     task: Task, devices: DeviceRegistry, views: list[tuple[Span, Span]], rings: list[HostMirrors]
 ) -> list[_Lane]:
@@ -199,8 +217,6 @@ def _run(plan: Packed, task: Task, devices: DeviceRegistry, deadline: float, tag
     busy = devices.use(
         [cast(Span, span).memory for a in task.arrivals for span in (a.data, a.out) if span is not None]
     )
-    for ring in plan.rings:
-        ring.acquire()
     plan.acquire()
 
     def down(k: int) -> None:
@@ -244,5 +260,3 @@ def _run(plan: Packed, task: Task, devices: DeviceRegistry, deadline: float, tag
     finally:
         plan.release()
         devices.done(busy)
-        for ring in plan.rings:
-            ring.release()

@@ -25,15 +25,13 @@ from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.values import Arrival
 from lpsync.engine.group import LocalGroup
-from lpsync.engine.staging import ChunkStager, HostMirrors, Mirror
+from lpsync.engine.staging import RING_SLOTS, ChunkStager, HostMirrors, Mirror
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.kind import Span
 from lpsync.types import Collective
 
 _BYTE = np.dtype(np.uint8)
-# Pinned host slots of a bounded ring (hierarchy.py, packed.py): a segment on the wire,
-# the next ones filling, the last one draining.
-RING_SLOTS = 4
+__all__ = ["RING_SLOTS", "Staged", "drain", "stage", "whole"]
 
 
 class Staged:
