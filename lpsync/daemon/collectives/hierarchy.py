@@ -58,7 +58,7 @@ from lpsync.daemon.collectives.views import buffers, reduction
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.peers.plane import Link
 from lpsync.engine.buffers import DeviceBuffers
-from lpsync.engine.device_group import DeviceGroup, Scratch
+from lpsync.engine.device_group import DeviceGroup, Lanes, Scratch
 from lpsync.engine.group import LocalGroup
 from lpsync.engine.routing import Placement
 from lpsync.engine.staging import HostMirrors
@@ -112,9 +112,10 @@ class Hierarchy(ClosedWhenIdle):
         ring: HostMirrors | None,
         lanes: list,
         direct: dict[int, DeviceBuffers],
+        streams: Lanes,
     ) -> None:
         super().__init__()
-        self.segments, self.scratch, self.ring = segments, scratch, ring
+        self.segments, self.scratch, self.ring, self.streams = segments, scratch, ring, streams
         self.direct = direct  # per boundary device: the cross stage's device scratch
         self.lanes = lanes  # (stream, event) of each boundary device's copy stream
         self.algorithm = segments[0].cross.schedule.algorithm if segments else DIRECT
@@ -130,6 +131,7 @@ class Hierarchy(ClosedWhenIdle):
         for memory in self.direct.values():
             memory.close()
         self.scratch.close()
+        self.streams.close()  # its runs ended: nothing is queued on them any more
 
 
 def run(
@@ -241,12 +243,13 @@ def _build(
     assert layout is not None
     context, kind = devices.context, devices.kind
     scratch = Scratch(context.pool)
+    own = Lanes(context, (task.job.name,))
     segments: list[_Segment] = []
     crosses: dict[tuple[Collective, int, int, int], LocalGroup] = {}
     direct: dict[int, DeviceBuffers] = {}
     try:
         for part in parts:
-            _segments(task, link, devices, ring, per, across, part, scratch, crosses, segments, direct)
+            _segments(task, link, devices, ring, per, across, part, scratch, crosses, segments, direct, own)
         tag = sum(s.steps for s in segments)
         if tag > 1 << STEP_BITS:
             raise InvalidArgumentError(
@@ -254,12 +257,12 @@ def _build(
                 f"2**{STEP_BITS} messages per pair: raise --device-staging-bytes"
             )
     except BaseException:
-        Hierarchy(segments, scratch, ring, [], direct).close(wait=False)
+        Hierarchy(segments, scratch, ring, [], direct, own).close(wait=False)
         raise
-    streams = {id(s.stream): (s.stream, s.boundary) for s in segments}
-    lanes = [(stream, kind.event(d)) for stream, d in streams.values()]
+    boundaries = {id(s.stream): (s.stream, s.boundary) for s in segments}
+    lanes = [(stream, kind.event(d)) for stream, d in boundaries.values()]
     lanes += [(memory.stream, memory.done) for memory in direct.values()]  # drained on a failure too
-    return Hierarchy(segments, scratch, ring, lanes, direct)
+    return Hierarchy(segments, scratch, ring, lanes, direct, own)
 
 
 def _segments(
@@ -274,6 +277,7 @@ def _segments(
     crosses: dict[tuple[Collective, int, int, int], LocalGroup],
     segments: list[_Segment],
     direct: dict[int, DeviceBuffers],
+    streams: Lanes,
 ) -> None:
     """Append ``part``'s segments (their tags after those already there). Without a
     ``ring`` they cross from device memory (``direct``: each boundary device's scratch)."""
@@ -356,13 +360,13 @@ def _segments(
                 where = partial(k, n)
             assert where is not None
             memory_of = direct.get(on[b])
-            if memory_of is None:  # its own stream: its reductions never queue behind copies
-                # Its own event too (not the context's, shared by every job on the lane): a
-                # synchronize waits for this collective's record, not another job's later one.
-                # Dropped with the plan, it is destroyed on the kind's Releaser (kind.py).
-                lane = (on[b], 0, "across")
+            if memory_of is None:  # a stream apart: its reductions never queue behind copies
+                # The job's own stream (not one per device for every job: a slow or dead job
+                # delays only itself) and the plan's own event (a synchronize waits for this
+                # collective's record, not another's later one; dropped with the plan, it is
+                # destroyed on the kind's Releaser, kind.py).
                 memory_of = direct[on[b]] = DeviceBuffers(
-                    kind, on[b], devices.context.stream(*lane), kind.event(on[b])
+                    kind, on[b], streams.get(on[b], "across"), kind.event(on[b])
                 )
             schedule = generate(op, algorithm, layout.nodes, n, cross_root, chunks)
             # The engine's buffer types name host arrays; a DeviceBuffers memory takes Spans.
@@ -394,7 +398,7 @@ def _segments(
                 result=result,
                 spread=spread,
                 boundary=on[b],
-                stream=devices.context.stream(on[b], 0, "boundary"),
+                stream=streams.get(on[b], "boundary"),
                 staged=kind.event(on[b]),
                 returned=kind.event(on[b]),
             )

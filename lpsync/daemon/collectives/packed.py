@@ -37,6 +37,7 @@ from lpsync.daemon.collectives.task import STEP_BITS, Task
 from lpsync.daemon.collectives.views import buffers, reduction
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.peers.plane import Link
+from lpsync.engine.device_group import Lanes
 from lpsync.engine.group import LocalGroup
 from lpsync.engine.routing import Placement
 from lpsync.engine.staging import HostMirrors
@@ -65,15 +66,19 @@ class _Lane:
 class Packed(ClosedWhenIdle):
     """Every segment's plan over one set of buffers (closed once no run uses it)."""
 
-    def __init__(self, lanes: list[_Lane], rings: list[HostMirrors], per: int, count: int) -> None:
+    def __init__(
+        self, lanes: list[_Lane], rings: list[HostMirrors], per: int, count: int, streams: Lanes
+    ) -> None:
         super().__init__()
         self.lanes, self.rings, self.per, self.count = lanes, rings, per, count
+        self.streams = streams  # the job's own (DeviceContext.lane), ended with the plan
         self.groups: dict[tuple[int, int], LocalGroup] = {}  # (slot, length) -> plan
         self.steps = 0  # tags one segment takes (the longest segment's schedule)
 
     def _close(self, wait: bool) -> None:
         for group in self.groups.values():
             group.close(wait)
+        self.streams.close()
 
 
 def run(
@@ -134,7 +139,12 @@ def _run_on(
     )
 
     def build() -> Packed:
-        plan = Packed(_lanes(task, devices, views, rings), rings, per, count)
+        streams = Lanes(devices.context, (task.job.name,))
+        try:
+            plan = Packed(_lanes(task, devices, views, rings, streams), rings, per, count, streams)
+        except BaseException:
+            streams.close()
+            raise
         placement = Placement.of(layout.node_of, layout.node)
         for slot in range(RING_SLOTS):
             for n in lengths:
@@ -172,9 +182,13 @@ def _run_on(
 
 
 def _lanes(
-    task: Task, devices: DeviceRegistry, views: list[tuple[Span, Span]], rings: list[HostMirrors]
+    task: Task,
+    devices: DeviceRegistry,
+    views: list[tuple[Span, Span]],
+    rings: list[HostMirrors],
+    streams: Lanes,
 ) -> list[_Lane]:
-    kind, context, count = devices.kind, devices.context, task.spec.count
+    kind, count = devices.kind, task.spec.count
     slots_on: dict[int, int]  # device -> its lanes so far
     lanes, slots_on = [], {}
     for (inp, out), ring in zip(views, rings, strict=True):
@@ -190,7 +204,7 @@ def _lanes(
                 blocks_out=out.count // count if count else 0,
                 slots=[m.array for m in mirrors],
                 hosts=[m.host for m in mirrors],
-                stream=context.stream(device, index, "packed"),
+                stream=streams.get(device, f"packed-{index}"),  # the job's own
                 staged=[kind.event(device) for _ in range(RING_SLOTS)],
                 returned=[kind.event(device) for _ in range(RING_SLOTS)],
             )
