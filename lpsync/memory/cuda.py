@@ -28,10 +28,13 @@ as the daemon sees it; clients must see the same numbering (same CUDA_VISIBLE_DE
                            client's Event(interprocess=True, disable_timing=True)) /
                            runtime.eventDestroy; ``wait`` on it is
                            runtime.streamWaitEvent(stream, event, 0)
-  synchronize              runtime.eventQuery first (complete: return at once); else
-                           runtime.eventSynchronize (blocking sync, no spinning) in a helper
-                           thread, so that the deadline holds; helpers are not a small shared
-                           pool (more waits than helpers queued and timed out spuriously)
+  synchronize              runtime.eventQuery first (complete: return at once); else the
+                           record's stream's waiter thread (StreamWaiter: runtime.
+                           eventSynchronize, blocking sync, on each record in the order the
+                           stream completes them; handed each record of a host-waited event
+                           as it is made) wakes the caller, who waits with its deadline: one
+                           wake-up per wait, no pool (the first reading's 4 helpers, then
+                           256, queued waits behind each other and timed them out)
   wait_ready / queries     every status other than cudaSuccess and cudaErrorNotReady fails
                            the wait, whether cupy returns it or raises it; a closed event is
                            never queried again (a use after free of the handle)
@@ -59,7 +62,7 @@ use for a current device); the sync helper threads set the event's device first.
 
 from __future__ import annotations
 
-import concurrent.futures
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -97,7 +100,6 @@ _NOT_READY = 600  # cudaErrorNotReady
 _TOO_MANY_PEERS = 711  # cudaErrorTooManyPeers
 _HOST_ALLOC_PORTABLE = 1  # cudaHostAllocPortable
 _EVENT_FLAGS = 0x1 | 0x2  # cudaEventBlockingSync | cudaEventDisableTiming
-_SYNC_HELPERS = 256  # threads blocked in cudaEventSynchronize at most (one per wait)
 
 
 def _use(device: int) -> None:
@@ -128,17 +130,93 @@ class CudaIpcEvent:
 
 class CudaEvent:
     """An own event (cudaEvent_t ``ptr`` of ``device``). Dropped without ``destroy_event``,
-    it hands its handle to the kind's Releaser, never destroying it on the dropping thread."""
+    it hands its handle to the kind's Releaser, never destroying it on the dropping thread.
 
-    __slots__ = ("_drop", "destroyed", "device", "ptr")
+    Host waits (``synchronize``): ``recorded`` counts its records, ``completed`` the latest
+    one a waiter saw complete; once an event has been waited on from the host
+    (``host_waited``), each later record is handed to its stream's waiter (StreamWaiter)
+    as it is made, so a wait is one wake-up: the waiter's."""
+
+    __slots__ = (
+        "_drop",
+        "completed",
+        "cond",
+        "destroyed",
+        "device",
+        "doomed",
+        "error",
+        "host_waited",
+        "ptr",
+        "queued",
+        "recorded",
+        "stream",
+        "upto",
+    )
 
     def __init__(self, device: int, ptr: int, drop: Callable[[int, int], None]) -> None:
         self.device, self.ptr, self._drop, self.destroyed = device, ptr, drop, False
+        self.cond = threading.Condition()
+        self.recorded = self.completed = 0
+        self.upto = 0  # the latest record handed to a waiter
+        self.queued = 0  # records handed to a waiter and not yet seen complete
+        self.host_waited = self.doomed = False  # doomed: destroyed once the waiter let go
+        self.stream: cupy.cuda.Stream | None = None  # of the latest record
+        self.error: UnavailableError | None = None
 
     def __del__(self) -> None:
         if not self.destroyed:
             self.destroyed = True
             self._drop(self.device, self.ptr)
+
+
+class StreamWaiter:
+    """The host's wait for one stream's events: a thread blocked in cudaEventSynchronize
+    (blocking sync: it sleeps) on each record handed to it, in the order they were made,
+    which is the order one stream completes them, so no wait queues behind another
+    stream's. Started at the first host wait on the stream, ended with the stream."""
+
+    def __init__(self, kind: CudaKind, stream: cupy.cuda.Stream) -> None:
+        self.kind, self.device = kind, stream.lpsync_device
+        self._queue: queue.SimpleQueue[tuple[CudaEvent, int] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"lpsync-cuda-wait-{self.device}", daemon=True)
+        self._thread.start()
+
+    def put(self, event: CudaEvent, generation: int) -> None:
+        self._queue.put((event, generation))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        _use(self.device)  # a fresh thread has device 0 current
+        while True:
+            item = self._queue.get()  # blocks: no polling
+            if item is None:
+                return
+            event, generation = item
+            error: UnavailableError | None = None
+            latest = generation
+            if not event.destroyed:
+                with event.cond:
+                    latest = max(generation, event.recorded)  # what the synchronize covers
+                try:
+                    runtime.eventSynchronize(event.ptr)
+                    query(event.ptr)  # a status the synchronize may have returned quietly
+                except runtime.CUDARuntimeError as failure:
+                    error = UnavailableError(f"a GPU operation failed: {failure}")
+                except UnavailableError as failure:
+                    error = failure
+            with event.cond:
+                event.queued -= 1
+                if error is None:
+                    event.completed = max(event.completed, latest)
+                else:
+                    event.error = error  # sticky, as the context's error is
+                event.cond.notify_all()
+                doomed = event.doomed and event.queued == 0
+            if doomed:  # destroyed while handed to this thread: now nothing uses it
+                self.kind._drop_event(event.device, event.ptr)
+            del event, item
 
 
 def query(pointer: int) -> bool:
@@ -221,9 +299,8 @@ class CudaKind:
         self.topology = _topology(count)
         self._kernels: dict[tuple, Callable[..., object]] = {}
         self._lock = threading.Lock()
-        self._waiters = concurrent.futures.ThreadPoolExecutor(
-            max_workers=_SYNC_HELPERS, thread_name_prefix="lpsync-cuda-sync"
-        )
+        self.waiters: dict[int, StreamWaiter] = {}  # id(stream) -> its waiter (host waits)
+        self.handoffs = 0  # host waits that had to hand their record to a waiter themselves
         self.releaser = Releaser("lpsync-cuda-release", _use)
         self.opens = [0] * count
         self.closes = [0] * count
@@ -339,6 +416,17 @@ class CudaKind:
     def destroy_stream(self, stream: cupy.cuda.Stream) -> None:
         _use(stream.lpsync_device)
         stream.synchronize()
+        with self._lock:
+            waiter = self.waiters.pop(id(stream), None)
+        if waiter is not None:
+            waiter.stop()
+
+    def _waiter(self, stream: cupy.cuda.Stream) -> StreamWaiter:
+        with self._lock:
+            waiter = self.waiters.get(id(stream))
+            if waiter is None:
+                waiter = self.waiters[id(stream)] = StreamWaiter(self, stream)
+            return waiter
 
     def event(self, device: int) -> CudaEvent:
         # An event belongs to the device current when it is made: make it on ``device``.
@@ -356,10 +444,13 @@ class CudaKind:
         self.releaser.put(device, lambda: runtime.eventDestroy(pointer))
 
     def destroy_event(self, event: CudaEvent) -> None:
-        if event.destroyed:
-            raise InvalidArgumentError("an event destroyed twice")
-        event.destroyed = True
-        self._drop_event(event.device, event.ptr)
+        with event.cond:
+            if event.destroyed:
+                raise InvalidArgumentError("an event destroyed twice")
+            event.destroyed = True
+            event.doomed = event.queued > 0  # a waiter still holds it: it destroys it after
+        if not event.doomed:
+            self._drop_event(event.device, event.ptr)
 
     def open_event(self, handle: bytes, device: int) -> CudaIpcEvent:
         self._check(device)
@@ -406,6 +497,15 @@ class CudaKind:
             )
         _use(stream.lpsync_device)
         runtime.eventRecord(event.ptr, stream.ptr)
+        with event.cond:
+            event.recorded += 1
+            event.stream = stream
+            handed = event.host_waited  # waited on from the host before: its waiter takes it now
+            if handed:
+                event.upto = event.recorded
+                event.queued += 1
+        if handed:
+            self._waiter(stream).put(event, event.upto)
 
     def wait(self, stream: cupy.cuda.Stream, event: CudaEvent | CudaIpcEvent) -> None:
         if event.closed if isinstance(event, CudaIpcEvent) else event.destroyed:
@@ -414,28 +514,45 @@ class CudaKind:
         pointer = event.pointer if isinstance(event, CudaIpcEvent) else event.ptr
         runtime.streamWaitEvent(stream.ptr, pointer, 0)
 
-    @staticmethod
-    def _synchronize(event: CudaEvent) -> None:
-        _use(event.device)  # a helper thread starts with device 0 current
-        runtime.eventSynchronize(event.ptr)
-        query(event.ptr)  # the status the synchronize may have returned quietly
-
     def synchronize(self, event: CudaEvent, deadline: float) -> None:
-        if event.destroyed:
-            raise InvalidArgumentError("a synchronize on an event that was destroyed")
-        # Done already (cudaEventQuery: cudaSuccess): no hand-off to a helper thread and
-        # back. A run waits for every stream's final event in turn, and once the first
-        # returns the others mostly have finished.
+        """Until the latest record completed. Done already (cudaEventQuery): no hand-off at
+        all. Else the stream's waiter has it (handed at record time, once the event was
+        waited on from the host: plans replay the same events, so from their second run
+        on), or gets it now; this thread sleeps until the waiter saw it complete, or the
+        deadline: one wake-up per wait, and a stream that never finishes holds only the
+        waits on its own records."""
+        with event.cond:
+            if event.destroyed:
+                raise InvalidArgumentError("a synchronize on an event that was destroyed")
+            generation = event.recorded
+            if event.error is not None:
+                raise event.error
+            if generation == 0 or event.completed >= generation:
+                return  # never recorded (cudaEventSynchronize returns at once), or seen done
         _use(event.device)
         if query(event.ptr):  # an error status raises here
+            with event.cond:
+                event.completed = max(event.completed, generation)
             return
-        future = self._waiters.submit(self._synchronize, event)
-        try:
-            future.result(timeout=max(0.0, deadline - time.monotonic()))
-        except concurrent.futures.TimeoutError:
-            raise CollectiveTimeoutError("the GPU streams did not finish in time") from None
-        except runtime.CUDARuntimeError as error:
-            raise UnavailableError(f"a GPU operation failed: {error}") from None
+        with event.cond:
+            event.host_waited = True
+            hand = event.upto < generation
+            if hand:
+                event.upto = generation
+                event.queued += 1
+                self.handoffs += 1
+            stream = event.stream
+        if hand:
+            assert stream is not None
+            self._waiter(stream).put(event, generation)
+        with event.cond:
+            while event.completed < generation and event.error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CollectiveTimeoutError("the GPU streams did not finish in time")
+                event.cond.wait(left)
+            if event.error is not None:
+                raise event.error
 
     # -- operations ----------------------------------------------------------------------------
     def copy_async(self, dst: Span, src: Span, stream: cupy.cuda.Stream) -> None:
@@ -530,7 +647,11 @@ class CudaKind:
         return True
 
     def close_kind(self) -> None:
-        self._waiters.shutdown(wait=False)
+        with self._lock:
+            waiters = list(self.waiters.values())
+            self.waiters.clear()
+        for waiter in waiters:
+            waiter.stop()
         self.releaser.stop()
 
 

@@ -41,6 +41,33 @@ class Runtime(types.ModuleType):
         self.statuses: list = []
         self.calls: list[tuple[str, int, str, int | None]] = []  # (call, arg, thread, device)
         self._current = threading.local()
+        # A GPU's events: pointer -> [records made, records the device completed]
+        self.events: dict[int, list[int]] = {}
+        self._gpu = threading.Condition()
+        self.pointers = iter(range(1000, 1 << 30))
+
+    def eventCreateWithFlags(self, flags: int) -> int:
+        pointer = next(self.pointers)
+        self.events[pointer] = [0, 0]
+        return pointer
+
+    def eventRecord(self, pointer: int, stream: int) -> None:
+        with self._gpu:
+            self.events[pointer][0] += 1
+
+    def complete(self, pointer: int) -> None:
+        """The device reached the event's latest record."""
+        with self._gpu:
+            self.events[pointer][1] = self.events[pointer][0]
+            self._gpu.notify_all()
+
+    def eventSynchronize(self, pointer: int) -> None:
+        """Blocks until the latest record at call time completed (blocking sync)."""
+        self._log("eventSynchronize", pointer)
+        with self._gpu:
+            target = self.events[pointer][0]
+            if not self._gpu.wait_for(lambda: self.events[pointer][1] >= target, 30):
+                raise CUDARuntimeError(ILLEGAL_ADDRESS)  # a hung test, not a GPU's answer
 
     def _log(self, name: str, arg: int) -> None:
         self.calls.append(
@@ -55,6 +82,10 @@ class Runtime(types.ModuleType):
 
     def eventQuery(self, pointer: int) -> int:
         self._log("eventQuery", pointer)
+        if not self.statuses and pointer in self.events:  # an event of the stand-in GPU
+            with self._gpu:
+                made, done = self.events[pointer]
+            return READY if done >= made else NOT_READY
         status = self.statuses.pop(0)
         if isinstance(status, BaseException):
             raise status
@@ -106,6 +137,7 @@ def _kind(module: types.ModuleType):
     kind = object.__new__(module.CudaKind)
     kind.allowed = frozenset({0, 1})
     kind.releaser = Releaser("lpsync-cuda-release", module._use)
+    kind._lock, kind.waiters, kind.handoffs = threading.Lock(), {}, 0
     return kind
 
 
@@ -222,3 +254,59 @@ def test_cuda_contract_the_common_kernels_are_compiled_at_start_on_each_device(c
     assert len(compiled) == before
     kind._kernel(ReduceOp.SUM, np.dtype(np.float64), "combine", 1)("a", "b", "c")
     assert len(compiled) == before + 1  # a rarer dtype still compiles at its first use
+
+
+def test_cuda_contract_many_concurrent_host_waits_neither_queue_nor_time_out(cuda):
+    """300 host waits at once on 20 streams whose work completes in reverse order (second
+    reading, point 5). The first reading's helpers (4, then 256 threads) queued waits past
+    their count behind waits on streams that finish last: they returned a second late, or
+    timed out. Here each stream's waiter wakes its waits as that stream completes them;
+    from the second wait on an event, its record reaches the waiter as it is made, so a
+    wait is one wake-up."""
+    module, runtime = cuda
+    kind = _kind(module)
+    streams = [types.SimpleNamespace(ptr=10 + i, lpsync_device=i % 2) for i in range(20)]
+    events = {id(s): [kind.event(s.lpsync_device) for _ in range(15)] for s in streams}
+    try:
+        for attempt in range(2):
+            for stream in streams:
+                for event in events[id(stream)]:
+                    kind.record(event, stream)
+            handed = kind.handoffs
+            woke: dict[int, float] = {}
+            failed: list[BaseException] = []
+
+            def wait(event, woke: dict[int, float], failed: list[BaseException]) -> None:
+                try:
+                    kind.synchronize(event, time.monotonic() + 10)
+                    woke[event.ptr] = time.monotonic()
+                except BaseException as error:
+                    failed.append(error)
+
+            waits = [
+                threading.Thread(target=wait, args=(e, woke, failed)) for s in streams for e in events[id(s)]
+            ]
+            for thread in waits:
+                thread.start()
+            time.sleep(0.2)  # every wait is pending
+            done: dict[int, float] = {}
+            for stream in reversed(streams):  # the last waits' streams finish first
+                for event in events[id(stream)]:
+                    runtime.complete(event.ptr)
+                    done[event.ptr] = time.monotonic()
+                time.sleep(0.02 if attempt else 0.25)
+            for thread in waits:
+                thread.join(15)
+            assert not failed, failed[:3]
+            late = max(woke[p] - done[p] for p in done)
+            assert late < 0.4, f"a wait returned {late:.2f} s after its event completed"
+            if attempt:  # the records were handed to the waiters as they were made
+                assert kind.handoffs == handed
+        names = [t.name for t in threading.enumerate() if t.name.startswith("lpsync-cuda-wait")]
+        assert len(names) == len(streams)  # one waiter per stream, not one per wait
+    finally:
+        for stream in streams:
+            waiter = kind.waiters.pop(id(stream), None)
+            if waiter is not None:
+                waiter.stop()
+        kind.releaser.stop()
