@@ -93,12 +93,14 @@ class DeviceBuffers:
     """Spans of ``device``, worked on through ``kind`` on ``stream``; ``done`` is an event
     of that device, recorded after each operation and synchronized. Scratch is shared by
     key among the Plans that use one instance (they must run one at a time: the segments
-    of one hierarchical collective) and kept until ``close``."""
+    of one hierarchical collective) and kept until ``close``; it comes from ``pool`` (the
+    daemon's staging pool, which keeps what it gets back within its bytes: no cudaMalloc
+    per plan), or from the kind where none is given."""
 
     host = False
 
-    def __init__(self, kind: MemoryKind, device: int, stream: Any, done: Any) -> None:
-        self.kind, self.device, self.stream, self.done = kind, device, stream, done
+    def __init__(self, kind: MemoryKind, device: int, stream: Any, done: Any, pool: Any = None) -> None:
+        self.kind, self.device, self.stream, self.done, self.pool = kind, device, stream, done, pool
         self._scratch: dict[object, Span] = {}
         self._held: list[Any] = []  # every allocation, freed by close
 
@@ -111,7 +113,10 @@ class DeviceBuffers:
     def scratch(self, key: object, nbytes: int) -> Span:
         span = self._scratch.get(key)
         if span is None or span.nbytes < nbytes:  # grown: Plans built earlier keep the old one
-            memory = self.kind.allocate(self.device, max(nbytes, 1))
+            if self.pool is not None:
+                memory = self.pool.take(self.device, max(nbytes, 1))
+            else:
+                memory = self.kind.allocate(self.device, max(nbytes, 1))
             self._held.append(memory)
             span = self._scratch[key] = Span(memory, 0, nbytes, np.dtype(np.uint8))
         return span
@@ -140,6 +145,9 @@ class DeviceBuffers:
 
     def close(self) -> None:
         for memory in self._held:
-            self.kind.free(memory)
+            if self.pool is not None:
+                self.pool.give(memory)
+            else:
+                self.kind.free(memory)
         self._held.clear()
         self._scratch.clear()

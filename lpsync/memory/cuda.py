@@ -40,10 +40,11 @@ as the daemon sees it; clients must see the same numbering (same CUDA_VISIBLE_DE
                            never queried again (a use after free of the handle)
   copy_async               runtime.memcpyPeerAsync across devices, memcpyAsync on one device
                            or with pinned host memory
-  reduce_async             an ElementwiseKernel per (op, dtype); bfloat16 a RawKernel over
-                           its 16 bits (round-to-nearest-even, as ml_dtypes does), since
-                           cupy has no bfloat16 dtype; the common ones compiled at start
-                           on a background thread (``warm``), not inside a deadline
+  reduce_async             cuda_kernels' raw kernels (every served dtype and op, one
+                           cupy.RawModule, float16/bfloat16 as their 16-bit words) launched
+                           on raw device pointers with stream=: no cupy array per call;
+                           compiled and loaded on every served device at start on a
+                           background thread (``warm``), not inside a deadline
   bind_thread              runtime.setDevice: makes the device's primary context current in
                            a thread the kind does not own (the UCX progress thread)
   enable_peer_access       runtime.deviceEnablePeerAccess (cudaErrorPeerAccessAlreadyEnabled
@@ -57,7 +58,7 @@ creates the current device's primary context (~300-500 MB of GPU memory), and a 
 starts with device 0 current. So no ``with cupy.cuda.Device(d)``: its ``__exit__`` calls
 cudaSetDevice(previous), which in a fresh thread is device 0 and since CUDA 12 initializes
 its primary context. The device is set and left set (the daemon's threads have no other
-use for a current device); the sync helper threads set the event's device first.
+use for a current device); the waiter threads set their stream's device first.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -78,6 +79,7 @@ from lpsync.errors import (
     NotFoundError,
     UnavailableError,
 )
+from lpsync.memory import cuda_kernels
 from lpsync.memory.kind import Link, Releaser, Span, Topology
 from lpsync.reduction import Reduction
 from lpsync.types import ReduceOp
@@ -236,50 +238,6 @@ def query(pointer: int) -> bool:
     raise UnavailableError(f"a CUDA event reports error status {status}")
 
 
-def _nan_aware(pick: str) -> str:
-    # numpy's minimum/maximum propagate NaN; so do these (integers are never NaN).
-    return f"c = (a != a) ? a : ((b != b) ? b : ((a {pick} b) ? a : b))"
-
-
-_EXPR = {
-    ReduceOp.SUM: "c = a + b",
-    ReduceOp.AVG: "c = a + b",
-    ReduceOp.PROD: "c = a * b",
-    ReduceOp.MIN: _nan_aware("<"),
-    ReduceOp.MAX: _nan_aware(">"),
-}
-_BF16_EXPR = {
-    ReduceOp.SUM: "x + y",
-    ReduceOp.AVG: "x + y",
-    ReduceOp.PROD: "x * y",
-    ReduceOp.MIN: "(x != x) ? x : ((y != y) ? y : (x < y ? x : y))",
-    ReduceOp.MAX: "(x != x) ? x : ((y != y) ? y : (x > y ? x : y))",
-}
-_BF16_SOURCE = r"""
-__device__ __forceinline__ float bf2f(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
-__device__ __forceinline__ unsigned short f2bf(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);  // quiet NaN
-    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
-    return (unsigned short)(u >> 16);
-}
-extern "C" __global__ void combine(const unsigned short* a, const unsigned short* b,
-                                   unsigned short* out, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)blockDim.x * gridDim.x) {
-        float x = bf2f(a[i]), y = bf2f(b[i]);
-        out[i] = f2bf(EXPR);
-    }
-}
-extern "C" __global__ void divide(unsigned short* x, long long n, float d) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)blockDim.x * gridDim.x) {
-        x[i] = f2bf(bf2f(x[i]) / d);
-    }
-}
-"""
-
-
 class CudaKind:
     name = "cuda"
 
@@ -297,35 +255,54 @@ class CudaKind:
         self.home = min(allowed)
         _use(self.home)
         self.topology = _topology(count)
-        self._kernels: dict[tuple, Callable[..., object]] = {}
+        # Per device: every reduction kernel (cuda_kernels), by (reduce op, dtype name, what).
+        self._kernels: dict[int, dict[tuple[ReduceOp, str, str], Any]] = {}
+        self._module: Any = None  # cupy.RawModule of cuda_kernels.source(), made once
+        self._compiling = threading.Lock()
         self._lock = threading.Lock()
         self.waiters: dict[int, StreamWaiter] = {}  # id(stream) -> its waiter (host waits)
         self.handoffs = 0  # host waits that had to hand their record to a waiter themselves
         self.releaser = Releaser("lpsync-cuda-release", _use)
         self.opens = [0] * count
         self.closes = [0] * count
-        # The common reductions compiled now, off every collective's deadline (NVRTC
-        # takes ~0.1-1 s per kernel); the first collective of a rarer one compiles it.
+        # Every reduction kernel compiled now, off every collective's deadline (NVRTC takes
+        # ~0.1-1 s a module); a collective that comes first waits for its device's.
         self._warming = threading.Thread(target=self.warm, name="lpsync-cuda-warm", daemon=True)
         self._warming.start()
 
     def warm(self) -> None:
-        """Compile the float32/float16 reductions on every served device: an
-        ElementwiseKernel compiles (NVRTC) at its first launch for a dtype, so each is
-        launched once on a one-element array (the device's legacy stream, idle at start)."""
+        """Compile and load every reduction kernel (cuda_kernels: each served dtype and op,
+        one module) on every served device, each with its device current: a module is
+        loaded into one device's context."""
         for device in sorted(self.allowed):
             try:
-                _use(device)
-                for dtype in (np.dtype(np.float32), np.dtype(np.float16)):
-                    x = cupy.zeros(1, dtype)
-                    for op in ReduceOp:
-                        self._kernel(op, dtype, "combine", device)(x, x, x)
-                    self._kernel(ReduceOp.AVG, dtype, "divide", device)(np.int64(2), x)
-            except Exception as error:  # compiled on first use instead
+                self._kernels_on(device)
+            except Exception as error:  # compiled by the first collective instead
                 import logging
 
                 logging.getLogger("lpsync.memory").warning("compiling reduction kernels: %r", error)
                 return
+
+    def _kernels_on(self, device: int) -> dict[tuple[ReduceOp, str, str], Any]:
+        kernels = self._kernels.get(device)
+        if kernels is not None:
+            return kernels
+        with self._compiling:
+            kernels = self._kernels.get(device)
+            if kernels is None:
+                _use(device)
+                if self._module is None:
+                    self._module = cupy.RawModule(code=cuda_kernels.source())
+                # get_function compiles the module (once, cached by cupy) and loads the
+                # kernel into the current device's context.
+                loaded = {name: self._module.get_function(name) for name in cuda_kernels.names()}
+                kernels = {}
+                for op in ReduceOp:
+                    for name in cuda_kernels.DTYPES:
+                        kernels[op, name, "combine"] = loaded[cuda_kernels.combine_name(op, name)]
+                        kernels[op, name, "divide"] = loaded[cuda_kernels.divide_name(name)]
+                self._kernels[device] = kernels
+        return kernels
 
     def bind_thread(self, device: int) -> None:
         self._check(device)
@@ -577,30 +554,6 @@ class CudaKind:
         memory = cupy.cuda.UnownedMemory(span.lo, span.nbytes, None, span.device)
         return cupy.ndarray((span.nbytes // dtype.itemsize,), dtype, cupy.cuda.MemoryPointer(memory, 0))
 
-    def _kernel(self, op: ReduceOp, dtype: np.dtype, what: str, device: int) -> Callable[..., object]:
-        # Per device: a RawModule's function is loaded into one device's context.
-        key = (op, dtype, what, device)
-        kernel = self._kernels.get(key)
-        if kernel is not None:
-            return kernel
-        if dtype.name == "bfloat16":
-            module = cupy.RawModule(code=_BF16_SOURCE.replace("EXPR", _BF16_EXPR[op]))
-            kernel = module.get_function(what)
-        elif what == "combine":
-            kernel = cupy.ElementwiseKernel("T a, T b", "T c", _EXPR[op], f"lpsync_{op}")
-        elif np.issubdtype(dtype, np.integer):  # numpy's floor division
-            kernel = cupy.ElementwiseKernel(
-                "int64 n",
-                "T x",
-                "long long v = x; long long q = v / n; if (v % n != 0 && v < 0) q -= 1; x = q;",
-                "lpsync_floordiv",
-            )
-        else:  # in double, rounded once to the type (via float for half: no double ctor)
-            cast = "(T)(float)" if dtype == np.float16 else "(T)"
-            kernel = cupy.ElementwiseKernel("int64 n", "T x", f"x = {cast}((double)x / n)", "lpsync_divide")
-        self._kernels[key] = kernel
-        return kernel
-
     def reduce_async(
         self,
         reduction: Reduction,
@@ -610,29 +563,21 @@ class CudaKind:
         final: bool,
         stream: cupy.cuda.Stream,
     ) -> None:
-        dtype, n = reduction.dtype, out.count
+        """The kernels take raw device pointers: no cupy array per reduction; compiled at
+        start (``warm``), so none compiles here after the first moments of the daemon."""
+        n = out.count
         if not n:
             return
-        bf16 = dtype.name == "bfloat16"
-        view = np.dtype(np.uint16) if bf16 else dtype
-        arrays = [self._array(s, view) for s in (acc, incoming, out)]
-        divide = final and reduction.op is ReduceOp.AVG and reduction.participants > 1
         device = stream.lpsync_device
+        kernels = self._kernels_on(device)
+        name, op = reduction.dtype.name, reduction.op
         _use(device)
-        with stream:  # the current stream for the launches (restores cupy's, not the device)
-            if bf16:
-                grid = (min(4096, (n + 255) // 256),)
-                self._kernel(reduction.op, dtype, "combine", device)(grid, (256,), (*arrays, np.int64(n)))
-                if divide:
-                    self._kernel(reduction.op, dtype, "divide", device)(
-                        grid, (256,), (arrays[2], np.int64(n), np.float32(reduction.participants))
-                    )
-                return
-            self._kernel(reduction.op, dtype, "combine", device)(*arrays)
-            if divide:
-                self._kernel(reduction.op, dtype, "divide", device)(
-                    np.int64(reduction.participants), arrays[2]
-                )
+        grid, block = (min(4096, (n + 255) // 256),), (256,)
+        pointers = (np.uint64(acc.lo), np.uint64(incoming.lo), np.uint64(out.lo), np.int64(n))
+        kernels[op, name, "combine"](grid, block, pointers, stream=stream)
+        if final and op is ReduceOp.AVG and reduction.participants > 1:
+            divisor = np.int64(reduction.participants)
+            kernels[op, name, "divide"](grid, block, (np.uint64(out.lo), np.int64(n), divisor), stream=stream)
 
     def enable_peer_access(self, device: int, peer: int) -> bool:
         _use(device)

@@ -102,3 +102,30 @@ def test_cuda_contract_a_jobs_lane_is_shared_by_its_plans_and_ends_with_the_last
     finally:
         devices.close()
         assert other.closed.is_set()  # shutdown ends the lanes still held
+
+
+def test_cuda_contract_the_direct_paths_device_scratch_comes_from_the_bounded_pool():
+    """Issue 47, item 4: the direct path's receive slots were allocated (cudaMalloc) for
+    each plan and freed with it; now they come from the daemon's staging pool, whose
+    unused memory is bounded in bytes, and a later plan reuses them."""
+    kind = EmulatedKind(1)
+    devices = DeviceRegistry(kind)
+    devices.peer_direct = True
+    pool = devices.context.pool
+    allocations: list[int] = []
+    allocate = kind.allocate
+    kind.allocate = lambda device, nbytes: allocations.append(nbytes) or allocate(device, nbytes)  # type: ignore[method-assign]
+    keep: list = []
+    try:
+        plan = _plan(_task("job", devices, keep), devices)
+        made = len(allocations)
+        assert pool.outstanding > 0 and pool.allocated == made - 1  # all but the task's buffer
+        plan.close()
+        assert pool.outstanding == 0 and 0 < pool.kept_bytes <= pool.keep_bytes
+        again = _plan(_task("job", devices, keep), devices)  # the same sizes: reused
+        assert len(allocations) == made + 1  # the new task's buffer only
+        again.close()
+    finally:
+        for memory in keep:
+            kind.free(memory)
+        devices.close()

@@ -366,7 +366,7 @@ def _segments(
                 # collective's record, not another's later one; dropped with the plan, it is
                 # destroyed on the kind's Releaser, kind.py).
                 memory_of = direct[on[b]] = DeviceBuffers(
-                    kind, on[b], streams.get(on[b], "across"), kind.event(on[b])
+                    kind, on[b], streams.get(on[b], "across"), kind.event(on[b]), devices.context.pool
                 )
             schedule = generate(op, algorithm, layout.nodes, n, cross_root, chunks)
             # The engine's buffer types name host arrays; a DeviceBuffers memory takes Spans.
