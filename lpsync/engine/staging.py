@@ -1,33 +1,11 @@
-"""Device spans across nodes: host mirrors filled and drained chunk by chunk.
-
-The cross-node pipeline (LocalGroup over a RoutedEndpoint, lpsync.engine.executor) runs
-over host arrays. For device buffers each span gets a host mirror (pinned on CUDA, so
-that cudaMemcpyAsync is asynchronous) and a ChunkStager per participant moves bytes
-between span and mirror on a dedicated stream, one chunk at a time, in the order the
-participant's program first needs them:
-
-  * ``start`` enqueues one device-to-host copy per chunk of the input that the program
-    reads before it writes it (first use first), each followed by an event record; the
-    stream runs them while the pipeline sends, so the copy of chunk c+1 overlaps the send
-    of chunk c;
-  * ``ready(i)`` (the Plan calls it before step i touches its spans, and before it posts
-    a receive ahead) blocks only until the copies of the chunks that step touches landed:
-    a step never waits for the whole buffer;
-  * ``done(i)`` (after step i) enqueues the host-to-device copy of every range of the
-    result that step i wrote last, so a received or reduced chunk goes back to the device
-    while the next one is received;
-  * ``finish`` waits for the stream; ``drain`` after a failure.
-The ranges come from the schedule once (``Plan.accesses``), so a run costs one list
-lookup per step plus the copies. Invariant: every device-to-host copy is enqueued before
-any host-to-device copy on the same stream, and a step touching a range always waits for
-the copy that fills it, so a late copy never overwrites what the pipeline wrote.
+"""Pinned host memory for device collectives across nodes: HostMirrors (host copies of
+device spans, pinned on CUDA so that cudaMemcpyAsync is asynchronous, freed once no run
+uses them) and the daemon's RingPool of them (the bounded rings that multi-node device
+collectives' segments cross through: hierarchy.py, packed.py).
 """
 
 from __future__ import annotations
 
-import bisect
-import contextlib
-import ctypes
 import itertools
 import threading
 import time
@@ -37,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from lpsync.engine.executor import Plan
+from lpsync.engine.buffers import host_array
 from lpsync.memory.kind import MemoryKind, Span
 
 _BYTE = np.dtype(np.uint8)
@@ -90,12 +68,7 @@ class HostMirrors:
     def _mirror(self, span: Span) -> Mirror:
         host = self.kind.allocate_host(span.nbytes, span.device)  # in the span's device context
         # Both kinds hand out host memory of this process: view it without a copy.
-        array = (
-            np.ctypeslib.as_array((ctypes.c_ubyte * span.nbytes).from_address(host.address))
-            if span.nbytes
-            else np.empty(0, np.uint8)
-        )
-        return Mirror(span, host, array)
+        return Mirror(span, host, host_array(host, span.nbytes))
 
     def acquire(self) -> None:
         with self._lock:
@@ -237,154 +210,3 @@ class RingPool:
                 self._bytes.pop(id(ring), None)
         for _, ring in idle:
             ring.close()
-
-
-def _subtract(lo: int, hi: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The parts of [lo, hi) outside the sorted disjoint intervals ``covered``."""
-    pieces = []
-    i = max(0, bisect.bisect_right(covered, (lo, lo)) - 1)
-    while lo < hi and i < len(covered):
-        a, b = covered[i]
-        if a >= hi:
-            break
-        if b > lo:
-            if a > lo:
-                pieces.append((lo, a))
-            lo = max(lo, b)
-        i += 1
-    if lo < hi:
-        pieces.append((lo, hi))
-    return pieces
-
-
-def _add(lo: int, hi: int, covered: list[tuple[int, int]]) -> None:
-    """Merge [lo, hi) into the sorted disjoint intervals ``covered``."""
-    i = bisect.bisect_left(covered, (lo, lo))
-    if i and covered[i - 1][1] >= lo:
-        i -= 1
-    j = i
-    while j < len(covered) and covered[j][0] <= hi:
-        lo, hi = min(lo, covered[j][0]), max(hi, covered[j][1])
-        j += 1
-    covered[i:j] = [(lo, hi)]
-
-
-class ChunkStager:
-    """One participant's chunk-wise staging between its device spans and their mirrors
-    (the Plan's ``hooks``). ``write_back=False``: the result is not copied to the device
-    (a non-root's buffers of reduce)."""
-
-    def __init__(
-        self,
-        kind: MemoryKind,
-        stream: Any,
-        plan: Plan,
-        mirrors: Sequence[Mirror],
-        write_back: bool = True,
-        device: int | None = None,
-    ) -> None:
-        """``device``: the stream's (default: the first mirror's span's); the events are made
-        on it, since an event can only be recorded on its own device's streams."""
-        self.kind, self.stream = kind, stream
-        on = device if device is not None else (mirrors[0].device.device if mirrors else 0)
-        self._mirrors = sorted(mirrors, key=lambda m: m.lo)
-        accesses = plan.accesses()
-        self.loads: list[tuple[Span, Span]] = []  # (host, device) per chunk, first use first
-        load_at: list[tuple[int, int, int]] = []  # (lo, hi, load index), sorted by lo
-        touched: list[tuple[int, int]] = []
-        self.need: list[int] = []  # per step: the last load it must wait for (-1: none)
-        for reads, write in accesses:
-            for lo, hi in reads:
-                for a, b in _subtract(lo, hi, touched):
-                    for host, dev, x, y in self._pieces(a, b):
-                        bisect.insort(load_at, (x, y, len(self.loads)))
-                        self.loads.append((host, dev))
-            ranges = list(reads) + ([write] if write is not None else [])
-            self.need.append(
-                max((k for lo, hi in ranges for k in self._overlapping(load_at, lo, hi)), default=-1)
-            )
-            for lo, hi in ranges:
-                _add(lo, hi, touched)
-        self.stores: list[tuple[tuple[Span, Span], ...]] = [()] * len(accesses)
-        if write_back:
-            covered: list[tuple[int, int]] = []
-            for index in range(len(accesses) - 1, -1, -1):
-                write = accesses[index][1]
-                if write is None:
-                    continue
-                self.stores[index] = tuple(
-                    (device, host)
-                    for a, b in _subtract(*write, covered)
-                    for host, device, _, _ in self._pieces(a, b)
-                )
-                _add(*write, covered)
-        self.events = [kind.event(on) for _ in self.loads]
-        self.final = kind.event(on)
-        self._waited = -1
-        self._deadline = 0.0
-
-    def _pieces(self, lo: int, hi: int) -> list[tuple[Span, Span, int, int]]:
-        """[lo, hi) split over the mirrors: (host span, device span, lo, hi) of bytes."""
-        out = []
-        for m in self._mirrors:
-            a, b = max(lo, m.lo), min(hi, m.hi)
-            if a < b:
-                offset = a - m.lo
-                out.append(
-                    (
-                        Span(m.host, offset, b - a, _BYTE),
-                        Span(m.device.memory, m.device.offset + offset, b - a, _BYTE),
-                        a,
-                        b,
-                    )
-                )
-        return out
-
-    @staticmethod
-    def _overlapping(load_at: list[tuple[int, int, int]], lo: int, hi: int) -> list[int]:
-        i = max(0, bisect.bisect_right(load_at, (lo, lo, -1)) - 1)
-        found = []
-        while i < len(load_at) and load_at[i][0] < hi:
-            _, b, k = load_at[i]
-            if b > lo:
-                found.append(k)
-            i += 1
-        return found
-
-    # -- one run -----------------------------------------------------------------------------
-    def start(self, deadline: float, ready: Any = None) -> None:
-        """Enqueue every chunk's device-to-host copy (first use first), after ``ready``
-        (the client's interprocess event, polled from the host: the staging streams are
-        shared by every job) when given."""
-        self._deadline, self._waited = deadline, -1
-        kind, stream = self.kind, self.stream
-        if ready is not None:
-            kind.wait_ready(ready, deadline)
-        for (host, device), event in zip(self.loads, self.events, strict=True):
-            kind.copy_async(host, device, stream)
-            kind.record(event, stream)
-
-    def ready(self, index: int) -> None:
-        k = self.need[index]
-        if k > self._waited:  # loads land in order: waiting for k covers every earlier one
-            self.kind.synchronize(self.events[k], self._deadline)
-            self._waited = k
-
-    def done(self, index: int) -> None:
-        for device, host in self.stores[index]:
-            self.kind.copy_async(device, host, self.stream)
-
-    def finish(self) -> None:
-        """Wait until every write-back reached the device."""
-        self.kind.record(self.final, self.stream)
-        self.kind.synchronize(self.final, self._deadline)
-
-    def drain(self, patience: float = 3600.0) -> None:
-        """After a failed run: wait for what it left queued, then clear the stream's error
-        where the kind can (emulated)."""
-        self.kind.record(self.final, self.stream)
-        with contextlib.suppress(Exception):  # the run already reported its failure
-            self.kind.synchronize(self.final, time.monotonic() + patience)
-        recover = getattr(self.kind, "recover", None)
-        if recover is not None:
-            recover(self.stream)
