@@ -57,6 +57,8 @@ class DeviceRegistry:
         # pool for the whole daemon: ``ring_bytes`` of them at most (default: 4 rings).
         self.staging_bytes = staging_bytes
         self.rings = RingPool(kind, ring_bytes or 4 * staging_bytes, RING_SLOTS)
+        # The direct path's rings: the daemon's own device memory, all UCX is handed.
+        self.device_rings = RingPool(kind, ring_bytes or 4 * staging_bytes, RING_SLOTS, on_device=True)
         # The peer plane takes this kind's device memory as it is (the device path is
         # "device": lpsync.transport.ucx.device_support), so the boundary needs no ring.
         self.peer_direct = False
@@ -239,6 +241,7 @@ class DeviceRegistry:
         for entry in entries:
             self.kind.close(entry.memory)
         self.rings.close()
+        self.device_rings.close()
         if held:
             log.warning(
                 "%d device mapping(s) still held by a running collective at shutdown: left mapped "

@@ -548,6 +548,8 @@ class CudaKind:
     def wire(self, span: Span) -> cupy.ndarray:
         if span.device < 0:
             raise InvalidArgumentError("the wire takes device spans of a cuda kind; host spans are numpy's")
+        if span.memory.how == "ipc":  # UCX's registration cache does not see cudaIpcCloseMemHandle
+            raise InvalidArgumentError("the wire takes the daemon's own device memory, not an IPC mapping")
         return self._array(span, np.dtype(np.uint8))  # __cuda_array_interface__: ucxx posts it as is
 
     def _array(self, span: Span, dtype: np.dtype) -> cupy.ndarray:

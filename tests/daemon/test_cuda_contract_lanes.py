@@ -16,6 +16,7 @@ from lpsync.daemon.collectives import hierarchy, local
 from lpsync.daemon.collectives.plans import GroupCache
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.values import Arrival, NodeLayout, Spec
+from lpsync.engine.staging import RING_SLOTS
 from lpsync.memory.emulated import EmulatedKind
 from lpsync.memory.kind import Span
 from lpsync.types import Collective
@@ -44,8 +45,16 @@ def _task(job: str, devices: DeviceRegistry, keep: list) -> types.SimpleNamespac
 
 
 def _plan(task: types.SimpleNamespace, devices: DeviceRegistry) -> hierarchy.Hierarchy:
+    """The direct path's plan over a device ring of the daemon's own, leased as
+    hierarchy.run leases it (and given back: these plans never run)."""
     link = types.SimpleNamespace(endpoint=object(), generation=0)
-    return hierarchy._plan(task, link, devices, None, COUNT // 4, local.DEVICE_LINK)  # type: ignore[arg-type]
+    owner = (task.job.name, "hierarchy")
+    rings = devices.device_rings.lease(owner, COUNT, [0], time.monotonic() + 10)
+    try:
+        ring = hierarchy.Ring(None, {0: rings[0]})
+        return hierarchy._plan(task, link, devices, ring, COUNT // 4, local.DEVICE_LINK)  # type: ignore[arg-type]
+    finally:
+        devices.device_rings.give_back(rings, owner)
 
 
 def test_cuda_contract_one_jobs_queued_device_work_does_not_delay_anothers():
@@ -107,7 +116,8 @@ def test_cuda_contract_a_jobs_lane_is_shared_by_its_plans_and_ends_with_the_last
 def test_cuda_contract_the_direct_paths_device_scratch_comes_from_the_bounded_pool():
     """Issue 47, item 4: the direct path's receive slots were allocated (cudaMalloc) for
     each plan and freed with it; now they come from the daemon's staging pool, whose
-    unused memory is bounded in bytes, and a later plan reuses them."""
+    unused memory is bounded in bytes, and a later plan reuses them, as it reuses the
+    daemon's device ring (second reading, point 7)."""
     kind = EmulatedKind(1)
     devices = DeviceRegistry(kind)
     devices.peer_direct = True
@@ -119,13 +129,50 @@ def test_cuda_contract_the_direct_paths_device_scratch_comes_from_the_bounded_po
     try:
         plan = _plan(_task("job", devices, keep), devices)
         made = len(allocations)
-        assert pool.outstanding > 0 and pool.allocated == made - 1  # all but the task's buffer
+        rings = RING_SLOTS  # the daemon's device ring, made once and kept by its own pool
+        assert devices.device_rings.allocated == 1
+        assert pool.outstanding > 0 and pool.allocated == made - rings - 1  # all but the task's buffer
         plan.close()
         assert pool.outstanding == 0 and 0 < pool.kept_bytes <= pool.keep_bytes
         again = _plan(_task("job", devices, keep), devices)  # the same sizes: reused
-        assert len(allocations) == made + 1  # the new task's buffer only
+        assert len(allocations) == made + 1  # the new task's buffer only: ring and slots reused
+        assert devices.device_rings.allocated == 1
         again.close()
     finally:
         for memory in keep:
             kind.free(memory)
         devices.close()
+
+
+def test_cuda_contract_the_direct_path_crosses_from_the_daemons_own_device_memory():
+    """Second reading, point 7: every span the direct path's cross stage hands the
+    transport is in the daemon's device ring or its pool's slots, never in the client's
+    IPC-mapped buffer (which the plan reaches by device copies on the boundary's stream)."""
+    from lpsync_client import emulated as client
+    from lpsync_client.wire import split_device_uuid
+
+    kind = EmulatedKind(1)
+    devices = DeviceRegistry(kind)
+    devices.peer_direct = True
+    allocation = client.Allocation(COUNT * 4, 0)
+    keep: list = []
+    try:
+        task = _task("job", devices, keep)
+        opened = kind.open(split_device_uuid(allocation.ipc_handle())[0], 0)
+        task.arrivals[0].data = Span(opened, 0, COUNT, np.dtype(np.float32))  # the client's buffer
+        plan = _plan(task, devices)
+        assert plan.segments
+        for segment in plan.segments:
+            assert segment.across.memory.origin is None  # the daemon's own
+            assert segment.source is not None and segment.source.memory is opened  # copied in...
+            assert segment.result is not None and segment.result.memory is opened  # ...and out
+            for participant in segment.cross.plans:
+                for step in participant._steps:
+                    assert step.dst.memory.origin is None
+        plan.close()
+        kind.close(opened)
+    finally:
+        for memory in keep:
+            kind.free(memory)
+        devices.close()
+        allocation.free()

@@ -37,15 +37,15 @@ def test_cuda_contract_rings_are_bounded_per_daemon_and_reused_across_jobs():
     try:
         for _ in range(5):  # jobs one after another: one ring serves them all
             for job in ("a", "b", "c"):
-                rings = pool.lease((job,), SLOT, 1, 0, time.monotonic() + 10)
+                rings = pool.lease((job,), SLOT, [0], time.monotonic() + 10)
                 pool.give_back(rings, (job,))
         assert pool.allocated == 1 and kind.host_allocations == RING_SLOTS
-        a = pool.lease(("a",), SLOT, 1, 0, time.monotonic() + 10)
-        b = pool.lease(("b",), SLOT, 1, 1, time.monotonic() + 10)
+        a = pool.lease(("a",), SLOT, [0], time.monotonic() + 10)
+        b = pool.lease(("b",), SLOT, [1], time.monotonic() + 10)
         assert pool.held_bytes == 2 * RING  # the budget: a third job waits for a ring
         got: list = []
         third = threading.Thread(
-            target=lambda: got.append(pool.lease(("c",), SLOT, 1, 0, time.monotonic() + 10))
+            target=lambda: got.append(pool.lease(("c",), SLOT, [0], time.monotonic() + 10))
         )
         third.start()
         time.sleep(0.3)
@@ -56,7 +56,7 @@ def test_cuda_contract_rings_are_bounded_per_daemon_and_reused_across_jobs():
         assert pool.allocated == 2 and pool.held_bytes == 2 * RING and pool.over_budget == 0
         pool.give_back(got[0], ("c",))
         pool.give_back(b, ("b",))
-        mine = pool.lease(("b",), SLOT, 1, 0, time.monotonic() + 10)
+        mine = pool.lease(("b",), SLOT, [0], time.monotonic() + 10)
         assert mine[0] is b[0], "a job gets its own ring back (its plans are bound to it)"
         pool.give_back(mine, ("b",))
     finally:
@@ -71,13 +71,13 @@ def test_cuda_contract_a_jobs_mirror_churn_leaves_the_pooled_ring_alone():
     pool = RingPool(kind, budget=RING, slots=RING_SLOTS)
     plans = GroupCache()
     try:
-        first = pool.lease(("job",), SLOT, 1, 0, time.monotonic() + 10)
+        first = pool.lease(("job",), SLOT, [0], time.monotonic() + 10)
         pool.give_back(first, ("job",))
         device = kind.allocate(0, 1 << 16)
         for i in range(9):  # the flat path's mirrors of nine buffers
             span = Span(device, 0, 4096 + i, np.dtype(np.uint8))
             plans.mirrors((i, ()), lambda span=span: HostMirrors(kind, [span]))
-        again = pool.lease(("job",), SLOT, 1, 0, time.monotonic() + 10)
+        again = pool.lease(("job",), SLOT, [0], time.monotonic() + 10)
         assert again[0] is first[0] and again[0].mirrors, "the ring was freed or allocated again"
         assert pool.allocated == 1
         pool.give_back(again, ("job",))
@@ -94,15 +94,15 @@ def test_cuda_contract_a_ring_lease_never_deadlocks_on_a_full_budget():
     kind = CountingKind()
     pool = RingPool(kind, budget=RING, slots=RING_SLOTS, patience=0.2)
     try:
-        held = pool.lease(("a",), SLOT, 1, 0, time.monotonic() + 10)
+        held = pool.lease(("a",), SLOT, [0], time.monotonic() + 10)
         started = time.monotonic()
-        extra = pool.lease(("b",), SLOT, 1, 0, time.monotonic() + 10)
+        extra = pool.lease(("b",), SLOT, [0], time.monotonic() + 10)
         assert 0.15 <= time.monotonic() - started < 2.0
         assert pool.over_budget == 1 and pool.held_bytes == RING
         pool.give_back(extra, ("b",))
         assert kind.releaser.flush(5) and not extra[0].mirrors  # freed, not kept
         pool.give_back(held, ("a",))
-        small = pool.lease(("c",), SLOT // 2, 2, 0, time.monotonic() + 10)  # two rings, at once
+        small = pool.lease(("c",), SLOT // 2, [0] * 2, time.monotonic() + 10)  # two rings, at once
         assert held[0].mirrors == [] and kind.releaser.flush(5)  # the idle ring made room
         assert pool.over_budget == 1 and pool.held_bytes == RING
         pool.give_back(small, ("c",))

@@ -23,14 +23,17 @@ segments share their staging memory (Scratch) and each is queued behind the prev
 (its streams wait for the previous group's final events), so they never overlap.
 
 Where the peer plane takes device memory itself (the daemon's device path is ``device``:
-UCX with its cuda transports, lpsync/transport/ucx/device_support.py), there is no ring:
+UCX with its cuda transports, lpsync/transport/ucx/device_support.py), the ring is on the
+device, no host memory:
 
-    devices ==(device chain: reduce)==> boundary <==(peer plane, device chunks)==> boundary
-    boundary ==(device chain: broadcast)==> devices
+    devices ==(device chain: reduce)==> boundary --D2D--> device slot (the daemon's own)
+        device slot <==(peer plane, device chunks)==> device slot
+    device slot --D2D--> boundary ==(device chain: broadcast)==> devices
 
-each segment crosses the nodes from the boundary's own device memory (its output, or a
-device scratch span where the caller's buffer must not be written), chunks received to
-be reduced land in device slots and are reduced on the boundary's stream
+each segment crosses the nodes from a device slot the daemon allocated (DeviceRing, leased
+like the host ring from DeviceRegistry.device_rings), never from a client's IPC-mapped
+buffer: UCX's registration cache is not told when an IPC mapping closes. Chunks received
+to be reduced land in device slots and are reduced on the boundary's stream
 (lpsync.engine.buffers.DeviceBuffers). The segments, schedules and tags are the same
 either way, so nodes that stage and nodes that do not interoperate.
 
@@ -61,7 +64,7 @@ from lpsync.engine.buffers import DeviceBuffers
 from lpsync.engine.device_group import DeviceGroup, Lanes, Scratch
 from lpsync.engine.group import LocalGroup
 from lpsync.engine.routing import Placement
-from lpsync.engine.staging import HostMirrors
+from lpsync.engine.staging import DeviceRing, HostMirrors
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.kind import Span
 from lpsync.types import Collective
@@ -89,7 +92,7 @@ def offer(task: Task, devices: DeviceRegistry | None) -> tuple[tuple[str, int], 
 class _Segment:
     gather: DeviceGroup | None  # the local reduce onto the boundary
     source: Span | None  # what is copied to ``across`` first (None: nothing)
-    across: Span  # where the segment crosses the nodes: its ring slot, or device memory (direct)
+    across: Span  # where the segment crosses the nodes: its ring slot (host, or device: direct)
     cross: LocalGroup
     tag: int  # offset of this segment's messages in the collective's tag space
     steps: int  # tags this segment's messages take
@@ -109,7 +112,7 @@ class Hierarchy(ClosedWhenIdle):
         self,
         segments: list[_Segment],
         scratch: Scratch,
-        ring: HostMirrors | None,
+        ring: Ring,
         lanes: list,
         direct: dict[int, DeviceBuffers],
         streams: Lanes,
@@ -146,19 +149,48 @@ def run(
     (every node's, so every node builds the same schedules); returns (algorithm across
     nodes, chunks in all)."""
     segment_bytes, model = verdict.segment, verdict.model
-    # Where UCX sends device memory itself, no ring: each node decides for its own side.
-    # Else the job leases one from the daemon's pool (bounded for the daemon, not per job)
-    # and gives it back once this run's streams drained (_run drains on a failure too).
+    # The segments cross through a ring the job leases from the daemon's pools (bounded
+    # for the daemon, not per job) and gives back once this run's streams drained (_run
+    # drains on a failure too): pinned host slots, or, where UCX sends device memory
+    # itself (each node decides for its own side), device slots of the daemon's own on
+    # each boundary device.
     owner = (task.job.name, "hierarchy")
-    near = cast(Span, task.arrivals[0].data).device  # device spans: on_device
-    rings = [] if devices.peer_direct else devices.rings.lease(owner, segment_bytes, 1, near, deadline)
+    pool = devices.device_rings if devices.peer_direct else devices.rings
+    places = _boundaries(task) if devices.peer_direct else [cast(Span, task.arrivals[0].data).device]
+    rings = pool.lease(owner, segment_bytes, places, deadline)
     try:
-        ring = rings[0] if rings else None
+        ring = Ring(None if devices.peer_direct else rings[0], dict(zip(places, rings, strict=True)))
         plan = _plan(task, link, devices, ring, segment_bytes // task.dtype.itemsize, model)
         _run(plan, task, devices, deadline, tags)
     finally:
-        devices.rings.give_back(rings, owner)
+        pool.give_back(rings, owner)
     return plan.algorithm, plan.chunks
+
+
+@dataclass(frozen=True)
+class Ring:
+    """Where a run's segments cross: ``host``'s pinned slots (staged), or the daemon's own
+    device slots on each boundary device (``device``: the direct path)."""
+
+    host: HostMirrors | None
+    device: dict[int, DeviceRing]
+
+    @property
+    def serial(self) -> tuple[int, ...]:
+        return (self.host.serial,) if self.host is not None else tuple(r.serial for r in self.device.values())
+
+
+def _boundaries(task: Task) -> list[int]:
+    """The devices of this node's boundaries, one per part (the root's, where this node
+    has it, else the first local rank's): where the direct path's device slots go."""
+    ranks = [a.rank for a in task.arrivals]
+    on = [cast(Span, a.data).device for a in task.arrivals]
+    if task.op is Collective.ALLREDUCE:
+        return [on[0]]
+    roots = (
+        [task.spec.root] if task.op in (Collective.REDUCE, Collective.BROADCAST) else range(task.participants)
+    )
+    return sorted({on[ranks.index(r)] if r in ranks else on[0] for r in roots})
 
 
 @dataclass(frozen=True)
@@ -195,7 +227,7 @@ def _parts(task: Task, views: list[tuple[Span, Span]]) -> list[_Part]:
 
 
 def _plan(
-    task: Task, link: Link, devices: DeviceRegistry, ring: HostMirrors | None, per: int, model: LinkModel
+    task: Task, link: Link, devices: DeviceRegistry, ring: Ring, per: int, model: LinkModel
 ) -> Hierarchy:
     spec, itemsize = task.spec, task.dtype.itemsize
     layout = task.job.layout
@@ -223,7 +255,7 @@ def _plan(
         per,
         tuple(sorted(across.items())),
         link.generation,
-        "direct" if ring is None else ring.serial,
+        ring.serial,
         tuple((i.lo, o.lo) for i, o in views),
         tuple(h for a in task.arrivals for h in a.handles),
     )
@@ -234,7 +266,7 @@ def _build(
     task: Task,
     link: Link,
     devices: DeviceRegistry,
-    ring: HostMirrors | None,
+    ring: Ring,
     per: int,
     across: dict[tuple[Collective, int], tuple[str, int]],
     parts: list[_Part],
@@ -245,7 +277,7 @@ def _build(
     scratch = Scratch(context.pool)
     own = Lanes(context, (task.job.name,))
     segments: list[_Segment] = []
-    crosses: dict[tuple[Collective, int, int, int], LocalGroup] = {}
+    crosses: dict[tuple[Collective, int, int, int, int], LocalGroup] = {}
     direct: dict[int, DeviceBuffers] = {}
     try:
         for part in parts:
@@ -269,12 +301,12 @@ def _segments(
     task: Task,
     link: Link,
     devices: DeviceRegistry,
-    ring: HostMirrors | None,
+    ring: Ring,
     per: int,
     across: dict[tuple[Collective, int], tuple[str, int]],
     part: _Part,
     scratch: Scratch,
-    crosses: dict[tuple[Collective, int, int, int], LocalGroup],
+    crosses: dict[tuple[Collective, int, int, int, int], LocalGroup],
     segments: list[_Segment],
     direct: dict[int, DeviceBuffers],
     streams: Lanes,
@@ -346,40 +378,40 @@ def _segments(
         algorithm, chunks = across[op, n]
         reducing = reduction(spec, dtype, task.participants) if op is not Collective.BROADCAST else None
         cross: LocalGroup | None
-        if ring is None:
-            if gather is not None:  # reduced onto the boundary: it crosses from there
-                where, source, result = source, None, None
-            elif result is not None:  # crosses in the output, the input copied there first
-                where = result
-                source = None if source is None or source.lo == result.lo else source
-                result = None
-            elif op is Collective.BROADCAST:  # the root in place sends its own bytes
-                where = source
-                source = None
-            else:  # a reduce's non-root: its input must not be written
-                where = partial(k, n)
-            assert where is not None
-            memory_of = direct.get(on[b])
-            if memory_of is None:  # a stream apart: its reductions never queue behind copies
-                # The job's own stream (not one per device for every job: a slow or dead job
-                # delays only itself) and the plan's own event (a synchronize waits for this
-                # collective's record, not another's later one; dropped with the plan, it is
-                # destroyed on the kind's Releaser, kind.py).
-                memory_of = direct[on[b]] = DeviceBuffers(
-                    kind, on[b], streams.get(on[b], "across"), kind.event(on[b]), devices.context.pool
+        if ring.host is None:
+            # The direct path: the segment crosses from the daemon's own device slot on the
+            # boundary (copied there and back on the boundary's stream, as through the host
+            # ring): UCX is never handed a client's IPC-mapped memory, whose closing its
+            # registration cache does not see, nor memory imported into another process.
+            where = ring.device[on[b]].span(slot, n, dtype)
+            cross = crosses.get((op, cross_root, slot, n, on[b]))
+            if cross is None:  # one per (op, root, slot, length, boundary device)
+                memory_of = direct.get(on[b])
+                if memory_of is None:  # a stream apart: its reductions never queue behind copies
+                    # The job's own stream (not one per device for every job: a slow or dead
+                    # job delays only itself) and the plan's own event (a synchronize waits
+                    # for this collective's record, not another's later one; dropped with the
+                    # plan, it is destroyed on the kind's Releaser, kind.py).
+                    memory_of = direct[on[b]] = DeviceBuffers(
+                        kind, on[b], streams.get(on[b], "across"), kind.event(on[b]), devices.context.pool
+                    )
+                # The engine's buffer types name host arrays; a DeviceBuffers memory takes Spans.
+                cross = crosses[op, cross_root, slot, n, on[b]] = LocalGroup(
+                    generate(op, algorithm, layout.nodes, n, cross_root, chunks),
+                    [(where, where)],  # type: ignore[list-item]
+                    reducing,
+                    placement,
+                    link.endpoint,
+                    memory_of,
                 )
-            schedule = generate(op, algorithm, layout.nodes, n, cross_root, chunks)
-            # The engine's buffer types name host arrays; a DeviceBuffers memory takes Spans.
-            spans = [(where, where)]
-            cross = LocalGroup(schedule, spans, reducing, placement, link.endpoint, memory_of)  # type: ignore[arg-type]
         else:
-            host = ring.mirrors[slot]
+            host = ring.host.mirrors[slot]
             assert host is not None
             where = Span(host.host, 0, n, dtype)
-            cross = crosses.get((op, cross_root, slot, n))
+            cross = crosses.get((op, cross_root, slot, n, -1))
             if cross is None:  # one per (op, root, slot, length): its receive window is host memory too
                 array = host.array.view(dtype)[:n]
-                cross = crosses[op, cross_root, slot, n] = LocalGroup(
+                cross = crosses[op, cross_root, slot, n, -1] = LocalGroup(
                     generate(op, algorithm, layout.nodes, n, cross_root, chunks),
                     [(array, array)],
                     reducing,

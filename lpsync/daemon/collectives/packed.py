@@ -104,7 +104,7 @@ def run(
     owner = (task.job.name, "packed")
     slot_bytes = 2 * task.participants * per * dtype.itemsize  # a segment's blocks in and out
     near = cast(Span, task.arrivals[0].data).device
-    rings = devices.rings.lease(owner, slot_bytes, len(task.arrivals), near, deadline)
+    rings = devices.rings.lease(owner, slot_bytes, [near] * len(task.arrivals), deadline)
     rings.sort(key=lambda ring: ring.serial)  # the same rings in the same order: the same plan
     try:
         return _run_on(task, link, devices, deadline, tags, views, per, lengths, schedules, rings)
