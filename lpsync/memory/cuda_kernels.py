@@ -62,30 +62,30 @@ DEVICE unsigned int as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return
 
 _CONVERSIONS = r"""
 DEVICE float h2f(unsigned short h) {  /* float16 -> float32, exact */
-    unsigned int sign = ((unsigned int)h & 0x8000u) << 16, exp = ((unsigned int)h >> 10) & 0x1fu;
+    unsigned int sign = ((unsigned int)h & 0x8000u) << 16, ex = ((unsigned int)h >> 10) & 0x1fu;
     unsigned int man = (unsigned int)h & 0x3ffu;
-    if (exp == 0x1fu) return as_float(sign | 0x7f800000u | (man << 13));  /* inf, NaN */
-    if (exp) return as_float(sign | ((exp + 112u) << 23) | (man << 13));
+    if (ex == 0x1fu) return as_float(sign | 0x7f800000u | (man << 13));  /* inf, NaN */
+    if (ex) return as_float(sign | ((ex + 112u) << 23) | (man << 13));
     if (!man) return as_float(sign);
-    exp = 113u;  /* a subnormal: normalized */
-    while (!(man & 0x400u)) { man <<= 1; exp--; }
-    return as_float(sign | (exp << 23) | ((man & 0x3ffu) << 13));
+    ex = 113u;  /* a subnormal: normalized */
+    while (!(man & 0x400u)) { man <<= 1; ex--; }
+    return as_float(sign | (ex << 23) | ((man & 0x3ffu) << 13));
 }
 DEVICE unsigned short f2h(float f) {  /* float32 -> float16, round to nearest even */
-    unsigned int x = as_uint(f), sign = (x >> 16) & 0x8000u, abs = x & 0x7fffffffu;
-    if (abs > 0x7f800000u) {  /* NaN: its top payload bits, kept a NaN (numpy's rule) */
-        unsigned int nan = 0x7c00u + ((abs & 0x7fffffu) >> 13);
-        return (unsigned short)(sign | (nan == 0x7c00u ? 0x7c01u : nan));
+    unsigned int x = as_uint(f), sign = (x >> 16) & 0x8000u, mag = x & 0x7fffffffu;
+    if (mag > 0x7f800000u) {  /* NaN: its top payload bits, kept a NaN (numpy's rule) */
+        unsigned int bits = 0x7c00u + ((mag & 0x7fffffu) >> 13);
+        return (unsigned short)(sign | (bits == 0x7c00u ? 0x7c01u : bits));
     }
-    if (abs >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  /* >= 65520: inf */
-    if (abs >= 0x38800000u) {  /* a normal float16 */
-        unsigned int r = abs - 0x38000000u;
+    if (mag >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  /* >= 65520: inf */
+    if (mag >= 0x38800000u) {  /* a normal float16 */
+        unsigned int r = mag - 0x38000000u;
         r += 0xfffu + ((r >> 13) & 1u);
         return (unsigned short)(sign | (r >> 13));
     }
-    unsigned int e = abs >> 23;
+    unsigned int e = mag >> 23;
     if (e < 102u) return (unsigned short)sign;  /* below half the smallest subnormal */
-    unsigned int mant = (abs & 0x7fffffu) | 0x800000u, shift = 126u - e;
+    unsigned int mant = (mag & 0x7fffffu) | 0x800000u, shift = 126u - e;
     unsigned int man = mant >> shift, rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
     if (rem > half || (rem == half && (man & 1u))) man++;
     return (unsigned short)(sign | man);
