@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from lpsync.engine.device_group import DeviceContext
+from lpsync.engine.staging import RING_SLOTS, RingPool
 from lpsync.errors import InvalidArgumentError, NotFoundError
 from lpsync.memory.kind import Memory, MemoryKind
 from lpsync_client.wire import split_device_uuid
@@ -49,10 +50,15 @@ class DeviceBuffer:
 
 
 class DeviceRegistry:
-    def __init__(self, kind: MemoryKind, staging_bytes: int = 32 << 20) -> None:
+    def __init__(self, kind: MemoryKind, staging_bytes: int = 32 << 20, ring_bytes: int = 0) -> None:
         self.kind = kind
-        # The pinned host ring of a multi-node collective's boundary (hierarchy.py).
+        # A multi-node collective's segments cross through a ring of RING_SLOTS pinned
+        # slots of staging_bytes / RING_SLOTS (hierarchy.py, packed.py), leased from one
+        # pool for the whole daemon: ``ring_bytes`` of them at most (default: 4 rings).
         self.staging_bytes = staging_bytes
+        self.rings = RingPool(kind, ring_bytes or 4 * staging_bytes, RING_SLOTS)
+        # The direct path's rings: the daemon's own device memory, all UCX is handed.
+        self.device_rings = RingPool(kind, ring_bytes or 4 * staging_bytes, RING_SLOTS, on_device=True)
         # The peer plane takes this kind's device memory as it is (the device path is
         # "device": lpsync.transport.ucx.device_support), so the boundary needs no ring.
         self.peer_direct = False
@@ -234,6 +240,8 @@ class DeviceRegistry:
                 entry.refs = 0  # closed by ``done``, not by a release
         for entry in entries:
             self.kind.close(entry.memory)
+        self.rings.close()
+        self.device_rings.close()
         if held:
             log.warning(
                 "%d device mapping(s) still held by a running collective at shutdown: left mapped "

@@ -105,6 +105,7 @@ class DeviceContext:
         self._lock = threading.Lock()
         self._streams: dict[tuple[int, int, str], Any] = {}
         self._events: dict[tuple[int, int, str], Any] = {}
+        self._lanes: dict[tuple[tuple, int, str], list[Any]] = {}  # (owner, device, role) -> [stream, users]
         # Peer access is enabled once per pair, not per plan; a pair refused for too many
         # peers (cudaErrorTooManyPeers) is then a HOST link in this topology.
         self.topology: Topology = kind.topology
@@ -130,6 +131,40 @@ class DeviceContext:
                 stream = self._streams[key] = self.kind.stream(device)
             return stream
 
+    def lane(self, owner: tuple, device: int, role: str) -> Any:
+        """A stream of ``owner``'s own (a job's) on ``device``: what it queues there never
+        waits behind another job's work, so a slow job, or one whose peer died mid-segment,
+        delays only itself. Counted per user (a plan); ``drop_lane`` ends it with the last."""
+        key = (owner, device, role)
+        with self._lock:
+            entry = self._lanes.get(key)
+            if entry is None:
+                entry = self._lanes[key] = [self.kind.stream(device), 0]
+            entry[1] += 1
+            return entry[0]
+
+    def drop_lane(self, owner: tuple, device: int, role: str) -> None:
+        """One user of the lane is done with it (its runs drained); the last one ends it,
+        off the caller's thread (a plan closes on the event loop; ending a stream waits
+        for what is queued on it)."""
+        key = (owner, device, role)
+        with self._lock:
+            entry = self._lanes.get(key)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del self._lanes[key]
+        self._end_stream(entry[0])
+
+    def _end_stream(self, stream: Any) -> None:
+        releaser = getattr(self.kind, "releaser", None)
+        if releaser is None:
+            self.kind.destroy_stream(stream)
+        else:
+            releaser.put(-1, lambda: self.kind.destroy_stream(stream))
+
     def event(self, device: int, slot: int, role: str) -> Any:
         """An event of the stream (device, slot, role), made once and recorded again by
         each run that uses that stream (a wait sees its latest record: a later run's record
@@ -144,12 +179,34 @@ class DeviceContext:
 
     def close(self) -> None:
         with self._lock:
-            streams = list(self._streams.values())
+            streams = list(self._streams.values()) + [stream for stream, _ in self._lanes.values()]
             self._streams.clear()
             self._events.clear()
+            self._lanes.clear()
         for stream in streams:
             self.kind.destroy_stream(stream)
         self.pool.close()
+
+
+class Lanes:
+    """The streams a plan of one job takes on the daemon's devices (DeviceContext.lane):
+    its own, so what it queues never waits behind another job's work; given back when the
+    plan closes."""
+
+    def __init__(self, context: DeviceContext, owner: tuple) -> None:
+        self.context, self.owner = context, owner
+        self._taken: dict[tuple[int, str], Any] = {}
+
+    def get(self, device: int, role: str) -> Any:
+        stream = self._taken.get((device, role))
+        if stream is None:
+            stream = self._taken[device, role] = self.context.lane(self.owner, device, role)
+        return stream
+
+    def close(self) -> None:
+        taken, self._taken = self._taken, {}
+        for device, role in taken:
+            self.context.drop_lane(self.owner, device, role)
 
 
 class Scratch:

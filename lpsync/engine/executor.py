@@ -16,7 +16,9 @@ seen); ``run`` only moves and reduces. Invariants:
     runs as data flow instead (dataflow.py): each step on the thread that finished what
     it waits for;
   * the buffers are host arrays, or device spans worked on through their kind
-    (lpsync.engine.buffers: the peer plane's direct device path), on a posting transport.
+    (lpsync.engine.buffers: the peer plane's direct device path), on a posting transport;
+    bounced device spans (the flat path of jobs mixing host and device buffers) send
+    and receive every message through a few host slots, the rest stays on the device.
 """
 
 from __future__ import annotations
@@ -25,12 +27,11 @@ import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 from lpsync.algorithms.schedule import Kind, Schedule
-from lpsync.engine.buffers import HOST, Buffers
+from lpsync.engine.buffers import HOST, BouncedBuffers, Buffers
 from lpsync.engine.dataflow import Flow, Run, channels_for, check_tags
 from lpsync.engine.endpoint import Endpoint, PostingEndpoint, RecvRequest, SendRequest
 from lpsync.errors import InvalidArgumentError
@@ -111,12 +112,17 @@ class Plan:
             sa, sb = memory.address(source) if source is not None else (0, 0)
             wire = memory.wire(dst) if kind in (_SEND, _RECV) else dst
             self._steps.append(_Step(kind, peer, tag, dst, wire, a, b, source, bool(final), sa, sb))
-        chunk = max((s.dst.nbytes for s in self._steps if s.kind == _RECV_REDUCE), default=0)
-        self._staging = [memory.scratch(("slot", i), chunk) for i in range(RECV_WINDOW)] if chunk else []
+        # Bounced buffers (device spans whose bytes travel through host slots, buffers.py)
+        # receive every message in the window's slots, not only those to reduce.
+        self._bouncer = memory if isinstance(memory, BouncedBuffers) else None
+        landing = (_RECV_REDUCE, _RECV) if self._bouncer is not None else (_RECV_REDUCE,)
+        chunk = max((s.dst.nbytes for s in self._steps if s.kind in landing), default=0)
+        window = RECV_WINDOW
+        if self._bouncer is not None:  # each slot is host memory held: no more than needed
+            receives = sum(1 for s in self._steps if s.kind in landing)
+            window = min(receives, self._bouncer.window(chunk, window))
+        self._staging = [memory.scratch(("slot", i), chunk) for i in range(window)] if chunk else []
         self._staging_wire = [memory.wire(slot) for slot in self._staging]
-        # Called around each step (lpsync.engine.staging: device spans across nodes):
-        # ready(i) before step i touches its spans or posts its receive, done(i) after it.
-        self.hooks: StepHooks | None = None
 
     @functools.cached_property
     def _flow(self) -> Flow | None:
@@ -124,22 +130,10 @@ class Plan:
         transport with channels; None for device buffers or spans that do not line up."""
         return Flow.of(self._steps) if self.memory.host else None
 
-    def accesses(self) -> list[tuple[list[tuple[int, int]], tuple[int, int] | None]]:
-        """Per step (the indices ``hooks`` get): the byte ranges it reads, the one it writes."""
-        out: list[tuple[list[tuple[int, int]], tuple[int, int] | None]] = []
-        for s in self._steps:
-            if s.kind == _SEND:
-                out.append(([(s.lo, s.hi)], None))
-            elif s.kind == _RECV:
-                out.append(([], (s.lo, s.hi)))
-            else:
-                out.append(([(s.src_lo, s.src_hi)], (s.lo, s.hi)))
-        return out
-
     def run(self, endpoint: Endpoint, deadline: float, tag_base: int = 0) -> None:
         """Run the program once; raises the transport's errors (timeouts, aborts)."""
         if hasattr(endpoint, "post_recv"):
-            has_channels = self.hooks is None and hasattr(endpoint, "channel")
+            has_channels = hasattr(endpoint, "channel")
             flow = self._flow if has_channels else None
             channels = channels_for(endpoint, flow) if flow is not None else None
             if flow is not None and channels is not None:
@@ -164,10 +158,7 @@ class Plan:
         if not self.memory.host:
             raise InvalidArgumentError("device buffers cross a posting (network) transport only")
         in_flight: list[tuple[int, int, SendRequest]] = []
-        hooks = self.hooks
-        for index, step in enumerate(self._steps):
-            if hooks is not None:
-                hooks.ready(index)
+        for step in self._steps:
             if step.kind == _SEND:
                 request = endpoint.send(step.peer, tag_base + step.tag, step.dst)
                 in_flight.append((step.lo, step.hi, request))
@@ -181,8 +172,6 @@ class Plan:
                     self._reduce(step, raw.view(self.dtype), deadline)
             else:
                 self.memory.copy(step.dst, step.src, deadline)
-            if hooks is not None:
-                hooks.done(index)
         for _, _, request in in_flight:
             request.wait(deadline)
 
@@ -196,14 +185,17 @@ class Plan:
         posted: dict[int, tuple[RecvRequest, int]] = {}  # step -> (request, staging slot)
         free_slots = list(range(len(self._staging)))
         scan = 0  # the next step to consider posting
-        hooks = self.hooks
+        bouncer = self._bouncer
+        bounced = bouncer is not None
 
         def post_ahead(now: int) -> None:
             nonlocal scan
             scan = max(scan, now)
             while len(posted) < RECV_WINDOW and scan < len(steps) and scan < now + _LOOKAHEAD:
                 step = steps[scan]
-                if step.kind == _RECV_REDUCE:
+                if step.kind == _RECV_REDUCE or (bounced and step.kind == _RECV):
+                    if not free_slots:  # bounced: a window no wider than the receives
+                        return
                     slot = free_slots.pop()
                     out = self._staging_wire[slot][: step.dst.nbytes]
                 elif step.kind == _RECV:
@@ -214,8 +206,6 @@ class Plan:
                     ):
                         return
                     slot, out = -1, step.wire
-                    if hooks is not None:
-                        hooks.ready(scan)
                 else:
                     scan += 1
                     continue
@@ -229,30 +219,43 @@ class Plan:
 
         try:
             for index, step in enumerate(steps):
-                if hooks is not None:
-                    hooks.ready(index)
                 if len(posted) < RECV_WINDOW:  # else post_ahead would post nothing
                     post_ahead(index)
                 if step.kind == _SEND:
                     request: SendRequest | RecvRequest  # also a receive's, below
-                    request = endpoint.send(step.peer, tag_base + step.tag, step.wire)
+                    if bouncer is not None:  # its bytes in a host slot: the span is free at once
+                        wire = bouncer.outgoing(step.dst, deadline)
+                        request = endpoint.send(step.peer, tag_base + step.tag, wire)
+                        bouncer.sending(wire, request)
+                    else:
+                        request = endpoint.send(step.peer, tag_base + step.tag, step.wire)
                     in_flight.append((step.lo, step.hi, request))
                     if len(in_flight) > _PRUNE_AT:  # each post_ahead scans the sends in flight
                         in_flight[:] = [item for item in in_flight if not item[2].done()]
                     continue
                 entry = posted.pop(index, None)
-                if in_flight and entry is None:
+                if in_flight and entry is None and not bounced:  # bounced: sends read slots
                     _wait_overlapping(in_flight, step.lo, step.hi, deadline)
-                if step.kind == _RECV:
+                if step.kind == _RECV and bouncer is not None:  # a slot or lent bytes, then H2D
+                    nbytes = step.dst.nbytes
+                    if entry is None:
+                        with endpoint.recv_borrow(step.peer, tag_base + step.tag, nbytes, deadline) as raw:
+                            bouncer.land(step.dst, raw, deadline)
+                    else:
+                        request, slot = entry
+                        request.wait(deadline)
+                        bouncer.land(step.dst, self._staging_wire[slot][:nbytes], deadline)
+                        free_slots.append(slot)
+                elif step.kind == _RECV:
                     if entry is None:
                         endpoint.recv_into(step.peer, tag_base + step.tag, step.wire, deadline)
                     else:
                         entry[0].wait(deadline)
                 elif step.kind == _RECV_REDUCE:
-                    if in_flight and entry is not None:
+                    if in_flight and entry is not None and not bounced:
                         _wait_overlapping(in_flight, step.lo, step.hi, deadline)
                     if entry is None:  # a local peer's message, received in turn
-                        if not self.memory.host:
+                        if not self.memory.host and not bounced:
                             raise InvalidArgumentError("device buffers are reduced from posted receives only")
                         with endpoint.recv_borrow(
                             step.peer, tag_base + step.tag, step.dst.nbytes, deadline
@@ -266,20 +269,12 @@ class Plan:
                         free_slots.append(slot)
                 else:
                     self.memory.copy(step.dst, step.src, deadline)
-                if hooks is not None:
-                    hooks.done(index)
             for _, _, request in in_flight:
                 request.wait(deadline)
         except BaseException as error:
             if posted:  # receives still posted would land in these buffers later
                 endpoint.abort(error)
             raise
-
-
-class StepHooks(Protocol):
-    def ready(self, index: int) -> None: ...
-
-    def done(self, index: int) -> None: ...
 
 
 def _wait_overlapping(

@@ -87,7 +87,7 @@ class LocalGroup:
     order. With it (a multi-node collective) ``buffers`` lists the node's own participants
     (``placement.local_ranks``) and ``remote`` is the node-level Endpoint that reaches the
     other nodes (lpsync.engine.routing). ``memory``: what the buffers are (host arrays, or
-    device spans: lpsync.engine.buffers).
+    device spans: lpsync.engine.buffers), for every participant or one per participant.
     """
 
     def __init__(
@@ -97,7 +97,7 @@ class LocalGroup:
         reduction: Reduction | None,
         placement: Placement | None = None,
         remote: Endpoint | None = None,
-        memory: Buffers = HOST,
+        memory: Buffers | Sequence[Buffers] = HOST,
     ) -> None:
         if (placement is None) != (remote is None):
             raise InvalidArgumentError("a placement and a remote endpoint go together")
@@ -105,8 +105,10 @@ class LocalGroup:
         if len(ranks) != len(buffers):
             raise InvalidArgumentError(f"{len(buffers)} buffers for {len(ranks)} local participants")
         self.schedule, self.placement, self.remote = schedule, placement, remote
+        memories = list(memory) if isinstance(memory, Sequence) else [memory] * len(ranks)
         self.plans = [
-            Plan(schedule, r, bufs, reduction, memory) for r, bufs in zip(ranks, buffers, strict=True)
+            Plan(schedule, r, bufs, reduction, mem)
+            for r, bufs, mem in zip(ranks, buffers, memories, strict=True)
         ]
         self._pool = ThreadPoolExecutor(
             max_workers=max(1, len(self.plans)), thread_name_prefix="lpsync-local"

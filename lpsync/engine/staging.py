@@ -1,33 +1,11 @@
-"""Device spans across nodes: host mirrors filled and drained chunk by chunk.
-
-The cross-node pipeline (LocalGroup over a RoutedEndpoint, lpsync.engine.executor) runs
-over host arrays. For device buffers each span gets a host mirror (pinned on CUDA, so
-that cudaMemcpyAsync is asynchronous) and a ChunkStager per participant moves bytes
-between span and mirror on a dedicated stream, one chunk at a time, in the order the
-participant's program first needs them:
-
-  * ``start`` enqueues one device-to-host copy per chunk of the input that the program
-    reads before it writes it (first use first), each followed by an event record; the
-    stream runs them while the pipeline sends, so the copy of chunk c+1 overlaps the send
-    of chunk c;
-  * ``ready(i)`` (the Plan calls it before step i touches its spans, and before it posts
-    a receive ahead) blocks only until the copies of the chunks that step touches landed:
-    a step never waits for the whole buffer;
-  * ``done(i)`` (after step i) enqueues the host-to-device copy of every range of the
-    result that step i wrote last, so a received or reduced chunk goes back to the device
-    while the next one is received;
-  * ``finish`` waits for the stream; ``drain`` after a failure.
-The ranges come from the schedule once (``Plan.accesses``), so a run costs one list
-lookup per step plus the copies. Invariant: every device-to-host copy is enqueued before
-any host-to-device copy on the same stream, and a step touching a range always waits for
-the copy that fills it, so a late copy never overwrites what the pipeline wrote.
+"""Pinned host memory for device collectives across nodes: HostMirrors (host copies of
+device spans, pinned on CUDA so that cudaMemcpyAsync is asynchronous, freed once no run
+uses them) and the daemon's RingPool of them (the bounded rings that multi-node device
+collectives' segments cross through: hierarchy.py, packed.py).
 """
 
 from __future__ import annotations
 
-import bisect
-import contextlib
-import ctypes
 import itertools
 import threading
 import time
@@ -37,11 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from lpsync.engine.executor import Plan
+from lpsync.engine.buffers import host_array
 from lpsync.memory.kind import MemoryKind, Span
 
 _BYTE = np.dtype(np.uint8)
 _serials = itertools.count(1)
+# Pinned host slots of a bounded ring (hierarchy.py, packed.py): a segment on the wire,
+# the next ones filling, the last one draining.
+RING_SLOTS = 4
 
 
 @dataclass(eq=False)
@@ -87,12 +68,7 @@ class HostMirrors:
     def _mirror(self, span: Span) -> Mirror:
         host = self.kind.allocate_host(span.nbytes, span.device)  # in the span's device context
         # Both kinds hand out host memory of this process: view it without a copy.
-        array = (
-            np.ctypeslib.as_array((ctypes.c_ubyte * span.nbytes).from_address(host.address))
-            if span.nbytes
-            else np.empty(0, np.uint8)
-        )
-        return Mirror(span, host, array)
+        return Mirror(span, host, host_array(host, span.nbytes))
 
     def acquire(self) -> None:
         with self._lock:
@@ -121,152 +97,182 @@ class HostMirrors:
                 self.kind.free(mirror.host)
 
 
-def _subtract(lo: int, hi: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The parts of [lo, hi) outside the sorted disjoint intervals ``covered``."""
-    pieces = []
-    i = max(0, bisect.bisect_right(covered, (lo, lo)) - 1)
-    while lo < hi and i < len(covered):
-        a, b = covered[i]
-        if a >= hi:
-            break
-        if b > lo:
-            if a > lo:
-                pieces.append((lo, a))
-            lo = max(lo, b)
-        i += 1
-    if lo < hi:
-        pieces.append((lo, hi))
-    return pieces
+@dataclass(frozen=True)
+class _Place:
+    """Where a ring's slots are allocated: a device's context (HostMirrors reads these two)."""
+
+    device: int
+    memory: Any = None
 
 
-def _add(lo: int, hi: int, covered: list[tuple[int, int]]) -> None:
-    """Merge [lo, hi) into the sorted disjoint intervals ``covered``."""
-    i = bisect.bisect_left(covered, (lo, lo))
-    if i and covered[i - 1][1] >= lo:
-        i -= 1
-    j = i
-    while j < len(covered) and covered[j][0] <= hi:
-        lo, hi = min(lo, covered[j][0]), max(hi, covered[j][1])
-        j += 1
-    covered[i:j] = [(lo, hi)]
+class DeviceRing:
+    """``slots`` buffers of ``slot_bytes`` on ``device``, the daemon's own (cudaMalloc'd once
+    and kept by the pool): where the direct path's segments cross the nodes, so that UCX is
+    only ever handed memory the daemon allocated (never a client's IPC mapping, which
+    UCX's registration cache is not told of when it is closed)."""
+
+    def __init__(self, kind: MemoryKind, device: int, slot_bytes: int, slots: int) -> None:
+        self.kind, self.device, self.serial = kind, device, next(_serials)
+        self.memory: list[Any] = []
+        try:
+            for _ in range(slots):
+                self.memory.append(kind.allocate(device, max(slot_bytes, 1)))
+        except BaseException:
+            self.close()
+            raise
+
+    def span(self, slot: int, count: int, dtype: np.dtype) -> Span:
+        return Span(self.memory[slot], 0, count, dtype)
+
+    def close(self) -> None:
+        memory, self.memory = self.memory, []
+        for m in memory:
+            self.kind.free(m)  # on the kind's Releaser
 
 
-class ChunkStager:
-    """One participant's chunk-wise staging between its device spans and their mirrors
-    (the Plan's ``hooks``). ``write_back=False``: the result is not copied to the device
-    (a non-root's buffers of reduce)."""
+def host_ring(kind: MemoryKind, slot_bytes: int, slots: int, near: int) -> HostMirrors:
+    """``slots`` pinned host slots of ``slot_bytes``, allocated in ``near``'s context."""
+    return HostMirrors(kind, [Span(_Place(near), 0, slot_bytes, _BYTE)] * slots)
+
+
+class RingPool:
+    """The rings of the daemon's multi-node device collectives (``slots`` slots each):
+    pinned host rings (hierarchy.py's staged path, packed.py) or device rings (the direct
+    path), bounded in bytes for the whole daemon, not per job.
+
+    A run leases its rings and gives them back once its streams drained; a ring given back
+    stays allocated for the next run (no cudaHostAlloc or cudaMalloc per collective,
+    whatever a job's mirrors do: rings are not in the jobs' plan caches) and goes
+    preferably to the owner that had it last, so that the owner's plans, built over its
+    slots' addresses, are reused. Allocated bytes stay within ``budget``: idle rings of
+    another size (or device) are freed (least recently used first) to make room, else the
+    lease waits for one to come back. Nodes lease independently, so two jobs could each
+    hold a ring on one node and wait for one on the other: after ``patience`` seconds a
+    lease takes its rings over the budget instead, freed when given back (``over_budget``
+    counts them), so contention slows a collective, never deadlocks it; so does a run that
+    needs more than the whole budget.
+    """
 
     def __init__(
         self,
         kind: MemoryKind,
-        stream: Any,
-        plan: Plan,
-        mirrors: Sequence[Mirror],
-        write_back: bool = True,
-        device: int | None = None,
+        budget: int,
+        slots: int,
+        patience: float = 0.5,
+        on_device: bool = False,
     ) -> None:
-        """``device``: the stream's (default: the first mirror's span's); the events are made
-        on it, since an event can only be recorded on its own device's streams."""
-        self.kind, self.stream = kind, stream
-        on = device if device is not None else (mirrors[0].device.device if mirrors else 0)
-        self._mirrors = sorted(mirrors, key=lambda m: m.lo)
-        accesses = plan.accesses()
-        self.loads: list[tuple[Span, Span]] = []  # (host, device) per chunk, first use first
-        load_at: list[tuple[int, int, int]] = []  # (lo, hi, load index), sorted by lo
-        touched: list[tuple[int, int]] = []
-        self.need: list[int] = []  # per step: the last load it must wait for (-1: none)
-        for reads, write in accesses:
-            for lo, hi in reads:
-                for a, b in _subtract(lo, hi, touched):
-                    for host, dev, x, y in self._pieces(a, b):
-                        bisect.insort(load_at, (x, y, len(self.loads)))
-                        self.loads.append((host, dev))
-            ranges = list(reads) + ([write] if write is not None else [])
-            self.need.append(
-                max((k for lo, hi in ranges for k in self._overlapping(load_at, lo, hi)), default=-1)
-            )
-            for lo, hi in ranges:
-                _add(lo, hi, touched)
-        self.stores: list[tuple[tuple[Span, Span], ...]] = [()] * len(accesses)
-        if write_back:
-            covered: list[tuple[int, int]] = []
-            for index in range(len(accesses) - 1, -1, -1):
-                write = accesses[index][1]
-                if write is None:
-                    continue
-                self.stores[index] = tuple(
-                    (device, host)
-                    for a, b in _subtract(*write, covered)
-                    for host, device, _, _ in self._pieces(a, b)
-                )
-                _add(*write, covered)
-        self.events = [kind.event(on) for _ in self.loads]
-        self.final = kind.event(on)
-        self._waited = -1
-        self._deadline = 0.0
+        """``on_device``: device rings (DeviceRing, one device each), else pinned host
+        rings (HostMirrors, usable from every device)."""
+        self.kind, self.budget, self.slots, self.patience = kind, budget, slots, patience
+        self.on_device = on_device
+        self._cond = threading.Condition()
+        self._idle: list[tuple[tuple, Any]] = []  # (last owner, ring), least recent first
+        self._bytes: dict[int, int] = {}  # id(ring) -> bytes, for each ring within the budget
+        self._place: dict[int, int] = {}  # id(ring) -> its device (device rings)
+        self.allocated = 0  # rings allocated (tests: reuse keeps this flat)
+        self.over_budget = 0  # rings taken over the budget
+        self._closed = False
 
-    def _pieces(self, lo: int, hi: int) -> list[tuple[Span, Span, int, int]]:
-        """[lo, hi) split over the mirrors: (host span, device span, lo, hi) of bytes."""
-        out = []
-        for m in self._mirrors:
-            a, b = max(lo, m.lo), min(hi, m.hi)
-            if a < b:
-                offset = a - m.lo
-                out.append(
-                    (
-                        Span(m.host, offset, b - a, _BYTE),
-                        Span(m.device.memory, m.device.offset + offset, b - a, _BYTE),
-                        a,
-                        b,
-                    )
-                )
-        return out
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of every ring within the budget, leased or idle."""
+        with self._cond:
+            return sum(self._bytes.values())
 
-    @staticmethod
-    def _overlapping(load_at: list[tuple[int, int, int]], lo: int, hi: int) -> list[int]:
-        i = max(0, bisect.bisect_right(load_at, (lo, lo, -1)) - 1)
-        found = []
-        while i < len(load_at) and load_at[i][0] < hi:
-            _, b, k = load_at[i]
-            if b > lo:
-                found.append(k)
-            i += 1
-        return found
+    def lease(self, owner: tuple, slot_bytes: int, places: Sequence[int], deadline: float) -> list[Any]:
+        """One ring of ``slots`` slots of ``slot_bytes`` for each of ``places`` (its device:
+        a device ring's, or the context a host ring is allocated in), in that order; all or
+        none (a run never holds some while it waits for the others). Give them back with
+        ``give_back``."""
+        size = self.slots * slot_bytes
+        until = min(deadline, time.monotonic() + self.patience)
+        freed: list[Any] = []
+        with self._cond:
+            while True:
+                chosen = self._choose(owner, size, places)
+                missing = sum(1 for i in chosen if i is None)
+                room = self.budget - sum(self._bytes.values())
+                spare = [i for i in range(len(self._idle)) if i not in chosen]  # oldest first
+                spare_bytes = sum(self._bytes[id(self._idle[i][1])] for i in spare)
+                within = room + spare_bytes >= missing * size
+                if within or missing * size > self.budget or time.monotonic() >= until:
+                    for i in spare:
+                        if room >= missing * size or not within:
+                            break
+                        room += self._bytes[id(self._idle[i][1])]
+                        freed.append(self._idle[i][1])
+                    taken = [None if i is None else self._idle[i][1] for i in chosen]
+                    gone = {i for i in chosen if i is not None} | {
+                        i for i in spare if self._idle[i][1] in freed
+                    }
+                    self._idle = [item for i, item in enumerate(self._idle) if i not in gone]
+                    for ring in freed:
+                        del self._bytes[id(ring)]
+                        self._place.pop(id(ring), None)
+                    if not within:
+                        self.over_budget += missing
+                    break
+                self._cond.wait(until - time.monotonic())
+        for ring in freed:
+            ring.close()  # on the kind's Releaser: cudaFreeHost/cudaFree synchronize the device
+        rings: list[Any] = []
+        try:
+            for ring, place in zip(taken, places, strict=True):
+                rings.append(ring if ring is not None else self._make(slot_bytes, place, within))
+        except BaseException:
+            self.give_back([r for r in rings if r is not None] + [r for r in taken[len(rings) :] if r], owner)
+            raise
+        return rings
 
-    # -- one run -----------------------------------------------------------------------------
-    def start(self, deadline: float, ready: Any = None) -> None:
-        """Enqueue every chunk's device-to-host copy (first use first), after ``ready``
-        (the client's interprocess event, polled from the host: the staging streams are
-        shared by every job) when given."""
-        self._deadline, self._waited = deadline, -1
-        kind, stream = self.kind, self.stream
-        if ready is not None:
-            kind.wait_ready(ready, deadline)
-        for (host, device), event in zip(self.loads, self.events, strict=True):
-            kind.copy_async(host, device, stream)
-            kind.record(event, stream)
+    def _choose(self, owner: tuple, size: int, places: Sequence[int]) -> list[int | None]:
+        """For each place, an idle ring that fits (its index), the owner's own first (its
+        plans are bound to them); None where none does."""
+        chosen: list[int | None] = []
+        for place in places:
+            fits = [
+                i
+                for i, (_, ring) in enumerate(self._idle)
+                if i not in chosen
+                and self._bytes[id(ring)] == size
+                and (not self.on_device or self._place[id(ring)] == place)
+            ]
+            fits.sort(key=lambda i: self._idle[i][0] != owner)
+            chosen.append(fits[0] if fits else None)
+        return chosen
 
-    def ready(self, index: int) -> None:
-        k = self.need[index]
-        if k > self._waited:  # loads land in order: waiting for k covers every earlier one
-            self.kind.synchronize(self.events[k], self._deadline)
-            self._waited = k
+    def _make(self, slot_bytes: int, place: int, within: bool) -> Any:
+        if self.on_device:
+            ring: Any = DeviceRing(self.kind, place, slot_bytes, self.slots)
+        else:
+            ring = host_ring(self.kind, slot_bytes, self.slots, place)
+        with self._cond:
+            self.allocated += 1
+            if within:
+                self._bytes[id(ring)] = self.slots * slot_bytes
+                self._place[id(ring)] = place
+        return ring
 
-    def done(self, index: int) -> None:
-        for device, host in self.stores[index]:
-            self.kind.copy_async(device, host, self.stream)
+    def give_back(self, rings: Sequence[Any], owner: tuple) -> None:
+        """Rings whose run ended (its streams drained): kept for the next lease, or freed
+        where they were taken over the budget."""
+        with self._cond:
+            kept = [r for r in rings if id(r) in self._bytes and not self._closed]
+            dropped = [r for r in rings if id(r) not in self._bytes or self._closed]
+            self._idle.extend((owner, ring) for ring in kept)
+            for ring in dropped:
+                self._bytes.pop(id(ring), None)
+                self._place.pop(id(ring), None)
+            self._cond.notify_all()
+        for ring in dropped:
+            ring.close()
 
-    def finish(self) -> None:
-        """Wait until every write-back reached the device."""
-        self.kind.record(self.final, self.stream)
-        self.kind.synchronize(self.final, self._deadline)
-
-    def drain(self, patience: float = 3600.0) -> None:
-        """After a failed run: wait for what it left queued, then clear the stream's error
-        where the kind can (emulated)."""
-        self.kind.record(self.final, self.stream)
-        with contextlib.suppress(Exception):  # the run already reported its failure
-            self.kind.synchronize(self.final, time.monotonic() + patience)
-        recover = getattr(self.kind, "recover", None)
-        if recover is not None:
-            recover(self.stream)
+    def close(self) -> None:
+        """Daemon shutdown: the idle rings are freed, a leased one when given back."""
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            for _, ring in idle:
+                self._bytes.pop(id(ring), None)
+                self._place.pop(id(ring), None)
+        for _, ring in idle:
+            ring.close()

@@ -28,19 +28,23 @@ as the daemon sees it; clients must see the same numbering (same CUDA_VISIBLE_DE
                            client's Event(interprocess=True, disable_timing=True)) /
                            runtime.eventDestroy; ``wait`` on it is
                            runtime.streamWaitEvent(stream, event, 0)
-  synchronize              runtime.eventQuery first (complete: return at once); else
-                           runtime.eventSynchronize (blocking sync, no spinning) in a helper
-                           thread, so that the deadline holds; helpers are not a small shared
-                           pool (more waits than helpers queued and timed out spuriously)
+  synchronize              runtime.eventQuery first (complete: return at once); else the
+                           record's stream's waiter thread (StreamWaiter: runtime.
+                           eventSynchronize, blocking sync, on each record in the order the
+                           stream completes them; handed each record of a host-waited event
+                           as it is made) wakes the caller, who waits with its deadline: one
+                           wake-up per wait, no pool (the first reading's 4 helpers, then
+                           256, queued waits behind each other and timed them out)
   wait_ready / queries     every status other than cudaSuccess and cudaErrorNotReady fails
                            the wait, whether cupy returns it or raises it; a closed event is
                            never queried again (a use after free of the handle)
   copy_async               runtime.memcpyPeerAsync across devices, memcpyAsync on one device
                            or with pinned host memory
-  reduce_async             an ElementwiseKernel per (op, dtype); bfloat16 a RawKernel over
-                           its 16 bits (round-to-nearest-even, as ml_dtypes does), since
-                           cupy has no bfloat16 dtype; the common ones compiled at start
-                           on a background thread (``warm``), not inside a deadline
+  reduce_async             cuda_kernels' raw kernels (every served dtype and op, one
+                           cupy.RawModule, float16/bfloat16 as their 16-bit words) launched
+                           on raw device pointers with stream=: no cupy array per call;
+                           compiled and loaded on every served device at start on a
+                           background thread (``warm``), not inside a deadline
   bind_thread              runtime.setDevice: makes the device's primary context current in
                            a thread the kind does not own (the UCX progress thread)
   enable_peer_access       runtime.deviceEnablePeerAccess (cudaErrorPeerAccessAlreadyEnabled
@@ -54,17 +58,17 @@ creates the current device's primary context (~300-500 MB of GPU memory), and a 
 starts with device 0 current. So no ``with cupy.cuda.Device(d)``: its ``__exit__`` calls
 cudaSetDevice(previous), which in a fresh thread is device 0 and since CUDA 12 initializes
 its primary context. The device is set and left set (the daemon's threads have no other
-use for a current device); the sync helper threads set the event's device first.
+use for a current device); the waiter threads set their stream's device first.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import queue
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -75,6 +79,7 @@ from lpsync.errors import (
     NotFoundError,
     UnavailableError,
 )
+from lpsync.memory import cuda_kernels
 from lpsync.memory.kind import Link, Releaser, Span, Topology
 from lpsync.reduction import Reduction
 from lpsync.types import ReduceOp
@@ -97,7 +102,6 @@ _NOT_READY = 600  # cudaErrorNotReady
 _TOO_MANY_PEERS = 711  # cudaErrorTooManyPeers
 _HOST_ALLOC_PORTABLE = 1  # cudaHostAllocPortable
 _EVENT_FLAGS = 0x1 | 0x2  # cudaEventBlockingSync | cudaEventDisableTiming
-_SYNC_HELPERS = 256  # threads blocked in cudaEventSynchronize at most (one per wait)
 
 
 def _use(device: int) -> None:
@@ -128,17 +132,93 @@ class CudaIpcEvent:
 
 class CudaEvent:
     """An own event (cudaEvent_t ``ptr`` of ``device``). Dropped without ``destroy_event``,
-    it hands its handle to the kind's Releaser, never destroying it on the dropping thread."""
+    it hands its handle to the kind's Releaser, never destroying it on the dropping thread.
 
-    __slots__ = ("_drop", "destroyed", "device", "ptr")
+    Host waits (``synchronize``): ``recorded`` counts its records, ``completed`` the latest
+    one a waiter saw complete; once an event has been waited on from the host
+    (``host_waited``), each later record is handed to its stream's waiter (StreamWaiter)
+    as it is made, so a wait is one wake-up: the waiter's."""
+
+    __slots__ = (
+        "_drop",
+        "completed",
+        "cond",
+        "destroyed",
+        "device",
+        "doomed",
+        "error",
+        "host_waited",
+        "ptr",
+        "queued",
+        "recorded",
+        "stream",
+        "upto",
+    )
 
     def __init__(self, device: int, ptr: int, drop: Callable[[int, int], None]) -> None:
         self.device, self.ptr, self._drop, self.destroyed = device, ptr, drop, False
+        self.cond = threading.Condition()
+        self.recorded = self.completed = 0
+        self.upto = 0  # the latest record handed to a waiter
+        self.queued = 0  # records handed to a waiter and not yet seen complete
+        self.host_waited = self.doomed = False  # doomed: destroyed once the waiter let go
+        self.stream: cupy.cuda.Stream | None = None  # of the latest record
+        self.error: UnavailableError | None = None
 
     def __del__(self) -> None:
         if not self.destroyed:
             self.destroyed = True
             self._drop(self.device, self.ptr)
+
+
+class StreamWaiter:
+    """The host's wait for one stream's events: a thread blocked in cudaEventSynchronize
+    (blocking sync: it sleeps) on each record handed to it, in the order they were made,
+    which is the order one stream completes them, so no wait queues behind another
+    stream's. Started at the first host wait on the stream, ended with the stream."""
+
+    def __init__(self, kind: CudaKind, stream: cupy.cuda.Stream) -> None:
+        self.kind, self.device = kind, stream.lpsync_device
+        self._queue: queue.SimpleQueue[tuple[CudaEvent, int] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"lpsync-cuda-wait-{self.device}", daemon=True)
+        self._thread.start()
+
+    def put(self, event: CudaEvent, generation: int) -> None:
+        self._queue.put((event, generation))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        _use(self.device)  # a fresh thread has device 0 current
+        while True:
+            item = self._queue.get()  # blocks: no polling
+            if item is None:
+                return
+            event, generation = item
+            error: UnavailableError | None = None
+            latest = generation
+            if not event.destroyed:
+                with event.cond:
+                    latest = max(generation, event.recorded)  # what the synchronize covers
+                try:
+                    runtime.eventSynchronize(event.ptr)
+                    query(event.ptr)  # a status the synchronize may have returned quietly
+                except runtime.CUDARuntimeError as failure:
+                    error = UnavailableError(f"a GPU operation failed: {failure}")
+                except UnavailableError as failure:
+                    error = failure
+            with event.cond:
+                event.queued -= 1
+                if error is None:
+                    event.completed = max(event.completed, latest)
+                else:
+                    event.error = error  # sticky, as the context's error is
+                event.cond.notify_all()
+                doomed = event.doomed and event.queued == 0
+            if doomed:  # destroyed while handed to this thread: now nothing uses it
+                self.kind._drop_event(event.device, event.ptr)
+            del event, item
 
 
 def query(pointer: int) -> bool:
@@ -158,50 +238,6 @@ def query(pointer: int) -> bool:
     raise UnavailableError(f"a CUDA event reports error status {status}")
 
 
-def _nan_aware(pick: str) -> str:
-    # numpy's minimum/maximum propagate NaN; so do these (integers are never NaN).
-    return f"c = (a != a) ? a : ((b != b) ? b : ((a {pick} b) ? a : b))"
-
-
-_EXPR = {
-    ReduceOp.SUM: "c = a + b",
-    ReduceOp.AVG: "c = a + b",
-    ReduceOp.PROD: "c = a * b",
-    ReduceOp.MIN: _nan_aware("<"),
-    ReduceOp.MAX: _nan_aware(">"),
-}
-_BF16_EXPR = {
-    ReduceOp.SUM: "x + y",
-    ReduceOp.AVG: "x + y",
-    ReduceOp.PROD: "x * y",
-    ReduceOp.MIN: "(x != x) ? x : ((y != y) ? y : (x < y ? x : y))",
-    ReduceOp.MAX: "(x != x) ? x : ((y != y) ? y : (x > y ? x : y))",
-}
-_BF16_SOURCE = r"""
-__device__ __forceinline__ float bf2f(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
-__device__ __forceinline__ unsigned short f2bf(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);  // quiet NaN
-    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
-    return (unsigned short)(u >> 16);
-}
-extern "C" __global__ void combine(const unsigned short* a, const unsigned short* b,
-                                   unsigned short* out, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)blockDim.x * gridDim.x) {
-        float x = bf2f(a[i]), y = bf2f(b[i]);
-        out[i] = f2bf(EXPR);
-    }
-}
-extern "C" __global__ void divide(unsigned short* x, long long n, float d) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)blockDim.x * gridDim.x) {
-        x[i] = f2bf(bf2f(x[i]) / d);
-    }
-}
-"""
-
-
 class CudaKind:
     name = "cuda"
 
@@ -219,36 +255,54 @@ class CudaKind:
         self.home = min(allowed)
         _use(self.home)
         self.topology = _topology(count)
-        self._kernels: dict[tuple, Callable[..., object]] = {}
+        # Per device: every reduction kernel (cuda_kernels), by (reduce op, dtype name, what).
+        self._kernels: dict[int, dict[tuple[ReduceOp, str, str], Any]] = {}
+        self._module: Any = None  # cupy.RawModule of cuda_kernels.source(), made once
+        self._compiling = threading.Lock()
         self._lock = threading.Lock()
-        self._waiters = concurrent.futures.ThreadPoolExecutor(
-            max_workers=_SYNC_HELPERS, thread_name_prefix="lpsync-cuda-sync"
-        )
+        self.waiters: dict[int, StreamWaiter] = {}  # id(stream) -> its waiter (host waits)
+        self.handoffs = 0  # host waits that had to hand their record to a waiter themselves
         self.releaser = Releaser("lpsync-cuda-release", _use)
         self.opens = [0] * count
         self.closes = [0] * count
-        # The common reductions compiled now, off every collective's deadline (NVRTC
-        # takes ~0.1-1 s per kernel); the first collective of a rarer one compiles it.
+        # Every reduction kernel compiled now, off every collective's deadline (NVRTC takes
+        # ~0.1-1 s a module); a collective that comes first waits for its device's.
         self._warming = threading.Thread(target=self.warm, name="lpsync-cuda-warm", daemon=True)
         self._warming.start()
 
     def warm(self) -> None:
-        """Compile the float32/float16 reductions on every served device: an
-        ElementwiseKernel compiles (NVRTC) at its first launch for a dtype, so each is
-        launched once on a one-element array (the device's legacy stream, idle at start)."""
+        """Compile and load every reduction kernel (cuda_kernels: each served dtype and op,
+        one module) on every served device, each with its device current: a module is
+        loaded into one device's context."""
         for device in sorted(self.allowed):
             try:
-                _use(device)
-                for dtype in (np.dtype(np.float32), np.dtype(np.float16)):
-                    x = cupy.zeros(1, dtype)
-                    for op in ReduceOp:
-                        self._kernel(op, dtype, "combine", device)(x, x, x)
-                    self._kernel(ReduceOp.AVG, dtype, "divide", device)(np.int64(2), x)
-            except Exception as error:  # compiled on first use instead
+                self._kernels_on(device)
+            except Exception as error:  # compiled by the first collective instead
                 import logging
 
                 logging.getLogger("lpsync.memory").warning("compiling reduction kernels: %r", error)
                 return
+
+    def _kernels_on(self, device: int) -> dict[tuple[ReduceOp, str, str], Any]:
+        kernels = self._kernels.get(device)
+        if kernels is not None:
+            return kernels
+        with self._compiling:
+            kernels = self._kernels.get(device)
+            if kernels is None:
+                _use(device)
+                if self._module is None:
+                    self._module = cupy.RawModule(code=cuda_kernels.source())
+                # get_function compiles the module (once, cached by cupy) and loads the
+                # kernel into the current device's context.
+                loaded = {name: self._module.get_function(name) for name in cuda_kernels.names()}
+                kernels = {}
+                for op in ReduceOp:
+                    for name in cuda_kernels.DTYPES:
+                        kernels[op, name, "combine"] = loaded[cuda_kernels.combine_name(op, name)]
+                        kernels[op, name, "divide"] = loaded[cuda_kernels.divide_name(name)]
+                self._kernels[device] = kernels
+        return kernels
 
     def bind_thread(self, device: int) -> None:
         self._check(device)
@@ -339,6 +393,17 @@ class CudaKind:
     def destroy_stream(self, stream: cupy.cuda.Stream) -> None:
         _use(stream.lpsync_device)
         stream.synchronize()
+        with self._lock:
+            waiter = self.waiters.pop(id(stream), None)
+        if waiter is not None:
+            waiter.stop()
+
+    def _waiter(self, stream: cupy.cuda.Stream) -> StreamWaiter:
+        with self._lock:
+            waiter = self.waiters.get(id(stream))
+            if waiter is None:
+                waiter = self.waiters[id(stream)] = StreamWaiter(self, stream)
+            return waiter
 
     def event(self, device: int) -> CudaEvent:
         # An event belongs to the device current when it is made: make it on ``device``.
@@ -356,10 +421,13 @@ class CudaKind:
         self.releaser.put(device, lambda: runtime.eventDestroy(pointer))
 
     def destroy_event(self, event: CudaEvent) -> None:
-        if event.destroyed:
-            raise InvalidArgumentError("an event destroyed twice")
-        event.destroyed = True
-        self._drop_event(event.device, event.ptr)
+        with event.cond:
+            if event.destroyed:
+                raise InvalidArgumentError("an event destroyed twice")
+            event.destroyed = True
+            event.doomed = event.queued > 0  # a waiter still holds it: it destroys it after
+        if not event.doomed:
+            self._drop_event(event.device, event.ptr)
 
     def open_event(self, handle: bytes, device: int) -> CudaIpcEvent:
         self._check(device)
@@ -406,6 +474,15 @@ class CudaKind:
             )
         _use(stream.lpsync_device)
         runtime.eventRecord(event.ptr, stream.ptr)
+        with event.cond:
+            event.recorded += 1
+            event.stream = stream
+            handed = event.host_waited  # waited on from the host before: its waiter takes it now
+            if handed:
+                event.upto = event.recorded
+                event.queued += 1
+        if handed:
+            self._waiter(stream).put(event, event.upto)
 
     def wait(self, stream: cupy.cuda.Stream, event: CudaEvent | CudaIpcEvent) -> None:
         if event.closed if isinstance(event, CudaIpcEvent) else event.destroyed:
@@ -414,28 +491,45 @@ class CudaKind:
         pointer = event.pointer if isinstance(event, CudaIpcEvent) else event.ptr
         runtime.streamWaitEvent(stream.ptr, pointer, 0)
 
-    @staticmethod
-    def _synchronize(event: CudaEvent) -> None:
-        _use(event.device)  # a helper thread starts with device 0 current
-        runtime.eventSynchronize(event.ptr)
-        query(event.ptr)  # the status the synchronize may have returned quietly
-
     def synchronize(self, event: CudaEvent, deadline: float) -> None:
-        if event.destroyed:
-            raise InvalidArgumentError("a synchronize on an event that was destroyed")
-        # Done already (cudaEventQuery: cudaSuccess): no hand-off to a helper thread and
-        # back. A run waits for every stream's final event in turn, and once the first
-        # returns the others mostly have finished.
+        """Until the latest record completed. Done already (cudaEventQuery): no hand-off at
+        all. Else the stream's waiter has it (handed at record time, once the event was
+        waited on from the host: plans replay the same events, so from their second run
+        on), or gets it now; this thread sleeps until the waiter saw it complete, or the
+        deadline: one wake-up per wait, and a stream that never finishes holds only the
+        waits on its own records."""
+        with event.cond:
+            if event.destroyed:
+                raise InvalidArgumentError("a synchronize on an event that was destroyed")
+            generation = event.recorded
+            if event.error is not None:
+                raise event.error
+            if generation == 0 or event.completed >= generation:
+                return  # never recorded (cudaEventSynchronize returns at once), or seen done
         _use(event.device)
         if query(event.ptr):  # an error status raises here
+            with event.cond:
+                event.completed = max(event.completed, generation)
             return
-        future = self._waiters.submit(self._synchronize, event)
-        try:
-            future.result(timeout=max(0.0, deadline - time.monotonic()))
-        except concurrent.futures.TimeoutError:
-            raise CollectiveTimeoutError("the GPU streams did not finish in time") from None
-        except runtime.CUDARuntimeError as error:
-            raise UnavailableError(f"a GPU operation failed: {error}") from None
+        with event.cond:
+            event.host_waited = True
+            hand = event.upto < generation
+            if hand:
+                event.upto = generation
+                event.queued += 1
+                self.handoffs += 1
+            stream = event.stream
+        if hand:
+            assert stream is not None
+            self._waiter(stream).put(event, generation)
+        with event.cond:
+            while event.completed < generation and event.error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CollectiveTimeoutError("the GPU streams did not finish in time")
+                event.cond.wait(left)
+            if event.error is not None:
+                raise event.error
 
     # -- operations ----------------------------------------------------------------------------
     def copy_async(self, dst: Span, src: Span, stream: cupy.cuda.Stream) -> None:
@@ -454,35 +548,13 @@ class CudaKind:
     def wire(self, span: Span) -> cupy.ndarray:
         if span.device < 0:
             raise InvalidArgumentError("the wire takes device spans of a cuda kind; host spans are numpy's")
+        if span.memory.how == "ipc":  # UCX's registration cache does not see cudaIpcCloseMemHandle
+            raise InvalidArgumentError("the wire takes the daemon's own device memory, not an IPC mapping")
         return self._array(span, np.dtype(np.uint8))  # __cuda_array_interface__: ucxx posts it as is
 
     def _array(self, span: Span, dtype: np.dtype) -> cupy.ndarray:
         memory = cupy.cuda.UnownedMemory(span.lo, span.nbytes, None, span.device)
         return cupy.ndarray((span.nbytes // dtype.itemsize,), dtype, cupy.cuda.MemoryPointer(memory, 0))
-
-    def _kernel(self, op: ReduceOp, dtype: np.dtype, what: str, device: int) -> Callable[..., object]:
-        # Per device: a RawModule's function is loaded into one device's context.
-        key = (op, dtype, what, device)
-        kernel = self._kernels.get(key)
-        if kernel is not None:
-            return kernel
-        if dtype.name == "bfloat16":
-            module = cupy.RawModule(code=_BF16_SOURCE.replace("EXPR", _BF16_EXPR[op]))
-            kernel = module.get_function(what)
-        elif what == "combine":
-            kernel = cupy.ElementwiseKernel("T a, T b", "T c", _EXPR[op], f"lpsync_{op}")
-        elif np.issubdtype(dtype, np.integer):  # numpy's floor division
-            kernel = cupy.ElementwiseKernel(
-                "int64 n",
-                "T x",
-                "long long v = x; long long q = v / n; if (v % n != 0 && v < 0) q -= 1; x = q;",
-                "lpsync_floordiv",
-            )
-        else:  # in double, rounded once to the type (via float for half: no double ctor)
-            cast = "(T)(float)" if dtype == np.float16 else "(T)"
-            kernel = cupy.ElementwiseKernel("int64 n", "T x", f"x = {cast}((double)x / n)", "lpsync_divide")
-        self._kernels[key] = kernel
-        return kernel
 
     def reduce_async(
         self,
@@ -493,29 +565,21 @@ class CudaKind:
         final: bool,
         stream: cupy.cuda.Stream,
     ) -> None:
-        dtype, n = reduction.dtype, out.count
+        """The kernels take raw device pointers: no cupy array per reduction; compiled at
+        start (``warm``), so none compiles here after the first moments of the daemon."""
+        n = out.count
         if not n:
             return
-        bf16 = dtype.name == "bfloat16"
-        view = np.dtype(np.uint16) if bf16 else dtype
-        arrays = [self._array(s, view) for s in (acc, incoming, out)]
-        divide = final and reduction.op is ReduceOp.AVG and reduction.participants > 1
         device = stream.lpsync_device
+        kernels = self._kernels_on(device)
+        name, op = reduction.dtype.name, reduction.op
         _use(device)
-        with stream:  # the current stream for the launches (restores cupy's, not the device)
-            if bf16:
-                grid = (min(4096, (n + 255) // 256),)
-                self._kernel(reduction.op, dtype, "combine", device)(grid, (256,), (*arrays, np.int64(n)))
-                if divide:
-                    self._kernel(reduction.op, dtype, "divide", device)(
-                        grid, (256,), (arrays[2], np.int64(n), np.float32(reduction.participants))
-                    )
-                return
-            self._kernel(reduction.op, dtype, "combine", device)(*arrays)
-            if divide:
-                self._kernel(reduction.op, dtype, "divide", device)(
-                    np.int64(reduction.participants), arrays[2]
-                )
+        grid, block = (min(4096, (n + 255) // 256),), (256,)
+        pointers = (np.uint64(acc.lo), np.uint64(incoming.lo), np.uint64(out.lo), np.int64(n))
+        kernels[op, name, "combine"](grid, block, pointers, stream=stream)
+        if final and op is ReduceOp.AVG and reduction.participants > 1:
+            divisor = np.int64(reduction.participants)
+            kernels[op, name, "divide"](grid, block, (np.uint64(out.lo), np.int64(n), divisor), stream=stream)
 
     def enable_peer_access(self, device: int, peer: int) -> bool:
         _use(device)
@@ -530,7 +594,11 @@ class CudaKind:
         return True
 
     def close_kind(self) -> None:
-        self._waiters.shutdown(wait=False)
+        with self._lock:
+            waiters = list(self.waiters.values())
+            self.waiters.clear()
+        for waiter in waiters:
+            waiter.stop()
         self.releaser.stop()
 
 

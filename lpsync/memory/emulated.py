@@ -38,6 +38,9 @@ What stands in for what:
     thread is an error (UCX's cuda transports segfault there, nixl#2102); freeing or
     unmapping memory while a transfer is posted on it is recorded in ``faults`` and the
     memory is kept until the transfer let go (CUDA: UCX would write into freed memory);
+    posting memory opened through IPC (a client's allocation) is refused: UCX's
+    registration cache is not told of cudaIpcCloseMemHandle, and a later mapping at the
+    same address would be sent through a stale registration;
   * frees and event destruction run on the kind's Releaser (kind.py), never on the
     caller's thread (the event loop's), with the device current.
 ``opens``/``closes`` count IPC opens and closes per device for tests and status.
@@ -344,6 +347,12 @@ class EmulatedKind:
         if memory.freed:
             self._fault(f"a transfer posted on freed memory of device {memory.device}")
             raise UnavailableError("a transfer posted on freed device memory")
+        if memory.origin is not None:  # opened through IPC: a client's allocation
+            raise UnavailableError(
+                f"a transfer posted on device {memory.device}'s memory opened through IPC (a client's "
+                "allocation): UCX is handed only the daemon's own device memory, its registration "
+                "cache is not told when an IPC mapping closes"
+            )
         with self._lock:
             memory.posted += 1
         ended = False

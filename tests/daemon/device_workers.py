@@ -20,7 +20,10 @@ def _client(rank: int, socket: str, world: int, job: str) -> lpsync_client.Clien
 
 
 def to_device(values: np.ndarray, device: int, dtype: str, framework: str):
-    """``values`` as a device array of ``framework``: emulated, cupy or torch (CUDA)."""
+    """``values`` as a device array of ``framework``: emulated, cupy or torch (CUDA); or
+    as host memory (``host``: a numpy copy, for ranks of a node that passes host buffers)."""
+    if framework == "host":
+        return values.copy()
     if framework == "emulated":
         return emulated.asarray(values, device, dtype)
     if framework == "cupy":
@@ -37,6 +40,8 @@ def to_device(values: np.ndarray, device: int, dtype: str, framework: str):
 
 
 def to_host(array, framework: str) -> np.ndarray:
+    if framework == "host":
+        return array
     if framework == "emulated":
         return array.get()
     if framework == "cupy":
@@ -101,7 +106,7 @@ def run_cases(
                 got = got[rank * count * dt.itemsize : (rank + 1) * count * dt.itemsize]
             results.append((got, b"" if x is None else to_host(x, make).tobytes()))
             for array in (x, out):
-                if array is not None:
+                if array is not None and framework != "host":  # host arrays were staged, not registered
                     client.release(array)
     return results
 

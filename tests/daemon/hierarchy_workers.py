@@ -53,25 +53,44 @@ def cases_on_nodes(
     return run_cases(rank, sockets[node], len(node_of), devices, cases, framework, algorithm)
 
 
+def cases_mixed(
+    rank: int,
+    sockets: list[str],
+    node_of: list[int],
+    devices: list[int],
+    cases: list[tuple],
+    host_nodes: list[int],
+) -> list:
+    """run_cases where the ranks of ``host_nodes`` pass host buffers, the others emulated
+    device buffers: a job that takes the flat path (collectives/staging.py)."""
+    node = _on_node(rank, node_of)
+    framework = "host" if node in host_nodes else "emulated"
+    return run_cases(rank, sockets[node], len(node_of), devices, cases, framework)
+
+
 def big_allreduce(
-    rank: int, sockets: list[str], node_of: list[int], count: int, framework: str = "emulated"
+    rank: int, sockets: list[str], node_of: list[int], count: int, framework: str | list[str] = "emulated"
 ) -> dict:
     """One allreduce of ``count`` float32 on this rank's device (rank + 1 each; emulated:
     device rank mod 2, cupy: GPU 0): whether every element came back as the sum, and how
-    long it took."""
+    long it took. ``framework`` per node (a list): "host" ranks pass registered host
+    memory (a job that mixes host and device buffers)."""
     node = _on_node(rank, node_of)
     world = len(node_of)
+    kind = framework[node] if isinstance(framework, list) else framework
     with _client(rank, sockets[node], world, "big") as client:
-        device = rank % 2 if framework == "emulated" else 0
-        x = device_workers.to_device(np.full(count, rank + 1, np.float32), device, "float32", framework)
-        client.register(x)
+        device = rank % 2 if kind == "emulated" else 0
+        x = device_workers.to_device(np.full(count, rank + 1, np.float32), device, "float32", kind)
+        handle = client.register(x)
+        target = handle if kind == "host" else x  # host memory: the registered copy works
         client.barrier()
         start = time.monotonic()
-        client.allreduce(x, timeout=300)
+        client.allreduce(target, timeout=300)
         seconds = time.monotonic() - start
         want = world * (world + 1) / 2
-        ok = bool((device_workers.to_host(x, framework) == want).all())
-        client.release(x)
+        result = handle.original if kind == "host" else device_workers.to_host(x, kind)
+        ok = bool((np.asarray(result) == want).all())
+        client.release(target)
     return {"ok": ok, "seconds": seconds}
 
 

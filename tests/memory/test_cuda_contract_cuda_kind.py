@@ -41,6 +41,33 @@ class Runtime(types.ModuleType):
         self.statuses: list = []
         self.calls: list[tuple[str, int, str, int | None]] = []  # (call, arg, thread, device)
         self._current = threading.local()
+        # A GPU's events: pointer -> [records made, records the device completed]
+        self.events: dict[int, list[int]] = {}
+        self._gpu = threading.Condition()
+        self.pointers = iter(range(1000, 1 << 30))
+
+    def eventCreateWithFlags(self, flags: int) -> int:
+        pointer = next(self.pointers)
+        self.events[pointer] = [0, 0]
+        return pointer
+
+    def eventRecord(self, pointer: int, stream: int) -> None:
+        with self._gpu:
+            self.events[pointer][0] += 1
+
+    def complete(self, pointer: int) -> None:
+        """The device reached the event's latest record."""
+        with self._gpu:
+            self.events[pointer][1] = self.events[pointer][0]
+            self._gpu.notify_all()
+
+    def eventSynchronize(self, pointer: int) -> None:
+        """Blocks until the latest record at call time completed (blocking sync)."""
+        self._log("eventSynchronize", pointer)
+        with self._gpu:
+            target = self.events[pointer][0]
+            if not self._gpu.wait_for(lambda: self.events[pointer][1] >= target, 30):
+                raise CUDARuntimeError(ILLEGAL_ADDRESS)  # a hung test, not a GPU's answer
 
     def _log(self, name: str, arg: int) -> None:
         self.calls.append(
@@ -55,6 +82,10 @@ class Runtime(types.ModuleType):
 
     def eventQuery(self, pointer: int) -> int:
         self._log("eventQuery", pointer)
+        if not self.statuses and pointer in self.events:  # an event of the stand-in GPU
+            with self._gpu:
+                made, done = self.events[pointer]
+            return READY if done >= made else NOT_READY
         status = self.statuses.pop(0)
         if isinstance(status, BaseException):
             raise status
@@ -76,19 +107,28 @@ def cuda() -> Iterator[tuple[types.ModuleType, Runtime]]:
     runtime = Runtime()
     cupy, cupy_cuda = types.ModuleType("cupy"), types.ModuleType("cupy.cuda")
     cupy.cuda, cupy_cuda.runtime = cupy_cuda, runtime
-    cupy.compiled = []  # (kernel, device) compiled: cupy compiles at a kernel's first launch
-    cupy.zeros = lambda n, dtype: ("array", n, dtype)
+    cupy.modules = []  # RawModules made (one source: every kernel)
+    cupy.loaded = []  # (kernel, device): cupy loads a module's function into the current device
+    cupy.launches = []  # (kernel, grid, block, args, stream, device)
 
-    class ElementwiseKernel:
-        def __init__(self, *spec: object) -> None:
-            self.spec, self.launched = spec, False
+    class RawKernel:
+        def __init__(self, name: str) -> None:
+            self.name = name
+            cupy.loaded.append((name, runtime.getDevice()))
 
-        def __call__(self, *args: object) -> None:
-            if not self.launched:
-                self.launched = True
-                cupy.compiled.append((self.spec, runtime.getDevice()))
+        def __call__(self, grid, block, args, stream=None) -> None:
+            cupy.launches.append((self.name, grid, block, args, stream, runtime.getDevice()))
 
-    cupy.ElementwiseKernel = ElementwiseKernel
+    class RawModule:
+        def __init__(self, *, code: str) -> None:
+            self.code = code
+            cupy.modules.append(self)
+
+        def get_function(self, name: str) -> RawKernel:
+            assert f"KERNEL void {name}(" in self.code
+            return RawKernel(name)
+
+    cupy.RawModule = RawModule
     names = ("cupy", "cupy.cuda", "cupy.cuda.runtime", "lpsync.memory.cuda")
     saved = {name: sys.modules.pop(name, None) for name in names}
     sys.modules.update({"cupy": cupy, "cupy.cuda": cupy_cuda, "cupy.cuda.runtime": runtime})
@@ -106,6 +146,7 @@ def _kind(module: types.ModuleType):
     kind = object.__new__(module.CudaKind)
     kind.allowed = frozenset({0, 1})
     kind.releaser = Releaser("lpsync-cuda-release", module._use)
+    kind._lock, kind.waiters, kind.handoffs = threading.Lock(), {}, 0
     return kind
 
 
@@ -206,19 +247,96 @@ def test_cuda_contract_mig_instances_are_named_by_the_v2_uuid(monkeypatch):
     assert _cuda.device_uuid(0) == b"G" * 16  # a driver before CUDA 11.4: v1 is all there is
 
 
-def test_cuda_contract_the_common_kernels_are_compiled_at_start_on_each_device(cuda):
-    module, _ = cuda
+def test_cuda_contract_every_kernel_is_compiled_at_start_and_reduces_on_raw_pointers(cuda):
+    """Second reading, point 10 (issue 47, item 4): the first collective of each (op,
+    dtype, device) compiled its kernel inside its deadline, and each reduction built three
+    cupy arrays. Now every served dtype and op is compiled and loaded on every device by
+    ``warm`` (what the constructor starts), and a reduction is launched on raw pointers,
+    on the plan's stream: the stand-in cupy has no ndarray, so building one would fail."""
+    from lpsync.memory import cuda_kernels
+    from lpsync.memory.kind import Span
+    from lpsync.reduction import Reduction
+    from lpsync.types import DTYPES
 
+    module, _ = cuda
+    cupy = sys.modules["cupy"]
     kind = _kind(module)
-    kind._kernels, kind._lock = {}, threading.Lock()
-    compiled = sys.modules["cupy"].compiled
-    kind.warm()  # what the constructor starts on its own thread
-    per_device = len(ReduceOp) + 1  # every op's combine, the avg division
-    assert len(compiled) == 2 * 2 * per_device  # float32 and float16, on GPUs 0 and 1
-    assert {device for _, device in compiled} == {0, 1}  # each compiled with its device current
-    before = len(compiled)
-    for op in ReduceOp:  # a collective's launches: no compile inside its deadline
-        kind._kernel(op, np.dtype(np.float32), "combine", 1)("a", "b", "c")
-    assert len(compiled) == before
-    kind._kernel(ReduceOp.SUM, np.dtype(np.float64), "combine", 1)("a", "b", "c")
-    assert len(compiled) == before + 1  # a rarer dtype still compiles at its first use
+    kind._kernels, kind._module, kind._compiling = {}, None, threading.Lock()
+    kind.warm()
+    assert len(cupy.modules) == 1  # one source, compiled once (cupy caches it per device)
+    assert sorted(cupy.loaded) == sorted((n, d) for n in cuda_kernels.names() for d in (0, 1))
+    loaded = len(cupy.loaded)
+    stream = types.SimpleNamespace(ptr=77, lpsync_device=1)
+    memory = types.SimpleNamespace(device=1, address=1 << 40)
+    for name in ("float16", "bfloat16", "float32", "int8"):
+        dtype = DTYPES[name]
+        acc, incoming, out = (Span(memory, k * 4096, 1000, dtype) for k in range(3))
+        del cupy.launches[:]
+        kind.reduce_async(Reduction(ReduceOp.AVG, dtype, 4), out, acc, incoming, True, stream)
+        (combine, *_, s1, d1), (divide, *_, s2, d2) = cupy.launches
+        want = cuda_kernels.DTYPES[name][0]
+        assert (combine, divide) == (f"lpsync_combine_{want}_sum", f"lpsync_divide_{want}")
+        assert s1 is s2 is stream and d1 == d2 == 1  # on the plan's stream, its device current
+        assert cupy.launches[0][3] == (acc.lo, incoming.lo, out.lo, 1000)
+        assert cupy.launches[1][3] == (out.lo, 1000, 4)
+        assert all(isinstance(a, np.integer) for a in cupy.launches[0][3] + cupy.launches[1][3])
+    del cupy.launches[:]
+    kind.reduce_async(Reduction(ReduceOp.MAX, np.dtype(np.float64), 4), out, acc, incoming, True, stream)
+    assert [launch[0] for launch in cupy.launches] == ["lpsync_combine_f64_max"]  # no division
+    assert len(cupy.loaded) == loaded  # nothing compiled or loaded inside a collective
+
+
+def test_cuda_contract_many_concurrent_host_waits_neither_queue_nor_time_out(cuda):
+    """300 host waits at once on 20 streams whose work completes in reverse order (second
+    reading, point 5). The first reading's helpers (4, then 256 threads) queued waits past
+    their count behind waits on streams that finish last: they returned a second late, or
+    timed out. Here each stream's waiter wakes its waits as that stream completes them;
+    from the second wait on an event, its record reaches the waiter as it is made, so a
+    wait is one wake-up."""
+    module, runtime = cuda
+    kind = _kind(module)
+    streams = [types.SimpleNamespace(ptr=10 + i, lpsync_device=i % 2) for i in range(20)]
+    events = {id(s): [kind.event(s.lpsync_device) for _ in range(15)] for s in streams}
+    try:
+        for attempt in range(2):
+            for stream in streams:
+                for event in events[id(stream)]:
+                    kind.record(event, stream)
+            handed = kind.handoffs
+            woke: dict[int, float] = {}
+            failed: list[BaseException] = []
+
+            def wait(event, woke: dict[int, float], failed: list[BaseException]) -> None:
+                try:
+                    kind.synchronize(event, time.monotonic() + 10)
+                    woke[event.ptr] = time.monotonic()
+                except BaseException as error:
+                    failed.append(error)
+
+            waits = [
+                threading.Thread(target=wait, args=(e, woke, failed)) for s in streams for e in events[id(s)]
+            ]
+            for thread in waits:
+                thread.start()
+            time.sleep(0.2)  # every wait is pending
+            done: dict[int, float] = {}
+            for stream in reversed(streams):  # the last waits' streams finish first
+                for event in events[id(stream)]:
+                    runtime.complete(event.ptr)
+                    done[event.ptr] = time.monotonic()
+                time.sleep(0.02 if attempt else 0.25)
+            for thread in waits:
+                thread.join(15)
+            assert not failed, failed[:3]
+            late = max(woke[p] - done[p] for p in done)
+            assert late < 0.4, f"a wait returned {late:.2f} s after its event completed"
+            if attempt:  # the records were handed to the waiters as they were made
+                assert kind.handoffs == handed
+        names = [t.name for t in threading.enumerate() if t.name.startswith("lpsync-cuda-wait")]
+        assert len(names) == len(streams)  # one waiter per stream, not one per wait
+    finally:
+        for stream in streams:
+            waiter = kind.waiters.pop(id(stream), None)
+            if waiter is not None:
+                waiter.stop()
+        kind.releaser.stop()

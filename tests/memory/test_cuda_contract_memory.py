@@ -213,3 +213,27 @@ def test_cuda_contract_an_event_dropped_anywhere_is_destroyed_on_the_releaser_wi
         assert kind.contexts[0] == 0
     finally:
         kind.close_kind()
+
+
+def test_cuda_contract_ucx_is_never_handed_memory_opened_through_ipc():
+    """Second reading, point 7: the direct path handed UCX the client's own buffer (an IPC
+    mapping); UCX's registration cache is not told of cudaIpcCloseMemHandle, so a later
+    mapping at that address could be sent through a stale registration. The emulated
+    device refuses to post such memory (the daemon's own posts as before)."""
+    from lpsync_client.wire import split_device_uuid
+
+    kind = EmulatedKind(1)
+    allocation = client.Allocation(4096, 0)
+    try:
+        opened = kind.open(split_device_uuid(allocation.ipc_handle())[0], 0)
+        kind.bind_thread(0)
+        with pytest.raises(UnavailableError, match="opened through IPC"):
+            kind.wire(Span(opened, 0, 4096, np.dtype(np.uint8))).lpsync_post()
+        own = kind.allocate(0, 4096)
+        kind.wire(Span(own, 0, 4096, np.dtype(np.uint8))).lpsync_post()()
+        kind.close(opened)
+        kind.free(own)
+        assert kind.releaser.flush(5) and not kind.faults
+    finally:
+        allocation.free()
+        kind.close_kind()

@@ -14,22 +14,26 @@ streams, the chain ordered by topology), so the node's devices talk to each othe
 only the boundary's bytes cross host memory.
 
 The message goes in segments of ``staging_bytes / RING_SLOTS`` bytes through a ring of
-RING_SLOTS pinned host slots per job (the bound on host memory, whatever the message's
-size). While the peer plane carries segment k (its own chunked pipeline, one participant
-per node), the device streams reduce and copy out segments k+1..k+RING_SLOTS-1 and
-broadcast segment k-1: no stage waits for the whole message. The device groups of the
+RING_SLOTS pinned host slots, leased for the run from the daemon's pool (DeviceRegistry.rings:
+bounded in bytes for the whole daemon, whatever the message's size or the number of jobs).
+While the peer plane carries segment k (its own chunked pipeline, one participant per
+node), the device streams reduce and copy out segments k+1..k+RING_SLOTS-1 and broadcast
+segment k-1: no stage waits for the whole message. The device groups of the
 segments share their staging memory (Scratch) and each is queued behind the previous one
 (its streams wait for the previous group's final events), so they never overlap.
 
 Where the peer plane takes device memory itself (the daemon's device path is ``device``:
-UCX with its cuda transports, lpsync/transport/ucx/device_support.py), there is no ring:
+UCX with its cuda transports, lpsync/transport/ucx/device_support.py), the ring is on the
+device, no host memory:
 
-    devices ==(device chain: reduce)==> boundary <==(peer plane, device chunks)==> boundary
-    boundary ==(device chain: broadcast)==> devices
+    devices ==(device chain: reduce)==> boundary --D2D--> device slot (the daemon's own)
+        device slot <==(peer plane, device chunks)==> device slot
+    device slot --D2D--> boundary ==(device chain: broadcast)==> devices
 
-each segment crosses the nodes from the boundary's own device memory (its output, or a
-device scratch span where the caller's buffer must not be written), chunks received to
-be reduced land in device slots and are reduced on the boundary's stream
+each segment crosses the nodes from a device slot the daemon allocated (DeviceRing, leased
+like the host ring from DeviceRegistry.device_rings), never from a client's IPC-mapped
+buffer: UCX's registration cache is not told when an IPC mapping closes. Chunks received
+to be reduced land in device slots and are reduced on the boundary's stream
 (lpsync.engine.buffers.DeviceBuffers). The segments, schedules and tags are the same
 either way, so nodes that stage and nodes that do not interoperate.
 
@@ -44,8 +48,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, cast
 
-import numpy as np
-
 from lpsync.algorithms import LinkModel, generate
 from lpsync.algorithms.registry import DIRECT, algorithms_for
 from lpsync.daemon.collectives import local
@@ -59,10 +61,10 @@ from lpsync.daemon.collectives.views import buffers, reduction
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.peers.plane import Link
 from lpsync.engine.buffers import DeviceBuffers
-from lpsync.engine.device_group import DeviceGroup, Scratch
+from lpsync.engine.device_group import DeviceGroup, Lanes, Scratch
 from lpsync.engine.group import LocalGroup
 from lpsync.engine.routing import Placement
-from lpsync.engine.staging import HostMirrors
+from lpsync.engine.staging import DeviceRing, HostMirrors
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.kind import Span
 from lpsync.transport.tags import STEP_BITS
@@ -91,7 +93,7 @@ def offer(task: Task, devices: DeviceRegistry | None) -> tuple[tuple[str, int], 
 class _Segment:
     gather: DeviceGroup | None  # the local reduce onto the boundary
     source: Span | None  # what is copied to ``across`` first (None: nothing)
-    across: Span  # where the segment crosses the nodes: its ring slot, or device memory (direct)
+    across: Span  # where the segment crosses the nodes: its ring slot (host, or device: direct)
     cross: LocalGroup
     tag: int  # offset of this segment's messages in the collective's tag space
     steps: int  # tags this segment's messages take
@@ -111,12 +113,13 @@ class Hierarchy(ClosedWhenIdle):
         self,
         segments: list[_Segment],
         scratch: Scratch,
-        ring: HostMirrors | None,
+        ring: Ring,
         lanes: list,
         direct: dict[int, DeviceBuffers],
+        streams: Lanes,
     ) -> None:
         super().__init__()
-        self.segments, self.scratch, self.ring = segments, scratch, ring
+        self.segments, self.scratch, self.ring, self.streams = segments, scratch, ring, streams
         self.direct = direct  # per boundary device: the cross stage's device scratch
         self.lanes = lanes  # (stream, event) of each boundary device's copy stream
         self.algorithm = segments[0].cross.schedule.algorithm if segments else DIRECT
@@ -132,6 +135,7 @@ class Hierarchy(ClosedWhenIdle):
         for memory in self.direct.values():
             memory.close()
         self.scratch.close()
+        self.streams.close()  # its runs ended: nothing is queued on them any more
 
 
 def run(
@@ -146,20 +150,48 @@ def run(
     (every node's, so every node builds the same schedules); returns (algorithm across
     nodes, chunks in all)."""
     segment_bytes, model = verdict.segment, verdict.model
-    # Where UCX sends device memory itself, no ring: each node decides for its own side.
-    ring = None if devices.peer_direct else _ring(task, devices, segment_bytes)
-    plan = _plan(task, link, devices, ring, segment_bytes // task.dtype.itemsize, model)
-    _run(plan, task, devices, deadline, tags)
+    # The segments cross through a ring the job leases from the daemon's pools (bounded
+    # for the daemon, not per job) and gives back once this run's streams drained (_run
+    # drains on a failure too): pinned host slots, or, where UCX sends device memory
+    # itself (each node decides for its own side), device slots of the daemon's own on
+    # each boundary device.
+    owner = (task.job.name, "hierarchy")
+    pool = devices.device_rings if devices.peer_direct else devices.rings
+    places = _boundaries(task) if devices.peer_direct else [cast(Span, task.arrivals[0].data).device]
+    rings = pool.lease(owner, segment_bytes, places, deadline)
+    try:
+        ring = Ring(None if devices.peer_direct else rings[0], dict(zip(places, rings, strict=True)))
+        plan = _plan(task, link, devices, ring, segment_bytes // task.dtype.itemsize, model)
+        _run(plan, task, devices, deadline, tags)
+    finally:
+        pool.give_back(rings, owner)
     return plan.algorithm, plan.chunks
 
 
-def _ring(task: Task, devices: DeviceRegistry, segment_bytes: int) -> HostMirrors:
-    """The job's RING_SLOTS pinned slots (portable: any device copies through them)."""
-    first = cast(Span, task.arrivals[0].data)  # device spans: on_device
-    slot = Span(first.memory, 0, segment_bytes, np.dtype(np.uint8))
-    return task.job.plans.mirrors(
-        ("ring", segment_bytes, ()), lambda: HostMirrors(devices.kind, [slot] * RING_SLOTS)
+@dataclass(frozen=True)
+class Ring:
+    """Where a run's segments cross: ``host``'s pinned slots (staged), or the daemon's own
+    device slots on each boundary device (``device``: the direct path)."""
+
+    host: HostMirrors | None
+    device: dict[int, DeviceRing]
+
+    @property
+    def serial(self) -> tuple[int, ...]:
+        return (self.host.serial,) if self.host is not None else tuple(r.serial for r in self.device.values())
+
+
+def _boundaries(task: Task) -> list[int]:
+    """The devices of this node's boundaries, one per part (the root's, where this node
+    has it, else the first local rank's): where the direct path's device slots go."""
+    ranks = [a.rank for a in task.arrivals]
+    on = [cast(Span, a.data).device for a in task.arrivals]
+    if task.op is Collective.ALLREDUCE:
+        return [on[0]]
+    roots = (
+        [task.spec.root] if task.op in (Collective.REDUCE, Collective.BROADCAST) else range(task.participants)
     )
+    return sorted({on[ranks.index(r)] if r in ranks else on[0] for r in roots})
 
 
 @dataclass(frozen=True)
@@ -196,7 +228,7 @@ def _parts(task: Task, views: list[tuple[Span, Span]]) -> list[_Part]:
 
 
 def _plan(
-    task: Task, link: Link, devices: DeviceRegistry, ring: HostMirrors | None, per: int, model: LinkModel
+    task: Task, link: Link, devices: DeviceRegistry, ring: Ring, per: int, model: LinkModel
 ) -> Hierarchy:
     spec, itemsize = task.spec, task.dtype.itemsize
     layout = task.job.layout
@@ -224,7 +256,7 @@ def _plan(
         per,
         tuple(sorted(across.items())),
         link.generation,
-        "direct" if ring is None else ring.serial,
+        ring.serial,
         tuple((i.lo, o.lo) for i, o in views),
         tuple(h for a in task.arrivals for h in a.handles),
     )
@@ -235,7 +267,7 @@ def _build(
     task: Task,
     link: Link,
     devices: DeviceRegistry,
-    ring: HostMirrors | None,
+    ring: Ring,
     per: int,
     across: dict[tuple[Collective, int], tuple[str, int]],
     parts: list[_Part],
@@ -244,12 +276,13 @@ def _build(
     assert layout is not None
     context, kind = devices.context, devices.kind
     scratch = Scratch(context.pool)
+    own = Lanes(context, (task.job.name,))
     segments: list[_Segment] = []
-    crosses: dict[tuple[Collective, int, int, int], LocalGroup] = {}
+    crosses: dict[tuple[Collective, int, int, int, int], LocalGroup] = {}
     direct: dict[int, DeviceBuffers] = {}
     try:
         for part in parts:
-            _segments(task, link, devices, ring, per, across, part, scratch, crosses, segments, direct)
+            _segments(task, link, devices, ring, per, across, part, scratch, crosses, segments, direct, own)
         tag = sum(s.steps for s in segments)
         if tag > 1 << STEP_BITS:
             raise InvalidArgumentError(
@@ -257,26 +290,27 @@ def _build(
                 f"2**{STEP_BITS} messages per pair: raise --device-staging-bytes"
             )
     except BaseException:
-        Hierarchy(segments, scratch, ring, [], direct).close(wait=False)
+        Hierarchy(segments, scratch, ring, [], direct, own).close(wait=False)
         raise
-    streams = {id(s.stream): (s.stream, s.boundary) for s in segments}
-    lanes = [(stream, kind.event(d)) for stream, d in streams.values()]
+    boundaries = {id(s.stream): (s.stream, s.boundary) for s in segments}
+    lanes = [(stream, kind.event(d)) for stream, d in boundaries.values()]
     lanes += [(memory.stream, memory.done) for memory in direct.values()]  # drained on a failure too
-    return Hierarchy(segments, scratch, ring, lanes, direct)
+    return Hierarchy(segments, scratch, ring, lanes, direct, own)
 
 
 def _segments(
     task: Task,
     link: Link,
     devices: DeviceRegistry,
-    ring: HostMirrors | None,
+    ring: Ring,
     per: int,
     across: dict[tuple[Collective, int], tuple[str, int]],
     part: _Part,
     scratch: Scratch,
-    crosses: dict[tuple[Collective, int, int, int], LocalGroup],
+    crosses: dict[tuple[Collective, int, int, int, int], LocalGroup],
     segments: list[_Segment],
     direct: dict[int, DeviceBuffers],
+    streams: Lanes,
 ) -> None:
     """Append ``part``'s segments (their tags after those already there). Without a
     ``ring`` they cross from device memory (``direct``: each boundary device's scratch)."""
@@ -345,40 +379,40 @@ def _segments(
         algorithm, chunks = across[op, n]
         reducing = reduction(spec, dtype, task.participants) if op is not Collective.BROADCAST else None
         cross: LocalGroup | None
-        if ring is None:
-            if gather is not None:  # reduced onto the boundary: it crosses from there
-                where, source, result = source, None, None
-            elif result is not None:  # crosses in the output, the input copied there first
-                where = result
-                source = None if source is None or source.lo == result.lo else source
-                result = None
-            elif op is Collective.BROADCAST:  # the root in place sends its own bytes
-                where = source
-                source = None
-            else:  # a reduce's non-root: its input must not be written
-                where = partial(k, n)
-            assert where is not None
-            memory_of = direct.get(on[b])
-            if memory_of is None:  # its own stream: its reductions never queue behind copies
-                # Its own event too (not the context's, shared by every job on the lane): a
-                # synchronize waits for this collective's record, not another job's later one.
-                # Dropped with the plan, it is destroyed on the kind's Releaser (kind.py).
-                lane = (on[b], 0, "across")
-                memory_of = direct[on[b]] = DeviceBuffers(
-                    kind, on[b], devices.context.stream(*lane), kind.event(on[b])
+        if ring.host is None:
+            # The direct path: the segment crosses from the daemon's own device slot on the
+            # boundary (copied there and back on the boundary's stream, as through the host
+            # ring): UCX is never handed a client's IPC-mapped memory, whose closing its
+            # registration cache does not see, nor memory imported into another process.
+            where = ring.device[on[b]].span(slot, n, dtype)
+            cross = crosses.get((op, cross_root, slot, n, on[b]))
+            if cross is None:  # one per (op, root, slot, length, boundary device)
+                memory_of = direct.get(on[b])
+                if memory_of is None:  # a stream apart: its reductions never queue behind copies
+                    # The job's own stream (not one per device for every job: a slow or dead
+                    # job delays only itself) and the plan's own event (a synchronize waits
+                    # for this collective's record, not another's later one; dropped with the
+                    # plan, it is destroyed on the kind's Releaser, kind.py).
+                    memory_of = direct[on[b]] = DeviceBuffers(
+                        kind, on[b], streams.get(on[b], "across"), kind.event(on[b]), devices.context.pool
+                    )
+                # The engine's buffer types name host arrays; a DeviceBuffers memory takes Spans.
+                cross = crosses[op, cross_root, slot, n, on[b]] = LocalGroup(
+                    generate(op, algorithm, layout.nodes, n, cross_root, chunks),
+                    [(where, where)],  # type: ignore[list-item]
+                    reducing,
+                    placement,
+                    link.endpoint,
+                    memory_of,
                 )
-            schedule = generate(op, algorithm, layout.nodes, n, cross_root, chunks)
-            # The engine's buffer types name host arrays; a DeviceBuffers memory takes Spans.
-            spans = [(where, where)]
-            cross = LocalGroup(schedule, spans, reducing, placement, link.endpoint, memory_of)  # type: ignore[arg-type]
         else:
-            host = ring.mirrors[slot]
+            host = ring.host.mirrors[slot]
             assert host is not None
             where = Span(host.host, 0, n, dtype)
-            cross = crosses.get((op, cross_root, slot, n))
+            cross = crosses.get((op, cross_root, slot, n, -1))
             if cross is None:  # one per (op, root, slot, length): its receive window is host memory too
                 array = host.array.view(dtype)[:n]
-                cross = crosses[op, cross_root, slot, n] = LocalGroup(
+                cross = crosses[op, cross_root, slot, n, -1] = LocalGroup(
                     generate(op, algorithm, layout.nodes, n, cross_root, chunks),
                     [(array, array)],
                     reducing,
@@ -397,7 +431,7 @@ def _segments(
                 result=result,
                 spread=spread,
                 boundary=on[b],
-                stream=devices.context.stream(on[b], 0, "boundary"),
+                stream=streams.get(on[b], "boundary"),
                 staged=kind.event(on[b]),
                 returned=kind.event(on[b]),
             )
@@ -432,8 +466,6 @@ def _run(plan: Hierarchy, task: Task, devices: DeviceRegistry, deadline: float, 
     busy = devices.use(
         [cast(Span, span).memory for a in task.arrivals for span in (a.data, a.out) if span is not None]
     )
-    if plan.ring is not None:
-        plan.ring.acquire()
     plan.acquire()
     queued: list[DeviceGroup] = []
     fence: list[Any] = []  # the last queued device group's final events
@@ -492,5 +524,3 @@ def _run(plan: Hierarchy, task: Task, devices: DeviceRegistry, deadline: float, 
     finally:
         plan.release()
         devices.done(busy)
-        if plan.ring is not None:
-            plan.ring.release()

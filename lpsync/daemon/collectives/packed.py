@@ -4,7 +4,8 @@ rank in one pipeline, in segments through bounded host memory.
 These ops move blocks to one rank or to each (no reduction, no copy to every node), so
 there is no node-level stage to run on the device chain: every byte that leaves a device
 crosses host memory once either way. What hierarchy.py's ring gives them is the bound.
-Each local participant gets RING_SLOTS pinned slots; segment k of the collective covers
+Each local participant gets a ring of RING_SLOTS pinned slots (leased for the run from the
+daemon's pool, DeviceRegistry.rings); segment k of the collective covers
 elements [lo, hi) of every block, packed into a slot (its input blocks' pieces, then its
 output blocks'), so the schedule of all ranks (linear gather/scatter, pairwise alltoall,
 over the peer plane and the node's inproc fabric, as for host buffers) runs on packed
@@ -36,6 +37,7 @@ from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.collectives.views import buffers, reduction
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.peers.plane import Link
+from lpsync.engine.device_group import Lanes
 from lpsync.engine.group import LocalGroup
 from lpsync.engine.routing import Placement
 from lpsync.engine.staging import HostMirrors
@@ -65,15 +67,19 @@ class _Lane:
 class Packed(ClosedWhenIdle):
     """Every segment's plan over one set of buffers (closed once no run uses it)."""
 
-    def __init__(self, lanes: list[_Lane], rings: list[HostMirrors], per: int, count: int) -> None:
+    def __init__(
+        self, lanes: list[_Lane], rings: list[HostMirrors], per: int, count: int, streams: Lanes
+    ) -> None:
         super().__init__()
         self.lanes, self.rings, self.per, self.count = lanes, rings, per, count
+        self.streams = streams  # the job's own (DeviceContext.lane), ended with the plan
         self.groups: dict[tuple[int, int], LocalGroup] = {}  # (slot, length) -> plan
         self.steps = 0  # tags one segment takes (the longest segment's schedule)
 
     def _close(self, wait: bool) -> None:
         for group in self.groups.values():
             group.close(wait)
+        self.streams.close()
 
 
 def run(
@@ -94,7 +100,34 @@ def run(
         )
         for n in lengths
     }
-    rings = [_ring(task, devices, i, per, cast(Span, a.data)) for i, a in enumerate(task.arrivals)]
+    # Each local participant's ring, leased from the daemon's pool for this run (all at
+    # once) and given back once its streams drained (_run drains on a failure too).
+    owner = (task.job.name, "packed")
+    slot_bytes = 2 * task.participants * per * dtype.itemsize  # a segment's blocks in and out
+    near = cast(Span, task.arrivals[0].data).device
+    rings = devices.rings.lease(owner, slot_bytes, [near] * len(task.arrivals), deadline)
+    rings.sort(key=lambda ring: ring.serial)  # the same rings in the same order: the same plan
+    try:
+        return _run_on(task, link, devices, deadline, tags, views, per, lengths, schedules, rings)
+    finally:
+        devices.rings.give_back(rings, owner)
+
+
+def _run_on(
+    task: Task,
+    link: Link,
+    devices: DeviceRegistry,
+    deadline: float,
+    tags: int,
+    views: list[tuple[Span, Span]],
+    per: int,
+    lengths: list[int],
+    schedules: dict[int, tuple[str, int]],
+    rings: list[HostMirrors],
+) -> tuple[str, int]:
+    layout = task.job.layout
+    assert layout is not None
+    spec, op, dtype, count = task.spec, task.op, task.dtype, task.spec.count
     key = (
         spec,
         "packed",
@@ -107,7 +140,12 @@ def run(
     )
 
     def build() -> Packed:
-        plan = Packed(_lanes(task, devices, views, rings), rings, per, count)
+        streams = Lanes(devices.context, (task.job.name,))
+        try:
+            plan = Packed(_lanes(task, devices, views, rings, streams), rings, per, count, streams)
+        except BaseException:
+            streams.close()
+            raise
         placement = Placement.of(layout.node_of, layout.node)
         for slot in range(RING_SLOTS):
             for n in lengths:
@@ -144,20 +182,14 @@ def run(
     return first.schedule.algorithm, first.schedule.chunks * len(range(0, count, per))
 
 
-def _ring(task: Task, devices: DeviceRegistry, index: int, per: int, near: Span) -> HostMirrors:
-    """Participant ``index``'s RING_SLOTS pinned slots, each room for every block of a
-    segment in and out (the larger side has P blocks, the smaller at most P)."""
-    nbytes = 2 * task.participants * per * task.dtype.itemsize
-    slot = Span(near.memory, 0, nbytes, np.dtype(np.uint8))
-    return task.job.plans.mirrors(
-        ("packed-ring", index, nbytes, ()), lambda: HostMirrors(devices.kind, [slot] * RING_SLOTS)
-    )
-
-
 def _lanes(
-    task: Task, devices: DeviceRegistry, views: list[tuple[Span, Span]], rings: list[HostMirrors]
+    task: Task,
+    devices: DeviceRegistry,
+    views: list[tuple[Span, Span]],
+    rings: list[HostMirrors],
+    streams: Lanes,
 ) -> list[_Lane]:
-    kind, context, count = devices.kind, devices.context, task.spec.count
+    kind, count = devices.kind, task.spec.count
     slots_on: dict[int, int]  # device -> its lanes so far
     lanes, slots_on = [], {}
     for (inp, out), ring in zip(views, rings, strict=True):
@@ -173,7 +205,7 @@ def _lanes(
                 blocks_out=out.count // count if count else 0,
                 slots=[m.array for m in mirrors],
                 hosts=[m.host for m in mirrors],
-                stream=context.stream(device, index, "packed"),
+                stream=streams.get(device, f"packed-{index}"),  # the job's own
                 staged=[kind.event(device) for _ in range(RING_SLOTS)],
                 returned=[kind.event(device) for _ in range(RING_SLOTS)],
             )
@@ -200,8 +232,6 @@ def _run(plan: Packed, task: Task, devices: DeviceRegistry, deadline: float, tag
     busy = devices.use(
         [cast(Span, span).memory for a in task.arrivals for span in (a.data, a.out) if span is not None]
     )
-    for ring in plan.rings:
-        ring.acquire()
     plan.acquire()
 
     def down(k: int) -> None:
@@ -245,5 +275,3 @@ def _run(plan: Packed, task: Task, devices: DeviceRegistry, deadline: float, tag
     finally:
         plan.release()
         devices.done(busy)
-        for ring in plan.rings:
-            ring.release()

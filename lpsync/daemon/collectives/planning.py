@@ -25,6 +25,7 @@ from lpsync.daemon.collectives.staging import Staged
 from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.collectives.views import buffers, reduction
 from lpsync.daemon.peers.plane import Link
+from lpsync.engine.buffers import HOST
 from lpsync.engine.group import LocalGroup
 from lpsync.engine.routing import Placement
 from lpsync.errors import InvalidArgumentError
@@ -89,16 +90,17 @@ def choose(task: Task, model: LinkModel, use: tuple[str, int] | None) -> tuple[s
 
 
 def bind(task: Task, link: Link, algorithm: str, chunks: int, staged: Staged | None) -> LocalGroup:
-    """This node's plan of the schedule over this run's buffers (host arrays or mirrors)."""
+    """This node's plan of the schedule over this run's buffers (host arrays, or device
+    spans through their BouncedBuffers)."""
     layout = task.job.layout
     assert layout is not None
     spec, op, p = task.spec, task.op, task.participants
     arrivals = staged.arrivals if staged is not None else task.arrivals
     views = cast("list[tuple[np.ndarray, np.ndarray]]", [buffers(spec, a, p) for a in arrivals])
     # The mesh generation is part of the key: a rebuilt mesh is another remote endpoint;
-    # so are the mirrors a staged run is bound to.
-    mirrors = staged.mirrors.serial if staged is not None else 0
-    key = plan_key(spec, (algorithm, chunks), arrivals, link.generation, mirrors)
+    # so are the device buffers a staged run is bound to.
+    bounced = staged.serial if staged is not None else 0
+    key = plan_key(spec, (algorithm, chunks), arrivals, link.generation, bounced)
 
     def build() -> LocalGroup:
         schedule = generate(op, algorithm, p, spec.count, spec.root, chunks)
@@ -107,9 +109,7 @@ def bind(task: Task, link: Link, algorithm: str, chunks: int, staged: Staged | N
                 f"{algorithm} {op} of {spec.count} elements needs more than 2**{STEP_BITS} messages per pair"
             )
         placement = Placement.of(layout.node_of, layout.node)
-        group = LocalGroup(schedule, views, reduction(spec, task.dtype, p), placement, link.endpoint)
-        if staged is not None:
-            staged.attach(group)
-        return group
+        memory = staged.memory if staged is not None else HOST  # device spans: their own each
+        return LocalGroup(schedule, views, reduction(spec, task.dtype, p), placement, link.endpoint, memory)
 
     return task.job.plans.get(key, build)

@@ -1,18 +1,22 @@
-"""The "staged" stage: multi-node collectives on device buffers, over host mirrors.
+"""The "staged" stage: multi-node collectives on device buffers where some node passes host
+buffers (the flat path), and small ones whose data rides the agreement (``whole``).
 
-The cross-node pipeline (path.py) runs one LocalGroup over host arrays; for device
-buffers this module gives it host mirrors of the local participants' spans (kept in the
-job's plans, so the pipeline's plans, keyed by address, are reused) and a ChunkStager per participant that
-fills and drains them chunk by chunk on the participant's staging stream while the
-pipeline runs (lpsync.engine.staging). The spans' allocations are marked busy for the
-run, so a client dying mid-collective has its IPC mappings closed only after the staging
-streams drained (DeviceRegistry.use/done).
+The cross-node pipeline (path.py) runs one LocalGroup over every rank; here each local
+participant runs its part on its own device spans (BouncedBuffers, lpsync.engine.buffers:
+every message crosses host memory through a few pinned slots, copies and reductions stay
+on the device), so host memory is the slots, not the buffers (the first reading mirrored
+them whole: this path alone was unbounded). A job's BouncedBuffers are kept in its plans
+(the pipeline's plans, keyed by address, are built over them), each on a stream of the
+job's own (DeviceContext.lane). The spans' allocations are marked busy for the run, so a
+client dying mid-collective has its IPC mappings closed only after the streams drained
+(DeviceRegistry.use/done).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import itertools
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -24,85 +28,108 @@ import numpy as np
 from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.values import Arrival
+from lpsync.engine.buffers import BouncedBuffers, host_array
+from lpsync.engine.device_group import Lanes
 from lpsync.engine.group import LocalGroup
-from lpsync.engine.staging import ChunkStager, HostMirrors, Mirror
+from lpsync.engine.staging import RING_SLOTS, Mirror
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.kind import Span
 from lpsync.types import Collective
 
 _BYTE = np.dtype(np.uint8)
-# Pinned host slots of a bounded ring (hierarchy.py, packed.py): a segment on the wire,
-# the next ones filling, the last one draining.
-RING_SLOTS = 4
+__all__ = ["RING_SLOTS", "Bounced", "Staged", "drain", "stage", "whole"]
+_serials = itertools.count(1)
+
+
+class Bounced:
+    """One job's local participants' BouncedBuffers over one set of spans, kept across
+    runs in the job's plans (GroupCache.mirrors: released buffers' go with them) and
+    closed, slots back to the pool and streams ended, once no run uses them."""
+
+    def __init__(self, task: Task, devices: DeviceRegistry) -> None:
+        # Unique for the process's lifetime: the pipeline's plans over these are cached
+        # under it (planning.bind).
+        self.serial = next(_serials)
+        context, kind = devices.context, devices.kind
+        self.streams = Lanes(context, (task.job.name,))
+        self.memory: list[BouncedBuffers] = []
+        slots: dict[int, int] = defaultdict(int)
+        # The job's slots on this node within --device-staging-bytes, as its ring would be
+        # (hierarchy.py), whatever its buffers' size.
+        budget = devices.staging_bytes // len(task.arrivals)
+        for a in task.arrivals:
+            device = cast(Span, a.data).device  # device spans: staged tasks are on_device
+            stream = self.streams.get(device, f"stage-{slots[device]}")  # the job's own
+            slots[device] += 1
+            event = kind.event(device)
+            self.memory.append(BouncedBuffers(kind, device, stream, event, context.pool, budget))
+        self._lock = threading.Lock()
+        self._busy = 0
+        self._closed = False
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._busy += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._busy -= 1
+            last = self._closed and self._busy == 0
+        if last:
+            self._close()
+
+    def close(self) -> None:
+        """Now, or when the run (or its drain) still using them ends."""
+        with self._lock:
+            self._closed = True
+            idle = self._busy == 0
+        if idle:
+            self._close()
+
+    def _close(self) -> None:
+        for memory in self.memory:
+            memory.close()
+        self.streams.close()
 
 
 class Staged:
-    """This run's local participants over host mirrors of their device spans."""
+    """This run's local participants on their device spans (what planning.bind builds the
+    pipeline's plan over, with ``memory``: one BouncedBuffers each)."""
 
-    def __init__(self, task: Task, devices: DeviceRegistry, mirrors: HostMirrors) -> None:
-        self.spec, self.devices, self.mirrors = task.spec, devices, mirrors
-        arrivals = self.device_arrivals = task.arrivals
-        self.arrivals = []  # the same arrivals with host arrays (what the pipeline runs over)
-        for a, i in zip(arrivals, range(0, 2 * len(arrivals), 2), strict=True):
-            data, out = mirrors.mirrors[i], mirrors.mirrors[i + 1]
-            assert data is not None
-            self.arrivals.append(replace(a, data=data.typed(), out=None if out is None else out.typed()))
-
-    def attach(self, group: LocalGroup) -> None:
-        """Give every plan of a newly built group its stager (kept with the group)."""
-        spec = self.spec
-        context = self.devices.context
-        slots: dict[int, int] = defaultdict(int)
-        for index, (plan, a) in enumerate(zip(group.plans, self.device_arrivals, strict=True)):
-            device = cast(Span, a.data).device  # device spans: staged tasks are on_device
-            stream = context.stream(device, slots[device], "stage")
-            slots[device] += 1
-            mine = [m for m in self.mirrors.mirrors[2 * index : 2 * index + 2] if m is not None]
-            write_back = not (spec.op == Collective.REDUCE and a.rank != spec.root)
-            plan.hooks = ChunkStager(self.devices.kind, stream, plan, mine, write_back, device)
+    def __init__(self, task: Task, devices: DeviceRegistry, bounced: Bounced) -> None:
+        self.devices, self.bounced = devices, bounced
+        self.arrivals = task.arrivals  # device spans: the plans run on them
+        self.memory = bounced.memory
+        self.serial = bounced.serial
 
     def run(self, group: LocalGroup, deadline: float, timeout: float, tag_base: int) -> None:
-        stagers = [plan.hooks for plan in group.plans]
-        assert all(isinstance(s, ChunkStager) for s in stagers)
+        kind = self.devices.kind
         busy = self.devices.use(
-            [
-                cast(Span, span).memory
-                for a in self.device_arrivals
-                for span in (a.data, a.out)
-                if span is not None
-            ]
+            [cast(Span, span).memory for a in self.arrivals for span in (a.data, a.out) if span is not None]
         )
-        self.mirrors.acquire()
-        started: list[ChunkStager] = []
+        self.bounced.acquire()
         try:
-            for stager, a in zip(stagers, self.device_arrivals, strict=True):
-                stager.start(deadline, a.ready)  # type: ignore[union-attr]
-                started.append(stager)  # type: ignore[arg-type]
+            for a in self.arrivals:
+                if a.ready is not None:  # polled: never a stream waiting on a client
+                    kind.wait_ready(a.ready, deadline)
             group.run(timeout, tag_base)
-            for stager in started:
-                stager.finish()
         except BaseException:
-            # Copies may still be queued: the failure is answered only once they drained
-            # (the client may free its memory then), and unmapped and freed after that.
-            self._drain(started, busy)
+            # A copy may still be queued: the failure is answered only once it drained
+            # (the client may free its memory then), and unmapped after that.
+            for memory in self.memory:
+                memory.drain()
             raise
-        self.devices.done(busy)
-        self.mirrors.release()
-
-    def _drain(self, stagers: list[ChunkStager], busy: list) -> None:
-        try:
-            for stager in stagers:
-                stager.drain()
         finally:
             self.devices.done(busy)
-            self.mirrors.release()
+            self.bounced.release()
 
 
-def _mirrors(task: Task, devices: DeviceRegistry) -> HostMirrors:
-    """The pinned host mirrors of this task's local spans, kept in the job's plans."""
+def _bounced(task: Task, devices: DeviceRegistry) -> Bounced:
+    """The local participants' BouncedBuffers for these spans, kept in the job's plans."""
     arrivals = task.arrivals
-    # The handles last: GroupCache.forget drops the mirrors with the buffers' groups.
+    # The handles last: GroupCache.forget drops them with the buffers' groups.
     key = (
+        "bounced",
         tuple(
             (
                 cast(Span, a.data).lo,
@@ -114,20 +141,15 @@ def _mirrors(task: Task, devices: DeviceRegistry) -> HostMirrors:
         ),
         tuple(h for a in arrivals for h in a.handles),
     )
-    return task.job.plans.mirrors(
-        key,
-        lambda: HostMirrors(
-            devices.kind, cast("list[Span | None]", [s for a in arrivals for s in (a.data, a.out)])
-        ),
-    )
+    return cast(Bounced, task.job.plans.mirrors(key, lambda: Bounced(task, devices)))
 
 
 def stage(task: Task, devices: DeviceRegistry) -> Staged | None:
-    """The local participants over host mirrors (None: host buffers, nothing to stage);
-    the job's plans keep the mirrors."""
+    """The local participants on their device spans (None: host buffers, nothing to
+    stage); the job's plans keep their BouncedBuffers."""
     if not task.on_device:
         return None
-    return Staged(task, devices, _mirrors(task, devices))
+    return Staged(task, devices, _bounced(task, devices))
 
 
 def _bytes(mirror: Mirror) -> tuple[Span, Span]:
@@ -140,12 +162,7 @@ def _pinned(context: Any, span: Span) -> Mirror:
     """A pinned host buffer from the staging pool for ``span`` (allocated in its device's
     context when the pool has none of the size)."""
     host = context.pool.take(-1, span.nbytes, span.device)
-    array = (
-        np.ctypeslib.as_array((ctypes.c_ubyte * span.nbytes).from_address(host.address))
-        if span.nbytes
-        else np.empty(0, np.uint8)
-    )
-    return Mirror(span, host, array)
+    return Mirror(span, host, host_array(host, span.nbytes))
 
 
 def _settle(kind: Any, lanes: list[tuple[Any, Any]], deadline: float) -> None:
