@@ -34,9 +34,23 @@ import numpy as np
 
 from lpsync.algorithms.schedule import Buf, Kind, Schedule
 from lpsync.errors import ScheduleError
-from lpsync.native.program import COMBINE, COPY, DIVIDE, GO, RECV, RECV_COMBINE, SEND, Program, Step
+from lpsync.native.program import (
+    COMBINE,
+    COPY,
+    DIVIDE,
+    DOWN_RECV,
+    DOWN_SEND,
+    GO,
+    RECV,
+    RECV_COMBINE,
+    SEND,
+    UP_RECV,
+    UP_SEND,
+    Program,
+    Step,
+)
 from lpsync.reduction import Reduction
-from lpsync.types import ReduceOp
+from lpsync.types import Collective, ReduceOp
 
 MAX_NODES = 64  # engine.h's LPN_MAX_CHANNELS: a channel per peer node
 _ALIGN = 64  # scratch ranges start on a cache line (and so on any element)
@@ -199,3 +213,112 @@ def compile_node(
             steps.append(Step(DIVIDE, dst, dst_off, n=elements))
     program.scratch = scratch
     return NodeProgram(program, tuple(others))
+
+
+# The ops a small collective's star serves; gather and scatter ride the agreement too
+# (small.py), and are armed as linear's schedule.
+_REDUCING = frozenset({Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER})
+STAR_OPS = frozenset({Collective.BROADCAST, Collective.ALLGATHER}) | _REDUCING
+
+
+def star(
+    op: Collective,
+    count: int,
+    root: int,
+    node_of: tuple[int, ...],
+    node: int,
+    pairs: list[tuple[np.ndarray, np.ndarray]],
+    reduction: Reduction | None,
+) -> NodeProgram | None:
+    """Node ``node``'s program of a small collective as a star on the GO round, the
+    native twin of its general path (collectives/small.py): each node folds its ranks'
+    inputs into one part and sends it with its GO to node 0 (UP), which folds the parts in
+    node order, finishes the result (avg's division) and sends it with its verdict (DOWN);
+    every node then writes its ranks' outputs. Two messages per node a call, and nothing
+    but the scratch written before the verdict. None where the op is not served."""
+    nodes = max(node_of) + 1
+    if op not in STAR_OPS or nodes > MAX_NODES or not pairs:
+        return None
+    itemsize = pairs[0][0].dtype.itemsize
+    block = count * itemsize
+    local = [r for r, n in enumerate(node_of) if n == node]
+    ranks_of = [[r for r, n in enumerate(node_of) if n == m] for m in range(nodes)]
+
+    def part_bytes(m: int) -> int:
+        """What node ``m`` sends up."""
+        if op is Collective.BROADCAST:
+            return block if root in ranks_of[m] else 0
+        if op is Collective.ALLGATHER:
+            return block * len(ranks_of[m])
+        return pairs[0][0].nbytes  # every node's inputs are alike (the agreement checked)
+
+    result_bytes = (
+        block * len(node_of) if op is Collective.ALLGATHER else max(part_bytes(m) for m in range(nodes))
+    )
+    program = Program(reduction, itemsize, 0)
+    steps = program.steps
+    scratch = 0
+
+    def reserve(nbytes: int) -> int:
+        nonlocal scratch
+        at = scratch
+        scratch += -(-nbytes // _ALIGN) * _ALIGN
+        return at
+
+    def inp(i: int) -> int:  # buffer numbers: program.py's
+        return 1 + 2 * i
+
+    def out(i: int) -> int:
+        return 2 + 2 * i
+
+    # This node's part, in the scratch (its ranks in rank order).
+    part = reserve(part_bytes(node))
+    if op is Collective.BROADCAST:
+        if root in local:
+            steps.append(Step(COPY, 0, part, inp(local.index(root)), 0, n=part_bytes(node)))
+    elif op is Collective.ALLGATHER:
+        for i in range(len(local)):
+            steps.append(Step(COPY, 0, part + i * block, inp(i), 0, n=block))
+    else:
+        steps.append(Step(COPY, 0, part, inp(0), 0, n=part_bytes(node)))
+        for i in range(1, len(local)):
+            steps.append(Step(COMBINE, 0, part, 0, part, inp(i), 0, part_bytes(node) // itemsize))
+    result = reserve(result_bytes)
+    if node == 0:
+        landing = {m: reserve(part_bytes(m)) for m in range(1, nodes)}
+        for m in range(1, nodes):
+            steps.append(Step(UP_RECV, 0, 0, b=m, b_off=landing[m], n=part_bytes(m)))
+        where = {0: part, **landing}
+        if op is Collective.BROADCAST:
+            steps.append(Step(COPY, 0, result, 0, where[node_of[root]], n=result_bytes))
+        elif op is Collective.ALLGATHER:  # each rank's block at its place
+            for m in range(nodes):
+                for j, rank in enumerate(ranks_of[m]):
+                    steps.append(Step(COPY, 0, result + rank * block, 0, where[m] + j * block, n=block))
+        else:
+            elements = result_bytes // itemsize
+            steps.append(Step(COPY, 0, result, 0, part, n=result_bytes))
+            for m in range(1, nodes):
+                steps.append(Step(COMBINE, 0, result, 0, result, 0, landing[m], elements))
+            if reduction is not None and reduction.op is ReduceOp.AVG and reduction.participants > 1:
+                steps.append(Step(DIVIDE, 0, result, n=elements))
+        for m in range(1, nodes):
+            wants = op is not Collective.REDUCE or root in ranks_of[m]
+            steps.append(Step(DOWN_SEND, 0, 0, 0, result, m, 0, result_bytes if wants else 0))
+    else:
+        steps.append(Step(UP_SEND, 0, 0, 0, part, 0, 0, part_bytes(node)))
+        wants = op is not Collective.REDUCE or root in local
+        steps.append(Step(DOWN_RECV, 0, 0, b=0, b_off=result, n=result_bytes if wants else 0))
+    # Every local rank's output from the result (small.py's write).
+    for i, rank in enumerate(local):
+        if op is Collective.REDUCE and rank != root:
+            continue
+        o = pairs[i][1]
+        if op is Collective.REDUCE_SCATTER:  # its block
+            steps.append(Step(COPY, out(i), 0, 0, result + rank * block, n=block))
+        elif op is Collective.BROADCAST and rank == root and np.shares_memory(o, pairs[i][0]):
+            continue  # in place, the root's buffer is the result already
+        else:
+            steps.append(Step(COPY, out(i), 0, 0, result, n=o.nbytes))
+    program.scratch = scratch
+    return NodeProgram(program, tuple(n for n in range(nodes) if n != node))

@@ -227,6 +227,23 @@ static const char *check_net_op(const lpn_op *o, const uint64_t *sizes, uint32_t
     return NULL;
 }
 
+/* A star program (engine.h): no other net ops, and nothing but the scratch written
+ * before its last UP_RECV or DOWN_RECV (until then every node may still fall back). */
+static const char *check_star(const lpn_program *p) {
+    uint32_t last = 0, i;
+    for (i = 0; i < p->nops; i++) {
+        uint32_t k = p->ops[i].kind;
+        if (k == LPN_UP_RECV || k == LPN_DOWN_RECV) last = i;
+        if (k == LPN_GO || (k >= LPN_SEND && k <= LPN_RECV_COMBINE)) return "a star program with other messages";
+    }
+    for (i = 0; i < last; i++) {
+        uint32_t k = p->ops[i].kind;
+        if ((k == LPN_COPY || k == LPN_COMBINE || k == LPN_DIVIDE) && p->ops[i].dst != 0)
+            return "a star program writes a buffer before every node said GO";
+    }
+    return NULL;
+}
+
 /* List each channel's sends and receives by message number (net.c matches messages by
  * it): sends numbered 0, 1, ... in program order, receives each number once. */
 static const char *index_messages(lpn_program *p) {
@@ -311,6 +328,15 @@ int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, co
             out->net = 1;
             continue;
         }
+        if (o->kind >= LPN_UP_SEND && o->kind <= LPN_DOWN_RECV) {
+            if (o->b >= LPN_MAX_CHANNELS) goto bad;
+            int sends = o->kind == LPN_UP_SEND || o->kind == LPN_DOWN_SEND;
+            if (o->dst != 0 || o->dst_off != 0 || (sends && o->a >= h.nbuf)) goto bad;
+            if (sends ? !fits(o->a_off, o->n, out->sizes[o->a]) : !fits(o->b_off, o->n, out->sizes[0]))
+                goto bad_range;
+            out->net = out->star = 1;
+            continue;
+        }
         if (o->kind >= LPN_SEND && o->kind <= LPN_RECV_COMBINE) {
             const char *net_why = check_net_op(o, out->sizes, h.nbuf, bases);
             if (net_why) {
@@ -353,7 +379,7 @@ int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, co
             }
         }
     }
-    const char *unindexed = out->net ? index_messages(out) : NULL;
+    const char *unindexed = out->star ? check_star(out) : out->net ? index_messages(out) : NULL;
     if (unindexed) {
         lpn_program_free(out);
         return *why = unindexed, -1;

@@ -58,10 +58,16 @@
  * ranks took the general path for this seq sends NOTICE instead (lpn_engine_notice: to
  * the root; the root to every node); a NOTICE verdict makes the run LPN_FALLBACK with
  * nothing written, so the collective runs on the general path on every node, which says
- * what differs. */
+ * what differs.
+ * UP_* and DOWN_* (channel b) are a small collective's GO round with its data on it (a
+ * star, as small ones ride the agreement on the general path): a node's UP_SEND is its GO
+ * and its part (a/a_off, n bytes) to the root, which lands it at b_off (UP_RECV); the
+ * root's DOWN_SEND is its verdict and the result, landed at b_off (DOWN_RECV). A NOTICE or
+ * another plan at an UP_RECV makes the root answer NOTICE to every DOWN_SEND channel. Such
+ * a program has no GO ops, and writes nothing but its scratch before its last receive. */
 enum lpn_kind {
     LPN_COPY = 1, LPN_COMBINE = 2, LPN_DIVIDE = 3, LPN_SEND = 4, LPN_RECV = 5, LPN_RECV_COMBINE = 6,
-    LPN_GO = 7
+    LPN_GO = 7, LPN_UP_SEND = 8, LPN_UP_RECV = 9, LPN_DOWN_SEND = 10, LPN_DOWN_RECV = 11
 };
 enum lpn_dtype {
     LPN_F16 = 1, LPN_BF16, LPN_F32, LPN_F64, LPN_I8, LPN_I32, LPN_I64, LPN_U8, LPN_DTYPE_END
@@ -89,7 +95,7 @@ typedef struct {
     /* Net ops, indexed at parse time: per op its message number on its channel; per
      * channel the op indices of its sends (tx) and receives (rx) by message number:
      * tx[tx_start[c] .. tx_start[c+1]). */
-    int net;
+    int net, star; /* has messages; they are a star's UP and DOWN (no schedule's) */
     uint32_t *msg, *tx, *rx;
     uint32_t tx_start[LPN_MAX_CHANNELS + 1], rx_start[LPN_MAX_CHANNELS + 1];
 } lpn_program;

@@ -158,14 +158,76 @@ static int write_header(int fd, const wire_header *h, double deadline) {
     return 0;
 }
 
+/* A control header and its payload (a star's part or result), whole, bounded by the
+ * run's deadline. */
+static uint32_t send_message(run_state *r, uint32_t c, uint32_t kind, const uint8_t *payload, uint64_t n) {
+    int fd = r->fds[c];
+    if (fd < 0) return fail(r, (int)c, LPN_LOST);
+    wire_header h = {r->key, r->seq, 0, n, kind, WIRE_MAGIC};
+    uint64_t done = 0, total = sizeof h + n;
+    while (done < total) {
+        struct iovec iov[2];
+        int k = 0;
+        if (done < sizeof h) iov[k++] = (struct iovec){(uint8_t *)&h + done, sizeof h - done};
+        uint64_t from = done < sizeof h ? 0 : done - sizeof h;
+        if (n > from) iov[k++] = (struct iovec){(uint8_t *)(uintptr_t)(payload + from), n - from};
+        struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)k};
+        ssize_t wrote = sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (wrote > 0) {
+            done += (uint64_t)wrote;
+            continue;
+        }
+        if (wrote < 0 && errno == EINTR) continue;
+        if (wrote < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return fail(r, (int)c, LPN_LOST);
+        double left = r->deadline - lpn_now();
+        if (left <= 0) return fail(r, (int)c, LPN_TIMEOUT);
+        struct pollfd pf = {fd, POLLOUT, 0};
+        struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
+        if (ppoll(&pf, 1, &ts, NULL) < 0 && errno != EINTR) return fail(r, (int)c, LPN_LOST);
+    }
+    return LPN_OK;
+}
+
 int lpn_send_notice(int fd, uint32_t seq) {
     wire_header h = {0, seq, 0, 0, WIRE_NOTICE, WIRE_MAGIC};
     return write_header(fd, &h, lpn_now() + 0.5) == 0 ? 0 : -1;
 }
 
+/* Read exactly n bytes from channel c into dst (NULL: discard them), bounded by the
+ * run's deadline and its abort. */
+static uint32_t read_bytes(run_state *r, uint32_t c, uint8_t *dst, uint64_t n) {
+    int fd = r->fds[c];
+    uint8_t sink[4096];
+    uint64_t done = 0;
+    while (done < n) {
+        uint64_t want = n - done;
+        if (!dst && want > sizeof sink) want = sizeof sink;
+        ssize_t got = recv(fd, dst ? dst + done : sink, (size_t)want, MSG_DONTWAIT);
+        if (got == 0) return fail(r, (int)c, LPN_LOST);
+        if (got > 0) {
+            done += (uint64_t)got;
+            continue;
+        }
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) return fail(r, (int)c, LPN_LOST);
+        double left = r->deadline - lpn_now();
+        if (left <= 0) return fail(r, (int)c, LPN_TIMEOUT);
+        struct pollfd pf[2] = {{fd, POLLIN, 0}, {r->abort_fd, POLLIN, 0}};
+        struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
+        if (ppoll(pf, r->abort_fd >= 0 ? 2 : 1, &ts, NULL) < 0 && errno != EINTR) return fail(r, (int)c, LPN_LOST);
+        if (r->abort_fd >= 0 && (pf[1].revents & POLLIN)) return fail(r, -1, LPN_LOST);
+    }
+    return LPN_OK;
+}
+
+static uint32_t skip_bytes(run_state *r, uint32_t c, uint64_t n) {
+    if (n > LPN_MAX_SCRATCH) return fail(r, (int)c, LPN_MISMATCH);
+    return read_bytes(r, c, NULL, n);
+}
+
 /* Read the next control header (GO or NOTICE) of this run from channel c, skipping
  * older ones (left by runs that fell back). LPN_OK with *h filled, or a failure code. */
-static uint32_t read_control(run_state *r, uint32_t c, wire_header *h) {
+static uint32_t read_control(run_state *r, uint32_t c, wire_header *h, uint64_t payload) {
     int fd = r->fds[c];
     if (fd < 0) return fail(r, (int)c, LPN_LOST);
     for (;;) {
@@ -187,9 +249,20 @@ static uint32_t read_control(run_state *r, uint32_t c, wire_header *h) {
                 return fail(r, (int)c, LPN_LOST);
             if (r->abort_fd >= 0 && (pf[1].revents & POLLIN)) return fail(r, -1, LPN_LOST);
         }
-        if (h->magic != WIRE_MAGIC || (h->kind != WIRE_GO && h->kind != WIRE_NOTICE) || h->nbytes != 0)
+        if (h->magic != WIRE_MAGIC || (h->kind != WIRE_GO && h->kind != WIRE_NOTICE))
             return fail(r, (int)c, LPN_MISMATCH);
-        if (seq_lt(h->seq, r->seq)) continue; /* left from a run that fell back */
+        if (seq_lt(h->seq, r->seq)) { /* left from a run that fell back: its bytes too */
+            uint32_t code = skip_bytes(r, c, h->nbytes);
+            if (code != LPN_OK) return code;
+            continue;
+        }
+        if (h->kind == WIRE_GO && h->key != r->key) { /* another plan: its bytes are not ours */
+            uint32_t code = skip_bytes(r, c, h->nbytes);
+            if (code != LPN_OK) return code;
+            h->nbytes = 0;
+            return LPN_OK;
+        }
+        if (h->nbytes != (h->kind == WIRE_GO ? payload : 0)) return fail(r, (int)c, LPN_MISMATCH);
         if (h->seq != r->seq) return fail(r, (int)c, LPN_MISMATCH);
         return LPN_OK;
     }
@@ -212,14 +285,14 @@ static uint32_t go_round(run_state *r, uint32_t ngo) {
         if (r->fds[root] < 0) return fail(r, (int)root, LPN_LOST);
         int w = write_header(r->fds[root], &mine, r->deadline);
         if (w != 0) return fail(r, (int)root, w == -2 ? LPN_TIMEOUT : LPN_LOST);
-        if ((code = read_control(r, root, &h)) != LPN_OK) return code;
+        if ((code = read_control(r, root, &h, 0)) != LPN_OK) return code;
         if (says_go(r, &h)) return LPN_OK;
         r->failed = (int)root;
         return LPN_FALLBACK;
     }
     int go = 1;
     for (i = 0; i < ngo && go; i++) { /* the first NOTICE or other plan decides */
-        if ((code = read_control(r, p->ops[i].b, &h)) != LPN_OK) return code;
+        if ((code = read_control(r, p->ops[i].b, &h, 0)) != LPN_OK) return code;
         if (!says_go(r, &h)) {
             go = 0;
             r->failed = (int)p->ops[i].b;
@@ -233,6 +306,26 @@ static uint32_t go_round(run_state *r, uint32_t ngo) {
         if (w != 0) return fail(r, (int)c, w == -2 ? LPN_TIMEOUT : LPN_LOST);
     }
     return go ? LPN_OK : LPN_FALLBACK;
+}
+
+/* A star's receive (op i): the GO and its bytes, landed in the scratch; at the root, a
+ * NOTICE or another plan makes it answer NOTICE to every node (LPN_FALLBACK). */
+static uint32_t star_receive(run_state *r, uint32_t i) {
+    const lpn_program *p = r->p;
+    const lpn_op *o = &p->ops[i];
+    wire_header h;
+    uint32_t code = read_control(r, o->b, &h, o->n);
+    if (code != LPN_OK) return code;
+    if (says_go(r, &h)) return read_bytes(r, o->b, r->bufs[0] + o->b_off, o->n);
+    if (o->kind == LPN_DOWN_RECV && h.kind == WIRE_GO) /* the root's GO is for another plan */
+        return fail(r, (int)o->b, LPN_MISMATCH);
+    r->failed = (int)o->b;
+    if (o->kind == LPN_UP_RECV) /* the root: every node falls back with it */
+        for (uint32_t k = 0; k < p->nops; k++)
+            if (p->ops[k].kind == LPN_DOWN_SEND && send_message(r, p->ops[k].b, WIRE_NOTICE, NULL, 0) != LPN_OK)
+                return LPN_LOST;
+    r->failed = (int)o->b;
+    return LPN_FALLBACK;
 }
 
 typedef int (*condition)(const run_state *r, const void *arg);
@@ -353,6 +446,14 @@ uint32_t lpn_program_run_net(const lpn_program *p, uint8_t *const *bufs, const i
             }
             break;
         }
+        case LPN_UP_SEND:
+        case LPN_DOWN_SEND:
+            code = send_message(&r, o->b, WIRE_GO, bufs[o->a] + o->a_off, o->n);
+            break;
+        case LPN_UP_RECV:
+        case LPN_DOWN_RECV:
+            code = star_receive(&r, i);
+            break;
         case LPN_COPY:
             if ((code = clear_for_write(&r, d, o->n)) == LPN_OK && o->n) memmove(d, bufs[o->a] + o->a_off, o->n);
             break;

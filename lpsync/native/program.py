@@ -29,7 +29,9 @@ COPY, COMBINE, DIVIDE = 1, 2, 3
 # GO (channel b) opens a program, one per other node of the job: the round in which
 # every node says it runs this plan for this seq before anything is written (engine.h).
 SEND, RECV, RECV_COMBINE, GO = 4, 5, 6, 7
-NET = frozenset({SEND, RECV, RECV_COMBINE, GO})
+# A small collective's star (across.star): its GO round carries its data (engine.h).
+UP_SEND, UP_RECV, DOWN_SEND, DOWN_RECV = 8, 9, 10, 11
+NET = frozenset({SEND, RECV, RECV_COMBINE, GO, UP_SEND, UP_RECV, DOWN_SEND, DOWN_RECV})
 # engine.h's enum lpn_dtype and lpn_redop.
 DTYPE_CODES = {
     "float16": 1,

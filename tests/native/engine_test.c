@@ -377,6 +377,91 @@ static void test_net(void) {
            "misnumbered messages\n");
 }
 
+/* ---- a small collective's star (net.c): its data on the GO round, two nodes.
+ * scratch: [part | landing | result], N floats each. */
+static lpn_program star_prog[2];
+
+static void star_program(int r, blob *b) {
+    uint64_t sizes[3] = {(uint64_t)N * 12, (uint64_t)N * 4, (uint64_t)N * 4};
+    const uint64_t part = 0, landing = (uint64_t)N * 4, result = (uint64_t)N * 8, bytes = (uint64_t)N * 4;
+    lpn_op root[6] = {
+        {LPN_COPY, 0, 0, 0, 1, 0, part, 0, 0, bytes, 0},
+        {LPN_UP_RECV, 0, 0, 0, 0, 1, 0, 0, landing, bytes, 0},
+        {LPN_COPY, 0, 0, 0, 0, 0, result, part, 0, bytes, 0},
+        {LPN_COMBINE, LPN_F32, LPN_SUM, 0, 0, 0, result, result, landing, N, 0},
+        {LPN_DOWN_SEND, 0, 0, 0, 0, 1, 0, result, 0, bytes, 0},
+        {LPN_COPY, 0, 0, 2, 0, 0, 0, result, 0, bytes, 0},
+    };
+    lpn_op leaf[4] = {
+        {LPN_COPY, 0, 0, 0, 1, 0, part, 0, 0, bytes, 0},
+        {LPN_UP_SEND, 0, 0, 0, 0, 0, 0, part, 0, bytes, 0},
+        {LPN_DOWN_RECV, 0, 0, 0, 0, 0, 0, 0, result, bytes, 0},
+        {LPN_COPY, 0, 0, 2, 0, 0, 0, result, 0, bytes, 0},
+    };
+    if (r == 0)
+        program(b, 3, sizes, 6, root);
+    else
+        program(b, 3, sizes, 4, leaf);
+}
+
+static void *star_run(void *arg) {
+    net_node *n = arg;
+    uint8_t *scratch = aligned_alloc(64, ((size_t)N * 12 + 63) & ~(size_t)63);
+    uint8_t *bufs[3] = {scratch, (uint8_t *)net_data[n->node], (uint8_t *)net_data[n->node]};
+    n->code = lpn_program_run_net(&star_prog[n->node], bufs, n->fds, n->key, n->seq, n->timeout, -1, &n->failed);
+    free(scratch);
+    return NULL;
+}
+
+static void star_both(net_node *nodes) {
+    pthread_t t[2];
+    for (int r = 0; r < 2; r++) pthread_create(&t[r], NULL, star_run, &nodes[r]);
+    for (int r = 0; r < 2; r++) pthread_join(t[r], NULL);
+}
+
+static void test_star(void) {
+    const char *why;
+    blob b;
+    for (int r = 0; r < 2; r++) {
+        star_program(r, &b);
+        uint64_t bases[2] = {(uint64_t)(uintptr_t)net_data[r], (uint64_t)(uintptr_t)net_data[r]};
+        uint64_t sizes[2] = {(uint64_t)N * 4, (uint64_t)N * 4};
+        CHECK(lpn_program_parse(b.bytes, b.len, bases, sizes, 2, &star_prog[r], &why) == 0, "star refused: %s", why);
+    }
+    net_node nodes[2];
+    int sv[2];
+    net_pair(nodes, sv); /* both in: the sum on both */
+    star_both(nodes);
+    CHECK(nodes[0].code == LPN_OK && nodes[1].code == LPN_OK, "star codes %u %u", nodes[0].code, nodes[1].code);
+    for (int i = 0; i < N; i++) CHECK(net_data[0][i] == 3.0f * (float)i && net_data[1][i] == 3.0f * (float)i, "star sum at %d", i);
+    close(sv[0]);
+    close(sv[1]);
+
+    net_pair(nodes, sv); /* the leaf went the general way: the root answers NOTICE, nothing written */
+    CHECK(lpn_send_notice(sv[1], 3) == 0, "notice");
+    star_both(nodes);
+    CHECK(nodes[0].code == LPN_FALLBACK && nodes[1].code == LPN_FALLBACK, "star notice codes %u %u", nodes[0].code,
+          nodes[1].code);
+    CHECK(net_data[0][7] == 7.0f && net_data[1][7] == 14.0f, "a star that fell back wrote");
+    nodes[0].seq = nodes[1].seq = 4; /* the next call: the leaf's unread GO and part are skipped */
+    star_both(nodes);
+    CHECK(nodes[0].code == LPN_OK && nodes[1].code == LPN_OK, "star after a notice %u %u", nodes[0].code,
+          nodes[1].code);
+    close(sv[0]);
+    close(sv[1]);
+
+    /* Writing a buffer before the verdict is refused at parse. */
+    star_program(1, &b);
+    lpn_op *ops = (lpn_op *)(b.bytes + sizeof(lpn_program_header) + 3 * 8);
+    ops[0].dst = 2; /* the first copy into the output, before DOWN_RECV */
+    lpn_program bad;
+    uint64_t bases[2] = {(uint64_t)(uintptr_t)net_data[1], (uint64_t)(uintptr_t)net_data[1]};
+    uint64_t sizes[2] = {(uint64_t)N * 4, (uint64_t)N * 4};
+    CHECK(lpn_program_parse(b.bytes, b.len, bases, sizes, 2, &bad, &why) != 0, "a star writing early was accepted");
+    for (int r = 0; r < 2; r++) lpn_program_free(&star_prog[r]);
+    printf("star: allreduce, a leaf's notice (fallback, nothing written, leftovers skipped), early writes refused\n");
+}
+
 /* ---- the doorbell, clients as threads */
 static uint8_t page[LPN_HEADER_BYTES + P * LPN_SLOT_BYTES] __attribute__((aligned(64)));
 
@@ -474,6 +559,7 @@ int main(int argc, char **argv) {
     test_parser(rounds, 0);
     test_parser(rounds / 2, 1);
     test_net();
+    test_star();
     test_doorbell();
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);

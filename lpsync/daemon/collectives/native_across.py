@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -39,7 +40,8 @@ from lpsync.daemon.collectives.views import buffers, facts, reduction
 from lpsync.errors import CollectiveTimeoutError, LpsyncError, MismatchError, UnavailableError
 from lpsync.native import LOST, MISMATCH, TIMEOUT
 from lpsync.native import engine as native_engine
-from lpsync.native.across import MAX_NODES, compile_node
+from lpsync.native.across import MAX_NODES, STAR_OPS, NodeProgram, compile_node, star
+from lpsync.reduction import Reduction
 from lpsync.transport.addresses import PeerAddress
 from lpsync.types import Collective
 
@@ -95,10 +97,19 @@ def drop(task: Task) -> None:
 
 
 def after_ride(task: Task, plane: PeerPlane, verdict: Verdict) -> tuple[str, int, int] | None:
-    """After a small collective that rode the agreement: its armed form is the schedule
-    the tuner picks for it on the agreed link model (the same on every node)."""
-    if not verdict.native:
+    """After a small collective that rode the agreement: armed as a star on the GO round
+    (its native twin, lpsync/native/across.py), or for the ops a star does not serve as
+    the schedule the tuner picks on the agreed link model (the same on every node)."""
+    layout = task.job.layout
+    if not verdict.native or layout is None:
         return None
+    if task.op in STAR_OPS:
+        spec = task.spec
+
+        def compile_star(views: Views, reduce: Reduction | None) -> NodeProgram | None:
+            return star(task.op, spec.count, spec.root, layout.node_of, layout.node, views, reduce)
+
+        return _arm_or_connect(task, plane, verdict, "star", 1, compile_star)
     choice = select(task.op, task.nbytes, task.participants, verdict.model)
     schedule = generate(
         task.op, choice.algorithm, task.participants, task.spec.count, task.spec.root, choice.chunks
@@ -111,6 +122,27 @@ def after_run(
 ) -> tuple[str, int, int] | None:
     """After a run of ``schedule`` that succeeded: connect the channels or arm its plan,
     as the verdict allows; the Armed reply (page, plan, generation) once armed."""
+    layout = task.job.layout
+    if layout is None:
+        return None
+
+    def compile_schedule(views: Views, reduce: Reduction | None) -> NodeProgram | None:
+        return compile_node(schedule, layout.node_of, layout.node, views, reduce)
+
+    return _arm_or_connect(task, plane, verdict, algorithm, chunks, compile_schedule)
+
+
+Views = list[tuple[np.ndarray, np.ndarray]]
+
+
+def _arm_or_connect(
+    task: Task,
+    plane: PeerPlane,
+    verdict: Verdict,
+    algorithm: str,
+    chunks: int,
+    compile_program: Callable[[Views, Reduction | None], NodeProgram | None],
+) -> tuple[str, int, int] | None:
     job, layout, native = task.job, task.job.layout, task.job.native
     if not verdict.native or verdict.trial or native is None or layout is None:
         return None
@@ -121,10 +153,8 @@ def after_run(
     plan = native.find(key)
     if plan is None:
         p = task.participants
-        views = cast("list[tuple[np.ndarray, np.ndarray]]", [buffers(task.spec, a, p) for a in task.arrivals])
-        compiled = compile_node(
-            schedule, layout.node_of, layout.node, views, reduction(task.spec, task.dtype, p)
-        )
+        views = cast("Views", [buffers(task.spec, a, p) for a in task.arrivals])
+        compiled = compile_program(views, reduction(task.spec, task.dtype, p))
         if compiled is None:
             return None
         _, _, nbytes, bus = facts(task.spec, p)

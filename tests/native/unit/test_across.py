@@ -318,3 +318,63 @@ def test_the_engine_refuses_a_program_whose_messages_are_misnumbered() -> None:
     steps[first_send] = steps[first_send]._replace(arg=5)
     with cluster(2) as engines, pytest.raises(ValueError, match="not numbered in program order"):
         engines[0].arm(compiled, [pairs[0]], 1)
+
+
+STAR_CASES = [
+    Collective.ALLREDUCE,
+    Collective.REDUCE,
+    Collective.REDUCE_SCATTER,
+    Collective.BROADCAST,
+    Collective.ALLGATHER,
+]
+
+
+@pytest.mark.parametrize("op", STAR_CASES, ids=str)
+@pytest.mark.parametrize("placement", list(PLACEMENTS), ids=list(PLACEMENTS))
+def test_a_small_collectives_star_matches_numpy(op: Collective, placement: str) -> None:
+    """The small collective's star (its data on the GO round): every node's outputs
+    against numpy, in and out of place, twice on the same buffers."""
+    node_of = PLACEMENTS[placement]
+    p, nodes = len(node_of), max(node_of) + 1
+    for dtype, in_place, reduce_op, count, root in (
+        (np.dtype(np.float32), True, ReduceOp.SUM, 33, p - 1),
+        (np.dtype(np.int64), False, ReduceOp.AVG, 5, 0),
+    ):
+        reduction = Reduction(reduce_op, dtype, p) if op in REDUCING else None
+        datas = inputs_for(op, p, count, dtype, in_place, root, seed=p * 7 + count)
+        native = Bound(op, count, in_place, root, datas)
+        expected = numpy_reference(op, native.pairs, reduce_op, count, root)
+        with cluster(nodes) as engines:
+            for node, engine in enumerate(engines):
+                mine = [native.pairs[r] for r in range(p) if node_of[r] == node]
+                compiled = across.star(op, count, root, node_of, node, mine, reduction)
+                assert compiled is not None
+                engine.arm(compiled, mine, key=77)
+            for seq in (3, 4):
+                native.reset()
+                assert run_all(engines, seq) == [OK] * nodes
+        for r in range(p):
+            if expected[r] is not None:
+                np.testing.assert_allclose(
+                    native.pairs[r][1], expected[r], rtol=1e-5, atol=1e-4, err_msg=f"rank {r}"
+                )
+
+
+def test_a_star_whose_leaf_took_the_general_path_falls_back_writing_nothing() -> None:
+    node_of = (0, 1, 2)
+    pairs = [layout(Collective.ALLREDUCE, r, 3, 8, np.full(8, r + 1, np.float32), True) for r in range(3)]
+    reduction = Reduction(ReduceOp.SUM, np.dtype(np.float32), 3)
+    with cluster(3) as engines:
+        for node in range(3):
+            compiled = across.star(Collective.ALLREDUCE, 8, 0, node_of, node, [pairs[node]], reduction)
+            assert compiled is not None
+            engines[node].arm(compiled, [pairs[node]], key=5, timeout=30.0)
+        engines[2].engine.notice(9, 0)  # node 2's ranks went the general way for call 9
+        began = time.monotonic()
+        assert run_all(engines, 9, only={0, 1}) == [FALLBACK, FALLBACK, -1]
+        assert time.monotonic() - began < 5.0
+        for node in range(3):
+            np.testing.assert_array_equal(pairs[node][1], np.full(8, node + 1, np.float32))
+        assert run_all(engines, 10) == [OK, OK, OK]  # the leftovers skipped, all in
+        for node in range(3):
+            np.testing.assert_array_equal(pairs[node][1], np.full(8, 6, np.float32))
