@@ -517,7 +517,7 @@ static uint32_t run_plan(lpn_engine *e, lpn_plan *p, uint32_t seq) {
     }
     int failed = -1;
     uint32_t code =
-        lpn_program_run_net(&p->program, p->bufs, e->fds, p->key, seq, p->timeout, e->abort_fd, &failed);
+        lpn_program_run_net(&p->program, p->bufs, e->fds, p->key, seq, p->timeout, e->abort_fd, e->lowat, &failed);
     p->last_code = code;
     e->failed_channel = failed;
     if (code == LPN_OK || code == LPN_FALLBACK) return code; /* a fallback wrote nothing */
@@ -795,6 +795,7 @@ int lpn_engine_connect(lpn_engine *e, uint32_t chan, int fd, const char **why) {
     pthread_mutex_lock(&e->mu); /* never under a run that uses the channel */
     if (e->fds[chan] >= 0) close(e->fds[chan]);
     e->fds[chan] = mine;
+    e->lowat[chan] = 1; /* a socket's default */
     pthread_mutex_unlock(&e->mu);
     return 0;
 }

@@ -113,11 +113,13 @@ void lpn_program_free(lpn_program *program);
 void lpn_program_run(const lpn_program *program, uint8_t *const *bufs);
 /* Run any parsed program: net ops over ``fds`` (LPN_MAX_CHANNELS, -1 where none), their
  * headers carrying ``key`` and ``seq``; every wait bounded by ``timeout`` seconds from
- * now, and by ``abort_fd`` (-1: none) becoming readable (LPN_LOST). LPN_OK, or
+ * now, and by ``abort_fd`` (-1: none) becoming readable (LPN_LOST). ``lowat``: each
+ * channel's SO_RCVLOWAT as last set (the engine keeps it; NULL: not tuned). LPN_OK, or
  * LPN_TIMEOUT / LPN_LOST / LPN_MISMATCH (net.c); ``failed`` is then the channel that
  * failed (-1: none in particular). */
 uint32_t lpn_program_run_net(const lpn_program *program, uint8_t *const *bufs, const int *fds,
-                             uint64_t key, uint32_t seq, double timeout, int abort_fd, int *failed);
+                             uint64_t key, uint32_t seq, double timeout, int abort_fd, int *lowat,
+                             int *failed);
 /* The element operations the two runners share (engine.c). */
 void lpn_combine(uint8_t *d, const uint8_t *a, const uint8_t *b, uint32_t dtype, uint64_t n, uint32_t op);
 void lpn_divide(uint8_t *p, uint32_t dtype, uint64_t n, uint64_t by);
@@ -165,6 +167,7 @@ typedef struct {
     uint32_t nactive;
     int failed_channel;        /* of the last failed net run, -1: none */
     int abort_fd;              /* an eventfd: lpn_engine_abort wakes a net run's waits */
+    int lowat[LPN_MAX_CHANNELS]; /* each channel's SO_RCVLOWAT as net.c last set it */
 } lpn_engine;
 
 int lpn_engine_init(lpn_engine *e, uint8_t *page, size_t page_len, uint32_t slots,

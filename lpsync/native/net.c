@@ -52,6 +52,7 @@ typedef struct {
     uint32_t seq;
     double deadline;
     int abort_fd; /* readable: stop now (lpn_engine_abort); -1: none */
+    int *lowat;   /* per channel, the socket's SO_RCVLOWAT now (the engine's); NULL: left alone */
     int failed;
     /* Per channel: sends queued (tx_tail) and written (tx_head; tx_done bytes of the one
      * being written, header included); receives landed (rx_next; rx_done bytes of the
@@ -193,10 +194,17 @@ int lpn_send_notice(int fd, uint32_t seq) {
     return write_header(fd, &h, lpn_now() + 0.5) == 0 ? 0 : -1;
 }
 
+/* Channel c's SO_RCVLOWAT (the bytes a poll waits for), set where it differs. */
+static void set_lowat(run_state *r, uint32_t c, int want) {
+    if (r->lowat && want != r->lowat[c] && setsockopt(r->fds[c], SOL_SOCKET, SO_RCVLOWAT, &want, sizeof want) == 0)
+        r->lowat[c] = want;
+}
+
 /* Read exactly n bytes from channel c into dst (NULL: discard them), bounded by the
  * run's deadline and its abort. */
 static uint32_t read_bytes(run_state *r, uint32_t c, uint8_t *dst, uint64_t n) {
     int fd = r->fds[c];
+    set_lowat(r, c, 1); /* a control message's reader waits for any byte */
     uint8_t sink[4096];
     uint64_t done = 0;
     while (done < n) {
@@ -230,6 +238,7 @@ static uint32_t skip_bytes(run_state *r, uint32_t c, uint64_t n) {
 static uint32_t read_control(run_state *r, uint32_t c, wire_header *h, uint64_t payload) {
     int fd = r->fds[c];
     if (fd < 0) return fail(r, (int)c, LPN_LOST);
+    set_lowat(r, c, 1);
     for (;;) {
         size_t done = 0;
         while (done < sizeof *h) {
@@ -330,6 +339,18 @@ static uint32_t star_receive(run_state *r, uint32_t i) {
 
 typedef int (*condition)(const run_state *r, const void *arg);
 
+/* Wake for channel c's reading only once the rest of its current message is in, up to
+ * LOWAT_MAX bytes (SO_RCVLOWAT, which poll honours on TCP): one wake-up per message
+ * chunk, where a 1 Gbit/s link's packets would each wake the run. Small messages keep 1. */
+#define LOWAT_MIN 16384
+#define LOWAT_MAX 262144
+static void want_bytes(run_state *r, uint32_t c) {
+    const lpn_program *p = r->p;
+    const lpn_op *o = &p->ops[p->rx[p->rx_start[c] + r->rx_next[c]]];
+    uint64_t left = sizeof(wire_header) + op_bytes(o) - r->rx_done[c];
+    set_lowat(r, c, left < LOWAT_MIN ? 1 : (int)(left < LOWAT_MAX ? left : LOWAT_MAX));
+}
+
 /* Move messages until ``done(r, arg)``, the deadline, or a failure. */
 static uint32_t wait_for(run_state *r, condition done, const void *arg) {
     const lpn_program *p = r->p;
@@ -348,6 +369,7 @@ static uint32_t wait_for(run_state *r, condition done, const void *arg) {
             if (r->tx_head[c] < r->tx_tail[c]) events |= POLLOUT;
             if (r->rx_next[c] < p->rx_start[c + 1] - p->rx_start[c]) events |= POLLIN;
             if (events) {
+                if (events & POLLIN) want_bytes(r, c);
                 fds[n] = (struct pollfd){r->fds[c], events, 0};
                 chans[n++] = c;
             }
@@ -407,7 +429,7 @@ static uint32_t clear_for_write(run_state *r, uint8_t *d, uint64_t n) {
 }
 
 uint32_t lpn_program_run_net(const lpn_program *p, uint8_t *const *bufs, const int *fds, uint64_t key,
-                             uint32_t seq, double timeout, int abort_fd, int *failed) {
+                             uint32_t seq, double timeout, int abort_fd, int *lowat, int *failed) {
     run_state r;
     memset(&r, 0, sizeof r);
     r.p = p;
@@ -417,6 +439,7 @@ uint32_t lpn_program_run_net(const lpn_program *p, uint8_t *const *bufs, const i
     r.seq = seq;
     r.deadline = lpn_now() + timeout;
     r.abort_fd = abort_fd;
+    r.lowat = lowat;
     r.failed = -1;
     uint32_t ngo = 0;
     while (ngo < p->nops && p->ops[ngo].kind == LPN_GO) ngo++;

@@ -188,7 +188,7 @@ static void test_parser(unsigned rounds, int seed) {
             if (prog.net) { /* no channels: it runs up to its first message, then fails */
                 int fds[LPN_MAX_CHANNELS], failed;
                 for (unsigned c = 0; c < LPN_MAX_CHANNELS; c++) fds[c] = -1;
-                uint32_t code = lpn_program_run_net(&prog, bufs, fds, 0, 0, 0.01, -1, &failed);
+                uint32_t code = lpn_program_run_net(&prog, bufs, fds, 0, 0, 0.01, -1, NULL, &failed);
                 CHECK(code == LPN_LOST, "a program with messages and no channels ended %u", code);
             } else {
                 lpn_program_run(&prog, bufs);
@@ -241,7 +241,7 @@ static void *net_run(void *arg) {
     uint8_t *scratch = aligned_alloc(64, ((size_t)N * 4 + 63) & ~(size_t)63);
     uint8_t *bufs[3] = {scratch, (uint8_t *)net_data[n->node], (uint8_t *)net_data[n->node]};
     n->code = lpn_program_run_net(&net_prog[n->node], bufs, n->fds, n->key, n->seq, n->timeout, n->abort_fd,
-                                  &n->failed);
+                                  NULL, &n->failed);
     free(scratch);
     return NULL;
 }
@@ -408,7 +408,7 @@ static void *star_run(void *arg) {
     net_node *n = arg;
     uint8_t *scratch = aligned_alloc(64, ((size_t)N * 12 + 63) & ~(size_t)63);
     uint8_t *bufs[3] = {scratch, (uint8_t *)net_data[n->node], (uint8_t *)net_data[n->node]};
-    n->code = lpn_program_run_net(&star_prog[n->node], bufs, n->fds, n->key, n->seq, n->timeout, -1, &n->failed);
+    n->code = lpn_program_run_net(&star_prog[n->node], bufs, n->fds, n->key, n->seq, n->timeout, -1, NULL, &n->failed);
     free(scratch);
     return NULL;
 }
