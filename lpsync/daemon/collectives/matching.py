@@ -158,7 +158,10 @@ class Job:
             records.append(FlightRecord(seq, spec, wall, (), stages, done - first, algorithm, 1, "OK", ""))
         if records:
             with self.lock:
-                self.history.extend(records)
+                # In sequence order: a general-path record kept meanwhile may be newer.
+                merged = sorted((*self.history, *records), key=lambda r: r.sequence)
+                self.history.clear()
+                self.history.extend(merged[-self.recorder.size :])
                 self.last_progress = max(self.last_progress, finished)
         return records
 
