@@ -476,7 +476,10 @@ def test_three_node_cluster_bench_end_to_end() -> None:
         assert fixed is not None, p
         # The general path's stages, or an armed call's (its plan ran twice before: the
         # bench's warm-up and first iteration).
-        assert list(fixed["stages"]) in (["arriving", "queued", "agreeing", "running"], ["arriving", "native"])
+        assert list(fixed["stages"]) in (
+            ["arriving", "queued", "agreeing", "running"],
+            ["arriving", "native"],
+        )
         assert all(0 <= s < 30 for s in fixed["stages"].values()), fixed
         assert sum(fixed["stages"].values()) == pytest.approx(fixed["daemon_seconds"])
         assert fixed["seconds"] in p["times"] and 0 <= fixed["node"] < 3

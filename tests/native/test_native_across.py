@@ -81,7 +81,15 @@ def test_a_rank_that_dies_fails_the_armed_call_on_every_node_at_once(tmp_path: P
     try:
         sockets = [str(d.socket) for d in cluster.daemons if d is not None]
         reports = run_ranks(
-            WORLD, workers.repeat_then_on_nodes, sockets, PER_NODE, WORLD, "dies", "die", dies=(1,), timeout=120
+            WORLD,
+            workers.repeat_then_on_nodes,
+            sockets,
+            PER_NODE,
+            WORLD,
+            "dies",
+            "die",
+            dies=(1,),
+            timeout=120,
         )
     finally:
         unclean = cluster.stop()
