@@ -72,8 +72,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--algorithm",
         help="force lp, ring, mst, be, linear (gather, scatter), pairwise (alltoall) "
-        "(or direct: local only); with --cluster a "
-        "comma list, where auto is the tuner's pick (default: the tuner)",
+        "(or direct: local only); auto is the tuner's pick (the default); with --cluster a "
+        "comma list",
     )
     parser.add_argument(
         "--iters",
@@ -274,11 +274,15 @@ def run_local(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(
             f"--op {args.op!r}: expected one of {', '.join(OPS)} (comma lists need --cluster)"
         )
+    if args.algorithm and "," in args.algorithm:
+        raise InvalidArgumentError(
+            f"--algorithm {args.algorithm!r}: one algorithm (comma lists need --cluster)"
+        )
     options = runner.Options(
         args.op,
         parse_sizes(args.bytes or "4:256MiB"),
         2 if args.procs is None else args.procs,
-        args.algorithm,
+        None if args.algorithm == "auto" else args.algorithm,  # auto: the tuner, as with --cluster
         args.iters or 0,
         5 if args.warmup is None else args.warmup,
         args.compare,

@@ -67,6 +67,8 @@ def test_cluster_flags_need_cluster(capsys: pytest.CaptureFixture[str]) -> None:
     assert "need --cluster" in capsys.readouterr().err
     assert main(["bench", "--op", "broadcast,reduce"]) == 2
     assert "comma lists need --cluster" in capsys.readouterr().err
+    assert main(["bench", "--algorithm", "lp,ring"]) == 2
+    assert "one algorithm (comma lists need --cluster)" in capsys.readouterr().err
 
 
 def test_not_root_is_a_clear_error(
