@@ -236,7 +236,76 @@ class Scratch:
             self.pool.give(memory)
 
 
-class DeviceGroup:
+class StreamPlan:
+    """A plan compiled into stream operations: ``ops`` (function, arguments) replayed by
+    each run under the context's enqueue lock, and ``finals``, one event per stream of
+    ``all_streams`` recorded last. How every device plan runs (DeviceGroup's schedules,
+    lpsync.engine.oneshot's kernels): the clients' ready events first, then the
+    operations, then the host waits for the streams; a failed run drains them first."""
+
+    context: DeviceContext
+    kind: MemoryKind
+    ops: list[tuple[Callable[..., None], tuple]]
+    finals: list[Any]
+
+    def all_streams(self) -> list[Any]:
+        raise NotImplementedError
+
+    def run(self, deadline: float, ready: Sequence[Any] = ()) -> None:
+        """Replay the plan; returns once every participant's stream has finished it.
+        ``ready``: per participant (schedule order) the client's interprocess event (its
+        own stream's work on the buffers), or None. They are polled from this thread before
+        anything is enqueued, never waited on by the streams: those are shared by every job,
+        and a client that dies with its event pending must cost only its own collective.
+        A failed run returns (raises) only once its streams drained: the caller answers
+        the error then, and the client may free its memory."""
+        kind = self.kind
+        try:
+            for event in ready:
+                if event is not None:
+                    kind.wait_ready(event, deadline)
+            self.enqueue()
+            self.wait(deadline)
+        except BaseException:
+            self.drain()
+            self.recover()
+            raise
+
+    def enqueue(self, after: Sequence[Any] = ()) -> None:
+        """Queue the plan on the streams without waiting for it; every stream first waits
+        for the events ``after`` (recorded before: CUDA honours only those)."""
+        kind = self.kind
+        with self.context.enqueue_lock:
+            for stream in self.all_streams():
+                for event in after:
+                    kind.wait(stream, event)
+            for function, args in self.ops:
+                function(*args)
+
+    def wait(self, deadline: float) -> None:
+        """Until every stream finished what ``enqueue`` queued."""
+        for event in self.finals:
+            self.kind.synchronize(event, deadline)
+
+    def drain(self, patience: float = 3600.0) -> None:
+        """Wait for the streams to finish what a failed run left queued (errors ignored):
+        a fresh record on every stream, so that a run stopped half-way is covered too."""
+        with self.context.enqueue_lock, contextlib.suppress(Exception):
+            for event, stream in zip(self.finals, self.all_streams(), strict=True):
+                self.kind.record(event, stream)
+        for event in self.finals:
+            with contextlib.suppress(Exception):  # the run already reported its failure
+                self.kind.synchronize(event, time.monotonic() + patience)
+
+    def recover(self) -> None:
+        """After ``drain``: clear the streams' errors where the kind can (emulated)."""
+        recover = getattr(self.kind, "recover", None)
+        if recover is not None:
+            for stream in self.all_streams():
+                recover(stream)
+
+
+class DeviceGroup(StreamPlan):
     """Participants 0..P-1 of ``schedule`` (in schedule order) over (IN, OUT) device spans.
     ``scratch``: staging memory shared with other groups that are never in flight at the
     same time (the caller fences them: ``enqueue(after=...)``); else the group's own."""
@@ -432,59 +501,6 @@ class DeviceGroup:
                     f"{self.schedule.algorithm} {self.schedule.op}: the schedule "
                     "cannot be ordered onto streams (a send is never matched)"
                 )
-
-    def run(self, deadline: float, ready: Sequence[Any] = ()) -> None:
-        """Replay the plan; returns once every participant's stream has finished it.
-        ``ready``: per participant (schedule order) the client's interprocess event (its
-        own stream's work on the buffers), or None. They are polled from this thread before
-        anything is enqueued, never waited on by the streams: those are shared by every job,
-        and a client that dies with its event pending must cost only its own collective.
-        A failed run returns (raises) only once its streams drained: the caller answers
-        the error then, and the client may free its memory."""
-        kind = self.kind
-        try:
-            for event in ready:
-                if event is not None:
-                    kind.wait_ready(event, deadline)
-            self.enqueue()
-            self.wait(deadline)
-        except BaseException:
-            self.drain()
-            self.recover()
-            raise
-
-    def enqueue(self, after: Sequence[Any] = ()) -> None:
-        """Queue the plan on the streams without waiting for it; every stream first waits
-        for the events ``after`` (recorded before: CUDA honours only those)."""
-        kind = self.kind
-        with self.context.enqueue_lock:
-            for stream in self.all_streams():
-                for event in after:
-                    kind.wait(stream, event)
-            for function, args in self.ops:
-                function(*args)
-
-    def wait(self, deadline: float) -> None:
-        """Until every stream finished what ``enqueue`` queued."""
-        for event in self.finals:
-            self.kind.synchronize(event, deadline)
-
-    def drain(self, patience: float = 3600.0) -> None:
-        """Wait for the streams to finish what a failed run left queued (errors ignored):
-        a fresh record on every stream, so that a run stopped half-way is covered too."""
-        with self.context.enqueue_lock, contextlib.suppress(Exception):
-            for event, stream in zip(self.finals, self.all_streams(), strict=True):
-                self.kind.record(event, stream)
-        for event in self.finals:
-            with contextlib.suppress(Exception):  # the run already reported its failure
-                self.kind.synchronize(event, time.monotonic() + patience)
-
-    def recover(self) -> None:
-        """After ``drain``: clear the streams' errors where the kind can (emulated)."""
-        recover = getattr(self.kind, "recover", None)
-        if recover is not None:
-            for stream in self.all_streams():
-                recover(stream)
 
     def close(self, wait: bool = True) -> None:
         """Give the staging buffers back to the pool. Nothing to wait for (``wait`` is

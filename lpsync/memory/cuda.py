@@ -40,6 +40,8 @@ as the daemon sees it; clients must see the same numbering (same CUDA_VISIBLE_DE
                            never queried again (a use after free of the handle)
   copy_async               runtime.memcpyPeerAsync across devices, memcpyAsync on one device
                            or with pinned host memory
+  oneshot_async            cuda_kernels' one-shot kernel: one launch reads every input (peer
+                           ones through peer access) and writes the device's outputs
   reduce_async             cuda_kernels' raw kernels (every served dtype and op, one
                            cupy.RawModule, float16/bfloat16 as their 16-bit words) launched
                            on raw device pointers with stream=: no cupy array per call;
@@ -80,7 +82,7 @@ from lpsync.errors import (
     UnavailableError,
 )
 from lpsync.memory import cuda_kernels
-from lpsync.memory.kind import Link, Releaser, Span, Topology
+from lpsync.memory.kind import Link, Releaser, Span, Topology, oneshot_refusal
 from lpsync.reduction import Reduction
 from lpsync.types import ReduceOp
 
@@ -265,6 +267,7 @@ class CudaKind:
         self.releaser = Releaser("lpsync-cuda-release", _use)
         self.opens = [0] * count
         self.closes = [0] * count
+        self.peer_refused: set[tuple[int, int]] = set()  # cudaErrorTooManyPeers: no direct reads
         # Every reduction kernel compiled now, off every collective's deadline (NVRTC takes
         # ~0.1-1 s a module); a collective that comes first waits for its device's.
         self._warming = threading.Thread(target=self.warm, name="lpsync-cuda-warm", daemon=True)
@@ -301,6 +304,7 @@ class CudaKind:
                     for name in cuda_kernels.DTYPES:
                         kernels[op, name, "combine"] = loaded[cuda_kernels.combine_name(op, name)]
                         kernels[op, name, "divide"] = loaded[cuda_kernels.divide_name(name)]
+                        kernels[op, name, "oneshot"] = loaded[cuda_kernels.oneshot_name(op, name)]
                 self._kernels[device] = kernels
         return kernels
 
@@ -581,6 +585,32 @@ class CudaKind:
             divisor = np.int64(reduction.participants)
             kernels[op, name, "divide"](grid, block, (np.uint64(out.lo), np.int64(n), divisor), stream=stream)
 
+    def oneshot_async(
+        self, reduction: Reduction, outs: Sequence[Span], inputs: Sequence[Span], stream: cupy.cuda.Stream
+    ) -> None:
+        """One launch of cuda_kernels' one-shot kernel on ``stream``: the pointers by value
+        (unused ones null), the count, and avg's divisor (0: no division). Inputs of other
+        devices are read through peer access (enabled by DeviceContext.enable_peers; IPC
+        mappings opened with cudaIpcMemLazyEnablePeerAccess)."""
+        device = stream.lpsync_device
+        why = oneshot_refusal(outs, inputs, reduction.dtype, device, self.topology)
+        if why is None and any((device, s.device) in self.peer_refused for s in inputs):
+            why = f"peer access from device {device} was refused (too many peers)"
+        if why is not None:
+            raise InvalidArgumentError(why)
+        n = inputs[0].count
+        if not n:
+            return
+        kernels = self._kernels_on(device)
+        _use(device)
+        m = cuda_kernels.ONESHOT_MAX
+        pointers = [np.uint64(s.lo) for s in inputs] + [np.uint64(0)] * (m - len(inputs))
+        pointers += [np.uint64(s.lo) for s in outs] + [np.uint64(0)] * (m - len(outs))
+        divisor = reduction.participants if reduction.op is ReduceOp.AVG else 0
+        args = (*pointers, np.int32(len(inputs)), np.int32(len(outs)), np.int64(n), np.int64(divisor))
+        grid, block = (min(4096, (n + 255) // 256),), (256,)
+        kernels[reduction.op, reduction.dtype.name, "oneshot"](grid, block, args, stream=stream)
+
     def enable_peer_access(self, device: int, peer: int) -> bool:
         _use(device)
         try:
@@ -588,6 +618,7 @@ class CudaKind:
         except runtime.CUDARuntimeError as error:
             status = getattr(error, "status", None)
             if status == _TOO_MANY_PEERS:
+                self.peer_refused.add((device, peer))
                 return False  # DeviceContext stages this pair through host memory
             if status != _PEER_ALREADY_ENABLED:
                 raise

@@ -3,7 +3,9 @@
 Compiled once per device when the daemon starts (cuda.py: NVRTC through cupy.RawModule,
 off every collective's deadline) and launched on raw device pointers, so a reduction
 builds no cupy array (second reading, point 10; issue 47, item 4). Each kernel is a
-grid-stride loop ``out = a (op) b`` over n elements, and ``x = x / d`` for avg:
+grid-stride loop ``out = a (op) b`` over n elements, and ``x = x / d`` for avg; the
+one-shot kernels (issue 47, item 3) reduce up to ONESHOT_MAX inputs in rank order into up
+to ONESHOT_MAX outputs in one launch, through the same per-element functions:
 
   * sum and prod wrap around for integers (computed unsigned, as numpy's do), min and max
     propagate NaN and return one of the inputs' own bits (numpy's minimum/maximum);
@@ -41,6 +43,9 @@ COMBINE = {
     ReduceOp.MIN: "min",
     ReduceOp.MAX: "max",
 }
+# Inputs and outputs one one-shot launch takes (by value: 2 * 16 pointers, 280 bytes of
+# parameters, far below CUDA's 4 KiB); more participants on a device run the chain.
+ONESHOT_MAX = 16
 
 CUDA_PRELUDE = r"""
 #define KERNEL extern "C" __global__
@@ -100,59 +105,96 @@ DEVICE unsigned short f2bf(float f) {  /* float32 -> bfloat16, round to nearest 
 """
 
 
+def _apply(code: str, ctype: str, op: str) -> str:
+    """``x (op) y`` of one element pair, as a device function: what the pairwise combine
+    kernels and the one-shot kernel both compute, so the two cannot disagree."""
+    head = f"DEVICE {ctype} lpsync_{op}_{code}({ctype} p, {ctype} q) {{\n"
+    pick = "<" if op == "min" else ">"
+    if code in ("f16", "bf16"):
+        load, store = ("h2f", "f2h") if code == "f16" else ("bf2f", "f2bf")
+        body = f"    float x = {load}(p), y = {load}(q);\n"
+        body += {
+            "sum": f"    return {store}(x + y);\n",
+            "prod": f"    return {store}(x * y);\n",
+        }.get(op, f"    return (x != x) ? p : ((y != y) ? q : ((x {pick} y) ? p : q));\n")
+    elif code in ("f32", "f64"):
+        body = {
+            "sum": "    return p + q;\n",
+            "prod": "    return p * q;\n",
+        }.get(op, f"    return (p != p) ? p : ((q != q) ? q : ((p {pick} q) ? p : q));\n")
+    else:  # integers: sums and products wrap (unsigned arithmetic is defined to)
+        body = {
+            "sum": f"    return ({ctype})((unsigned long long)p + (unsigned long long)q);\n",
+            "prod": f"    return ({ctype})((unsigned long long)p * (unsigned long long)q);\n",
+            "min": "    return p < q ? p : q;\n",
+            "max": "    return p > q ? p : q;\n",
+        }[op]
+    return head + body + "}\n"
+
+
 def _combine(code: str, ctype: str, op: str) -> str:
     name = f"lpsync_combine_{code}_{op}"
     head = f"KERNEL void {name}(const {ctype}* a, const {ctype}* b, {ctype}* out, long long n) {{\n"
-    head += "    LOOP(i, n) {\n"
-    if code in ("f16", "bf16"):
-        load, store = ("h2f", "f2h") if code == "f16" else ("bf2f", "f2bf")
-        body = f"        unsigned short p = a[i], q = b[i];\n        float x = {load}(p), y = {load}(q);\n"
-        pick = "<" if op == "min" else ">"
-        body += {
-            "sum": f"        out[i] = {store}(x + y);\n",
-            "prod": f"        out[i] = {store}(x * y);\n",
-        }.get(op, f"        out[i] = (x != x) ? p : ((y != y) ? q : ((x {pick} y) ? p : q));\n")
-    elif code in ("f32", "f64"):
-        body = f"        {ctype} x = a[i], y = b[i];\n"
-        pick = "<" if op == "min" else ">"
-        body += {
-            "sum": "        out[i] = x + y;\n",
-            "prod": "        out[i] = x * y;\n",
-        }.get(op, f"        out[i] = (x != x) ? x : ((y != y) ? y : ((x {pick} y) ? x : y));\n")
-    else:  # integers: sums and products wrap (unsigned arithmetic is defined to)
-        body = f"        {ctype} x = a[i], y = b[i];\n"
-        body += {
-            "sum": f"        out[i] = ({ctype})((unsigned long long)x + (unsigned long long)y);\n",
-            "prod": f"        out[i] = ({ctype})((unsigned long long)x * (unsigned long long)y);\n",
-            "min": "        out[i] = x < y ? x : y;\n",
-            "max": "        out[i] = x > y ? x : y;\n",
-        }[op]
-    return head + body + "    }\n}\n"
+    return head + f"    LOOP(i, n) out[i] = lpsync_{op}_{code}(a[i], b[i]);\n}}\n"
+
+
+def _quotient(code: str, ctype: str) -> str:
+    """``x / d`` of one element (avg's division), as a device function."""
+    head = f"DEVICE {ctype} lpsync_quotient_{code}({ctype} x, long long d) {{\n"
+    body = {
+        "f16": "    return f2h(h2f(x) / (float)d);\n",
+        "bf16": "    return f2bf(bf2f(x) / (float)d);\n",
+        "f32": "    return x / (float)d;\n",
+        "f64": "    return x / (double)d;\n",
+    }.get(
+        code,  # integers: floor division (numpy's floor_divide; d > 0)
+        f"    long long v = x, q = v / d;\n    if (v % d != 0 && v < 0) q -= 1;\n    return ({ctype})q;\n",
+    )
+    return head + body + "}\n"
 
 
 def _divide(code: str, ctype: str) -> str:
     name = f"lpsync_divide_{code}"
-    head = f"KERNEL void {name}({ctype}* x, long long n, long long d) {{\n    LOOP(i, n) {{\n"
-    body = {
-        "f16": "        x[i] = f2h(h2f(x[i]) / (float)d);\n",
-        "bf16": "        x[i] = f2bf(bf2f(x[i]) / (float)d);\n",
-        "f32": "        x[i] = x[i] / (float)d;\n",
-        "f64": "        x[i] = x[i] / (double)d;\n",
-    }.get(
-        code,  # integers: floor division (numpy's floor_divide; d > 0)
-        "        long long v = x[i], q = v / d;\n"
-        "        if (v % d != 0 && v < 0) q -= 1;\n"
-        f"        x[i] = ({ctype})q;\n",
-    )
-    return head + body + "    }\n}\n"
+    head = f"KERNEL void {name}({ctype}* x, long long n, long long d) {{\n"
+    return head + f"    LOOP(i, n) x[i] = lpsync_quotient_{code}(x[i], d);\n}}\n"
+
+
+def _oneshot(code: str, ctype: str, op: str) -> str:
+    """The one-shot allreduce of one launch (issue 47, item 3): element i of every output
+    is in0[i] (op) in1[i] (op) ... in rank order, divided once by ``d`` when d > 1 (avg),
+    each element read and written by one thread. Pointers go by value (ONESHOT_MAX of
+    each, unused ones null): no pointer table in device memory, nothing written per call.
+    An output may be the very span of an input (in place: its thread has read every input
+    of that element before it writes it); partial overlaps are refused by the caller
+    (kind.oneshot_refusal)."""
+    m = ONESHOT_MAX
+    ins = ", ".join(f"const {ctype}* i{k}" for k in range(m))
+    outs = ", ".join(f"{ctype}* o{k}" for k in range(m))
+    name = f"lpsync_oneshot_{code}_{op}"
+    text = f"KERNEL void {name}({ins}, {outs}, int nin, int nout, long long n, long long d) {{\n"
+    text += f"    const {ctype}* in[{m}] = {{{', '.join(f'i{k}' for k in range(m))}}};\n"
+    text += f"    {ctype}* out[{m}] = {{{', '.join(f'o{k}' for k in range(m))}}};\n"
+    text += "    LOOP(i, n) {\n"
+    text += f"        {ctype} acc = in[0][i];\n"
+    text += f"        for (int k = 1; k < nin; k++) acc = lpsync_{op}_{code}(acc, in[k][i]);\n"
+    text += f"        if (d > 1) acc = lpsync_quotient_{code}(acc, d);\n"
+    text += "        for (int k = 0; k < nout; k++) out[k][i] = acc;\n"
+    text += "    }\n}\n"
+    return text
+
+
+_OPS = ("sum", "prod", "min", "max")
 
 
 def source(prelude: str = CUDA_PRELUDE) -> str:
     """Every kernel, after ``prelude`` (CUDA's, or HOST_PRELUDE for the tests)."""
     parts = [prelude, _CONVERSIONS]
     for code, ctype in DTYPES.values():
-        parts += [_combine(code, ctype, op) for op in ("sum", "prod", "min", "max")]
+        parts += [_apply(code, ctype, op) for op in _OPS]
+        parts.append(_quotient(code, ctype))
+        parts += [_combine(code, ctype, op) for op in _OPS]
         parts.append(_divide(code, ctype))
+        parts += [_oneshot(code, ctype, op) for op in _OPS]
     return "".join(parts)
 
 
@@ -160,8 +202,9 @@ def names() -> list[str]:
     """Every kernel's name, as ``source`` defines them."""
     out = []
     for code, _ in DTYPES.values():
-        out += [f"lpsync_combine_{code}_{op}" for op in ("sum", "prod", "min", "max")]
+        out += [f"lpsync_combine_{code}_{op}" for op in _OPS]
         out.append(f"lpsync_divide_{code}")
+        out += [f"lpsync_oneshot_{code}_{op}" for op in _OPS]
     return out
 
 
@@ -171,3 +214,7 @@ def combine_name(op: ReduceOp, dtype_name: str) -> str:
 
 def divide_name(dtype_name: str) -> str:
     return f"lpsync_divide_{DTYPES[dtype_name][0]}"
+
+
+def oneshot_name(op: ReduceOp, dtype_name: str) -> str:
+    return f"lpsync_oneshot_{DTYPES[dtype_name][0]}_{COMBINE[op]}"

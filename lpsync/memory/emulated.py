@@ -68,7 +68,7 @@ from lpsync.errors import (
     NotFoundError,
     UnavailableError,
 )
-from lpsync.memory.kind import Releaser, Span, Topology
+from lpsync.memory.kind import Releaser, Span, Topology, oneshot_refusal
 from lpsync.reduction import Reduction
 from lpsync_client import futex
 from lpsync_client.wire import EMULATED_EVENT_HANDLE as EVENT_HANDLE
@@ -713,6 +713,33 @@ class EmulatedKind:
             reduction.combine(_view(acc).view(reduction.dtype), _view(incoming).view(reduction.dtype), target)
             if final:
                 reduction.finalize(target)
+
+        stream.put(reduce)
+
+    def oneshot_async(
+        self, reduction: Reduction, outs: list[Span], inputs: list[Span], stream: EmulatedStream
+    ) -> None:
+        """The one-shot kernel's twin: refused where it is (kind.oneshot_refusal, and a
+        peer pair refused for too many peers), else in rank order with numpy's ufuncs,
+        which the kernels match bitwise (tests/memory/test_cuda_contract_kernels.py)."""
+        why = oneshot_refusal(outs, inputs, reduction.dtype, stream.device, self.topology)
+        if why is not None:
+            raise InvalidArgumentError(why)
+        for span in inputs:
+            self._check_reach(span.device, stream.device)
+        if not inputs[0].count:
+            return
+        dtype = reduction.dtype
+
+        def reduce() -> None:
+            # An accumulator apart: an output may be an input that a later step reads
+            # (the kernel reads an element's inputs before it writes that element).
+            acc = _view(inputs[0]).view(dtype).copy()
+            for span in inputs[1:]:
+                reduction.combine(acc, _view(span).view(dtype), acc)
+            reduction.finalize(acc)
+            for out in outs:
+                np.copyto(_view(out).view(dtype), acc)
 
         stream.put(reduce)
 

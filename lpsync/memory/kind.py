@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Protocol
@@ -210,6 +210,14 @@ class MemoryKind(Protocol):
     ) -> None:
         """out = acc (op) incoming, then (``final``) the avg division; on ``stream``'s device."""
 
+    def oneshot_async(
+        self, reduction: Reduction, outs: Sequence[Span], inputs: Sequence[Span], stream: Any
+    ) -> None:
+        """Every out = inputs[0] (op) inputs[1] (op) ... in that order, then (avg) divided
+        once by the participant count: one launch on ``stream``'s device (issue 47, item 3),
+        reading inputs of peer devices where peer access allows. InvalidArgumentError, at
+        the call, for what ``oneshot_refusal`` refuses (outputs may be inputs themselves)."""
+
     def enable_peer_access(self, device: int, peer: int) -> bool:
         """Let ``device`` read ``peer``'s memory (a pair with a peer link); False when the
         device has no room for another peer (cudaErrorTooManyPeers: 8 on PCIe boxes), the
@@ -232,6 +240,51 @@ class MemoryKind(Protocol):
 
     def close_kind(self) -> None:
         """End every stream and free what the kind holds (daemon shutdown)."""
+
+
+def oneshot_refusal(
+    outs: Sequence[Span],
+    inputs: Sequence[Span],
+    dtype: np.dtype,
+    device: int,
+    topology: Topology,
+    in_place: bool = True,
+) -> str | None:
+    """Why one one-shot launch on ``device`` cannot write ``outs`` from ``inputs`` (None:
+    it can). Both kinds refuse by this, and the runner asks it before choosing the path:
+    at most ONESHOT_MAX of each (the kernel's parameters), one count and dtype, outputs on
+    ``device``, inputs there or on a peer it reaches directly (no host staging), outputs
+    apart from each other and from every input, except that an output may be exactly an
+    input where ``in_place`` (the launch that reads it is the only one: each element is
+    read before it is written by the same thread; with a launch per device another one
+    might still read what this one overwrote)."""
+    from lpsync.memory.cuda_kernels import DTYPES, ONESHOT_MAX  # plain source: no cupy
+
+    if not inputs or not outs or len(inputs) > ONESHOT_MAX or len(outs) > ONESHOT_MAX:
+        return f"a one-shot launch takes 1..{ONESHOT_MAX} inputs and outputs"
+    if dtype.name not in DTYPES:
+        return f"no one-shot kernel for {dtype.name}"
+    count = inputs[0].count
+    if any(span.count != count or span.dtype != dtype for span in (*inputs, *outs)):
+        return "a one-shot launch needs one count and dtype throughout"
+    if any(out.device != device for out in outs):
+        return "a one-shot launch writes its own device's memory only"
+    for span in inputs:
+        if span.device < 0 or (span.device != device and not topology.peer_access(span.device, device)):
+            return f"device {device} cannot read device {span.device}'s memory directly"
+    if not count:
+        return None
+    for k, out in enumerate(outs):
+        if any(out.lo < other.hi and other.lo < out.hi for other in outs[k + 1 :]):
+            return "one-shot outputs overlap each other"
+        for span in inputs:
+            if (
+                out.lo < span.hi
+                and span.lo < out.hi
+                and not (in_place and (out.lo, out.hi) == (span.lo, span.hi))
+            ):
+                return "a one-shot output overlaps an input"
+    return None
 
 
 class Releaser:

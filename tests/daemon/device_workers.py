@@ -365,3 +365,29 @@ def gpu_adapters(rank: int, socket: str, world: int) -> dict:
             x = jax.device_put(jnp.full(500, rank + 1.0, jnp.float32), gpu[0])
             out["jax"] = [float(v) for v in lpj.allreduce({"x": x}, op="sum", client=client)["x"][:3]]
     return out
+
+
+def oneshot_ready_never_fires(rank: int, socket: str, world: int, hold: float) -> dict:
+    """Rank 0's ready event is held back ``hold`` s (a write queued before it), past the
+    collective's 1 s timeout: every rank hears the timeout's typed error. Then, the write
+    done, the same small allreduce runs again (one-shot) and is right; the buffers are
+    released (the daemon's status then shows nothing mapped)."""
+    with _client(rank, socket, world, "oneshot-ready") as client:
+        x = emulated.asarray(np.full(64, rank + 1.0, np.float32), device=0)
+        client.register(x)
+        client.barrier()
+        if rank == 0:
+            x.set_async(np.full(64, 1.0, np.float32), delay=hold)
+        try:
+            client.allreduce(x, timeout=1.0)
+            first = "answered"
+        except lpsync_client.LpsyncError as error:
+            first = type(error).__name__
+        emulated.current_stream(0).synchronize(hold + 30)  # the held write has landed
+        x.set(np.full(64, rank + 1.0, np.float32))
+        client.barrier()
+        client.allreduce(x, timeout=30)
+        second = x.get()[:2].tolist()
+        client.release(x)
+        client.barrier()
+        return {"first": first, "second": second}

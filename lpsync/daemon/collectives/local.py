@@ -7,8 +7,10 @@ Chosen per collective and identical on every participant:
   * a host pipeline: the tuner picks an algorithm and chunk count for local memory (or
     ``algorithm=`` forces one) and the engine's LocalGroup runs the schedule with one
     thread per participant over the zero-copy inproc transport;
-  * device spans: the chain over the node's devices ordered by topology, run on streams
-    (DeviceGroup), after each client's ready event.
+  * device spans: an allreduce up to ONESHOT_MAX_BYTES as one kernel per device (the
+    tuner's device rule, lpsync.algorithms.oneshot; OneShot), else the chain over the
+    node's devices ordered by topology, run on streams (DeviceGroup); either after each
+    client's ready event.
 Plans are built once per key (plans.plan_key: spec, schedule, buffers) and reused.
 """
 
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, cast
 
 from lpsync.algorithms import LinkModel, generate, select
 from lpsync.algorithms.chain_order import chain_order
+from lpsync.algorithms.oneshot import ONESHOT, select_device
 from lpsync.algorithms.registry import DIRECT
 from lpsync.algorithms.tuner import chunks_for
 from lpsync.daemon.collectives.plans import plan_key
@@ -26,8 +29,10 @@ from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.collectives.views import buffers, facts, nccl_bytes, reduction
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.values import Outcome, Spec
-from lpsync.engine.device_group import DeviceGroup
+from lpsync.engine import oneshot
+from lpsync.engine.device_group import DeviceGroup, StreamPlan
 from lpsync.engine.group import LocalGroup
+from lpsync.engine.oneshot import OneShot, Refused
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.kind import Topology
 from lpsync.native import program
@@ -53,6 +58,14 @@ LOCAL_LINK = LinkModel.from_bandwidth(alpha=30e-6, bandwidth=8e9, shared_nic=Fal
 # "GPU"): 100-130 us per pipeline stage, where the 10 us of a bare launch had the tuner
 # slice a 32 MiB allreduce into 96 ring steps (10.8 ms, against ~2 ms for be's 4).
 DEVICE_LINK = LinkModel.from_bandwidth(alpha=100e-6, bandwidth=100e9, shared_nic=False)
+# The one-shot allreduce (one kernel per device, lpsync.engine.oneshot) is chosen on this
+# model (lpsync.algorithms.oneshot: one alpha and P-1 inputs pulled, against the chain's
+# alphas per step) up to this cap: at 256 KiB the data takes ~2.6 us at DEVICE_LINK's
+# 100 GB/s, noise beside any step's alpha, while above it the kernel's (P-1)n pull
+# through one port starts to cost what a ring's 2(P-1)/P n spreads; where between the
+# cap and the model's own crossover (megabytes at this alpha) it stops winning is for a
+# GPU run to measure (docs/gpu.md). Never yet run on a GPU.
+ONESHOT_MAX_BYTES = 256 * 1024
 
 
 def is_direct(spec: Spec, participants: int) -> bool:
@@ -135,10 +148,23 @@ def on_host(task: Task) -> tuple[str, int]:
 
 
 def on_devices(task: Task, devices: DeviceRegistry) -> tuple[str, int]:
-    """A collective over device spans: the chain ordered by topology, run on streams."""
+    """A collective over device spans: the one-shot allreduce where the tuner picks it and
+    the buffers allow it, else the chain ordered by topology; run on streams."""
     spec, op, p = task.spec, task.op, task.participants
-    algorithm, chunks = device_schedule(op, spec.algorithm, p, task.nbytes, DEVICE_LINK)
     views = cast("list[tuple[Span, Span]]", [buffers(spec, a, p) for a in task.arrivals])  # on_device
+    if device_oneshot(spec.algorithm, op, p, task.nbytes, DEVICE_LINK):
+
+        def build_oneshot() -> OneShot | Refused:
+            reducing = reduction(spec, task.dtype, p)
+            assert reducing is not None  # an allreduce
+            return oneshot.plan(devices.context, views, reducing)
+
+        # Buffers that refuse it (kind.oneshot_refusal) are remembered as such per key.
+        found = task.job.plans.get(plan_key(spec, (ONESHOT, 1, "device"), task.arrivals), build_oneshot)
+        if isinstance(found, OneShot):
+            _run_on_devices(task, devices, found, views, list(range(p)))
+            return ONESHOT, 1
+    algorithm, chunks = device_schedule(op, spec.algorithm, p, task.nbytes, DEVICE_LINK)
     order = device_chain(op, spec.root, [inp.device for inp, _ in views], devices.context.topology)
 
     def build() -> DeviceGroup:
@@ -148,14 +174,30 @@ def on_devices(task: Task, devices: DeviceRegistry) -> tuple[str, int]:
         )
 
     group = task.job.plans.get(plan_key(spec, (algorithm, chunks, "device"), task.arrivals), build)
+    _run_on_devices(task, devices, group, views, order)
+    return algorithm, chunks
+
+
+def _run_on_devices(
+    task: Task, devices: DeviceRegistry, plan: StreamPlan, views: list[tuple[Span, Span]], order: list[int]
+) -> None:
+    """Run ``plan`` after the ready events of the participants (in ``order``: the plan's),
+    its clients' mappings kept open meanwhile."""
     busy = devices.use([span.memory for pair in views for span in pair])
     try:
         # A failed run returns only once its streams drained: the error is answered after
         # the last write into the clients' memory, and the mappings close after that.
-        group.run(time.monotonic() + task.timeout, [task.arrivals[r].ready for r in order])
+        plan.run(time.monotonic() + task.timeout, [task.arrivals[r].ready for r in order])
     finally:
         devices.done(busy)
-    return algorithm, chunks
+
+
+def device_oneshot(forced: str, op: Collective, participants: int, nbytes: int, model: LinkModel) -> bool:
+    """Whether the tuner gives this device collective to the one-shot allreduce (never a
+    forced one: the clients' algorithm= names schedules); the buffers may still refuse."""
+    if forced:
+        return False
+    return select_device(op, nbytes, participants, model, ONESHOT_MAX_BYTES).algorithm == ONESHOT
 
 
 def device_schedule(
