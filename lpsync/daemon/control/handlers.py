@@ -25,9 +25,7 @@ import secrets
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
 import grpc
@@ -35,11 +33,10 @@ import grpc
 from lpsync import __version__, native
 from lpsync.algorithms import ALGORITHMS
 from lpsync.algorithms.registry import DIRECT
-from lpsync.daemon.collectives import path
-from lpsync.daemon.collectives.local import is_inline
+from lpsync.daemon.collectives.conductor import RECORD_FIELDS, Conductor
 from lpsync.daemon.collectives.matching import Job, Jobs, Recorder
 from lpsync.daemon.collectives.outcomes import Outcomes
-from lpsync.daemon.collectives.views import REDUCING, facts
+from lpsync.daemon.collectives.views import REDUCING
 from lpsync.daemon.control import layout as layouts
 from lpsync.daemon.control import limits, replies
 from lpsync.daemon.control.any_source import AnySource
@@ -51,7 +48,7 @@ from lpsync.daemon.control.sessions import SessionTable
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.peers.attached import MAX_JOB_BYTES, Attached
 from lpsync.daemon.peers.plane import PeerPlane
-from lpsync.daemon.values import Arrival, Later, Outcome, Pending, Spec, Waiting
+from lpsync.daemon.values import Arrival, Outcome, Spec, Waiting
 from lpsync.daemon.watcher import Watcher
 from lpsync.errors import (
     InvalidArgumentError,
@@ -70,8 +67,6 @@ from lpsync_client.wire.proto import lpsync_pb2_grpc as pb_grpc
 log = logging.getLogger("lpsync.daemon")
 
 OPS = limits.OPS
-_RECENT = 256
-_RECORD_FIELDS = ("job", "sequence", "op", "dtype", "count", "algorithm", "seconds", "code", "finished_at")
 
 
 class Service(pb_grpc.LpSyncServicer):
@@ -95,17 +90,19 @@ class Service(pb_grpc.LpSyncServicer):
         self.watcher = Watcher()
         # Receive from any source: the sends announced to this daemon's receivers.
         self.any_source = AnySource(self.watcher, plane, self.limits.max_pending)
+        # Where the jobs' complete collectives run, and what is kept of each (conductor.py).
+        self.conductor = Conductor(
+            config.workers, metrics, self.any_source.inbox, plane, self.devices, self.outcomes
+        )
         self.jobs = Jobs(
             self.watcher,
-            self._run,
-            self._record,
-            self._dispatch,
+            self.conductor,
             Recorder(config.flight_recorder, config.stall_seconds),
             max_pending=self.limits.max_pending,
             native=self._native_plans if config.native != "off" and native.engine() is not None else None,
         )
         # The engine's counts join the metrics at each scrape (never per call).
-        metrics.before_collect(self._native_finished)
+        metrics.before_collect(lambda: self.conductor.native_finished(self.jobs.all()))
         if plane is not None:  # a lost mesh stops armed runs across nodes (their engines
             plane.on_lost = self._peers_lost  # do not hear the heartbeats)
         # Multi-node: where every job's ranks attached, as the daemons tell each other, and
@@ -128,23 +125,15 @@ class Service(pb_grpc.LpSyncServicer):
             lambda: [JobState(j.name, j.outstanding(), j.last_progress) for j in self.jobs.all()],
             lambda: [s.nbytes for s in self.sessions.all()],
         )
-        # (job, seq, op, dtype, count, algorithm, seconds, code, unix time); made into
-        # messages only when Status asks, to keep the collective path short.
-        self.recent: deque[tuple] = deque(maxlen=_RECENT)
         self._closing = False
-        self._running = 0  # collectives running now, under _counting
-        self._counting = threading.Lock()
-        self._idle = threading.Condition()  # notified as each one ends, once closing
         self._ending = threading.Lock()
         self.trigger_path = ""  # set by the server when it offers the trigger socket
         # The peer plane's transport and device path, chosen at start (server.py); empty
         # on a single node.
         self.peer_plane = pb.PeerPlaneInfo()
-        # gRPC handlers run on one asyncio loop (bind_loop); pipelined collectives run on
-        # these threads so that the loop stays free.
+        # gRPC handlers run on one asyncio loop (bind_loop).
         self.loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = -1
-        self._workers = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="lpsync-run")
 
     def _native_plans(self, job: Job) -> ArmedPlans | None:
         """A job's armed plans (its doorbell page and engine thread), made at its first plan
@@ -165,25 +154,6 @@ class Service(pb_grpc.LpSyncServicer):
         for job in self.jobs.all():
             if job.native is not None:
                 job.native.abort_net()
-
-    def _native_finished(self) -> None:
-        """What the engines answered joins the flight recorders and the recent list."""
-        for job in self.jobs.all():
-            for r in job.native_finished():
-                finished = r.started_at + r.seconds
-                self.recent.append(
-                    (
-                        job.name,
-                        r.sequence,
-                        r.spec.op,
-                        r.spec.dtype,
-                        r.spec.count,
-                        r.algorithm,
-                        r.seconds,
-                        r.code,
-                        finished,
-                    )
-                )
 
     def _bytes_changed(self, total: int) -> None:
         self.metrics.registered_bytes.set(total)
@@ -211,9 +181,7 @@ class Service(pb_grpc.LpSyncServicer):
         for callback in session.on_close:
             callback()
         self.metrics.sessions.set(len(self.sessions.all()))
-        if self._closing:  # shutdown() drains only while some session is attached
-            with self._idle:
-                self._idle.notify_all()
+        self.conductor.wake()  # shutdown() drains only while some session is attached
         log.info(
             "session ended",
             extra={
@@ -231,17 +199,14 @@ class Service(pb_grpc.LpSyncServicer):
         all gone (a trainer killed inside a call) has no one to answer, and across nodes
         it waits for nodes that are draining too: waiting for it would hold every exit."""
         self._closing = True
-        deadline = time.monotonic() + drain
-        with self._idle:
-            while self._running and self.sessions.all() and (left := deadline - time.monotonic()) > 0:
-                self._idle.wait(left)
+        self.conductor.drain(time.monotonic() + drain, lambda: bool(self.sessions.all()))
         for session in self.sessions.all():
             self.end_session(session, "daemon shutting down")
         self.sessions.close_all()
         if self.devices is not None:
             self.devices.close()
         self.watcher.stop()
-        self._workers.shutdown(wait=False)
+        self.conductor.stop()
 
     def _check_open(self) -> None:
         if self._closing:
@@ -252,6 +217,7 @@ class Service(pb_grpc.LpSyncServicer):
         """The loop that runs the gRPC handlers (server.py calls this before serving)."""
         self.loop = loop
         self._loop_thread = threading.get_ident()
+        self.conductor.on_loop(self._loop_thread)
 
     def _putter(self, responses: asyncio.Queue) -> Callable[[object], None]:
         """A put for ``responses`` callable from any thread: direct on the loop's own
@@ -267,24 +233,6 @@ class Service(pb_grpc.LpSyncServicer):
                     loop.call_soon_threadsafe(put, item)
 
         return putter
-
-    def _dispatch(self, job: Job, pending: Pending, run: Callable[[], None]) -> None:
-        """Where a complete collective runs: the direct path inline (it is short), anything
-        else off the event loop, on a worker thread, so other sessions keep being served."""
-        if threading.get_ident() != self._loop_thread:
-            run()
-            return
-        # On the loop only what is short and never waits: a small single-node host
-        # collective whose job is not running another one and has no earlier one queued
-        # (a multi-node one waits on other nodes, a device one on streams).
-        if (
-            job.layout is None
-            and is_inline(pending.spec, job.world_size)
-            and not _on_device(pending)
-            and job.run_now(pending)
-        ):
-            return
-        self._workers.submit(run)
 
     def _refused(self, name: str, rank: int, error: LpsyncError) -> None:
         """A rank of a job whose other ranks are here was refused for a contradiction (its
@@ -343,7 +291,6 @@ class Service(pb_grpc.LpSyncServicer):
             )
             try:
                 job = self.jobs.join(session.job, session.rank, session.world_size, session.id, layout)
-                self._watch_failures(job)
                 if self.placing is not None:
                     self.placing.attached(job, session.rank, hinted)
             except LpsyncError:
@@ -416,25 +363,17 @@ class Service(pb_grpc.LpSyncServicer):
             return None
         return job, source, destination
 
-    def _watch_failures(self, job: Job) -> None:
-        """A multi-node job's collectives that fail here before they run are told to the
-        other nodes (path.notify_failure)."""
-        if job.layout is not None and self.plane is not None and job.on_local_failure is None:
-            plane = self.plane
-            job.on_local_failure = lambda j, p, e: self._workers.submit(path.notify_failure, j, p, e, plane)
-
     def _placed(self, job: Job) -> None:
         """``job``'s layout settled (placing.py), before its first collective goes on."""
         for session in self.sessions.all():
             if session.job == job.name:
                 session.multinode = job.layout is not None
-        self._watch_failures(job)
 
     def _release(self, session: _Session, arrival: Arrival) -> None:
         """A collective that waited for its job's layout goes on (placing.py), on a worker
         thread: the thread that settled the layout may be a peer's note reader, which a
         collective run on it would hold from the notes it waits for."""
-        self._workers.submit(self._resubmit, session, arrival)
+        self.conductor.submit(self._resubmit, session, arrival)
 
     def _resubmit(self, session: _Session, arrival: Arrival) -> None:
         try:
@@ -472,7 +411,7 @@ class Service(pb_grpc.LpSyncServicer):
             session = self.sessions.get(request.session_id)
             # Opening an IPC handle can take milliseconds on CUDA: off the event loop.
             buffer = await asyncio.get_running_loop().run_in_executor(
-                self._workers,
+                self.conductor.pool,
                 self.sessions.register_device,
                 session,
                 request.device,
@@ -752,7 +691,7 @@ class Service(pb_grpc.LpSyncServicer):
             )
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
-        self._native_finished()  # what the engine answered joins the flight recorder
+        self.conductor.native_finished(self.jobs.all())  # the engines' records join the flight recorder
         now = time.time()
         response = pb.StatusResponse(
             version=__version__, uptime_seconds=now - self.started, peer_plane=self.peer_plane
@@ -796,10 +735,10 @@ class Service(pb_grpc.LpSyncServicer):
                     ipc_closes=closes[d],
                     links=rows[d],
                 )
-        recent = list(self.recent)
+        recent = list(self.conductor.recent)
         limit = request.recent or 20
         for entry in recent[-limit:]:
-            response.recent.add(**dict(zip(_RECORD_FIELDS, entry, strict=True)))
+            response.recent.add(**dict(zip(RECORD_FIELDS, entry, strict=True)))
         for job in sorted(self.jobs.all(), key=lambda j: j.name):
             info = response.jobs.add()
             _job_info(info, job, request.history)
@@ -933,54 +872,6 @@ class Service(pb_grpc.LpSyncServicer):
 
         return reply
 
-    def _run(self, job: Job, pending: Pending) -> Outcome | Later[Outcome]:
-        with self._counting:
-            self._running += 1
-        try:
-            return path.run(job, pending, self.plane, self.devices)
-        finally:
-            with self._counting:
-                self._running -= 1
-            if self._closing:  # shutdown() set it before it reads _running: no lost wake-up
-                with self._idle:
-                    self._idle.notify_all()
-
-    def _record(self, job: Job, pending: Pending, outcome: Outcome) -> None:
-        spec = pending.spec
-        code = "OK" if outcome.error is None else outcome.error.code
-        self.any_source.finished(job, pending)
-        if job.layout is not None and self.outcomes is not None:
-            self.outcomes.ran(job.name, pending.sequence, job.layout.daemons, code)
-        self.recent.append(
-            (
-                job.name,
-                pending.sequence,
-                spec.op,
-                spec.dtype,
-                spec.count,
-                outcome.algorithm,
-                outcome.seconds,
-                code,
-                time.time(),
-            )
-        )
-        if outcome.error is not None:
-            self.metrics.collective_failed(spec.op, code)
-            # Failures are rare and worth a line; successes only go to metrics and Status.
-            log.info(
-                "collective failed",
-                extra={
-                    "job": job.name,
-                    "sequence": pending.sequence,
-                    "op": spec.op,
-                    "code": code,
-                    "error": str(outcome.error),
-                },
-            )
-            return
-        _, _, nbytes, bus = facts(spec, job.world_size)
-        self.metrics.collective_done(spec.op, outcome.algorithm, spec.dtype, nbytes, outcome.seconds, bus)
-
 
 def _request_key(request: pb.CollectiveRequest) -> tuple:
     """A collective request's fields but its sequence number (and session: one table per
@@ -1053,11 +944,6 @@ def _waiting_info(info: pb.JobInfo, w: Waiting) -> None:
         missing_nodes=w.missing_nodes,
         stalled=w.stalled,
     )
-
-
-def _on_device(pending: Pending) -> bool:
-    """Device collectives wait on streams: never inline on the event loop."""
-    return any(isinstance(a.data, Span) for a in pending.arrivals.values())
 
 
 def _overlap(a, b) -> bool:
