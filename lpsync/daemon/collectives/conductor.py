@@ -1,9 +1,10 @@
 """The collective runner: the one object every Job hands its complete collectives to
 (matching.JobRunner). It decides where each runs (inline on the event loop, or on one of
 its worker threads), runs it (path.py), keeps what is kept of each outcome (the metrics,
-the recent list and multi-node outcomes that Status shows, a pair job's inbox) and tells
-a multi-node job's other nodes of a collective that failed here before it ran. It counts
-the collectives running, so that a shutdown can drain them.
+the recent list and multi-node outcomes that Status shows, a pair job's inbox), tells
+a multi-node job's other nodes of a collective that failed here before it ran, and makes
+a job's armed plans (lpsync/native) when it first arms one. It counts the collectives
+running, so that a shutdown can drain them.
 
 Nothing here knows the control layer: the metrics come in as a ``Tally`` (what
 control/metrics.py's Metrics offers), the rest are collectives' own parts.
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
+from lpsync import native
 from lpsync.daemon.collectives import path
 from lpsync.daemon.collectives.inbox import Inbox
 from lpsync.daemon.collectives.local import is_inline
@@ -31,6 +33,7 @@ from lpsync.daemon.peers.plane import PeerPlane
 from lpsync.daemon.values import Later, Outcome, Pending
 from lpsync.errors import LpsyncError
 from lpsync.memory.kind import Span
+from lpsync.native.armed import ArmedPlans
 from lpsync_client.wire.pairs import parse_pair
 
 log = logging.getLogger("lpsync.daemon")
@@ -50,6 +53,10 @@ class Tally(Protocol):
 
     def collective_failed(self, op: str, code: str) -> None: ...
 
+    def collectives_done(
+        self, op: str, algorithm: str, dtype: str, nbytes: int, counts: list[int], total: float, factor: float
+    ) -> None: ...
+
 
 @functools.lru_cache(maxsize=1024)
 def pair_of(job: str) -> tuple[str, int, int, int] | None:
@@ -66,8 +73,10 @@ class Conductor:
         plane: PeerPlane | None = None,
         devices: DeviceRegistry | None = None,
         outcomes: Outcomes | None = None,
+        buckets: tuple[float, ...] = (),
     ) -> None:
         self._tally, self._inbox, self._plane, self._devices = tally, inbox, plane, devices
+        self._buckets = buckets  # the engines' histogram bounds: the tally's
         self.outcomes = outcomes  # multi-node: this node's outcomes across nodes (Status)
         # (job, seq, op, dtype, count, algorithm, seconds, code, unix time): RECORD_FIELDS.
         self.recent: deque[tuple] = deque(maxlen=RECENT)
@@ -157,6 +166,21 @@ class Conductor:
         thread: it takes this node's part in the agreement, which waits for theirs."""
         if job.layout is not None and self._plane is not None:
             self.pool.submit(path.notify_failure, job, pending, error, self._plane)
+
+    def native_plans(self, job: Job) -> ArmedPlans | None:
+        """A job's armed plans (its doorbell page and engine thread), made at its first plan
+        armed; None where it cannot have them (its slots, a failure)."""
+        module = native.engine()
+        if module is None or job.world_size > module.MAX_SLOTS:
+            return None
+        try:
+            local = tuple(job.local_ranks) if job.layout is not None else None
+            plans = ArmedPlans(job.world_size, self._buckets, self._tally.collectives_done, local)
+        except (OSError, LpsyncError, ValueError) as error:
+            log.warning("job runs on the Python path: " + str(error), extra={"job": job.name})
+            return None
+        log.info("job's repeated collectives run natively", extra={"job": job.name, "page": plans.page.name})
+        return plans
 
     # -- what the engines ran --------------------------------------------------------------------
     def native_finished(self, jobs: Iterable[Job]) -> None:

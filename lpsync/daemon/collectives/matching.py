@@ -85,6 +85,10 @@ class JobRunner(Protocol):
         """It failed on this node before it could run (a mismatch, a local rank missing or
         gone): a multi-node job's other nodes must fail it too instead of waiting."""
 
+    def native_plans(self, job: Job) -> ArmedPlans | None:
+        """The job's armed plans (lpsync/native), asked once, at its first plan armed, of
+        a job that may run natively; None: it runs on Python only."""
+
 
 class Job:
     def __init__(
@@ -96,7 +100,7 @@ class Job:
         layout: NodeLayout | None = None,
         recorder: Recorder | None = None,
         max_pending: int = 4096,
-        native: Callable[[Job], ArmedPlans | None] | None = None,
+        native: bool = False,
     ) -> None:
         self.name, self.world_size = name, world_size
         # A multi-node job: the ranks this daemon serves; its collectives run when these
@@ -125,8 +129,8 @@ class Job:
         # may stall is open: a timer set and cancelled per collective cost every call.
         self._stall_watch: Timer | None = None
         self.plans = GroupCache()  # this job's built plans, reused across calls (plans.py)
-        # The native path (lpsync/native): the job's armed plans, made by ``_native`` at the
-        # first plan armed (None: this daemon or job runs on Python only).
+        # The native path (lpsync/native): the job's armed plans, made by the runner at the
+        # first plan armed where ``native`` (None: this daemon or job runs on Python only).
         self.native: ArmedPlans | None = None
         self.native_retry_at = 0.0  # no armed plans across nodes before (native_across.py)
         self._native = native
@@ -137,12 +141,12 @@ class Job:
 
     def native_plans(self) -> ArmedPlans | None:
         """The job's armed plans, made on first use where the job may run natively."""
-        if self.native is None and self._native is not None:
+        if self.native is None and self._native:
             with self.lock:
                 if self.native is None and self.sessions:
-                    self.native = self._native(self)
+                    self.native = self._runner.native_plans(self)
                     if self.native is None:
-                        self._native = None  # not for this job: never asked again
+                        self._native = False  # not for this job: never asked again
         return self.native
 
     def native_finished(self) -> list[FlightRecord]:
@@ -566,10 +570,10 @@ class Jobs:
         runner: JobRunner,
         recorder: Recorder | None = None,
         max_pending: int = 4096,
-        native: Callable[[Job], ArmedPlans | None] | None = None,
+        native: bool = False,
     ) -> None:
         self.max_pending = max_pending
-        self._native = native  # makes a job's armed plans (Job.native_plans)
+        self._native = native  # its jobs may run natively (Job.native_plans)
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
         self._watcher, self._runner = watcher, runner

@@ -30,7 +30,6 @@ from lpsync.daemon.values import Arrival, Outcome
 from lpsync.daemon.watcher import Watcher
 from lpsync.errors import LpsyncError, NotFoundError, UnavailableError
 from lpsync.memory.devices import open_kind, parse_devices
-from lpsync.native.armed import ArmedPlans
 from lpsync_client.wire.proto import lpsync_pb2 as pb
 
 log = logging.getLogger("lpsync.daemon")
@@ -59,14 +58,14 @@ class DaemonState:
         self.any_source = AnySource(self.watcher, plane, self.limits.max_pending)
         # Where the jobs' complete collectives run, and what is kept of each (conductor.py).
         self.conductor = Conductor(
-            config.workers, metrics, self.any_source.inbox, plane, self.devices, self.outcomes
+            config.workers, metrics, self.any_source.inbox, plane, self.devices, self.outcomes, BUCKETS
         )
         self.jobs = Jobs(
             self.watcher,
             self.conductor,
             Recorder(config.flight_recorder, config.stall_seconds),
             max_pending=self.limits.max_pending,
-            native=self._native_plans if config.native != "off" and native.engine() is not None else None,
+            native=config.native != "off" and native.engine() is not None,
         )
         # The engine's counts join the metrics at each scrape (never per call).
         metrics.before_collect(lambda: self.conductor.native_finished(self.jobs.all()))
@@ -98,21 +97,6 @@ class DaemonState:
         # The peer plane's transport and device path, chosen at start (server.py); empty
         # on a single node.
         self.peer_plane = pb.PeerPlaneInfo()
-
-    def _native_plans(self, job: Job) -> ArmedPlans | None:
-        """A job's armed plans (its doorbell page and engine thread), made at its first plan
-        armed; None where it cannot have them (its slots, a failure)."""
-        module = native.engine()
-        if module is None or job.world_size > module.MAX_SLOTS:
-            return None
-        try:
-            local = tuple(job.local_ranks) if job.layout is not None else None
-            plans = ArmedPlans(job.world_size, BUCKETS, self.metrics.collectives_done, local)
-        except (OSError, LpsyncError, ValueError) as error:
-            log.warning("job runs on the Python path: " + str(error), extra={"job": job.name})
-            return None
-        log.info("job's repeated collectives run natively", extra={"job": job.name, "page": plans.page.name})
-        return plans
 
     def _peers_lost(self) -> None:
         for job in self.jobs.all():
