@@ -92,11 +92,9 @@ def test_cuda_contract_a_session_end_closes_mappings_off_the_calling_thread():
 
 def test_cuda_contract_a_mapping_released_under_a_collective_closes_before_its_reply():
     """A Release while the collective waits defers the close; the reply then comes only
-    after the close (the handlers' ``_holding_devices``): a client frees its memory once
+    after the close (admission's ``holding_devices``): a client frees its memory once
     answered, and a cudaFree before the importer's cudaIpcCloseMemHandle is undefined."""
-    from types import SimpleNamespace
-
-    from lpsync.daemon.control.handlers import Service
+    from lpsync.daemon.control.admission import holding_devices
 
     kind = EmulatedKind(1)
     registry = DeviceRegistry(kind)
@@ -105,8 +103,8 @@ def test_cuda_contract_a_mapping_released_under_a_collective_closes_before_its_r
         buffer = _registered(registry, allocation)
         span = Span(buffer.allocation.memory, 0, 1024, np.dtype(np.float32))
         closed_at_reply: list[int] = []
-        reply = Service._holding_devices(
-            SimpleNamespace(devices=registry),  # type: ignore[arg-type]
+        reply = holding_devices(
+            registry,
             span,
             None,
             lambda outcome: closed_at_reply.append(kind.closes[0]),

@@ -9,6 +9,7 @@ import logging
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +17,9 @@ import pytest
 
 import lpsync_client
 from lpsync.daemon.collectives.matching import Job, Recorder
-from lpsync.daemon.values import Arrival, Outcome, Spec
+from lpsync.daemon.values import Arrival, Outcome, Pending, Spec
 from lpsync.daemon.watcher import Watcher
+from lpsync.errors import LpsyncError
 from tests.daemon.harness import ROOT, DaemonProcess, PeeredDaemons, cli_status
 
 STALL = 0.5
@@ -208,15 +210,21 @@ def test_one_stall_watch_per_job_warns_for_each_stalled_collective_once(caplog) 
     about once, one that finishes in time never, and the watch disarms when nothing is open."""
     watcher = Watcher()
     finished: list[int] = []
-    job = Job(
-        "sw",
-        2,
-        watcher,
-        lambda job, pending: Outcome(),
-        lambda *_: None,
-        dispatch=lambda j, p, run: run(),
-        recorder=Recorder(stall_seconds=STALL),
-    )
+
+    class Inline:  # a matching.JobRunner that runs each collective at once, keeping nothing
+        def dispatch(self, job: Job, pending: Pending, run: Callable[[], None]) -> None:
+            run()
+
+        def run(self, job: Job, pending: Pending) -> Outcome:
+            return Outcome()
+
+        def finished(self, job: Job, pending: Pending, outcome: Outcome) -> None:
+            pass
+
+        def failed_here(self, job: Job, pending: Pending, error: LpsyncError) -> None:
+            pass
+
+    job = Job("sw", 2, watcher, Inline(), recorder=Recorder(stall_seconds=STALL))
 
     def arrive(rank: int, seq: int) -> None:
         spec = Spec("barrier", "float32", 0, 0, "", "", "")

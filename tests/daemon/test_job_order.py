@@ -10,6 +10,7 @@ from collections.abc import Callable
 from lpsync.daemon.collectives.matching import Job
 from lpsync.daemon.values import Arrival, Outcome, Pending, Spec
 from lpsync.daemon.watcher import Watcher
+from lpsync.errors import LpsyncError
 
 
 def _arrival(rank: int, seq: int, outcomes: list) -> Arrival:
@@ -23,11 +24,21 @@ def test_runs_take_the_lowest_complete_sequence_first() -> None:
     thunks: list[Callable[[], None]] = []
     outcomes: list = []
 
-    def runner(job: Job, pending: Pending) -> Outcome:
-        ran.append(pending.sequence)
-        return Outcome()
+    class Runner:  # a matching.JobRunner that runs each collective when the test says
+        def dispatch(self, job: Job, pending: Pending, run: Callable[[], None]) -> None:
+            thunks.append(run)
 
-    job = Job("j", 2, watcher, runner, lambda *_: None, dispatch=lambda j, p, run: thunks.append(run))
+        def run(self, job: Job, pending: Pending) -> Outcome:
+            ran.append(pending.sequence)
+            return Outcome()
+
+        def finished(self, job: Job, pending: Pending, outcome: Outcome) -> None:
+            pass
+
+        def failed_here(self, job: Job, pending: Pending, error: LpsyncError) -> None:
+            pass
+
+    job = Job("j", 2, watcher, Runner())
     try:
         # Sequence 3 completes first, then 1, then 2 (as arrivals of three streams may).
         for seq in (3, 1, 2):

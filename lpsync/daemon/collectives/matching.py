@@ -16,7 +16,7 @@ takes the lowest queued sequence number, whichever thread gets there first. Fail
 The flight recorder: each Job keeps its last collectives (FlightRecord: arrival times,
 stage times, outcome) and knows what it still waits for (``waiting()``); a collective
 still waiting on ranks past the stall threshold logs a warning naming them, once.
-Lock order: Job.lock is taken alone; callbacks run with no lock held.
+Lock order: Job.lock is taken alone; the JobRunner and replies are called with no lock held.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from lpsync.daemon.collectives.learning import Learner
 from lpsync.daemon.collectives.plans import GroupCache
@@ -66,15 +67,27 @@ log = logging.getLogger("lpsync.daemon")
 _REMEMBERED_FAILURES = 64
 
 
-# Runs a complete collective and returns each rank's outcome (path.py), or the outcome
-# that the thread receiving its last message brings (a Later).
-Runner = Callable[["Job", Pending], "Outcome | Later[Outcome]"]
-# Decides where a complete collective runs: call the thunk inline or on another thread.
-Dispatch = Callable[["Job", Pending, Callable[[], None]], None]
+class JobRunner(Protocol):
+    """What a job hands its complete collectives to (conductor.Conductor in the daemon):
+    one object, so that matching never calls back into whoever built the job."""
 
+    def dispatch(self, job: Job, pending: Pending, run: Callable[[], None]) -> None:
+        """Where a complete collective runs: call ``run`` inline or on another thread."""
 
-def _inline(job: Job, pending: Pending, run: Callable[[], None]) -> None:
-    run()
+    def run(self, job: Job, pending: Pending) -> Outcome | Later[Outcome]:
+        """Run it (path.py): each rank's outcome, or the Later that the thread receiving
+        its last message sets."""
+
+    def finished(self, job: Job, pending: Pending, outcome: Outcome) -> None:
+        """It finished (ran or failed): keep what is kept of it (metrics, Status)."""
+
+    def failed_here(self, job: Job, pending: Pending, error: LpsyncError) -> None:
+        """It failed on this node before it could run (a mismatch, a local rank missing or
+        gone): a multi-node job's other nodes must fail it too instead of waiting."""
+
+    def native_plans(self, job: Job) -> ArmedPlans | None:
+        """The job's armed plans (lpsync/native), asked once, at its first plan armed, of
+        a job that may run natively; None: it runs on Python only."""
 
 
 class Job:
@@ -83,13 +96,11 @@ class Job:
         name: str,
         world_size: int,
         watcher: Watcher,
-        runner: Runner,
-        record: Callable[[Job, Pending, Outcome], None],
-        dispatch: Dispatch = _inline,
+        runner: JobRunner,
         layout: NodeLayout | None = None,
         recorder: Recorder | None = None,
         max_pending: int = 4096,
-        native: Callable[[Job], ArmedPlans | None] | None = None,
+        native: bool = False,
     ) -> None:
         self.name, self.world_size = name, world_size
         # A multi-node job: the ranks this daemon serves; its collectives run when these
@@ -113,14 +124,13 @@ class Job:
         self.recorder = recorder or Recorder()
         self.history: deque[FlightRecord] = deque(maxlen=self.recorder.size)
         self._failed: OrderedDict[int, LpsyncError] = OrderedDict()
-        self._watcher, self._runner, self._record = watcher, runner, record
+        self._watcher, self._runner = watcher, runner
         # One timer per job checks for stalls (_stall_sweep), armed while a collective that
         # may stall is open: a timer set and cancelled per collective cost every call.
         self._stall_watch: Timer | None = None
-        self._dispatch = dispatch
         self.plans = GroupCache()  # this job's built plans, reused across calls (plans.py)
-        # The native path (lpsync/native): the job's armed plans, made by ``_native`` at the
-        # first plan armed (None: this daemon or job runs on Python only).
+        # The native path (lpsync/native): the job's armed plans, made by the runner at the
+        # first plan armed where ``native`` (None: this daemon or job runs on Python only).
         self.native: ArmedPlans | None = None
         self.native_retry_at = 0.0  # no armed plans across nodes before (native_across.py)
         self._native = native
@@ -128,19 +138,15 @@ class Job:
         # For metrics (read at scrape time): the unix time the job last completed a
         # collective (its creation before that).
         self.last_progress = time.time()
-        # Multi-node jobs: called (no lock held) when a collective fails on this node before
-        # it could run (a mismatch, a local rank missing or gone), so that the other nodes
-        # fail it too instead of waiting for this node (path.notify_failure).
-        self.on_local_failure: Callable[[Job, Pending, LpsyncError], object] | None = None
 
     def native_plans(self) -> ArmedPlans | None:
         """The job's armed plans, made on first use where the job may run natively."""
-        if self.native is None and self._native is not None:
+        if self.native is None and self._native:
             with self.lock:
                 if self.native is None and self.sessions:
-                    self.native = self._native(self)
+                    self.native = self._runner.native_plans(self)
                     if self.native is None:
-                        self._native = None  # not for this job: never asked again
+                        self._native = False  # not for this job: never asked again
         return self.native
 
     def native_finished(self) -> list[FlightRecord]:
@@ -245,7 +251,7 @@ class Job:
                     "until they attach again"
                 )
                 # Failed for every local rank (remembered), and through _fail the other
-                # nodes learn it at once (on_local_failure) instead of waiting out their
+                # nodes learn it at once (JobRunner.failed_here) instead of waiting out their
                 # timeout for this node's part (seen in the chaos run: a killed trainer).
                 failed_pending = self._pending.pop(seq, None) or Pending(seq, arrival.spec, opened=arrival.at)
                 failed_pending.arrivals[arrival.rank] = arrival
@@ -301,7 +307,7 @@ class Job:
         elif ready is not None:
             if ready.timer is not None:
                 ready.timer.cancel()
-            self._dispatch(self, ready, self._run_next)
+            self._runner.dispatch(self, ready, self._run_next)
 
     def withdraw(self, rank: int, sequence: int, why: str, arrival: Arrival | None = None) -> bool:
         """``rank`` gave up on collective ``sequence`` (a cancelled call; ``arrival``: that
@@ -472,11 +478,10 @@ class Job:
     def _fail(self, pending: Pending, error: LpsyncError) -> None:
         if pending.timer is not None:
             pending.timer.cancel()
-        if self.on_local_failure is not None:  # a multi-node job: tell the other nodes
-            self.on_local_failure(self, pending, error)
+        self._runner.failed_here(self, pending, error)  # no lock held
         outcome = Outcome(error)
         self._finish(pending, outcome)
-        self._record(self, pending, outcome)
+        self._runner.finished(self, pending, outcome)
         for arrival in pending.arrivals.values():
             arrival.done(Outcome(error, INTACT if arrival.in_place else UNSPECIFIED))
 
@@ -512,7 +517,7 @@ class Job:
             self._run_lock.release()
             raise
         try:
-            outcome = self._runner(self, pending)
+            outcome = self._runner.run(self, pending)
         except LpsyncError as error:
             outcome = Outcome(error)
         except Exception as error:  # a bug: report it rather than hang the participants
@@ -535,7 +540,7 @@ class Job:
             arrival.done(Outcome(outcome.error, state, outcome.algorithm, outcome.chunks, outcome.seconds))
         # After the replies: off the critical path.
         self._finish(pending, outcome, finished)
-        self._record(self, pending, outcome)
+        self._runner.finished(self, pending, outcome)
 
 
 def _arrived(pending: Pending) -> tuple[tuple[int, float], ...]:
@@ -562,19 +567,16 @@ class Jobs:
     def __init__(
         self,
         watcher: Watcher,
-        runner: Runner,
-        record: Callable[[Job, Pending, Outcome], None],
-        dispatch: Dispatch = _inline,
+        runner: JobRunner,
         recorder: Recorder | None = None,
         max_pending: int = 4096,
-        native: Callable[[Job], ArmedPlans | None] | None = None,
+        native: bool = False,
     ) -> None:
         self.max_pending = max_pending
-        self._native = native  # makes a job's armed plans (Job.native_plans)
+        self._native = native  # its jobs may run natively (Job.native_plans)
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
-        self._watcher, self._runner, self._record = watcher, runner, record
-        self._dispatch = dispatch
+        self._watcher, self._runner = watcher, runner
         self._recorder = recorder or Recorder()
 
     def join(
@@ -588,8 +590,6 @@ class Jobs:
                     world_size,
                     self._watcher,
                     self._runner,
-                    self._record,
-                    self._dispatch,
                     layout,
                     self._recorder,
                     self.max_pending,

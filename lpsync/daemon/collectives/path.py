@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import NoReturn
 
 from lpsync.daemon.collectives import agreement, hierarchy, native_across, planning, runners
@@ -84,7 +85,9 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
     if armed_failure is not None:  # its armed run failed here: it fails, on every node
         _armed_run_failed(task, link, armed_failure)
     native_across.notice(task)  # armed peers fall back at once: this node runs it here
-    learner = _learner(job)
+    if job.learner is None:
+        job.learner = Learner(job.layout.nodes)
+    learner = job.learner  # what node 0 learned (learning.py)
     last = learner.take_last()  # an earlier trial's time, for node 0
     proposal = None
     try:
@@ -93,20 +96,21 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
         mine = agreement.summary(job, task.spec, link, offers)
         barrier = task.op is Collective.BARRIER
         if barrier or rides(task):  # finished once agreed: a barrier, or data riding it
-            if task.on_device:
-                with whole(task, devices, deadline) as hosts:
-                    riding = SmallCollective(task, hosts)
-                    return _agree_and_finish(task, link, learner, deadline, mine, riding)
-            small = None if barrier else SmallCollective(task, task.arrivals)  # host: no staging
-            # Where it may be armed, it finishes on this thread: arming may connect sockets.
-            armable = any(name == "native" for name, _ in offers)
-            later = None if armable else agreement.agree_later(job, pending, link, deadline, mine, small)
-            if later is None:
-                verdict = agreement.agree(job, pending, link, deadline, mine, small)
-                outcome = _finish_agreed(task, learner, small, verdict)
-                if small is not None:
-                    outcome.armed = native_across.after_ride(task, plane, verdict)
-                return outcome
+            with _riding(task, devices, deadline) as small:
+                # On this thread where it may be armed (arming may connect sockets) or is
+                # staged from devices (the staging ends with this block).
+                armable = any(name == "native" for name, _ in offers)
+                later = (
+                    None
+                    if armable or task.on_device
+                    else agreement.agree_later(job, pending, link, deadline, mine, small)
+                )
+                if later is None:
+                    verdict = agreement.agree(job, pending, link, deadline, mine, small)
+                    outcome = _finish_agreed(task, learner, small, verdict)
+                    if small is not None and not task.on_device:
+                        outcome.armed = native_across.after_ride(task, plane, verdict)
+                    return outcome
             return _finished_later(task, link, learner, last, proposal, small, later)
         verdict = agreement.agree(job, pending, link, deadline, mine)
         _learn(learner, verdict)
@@ -134,16 +138,17 @@ def _armed_run_failed(task: Task, link: Link, error: LpsyncError) -> NoReturn:
     raise error
 
 
-def _agree_and_finish(
-    task: Task,
-    link: Link,
-    learner: Learner,
-    deadline: float,
-    mine: agreement.Summary,
-    small: SmallCollective | None,
-) -> Outcome:
-    verdict = agreement.agree(task.job, task.pending, link, deadline, mine, small)
-    return _finish_agreed(task, learner, small, verdict)
+@contextlib.contextmanager
+def _riding(task: Task, devices: DeviceRegistry | None, deadline: float) -> Iterator[SmallCollective | None]:
+    """The collective that rides the agreement (None: a barrier, nothing rides): on host
+    buffers as they are, on devices staged through host mirrors while it runs."""
+    if task.op is Collective.BARRIER:
+        yield None
+    elif task.on_device:
+        with whole(task, devices, deadline) as hosts:
+            yield SmallCollective(task, hosts)
+    else:
+        yield SmallCollective(task, task.arrivals)
 
 
 def _finish_agreed(
@@ -254,13 +259,6 @@ def notify_failure(job: Job, pending: Pending, error: LpsyncError, plane: PeerPl
     # this node's participants already have their error.
     with contextlib.suppress(LpsyncError):
         agreement.agree(job, pending, link, deadline, agreement.failure_summary(job, error))
-
-
-def _learner(job: Job) -> Learner:
-    assert job.layout is not None
-    if job.learner is None:
-        job.learner = Learner(job.layout.nodes)
-    return job.learner
 
 
 def _learn(learner: Learner, verdict: agreement.Verdict) -> None:

@@ -1,36 +1,29 @@
 """Receive from any source, the daemon's side: announce the sends of pair jobs to the
-receiver's daemon, answer Probes from the inbox (collectives/inbox.py), and take a
-message off it once its pair collective finished here."""
+receiver's daemon and answer Probes from the inbox (collectives/inbox.py); a message
+leaves it once its pair collective finished here (collectives/conductor.py)."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable
 
 from lpsync.daemon.collectives import inbox
+from lpsync.daemon.collectives.conductor import pair_of
 from lpsync.daemon.collectives.inbox import Inbox
 from lpsync.daemon.collectives.matching import Job
 from lpsync.daemon.control.sessions import Session
 from lpsync.daemon.peers.plane import PeerPlane
-from lpsync.daemon.values import Arrival, Pending
+from lpsync.daemon.values import Arrival
 from lpsync.daemon.watcher import Watcher
 from lpsync.errors import InvalidArgumentError, LpsyncError
-from lpsync_client.wire.pairs import MAX_TAG, parse_pair
+from lpsync_client.wire.pairs import MAX_TAG
 from lpsync_client.wire.proto import lpsync_pb2 as pb
 
 log = logging.getLogger("lpsync.daemon")
 
 Reply = Callable[[pb.SessionResponse], None]
 Fail = Callable[[LpsyncError], None]
-
-
-@functools.lru_cache(maxsize=4096)
-@functools.lru_cache(maxsize=1024)
-def _pair(job: str) -> tuple[str, int, int, int] | None:
-    """parse_pair, once per name: every collective of every job asks (twice)."""
-    return parse_pair(job)
 
 
 class AnySource:
@@ -43,7 +36,7 @@ class AnySource:
     def sent(self, job: Job, rank: int, arrival: Arrival) -> None:
         """``rank`` of ``job`` issued ``arrival``: if it is the sender of a pair job,
         announce it to the receiver's daemon."""
-        pair = _pair(job.name)
+        pair = pair_of(job.name)
         if pair is None or rank != 0:
             return
         parent, source, destination, tag = pair
@@ -61,25 +54,13 @@ class AnySource:
         """The send ``sent`` announced was refused (its job full, its session ended): off
         the inbox where the receiver is here; across nodes its receiver's probe may still
         name it, and that receive then fails at its timeout, like the send did at once."""
-        pair = _pair(job.name)
+        pair = pair_of(job.name)
         if pair is None or rank != 0:
             return
         receiver = _receiver_daemon(job)
         if receiver is None or (self._plane is not None and receiver == self._plane.rank):
             parent, source, destination, tag = pair
             self.inbox.finished((parent, destination, tag), source, arrival.sequence)
-
-    def finished(self, job: Job, pending: Pending) -> None:
-        """A collective of ``job`` finished here: a pair job's message received here (or
-        failed) leaves the inbox."""
-        pair = _pair(job.name)
-        if pair is None:
-            return
-        layout = job.layout
-        if layout is not None and layout.node_of[1] != layout.node:
-            return  # the sender's side
-        parent, source, destination, tag = pair
-        self.inbox.finished((parent, destination, tag), source, pending.sequence)
 
     def probe(self, session: Session, timeout: float, probe: pb.Probe, reply: Reply, fail: Fail) -> None:
         """Answer ``probe`` from ``session`` (the receiver) once a message is there."""

@@ -28,6 +28,7 @@ from lpsync.daemon.control import decoding
 from lpsync.daemon.control.config import DaemonConfig
 from lpsync.daemon.control.handlers import Service
 from lpsync.daemon.control.metrics import Metrics
+from lpsync.daemon.control.state import DaemonState
 from lpsync.daemon.control.trigger import TriggerServer
 from lpsync.daemon.peers.plane import PeerPlane, PeerPlaneOptions
 from lpsync.errors import InvalidArgumentError
@@ -84,10 +85,11 @@ class Daemon:
         self.config = config
         self.metrics = Metrics()
         self.plane, peer_info = _peer_plane(config, self.metrics)
-        self.service = Service(config, self.metrics, self.plane)
-        self.service.peer_plane = peer_info
-        if self.service.devices is not None:
-            self.service.devices.peer_direct = peer_info.device_path == device_support.DEVICE
+        self.state = DaemonState(config, self.metrics, self.plane)
+        self.state.peer_plane = peer_info
+        if self.state.devices is not None:
+            self.state.devices.peer_direct = peer_info.device_path == device_support.DEVICE
+        self.service = Service(self.state)
         self.health = health.aio.HealthServicer()
         token = config.token()
         if config.token_file and not token:
@@ -99,7 +101,7 @@ class Daemon:
             if self.socket is not None and config.trigger
             else None
         )
-        self.service.trigger_path = str(self.trigger.path) if self.trigger else ""
+        self.state.trigger_path = str(self.trigger.path) if self.trigger else ""
         self.server: grpc.aio.Server | None = None
         self._stop: asyncio.Event | None = None
         self.wedged = False  # a transport thread did not stop (see serve)
@@ -188,7 +190,7 @@ class Daemon:
         await self.health.enter_graceful_shutdown()
         loop = asyncio.get_running_loop()
         # Draining blocks on running collectives; the loop keeps serving replies meanwhile.
-        await loop.run_in_executor(None, self.service.shutdown, self.config.drain_seconds)
+        await loop.run_in_executor(None, self.state.shutdown, self.config.drain_seconds)
         if self.trigger is not None:
             await loop.run_in_executor(None, self.trigger.stop)
         if self.plane is not None:

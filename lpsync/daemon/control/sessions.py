@@ -64,7 +64,7 @@ class Session:
     events: dict[tuple[int, bytes], Any] = field(default_factory=dict)
     # Typed views of the buffers by (handle, offset, dtype, count): planned once, reused.
     views: dict[tuple, np.ndarray | Span] = field(default_factory=dict)
-    # Collective requests checked before, by their fields (handlers.py): a rank repeats
+    # Collective requests checked before, by their fields (admission.py): a rank repeats
     # its collectives, and a repeat needs neither the checks nor the views again.
     requests: dict[tuple, Any] = field(default_factory=dict)
     nbytes: int = 0
@@ -73,7 +73,7 @@ class Session:
     on_close: list[Callable[[], None]] = field(default_factory=list)
     stream_bound: bool = False
     closed: bool = False  # removed from the table; its buffers are freed
-    ended: bool = False  # end_session ran (handlers.py)
+    ended: bool = False  # end_session ran (state.py)
 
 
 class SessionTable:

@@ -136,7 +136,7 @@ class TriggerServer:
         self._stopping = False  # a flag, not an Event: each request's loop reads it without a call
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
-        self._slots = threading.BoundedSemaphore(service.limits.max_sessions)
+        self._slots = threading.BoundedSemaphore(service.state.limits.max_sessions)
 
     def start(self) -> None:
         self.path.unlink(missing_ok=True)  # our own socket's sibling: stale if present
@@ -174,14 +174,14 @@ class TriggerServer:
     def _refuse(self, conn: socket.socket) -> None:
         error = ResourceExhaustedError(
             "the trigger socket serves at most --max-sessions "
-            f"({self.service.limits.max_sessions}) connections at once"
+            f"({self.service.state.limits.max_sessions}) connections at once"
         )
         with conn, contextlib.suppress(OSError):
             conn.send(_reason(error).SerializeToString(), socket.MSG_DONTWAIT)
 
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(1.0)
-        limits = self.service.limits
+        limits = self.service.state.limits
         # Never more replies held than reads allowed plus every collective the job may
         # have pending: a client can only exceed it by breaking the protocol.
         out = _Outbox(conn, limits.max_queued + limits.max_pending)
@@ -250,7 +250,7 @@ class TriggerServer:
         try:
             if first.WhichOneof("body") != "open":
                 raise InvalidArgumentError("the first packet must be open{session_id}")
-            session = self.service.sessions.get(first.open.session_id)
+            session = self.service.state.sessions.get(first.open.session_id)
             if not session.stream_bound:
                 raise InvalidArgumentError("open the gRPC Session stream first; it is the lifeline")
         except LpsyncError as error:
