@@ -149,7 +149,9 @@ static PyObject *Engine_yield_seq(EngineObject *self, PyObject *arg) {
     if (check_open(self)) return NULL;
     unsigned long long seq = PyLong_AsUnsignedLongLongMask(arg);
     if (PyErr_Occurred()) return NULL;
-    lpn_engine_yield(&self->engine, (uint32_t)seq); /* short: the lock guards no data work */
+    /* The engine's lock is held while a program runs: wait for it without the GIL. */
+    Py_BEGIN_ALLOW_THREADS lpn_engine_yield(&self->engine, (uint32_t)seq);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
@@ -201,7 +203,9 @@ static PyObject *Engine_activate(EngineObject *self, PyObject *args) {
     Py_buffer flags;
     if (check_open(self) || !PyArg_ParseTuple(args, "y*", &flags)) return NULL;
     const char *why = NULL;
-    int rc = lpn_engine_activate(&self->engine, flags.buf, (uint32_t)flags.len, &why);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = lpn_engine_activate(&self->engine, flags.buf, (uint32_t)flags.len, &why);
+    Py_END_ALLOW_THREADS
     PyBuffer_Release(&flags);
     if (rc != 0) {
         PyErr_SetString(PyExc_ValueError, why ? why : "cannot activate the slots");
@@ -229,9 +233,10 @@ static PyObject *Engine_stats(EngineObject *self, PyObject *args) {
         return NULL;
     }
     lpn_plan copy;
-    pthread_mutex_lock(&self->engine.mu);
+    Py_BEGIN_ALLOW_THREADS pthread_mutex_lock(&self->engine.mu); /* a run holds it */
     copy = self->engine.plans[index];
     pthread_mutex_unlock(&self->engine.mu);
+    Py_END_ALLOW_THREADS
     PyObject *buckets = PyTuple_New(self->engine.nbounds + 1);
     if (!buckets) return NULL;
     for (uint32_t b = 0; b <= self->engine.nbounds; b++)
@@ -244,11 +249,12 @@ static PyObject *Engine_records(EngineObject *self, PyObject *unused) {
     if (check_open(self)) return NULL;
     lpn_record records[LPN_RECORDS];
     uint64_t total, fallbacks;
-    pthread_mutex_lock(&self->engine.mu);
+    Py_BEGIN_ALLOW_THREADS pthread_mutex_lock(&self->engine.mu); /* a run holds it */
     memcpy(records, self->engine.records, sizeof records);
     total = self->engine.nrecords;
     fallbacks = self->engine.fallbacks;
     pthread_mutex_unlock(&self->engine.mu);
+    Py_END_ALLOW_THREADS
     uint64_t n = total < LPN_RECORDS ? total : LPN_RECORDS;
     PyObject *list = PyList_New(0);
     if (!list) return NULL;

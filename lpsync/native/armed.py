@@ -11,7 +11,9 @@ channels (one socket per other node) are the engine's once handed over (``connec
 What disarms (engine.c: waiting rings fall back, and the clients send their request the
 general way, where the daemon answers with the errors of docs/reliability.md): a buffer
 of the plan released (``forget``), a rank that leaves the job (``disarm_all``), the job's
-end or the daemon's stop (``close``), a plan evicted for a newer one (MAX_PLANS per job);
+end or the daemon's stop (``close``), a plan evicted for a newer one (MAX_PLANS per job,
+and only one idle for IDLE_SECONDS: a step with more collectives than slots keeps the
+first ones armed instead of evicting each for the next, every call a miss);
 for plans with messages also a failed run and a failed collective (``drop_net``).
 Invariant: a plan is disarmed before any of its buffers is unmapped; the engine's lock,
 which a running program holds, makes ``disarm`` wait for that run.
@@ -40,6 +42,9 @@ from lpsync.native.program import Program, encode
 # series of collectives the engine ran (Metrics.collectives_done).
 Record = Callable[[str, str, str, int, list[int], float, float], None]
 
+IDLE_SECONDS = 10.0  # a plan not run for this long may give its slot to a new one
+_SCAN_EVERY = 1.0  # seconds between looks for an idle plan while every slot is taken
+
 
 @dataclass
 class Plan:
@@ -52,6 +57,8 @@ class Plan:
     reply: tuple[str, int, int]  # Armed{page, plan, generation}
     net: bool = False  # it has messages (a multi-node job's node program)
     seen: tuple[int, float, tuple[int, ...]] = field(default=(0, 0.0, ()))  # stats read so far
+    last_calls: int = 0  # the engine's count of its runs when last looked at (_idle)
+    last_busy: float = field(default_factory=time.monotonic)  # when that count last moved
 
 
 class ArmedPlans:
@@ -87,6 +94,7 @@ class ArmedPlans:
         self._lock = threading.Lock()
         self._plans: OrderedDict[tuple, Plan] = OrderedDict()  # by plan key, oldest first
         self._free = list(range(module.MAX_PLANS))
+        self._scanned = 0.0  # when _idle last looked (monotonic)
         self._answered = 0  # engine records already brought into the flight recorder
         self.closed = False
 
@@ -116,7 +124,9 @@ class ArmedPlans:
                 return None
             evicted = None
             if not self._free:
-                _, evicted = self._plans.popitem(last=False)
+                evicted = self._idle()
+                if evicted is None:
+                    return None  # every slot in use: this one stays on the general path
                 self._free.append(evicted.index)
             index = self._free.pop()
         if evicted is not None:
@@ -134,8 +144,24 @@ class ArmedPlans:
             self._plans[key] = plan
         return plan
 
+    def _idle(self) -> Plan | None:
+        """The oldest plan the engine has not run for IDLE_SECONDS, taken out (the lock
+        held); None where every plan is in use, or it looked less than _SCAN_EVERY ago."""
+        now = time.monotonic()
+        if now - self._scanned < _SCAN_EVERY:
+            return None
+        self._scanned = now
+        for key, plan in self._plans.items():  # oldest first
+            calls = self.engine.stats(plan.index)[0]
+            if calls != plan.last_calls:
+                plan.last_calls, plan.last_busy = calls, now
+            elif now - plan.last_busy >= IDLE_SECONDS:
+                return self._plans.pop(key)
+        return None
+
     def run(self, plan: Plan) -> bool:
         """Run an armed plan for a general-path call (False: disarmed meanwhile)."""
+        plan.last_busy = time.monotonic()  # in use (the engine counts rung runs only)
         return self.engine.run(plan.index, plan.generation) == OK
 
     def yield_seq(self, sequence: int) -> None:

@@ -31,7 +31,7 @@
 #define LPN_BELL_OFFSET 64u
 #define LPN_SLOT_BYTES 64u
 #define LPN_MAX_SLOTS 256u
-#define LPN_MAX_PLANS 32u
+#define LPN_MAX_PLANS 256u /* a ring names its plan in 8 bits (doorbell.py) */
 #define LPN_MAX_BUFFERS 1024u
 #define LPN_MAX_OPS 65536u
 #define LPN_BUCKETS 32u

@@ -219,7 +219,7 @@ def test_engine_refuses_programs_that_reach_outside_their_buffers() -> None:
                 engine.engine.arm(1, d, b, s, 5.0)
                 pytest.fail(f"armed a program with {why}")
         with pytest.raises(ValueError):
-            engine.engine.arm(99, data, bases, sizes, 5.0)  # no such plan
+            engine.engine.arm(native_engine().MAX_PLANS, data, bases, sizes, 5.0)  # no such plan
         with pytest.raises(ValueError):
             engine.engine.arm(1, data, bases, sizes, -1.0)  # a timeout that never ends nothing
     finally:
