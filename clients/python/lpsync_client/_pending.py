@@ -87,6 +87,11 @@ class Call(Future):
         """Whether the Future is done within ``timeout`` seconds."""
         return self._open.wait(timeout) or self.done()
 
+    @property
+    def latch(self) -> Latch:
+        """Set once the Future is done: to wait for it without holding its result."""
+        return self._open
+
     def _opened(self) -> None:
         self._open.set()
 

@@ -8,7 +8,8 @@ answer in turn, completes its Future, and rings the next. What the engine does n
 (FALLBACK, or a failure) is sent the general way with the same sequence number, and the
 next ring waits for that reply: calls leave in sequence order, as on the general path.
 A request that is not rung waits until the queue is empty (``drain``): a general-path
-sequence number behind a queued ring would send that ring back to the general path.
+sequence number behind a queued ring would send that ring back to the general path. A
+ring queued behind a general request still in flight is rung once that one is answered.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lpsync_client import doorbell
-from lpsync_client._pending import Call
+from lpsync_client._pending import Call, Latch
 from lpsync_client.errors import CollectiveTimeoutError, LpsyncError, UnavailableError
 
 
@@ -33,6 +34,7 @@ class Ring:
     fallback: Callable[[], Call]  # sends the request the general way (same sequence number)
     bound: float  # seconds to wait for the answer
     call: Call
+    after: Latch | None = None  # a general request sent before it: rung once that is answered
     posted: bool = False
 
 
@@ -53,7 +55,7 @@ class Rings:
     def submit(self, ring: Ring) -> Call:
         """Queue ``ring`` (rung now when nothing is ahead of it); its Future."""
         with self._lock:
-            if not self._queue:
+            if not self._queue and (ring.after is None or ring.after.is_set()):
                 ring.page.post(ring.sequence, ring.plan, ring.generation)
                 ring.posted = True
             self._queue.append(ring)
@@ -82,9 +84,11 @@ class Rings:
                 if not self._queue:
                     return  # closed with nothing left
                 ring = self._queue[0]
-                if not ring.posted:
-                    ring.page.post(ring.sequence, ring.plan, ring.generation)
-                    ring.posted = True
+            if not ring.posted:
+                if ring.after is not None:  # in order: after the general request's reply
+                    ring.after.wait(ring.bound)
+                ring.page.post(ring.sequence, ring.plan, ring.generation)
+                ring.posted = True
             self._settle(ring)
             with self._lock:
                 self._queue.popleft()

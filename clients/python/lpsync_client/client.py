@@ -156,6 +156,9 @@ class Client(Buffers):
         self._armed: dict[tuple, _Armed] = {}
         self._bells: dict[str, doorbell.Page] = {}
         self._rings: Rings | None = None  # asynchronous calls of armed plans (_rings.py)
+        # Set once the last request sent the general way (_send) is answered; its Future
+        # is not kept: it holds the written array, whose registration goes with it.
+        self._last_sent: Latch | None = None
         # Each live view's data address by id(): __array_interface__ makes a dict per call.
         self._addresses: dict[int, tuple[weakref.ref, int]] = {}
         self._in_flight = InFlight()  # staged collectives not finished yet (_order.py)
@@ -383,11 +386,13 @@ class Client(Buffers):
         self, armed: _Armed, template: pb.SessionRequest, written: object, timeout: float, key: tuple
     ) -> Call | None:
         """An asynchronous call of an armed plan, queued to ring (_rings.py); None where it
-        cannot ring now (a general request in flight, the page gone): it goes the
-        general way."""
+        cannot ring (the page gone): it goes the general way. Behind a general request
+        still in flight it rings once that one is answered: one call of a step that went
+        the general way does not send the rest of the step there too."""
         trigger = self._trigger
-        if trigger is None or trigger.pending():
+        if trigger is None:
             return None
+        after = self._last_sent if trigger.pending() else None
         page = self._bell(armed)
         if page is None:
             return None
@@ -409,7 +414,7 @@ class Client(Buffers):
             message.collective.sequence = sequence
             call.on_cancel = functools.partial(self._cancelled, sequence)
             ring = Ring(
-                page, armed.plan, armed.generation, sequence, written, general, 2 * timeout + 10, call
+                page, armed.plan, armed.generation, sequence, written, general, 2 * timeout + 10, call, after
             )
             return self._rings.submit(ring)
 
@@ -424,6 +429,7 @@ class Client(Buffers):
             self._sequence += 1
             message.collective.sequence = sequence = self._sequence
             future = self._path.submit(message, hook, foreground)
+            self._last_sent = future.latch
         future.on_cancel = functools.partial(self._cancelled, sequence)
         return future
 
