@@ -119,14 +119,17 @@ class ArmedPlans:
         if encoded is None:
             return None
         data, bases, sizes = encoded
+        # Where every slot is taken, a plan gone idle makes room (looked for outside the
+        # lock: the engine's stats wait for a running program, and find() must not).
+        idle = self._idle() if not self._free else None
         with self._lock:
             if self.closed:
                 return None
             evicted = None
             if not self._free:
-                evicted = self._idle()
-                if evicted is None:
+                if idle is None or self._plans.get(idle) is None:
                     return None  # every slot in use: this one stays on the general path
+                evicted = self._plans.pop(idle)
                 self._free.append(evicted.index)
             index = self._free.pop()
         if evicted is not None:
@@ -144,19 +147,21 @@ class ArmedPlans:
             self._plans[key] = plan
         return plan
 
-    def _idle(self) -> Plan | None:
-        """The oldest plan the engine has not run for IDLE_SECONDS, taken out (the lock
-        held); None where every plan is in use, or it looked less than _SCAN_EVERY ago."""
+    def _idle(self) -> tuple | None:
+        """The key of the oldest plan the engine has not run for IDLE_SECONDS; None where
+        every plan is in use, or it looked less than _SCAN_EVERY ago."""
         now = time.monotonic()
-        if now - self._scanned < _SCAN_EVERY:
-            return None
-        self._scanned = now
-        for key, plan in self._plans.items():  # oldest first
+        with self._lock:
+            if now - self._scanned < _SCAN_EVERY:
+                return None
+            self._scanned = now
+            plans = list(self._plans.items())  # oldest first
+        for key, plan in plans:
             calls = self.engine.stats(plan.index)[0]
             if calls != plan.last_calls:
                 plan.last_calls, plan.last_busy = calls, now
             elif now - plan.last_busy >= IDLE_SECONDS:
-                return self._plans.pop(key)
+                return key
         return None
 
     def run(self, plan: Plan) -> bool:
