@@ -48,8 +48,9 @@ lint: $(BIN)/.installed
 check: bytecode
 	$(MAKE) --no-print-directory -j2 -Otarget lint unit
 
+# Two workers: the unit tier is CPU work (~60 CPU-s), so one process would be the lane's floor.
 unit: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(UNIT)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile $(UNIT)
 
 test: lint bytecode test-native
 	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=30

@@ -104,7 +104,8 @@ class Interpreter:
             if buf == Buf.IN:
                 want = np.full(masks.size, bit(rank), np.uint64)
             else:
-                want = np.array([bit(e // s.count) for e in range(lo, lo + masks.size)], np.uint64)
+                blocks = np.arange(lo, lo + masks.size, dtype=np.uint64) // np.uint64(s.count)
+                want = np.left_shift(np.uint64(1), blocks)
             assert np.array_equal(masks, want), f"{where}: not the final blocks"
 
     def write(self, rank: int, buf: int, lo: int, hi: int, masks: np.ndarray) -> None:
