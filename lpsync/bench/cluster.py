@@ -7,8 +7,8 @@ node's 198.18.0.x address in --peers, a fresh random secret and its own socket, 
 namespaces share the filesystem; K rank processes per node, cluster_worker.py), run
 (every op x size x algorithm, then gloo), verify (#wrong, in the workers) and tear
 down, always: on success, failure, Ctrl-C and SIGTERM. The daemons' peer plane runs
-UCX over TCP (or plain TCP, --peer-transport; several: each on a fresh cluster in
-turn), so every byte between nodes crosses the shaped links.
+what --peer-transport names (auto: the daemon's own pick, TCP on a node without RDMA;
+several: each on a fresh cluster in turn), so every byte between nodes crosses the shaped links.
 
 A point's time is the median over iterations of the slowest rank's time; the wire
 limit is bytes / link rate, the time an ideal pipeline needs to push the message

@@ -23,8 +23,8 @@ processes on this machine.
 
 --cluster (root): for each node count in --nodes, builds an emulated cluster (network
 namespaces at 198.18.0.x, a tbf-shaped full-duplex NIC of --link per node), starts one
-daemon per namespace (peers = every node's address, UCX over TCP, a fresh random cluster
-secret) and --procs-per-node client processes per namespace (node-major ranks, as
+daemon per namespace (peers = every node's address, the --peer-transport, a fresh random
+cluster secret) and --procs-per-node client processes per namespace (node-major ranks, as
 torchrun numbers them), runs every --op x --bytes x --algorithm, then tears everything
 down, also on failure and Ctrl-C. Besides the table it prints the wire limit (bytes /
 link rate: an ideal pipeline's time through one NIC) and each time's ratio to it; cpu:
