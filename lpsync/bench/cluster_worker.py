@@ -195,8 +195,9 @@ def run_model(args: argparse.Namespace, rank: int, world: int) -> None:
     total = {mode: sum(counts) for mode, counts in args.model.items()}
     with lpsync_client.connect(job=args.job, timeout=args.timeout) as client:
         client.barrier()  # waits for the peer mesh; not timed
+        nodes = world // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         for mode, times, wrong, per_message in lpsync_steps(
-            client, rank, world, args.model, args.steps, args.warmup
+            client, rank, world, args.model, args.steps, args.warmup, nodes
         ):
             _emit(
                 engine="lpsync",

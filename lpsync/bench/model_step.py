@@ -28,6 +28,7 @@ from typing import cast
 
 import numpy as np
 
+from lpsync.algorithms.tuner import LEARNING_CALLS
 from lpsync.bench import models
 from lpsync.daemon import launch
 from lpsync.daemon.launch import serving
@@ -83,11 +84,15 @@ def _views(flat: np.ndarray, counts: list[int]) -> list[np.ndarray]:
 
 
 def lpsync_steps(
-    client, rank: int, world: int, plan: dict[str, list[int]], iters: int, warmup: int
+    client, rank: int, world: int, plan: dict[str, list[int]], iters: int, warmup: int, nodes: int = 1
 ) -> Iterator[tuple[str, list[float], int, list[tuple[int, str]]]]:
     """Per mode: (mode, this rank's step times, wrong elements after a verified step,
     rank 0's (elements, algorithm) per message in sequence order). One shared-memory buffer
-    holds every message."""
+    holds every message. Across ``nodes`` > 1 the daemons' first LEARNING_CALLS calls of a
+    size are node 0's timed trials of candidate schedules (daemon/collectives/learning.py),
+    and a size may come once a step: so many steps more are warm-up, and the timed steps
+    are what a job runs after them (the op sweeps do the same), not a mix of trials."""
+    warmup += LEARNING_CALLS if nodes > 1 else 0
     want = world * (world + 1) / 2
     flat = client.zeros(max(sum(c) for c in plan.values()), "float32")
     for mode, counts in plan.items():
@@ -178,7 +183,8 @@ def worker(
         local_world_size=per_node,
         timeout=600,
     ) as client:
-        for mode, times, wrong, per_message in lpsync_steps(client, rank, world, plan, iters, warmup):
+        steps = lpsync_steps(client, rank, world, plan, iters, warmup, nodes=len(sockets))
+        for mode, times, wrong, per_message in steps:
             queue.put(("lpsync", mode, rank, times, wrong, per_message))
     if compare == "gloo":
         import torch

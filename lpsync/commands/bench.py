@@ -49,7 +49,8 @@ Flat in P, 2 to 16 nodes (~5 min): lpsync bench --cluster --nodes 2,4,8,16 \\
 --model NAME (alexnet, vgg16, resnet50, bert-base, gpt2) replays one training step's
 gradient allreduces of that network: every parameter tensor, then DDP's 25 MiB buckets,
 all of a step in flight at once; locally, across --local-nodes daemons on loopback, or
-with --cluster. Example: lpsync bench --model resnet50 --procs 4 --compare gloo
+with --cluster (across nodes lpsync first runs 13 untimed steps: the tuner's trials of
+each size, learning.py). Example: lpsync bench --model resnet50 --procs 4 --compare gloo
 """
 
 
