@@ -199,6 +199,12 @@ class MeshEndpoint:
         self._runtime: Any = None  # the backend's runtime: listener (and UCX worker)
         self._owns_runtime = False
 
+    def heard_at(self, peer: int) -> float:
+        """The last moment ``peer`` was seen sending (time.monotonic()), where the backend
+        can tell (TCP: a long message read, or held back, keeps the peer heard); 0.0 where
+        it cannot, and silence is then judged by the heartbeats alone."""
+        return 0.0
+
     @classmethod
     def connect(cls, options: Any, runtime: Any = None) -> Self:
         """Dial the lower ranks, accept the higher ones, authenticate all. Without

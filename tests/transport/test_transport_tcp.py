@@ -185,6 +185,8 @@ def test_messages_before_their_receive_are_held_within_the_bound_and_push_back()
         held = b.early_bytes(0)
         assert 0 < held <= limit, held
         assert not all(request.done() for request in sends), "no back-pressure reached the sender"
+        # Held back by the receiver, not silent: its heartbeats wait behind these bytes.
+        assert time.monotonic() - b.heard_at(0) < 0.05
         deadline = time.monotonic() + 30
         outs = [np.zeros(size, np.uint8) for _ in range(count)]
         receives = [b.post_recv(0, 100 + i, out) for i, out in enumerate(outs)]
@@ -193,6 +195,9 @@ def test_messages_before_their_receive_are_held_within_the_bound_and_push_back()
         for i, (sent, got) in enumerate(zip(messages, outs, strict=True)):
             assert np.array_equal(sent, got), f"message {i}"
         assert b.early_bytes(0) == 0
+        last = b.heard_at(0)  # the last message's end: silence counts from there
+        time.sleep(0.3)
+        assert b.heard_at(0) == last and time.monotonic() - last >= 0.3
     finally:
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda e: e.close(), (a, b)))

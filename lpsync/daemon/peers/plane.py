@@ -45,7 +45,7 @@ from lpsync.engine.endpoint import PostingEndpoint, RecvRequest, SendRequest
 from lpsync.errors import LpsyncError, UnavailableError
 from lpsync.transport import backends
 from lpsync.transport.addresses import PeerAddress
-from lpsync.transport.mesh import Channel, MeshEndpoint, MeshOptions
+from lpsync.transport.mesh import Channel, InFlight, MeshEndpoint, MeshOptions
 from lpsync.transport.tags import ATTACHED, HEARTBEAT, HISTORY, NOTE, PROBE, TOLD, control_tag
 
 log = logging.getLogger("lpsync.peers")
@@ -224,12 +224,18 @@ class Link:
         for peer, heard in list(self.last_heard.items()):
             self.last_heard[peer] = max(self.last_heard.get(peer, heard), min(heard + paused, now))
 
+    def heard(self, peer: int) -> float:
+        """When ``peer`` was last known to be alive: its last heartbeat, or later where the
+        transport saw it sending since (its heartbeats wait behind a long message on the
+        same connection, or behind one this daemon is not ready to read)."""
+        return max(self.last_heard.get(peer, 0.0), self.mesh.heard_at(peer))
+
     def silent(self, now: float | None = None) -> list[int]:
         """Peers not heard from for over two heartbeat intervals while this daemon ran:
         the unreachable ones."""
         now = time.monotonic() if now is None else now
         now -= self.did_not_run(now)
-        return sorted(p for p, heard in list(self.last_heard.items()) if now - heard > 2 * self._interval)
+        return sorted(p for p in list(self.last_heard) if now - self.heard(p) > 2 * self._interval)
 
     def failure(self) -> str:
         """What broke this mesh, naming the peers that went silent: the first error may
@@ -239,7 +245,7 @@ class Link:
         text = str(self.mesh.error)
         if silent:
             names = ", ".join(
-                f"node {p} ({self._peers[p]}, silent {now - self.last_heard[p]:.1f} s)"
+                f"node {p} ({self._peers[p]}, silent {now - self.heard(p):.1f} s)"
                 if p < len(self._peers)
                 else f"node {p}"
                 for p in silent
@@ -557,18 +563,25 @@ class PeerPlane:
             worker.join(self.options.heartbeat_timeout + 1.0)
 
     def _heartbeats_to(self, link: Link, others: list[int]) -> None:
+        """One beat to every peer each interval, never waiting for one to leave: a beat
+        queued behind a long message to one peer (or one that peer holds back) must not
+        delay the others' beats. A peer whose last beat has not left yet gets none more
+        (it judges this daemon by what it reads: heard_at); counts are per peer."""
         beat = np.zeros(1, np.uint8)  # never written: safe to send while in flight
-        count = 0
+        counts = dict.fromkeys(others, 0)
+        last: dict[int, InFlight] = {}
         while not link.broken.wait(self.options.heartbeat_interval):
             try:
-                requests = [link.mesh.send(p, control_tag(HEARTBEAT, count), beat) for p in others]
-                deadline = time.monotonic() + self.options.heartbeat_timeout
-                for request in requests:
-                    request.wait(deadline)
+                for p in others:
+                    if (previous := last.get(p)) is not None:
+                        if not previous.done():
+                            continue
+                        previous.wait(0.0)  # raises if it failed: the connection broke
+                    last[p] = link.mesh.send(p, control_tag(HEARTBEAT, counts[p]), beat)
+                    counts[p] += 1
             except LpsyncError:
                 link.broken.set()
                 return
-            count += 1
 
     def _heartbeats_from(self, link: Link, peer: int) -> None:
         # Receives never time out on their own (that would break the mesh with a timeout);
@@ -632,8 +645,8 @@ class PeerPlane:
                 continue
             link.ran, excused = now, False
             link.expire_due(now)
-            for peer, heard in list(link.last_heard.items()):
-                if now - heard > timeout:
+            for peer in list(link.last_heard):
+                if now - (heard := link.heard(peer)) > timeout:
                     error = UnavailableError(
                         f"peer node {peer} ({self.options.peers.peers[peer]}) sent no "
                         f"heartbeat for {now - heard:.1f} s (limit {timeout:g} s): declared gone"

@@ -67,6 +67,11 @@ class _Conn:
         self.posted: dict[int, collections.deque[Request]] = {}
         self.unexpected: dict[int, collections.deque[np.ndarray]] = {}
         self.early = 0  # bytes held in unexpected (and being read into it)
+        # Liveness as the reader sees it (heard_at): the time the last message ended, and
+        # whether one is being read or waits for room (the peer is sending; we are not
+        # reading, so a heartbeat behind it cannot arrive).
+        self.heard = time.monotonic()
+        self.in_message = False
         self.out_lock = threading.Lock()
         self.out_ready = threading.Condition(self.out_lock)
         self.outbox: collections.deque[tuple[list[memoryview], Request]] = collections.deque()
@@ -199,9 +204,11 @@ class TcpEndpoint(MeshEndpoint):
                 if got != size and not _read_rest(conn.sock, head, got):
                     break
                 tag, nbytes = _HEADER.unpack(header)
+                conn.in_message = True
                 if tag == GOODBYE:
                     conn.departed = True
                     conn.goodbye.set()
+                    conn.in_message = False
                     continue
                 request = conn.take_posted(tag) or conn.wait_room(tag, nbytes, self.options.early_bytes)
                 if request is None:
@@ -219,6 +226,7 @@ class TcpEndpoint(MeshEndpoint):
                     if got != nbytes and not _read_rest(conn.sock, memoryview(request.keep)[:nbytes], got):
                         break
                     request.finish(None)
+                conn.heard, conn.in_message = time.monotonic(), False
         except OSError as error:
             log.debug("rank %d: reading from rank %d: %s", self.rank, conn.rank, error)
         except Exception as error:  # e.g. a header announcing more bytes than memory holds
@@ -356,6 +364,15 @@ class TcpEndpoint(MeshEndpoint):
         elif data is not None:
             _deliver(request, data)
         return request
+
+    def heard_at(self, peer: int) -> float:
+        """Now while a message of ``peer``'s is being read or waits for room to be read
+        (a heartbeat queued behind it cannot arrive, and the peer is plainly sending),
+        else when its last message ended."""
+        conn = self._conns.get(peer)
+        if conn is None:
+            return 0.0
+        return time.monotonic() if conn.in_message else conn.heard
 
     def early_bytes(self, peer: int) -> int:
         """Bytes of messages from ``peer`` held before their receive (bounded by

@@ -12,6 +12,7 @@ from lpsync.daemon.peers.discovery import discover, expand_nodelist, from_dns, f
 from lpsync.daemon.peers.plane import Link
 from lpsync.errors import ConfigError, InvalidArgumentError
 from lpsync.transport.addresses import PeerAddress
+from lpsync.transport.tags import HEARTBEAT, control_tag
 
 
 @pytest.mark.parametrize(
@@ -157,8 +158,11 @@ def test_each_probe_pair_has_connect_timeout_of_its_own(monkeypatch: pytest.Monk
         peer_plane.PeerPlane._probe(plane, link, [1, 2, 3, 4])
 
 
-def _link(interval: float) -> Link:
-    endpoint = types.SimpleNamespace(rank=0, size=3, send=None, recv_into=None, post_recv=None)
+def _link(interval: float, heard_at: dict[int, float] | None = None) -> Link:
+    seen = heard_at or {}
+    endpoint = types.SimpleNamespace(
+        rank=0, size=3, send=None, recv_into=None, post_recv=None, heard_at=lambda p: seen.get(p, 0.0)
+    )
     peers = tuple(PeerAddress(f"n{i}", 4000) for i in range(3))
     return Link(1, endpoint, peers, heartbeat_interval=interval)  # type: ignore[arg-type]
 
@@ -222,3 +226,48 @@ def test_a_failing_expiry_does_not_stop_the_others(caplog) -> None:
     link.expire_due(2.0)
     assert expired == [1]
     assert "expiry failed" in caplog.text
+
+
+def test_a_peer_the_transport_sees_sending_is_not_silent() -> None:
+    """Its heartbeats wait behind a long message (or one this daemon holds back): the
+    transport's heard_at keeps it heard; a peer neither beats nor sends is named."""
+    heard_at = {1: 104.9}
+    link = _link(0.5, heard_at)
+    link.ran = 105.0
+    link.last_heard = {1: 100.0, 2: 100.0}
+    assert link.heard(1) == 104.9 and link.heard(2) == 100.0
+    assert link.silent(105.0) == [2]
+
+
+class _Beat:
+    def __init__(self, done: bool) -> None:
+        self._done = done
+
+    def done(self) -> bool:
+        return self._done
+
+    def wait(self, deadline: float) -> None:
+        assert self._done
+
+
+def test_a_beat_stuck_behind_one_peers_data_delays_no_other_peers_beats() -> None:
+    """Node 2's connection is held back: its first beat never leaves. Node 1 still gets a
+    beat every interval, numbered in its own sequence; node 2 gets no second one queued."""
+    from lpsync.daemon.peers import plane as peer_plane
+
+    sent: list[tuple[int, int]] = []
+    rounds = 4
+
+    def send(peer: int, tag: int, data) -> _Beat:
+        sent.append((peer, tag))
+        if sum(1 for p, _ in sent if p == 1) == rounds:
+            link.broken.set()  # ends the loop after this round
+        return _Beat(done=peer != 2)
+
+    link = _link(0.01)
+    link.mesh.send = send  # type: ignore[attr-defined]
+    plane = types.SimpleNamespace(options=types.SimpleNamespace(heartbeat_interval=0.01))
+    peer_plane.PeerPlane._heartbeats_to(plane, link, [1, 2])  # type: ignore[arg-type]
+    beats_to = {p: [t for q, t in sent if q == p] for p in (1, 2)}
+    assert beats_to[1] == [control_tag(HEARTBEAT, i) for i in range(rounds)]
+    assert beats_to[2] == [control_tag(HEARTBEAT, 0)]
