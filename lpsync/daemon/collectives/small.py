@@ -14,10 +14,15 @@ at its rank's place; every node takes node 0's one result, so all get the same b
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 
+from lpsync.daemon.collectives.staging import whole
 from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.collectives.views import buffers, reduction
+from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.values import Arrival
 from lpsync.types import Collective
 
@@ -36,6 +41,20 @@ def rides(task: Task) -> bool:
     if task.op in (Collective.BARRIER, Collective.ALLTOALL) or task.spec.algorithm:
         return False  # all-to-all's parts would carry every block to node 0 and back
     return task.nbytes <= SMALL_MAX_BYTES
+
+
+@contextlib.contextmanager
+def riding(task: Task, devices: DeviceRegistry | None, deadline: float) -> Iterator[SmallCollective | None]:
+    """The collective that rides the agreement (None: a barrier, nothing rides): on host
+    buffers as they are, on devices staged through host mirrors while it runs (written
+    back as the block ends)."""
+    if task.op is Collective.BARRIER:
+        yield None
+    elif task.on_device:
+        with whole(task, devices, deadline) as hosts:
+            yield SmallCollective(task, hosts)
+    else:
+        yield SmallCollective(task, task.arrivals)
 
 
 class SmallCollective:
