@@ -15,6 +15,11 @@ A small collective (small.py) adds its data: each message carries the sender's f
 part (up) or the result (down; for reduce and gather only towards the root's node, the
 other subtrees take the verdict alone).
 
+One entry, ``agree(side, link)``, for every branch of the multi-node path (path.py):
+a node brings its summary, or the error that failed the call there (no mesh: announced
+on the next; its armed run failed); the message tags come in with the Side, made once
+above (lpsync.transport.tags.agreement_tags): this module imports nothing of transport.
+
 Wire format of a message: two little-endian uint32 (header bytes, payload bytes), the
 JSON header, the payload. Receive buffers are sized for the largest message a node may
 legally send; a larger one (another node decided otherwise: mismatched collectives)
@@ -212,7 +217,7 @@ class Summary:
         return cls(fields, json.dumps({"summaries": [fields]}).encode())
 
 
-def summary(job: Job, spec: Spec, link: Link, extras: tuple[tuple[str, Any], ...] = ()) -> Summary:
+def _go_summary(job: Job, spec: Spec, link: Link, extras: tuple[tuple[str, Any], ...] = ()) -> Summary:
     """This node's summary of ``spec`` (cached: a job repeats its collectives); ``extras``
     are learning.py's fields ("use", "trial", "last") and hierarchy.py's ("device"), hashable."""
     assert job.layout is not None and link.model is not None
@@ -421,7 +426,7 @@ def agree(side: Side, link: Link | PeerPlane) -> Verdict | Later[Verdict | Excep
     if side.error is not None:
         _fail(side, link, side.error)
     assert isinstance(link, Link) and side.spec is not None
-    mine = summary(side.job, side.spec, link, side.offers)
+    mine = _go_summary(side.job, side.spec, link, side.offers)
     if side.later and (later := _agree_later(side, link, mine)) is not None:
         return later
     return _agree(side.job, side.pending, link, side.deadline, mine, side.small, side.tags)
@@ -451,12 +456,12 @@ def _agree(
     tags: tuple[int, int],
 ) -> Verdict:
     """Run this node's side of the agreement; raises the verdict's error on every node
-    alike. ``mine`` is this node's summary (summary() or failure_summary());
+    alike. ``mine`` is this node's summary (_go_summary() or failure_summary());
     ``small`` carries a small collective's data (its result comes back in the Verdict)."""
     assert job.layout is not None
     nodes = job.layout.nodes
     up, down = tags
-    part = small.part() if small is not None and "error" not in mine.fields else None
+    part = small.part if small is not None and "error" not in mine.fields else None
     if nodes <= EXCHANGE_MAX_NODES:
         return _exchange(job, pending, link, deadline, mine, small, part, up)
     return _tree(job, pending, link, deadline, mine, small, part, up, down)
@@ -565,7 +570,7 @@ def _agree_later(side: Side, link: Link, mine: Summary) -> Later[Verdict | Excep
 
     key = link.watch(deadline, expire)
     pending.waiting_nodes = (0,)
-    message = encode(mine.alone, small.part() if small else None)
+    message = encode(mine.alone, small.part if small else None)
     # Both on the connection's channel: a send that fails (the mesh broke) fails the
     # posted receive too, which reports it through ``landed``.
     posted.append(channel.post((down << channel.shift) | channel.recv_bits, buf, landed))

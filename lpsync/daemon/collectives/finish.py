@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from lpsync.daemon.collectives import native_across
 from lpsync.daemon.collectives.agreement import EXCHANGE_MAX_NODES, Verdict
 from lpsync.daemon.collectives.learning import Learner
 from lpsync.daemon.collectives.planning import Proposal
 from lpsync.daemon.collectives.small import SmallCollective
 from lpsync.daemon.collectives.task import Task
-from lpsync.daemon.peers.plane import Link
+from lpsync.daemon.peers.plane import Link, PeerPlane
 from lpsync.daemon.values import RUNNING, Later, Outcome
 from lpsync.errors import CollectiveTimeoutError, LpsyncError, MismatchError, UnavailableError
 
@@ -35,25 +36,44 @@ _MAY_HAVE_FINISHED = (
 
 @dataclass
 class Finish:
-    """What finishing ``task`` needs: its link, node 0's learner, this node's last trial
-    time (``last``, taken for the summary) and its proposal (None: not made yet)."""
+    """What finishing ``task`` needs: its plane and link, node 0's learner, this node's
+    last trial time (``last``, taken for the summary) and its proposal (None: not made
+    yet)."""
 
     task: Task
+    plane: PeerPlane
     link: Link
     learner: Learner
     last: tuple[int, float] | None = None
     proposal: Proposal | None = None
 
-    def agreed(self, verdict: Verdict) -> None:
-        """The verdict came: node 0 learns the trial times it carries; the call runs."""
+    def agreed(
+        self, agreed: Verdict | Later[Verdict | Exception], ride: bool, small: SmallCollective | None
+    ) -> Outcome | Later[Outcome] | None:
+        """The verdict came: node 0 learns the trial times it carries, and the call runs.
+        A collective the agreement finishes (``ride``: a barrier, or ``small`` riding it)
+        is finished here: its Outcome, or a Later that the verdict's reader fills where
+        the verdict lands (``agreed`` a Later: agreement.py's leaves). None: the call
+        runs on the general path (runners.py)."""
+        if isinstance(agreed, Later):
+            return self._later(small, agreed)
+        if not ride:
+            self._running(agreed)
+            return None
+        task, outcome = self.task, self._ridden(small, agreed)
+        if small is not None and not task.on_device:  # armed where every node offered
+            outcome.armed = native_across.after_ride(task, self.plane, agreed)
+        return outcome
+
+    def _running(self, verdict: Verdict) -> None:
         for node, sequence, seconds in verdict.reports:
             self.learner.report(node, sequence, seconds)
         self.task.pending.enter(RUNNING)
 
-    def ridden(self, small: SmallCollective | None, verdict: Verdict) -> Outcome:
-        """A collective the agreement finishes (with the result of one riding it,
-        ``small``; None: a barrier): its verdict came, write the result."""
-        self.agreed(verdict)
+    def _ridden(self, small: SmallCollective | None, verdict: Verdict) -> Outcome:
+        """A collective the agreement finished (with the result of one riding it,
+        ``small``; None: a barrier): write the result."""
+        self._running(verdict)
         task = self.task
         if small is None:
             return Outcome(algorithm="exchange", chunks=1, seconds=task.elapsed())
@@ -62,15 +82,15 @@ class Finish:
         shape = "exchange" if task.job.layout.nodes <= EXCHANGE_MAX_NODES else "tree"
         return Outcome(algorithm=shape, chunks=1, seconds=task.elapsed())
 
-    def later(self, small: SmallCollective | None, agreed: Later[Verdict | Exception]) -> Later[Outcome]:
-        """``ridden`` where the verdict lands (agreement.py's leaves)."""
+    def _later(self, small: SmallCollective | None, agreed: Later[Verdict | Exception]) -> Later[Outcome]:
+        """``_ridden`` where the verdict lands (never armed: no node offered to)."""
         finished: Later[Outcome] = Later()
 
         def then(verdict: Verdict | Exception) -> None:
             try:
                 if isinstance(verdict, Exception):
                     raise verdict
-                outcome = self.ridden(small, verdict)
+                outcome = self._ridden(small, verdict)
             except Exception as error:  # on a reader thread: every error becomes the outcome
                 outcome = Outcome(self.failed(error))
             finished.set(outcome)

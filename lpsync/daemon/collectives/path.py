@@ -85,7 +85,7 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
                 if job.learner is None:
                     job.learner = Learner(job.layout.nodes)
                 # What node 0 learned (learning.py), and an earlier trial's time for it.
-                finish = Finish(task, link, job.learner, job.learner.take_last())
+                finish = Finish(task, plane, link, job.learner, job.learner.take_last())
                 finish.proposal = planning.propose(task, finish.learner, link, finish.last)
                 offers = finish.proposal.extras + hierarchy.offer(task, devices) + armed
                 side = replace(side, spec=task.spec, offers=offers)
@@ -97,14 +97,10 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
         with small.riding(task, devices, deadline) if rides else contextlib.nullcontext() as riding:
             agreed = agreement.agree(replace(side, small=riding, later=later), where)
             assert finish is not None  # a failed side raised its error
-            if isinstance(agreed, Later):
-                return finish.later(riding, agreed)
-            if rides:
-                outcome = finish.ridden(riding, agreed)
-                if riding is not None and not task.on_device:
-                    outcome.armed = native_across.after_ride(task, plane, agreed)
-                return outcome
-        finish.agreed(agreed)
+            finished = finish.agreed(agreed, rides, riding)
+            if finished is not None:
+                return finished
+        assert not isinstance(agreed, Later)  # only a riding collective's verdict lands later
         steps = planning.tag_base(job.name, pending.sequence)  # the schedule's message tags
         context = runners.Context(devices, link, agreed, finish.learner, deadline, steps, plane)
         return runners.run(task, context)

@@ -50,11 +50,9 @@ def riding(task: Task, devices: DeviceRegistry | None, deadline: float) -> Itera
     back as the block ends)."""
     if task.op is Collective.BARRIER:
         yield None
-    elif task.on_device:
-        with whole(task, devices, deadline) as hosts:
-            yield SmallCollective(task, hosts)
-    else:
-        yield SmallCollective(task, task.arrivals)
+        return
+    with whole(task, devices, deadline) as hosts:  # host buffers: the arrivals themselves
+        yield SmallCollective(task, hosts)
 
 
 class SmallCollective:
@@ -72,6 +70,7 @@ class SmallCollective:
         "everywhere",
         "op",
         "order",
+        "part",
         "ranks",
         "reduction",
         "root",
@@ -95,8 +94,10 @@ class SmallCollective:
         # The accumulator this node allocated: the only array a reduction may write into
         # (never a participant's input, nor a received message's buffer).
         self._own: np.ndarray | None = None
+        # What this node sends up the agreement, made once here (agreement.py reads it).
+        self.part = self._part()
 
-    def part(self) -> np.ndarray:
+    def _part(self) -> np.ndarray:
         """This node's contribution: its ranks' inputs reduced (reducing ops), laid end to
         end (allgather, gather), or the root's input (broadcast, scatter; empty on other
         nodes)."""
