@@ -416,7 +416,7 @@ def agree(side: Side, link: Link | PeerPlane) -> Verdict | Later[Verdict | Excep
     every node reaches alike, raised where it is an error. The one entry for every
     branch of the multi-node path:
       - a go side: the Verdict (carrying the result of a collective that rides it), or,
-        where ``side.later`` allows and this node is a leaf that can (agree_later), a
+        where ``side.later`` allows and this node is a leaf that can (_agree_later), a
         Later the verdict's reader fills;
       - a failed side (``side.error``): its summary carries the error, so that the nodes
         that run the call fail it at once instead of timing out; raises ``side.error``
