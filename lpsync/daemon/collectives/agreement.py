@@ -256,7 +256,7 @@ def failure_summary(job: Job, error: LpsyncError) -> Summary:
     return Summary.of({"node": job.layout.node, "ranks": ranks, "error": [error.code, message]})
 
 
-def _announce(job: Job, sequence: int, tags: tuple[int, int], link: Link, failure: Summary) -> None:
+def announce(job: Job, sequence: int, tags: tuple[int, int], link: Link, failure: Summary) -> None:
     """This node failed collective ``sequence`` without a mesh (failure_summary): on
     the next one, send what the nodes that run it there wait for from this node, so
     that they fail it at once instead of timing out: the summary to its tree parent
@@ -416,7 +416,7 @@ def agree(side: Side, link: Link | PeerPlane) -> Verdict | Later[Verdict | Excep
     every node reaches alike, raised where it is an error. The one entry for every
     branch of the multi-node path:
       - a go side: the Verdict (carrying the result of a collective that rides it), or,
-        where ``side.later`` allows and this node is a leaf that can (_agree_later), a
+        where ``side.later`` allows and this node is a leaf that can (agree_later), a
         Later the verdict's reader fills;
       - a failed side (``side.error``): its summary carries the error, so that the nodes
         that run the call fail it at once instead of timing out; raises ``side.error``
@@ -427,7 +427,7 @@ def agree(side: Side, link: Link | PeerPlane) -> Verdict | Later[Verdict | Excep
         _fail(side, link, side.error)
     assert isinstance(link, Link) and side.spec is not None
     mine = _go_summary(side.job, side.spec, link, side.offers)
-    if side.later and (later := _agree_later(side, link, mine)) is not None:
+    if side.later and (later := agree_later(side, link, mine)) is not None:
         return later
     return _agree(side.job, side.pending, link, side.deadline, mine, side.small, side.tags)
 
@@ -442,7 +442,7 @@ def _fail(side: Side, link: Link | PeerPlane, error: LpsyncError) -> NoReturn:
             _agree(job, pending, link, side.deadline, failure, None, tags)
     else:
         cluster, sequence = job.layout.cluster, pending.sequence
-        link.owe(side.deadline, lambda now: _announce(job, sequence, tags, now.for_job(cluster), failure))
+        link.owe(side.deadline, lambda now: announce(job, sequence, tags, now.for_job(cluster), failure))
     raise error
 
 
@@ -516,7 +516,7 @@ def _too_large(peer: int) -> str:
     )
 
 
-def _agree_later(side: Side, link: Link, mine: Summary) -> Later[Verdict | Exception] | None:
+def agree_later(side: Side, link: Link, mine: Summary) -> Later[Verdict | Exception] | None:
     """_agree() on a leaf of the tree whose connection to its parent takes callbacks (a
     Channel: the TCP backend's, whose reader calls back, and UCX's, whose progress thread
     does): send the summary with this node's part and leave the verdict to the thread that

@@ -3,8 +3,9 @@ lpsync/daemon/collectives imports lpsync.daemon.control, at run time or for type
 A Job reaches the control layer only through the one runner it is handed
 (matching.JobRunner, collectives/conductor.py). The multi-node path (collectives/path.py)
 has one agree stage: agreement.agree is called from path.py alone, once by every branch
-of _across_nodes, and the agreement takes its tags from there (it imports nothing of
-lpsync.transport). Every module is read with ``ast``."""
+of _across_nodes (the protocol's other parts, agree_later and announce, from nowhere
+outside agreement.py), and the agreement takes its tags from there (it imports nothing
+of lpsync.transport). Every module is read with ``ast``."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ PACKAGE = Path(lpsync.__file__).parent
 COLLECTIVES = Path(lpsync.daemon.collectives.__file__).parent
 CONTROL = "lpsync.daemon.control"
 AGREEMENT = "lpsync.daemon.collectives.agreement"
+PROTOCOL = frozenset({"agree", "agree_later", "announce"})  # agreement.py's sides of a round
 
 
 def _absolute(module: str | None, level: int, package: str) -> str:
@@ -71,15 +73,16 @@ def test_no_collectives_module_imports_the_control_layer() -> None:
 
 
 def agree_calls(source: str, package: str) -> list[tuple[int, str]]:
-    """(line, enclosing function) of each call of agreement.agree in ``source``: as
-    ``agreement.agree(...)``, or a name imported from the module (``from ... import agree``)."""
+    """(line, enclosing function) of each call of the agreement's protocol (PROTOCOL) in
+    ``source``: as ``agreement.agree(...)``, or a name imported from the module (``from
+    ... import agree``)."""
     tree = ast.parse(source)
     bare = {
         a.asname or a.name
         for node in ast.walk(tree)
         if isinstance(node, ast.ImportFrom) and _absolute(node.module, node.level, package) == AGREEMENT
         for a in node.names
-        if a.name == "agree"
+        if a.name in PROTOCOL
     }
     found = []
     for function in ast.walk(tree):
@@ -91,7 +94,7 @@ def agree_calls(source: str, package: str) -> list[tuple[int, str]]:
                 continue
             f = node.func
             if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
-                called = f.value.id == "agreement" and f.attr == "agree"
+                called = f.value.id == "agreement" and f.attr in PROTOCOL
             else:
                 called = isinstance(f, ast.Name) and f.id in bare
             if called:
@@ -112,7 +115,8 @@ def test_the_agree_check_sees_every_form_of_call() -> None:
     assert agree_calls("from lpsync.daemon.collectives.agreement import agree\nagree(s, l)\n", package) == [
         (2, "<module>")
     ]
-    assert not agree_calls("def f():\n    other.agree(side)\n    agreement.summary(x)\n", package)
+    assert agree_calls("def f():\n    x = 1\n    agreement.announce(j, s, t, l, f)\n", package) == [(3, "f")]
+    assert not agree_calls("def f():\n    other.agree(side)\n    agreement.judge(x)\n", package)
 
 
 def test_the_multinode_path_has_one_agree_stage() -> None:
