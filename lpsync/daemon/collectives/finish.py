@@ -66,6 +66,7 @@ class Finish:
         return outcome
 
     def _running(self, verdict: Verdict) -> None:
+        """Node 0 takes the trial times the other nodes reported in their summaries."""
         for node, sequence, seconds in verdict.reports:
             self.learner.report(node, sequence, seconds)
         self.task.pending.enter(RUNNING)
