@@ -62,7 +62,7 @@ def fold(src: int, dst: int, tag: int) -> int:
 CONTROL = 1 << 63
 KIND_SHIFT = 56
 CONTROL_VALUE = (1 << KIND_SHIFT) - 1  # the bits of a control tag that carry its value
-# The peer plane's kinds (SPEC and VERDICT: collectives/agreement.py; ATTACHED: the ranks
+# The peer plane's kinds (SPEC and VERDICT: a collective's agreement, agreement_tags; ATTACHED: the ranks
 # each node serves, peers/attached.py; NOTE: any-source sends).
 HEARTBEAT, PROBE, SPEC, VERDICT, HISTORY, TOLD, NOTE, ATTACHED = 1, 2, 3, 4, 5, 6, 7, 8
 GOODBYE = (1 << 64) - 1  # kind 127: no kind above uses it
@@ -77,3 +77,14 @@ def agreement_value(hashed_job: int, sequence: int) -> int:
     """The value of a collective's SPEC and VERDICT tags: the job's hash (``job_hash``)
     above the sequence's low 32 bits, cut to a control tag's value."""
     return ((hashed_job << 32) | (sequence & 0xFFFFFFFF)) & CONTROL_VALUE
+
+
+_SPEC_TAG, _VERDICT_TAG = control_tag(SPEC, 0), control_tag(VERDICT, 0)
+
+
+def agreement_tags(job: str, sequence: int) -> tuple[int, int]:
+    """(summary tag, verdict tag) of a job's collective ``sequence``: control_tag(SPEC and
+    VERDICT, agreement_value), written out (two calls less per collective). Computed once
+    by the multi-node path and handed to the agreement."""
+    value = agreement_value(job_hash(job), sequence)
+    return _SPEC_TAG | value, _VERDICT_TAG | value

@@ -15,7 +15,7 @@ from tests.daemon.multinode_workers import attempt, one_allreduce
 _FAULT = """
 import lpsync.daemon.collectives.small as small
 
-_part = small.SmallCollective.part
+_part = small.SmallCollective._part  # each node's part, made as its SmallCollective is
 
 
 def part(self):
@@ -24,7 +24,7 @@ def part(self):
     return _part(self)
 
 
-small.SmallCollective.part = part
+small.SmallCollective._part = part
 """
 
 

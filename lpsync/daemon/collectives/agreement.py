@@ -15,6 +15,11 @@ A small collective (small.py) adds its data: each message carries the sender's f
 part (up) or the result (down; for reduce and gather only towards the root's node, the
 other subtrees take the verdict alone).
 
+One entry, ``agree(side, link)``, for every branch of the multi-node path (path.py):
+a node brings its summary, or the error that failed the call there (no mesh: announced
+on the next; its armed run failed); the message tags come in with the Side, made once
+above (lpsync.transport.tags.agreement_tags): this module imports nothing of transport.
+
 Wire format of a message: two little-endian uint32 (header bytes, payload bytes), the
 JSON header, the payload. Receive buffers are sized for the largest message a node may
 legally send; a larger one (another node decided otherwise: mismatched collectives)
@@ -23,6 +28,7 @@ fails that node's part as a mismatch instead of breaking the mesh.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -30,14 +36,14 @@ import logging
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import numpy as np
 
 from lpsync.algorithms import LinkModel
 from lpsync.daemon.collectives.matching import Job
 from lpsync.daemon.collectives.small import SMALL_MAX_BYTES, SmallCollective
-from lpsync.daemon.peers.plane import Link
+from lpsync.daemon.peers.plane import Link, PeerPlane
 from lpsync.daemon.values import SPEC_FIELDS, Later, Pending, Spec, ranks_text
 from lpsync.errors import (
     AbortedError,
@@ -47,7 +53,6 @@ from lpsync.errors import (
     MismatchError,
     UnavailableError,
 )
-from lpsync.transport.tags import SPEC, VERDICT, agreement_value, control_tag, job_hash
 
 log = logging.getLogger("lpsync.daemon")
 
@@ -212,7 +217,7 @@ class Summary:
         return cls(fields, json.dumps({"summaries": [fields]}).encode())
 
 
-def summary(job: Job, spec: Spec, link: Link, extras: tuple[tuple[str, Any], ...] = ()) -> Summary:
+def _go_summary(job: Job, spec: Spec, link: Link, extras: tuple[tuple[str, Any], ...] = ()) -> Summary:
     """This node's summary of ``spec`` (cached: a job repeats its collectives); ``extras``
     are learning.py's fields ("use", "trial", "last") and hierarchy.py's ("device"), hashable."""
     assert job.layout is not None and link.model is not None
@@ -251,7 +256,7 @@ def failure_summary(job: Job, error: LpsyncError) -> Summary:
     return Summary.of({"node": job.layout.node, "ranks": ranks, "error": [error.code, message]})
 
 
-def announce(job: Job, sequence: int, link: Link, failure: Summary) -> None:
+def announce(job: Job, sequence: int, tags: tuple[int, int], link: Link, failure: Summary) -> None:
     """This node failed collective ``sequence`` without a mesh (failure_summary): on
     the next one, send what the nodes that run it there wait for from this node, so
     that they fail it at once instead of timing out: the summary to its tree parent
@@ -260,7 +265,7 @@ def announce(job: Job, sequence: int, link: Link, failure: Summary) -> None:
     waits, the message lies unread until this mesh generation closes."""
     assert job.layout is not None
     nodes, node = job.layout.nodes, job.layout.node
-    up, down = _tags(job_hash(job.name), sequence)
+    up, down = tags
     if nodes <= EXCHANGE_MAX_NODES:
         for other in range(nodes):
             if other != node:
@@ -282,16 +287,6 @@ def announce(job: Job, sequence: int, link: Link, failure: Summary) -> None:
     )
     for kid in tree.children(node):
         link.endpoint.send(kid, down, verdict)
-
-
-_SPEC_TAG, _VERDICT_TAG = control_tag(SPEC, 0), control_tag(VERDICT, 0)
-
-
-def _tags(job_hash: int, sequence: int) -> tuple[int, int]:
-    """(summary tag, verdict tag) of a job's collective: control_tag(SPEC and VERDICT,
-    the value), written out (two calls less per collective)."""
-    value = agreement_value(job_hash, sequence)
-    return _SPEC_TAG | value, _VERDICT_TAG | value
 
 
 # -- judging -------------------------------------------------------------------------------
@@ -397,21 +392,76 @@ def _same_data(mine: bytes, theirs: bytes) -> bool:
 # -- the protocol --------------------------------------------------------------------------
 
 
-def agree(
+@dataclass(frozen=True)
+class Side:
+    """This node's side of one collective's agreement, whichever branch of the multi-node
+    path (path.py) comes to it: what this node brings (its Spec and offers, or the error
+    that failed the call here), the collective riding it, and how long it waits."""
+
+    job: Job
+    pending: Pending
+    tags: tuple[int, int]  # (summary tag, verdict tag): transport/tags.agreement_tags
+    deadline: float
+    spec: Spec | None = None  # what this node's ranks called (None where ``error`` is set)
+    # learning.py's fields ("use", "trial", "last"), hierarchy.py's ("device"),
+    # native_across.py's ("native"): hashable, the summary is cached
+    offers: tuple[tuple[str, Any], ...] = ()
+    error: LpsyncError | None = None  # the call failed on this node: every node fails it
+    small: SmallCollective | None = None  # the collective whose data rides (small.py)
+    later: bool = False  # it may finish where the verdict lands (a leaf's reader)
+
+
+def agree(side: Side, link: Link | PeerPlane) -> Verdict | Later[Verdict | Exception]:
+    """The agree stage: this node's part in ``side``'s agreement and the verdict that
+    every node reaches alike, raised where it is an error. The one entry for every
+    branch of the multi-node path:
+      - a go side: the Verdict (carrying the result of a collective that rides it), or,
+        where ``side.later`` allows and this node is a leaf that can (agree_later), a
+        Later the verdict's reader fills;
+      - a failed side (``side.error``): its summary carries the error, so that the nodes
+        that run the call fail it at once instead of timing out; raises ``side.error``
+        after its part (whatever the verdict: it names this error or an earlier node's).
+        ``link`` is the plane where there is no mesh: the failure is announced on the
+        next one (sent, never waited for)."""
+    if side.error is not None:
+        _fail(side, link, side.error)
+    assert isinstance(link, Link) and side.spec is not None
+    mine = _go_summary(side.job, side.spec, link, side.offers)
+    if side.later and (later := agree_later(side, link, mine)) is not None:
+        return later
+    return _agree(side.job, side.pending, link, side.deadline, mine, side.small, side.tags)
+
+
+def _fail(side: Side, link: Link | PeerPlane, error: LpsyncError) -> NoReturn:
+    """A failed side's part: agreed (bounded by its deadline) or, without a mesh, owed."""
+    job, pending, tags = side.job, side.pending, side.tags
+    assert job.layout is not None
+    failure = failure_summary(job, error)
+    if isinstance(link, Link):
+        with contextlib.suppress(LpsyncError):
+            _agree(job, pending, link, side.deadline, failure, None, tags)
+    else:
+        cluster, sequence = job.layout.cluster, pending.sequence
+        link.owe(side.deadline, lambda now: announce(job, sequence, tags, now.for_job(cluster), failure))
+    raise error
+
+
+def _agree(
     job: Job,
     pending: Pending,
     link: Link,
     deadline: float,
     mine: Summary,
-    small: SmallCollective | None = None,
+    small: SmallCollective | None,
+    tags: tuple[int, int],
 ) -> Verdict:
     """Run this node's side of the agreement; raises the verdict's error on every node
-    alike. ``mine`` is this node's summary (summary() or failure_summary());
+    alike. ``mine`` is this node's summary (_go_summary() or failure_summary());
     ``small`` carries a small collective's data (its result comes back in the Verdict)."""
     assert job.layout is not None
     nodes = job.layout.nodes
-    up, down = _tags(job_hash(job.name), pending.sequence)
-    part = small.part() if small is not None and "error" not in mine.fields else None
+    up, down = tags
+    part = small.part if small is not None and "error" not in mine.fields else None
     if nodes <= EXCHANGE_MAX_NODES:
         return _exchange(job, pending, link, deadline, mine, small, part, up)
     return _tree(job, pending, link, deadline, mine, small, part, up, down)
@@ -466,23 +516,17 @@ def _too_large(peer: int) -> str:
     )
 
 
-def agree_later(
-    job: Job,
-    pending: Pending,
-    link: Link,
-    deadline: float,
-    mine: Summary,
-    small: SmallCollective | None,
-) -> Later[Verdict | Exception] | None:
-    """agree() on a leaf of the tree whose connection to its parent takes callbacks (a
+def agree_later(side: Side, link: Link, mine: Summary) -> Later[Verdict | Exception] | None:
+    """_agree() on a leaf of the tree whose connection to its parent takes callbacks (a
     Channel: the TCP backend's, whose reader calls back, and UCX's, whose progress thread
     does): send the summary with this node's part and leave the verdict to the thread that
     receives it, so that the collective finishes there and no thread is woken to learn of
-    it. The Later brings the Verdict, or the error agree() would raise: the
+    it. The Later brings the Verdict, or the error _agree() would raise: the
     verdict's, or the mesh's when it breaks or the deadline passes (the heartbeat
-    watchdog expires the wait). None where this node is not such a leaf: call agree().
-    ``small``: the collective riding the agreement; None for a barrier (the agreement is
-    all of it)."""
+    watchdog expires the wait). None where this node is not such a leaf: call _agree().
+    ``side.small``: the collective riding the agreement; None for a barrier (the
+    agreement is all of it)."""
+    job, pending, deadline, small = side.job, side.pending, side.deadline, side.small
     assert job.layout is not None
     nodes, node = job.layout.nodes, job.layout.node
     if node == 0 or nodes <= EXCHANGE_MAX_NODES:
@@ -492,7 +536,7 @@ def agree_later(
     channel = None if shape.kids or channel_of is None else channel_of(shape.parent)
     if channel is None:
         return None
-    up, down = _tags(job_hash(job.name), pending.sequence)
+    up, down = side.tags
     later: Later[Verdict | Exception] = Later()
     buf = np.empty(_VERDICT_MESSAGE, np.uint8)
     posted: list[Any] = []  # the verdict's receive, once posted
@@ -513,7 +557,7 @@ def agree_later(
         try:
             error = failed(request) if request.error is not None else None
             value: Verdict | Exception = error or _leaf_verdict(shape.parent, buf, small)
-        except Exception as unexpected:  # a malformed verdict: what agree() would raise
+        except Exception as unexpected:  # a malformed verdict: what _agree() would raise
             value = unexpected
         try:
             later.set(value)  # the collective finishes here
@@ -526,7 +570,7 @@ def agree_later(
 
     key = link.watch(deadline, expire)
     pending.waiting_nodes = (0,)
-    message = encode(mine.alone, small.part() if small else None)
+    message = encode(mine.alone, small.part if small else None)
     # Both on the connection's channel: a send that fails (the mesh broke) fails the
     # posted receive too, which reports it through ``landed``.
     posted.append(channel.post((down << channel.shift) | channel.recv_bits, buf, landed))

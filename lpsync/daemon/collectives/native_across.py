@@ -60,6 +60,19 @@ _MAY_HAVE_FINISHED = (
 )
 
 
+def before(task: Task, plane: PeerPlane) -> LpsyncError | tuple[tuple[str, Any], ...]:
+    """This node's armed side of a call before its agreement (the path's one look at it
+    there): the error of its armed run that failed here (``failure``; the job's channels
+    go, and it fails on every node), or, the call running on the general path here
+    (armed peers fall back at once: ``notice``), this node's offer for the summary."""
+    failed = failure(task)
+    if failed is not None:
+        drop(task)
+        return failed
+    notice(task)
+    return offer(task, plane)
+
+
 def offer(task: Task, plane: PeerPlane) -> tuple[tuple[str, Any], ...]:
     """This node's summary field: ("native", (host, port, channels connected)), or none."""
     job = task.job

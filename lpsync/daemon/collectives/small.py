@@ -14,10 +14,15 @@ at its rank's place; every node takes node 0's one result, so all get the same b
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 
+from lpsync.daemon.collectives.staging import whole
 from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.collectives.views import buffers, reduction
+from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.values import Arrival
 from lpsync.types import Collective
 
@@ -38,6 +43,18 @@ def rides(task: Task) -> bool:
     return task.nbytes <= SMALL_MAX_BYTES
 
 
+@contextlib.contextmanager
+def riding(task: Task, devices: DeviceRegistry | None, deadline: float) -> Iterator[SmallCollective | None]:
+    """The collective that rides the agreement (None: a barrier, nothing rides): on host
+    buffers as they are, on devices staged through host mirrors while it runs (written
+    back as the block ends)."""
+    if task.op is Collective.BARRIER:
+        yield None
+        return
+    with whole(task, devices, deadline) as hosts:  # host buffers: the arrivals themselves
+        yield SmallCollective(task, hosts)
+
+
 class SmallCollective:
     """One node's side of a riding collective: its part, folding, and writing results.
 
@@ -53,6 +70,7 @@ class SmallCollective:
         "everywhere",
         "op",
         "order",
+        "part",
         "ranks",
         "reduction",
         "root",
@@ -76,8 +94,10 @@ class SmallCollective:
         # The accumulator this node allocated: the only array a reduction may write into
         # (never a participant's input, nor a received message's buffer).
         self._own: np.ndarray | None = None
+        # What this node sends up the agreement, made once here (agreement.py reads it).
+        self.part = self._part()
 
-    def part(self) -> np.ndarray:
+    def _part(self) -> np.ndarray:
         """This node's contribution: its ranks' inputs reduced (reducing ops), laid end to
         end (allgather, gather), or the root's input (broadcast, scatter; empty on other
         nodes)."""

@@ -15,14 +15,12 @@ from lpsync.daemon.collectives.agreement import (
     Tree,
     _judged,
     _shape,
-    _tags,
     decode,
     encode,
     judge,
 )
 from lpsync.daemon.collectives.small import SMALL_MAX_BYTES
 from lpsync.daemon.values import Later
-from lpsync.transport.tags import SPEC, VERDICT, control_tag
 
 
 def _depth(tree: Tree, node: int) -> int:
@@ -72,13 +70,6 @@ def test_a_nodes_cached_shape_is_its_place_in_the_tree(nodes: int, radix: int) -
             expected.append(tuple(left))
             left = [n for n in left if not kid <= n < kid + tree.subtree(kid)]
         assert list(shape.waiting) == [*expected, ()]
-
-
-@pytest.mark.parametrize("job_hash", [0, 1, 0xDEADBEEF, 0xFFFFFFFF])
-@pytest.mark.parametrize("sequence", [0, 1, 12345, 0xFFFFFFFF, 1 << 32, (1 << 40) + 7])
-def test_a_collectives_tags_are_its_control_tags(job_hash: int, sequence: int) -> None:
-    value = (job_hash << 32) | (sequence & 0xFFFFFFFF)
-    assert _tags(job_hash, sequence) == (control_tag(SPEC, value), control_tag(VERDICT, value))
 
 
 def test_frame_round_trips_header_and_payload() -> None:

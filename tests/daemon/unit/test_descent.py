@@ -1,17 +1,25 @@
 """The daemon's layers descend (lpsync/daemon/__init__.py): no module under
 lpsync/daemon/collectives imports lpsync.daemon.control, at run time or for type checks.
 A Job reaches the control layer only through the one runner it is handed
-(matching.JobRunner, collectives/conductor.py). Every module is read with ``ast``."""
+(matching.JobRunner, collectives/conductor.py). The multi-node path (collectives/path.py)
+has one agree stage: agreement.agree is called from path.py alone, once by every branch
+of _across_nodes (the protocol's other parts, agree_later and announce, from nowhere
+outside agreement.py), and the agreement takes its tags from there (it imports nothing
+of lpsync.transport). Every module is read with ``ast``."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import lpsync
 import lpsync.daemon.collectives
 
+PACKAGE = Path(lpsync.__file__).parent
 COLLECTIVES = Path(lpsync.daemon.collectives.__file__).parent
 CONTROL = "lpsync.daemon.control"
+AGREEMENT = "lpsync.daemon.collectives.agreement"
+PROTOCOL = frozenset({"agree", "agree_later", "announce"})  # agreement.py's sides of a round
 
 
 def _absolute(module: str | None, level: int, package: str) -> str:
@@ -24,6 +32,12 @@ def _absolute(module: str | None, level: int, package: str) -> str:
 
 def control_imports(source: str, package: str = "lpsync.daemon.collectives") -> list[tuple[int, str]]:
     """(line, name) of each import of the control layer in ``source``."""
+    return imports_of(CONTROL, source, package)
+
+
+def imports_of(layer: str, source: str, package: str) -> list[tuple[int, str]]:
+    """(line, name) of each import of ``layer`` (a dotted name, or anything under it) in
+    ``source``, a module of ``package``."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -33,7 +47,7 @@ def control_imports(source: str, package: str = "lpsync.daemon.collectives") -> 
             names = [base] + [f"{base}.{a.name}" for a in node.names]
         else:
             continue
-        found += [(node.lineno, n) for n in names if n == CONTROL or n.startswith(CONTROL + ".")]
+        found += [(node.lineno, n) for n in names if n == layer or n.startswith(layer + ".")]
     return found
 
 
@@ -56,3 +70,71 @@ def test_no_collectives_module_imports_the_control_layer() -> None:
         if (uses := control_imports(m.read_text(), "lpsync.daemon.collectives"))
     }
     assert found == {}, f"collectives import the control layer: {found}"
+
+
+def agree_calls(source: str, package: str) -> list[tuple[int, str]]:
+    """(line, enclosing function) of each call of the agreement's protocol (PROTOCOL) in
+    ``source``: as ``agreement.agree(...)``, or a name imported from the module (``from
+    ... import agree``)."""
+    tree = ast.parse(source)
+    bare = {
+        a.asname or a.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and _absolute(node.module, node.level, package) == AGREEMENT
+        for a in node.names
+        if a.name in PROTOCOL
+    }
+    found = []
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
+            continue
+        name = getattr(function, "name", "<module>")
+        for node in ast.walk(function):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
+                called = f.value.id == "agreement" and f.attr in PROTOCOL
+            else:
+                called = isinstance(f, ast.Name) and f.id in bare
+            if called:
+                found.append((node.lineno, name))
+    # A call is inside its module and every function around it (ast.walk goes outside
+    # in): name each once, by the innermost function.
+    innermost: dict[int, str] = {}
+    for line, name in found:
+        if name != "<module>" or line not in innermost:
+            innermost[line] = name
+    return sorted(innermost.items())
+
+
+def test_the_agree_check_sees_every_form_of_call() -> None:
+    package = "lpsync.daemon.collectives"
+    assert agree_calls("def f():\n    agreement.agree(side, link)\n", package) == [(2, "f")]
+    assert agree_calls("from .agreement import agree as a\ndef g():\n    a(s, l)\n", package) == [(3, "g")]
+    assert agree_calls("from lpsync.daemon.collectives.agreement import agree\nagree(s, l)\n", package) == [
+        (2, "<module>")
+    ]
+    assert agree_calls("def f():\n    x = 1\n    agreement.announce(j, s, t, l, f)\n", package) == [(3, "f")]
+    assert not agree_calls("def f():\n    other.agree(side)\n    agreement.judge(x)\n", package)
+
+
+def test_the_multinode_path_has_one_agree_stage() -> None:
+    calls = {}
+    for module in sorted(PACKAGE.rglob("*.py")):
+        dotted = ".".join(module.relative_to(PACKAGE.parent).with_suffix("").parts)
+        package = dotted if module.name == "__init__.py" else dotted.rpartition(".")[0]
+        if found := agree_calls(module.read_text(), package):
+            calls[str(module.relative_to(PACKAGE))] = [name for _, name in found]
+    # _across_nodes: every branch (no mesh, an armed run failed, a ride later or now, the
+    # general path) through one call; notify_failure: a call failed before it ran.
+    assert calls == {"daemon/collectives/path.py": ["_across_nodes", "notify_failure"]}
+
+
+def test_the_agreement_takes_its_tags_from_above() -> None:
+    source = (COLLECTIVES / "agreement.py").read_text()
+    assert imports_of("lpsync.transport", source, "lpsync.daemon.collectives") == []
+    assert imports_of("lpsync.transport", "from lpsync.transport.tags import SPEC\n", "x") == [
+        (1, "lpsync.transport.tags"),
+        (1, "lpsync.transport.tags.SPEC"),
+    ]

@@ -3,6 +3,10 @@ meet control messages, and no control kind meets GOODBYE."""
 
 from __future__ import annotations
 
+import zlib
+
+import pytest
+
 from lpsync.transport.tags import (
     ATTACHED,
     CONTROL,
@@ -16,6 +20,7 @@ from lpsync.transport.tags import (
     SPEC,
     TOLD,
     VERDICT,
+    agreement_tags,
     control_tag,
     fold,
     tag_base,
@@ -56,3 +61,14 @@ def test_every_control_kind_is_its_own_and_none_is_goodbye() -> None:
     assert len(set(kinds)) == len(kinds) and all(0 < k < 127 for k in kinds)
     assert all(control_tag(k, (1 << 56) - 1) != GOODBYE for k in kinds)
     assert GOODBYE >> 56 == 0xFF  # bit 63 and kind 127
+
+
+@pytest.mark.parametrize("job", ["", "a", "train", "x" * 200])
+@pytest.mark.parametrize("sequence", [0, 1, 12345, 0xFFFFFFFF, 1 << 32, (1 << 40) + 7])
+def test_a_collectives_agreement_tags_are_its_control_tags(job: str, sequence: int) -> None:
+    # The layout of the docstring: the job's CRC-32 above the sequence's low 32 bits, cut to
+    # a control value (56 bits), under the kinds SPEC (summaries) and VERDICT.
+    value = ((zlib.crc32(job.encode()) << 32) | (sequence & 0xFFFFFFFF)) & ((1 << 56) - 1)
+    summary, verdict = agreement_tags(job, sequence)
+    assert (summary, verdict) == (control_tag(SPEC, value), control_tag(VERDICT, value))
+    assert summary >> 56 == 0x80 | SPEC and verdict >> 56 == 0x80 | VERDICT
