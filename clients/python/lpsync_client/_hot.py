@@ -10,7 +10,7 @@ way (``_send``), and its completion learns the plan the daemon armed (``_learnin
 ``HotPath`` is a part of Client (as ``Buffers`` is): its state is set by ``_init_hot``
 from Client's __init__, and it reads the attached session's fields declared below. A
 mixin, not an object Client calls into: the hot path pays no extra call per collective,
-and tests and adapters keep patching and reading ``Client._answer_now``/``_send``.
+and the tests that read or patch ``Client._answer_now`` or ``_send`` still find them.
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ from lpsync_client.client import Client
 from lpsync_client.errors import LpsyncError, ResourceExhaustedError
 from lpsync_client.torch._client import Where, empty_on, on_device_path
 from lpsync_client.torch._pieces import buffer_limit, learn
+from lpsync_client.torch._runner import PIECES_IN_FLIGHT as PIECES_IN_FLIGHT  # (the docstring names it)
 from lpsync_client.torch._runner import Piecewise, Runner
 from lpsync_client.torch._staging import DTYPES, DevicePool, Staged, StagingPool
 from lpsync_client.torch._work import LpsyncWork, dist_error
