@@ -103,9 +103,6 @@ class Staged:
         np_dtype = DTYPES[dtype]
         self.operand = self.flat if np_dtype is None else self.raw.view(np_dtype)
 
-    def block(self, i: int, n: int) -> torch.Tensor:
-        return self.flat[i * n : (i + 1) * n]
-
     def give_back(self) -> None:
         """Return the buffer to its pool. CUDA: after the copies out that this thread queued
         on its stream, so the work completes with its tensors written and the next user of
