@@ -198,7 +198,7 @@ def test_device_buffer_errors(emu, tmp_path):
 def test_bad_ready_events_are_refused(emu, monkeypatch):
     """A collective's ready_event that is not an event handle, or names an event no process
     holds: INVALID_ARGUMENT / NOT_FOUND for that call, nothing kept open, the daemon serves on."""
-    import lpsync_client.client as client_module
+    import lpsync_client._hot as client_module  # where a request's streams are ordered
 
     with lpsync_client.connect(emu.socket, job="bad-events", rank=0, world_size=1) as client:
         x = emulated.zeros(10, "float32", device=0)

@@ -4,7 +4,8 @@ Every call has an ``*_async`` method (Client: its signature, one line into ``Cli
 or the pair jobs) and a blocking twin made here from it (``blocking``): the same
 parameters, the docstring of the table, waited on the caller's thread (Client._blocking,
 which answers a repeated call on that thread where it can) or, for point-to-point, on the
-pair job's Future (Client._wait).
+pair job's Future (Client._wait). ``_start``, ``_blocking`` and ``_wait`` are the hot
+path's (_hot.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 import lpsync_client
-from lpsync_client.torch.backend import ProcessGroupLpsync, _StagingPool
+from lpsync_client.torch._staging import StagingPool
+from lpsync_client.torch.backend import ProcessGroupLpsync
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def test_a_reused_tensor_reuses_its_staging(client) -> None:
 
 
 def test_free_staging_beyond_the_budget_goes_back_to_the_daemon(client) -> None:
-    pool = _StagingPool(client, budget=5000)
+    pool = StagingPool(client, budget=5000)
     arrays = [pool.acquire(2048) for _ in range(4)]
     assert len({a.__array_interface__["data"][0] for a in arrays}) == 4
     held = len(client._segments)

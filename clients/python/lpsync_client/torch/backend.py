@@ -29,16 +29,18 @@ from its first refusal, lpsync_client.torch._pieces) or the staging budget runs 
 several collectives over consecutive element ranges (allgather and reduce_scatter: the
 same range of every rank's block), issued in order on every rank, at most
 PIECES_IN_FLIGHT of one call at a time; one work completes when all have.
+
+This module is the process group's face: torch's methods, their argument checks, and
+each op written as one description of its pieces (a Piecewise: what is cut, the blocks
+staged, what is copied in and out). The one runner of such pieces is _runner.py, the
+staging pools _staging.py, the work _work.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import secrets
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
@@ -52,11 +54,14 @@ from torch.distributed import ReduceOp
 import lpsync_client
 from lpsync_client import _adapt
 from lpsync_client._order import InFlight, Span, span
-from lpsync_client._pending import Latch
 from lpsync_client.client import Client
-from lpsync_client.errors import CollectiveTimeoutError, LpsyncError, ResourceExhaustedError
+from lpsync_client.errors import LpsyncError, ResourceExhaustedError
 from lpsync_client.torch._client import Where, empty_on, on_device_path
-from lpsync_client.torch._pieces import bounds, buffer_limit, learn
+from lpsync_client.torch._pieces import buffer_limit, learn
+from lpsync_client.torch._runner import PIECES_IN_FLIGHT as PIECES_IN_FLIGHT  # (the docstring names it)
+from lpsync_client.torch._runner import Piecewise, Runner
+from lpsync_client.torch._staging import DTYPES, DevicePool, Staged, StagingPool
+from lpsync_client.torch._work import LpsyncWork, dist_error
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
@@ -68,9 +73,6 @@ STAGING_BYTES = int(os.environ.get("LPSYNC_TORCH_STAGING_BYTES", 1 << 30))
 # Free device staging bytes kept for reuse per process group and device: GPU memory is
 # scarcer than shared memory (the pieces are still cut by STAGING_BYTES).
 DEVICE_STAGING_BYTES = int(os.environ.get("LPSYNC_TORCH_DEVICE_STAGING_BYTES", 64 << 20))
-# Pieces of one call in flight at once (the next waits for the oldest): bounds the staging
-# and the daemon buffers a huge tensor holds.
-PIECES_IN_FLIGHT = 4
 
 _OPS: dict[object, str] = {  # by RedOpType; looked up with whatever the caller passed
     ReduceOp.SUM: "sum",
@@ -78,17 +80,6 @@ _OPS: dict[object, str] = {  # by RedOpType; looked up with whatever the caller 
     ReduceOp.MIN: "min",
     ReduceOp.MAX: "max",
     ReduceOp.AVG: "avg",
-}
-_DTYPES = {
-    torch.float16: np.float16,
-    torch.bfloat16: None,
-    torch.float32: np.float32,
-    torch.float64: np.float64,
-    torch.int8: np.int8,
-    torch.int32: np.int32,
-    torch.int64: np.int64,
-    torch.uint8: np.uint8,
-    torch.bool: np.uint8,
 }
 # bool travels as uint8 0/1; its reductions are logical, as gloo's: sum and max are "or",
 # prod and min are "and".
@@ -110,10 +101,10 @@ def _reduce_op(op: object) -> str:
 
 
 def _check(t: torch.Tensor) -> None:
-    if t.dtype not in _DTYPES:
+    if t.dtype not in DTYPES:
         raise ValueError(
             f"the lpsync backend does not support dtype {t.dtype} (supported: "
-            f"{', '.join(str(d) for d in _DTYPES)})"
+            f"{', '.join(str(d) for d in DTYPES)})"
         )
 
 
@@ -123,12 +114,6 @@ def _op_for(dtype: torch.dtype, op: str) -> str:
     if op not in _BOOL_OPS:
         raise ValueError(f"the lpsync backend does not support reduce op {op} on bool tensors")
     return _BOOL_OPS[op]
-
-
-def _failure(op: str, error: BaseException) -> dist.DistBackendError:
-    # A timeout says so in the words torch's other backends use (code matches on them).
-    timed_out = "Timed out waiting for the other ranks: " if isinstance(error, CollectiveTimeoutError) else ""
-    return dist.DistBackendError(f"lpsync {op} failed: {timed_out}{error}")
 
 
 # A synchronous op of at most this many bytes is answered on the caller's thread (_run);
@@ -150,212 +135,6 @@ def _spans(tensors: Iterable[torch.Tensor]) -> list[Span]:
         for t in tensors
         if not t.is_sparse and t.numel()
     ]
-
-
-class _StagingPool:
-    """Shared-memory arrays of the group's daemon session, by exact byte size. An array is
-    owned by one collective from acquire() until release(); free ones are reused most
-    recently used first and released to the daemon beyond STAGING_BYTES."""
-
-    where: Where | None = None  # host memory
-
-    def __init__(self, client: Client, budget: int) -> None:
-        self._client, self._budget = client, budget
-        self._free: OrderedDict[int, Any] = OrderedDict()  # id -> array, LRU order
-        self._free_bytes = 0
-        self._lock = threading.Lock()
-
-    def acquire(self, nbytes: int) -> Any:
-        with self._lock:
-            for key in reversed(self._free):
-                if self._free[key].nbytes == nbytes:
-                    self._free_bytes -= nbytes
-                    return self._free.pop(key)
-        return self._new(nbytes)
-
-    def _new(self, nbytes: int) -> Any:
-        return self._client.empty(nbytes, "uint8")
-
-    def release(self, array: Any) -> None:
-        evicted = []
-        with self._lock:
-            self._free[id(array)] = array
-            self._free_bytes += array.nbytes
-            while self._free_bytes > self._budget and self._free:
-                _, old = self._free.popitem(last=False)
-                self._free_bytes -= old.nbytes
-                evicted.append(old)
-        for old in evicted:
-            # The session may be gone: then the daemon has freed it already.
-            with contextlib.suppress(LpsyncError):
-                self._client.release(old)
-
-
-class _DevicePool(_StagingPool):
-    """The same in one device's memory: flat uint8 tensors registered by IPC handle, each
-    registration tied to its tensor (it goes when the tensor is dropped)."""
-
-    def __init__(self, client: Client, budget: int, where: Where) -> None:
-        super().__init__(client, budget)
-        self.where = where
-
-    def _new(self, nbytes: int) -> torch.Tensor:
-        assert self.where is not None
-        raw = empty_on(self.where, nbytes, torch.uint8)
-        _adapt.ensure_registered(self._client, raw)
-        return raw
-
-
-class _Staged:
-    """One tensor's staging: a typed flat torch view of a pool buffer, and what the client
-    takes (in shared memory: numpy, or a torch view for bfloat16, which numpy lacks; on a
-    device: the torch view, bool as its uint8 bytes)."""
-
-    def __init__(self, pool: _StagingPool, dtype: torch.dtype, numel: int) -> None:
-        self.pool = pool
-        self.raw = pool.acquire(numel * dtype.itemsize)
-        self.operand: Any
-        if pool.where is not None:
-            self.flat = self.raw.view(dtype)
-            self.operand = self.flat.view(torch.uint8) if dtype == torch.bool else self.flat
-            return
-        self.flat = torch.from_numpy(self.raw).view(dtype)
-        np_dtype = _DTYPES[dtype]
-        self.operand = self.flat if np_dtype is None else self.raw.view(np_dtype)
-
-    def block(self, i: int, n: int) -> torch.Tensor:
-        return self.flat[i * n : (i + 1) * n]
-
-    def give_back(self) -> None:
-        """Return the buffer to its pool. CUDA: after the copies out that this thread queued
-        on its stream, so the work completes with its tensors written and the next user of
-        the buffer cannot overwrite it first."""
-        where = self.pool.where
-        if where is not None and where[0] == "cuda":
-            torch.cuda.current_stream(where[1]).synchronize()
-        self.pool.release(self.raw)
-
-
-class LpsyncWork(dist.Work):
-    """The handle of one collective (or a coalesced set): ``wait()`` blocks and raises
-    DistBackendError with lpsync's message on failure; ``get_future()`` completes with the
-    output tensors (what DDP's reducer expects) or that error."""
-
-    def __init__(self, op: str, outputs: list[torch.Tensor], bound: float) -> None:
-        super().__init__()
-        self._op, self._outputs, self._bound = op, outputs, bound
-        self._future: torch.futures.Future = torch.futures.Future()
-        self._done = Latch()
-        self._lock = threading.Condition()  # notified as pieces complete
-        self._pending = 1  # released by seal(): no completion before every piece is in
-        self._error: dist.DistBackendError | None = None
-        self._on_success: list[Callable[[], object]] = []
-        # Set once its tensors are final, before the future completes (whose callbacks may
-        # issue the next collective on them: _order.py).
-        self.finished = Latch()
-        self.source: int | None = None  # recv from any source: the sender (group rank)
-
-    def track(self, future: Future, finish: Callable[[], object], staging: Sequence[_Staged] = ()) -> None:
-        """Complete this work when ``future`` (an lpsync collective) is done: on success run
-        ``finish`` (copies results out of staging), then give the staging back."""
-        with self._lock:
-            self._pending += 1
-
-        def done(f: Future) -> None:
-            error = f.exception()
-            if error is None:
-                try:
-                    finish()
-                except BaseException as failure:
-                    error = failure
-            for s in staging:
-                s.give_back()
-            self._piece_done(error)
-
-        future.add_done_callback(done)
-
-    def on_success(self, finish: Callable[[], object]) -> None:
-        """Run ``finish`` once every piece succeeded, before the work completes."""
-        self._on_success.append(finish)
-
-    def wait_pieces(self, at_most: int) -> bool:
-        """Block until at most ``at_most`` pieces are in flight; False once one failed
-        (issue no more: the work reports the failure)."""
-        with self._lock:
-            if not self._lock.wait_for(
-                lambda: self._pending - 1 <= at_most or self._error is not None, self._bound
-            ):
-                raise dist.DistBackendError(
-                    f"lpsync {self._op}: a piece did not complete within {self._bound:g} s"
-                )
-            return self._error is None
-
-    def seal(self) -> LpsyncWork:
-        self._piece_done(None)
-        return self
-
-    def _piece_done(self, error: BaseException | None) -> None:
-        with self._lock:
-            if error is not None and self._error is None:
-                self._error = _failure(self._op, error)
-                self._error.__cause__ = error
-            self._pending -= 1
-            last = self._pending == 0
-            self._lock.notify_all()
-        if not last:
-            return
-        for finish in self._on_success if self._error is None else ():
-            try:
-                finish()
-            except BaseException as failure:
-                self._error = _failure(self._op, failure)
-                self._error.__cause__ = failure
-                break
-        self.finished.set()
-        # The future first: whoever wait() releases may read get_future().value() at once.
-        try:
-            if self._error is not None:
-                self._future.set_exception(self._error)
-            else:
-                self._future.set_result(self._outputs)
-        finally:
-            self._done.set()
-
-    # -- torch's Work interface --------------------------------------------------------------
-    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        seconds = timeout.total_seconds() if timeout else 0.0
-        if not self._done.wait(seconds if seconds > 0 else self._bound):
-            raise dist.DistBackendError(
-                f"lpsync {self._op} did not complete within {seconds if seconds > 0 else self._bound:g} s"
-            )
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()  # set before _done: true once get_future() completes
-
-    def is_success(self) -> bool:
-        return self._future.done() and self._error is None
-
-    def exception(self) -> BaseException | None:
-        return self._error
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
-    def result(self) -> list[torch.Tensor]:
-        self.wait()
-        return self._outputs
-
-    def synchronize(self) -> None:
-        self.wait()
-
-    def _source_rank(self) -> int:
-        """The sender of a recv from any source (torch's dist.recv(src=None) reads it)."""
-        if self.source is None:
-            raise dist.DistBackendError(f"lpsync {self._op}: no source rank (not a receive from any source)")
-        return self.source
 
 
 def _one(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
@@ -381,9 +160,10 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         super().__init__(rank, size)  # type: ignore[call-arg]
         self.client, self._timeout = client, timeout
         self._staging_bytes = STAGING_BYTES  # as set when the group was made
-        self._pool = _StagingPool(client, self._staging_bytes)
-        self._device_pools: dict[Where, _DevicePool] = {}  # made on first use per device
+        self._pool = StagingPool(client, self._staging_bytes)
+        self._device_pools: dict[Where, DevicePool] = {}  # made on first use per device
         self._in_flight = InFlight()  # what its staged collectives still touch
+        self._runner = Runner(client, self._staging_bytes, self._stage)  # every op's pieces
         self._bound = 2 * timeout + 30  # the client's own bound on an unanswered collective
         self._closed = False
         self._group_name = cast("GroupName", "")  # GroupName is a NewType of str
@@ -412,16 +192,16 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         return f"ProcessGroupLpsync(job={self.client.job!r}, rank={self.rank()}, size={self.size()})"
 
     # -- plumbing ----------------------------------------------------------------------------
-    def _stage(self, t: torch.Tensor, numel: int, where: Where | None = None) -> _Staged:
+    def _stage(self, t: torch.Tensor, numel: int, where: Where | None = None) -> Staged:
         """Staging for ``numel`` elements of ``t``'s dtype: on device ``where`` (device
         tensors the daemon serves: _where), else in shared memory."""
         _check(t)
         pool = self._pool
         if where is not None and numel:  # (an empty one moves nothing: no device memory)
             pool = self._device_pools.get(where) or self._device_pools.setdefault(
-                where, _DevicePool(self.client, DEVICE_STAGING_BYTES, where)
+                where, DevicePool(self.client, DEVICE_STAGING_BYTES, where)
             )
-        return _Staged(pool, t.dtype, numel)
+        return Staged(pool, t.dtype, numel)
 
     def _where(self, tensors: Iterable[torch.Tensor]) -> Where | None:
         """The device a call on ``tensors`` stages on: the one device they all live on when
@@ -455,34 +235,12 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         except LpsyncError as error:
             self._in_flight.add(work.finished, touched)  # its issued pieces still run
             work.seal()
-            raise _failure(op, error) from error
+            raise dist_error(op, error) from error
         finally:
             if here:
                 self.client.answer_next_here(False)
         self._in_flight.add(work.finished, touched)
         return work.seal()
-
-    def _split(self, work: LpsyncWork, total: int, unit: int, issue: Callable[[int, int], None]) -> None:
-        """``issue(start, stop)`` for consecutive element ranges covering [0, total), in the
-        same order on every rank, each within the piece size (``unit``: staging bytes per
-        element of a range): the daemon's buffer limit once known, and the staging budget.
-        Waits while PIECES_IN_FLIGHT of the work's pieces are in flight; stops once one
-        failed. A first piece refused as larger than the daemon's buffers (only a first one
-        can be: the others are no larger) teaches the limit, and the ranges are cut again:
-        nothing was issued, and every rank of that daemon learns the same."""
-        limit = buffer_limit(self.client)
-        piece = self._staging_bytes if limit is None else min(limit, self._staging_bytes)
-        issued = False
-        try:
-            for start, stop in bounds(total, piece // unit):
-                if not work.wait_pieces(PIECES_IN_FLIGHT - 1):
-                    return
-                issue(start, stop)
-                issued = True
-        except ResourceExhaustedError as error:
-            if issued or not learn(self.client, error):
-                raise
-            self._split(work, total, unit, issue)
 
     def _flat_out(self, work: LpsyncWork, t: torch.Tensor, where: Where | None = None) -> torch.Tensor:
         """A flat view of ``t`` that pieces can write to; for a strided ``t``, a contiguous
@@ -537,24 +295,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         sequence numbers stay matched (and a mismatch is still reported)."""
         work.track(self.client.barrier_async(self._timeout), lambda: None)
 
-    def _launch(
-        self,
-        work: LpsyncWork,
-        staged: _Staged,
-        fill: Callable[[], object],
-        start: Callable[[Any], Future],
-        finish: Callable[[], object],
-    ) -> None:
-        """Copy in (``fill``), start the collective on the staging and let ``work`` track
-        it; the staging goes back to the pool if either step fails."""
-        try:
-            fill()
-            future = start(staged.operand)
-        except BaseException:
-            staged.pool.release(staged.raw)
-            raise
-        work.track(future, finish, (staged,))
-
+    # -- the table: each op as a Piecewise (_runner.py) over flat views of its tensors ------
     def _allreduce_piece(self, work: LpsyncWork, tensors: Sequence[torch.Tensor], op: str) -> None:
         """Allreduce ``tensors`` (same dtype) as one flat message: coalescing is one call."""
         numel = sum(t.numel() for t in tensors)
@@ -569,102 +310,68 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             return None
         _check(tensors[0])
         where = self._where(tensors)
-        flats = [self._flat_out(work, t, where) for t in tensors]
-        firsts = list(itertools.accumulate((f.numel() for f in flats), initial=0))
-
-        def issue(a: int, b: int) -> None:
-            staged = self._stage(tensors[0], b - a, where)
-
-            # (part of a tensor, its place in the staging) over elements [a, b): sliced
-            # once for the copy in and the copy out (a torch slice costs microseconds).
-            spans: list[tuple[torch.Tensor, torch.Tensor]] = []
-            for flat, first in zip(flats, firsts, strict=False):
-                lo, hi = max(a, first), min(b, first + flat.numel())
-                if lo < hi:
-                    spans.append((flat[lo - first : hi - first], staged.flat[lo - a : hi - a]))
-
-            def fill() -> None:
-                for t, view in spans:
-                    view.copy_(t)
-
-            def finish() -> None:
-                for t, view in spans:
-                    t.copy_(view)
-
-            self._launch(
-                work,
-                staged,
-                fill,
-                lambda x: self.client.allreduce_async(x, op=op, timeout=self._timeout),
-                finish,
-            )
-
-        self._split(work, numel, tensors[0].element_size(), issue)
+        both = [(0, [self._flat_out(work, t, where) for t in tensors])]  # in place: one block
+        self._runner.run(
+            work,
+            Piecewise(
+                numel,
+                tensors[0],
+                lambda x, m: self.client.allreduce_async(x, op=op, timeout=self._timeout),
+                ins=both,
+                outs=both,
+                where=where,
+            ),
+        )
+        return None
 
     def _gather_piece(self, work: LpsyncWork, outputs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
         """Allgather ``inp`` into ``outputs`` (one tensor per rank, each inp.numel())."""
-        n = inp.numel()
-        if len(outputs) != self.size() or any(o.numel() != n or o.dtype != inp.dtype for o in outputs):
-            raise ValueError(
-                f"all_gather needs {self.size()} output tensors of {n} {inp.dtype} elements each"
-            )
+        n, p = inp.numel(), self.size()
+        if len(outputs) != p or any(o.numel() != n or o.dtype != inp.dtype for o in outputs):
+            raise ValueError(f"all_gather needs {p} output tensors of {n} {inp.dtype} elements each")
         if n == 0:
             return self._barrier_piece(work)
         _check(inp)
         where = self._where([inp, *outputs])
-        source, flats = self._flat_in(inp, where), [self._flat_out(work, o, where) for o in outputs]
-
-        def issue(a: int, b: int) -> None:
-            m = b - a
-            staged = self._stage(inp, m * self.size(), where)
-
-            def finish() -> None:
-                for i, o in enumerate(flats):
-                    o[a:b].copy_(staged.block(i, m))
-
-            self._launch(
-                work,
-                staged,
-                lambda: staged.block(self.rank(), m).copy_(source[a:b]),
-                lambda x: self.client.allgather_async(x, timeout=self._timeout),
-                finish,
-            )
-
-        self._split(work, n, inp.element_size() * self.size(), issue)
+        self._runner.run(
+            work,
+            Piecewise(
+                n,
+                inp,
+                lambda x, m: self.client.allgather_async(x, timeout=self._timeout),
+                ins=[(self.rank(), [self._flat_in(inp, where)])],
+                outs=[(i, [self._flat_out(work, o, where)]) for i, o in enumerate(outputs)],
+                blocks=p,
+                where=where,
+            ),
+        )
+        return None
 
     def _scatter_piece(
         self, work: LpsyncWork, out: torch.Tensor, inputs: Sequence[torch.Tensor], op: str
     ) -> None:
         """Reduce-scatter: rank r's ``out`` = reduction over ranks of their ``inputs[r]``."""
-        n = out.numel()
-        if len(inputs) != self.size() or any(i.numel() != n or i.dtype != out.dtype for i in inputs):
-            raise ValueError(
-                f"reduce_scatter needs {self.size()} input tensors of {n} {out.dtype} elements each"
-            )
+        n, p = out.numel(), self.size()
+        if len(inputs) != p or any(i.numel() != n or i.dtype != out.dtype for i in inputs):
+            raise ValueError(f"reduce_scatter needs {p} input tensors of {n} {out.dtype} elements each")
         if n == 0:
             return self._barrier_piece(work)
         op = _op_for(out.dtype, op)
         _check(out)
         where = self._where([out, *inputs])
-        sources, flat = [self._flat_in(i, where) for i in inputs], self._flat_out(work, out, where)
-
-        def issue(a: int, b: int) -> None:
-            m = b - a
-            staged = self._stage(out, m * self.size(), where)
-
-            def fill() -> None:
-                for i, source in enumerate(sources):
-                    staged.block(i, m).copy_(source[a:b])
-
-            self._launch(
-                work,
-                staged,
-                fill,
-                lambda x: self.client.reduce_scatter_async(x, op=op, timeout=self._timeout),
-                lambda: flat[a:b].copy_(staged.block(self.rank(), m)),
-            )
-
-        self._split(work, n, out.element_size() * self.size(), issue)
+        self._runner.run(
+            work,
+            Piecewise(
+                n,
+                out,
+                lambda x, m: self.client.reduce_scatter_async(x, op=op, timeout=self._timeout),
+                ins=[(i, [self._flat_in(t, where)]) for i, t in enumerate(inputs)],
+                outs=[(self.rank(), [self._flat_out(work, out, where)])],
+                blocks=p,
+                where=where,
+            ),
+        )
+        return None
 
     def _rooted_piece(self, work: LpsyncWork, kind: str, t: torch.Tensor, root: int, op: str = "") -> None:
         """broadcast or reduce in place on ``t``; only the receiving ranks copy back."""
@@ -674,35 +381,31 @@ class ProcessGroupLpsync(dist.ProcessGroup):
             return self._barrier_piece(work)
         op = _op_for(t.dtype, op) if kind == "reduce" else op
         _check(t)
-        if self._on_device(t):  # zero copies (a non-root's reduce buffer is left as it was)
-            future = (
-                self.client.broadcast_async(t, root=root, timeout=self._timeout)
-                if kind == "broadcast"
-                else self.client.reduce_async(t, root=root, op=op, timeout=self._timeout)
-            )
-            work.track(future, lambda: None)
-            return None
-        sends = kind == "reduce" or self.rank() == root
-        receives = (kind == "broadcast") != (self.rank() == root)
-        where = self._where([t])
-        flat = self._flat_out(work, t, where) if receives else self._flat_in(t, where)
 
         def start(x: Any) -> Future:
             if kind == "broadcast":
                 return self.client.broadcast_async(x, root=root, timeout=self._timeout)
             return self.client.reduce_async(x, root=root, op=op, timeout=self._timeout)
 
-        def issue(a: int, b: int) -> None:
-            staged = self._stage(t, b - a, where)
-            self._launch(
-                work,
-                staged,
-                lambda: staged.flat.copy_(flat[a:b]) if sends else None,
-                start,
-                lambda: flat[a:b].copy_(staged.flat) if receives else None,
-            )
-
-        self._split(work, t.numel(), t.element_size(), issue)
+        if self._on_device(t):  # zero copies (a non-root's reduce buffer is left as it was)
+            work.track(start(t), lambda: None)
+            return None
+        sends = kind == "reduce" or self.rank() == root
+        receives = (kind == "broadcast") != (self.rank() == root)
+        where = self._where([t])
+        flat = [(0, [self._flat_out(work, t, where) if receives else self._flat_in(t, where)])]
+        self._runner.run(
+            work,
+            Piecewise(
+                t.numel(),
+                t,
+                lambda x, m: start(x),
+                ins=flat if sends else (),
+                outs=flat if receives else (),
+                where=where,
+            ),
+        )
+        return None
 
     # -- collectives (torch's ProcessGroup method names) -------------------------------------
     # allreduce, broadcast, reduce, allgather and reduce_scatter: torch's C++ dispatcher calls
@@ -935,28 +638,19 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                 work.track(future, lambda: None)
                 return
         where = self._where([t])
-        flat = self._flat_in(t, where) if sending else self._flat_out(work, t, where)
-
-        def issue(a: int, b: int) -> None:
-            staged = self._stage(t, b - a, where)
-            self._launch(
-                work,
-                staged,
-                lambda: staged.flat.copy_(flat[a:b]) if sending else None,
-                lambda x: move(x, peer, tag, timeout=self._timeout),
-                lambda: None if sending else flat[a:b].copy_(staged.flat),
-            )
-
-        self._split(work, max(t.numel(), 1), t.element_size(), issue) if t.numel() else self._empty_message(
-            work, t, peer, tag, sending
-        )
-
-    def _empty_message(self, work: LpsyncWork, t: torch.Tensor, peer: int, tag: int, sending: bool) -> None:
-        """Zero elements still meet, so that the pair's later messages stay matched."""
-        staged = self._stage(t, 0)  # (shared memory: no device memory for nothing)
-        move = self.client.send_async if sending else self.client.recv_async
-        self._launch(
-            work, staged, lambda: None, lambda x: move(x, peer, tag, timeout=self._timeout), lambda: None
+        flat = [(0, [self._flat_in(t, where) if sending else self._flat_out(work, t, where)])]
+        # (Zero elements still meet: one empty piece, so that the pair's later messages stay
+        # matched.)
+        self._runner.run(
+            work,
+            Piecewise(
+                t.numel(),
+                t,
+                lambda x, m: move(x, peer, tag, timeout=self._timeout),
+                ins=flat if sending else (),
+                outs=() if sending else flat,
+                where=where,
+            ),
         )
 
     def gather(  # type: ignore[override]  # (output lists, inputs, opts): see above
@@ -976,27 +670,20 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                 return self._barrier_piece(work)
             _check(inp)
             where = self._where([inp, *outs])
-            source, flats = self._flat_in(inp, where), [self._flat_out(work, o, where) for o in outs]
             at_root = self.rank() == root
-
-            def issue(a: int, b: int) -> None:
-                m = b - a
-                staged = self._stage(inp, m * p if at_root else m, where)  # the root's: the whole output
-
-                def finish() -> None:
-                    for i, o in enumerate(flats):
-                        o[a:b].copy_(staged.block(i, m))
-
-                self._launch(
-                    work,
-                    staged,
-                    lambda: staged.block(self.rank() if at_root else 0, m).copy_(source[a:b]),
-                    lambda x: self.client.gather_async(x, root=root, timeout=self._timeout),
-                    finish,
-                )
-
-            # The same cuts on every rank: the root's staging (p blocks) sets the unit.
-            self._split(work, n, inp.element_size() * p, issue)
+            self._runner.run(
+                work,
+                Piecewise(
+                    n,
+                    inp,
+                    lambda x, m: self.client.gather_async(x, root=root, timeout=self._timeout),
+                    ins=[(self.rank() if at_root else 0, [self._flat_in(inp, where)])],
+                    outs=[(i, [self._flat_out(work, o, where)]) for i, o in enumerate(outs)],
+                    blocks=p if at_root else 1,  # the root's: the whole output
+                    cut_blocks=p,  # the same cuts on every rank: the root's staging sets them
+                    where=where,
+                ),
+            )
             return None
 
         return self._run("gather", outs, pieces, [inp])
@@ -1018,26 +705,20 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                 return self._barrier_piece(work)
             _check(out)
             where = self._where([out, *ins])
-            sources, flat = [self._flat_in(i, where) for i in ins], self._flat_out(work, out, where)
             at_root = self.rank() == root
-
-            def issue(a: int, b: int) -> None:
-                m = b - a
-                staged = self._stage(out, m * p if at_root else m, where)  # the root's: the whole input
-
-                def fill() -> None:
-                    for i, source in enumerate(sources):
-                        staged.block(i, m).copy_(source[a:b])
-
-                self._launch(
-                    work,
-                    staged,
-                    fill,
-                    lambda x: self.client.scatter_async(x, root=root, timeout=self._timeout),
-                    lambda: flat[a:b].copy_(staged.block(self.rank() if at_root else 0, m)),
-                )
-
-            self._split(work, n, out.element_size() * p, issue)
+            self._runner.run(
+                work,
+                Piecewise(
+                    n,
+                    out,
+                    lambda x, m: self.client.scatter_async(x, root=root, timeout=self._timeout),
+                    ins=[(i, [self._flat_in(t, where)]) for i, t in enumerate(ins)],
+                    outs=[(self.rank() if at_root else 0, [self._flat_out(work, out, where)])],
+                    blocks=p if at_root else 1,  # the root's: the whole input
+                    cut_blocks=p,  # the same cuts on every rank: the root's staging sets them
+                    where=where,
+                ),
+            )
             return None
 
         return self._run("scatter", [out], pieces, ins)
@@ -1128,26 +809,19 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         ref = ins[0] if ins else outs[0]
         _check(ref)
 
-        def issue(a: int, b: int) -> None:
-            m = b - a
-            staged = self._stage(ref, 2 * m * p, where)  # the input's p blocks, then the output's
-
-            def fill() -> None:
-                for j, source in enumerate(ins):
-                    part = source[a:b]
-                    staged.block(j, m)[: part.numel()].copy_(part)
-
-            def finish() -> None:
-                for i, o in enumerate(outs):
-                    part = o[a:b]
-                    part.copy_(staged.block(p + i, m)[: part.numel()])
-
-            def start(x: Any) -> Future:
-                return self.client.alltoall_async(x[: m * p], out=x[m * p :], timeout=self._timeout)
-
-            self._launch(work, staged, fill, start, finish)
-
-        self._split(work, block, ref.element_size() * 2 * p, issue)
+        self._runner.run(
+            work,
+            Piecewise(
+                block,
+                ref,
+                # the staging: the input's p blocks, then the output's
+                lambda x, m: self.client.alltoall_async(x[: m * p], out=x[m * p :], timeout=self._timeout),
+                ins=[(j, [source]) for j, source in enumerate(ins)],
+                outs=[(p + i, [o]) for i, o in enumerate(outs)],
+                blocks=2 * p,
+                where=where,
+            ),
+        )
         return None
 
     def all_to_all_single(self, *args, **kwargs):
