@@ -34,6 +34,7 @@ class OpenAllocation:
     nbytes: int
     refs: int = 0  # registrations on it
     active: int = 0  # collectives whose streams may still touch it
+    settled: bool = True  # no close deferred to ``done`` is pending
 
 
 @dataclass(eq=False)
@@ -47,6 +48,9 @@ class DeviceBuffer:
     @property
     def device(self) -> int:
         return self.allocation.device
+
+
+RELEASE_PATIENCE = 20.0  # s a Release waits for collectives still running on its allocation
 
 
 class DeviceRegistry:
@@ -64,6 +68,7 @@ class DeviceRegistry:
         self.peer_direct = False
         self.context = DeviceContext(kind)
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # an allocation's collectives finished
         self._open: dict[tuple[int, bytes], OpenAllocation] = {}
         self._by_memory: dict[int, OpenAllocation] = {}  # id(memory) -> its entry
         self.registered = [0] * kind.devices
@@ -145,6 +150,10 @@ class DeviceRegistry:
         with self._lock:
             self.registered[buffer.device] -= buffer.nbytes
         self._drop(buffer.allocation, wait)
+        if wait:  # a stream-ordered collective may still run on it (answered at enqueue):
+            # the client frees the memory once answered, so answer once the close ran
+            with self._idle:
+                self._idle.wait_for(lambda: buffer.allocation.settled, RELEASE_PATIENCE)
 
     def _drop(self, entry: OpenAllocation, wait: bool = True) -> None:
         with self._lock:
@@ -152,6 +161,7 @@ class DeviceRegistry:
             last = entry.refs == 0 and entry.active == 0
             if entry.refs == 0:  # no new registration finds it; closed once idle
                 self._open.pop((entry.device, entry.handle), None)
+                entry.settled = last  # else ``done`` closes it
             if last:
                 self._by_memory.pop(id(entry.memory), None)
         if last:
@@ -207,6 +217,11 @@ class DeviceRegistry:
                     closing.append(entry)
         for entry in closing:
             self.kind.close(entry.memory)
+        if closing:
+            with self._idle:
+                for entry in closing:
+                    entry.settled = True
+                self._idle.notify_all()
 
     def open_allocations(self) -> list[int]:
         counts = [0] * self.kind.devices

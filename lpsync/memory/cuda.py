@@ -24,6 +24,9 @@ as the daemon sees it; clients must see the same numbering (same CUDA_VISIBLE_DE
                            when dropped: never by the garbage collector on whatever thread
                            (the event loop) let go of a plan
   free                     on the Releaser too: cudaFree/cudaFreeHost synchronize the device
+  ipc_event                eventCreateWithFlags(... | cudaEventInterprocess) and
+                           runtime.ipcGetEventHandle: the "done" event of a stream-ordered
+                           collective, opened and waited on by the client (issue 47, item 1)
   open_event / close_event runtime.ipcOpenEventHandle(handle) on the event's device (a
                            client's Event(interprocess=True, disable_timing=True)) /
                            runtime.eventDestroy; ``wait`` on it is
@@ -104,6 +107,7 @@ _NOT_READY = 600  # cudaErrorNotReady
 _TOO_MANY_PEERS = 711  # cudaErrorTooManyPeers
 _HOST_ALLOC_PORTABLE = 1  # cudaHostAllocPortable
 _EVENT_FLAGS = 0x1 | 0x2  # cudaEventBlockingSync | cudaEventDisableTiming
+_INTERPROCESS = 0x4  # cudaEventInterprocess: "must be specified along with cudaEventDisableTiming"
 
 
 def _use(device: int) -> None:
@@ -414,6 +418,16 @@ class CudaKind:
         self._check(device)
         _use(device)
         return CudaEvent(device, runtime.eventCreateWithFlags(_EVENT_FLAGS), self._drop_event)
+
+    def ipc_event(self, device: int) -> tuple[CudaEvent, bytes]:
+        """An own event another process may open (cudaEventInterprocess | DisableTiming |
+        BlockingSync) and its cudaIpcGetEventHandle: a stream-ordered collective's "done"
+        event, which the client's stream waits on (cudaStreamWaitEvent) after the answer."""
+        self._check(device)
+        _use(device)
+        pointer = runtime.eventCreateWithFlags(_EVENT_FLAGS | _INTERPROCESS)
+        event = CudaEvent(device, pointer, self._drop_event)
+        return event, bytes(runtime.ipcGetEventHandle(event.ptr))
 
     def timing_event(self, device: int) -> CudaEvent:
         """An event with timing (benchmarks: runtime.eventElapsedTime), else as ``event``."""

@@ -199,6 +199,36 @@ class EmulatedEvent:
                 self._cond.wait(left)
 
 
+class EmulatedExportedEvent(EmulatedEvent):
+    """An own event another process may open (cudaEventInterprocess, then
+    cudaIpcGetEventHandle): the daemon's "done" event of a stream-ordered collective. Its
+    records are mirrored into an 8-byte memfd laid out as a client's event (u32 records
+    made, u32 records completed); a completion stores the number and wakes the futex, so
+    a client stream waiting on it (lpsync_client.emulated.OpenedEvent) sleeps until then."""
+
+    def __init__(self, device: int, on_drop: Callable[[int], None] | None = None) -> None:
+        super().__init__(device, on_drop)
+        self._fd = os.memfd_create("lpsync-event-daemon", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, _EVENT_BYTES)
+        self._mapping = mmap.mmap(self._fd, _EVENT_BYTES)
+        self._words = np.frombuffer(self._mapping, np.uint32, 2)
+        self.handle = EVENT_HANDLE.pack(EVENT_MAGIC, os.getpid(), self._fd, os.fstat(self._fd).st_ino)
+
+    def note_record(self, generation: int) -> None:
+        self._words[0] = generation & 0xFFFFFFFF
+
+    def _complete(self, generation: int, error: BaseException | None) -> None:
+        super()._complete(generation, error)
+        self._words[1] = generation & 0xFFFFFFFF
+        futex.wake(self._words.__array_interface__["data"][0] + 4)
+
+    def release(self) -> None:
+        """The memfd goes (on destroy): a client that opened it keeps its own mapping."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 class EmulatedIpcEvent:
     """An event another process exports (cudaIpcOpenEventHandle's stand-in): its shared
     record of (records enqueued, records completed); waits sleep on the completed word."""
@@ -557,10 +587,19 @@ class EmulatedKind:
         self._context(device)
         return EmulatedEvent(device, self._destroy)
 
+    def ipc_event(self, device: int) -> tuple[EmulatedExportedEvent, bytes]:
+        """An own event other processes may open and wait on, and its handle."""
+        self._check(device)
+        self._context(device)
+        event = EmulatedExportedEvent(device, self._destroy)
+        return event, event.handle
+
     def destroy_event(self, event: EmulatedEvent) -> None:
         _alive(event)
         event.destroyed = True
         self._destroy(event.device)
+        if isinstance(event, EmulatedExportedEvent):
+            self.releaser.put(event.device, event.release)
 
     def _destroy(self, device: int) -> None:
         """cudaEventDestroy's stand-in, on the Releaser with ``device`` current (a thread
@@ -583,6 +622,8 @@ class EmulatedKind:
         with event._cond:
             event.recorded += 1
             generation = event.recorded
+            if isinstance(event, EmulatedExportedEvent):
+                event.note_record(generation)  # what another process's wait captures
         stream.put(lambda error: event._complete(generation, error), wants_error=True)
 
     def open_event(self, handle: bytes, device: int) -> EmulatedIpcEvent:

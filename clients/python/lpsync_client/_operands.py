@@ -136,10 +136,13 @@ def _reap_forever(dead: queue.SimpleQueue, client_ref: weakref.ref) -> None:
 def order_streams(request: pb.CollectiveRequest, operands: list[Operand]) -> None:
     """Device buffers: the input's current stream is ordered by an interprocess event the
     daemon's streams wait on (no host wait); an output on another device (or without IPC
-    events) waits on the host."""
+    events) waits on the host. Where every operand is on the input's device and its
+    framework can wait on the daemon's event, the request asks for a stream-ordered
+    answer (unless the client's ``device_host_wait``: Client._submit)."""
     first = operands[0].device
     assert first is not None
     request.ready_event = first.order()
+    together = True
     for other in operands[1:]:
         d = other.device
         if d is not None and not (
@@ -149,10 +152,27 @@ def order_streams(request: pb.CollectiveRequest, operands: list[Operand]) -> Non
             and d.info.device == first.info.device
         ):
             d.sync()
+            together = False
+    request.stream_ordered = bool(request.ready_event and together and first.wait_done is not None)
+
+
+def after_answer(operands: list[Operand], response: pb.CollectiveResponse) -> None:
+    """A stream-ordered answer: the input's current stream waits on the daemon's done
+    event (the work was enqueued, not finished), so what the client queues next sees the
+    result; anything that reads it on the host synchronizes that stream first."""
+    if response.done_event and operands:
+        first = operands[0].device
+        if first is not None and first.wait_done is not None:
+            first.wait_done(response.done_event)
 
 
 class Buffers:
     """Client's buffers and registrations (its state is Client's, set in its __init__)."""
+
+    # Device collectives: False, the default, answers once the work is enqueued on the
+    # daemon's streams and orders the caller's current stream after it (a done event,
+    # issue 47 item 1); True answers once the work finished (a host wait in the daemon).
+    device_host_wait: bool = False
 
     session_id: str
     timeout: float

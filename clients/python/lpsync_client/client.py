@@ -32,7 +32,14 @@ import grpc
 import numpy as np
 
 from lpsync_client import _ops, doorbell, layout
-from lpsync_client._operands import Buffers, DeviceRegistered, Operand, Registered, order_streams
+from lpsync_client._operands import (
+    Buffers,
+    DeviceRegistered,
+    Operand,
+    Registered,
+    after_answer,
+    order_streams,
+)
 from lpsync_client._order import InFlight, array_spans
 from lpsync_client._p2p import PairJobs
 from lpsync_client._pending import Call, Latch
@@ -332,6 +339,7 @@ class Client(Buffers):
                     np.copyto(staging, source)
             if operands and operands[0].device is not None:
                 order_streams(request, operands)
+                request.stream_ordered &= not self.device_host_wait
         except BaseException:
             self._recycle(operands)
             raise
@@ -349,6 +357,7 @@ class Client(Buffers):
                     if operand.copy_out is not None:
                         staging, source = operand.copy_out
                         np.copyto(source, staging)
+                after_answer(operands, r.response)
                 return result
             finally:
                 finished.set()
