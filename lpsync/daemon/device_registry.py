@@ -35,6 +35,7 @@ class OpenAllocation:
     refs: int = 0  # registrations on it
     active: int = 0  # collectives whose streams may still touch it
     settled: bool = True  # no close deferred to ``done`` is pending
+    streamed: int = 0  # of ``active``: collectives answered before they finished (issue 47)
 
 
 @dataclass(eq=False)
@@ -149,9 +150,11 @@ class DeviceRegistry:
         registry's closer thread, since closing a mapping can synchronize the device."""
         with self._lock:
             self.registered[buffer.device] -= buffer.nbytes
+        with self._lock:
+            streamed = buffer.allocation.streamed > 0
         self._drop(buffer.allocation, wait)
-        if wait:  # a stream-ordered collective may still run on it (answered at enqueue):
-            # the client frees the memory once answered, so answer once the close ran
+        if wait and streamed:  # answered at enqueue, it may still run on the allocation:
+            # the client frees the memory once this is answered, so answer after the close
             with self._idle:
                 self._idle.wait_for(lambda: buffer.allocation.settled, RELEASE_PATIENCE)
 
@@ -207,10 +210,24 @@ class DeviceRegistry:
                 entry.active += 1
         return list(entries.values())
 
-    def done(self, entries: list[OpenAllocation]) -> None:
+    def stream_ordered(self, entries: list[OpenAllocation]) -> bool:
+        """Whether the collective holding ``entries`` (``use``) may be answered before it
+        finished: not where a buffer was released while it waited (its mapping closes
+        once the collective is done, and its client was promised that close before the
+        answer). Where it may, a Release meanwhile waits for the close (``release``);
+        ``done(entries, streamed=True)`` ends it."""
+        with self._lock:
+            if any(entry.refs == 0 for entry in entries):
+                return False
+            for entry in entries:
+                entry.streamed += 1
+            return True
+
+    def done(self, entries: list[OpenAllocation], streamed: bool = False) -> None:
         closing = []
         with self._lock:
             for entry in entries:
+                entry.streamed -= streamed
                 entry.active -= 1
                 if entry.active == 0 and entry.refs == 0:
                     self._by_memory.pop(id(entry.memory), None)

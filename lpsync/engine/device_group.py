@@ -38,7 +38,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from lpsync.algorithms.schedule import Kind, Schedule
 from lpsync.errors import (
@@ -129,6 +129,7 @@ class DeviceContext:
         self._peers: set[tuple[int, int]] = set()
         self.done_events = DoneEvents(kind)
         self.completions = Completions()
+        self.capture = True  # launches replay captured programs where the kind can capture
         # Per job (owner): the finals of its latest launch (the next one is fenced behind
         # them) and an error found after its collective was answered (the next one raises).
         self._last: dict[tuple, list[Any]] = {}
@@ -438,6 +439,9 @@ class StreamPlan:
     finals: list[Any]
     _inflight = 0  # launches not yet settled (a close gives memory back after the last)
     _closing = False
+    _graph: Any = None  # the captured program (launch replays it), once captured
+    _graph_done: Any = None  # recorded after each replay: the launch's one final
+    _capture_failed = False
 
     def __init__(self) -> None:
         self._inflight_cond = threading.Condition()
@@ -490,27 +494,36 @@ class StreamPlan:
         by the context's watcher once the finals completed (or failed); ``then`` hooks run
         there. A failure to enqueue drains what went in and raises."""
         kind, context = self.kind, self.context
-        launch = Launch(self, owner, deadline)
         with self._inflight_cond:
             self._inflight += 1
         try:
             with context.enqueue_lock:
-                streams = self.all_streams()
-                fence = context.fence(owner, self.finals)
+                graph = self._captured()
+                finals = self.finals if graph is None else [self._graph_done]
+                launch = Launch(self, owner, deadline, finals)
+                # Issued: every stream waits; replayed: the graph runs as one item of the
+                # first stream, so that one waits (a graph's captured program cannot wait
+                # on another process's event, nor on a record made outside it).
+                streams = self.all_streams() if graph is None else self.all_streams()[:1]
+                fence = context.fence(owner, finals)
                 for stream in streams:
                     for event in fence:
                         kind.wait(stream, event)
                     for event in ready:
                         if event is not None:
                             kind.wait(stream, event)
-                for function, args in self.ops:
-                    function(*args)
+                if graph is None:
+                    for function, args in self.ops:
+                        function(*args)
+                else:
+                    cast(Any, kind).launch_graph(graph, streams[0])
+                    kind.record(self._graph_done, streams[0])
                 for entry in done:
                     if entry is None:
                         continue
                     participant, event = entry
                     stream = self.stream_of(participant)
-                    for final in self.finals:
+                    for final in finals:
                         kind.wait(stream, final)
                     kind.record(event, stream)
         except BaseException:
@@ -520,6 +533,58 @@ class StreamPlan:
             raise
         context.completions.put(owner, launch.watch)
         return launch
+
+    def _captured(self) -> Any:
+        """The plan's operations as one captured program (a CUDA graph), captured at the
+        first launch (under the enqueue lock) and replayed by every later one; None
+        where the kind has no capture, capturing is off, or the capture failed (then the
+        operations are issued one by one, as before, and the log says why once). The
+        first stream forks the others (a record they wait on) and each rejoins it at the
+        end (a record it waits on), as CUDA's capture across streams requires."""
+        if self._graph is not None or self._capture_failed:
+            return self._graph
+        kind = self.kind
+        begin = getattr(kind, "begin_capture", None)
+        if begin is None or not self.context.capture:
+            self._capture_failed = True
+            return None
+        streams = self.all_streams()
+        origin = streams[0]
+        devices = [self._device_of(s) for s in streams]
+        fork = kind.event(devices[0])
+        joins = [kind.event(d) for d in devices[1:]]
+        self._graph_done = kind.event(devices[0])
+        begun = False
+        try:
+            begin(origin)
+            begun = True
+            kind.record(fork, origin)
+            for stream in streams[1:]:
+                kind.wait(stream, fork)
+            for function, args in self.ops:
+                function(*args)
+            for stream, join in zip(streams[1:], joins, strict=True):
+                kind.record(join, stream)
+                kind.wait(origin, join)
+            begun = False
+            self._graph = cast(Any, kind).end_capture(origin)
+            self._capture_events = [fork, *joins]
+        except Exception as error:
+            if begun:
+                with contextlib.suppress(Exception):
+                    cast(Any, kind).end_capture(origin)
+            self._capture_failed = True
+            log.warning(
+                "a device plan could not be captured (%s); its operations are issued one by one", error
+            )
+            return None
+        return self._graph
+
+    @staticmethod
+    def _device_of(stream: Any) -> int:
+        """The device of a kind's stream (cuda: ``lpsync_device``; emulated: ``device``)."""
+        device = getattr(stream, "lpsync_device", None)
+        return int(stream.device if device is None else device)
 
     def _settled(self) -> None:
         """A launch finished on the streams (the watcher's, or a failed enqueue's)."""
@@ -574,8 +639,8 @@ class Launch:
     found after the caller stopped waiting (``answered``) is kept for the job's next
     collective (DeviceContext.fail_later)."""
 
-    def __init__(self, plan: StreamPlan, owner: tuple, deadline: float) -> None:
-        self.plan, self.owner, self.deadline = plan, owner, deadline
+    def __init__(self, plan: StreamPlan, owner: tuple, deadline: float, finals: list[Any]) -> None:
+        self.plan, self.owner, self.deadline, self.finals = plan, owner, deadline, finals
         self._cond = threading.Condition()
         self._done = False
         self._answered = False
@@ -624,7 +689,7 @@ class Launch:
             # No deadline here: enqueued work cannot be taken back, and a stream-ordered
             # collective has been answered (a client that never reaches its ready event
             # holds its job's streams until its session ends and the event is closed).
-            for event in plan.finals:
+            for event in self.finals:
                 plan.kind.synchronize(event, self.deadline + _PATIENCE)
         except LpsyncError as failed:
             error = failed

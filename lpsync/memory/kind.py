@@ -247,6 +247,14 @@ class MemoryKind(Protocol):
     def close_kind(self) -> None:
         """End every stream and free what the kind holds (daemon shutdown)."""
 
+    # Optional (emulated, cuda; the engine asks with getattr): captured programs.
+    # begin_capture(stream): cudaStreamBeginCapture; streams that wait on an event recorded
+    #     in the capture join it; waits on events recorded outside it, host waits on its
+    #     events and allocations are refused (the capture is invalidated).
+    # end_capture(stream) -> graph: cudaStreamEndCapture + instantiate; raises where the
+    #     capture was invalidated or a joined stream did not rejoin ``stream``.
+    # launch_graph(graph, stream): cudaGraphLaunch, the whole program one item of ``stream``.
+
 
 def oneshot_refusal(
     outs: Sequence[Span],

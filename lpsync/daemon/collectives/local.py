@@ -211,7 +211,10 @@ def _run_on_devices(
     deadline = time.monotonic() + task.timeout
     busy = devices.use([span.memory for pair in views for span in pair])
     done = _done_events(context, arrivals, views, order)
-    ordered = all(d is not None for d in done)
+    ordered = all(d is not None for d in done) and devices.stream_ordered(busy)
+    if not ordered:  # a buffer released while it waited: answered once closed, as before
+        _give_done(context, arrivals, done)
+        done = [None] * len(arrivals)
     try:
         ready = [a.ready for a in arrivals]
         if not ordered:
@@ -225,12 +228,12 @@ def _run_on_devices(
         launch = plan.launch(owner, deadline, ready, events)
     except BaseException:
         _give_done(context, arrivals, done)
-        devices.done(busy)
+        devices.done(busy, ordered)
         raise
 
     def settled(error: object) -> None:
         _give_done(context, arrivals, done)
-        devices.done(busy)  # never before the streams let go of the clients' memory
+        devices.done(busy, ordered)  # never before the streams let go of the clients' memory
 
     launch.then(settled)
     if ordered:
