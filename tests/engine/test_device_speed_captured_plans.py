@@ -9,6 +9,7 @@ would refuse falls back to issuing, and says so in the log."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -221,3 +222,95 @@ def test_device_speed_captured_failure_falls_back_to_issuing(context, caplog) ->
     assert len(warned) == 1 and "outside" in warned[0], warned  # said once, with CUDA's reason
     plan.close()
     kind.destroy_stream(elsewhere)
+
+
+def test_device_speed_captured_emulated_capture_refuses_what_cuda_refuses() -> None:
+    """The emulated capture is strict where CUDA is: a stream that joined and did not
+    rejoin the origin, a wait on an event recorded outside the capture (a client's
+    interprocess event included) and a host wait on an event recorded in it each end the
+    capture with an error; nothing given to the capture ran."""
+    from lpsync_client import emulated as client_emulated
+
+    kind = EmulatedKind(2)
+    try:
+        origin, other = kind.stream(0), kind.stream(1)
+        memory = kind.allocate(0, 8)
+        span = Span(memory, 0, 2, np.dtype(np.float32))
+        kind.write(span, np.zeros(2, np.float32))
+
+        def unjoined() -> None:
+            fork = kind.event(0)
+            kind.record(fork, origin)
+            kind.wait(other, fork)  # joins
+            kind.copy_async(span, span, other)  # and never comes back
+
+        client = client_emulated.IpcEvent()
+        client.record(client_emulated.Stream(0))
+        opened = kind.open_event(client.handle, 0)
+        outside = kind.event(1)
+        kind.record(outside, other)  # an eager record, before the capture
+
+        def host_wait() -> None:
+            inside = kind.event(0)
+            kind.record(inside, origin)
+            kind.synchronize(inside, time.monotonic() + 5)
+
+        cases = {
+            "did not rejoin": unjoined,
+            "recorded outside": lambda: kind.wait(origin, outside),
+            "outside it": lambda: kind.wait(origin, opened),  # a client's interprocess event
+            "host wait": host_wait,
+        }
+        for name, body in cases.items():
+            kind.begin_capture(origin)
+            ran: list[int] = []
+            origin.put(lambda ran=ran: ran.append(1))
+            with contextlib.suppress(Exception):  # CUDA returns it at the call too
+                body()
+            with pytest.raises(Exception, match=f"stream capture failed: .*{name}"):
+                kind.end_capture(origin)
+            assert origin.capture is None and other.capture is None, name
+            done = kind.event(0)
+            kind.record(done, origin)
+            kind.synchronize(done, time.monotonic() + 5)
+            assert ran == [], f"{name}: a captured operation ran"
+        assert kind.captures == 0
+    finally:
+        kind.close_kind()
+
+
+def test_device_speed_captured_replay_orders_lanes_by_the_captured_edges() -> None:
+    """A replayed program runs its lanes concurrently, ordered only by its record -> wait
+    edges: a copy that waits on another lane's slow write sees it, every replay."""
+    kind = EmulatedKind(2)
+    try:
+        origin, other = kind.stream(0), kind.stream(0)
+        a, b = kind.allocate(0, 4), kind.allocate(0, 4)
+        sa, sb = Span(a, 0, 1, np.dtype(np.float32)), Span(b, 0, 1, np.dtype(np.float32))
+        value = [0.0]
+
+        def slow_write() -> None:
+            time.sleep(0.05)
+            a.array[:] = np.array([value[0]], np.float32).view(np.uint8)
+
+        fork, written, join = kind.event(0), kind.event(0), kind.event(0)
+        kind.begin_capture(origin)
+        kind.record(fork, origin)
+        kind.wait(other, fork)
+        other.put(slow_write)  # lane 2: the slow write, then a record
+        kind.record(written, other)
+        kind.wait(origin, written)  # lane 1 waits for it, then copies
+        kind.copy_async(sb, sa, origin)
+        kind.record(join, other)
+        kind.wait(origin, join)
+        graph = kind.end_capture(origin)
+        done = kind.event(0)
+        for n in range(1, 4):
+            value[0] = float(n)
+            kind.launch_graph(graph, origin)
+            kind.record(done, origin)
+            kind.synchronize(done, time.monotonic() + 5)
+            assert kind.read(sb).tolist() == [float(n)]
+        assert (kind.captures, kind.graph_launches) == (1, 3)
+    finally:
+        kind.close_kind()
