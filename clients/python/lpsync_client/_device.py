@@ -16,8 +16,8 @@ current stream and returns its IPC handle, which the request carries and the dae
 streams wait on (cudaIpcGetEventHandle / cudaStreamWaitEvent: the client does not block);
 otherwise (JAX, other __cuda_array_interface__ or __dlpack__ arrays) ``sync`` waits on the
 host for the array's stream, never a device-wide synchronize. After a stream-ordered
-answer (issue 47, item 1) ``wait_done`` makes the current stream wait on the daemon's
-done event (cudaIpcOpenEventHandle once per handle, cudaStreamWaitEvent per call).
+answer (issue 47, item 1) ``done_waiter`` makes the submitter's current stream wait on
+the daemon's done event (cudaIpcOpenEventHandle once per handle, cudaStreamWaitEvent per call).
 """
 
 from __future__ import annotations
@@ -71,10 +71,12 @@ class DeviceOperand:
     # cudaFree its segment (empty_cache, an OOM retry, free_all_blocks) while the daemon
     # maps it. None where the framework does not say (JAX, numba): the array is held.
     memory: object = None
-    # Makes the current stream wait on the daemon's done event (its IPC handle): a
-    # stream-ordered collective's answer. None: the framework cannot (the daemon then
+    # Called on the submitting thread (whose current stream the ready event was recorded
+    # on: cupy's and torch's current streams are per thread): the waiter that makes that
+    # stream wait on the daemon's done event (its IPC handle), a stream-ordered answer's,
+    # on whatever thread the answer arrives. None: the framework cannot (the daemon then
     # answers once finished).
-    wait_done: Callable[[bytes], None] | None = None
+    done_waiter: Callable[[], Callable[[bytes], None]] | None = None
 
     def order(self) -> bytes:
         """Order the current stream before the collective: the event handle the daemon
@@ -119,7 +121,7 @@ def describe(x: object) -> DeviceOperand:
             x,
             getattr(x, "__lpsync_ready__", None),
             getattr(x, "allocation", None),
-            getattr(x, "__lpsync_wait__", None),
+            _per_process(getattr(x, "__lpsync_wait__", None)),
         )
     module = type(x).__module__
     if module.startswith("torch"):
@@ -129,7 +131,7 @@ def describe(x: object) -> DeviceOperand:
         operand = _cai(x, _stream_sync_for(x))
         if type(x).__module__.startswith("cupy"):
             operand.ready = _cupy_ready(operand.info.device)
-            operand.wait_done = _cupy_wait(operand.info.device)
+            operand.done_waiter = _cupy_wait(operand.info.device)
             operand.memory = _cupy_memory(x)
         return operand
     try:
@@ -226,33 +228,52 @@ def _opened_event(key: tuple[str, int, bytes], open_: Callable[[], Any]) -> Any:
     return event
 
 
-def _cupy_wait(device: int) -> Callable[[bytes], None]:
-    """cudaStreamWaitEvent(current stream, the daemon's done event, 0): the stream's later
-    work waits for the collective; the host does not (cupy.cuda.runtime)."""
+def _per_process(
+    wait: Callable[[bytes], None] | None,
+) -> Callable[[], Callable[[bytes], None]] | None:
+    """A done waiter for streams that are the process's, not a thread's (emulated)."""
+    return None if wait is None else (lambda: wait)
+
+
+def _cupy_wait(device: int) -> Callable[[], Callable[[bytes], None]]:
+    """cudaStreamWaitEvent(the submitter's current stream, the daemon's done event, 0):
+    that stream's later work waits for the collective; the host does not."""
     import cupy
 
     runtime = cupy.cuda.runtime
 
-    def wait(handle: bytes) -> None:
+    def bind() -> Callable[[bytes], None]:
         with cupy.cuda.Device(device):
-            event = _opened_event(("cupy", device, handle), lambda: runtime.ipcOpenEventHandle(handle))
-            runtime.streamWaitEvent(cupy.cuda.get_current_stream().ptr, event, 0)
+            stream = cupy.cuda.get_current_stream()  # per thread: the submitter's
 
-    return wait
+        def wait(handle: bytes) -> None:
+            with cupy.cuda.Device(device):
+                event = _opened_event(("cupy", device, handle), lambda: runtime.ipcOpenEventHandle(handle))
+                runtime.streamWaitEvent(stream.ptr, event, 0)
+
+        return wait
+
+    return bind
 
 
-def _torch_wait(device: torch.device) -> Callable[[bytes], None]:
-    """The same through torch: Event.from_ipc_handle, current_stream().wait_event."""
+def _torch_wait(device: torch.device) -> Callable[[], Callable[[bytes], None]]:
+    """The same through torch: Event.from_ipc_handle, then the submitter's current
+    stream's wait_event."""
     import torch
 
-    def wait(handle: bytes) -> None:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        event = _opened_event(
-            ("torch", index, handle), lambda: torch.cuda.Event.from_ipc_handle(index, handle)
-        )
-        torch.cuda.current_stream(device).wait_event(event)
+    def bind() -> Callable[[bytes], None]:
+        stream = torch.cuda.current_stream(device)  # per thread: the submitter's
 
-    return wait
+        def wait(handle: bytes) -> None:
+            index = stream.device_index
+            event = _opened_event(
+                ("torch", index, handle), lambda: torch.cuda.Event.from_ipc_handle(index, handle)
+            )
+            stream.wait_event(event)
+
+        return wait
+
+    return bind
 
 
 def _block(x: object) -> Callable[[], None]:
@@ -330,7 +351,7 @@ def _torch(t: object) -> DeviceOperand:
     else:
         operand = _cai(plain, sync, keep=t)
     operand.ready = _torch_ready(device)
-    operand.wait_done = _torch_wait(device)
+    operand.done_waiter = _torch_wait(device)
     # The storage, not the tensor: its block returns to the caching allocator only when
     # the last reference to the storage goes.
     operand.memory = t.untyped_storage()  # type: ignore[attr-defined]
@@ -356,5 +377,10 @@ def _emulated_tensor(t: object, allocation: emulated.Allocation, offset: int) ->
         array.__lpsync_sync__()
 
     return DeviceOperand(
-        array.__lpsync_device__(), array.__lpsync_sync__, t, array.__lpsync_ready__, allocation, wait_done
+        array.__lpsync_device__(),
+        array.__lpsync_sync__,
+        t,
+        array.__lpsync_ready__,
+        allocation,
+        _per_process(wait_done),
     )

@@ -15,7 +15,7 @@ import contextlib
 import queue
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +104,8 @@ class Operand:
     copy_out: tuple[np.ndarray, np.ndarray] | None = None
     scratch: Segment | None = None
     device: DeviceOperand | None = None  # a device array: its stream is ordered in _submit
+    # A stream-ordered call's: makes the submitter's stream wait on the done event.
+    wait_done: Callable[[bytes], None] | None = None
 
 
 def _release_later(client_ref: weakref.ref, handle: int) -> None:
@@ -153,17 +155,18 @@ def order_streams(request: pb.CollectiveRequest, operands: list[Operand]) -> Non
         ):
             d.sync()
             together = False
-    request.stream_ordered = bool(request.ready_event and together and first.wait_done is not None)
+    waiter = first.done_waiter
+    request.stream_ordered = bool(request.ready_event and together and waiter is not None)
+    if waiter is not None and request.stream_ordered:  # bound here: the submitter's stream
+        operands[0].wait_done = waiter()
 
 
 def after_answer(operands: list[Operand], response: pb.CollectiveResponse) -> None:
     """A stream-ordered answer: the input's current stream waits on the daemon's done
     event (the work was enqueued, not finished), so what the client queues next sees the
     result; anything that reads it on the host synchronizes that stream first."""
-    if response.done_event and operands:
-        first = operands[0].device
-        if first is not None and first.wait_done is not None:
-            first.wait_done(response.done_event)
+    if response.done_event and operands and operands[0].wait_done is not None:
+        operands[0].wait_done(response.done_event)
 
 
 class Buffers:
