@@ -212,7 +212,7 @@ def _run_on_devices(
     busy = devices.use([span.memory for pair in views for span in pair])
     done = _done_events(context, arrivals, views, order)
     ordered = all(d is not None for d in done) and devices.stream_ordered(busy)
-    if not ordered:  # a buffer released while it waited: answered once closed, as before
+    if not ordered:  # not asked by all, or a buffer released meanwhile: answered once closed
         _give_done(context, arrivals, done)
         done = [None] * len(arrivals)
     try:
