@@ -225,7 +225,18 @@ group = DeviceGroup(context, generate(Collective.ALLREDUCE, "lp", 4, count, 0, 1
 rows["plan a 4-participant allreduce (once per shape)"] = {"median_us": (time.perf_counter() - started) * 1e6, "p90_us": None}
 timed("enqueue the plan (the ops' launch cost)", lambda: (group.enqueue(), group.wait(time.monotonic() + 30)), reps=1)
 timed("run the plan: enqueue + wait", lambda: group.run(time.monotonic() + 30))
-group.close(); context.close()
+# Issue 47: items 2 (the plan captured at its first launch, then one graph launch) and 1
+# (answered at enqueue: the time to the answer, the streams finishing after it).
+owner, later = ("profile",), lambda: time.monotonic() + 60
+timed("launch, captured and replayed (item 2) + wait", lambda: group.launch(owner, later(), [], []).wait(later()))
+pending = []
+timed("launch to its answer, not its end (item 1)", lambda: pending.append(group.launch(owner, later(), [], [])))
+for launch in pending:
+    launch.wait(later())
+context.capture = False
+issued = DeviceGroup(context, generate(Collective.ALLREDUCE, "lp", 4, count, 0, 1), pairs, Reduction(ReduceOp.SUM, f32, 4))
+timed("launch, issued op by op (capture off) + wait", lambda: issued.launch(owner, later(), [], []).wait(later()))
+issued.close(); group.close(); context.close()
 for name, row in rows.items():
     p90 = f"{row['p90_us']:.0f}" if row["p90_us"] is not None else "-"
     print(f"  {row['median_us']:9.0f} us median, {p90:>6} us p90  {name}")

@@ -194,6 +194,19 @@ class Buffer:
         else:
             self.array.set(values)  # cupy.ndarray.set: host to device
 
+    def sync(self) -> None:
+        """Until the collective finished (device memory: a stream-ordered answer comes at
+        enqueue, and the buffer's stream waits for the rest; the time counts it all)."""
+        if self.memory == "emulated":
+            from lpsync_client import emulated
+
+            emulated.current_stream(self.array.device).synchronize()
+        elif self.memory != "host":
+            import cupy
+
+            with cupy.cuda.Device(self.array.device.id):
+                cupy.cuda.get_current_stream().synchronize()
+
     def release(self, client) -> None:
         client.release(self.array if self.memory == "host" else self.registered)
 
@@ -255,6 +268,8 @@ def run(
                 for _ in range(n // rounds):
                     t = time.perf_counter()
                     call()
+                    if memory != "host":
+                        held[-1].sync()
                     times.append(time.perf_counter() - t)
             values = [b.load() for b in held]
             fill(op, values, rank, world, count, root)

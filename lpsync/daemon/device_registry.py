@@ -34,6 +34,8 @@ class OpenAllocation:
     nbytes: int
     refs: int = 0  # registrations on it
     active: int = 0  # collectives whose streams may still touch it
+    settled: bool = True  # no close deferred to ``done`` is pending
+    streamed: int = 0  # of ``active``: collectives answered before they finished (issue 47)
 
 
 @dataclass(eq=False)
@@ -47,6 +49,9 @@ class DeviceBuffer:
     @property
     def device(self) -> int:
         return self.allocation.device
+
+
+RELEASE_PATIENCE = 20.0  # s a Release waits for collectives still running on its allocation
 
 
 class DeviceRegistry:
@@ -64,6 +69,7 @@ class DeviceRegistry:
         self.peer_direct = False
         self.context = DeviceContext(kind)
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # an allocation's collectives finished
         self._open: dict[tuple[int, bytes], OpenAllocation] = {}
         self._by_memory: dict[int, OpenAllocation] = {}  # id(memory) -> its entry
         self.registered = [0] * kind.devices
@@ -144,7 +150,13 @@ class DeviceRegistry:
         registry's closer thread, since closing a mapping can synchronize the device."""
         with self._lock:
             self.registered[buffer.device] -= buffer.nbytes
+        with self._lock:
+            streamed = buffer.allocation.streamed > 0
         self._drop(buffer.allocation, wait)
+        if wait and streamed:  # answered at enqueue, it may still run on the allocation:
+            # the client frees the memory once this is answered, so answer after the close
+            with self._idle:
+                self._idle.wait_for(lambda: buffer.allocation.settled, RELEASE_PATIENCE)
 
     def _drop(self, entry: OpenAllocation, wait: bool = True) -> None:
         with self._lock:
@@ -152,6 +164,7 @@ class DeviceRegistry:
             last = entry.refs == 0 and entry.active == 0
             if entry.refs == 0:  # no new registration finds it; closed once idle
                 self._open.pop((entry.device, entry.handle), None)
+                entry.settled = last  # else ``done`` closes it
             if last:
                 self._by_memory.pop(id(entry.memory), None)
         if last:
@@ -197,16 +210,35 @@ class DeviceRegistry:
                 entry.active += 1
         return list(entries.values())
 
-    def done(self, entries: list[OpenAllocation]) -> None:
+    def stream_ordered(self, entries: list[OpenAllocation]) -> bool:
+        """Whether the collective holding ``entries`` (``use``) may be answered before it
+        finished: not where a buffer was released while it waited (its mapping closes
+        once the collective is done, and its client was promised that close before the
+        answer). Where it may, a Release meanwhile waits for the close (``release``);
+        ``done(entries, streamed=True)`` ends it."""
+        with self._lock:
+            if any(entry.refs == 0 for entry in entries):
+                return False
+            for entry in entries:
+                entry.streamed += 1
+            return True
+
+    def done(self, entries: list[OpenAllocation], streamed: bool = False) -> None:
         closing = []
         with self._lock:
             for entry in entries:
+                entry.streamed -= streamed
                 entry.active -= 1
                 if entry.active == 0 and entry.refs == 0:
                     self._by_memory.pop(id(entry.memory), None)
                     closing.append(entry)
         for entry in closing:
             self.kind.close(entry.memory)
+        if closing:
+            with self._idle:
+                for entry in closing:
+                    entry.settled = True
+                self._idle.notify_all()
 
     def open_allocations(self) -> list[int]:
         counts = [0] * self.kind.devices

@@ -115,6 +115,7 @@ class Outcome:
     seconds: float = 0.0
     # The plan is armed (lpsync/native): (doorbell page, plan, generation) for the reply.
     armed: tuple[str, int, int] | None = None
+    done_event: bytes = b""  # stream-ordered device collective: the daemon's done event handle
 
 
 class Later(Generic[T]):
@@ -165,6 +166,7 @@ class Arrival:
     done: Callable[[Outcome], None]
     at: float = 0.0  # time.monotonic() of the arrival (set by Job.submit)
     ready: Any = None  # device buffers: the client's opened event the streams wait on first
+    stream_ordered: bool = False  # device buffers: answer once enqueued, with a done event
 
     @property
     def in_place(self) -> bool:

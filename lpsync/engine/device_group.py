@@ -21,24 +21,41 @@ CUDA honours a wait only for records enqueued before it, so the list is ordered 
 way: participants' programs are interleaved, a step going into the list only once the
 records it waits on are in. Runs that share streams enqueue under one lock, so one run's
 operations precede the next one's on every stream and no two runs can wait on each other.
+
+Two ways to run a plan: ``run`` (the clients' ready events polled from the host, enqueue,
+host wait: the multi-node segments) and ``launch`` (stream-ordered completion, issue 47
+item 1: on the job's own lanes the streams wait for the ready events and the job's
+previous launch, "done" events are recorded for the clients' streams to wait on, and a
+per-job watcher, ``Completions``, settles the launch off the answer).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import queue
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from lpsync.algorithms.schedule import Kind, Schedule
-from lpsync.errors import InvalidArgumentError, ScheduleError
+from lpsync.errors import (
+    CollectiveTimeoutError,
+    InvalidArgumentError,
+    LpsyncError,
+    ScheduleError,
+    UnavailableError,
+)
 from lpsync.memory.kind import MemoryKind, Span, Topology
 from lpsync.reduction import Reduction
 
 _SEND, _RECV, _RECV_REDUCE, _COPY = (int(k) for k in Kind)
 HOST_SLOTS = 2  # host staging buffers per link without peer access: double-buffered
+DONE_EVENTS = 64  # interprocess "done" events per (session, device): one per outstanding collective
+_PATIENCE = 3600.0  # how long a watcher waits for streams past a collective's deadline
+log = logging.getLogger("lpsync.engine.device")
 STAGING_SLOTS = 2  # device staging buffers per reducing participant: double-buffered
 
 
@@ -110,6 +127,38 @@ class DeviceContext:
         # peers (cudaErrorTooManyPeers) is then a HOST link in this topology.
         self.topology: Topology = kind.topology
         self._peers: set[tuple[int, int]] = set()
+        self.done_events = DoneEvents(kind)
+        self.completions = Completions()
+        self.capture = True  # launches replay captured programs where the kind can capture
+        # Per job (owner): the finals of its latest launch (the next one is fenced behind
+        # them) and an error found after its collective was answered (the next one raises).
+        self._last: dict[tuple, list[Any]] = {}
+        self._failed: dict[tuple, LpsyncError] = {}
+
+    def fence(self, owner: tuple, finals: list[Any] | None = None) -> list[Any]:
+        """The finals of ``owner``'s previous launch; ``finals``: this launch's, kept for
+        the next one."""
+        with self._lock:
+            previous = self._last.get(owner, [])
+            if finals is not None:
+                self._last[owner] = finals
+            return previous
+
+    def fail_later(self, owner: tuple, error: LpsyncError) -> None:
+        """A collective of ``owner`` failed on the streams after it was answered: the
+        job's next device collective raises it (the first one kept)."""
+        with self._lock:
+            self._failed.setdefault(owner, error)
+
+    def take_failure(self, owner: tuple) -> LpsyncError | None:
+        with self._lock:
+            return self._failed.pop(owner, None)
+
+    def forget(self, owner: tuple) -> None:
+        """The job ended: its fence and pending failure go."""
+        with self._lock:
+            self._last.pop(owner, None)
+            self._failed.pop(owner, None)
 
     def enable_peers(self, devices: Sequence[int]) -> None:
         """Enable peer access between ``devices`` where their link allows it, once."""
@@ -156,6 +205,8 @@ class DeviceContext:
             if entry[1] > 0:
                 return
             del self._lanes[key]
+            if not any(k[0] == owner for k in self._lanes):  # the job's last plan closed
+                self._last.pop(owner, None)
         self._end_stream(entry[0])
 
     def _end_stream(self, stream: Any) -> None:
@@ -185,7 +236,146 @@ class DeviceContext:
             self._lanes.clear()
         for stream in streams:
             self.kind.destroy_stream(stream)
+        self.completions.close()
+        self.done_events.close()
         self.pool.close()
+
+
+class DoneEvents:
+    """The daemon's interprocess "done" events (kind.ipc_event), pooled per (session,
+    device): one per outstanding stream-ordered collective of that session, given back
+    once its record completed (then a client's later wait on it, which captures the
+    latest record, waits for nothing it should not). At most DONE_EVENTS out per key:
+    beyond, ``take`` says None and the collective is answered after a host wait. A
+    session's events are destroyed when it ends (``drop``), those still out when they
+    come back."""
+
+    def __init__(self, kind: MemoryKind) -> None:
+        self.kind = kind
+        self._lock = threading.Lock()
+        self._free: dict[tuple[str, int], list[tuple[Any, bytes]]] = defaultdict(list)
+        self._out: dict[tuple[str, int], int] = defaultdict(int)
+        self._dropped: set[str] = set()
+        self.made = 0  # events made (tests: reuse keeps this flat)
+
+    def take(self, session: str, device: int) -> tuple[Any, bytes] | None:
+        key = (session, device)
+        with self._lock:
+            if session in self._dropped:
+                return None
+            free = self._free.get(key)
+            if free:
+                self._out[key] += 1
+                return free.pop()
+            if self._out[key] >= DONE_EVENTS:
+                return None
+            self._out[key] += 1
+            self.made += 1
+        try:
+            return self.kind.ipc_event(device)
+        except BaseException:
+            with self._lock:
+                self._out[key] -= 1
+            raise
+
+    def give(self, session: str, device: int, entry: tuple[Any, bytes]) -> None:
+        key = (session, device)
+        with self._lock:
+            self._out[key] -= 1
+            if not self._out[key]:
+                del self._out[key]
+            if session not in self._dropped:
+                self._free[key].append(entry)
+                return
+            if not any(k[0] == session for k in self._out):  # its last one came back
+                self._dropped.discard(session)
+        self.kind.destroy_event(entry[0])
+
+    def outstanding(self) -> int:
+        with self._lock:
+            return sum(self._out.values())
+
+    def pooled(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._free.values())
+
+    def drop(self, session: str) -> None:
+        """The session ended: its free events are destroyed now, the others on return."""
+        with self._lock:
+            keys = [k for k in self._free if k[0] == session]
+            entries = [e for k in keys for e in self._free.pop(k)]
+            if any(k[0] == session for k in self._out):
+                self._dropped.add(session)
+        for event, _ in entries:
+            self.kind.destroy_event(event)
+
+    def close(self) -> None:
+        with self._lock:
+            entries = [e for v in self._free.values() for e in v]
+            self._free.clear()
+        for event, _ in entries:
+            with contextlib.suppress(Exception):
+                self.kind.destroy_event(event)
+
+
+class Completions:
+    """One watcher thread per job (owner) that waits, on the host and off every answer,
+    for the job's launches to finish on the streams, in launch order (a job's launches
+    are fenced one behind the other), and runs each one's ``then``. Per job: a job whose
+    streams wait for a dead client's event holds only its own watcher. A watcher idle
+    for ``idle`` seconds ends (blocking on its queue meanwhile, never polling)."""
+
+    def __init__(self, idle: float = 30.0) -> None:
+        self.idle = idle
+        self._lock = threading.Lock()
+        self._queues: dict[tuple, queue.SimpleQueue] = {}
+        self._closed = False
+
+    def put(self, owner: tuple, work: Callable[[], None]) -> None:
+        with self._lock:
+            if self._closed:
+                start = None
+                work_now = True
+            else:
+                work_now = False
+                q = self._queues.get(owner)
+                start = None
+                if q is None:
+                    q = self._queues[owner] = queue.SimpleQueue()
+                    start = q
+                q.put(work)
+        if work_now:
+            work()
+            return
+        if start is not None:
+            threading.Thread(
+                target=self._watch, args=(owner, start), name="lpsync-device-done", daemon=True
+            ).start()
+
+    def _watch(self, owner: tuple, q: queue.SimpleQueue) -> None:
+        while True:
+            try:
+                work = q.get(timeout=self.idle)
+            except queue.Empty:
+                with self._lock:
+                    if q.empty():  # nothing arrived meanwhile: this watcher ends
+                        self._queues.pop(owner, None)
+                        return
+                continue
+            if work is None:
+                return
+            try:
+                work()
+            except Exception:
+                log.exception("a device collective's completion failed")
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            queues = list(self._queues.values())
+            self._queues.clear()
+        for q in queues:
+            q.put(None)
 
 
 class Lanes:
@@ -247,6 +437,21 @@ class StreamPlan:
     kind: MemoryKind
     ops: list[tuple[Callable[..., None], tuple]]
     finals: list[Any]
+    _inflight = 0  # launches not yet settled (a close gives memory back after the last)
+    _closing = False
+    _graph: Any = None  # the captured program (launch replays it), once captured
+    _graph_done: Any = None  # recorded after each replay: the launch's one final
+    _capture_failed = False
+
+    def __init__(self) -> None:
+        self._inflight_cond = threading.Condition()
+
+    def close_after_launches(self) -> bool:
+        """Mark the plan closing; True where no launch is in flight (give back now),
+        else the last launch's settlement gives back."""
+        with self._inflight_cond:
+            self._closing = True
+            return self._inflight == 0
 
     def all_streams(self) -> list[Any]:
         raise NotImplementedError
@@ -270,6 +475,128 @@ class StreamPlan:
             self.drain()
             self.recover()
             raise
+
+    def stream_of(self, participant: int) -> Any:
+        """A stream of this plan on ``participant``'s device (schedule order), where its
+        "done" event is recorded; None where the plan has none there."""
+        raise NotImplementedError
+
+    def launch(
+        self, owner: tuple, deadline: float, ready: Sequence[Any], done: Sequence[tuple[int, Any] | None]
+    ) -> Launch:
+        """Enqueue the plan without any host wait (stream-ordered completion, issue 47
+        item 1): every stream first waits for the job's previous launch (its finals: no
+        two launches of a job overlap, whatever streams they use) and for each client's
+        ready event (cudaStreamWaitEvent: on the job's own lanes, so a client that never
+        reaches its event holds only its job), then the operations; then, per participant
+        with a ``done`` (participant, event), its stream waits for every final and records
+        the event: the client's stream waits on that one. The returned Launch is settled
+        by the context's watcher once the finals completed (or failed); ``then`` hooks run
+        there. A failure to enqueue drains what went in and raises."""
+        kind, context = self.kind, self.context
+        with self._inflight_cond:
+            self._inflight += 1
+        try:
+            with context.enqueue_lock:
+                graph = self._captured()
+                finals = self.finals if graph is None else [self._graph_done]
+                launch = Launch(self, owner, deadline, finals)
+                # Issued: every stream waits; replayed: the graph runs as one item of the
+                # first stream, so that one waits (a graph's captured program cannot wait
+                # on another process's event, nor on a record made outside it).
+                streams = self.all_streams() if graph is None else self.all_streams()[:1]
+                fence = context.fence(owner, finals)
+                for stream in streams:
+                    for event in fence:
+                        kind.wait(stream, event)
+                    for event in ready:
+                        if event is not None:
+                            kind.wait(stream, event)
+                if graph is None:
+                    for function, args in self.ops:
+                        function(*args)
+                else:
+                    cast(Any, kind).launch_graph(graph, streams[0])
+                    kind.record(self._graph_done, streams[0])
+                for entry in done:
+                    if entry is None:
+                        continue
+                    participant, event = entry
+                    stream = self.stream_of(participant)
+                    for final in finals:
+                        kind.wait(stream, final)
+                    kind.record(event, stream)
+        except BaseException:
+            self.drain()
+            self.recover()
+            self._settled()
+            raise
+        context.completions.put(owner, launch.watch)
+        return launch
+
+    def _captured(self) -> Any:
+        """The plan's operations as one captured program (a CUDA graph), captured at the
+        first launch (under the enqueue lock) and replayed by every later one; None
+        where the kind has no capture, capturing is off, or the capture failed (then the
+        operations are issued one by one, as before, and the log says why once). The
+        first stream forks the others (a record they wait on) and each rejoins it at the
+        end (a record it waits on), as CUDA's capture across streams requires."""
+        if self._graph is not None or self._capture_failed:
+            return self._graph
+        kind = self.kind
+        begin = getattr(kind, "begin_capture", None)
+        if begin is None or not self.context.capture:
+            self._capture_failed = True
+            return None
+        streams = self.all_streams()
+        origin = streams[0]
+        devices = [self._device_of(s) for s in streams]
+        fork = kind.event(devices[0])
+        joins = [kind.event(d) for d in devices[1:]]
+        self._graph_done = kind.event(devices[0])
+        begun = False
+        try:
+            begin(origin)
+            begun = True
+            kind.record(fork, origin)
+            for stream in streams[1:]:
+                kind.wait(stream, fork)
+            for function, args in self.ops:
+                function(*args)
+            for stream, join in zip(streams[1:], joins, strict=True):
+                kind.record(join, stream)
+                kind.wait(origin, join)
+            begun = False
+            self._graph = cast(Any, kind).end_capture(origin)
+            self._capture_events = [fork, *joins]
+        except Exception as error:
+            if begun:
+                with contextlib.suppress(Exception):
+                    cast(Any, kind).end_capture(origin)
+            self._capture_failed = True
+            log.warning(
+                "a device plan could not be captured (%s); its operations are issued one by one", error
+            )
+            return None
+        return self._graph
+
+    @staticmethod
+    def _device_of(stream: Any) -> int:
+        """The device of a kind's stream (cuda: ``lpsync_device``; emulated: ``device``)."""
+        device = getattr(stream, "lpsync_device", None)
+        return int(stream.device if device is None else device)
+
+    def _settled(self) -> None:
+        """A launch finished on the streams (the watcher's, or a failed enqueue's)."""
+        with self._inflight_cond:
+            self._inflight -= 1
+            closing = self._inflight == 0 and self._closing
+            self._inflight_cond.notify_all()
+        if closing:
+            self._give_back()
+
+    def _give_back(self) -> None:
+        """Return what the plan holds (after its last launch finished)."""
 
     def enqueue(self, after: Sequence[Any] = ()) -> None:
         """Queue the plan on the streams without waiting for it; every stream first waits
@@ -305,6 +632,86 @@ class StreamPlan:
                 recover(stream)
 
 
+class Launch:
+    """One stream-ordered run of a plan: settled by the job's watcher (Completions) once
+    its finals completed. ``then`` hooks run there, with the error (None: it finished);
+    ``wait`` is the host wait, for callers that answer only after completion. An error
+    found after the caller stopped waiting (``answered``) is kept for the job's next
+    collective (DeviceContext.fail_later)."""
+
+    def __init__(self, plan: StreamPlan, owner: tuple, deadline: float, finals: list[Any]) -> None:
+        self.plan, self.owner, self.deadline, self.finals = plan, owner, deadline, finals
+        self._cond = threading.Condition()
+        self._done = False
+        self._answered = False
+        self.error: LpsyncError | None = None
+        self._then: list[Callable[[LpsyncError | None], None]] = []
+
+    def then(self, hook: Callable[[LpsyncError | None], None]) -> None:
+        """Run ``hook(error)`` once settled (now, if it is)."""
+        with self._cond:
+            if not self._done:
+                self._then.append(hook)
+                return
+        hook(self.error)
+
+    def answered(self) -> None:
+        """The caller answered already: a later error goes to the job's next collective."""
+        with self._cond:
+            self._answered = True
+            if not self._done or self.error is None:
+                return
+        self.plan.context.fail_later(self.owner, self.error)
+
+    def wait(self, deadline: float) -> None:
+        """Until settled; its error raised. Past ``deadline``, CollectiveTimeoutError, but
+        only once the streams finished (as ``run``: the error is answered after the last
+        write into the clients' memory)."""
+        late = False
+        with self._cond:
+            while not self._done:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    late = True
+                    self._cond.wait_for(lambda: self._done, _PATIENCE)
+                    break
+                self._cond.wait(left)
+            if late:
+                raise CollectiveTimeoutError("the device streams did not finish the collective in time")
+            if self.error is not None:
+                raise self.error
+
+    def watch(self) -> None:
+        """On the job's watcher: until every final completed; a failure drains the streams
+        first (a fresh record on each) and clears their errors where the kind can."""
+        plan, error = self.plan, None
+        try:
+            # No deadline here: enqueued work cannot be taken back, and a stream-ordered
+            # collective has been answered (a client that never reaches its ready event
+            # holds its job's streams until its session ends and the event is closed).
+            for event in self.finals:
+                plan.kind.synchronize(event, self.deadline + _PATIENCE)
+        except LpsyncError as failed:
+            error = failed
+        except Exception as failed:
+            error = UnavailableError(f"a device operation failed: {failed!r}")
+        if error is not None:
+            plan.drain()
+            plan.recover()
+        with self._cond:
+            self._done, self.error = True, error
+            hooks, self._then = self._then, []
+            answered = self._answered
+            self._cond.notify_all()
+        if error is not None and answered:
+            plan.context.fail_later(self.owner, error)
+        try:
+            for hook in hooks:
+                hook(error)
+        finally:
+            plan._settled()
+
+
 class DeviceGroup(StreamPlan):
     """Participants 0..P-1 of ``schedule`` (in schedule order) over (IN, OUT) device spans.
     ``scratch``: staging memory shared with other groups that are never in flight at the
@@ -317,11 +724,17 @@ class DeviceGroup(StreamPlan):
         buffers: Sequence[tuple[Span, Span]],
         reduction: Reduction | None,
         scratch: Scratch | None = None,
+        lanes: Lanes | None = None,
     ) -> None:
+        """``lanes``: the job's own streams (a plan that ``launch``es: its streams wait on
+        clients' events, so they must be the job's); else the context's shared ones. The
+        group then owns them: ``close`` gives them back."""
+        super().__init__()
         p = schedule.participants
         if len(buffers) != p:
             raise InvalidArgumentError(f"{len(buffers)} buffers for {p} participants")
         self.context, self.kind, self.schedule = context, context.kind, schedule
+        self._lanes = lanes
         kind = self.kind
         devices = [inp.device for inp, _ in buffers]
         context.enable_peers(sorted(set(devices)))
@@ -330,8 +743,12 @@ class DeviceGroup(StreamPlan):
         slots: dict[int, int] = defaultdict(int)
         self.streams, self.copy_streams = [], []
         for d, pulls in zip(devices, reduces, strict=True):
-            self.streams.append(context.stream(d, slots[d]))
-            self.copy_streams.append(context.stream(d, slots[d], "copy") if pulls else None)
+            if lanes is None:
+                self.streams.append(context.stream(d, slots[d]))
+                self.copy_streams.append(context.stream(d, slots[d], "copy") if pulls else None)
+            else:
+                self.streams.append(lanes.get(d, f"main{slots[d]}"))
+                self.copy_streams.append(lanes.get(d, f"copy{slots[d]}") if pulls else None)
             slots[d] += 1
         self._held: list[Any] = []  # pool memory, returned on close
         self._scratch = scratch
@@ -368,6 +785,9 @@ class DeviceGroup(StreamPlan):
 
     def all_streams(self) -> list[Any]:
         return self.streams + [s for s in self.copy_streams if s is not None]
+
+    def stream_of(self, participant: int) -> Any:
+        return self.streams[participant]
 
     def _streams_with_devices(self, devices: list[int]) -> list[tuple[Any, int]]:
         pairs = list(zip(self.streams, devices, strict=True))
@@ -503,11 +923,19 @@ class DeviceGroup(StreamPlan):
                 )
 
     def close(self, wait: bool = True) -> None:
-        """Give the staging buffers back to the pool. Nothing to wait for (``wait`` is
-        LocalGroup's): the job's run lock means no run of this group is in flight."""
+        """Give the staging buffers (and lanes) back; after the last launch in flight
+        finished on the streams, never under it (``wait`` is LocalGroup's: the job's run
+        lock means no ``run`` is in flight, but launches answer before they finish)."""
+        if self.close_after_launches():
+            self._give_back()
+
+    def _give_back(self) -> None:
         held, self._held = self._held, []
         for memory in held:
             self.context.pool.give(memory)
+        lanes, self._lanes = self._lanes, None
+        if lanes is not None:
+            lanes.close()
 
     def __enter__(self) -> DeviceGroup:
         return self

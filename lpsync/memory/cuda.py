@@ -24,6 +24,9 @@ as the daemon sees it; clients must see the same numbering (same CUDA_VISIBLE_DE
                            when dropped: never by the garbage collector on whatever thread
                            (the event loop) let go of a plan
   free                     on the Releaser too: cudaFree/cudaFreeHost synchronize the device
+  ipc_event                eventCreateWithFlags(... | cudaEventInterprocess) and
+                           runtime.ipcGetEventHandle: the "done" event of a stream-ordered
+                           collective, opened and waited on by the client (issue 47, item 1)
   open_event / close_event runtime.ipcOpenEventHandle(handle) on the event's device (a
                            client's Event(interprocess=True, disable_timing=True)) /
                            runtime.eventDestroy; ``wait`` on it is
@@ -38,6 +41,10 @@ as the daemon sees it; clients must see the same numbering (same CUDA_VISIBLE_DE
   wait_ready / queries     every status other than cudaSuccess and cudaErrorNotReady fails
                            the wait, whether cupy returns it or raises it; a closed event is
                            never queried again (a use after free of the handle)
+  begin_capture / end_capture / launch_graph
+                           Stream.begin_capture(mode=streamCaptureModeThreadLocal),
+                           Stream.end_capture() -> cupy.cuda.Graph, Graph.launch(stream): a
+                           plan's operations captured once, replayed per collective
   copy_async               runtime.memcpyPeerAsync across devices, memcpyAsync on one device
                            or with pinned host memory
   oneshot_async            cuda_kernels' one-shot kernel: one launch reads every input (peer
@@ -104,6 +111,8 @@ _NOT_READY = 600  # cudaErrorNotReady
 _TOO_MANY_PEERS = 711  # cudaErrorTooManyPeers
 _HOST_ALLOC_PORTABLE = 1  # cudaHostAllocPortable
 _EVENT_FLAGS = 0x1 | 0x2  # cudaEventBlockingSync | cudaEventDisableTiming
+_CAPTURE_THREAD_LOCAL = 1  # cudaStreamCaptureModeThreadLocal
+_INTERPROCESS = 0x4  # cudaEventInterprocess: "must be specified along with cudaEventDisableTiming"
 
 
 def _use(device: int) -> None:
@@ -415,6 +424,16 @@ class CudaKind:
         _use(device)
         return CudaEvent(device, runtime.eventCreateWithFlags(_EVENT_FLAGS), self._drop_event)
 
+    def ipc_event(self, device: int) -> tuple[CudaEvent, bytes]:
+        """An own event another process may open (cudaEventInterprocess | DisableTiming |
+        BlockingSync) and its cudaIpcGetEventHandle: a stream-ordered collective's "done"
+        event, which the client's stream waits on (cudaStreamWaitEvent) after the answer."""
+        self._check(device)
+        _use(device)
+        pointer = runtime.eventCreateWithFlags(_EVENT_FLAGS | _INTERPROCESS)
+        event = CudaEvent(device, pointer, self._drop_event)
+        return event, bytes(runtime.ipcGetEventHandle(event.ptr))
+
     def timing_event(self, device: int) -> CudaEvent:
         """An event with timing (benchmarks: runtime.eventElapsedTime), else as ``event``."""
         self._check(device)
@@ -534,6 +553,26 @@ class CudaKind:
                 event.cond.wait(left)
             if event.error is not None:
                 raise event.error
+
+    # -- captured programs (CUDA graphs, issue 47 item 2) --------------------------------------
+    def begin_capture(self, stream: cupy.cuda.Stream) -> None:
+        """cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) through cupy's
+        Stream.begin_capture: the daemon's other threads go on with their own calls (the
+        global mode would refuse their allocations meanwhile); this thread makes none."""
+        _use(stream.lpsync_device)
+        stream.begin_capture(mode=_CAPTURE_THREAD_LOCAL)
+
+    def end_capture(self, stream: cupy.cuda.Stream) -> Any:
+        """cudaStreamEndCapture, instantiated: cupy's Graph (an invalidated or unjoined
+        capture raises here, and the capture is over)."""
+        _use(stream.lpsync_device)
+        return stream.end_capture()
+
+    def launch_graph(self, graph: Any, stream: cupy.cuda.Stream) -> None:
+        """cudaGraphLaunch: the whole program, ordered after ``stream``'s earlier work
+        and before its later work."""
+        _use(stream.lpsync_device)
+        graph.launch(stream)
 
     # -- operations ----------------------------------------------------------------------------
     def copy_async(self, dst: Span, src: Span, stream: cupy.cuda.Stream) -> None:

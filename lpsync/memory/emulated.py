@@ -58,6 +58,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -179,6 +180,9 @@ class EmulatedEvent:
         self.recorded = 0  # records enqueued
         self.completed = 0  # records whose stream reached them
         self.error: BaseException | None = None
+        # Recorded into a capture still open: (capture, record node). Such a record is
+        # no record at all outside the capture (CUDA: a captured cudaEventRecord).
+        self.captured: tuple[EmulatedCapture, int] | None = None
 
     def _complete(self, generation: int, error: BaseException | None) -> None:
         with self._cond:
@@ -197,6 +201,36 @@ class EmulatedEvent:
                 if left is not None and left <= 0:
                     raise CollectiveTimeoutError("a device stream did not finish in time")
                 self._cond.wait(left)
+
+
+class EmulatedExportedEvent(EmulatedEvent):
+    """An own event another process may open (cudaEventInterprocess, then
+    cudaIpcGetEventHandle): the daemon's "done" event of a stream-ordered collective. Its
+    records are mirrored into an 8-byte memfd laid out as a client's event (u32 records
+    made, u32 records completed); a completion stores the number and wakes the futex, so
+    a client stream waiting on it (lpsync_client.emulated.OpenedEvent) sleeps until then."""
+
+    def __init__(self, device: int, on_drop: Callable[[int], None] | None = None) -> None:
+        super().__init__(device, on_drop)
+        self._fd = os.memfd_create("lpsync-event-daemon", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, _EVENT_BYTES)
+        self._mapping = mmap.mmap(self._fd, _EVENT_BYTES)
+        self._words = np.frombuffer(self._mapping, np.uint32, 2)
+        self.handle = EVENT_HANDLE.pack(EVENT_MAGIC, os.getpid(), self._fd, os.fstat(self._fd).st_ino)
+
+    def note_record(self, generation: int) -> None:
+        self._words[0] = generation & 0xFFFFFFFF
+
+    def _complete(self, generation: int, error: BaseException | None) -> None:
+        super()._complete(generation, error)
+        self._words[1] = generation & 0xFFFFFFFF
+        futex.wake(self._words.__array_interface__["data"][0] + 4)
+
+    def release(self) -> None:
+        """The memfd goes (on destroy): a client that opened it keeps its own mapping."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class EmulatedIpcEvent:
@@ -227,6 +261,87 @@ class EmulatedIpcEvent:
 
 
 _STOP = object()
+_Node = tuple[str, object]  # ("op", callable) | ("record", node id) | ("wait", node id)
+
+
+class EmulatedCapture:
+    """A stream capture in progress (cudaStreamBeginCapture on ``origin``): what the
+    capturing streams are given is recorded per stream (a lane of nodes), not run. A
+    stream joins by waiting on an event recorded in the capture (CUDA's fork); waiting on
+    anything recorded outside it (another process's event, an earlier eager record)
+    invalidates the capture, as do host waits on its events; every other stream must
+    have rejoined the origin (its last node a record the origin waited on) when it ends
+    (cudaErrorStreamCaptureUnjoined)."""
+
+    def __init__(self, origin: EmulatedStream) -> None:
+        self.origin = origin
+        self.lanes: dict[EmulatedStream, list[_Node]] = {origin: []}
+        self.records = 0
+        self.events: list[EmulatedEvent] = []
+        self.invalid: str | None = None
+        self.open = True
+
+    def record(self, stream: EmulatedStream, event: EmulatedEvent) -> None:
+        node = self.records
+        self.records += 1
+        self.lanes[stream].append(("record", node))
+        event.captured = (self, node)
+        self.events.append(event)
+
+    def invalidate(self, why: str) -> UnavailableError:
+        self.invalid = self.invalid or why
+        return UnavailableError(f"stream capture invalidated: {why}")
+
+
+@dataclass(eq=False)
+class EmulatedGraph:
+    """A captured program (cudaGraphExec_t): per captured stream its nodes; launched as
+    one item of a stream, its lanes run concurrently, ordered only by the captured
+    record -> wait edges."""
+
+    lanes: list[list[_Node]]
+    records: int
+
+    def run(self, stream: EmulatedStream) -> None:
+        if len(self.lanes) == 1:
+            for what, item in self.lanes[0]:
+                if what == "op":
+                    cast("Callable[[], None]", item)()
+            return
+        reached = [threading.Event() for _ in range(self.records)]
+        errors: list[BaseException] = []
+
+        def lane(nodes: list[_Node]) -> None:
+            for what, item in nodes:
+                if errors:
+                    return
+                if what == "record":
+                    reached[cast(int, item)].set()
+                elif what == "wait":
+                    while not reached[cast(int, item)].wait(1.0):
+                        if stream.closed.is_set():
+                            errors.append(UnavailableError("the stream ended under a graph launch"))
+                            return
+                else:
+                    try:
+                        cast("Callable[[], None]", item)()
+                    except BaseException as error:
+                        errors.append(error)
+                        for flag in reached:  # the other lanes stop at their next node
+                            flag.set()
+                        return
+
+        helpers = [
+            threading.Thread(target=lane, args=(nodes,), name="lpsync-emu-graph", daemon=True)
+            for nodes in self.lanes[1:]
+        ]
+        for helper in helpers:
+            helper.start()
+        lane(self.lanes[0])
+        for helper in helpers:
+            helper.join()
+        if errors:
+            raise errors[0]
 
 
 @dataclass(eq=False)
@@ -235,6 +350,7 @@ class EmulatedStream:
     _queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     error: BaseException | None = None
     closed: threading.Event = field(default_factory=threading.Event)
+    capture: EmulatedCapture | None = None  # capturing: what it is given is recorded
 
     def __post_init__(self) -> None:
         self._thread = threading.Thread(
@@ -245,6 +361,9 @@ class EmulatedStream:
     def put(
         self, op: Callable[[], None] | Callable[[BaseException | None], None], wants_error: bool = False
     ) -> None:
+        if self.capture is not None:
+            self.capture.lanes[self].append(("op", op))
+            return
         self._queue.put((op, wants_error))
 
     def _work(self) -> None:
@@ -306,6 +425,7 @@ class EmulatedKind:
         self.faults: list[str] = []  # what CUDA would have done wrong, silently (tests read it)
         self._sticky: dict[int, BaseException] = {}  # per device: a sticky error (fail_device)
         self.destroyed_events = 0  # on the Releaser, with the device current
+        self.captures = self.graph_launches = 0  # programs captured, launches of them
 
     def _context(self, device: int) -> None:
         """An operation needs ``device``'s context: made at the first (CUDA: ~300-500 MB)."""
@@ -557,10 +677,19 @@ class EmulatedKind:
         self._context(device)
         return EmulatedEvent(device, self._destroy)
 
+    def ipc_event(self, device: int) -> tuple[EmulatedExportedEvent, bytes]:
+        """An own event other processes may open and wait on, and its handle."""
+        self._check(device)
+        self._context(device)
+        event = EmulatedExportedEvent(device, self._destroy)
+        return event, event.handle
+
     def destroy_event(self, event: EmulatedEvent) -> None:
         _alive(event)
         event.destroyed = True
         self._destroy(event.device)
+        if isinstance(event, EmulatedExportedEvent):
+            self.releaser.put(event.device, event.release)
 
     def _destroy(self, device: int) -> None:
         """cudaEventDestroy's stand-in, on the Releaser with ``device`` current (a thread
@@ -580,9 +709,16 @@ class EmulatedKind:
             raise InvalidArgumentError(
                 f"an event of device {event.device} recorded on a stream of device {stream.device}"
             )
+        if stream.capture is not None:  # a node of the graph, no record outside it
+            if isinstance(event, EmulatedExportedEvent):
+                raise stream.capture.invalidate("an interprocess event recorded in a capture")
+            stream.capture.record(stream, event)
+            return
         with event._cond:
             event.recorded += 1
             generation = event.recorded
+            if isinstance(event, EmulatedExportedEvent):
+                event.note_record(generation)  # what another process's wait captures
         stream.put(lambda error: event._complete(generation, error), wants_error=True)
 
     def open_event(self, handle: bytes, device: int) -> EmulatedIpcEvent:
@@ -607,6 +743,18 @@ class EmulatedKind:
         event.close()
 
     def wait(self, stream: EmulatedStream, event: EmulatedEvent | EmulatedIpcEvent) -> None:
+        captured = getattr(event, "captured", None)
+        if captured is not None and captured[0].open:
+            capture, node = captured
+            if stream.capture is None:  # a stream joins a capture by waiting on its event
+                stream.capture = capture
+                capture.lanes[stream] = []
+            elif stream.capture is not capture:
+                raise capture.invalidate("a stream of another capture waited on its event")
+            capture.lanes[stream].append(("wait", node))
+            return
+        if stream.capture is not None:  # CUDA: an event from outside the capture
+            raise stream.capture.invalidate("a capturing stream waited on an event recorded outside it")
         if isinstance(event, EmulatedIpcEvent):
             self._wait_ipc(stream, event)
             return
@@ -644,6 +792,7 @@ class EmulatedKind:
     def wait_ready(self, event: EmulatedEvent | EmulatedIpcEvent, deadline: float) -> None:
         if isinstance(event, EmulatedEvent):
             _alive(event)
+            _not_captured(event)
             self._status(event.device)
             event.wait_for(event.recorded, deadline)
             self._status(event.device)
@@ -667,6 +816,7 @@ class EmulatedKind:
 
     def synchronize(self, event: EmulatedEvent, deadline: float) -> None:
         _alive(event)
+        _not_captured(event)
         self._status(event.device)
         event.wait_for(event.recorded, deadline)
         self._status(event.device)
@@ -677,6 +827,48 @@ class EmulatedKind:
                 if isinstance(error, LpsyncError)
                 else UnavailableError(f"a device operation failed: {error!r}")
             )
+
+    # -- captured programs (CUDA graphs) ------------------------------------------------------
+    def begin_capture(self, stream: EmulatedStream) -> None:
+        """cudaStreamBeginCapture: ``stream`` and the streams that join it record what
+        they are given instead of running it."""
+        if stream.capture is not None:
+            raise InvalidArgumentError("the stream is capturing already")
+        stream.capture = EmulatedCapture(stream)
+
+    def end_capture(self, stream: EmulatedStream) -> EmulatedGraph:
+        """cudaStreamEndCapture (+ instantiate): the program, or UnavailableError where the
+        capture was invalidated or a stream did not rejoin ``stream``; the capture ends
+        either way."""
+        capture = stream.capture
+        if capture is None or capture.origin is not stream:
+            raise InvalidArgumentError("the stream did not begin a capture")
+        capture.open = False
+        for lane in capture.lanes:
+            lane.capture = None
+        for event in capture.events:
+            event.captured = None
+        waited = {node for what, node in capture.lanes[stream] if what == "wait"}
+        for lane, nodes in capture.lanes.items():
+            if lane is stream or not nodes:
+                continue
+            last = nodes[-1]
+            if last[0] != "record" or last[1] not in waited:
+                capture.invalid = capture.invalid or "a stream did not rejoin the origin (unjoined)"
+        if capture.invalid is not None:
+            raise UnavailableError(f"stream capture failed: {capture.invalid}")
+        lanes = [capture.lanes[stream]] + [n for lane, n in capture.lanes.items() if lane is not stream]
+        with self._lock:
+            self.captures += 1
+        return EmulatedGraph(lanes, capture.records)
+
+    def launch_graph(self, graph: EmulatedGraph, stream: EmulatedStream) -> None:
+        """cudaGraphLaunch: the whole program as one item of ``stream``."""
+        if stream.capture is not None:
+            raise stream.capture.invalidate("a graph launched into a capture")
+        with self._lock:
+            self.graph_launches += 1
+        stream.put(lambda: graph.run(stream))
 
     # -- operations ----------------------------------------------------------------------------
     def copy_async(self, dst: Span, src: Span, stream: EmulatedStream) -> None:
@@ -768,6 +960,14 @@ class EmulatedKind:
         for stream in streams:
             stream.stop()
         self.releaser.stop()
+
+
+def _not_captured(event: EmulatedEvent) -> None:
+    """A host wait on an event recorded in a capture still open: CUDA refuses it
+    (cudaErrorStreamCaptureUnsupported) and invalidates the capture."""
+    captured = event.captured
+    if captured is not None and captured[0].open:
+        raise captured[0].invalidate("a host wait on an event recorded in the capture")
 
 
 def _alive(event: EmulatedEvent) -> None:

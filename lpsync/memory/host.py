@@ -103,6 +103,9 @@ class HostKind:
     def event(self, device: int) -> object:
         return object()
 
+    def ipc_event(self, device: int) -> tuple[object, bytes]:
+        raise InvalidArgumentError("host memory has no interprocess events (device buffers only)")
+
     def record(self, event: object, stream: HostStream) -> None:
         pass  # everything enqueued so far has already run
 

@@ -164,6 +164,12 @@ class MemoryKind(Protocol):
         An event belongs to the device it was made on (cudaEventRecord needs event and
         stream in one context): recording it on another device's stream fails."""
 
+    def ipc_event(self, device: int) -> tuple[Any, bytes]:
+        """A new own event of ``device`` that other processes may open (CUDA:
+        cudaEventInterprocess, its cudaIpcGetEventHandle): (event, handle). Recorded,
+        waited on and destroyed like ``event``'s; a client's stream waits on its latest
+        record (a stream-ordered collective's "done" event)."""
+
     def open_event(self, handle: bytes, device: int) -> Any:
         """Open an event another process exported (cudaIpcOpenEventHandle); ``wait`` takes
         it like an own event. InvalidArgumentError/NotFoundError for a bad or dead handle."""
@@ -240,6 +246,14 @@ class MemoryKind(Protocol):
 
     def close_kind(self) -> None:
         """End every stream and free what the kind holds (daemon shutdown)."""
+
+    # Optional (emulated, cuda; the engine asks with getattr): captured programs.
+    # begin_capture(stream): cudaStreamBeginCapture; streams that wait on an event recorded
+    #     in the capture join it; waits on events recorded outside it, host waits on its
+    #     events and allocations are refused (the capture is invalidated).
+    # end_capture(stream) -> graph: cudaStreamEndCapture + instantiate; raises where the
+    #     capture was invalidated or a joined stream did not rejoin ``stream``.
+    # launch_graph(graph, stream): cudaGraphLaunch, the whole program one item of ``stream``.
 
 
 def oneshot_refusal(

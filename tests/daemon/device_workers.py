@@ -373,6 +373,7 @@ def oneshot_ready_never_fires(rank: int, socket: str, world: int, hold: float) -
     done, the same small allreduce runs again (one-shot) and is right; the buffers are
     released (the daemon's status then shows nothing mapped)."""
     with _client(rank, socket, world, "oneshot-ready") as client:
+        client.device_host_wait = True  # a timeout is answered where the daemon waits
         x = emulated.asarray(np.full(64, rank + 1.0, np.float32), device=0)
         client.register(x)
         client.barrier()

@@ -15,7 +15,9 @@ interprocess events (cupy, torch, the emulated arrays) ``ready`` records one on 
 current stream and returns its IPC handle, which the request carries and the daemon's
 streams wait on (cudaIpcGetEventHandle / cudaStreamWaitEvent: the client does not block);
 otherwise (JAX, other __cuda_array_interface__ or __dlpack__ arrays) ``sync`` waits on the
-host for the array's stream, never a device-wide synchronize.
+host for the array's stream, never a device-wide synchronize. After a stream-ordered
+answer (issue 47, item 1) ``done_waiter`` makes the submitter's current stream wait on
+the daemon's done event (cudaIpcOpenEventHandle once per handle, cudaStreamWaitEvent per call).
 """
 
 from __future__ import annotations
@@ -69,6 +71,12 @@ class DeviceOperand:
     # cudaFree its segment (empty_cache, an OOM retry, free_all_blocks) while the daemon
     # maps it. None where the framework does not say (JAX, numba): the array is held.
     memory: object = None
+    # Called on the submitting thread (whose current stream the ready event was recorded
+    # on: cupy's and torch's current streams are per thread): the waiter that makes that
+    # stream wait on the daemon's done event (its IPC handle), a stream-ordered answer's,
+    # on whatever thread the answer arrives. None: the framework cannot (the daemon then
+    # answers once finished).
+    done_waiter: Callable[[], Callable[[bytes], None]] | None = None
 
     def order(self) -> bytes:
         """Order the current stream before the collective: the event handle the daemon
@@ -113,6 +121,7 @@ def describe(x: object) -> DeviceOperand:
             x,
             getattr(x, "__lpsync_ready__", None),
             getattr(x, "allocation", None),
+            _per_process(getattr(x, "__lpsync_wait__", None)),
         )
     module = type(x).__module__
     if module.startswith("torch"):
@@ -122,6 +131,7 @@ def describe(x: object) -> DeviceOperand:
         operand = _cai(x, _stream_sync_for(x))
         if type(x).__module__.startswith("cupy"):
             operand.ready = _cupy_ready(operand.info.device)
+            operand.done_waiter = _cupy_wait(operand.info.device)
             operand.memory = _cupy_memory(x)
         return operand
     try:
@@ -206,6 +216,66 @@ def _torch_ready(device: torch.device) -> Callable[[], bytes]:
     return ready
 
 
+# The daemon's done events opened here, by handle (its pools are bounded, so the same
+# handles come back): cudaIpcOpenEventHandle once per handle per process.
+_opened: dict[tuple[str, int, bytes], Any] = {}
+
+
+def _opened_event(key: tuple[str, int, bytes], open_: Callable[[], Any]) -> Any:
+    event = _opened.get(key)
+    if event is None:
+        event = _opened[key] = open_()
+    return event
+
+
+def _per_process(
+    wait: Callable[[bytes], None] | None,
+) -> Callable[[], Callable[[bytes], None]] | None:
+    """A done waiter for streams that are the process's, not a thread's (emulated)."""
+    return None if wait is None else (lambda: wait)
+
+
+def _cupy_wait(device: int) -> Callable[[], Callable[[bytes], None]]:
+    """cudaStreamWaitEvent(the submitter's current stream, the daemon's done event, 0):
+    that stream's later work waits for the collective; the host does not."""
+    import cupy
+
+    runtime = cupy.cuda.runtime
+
+    def bind() -> Callable[[bytes], None]:
+        with cupy.cuda.Device(device):
+            stream = cupy.cuda.get_current_stream()  # per thread: the submitter's
+
+        def wait(handle: bytes) -> None:
+            with cupy.cuda.Device(device):
+                event = _opened_event(("cupy", device, handle), lambda: runtime.ipcOpenEventHandle(handle))
+                runtime.streamWaitEvent(stream.ptr, event, 0)
+
+        return wait
+
+    return bind
+
+
+def _torch_wait(device: torch.device) -> Callable[[], Callable[[bytes], None]]:
+    """The same through torch: Event.from_ipc_handle, then the submitter's current
+    stream's wait_event."""
+    import torch
+
+    def bind() -> Callable[[bytes], None]:
+        stream = torch.cuda.current_stream(device)  # per thread: the submitter's
+
+        def wait(handle: bytes) -> None:
+            index = stream.device_index
+            event = _opened_event(
+                ("torch", index, handle), lambda: torch.cuda.Event.from_ipc_handle(index, handle)
+            )
+            stream.wait_event(event)
+
+        return wait
+
+    return bind
+
+
 def _block(x: object) -> Callable[[], None]:
     ready = getattr(x, "block_until_ready", None)  # JAX: its own stream ordering
     return (lambda: ready()) if ready is not None else (lambda: None)
@@ -281,6 +351,7 @@ def _torch(t: object) -> DeviceOperand:
     else:
         operand = _cai(plain, sync, keep=t)
     operand.ready = _torch_ready(device)
+    operand.done_waiter = _torch_wait(device)
     # The storage, not the tensor: its block returns to the caching allocator only when
     # the last reference to the storage goes.
     operand.memory = t.untyped_storage()  # type: ignore[attr-defined]
@@ -299,6 +370,17 @@ def _emulated_tensor(t: object, allocation: emulated.Allocation, offset: int) ->
     if name not in DTYPES:
         raise InvalidArgumentError(f"device dtype {tensor.dtype} is not supported")
     array = allocation.array(offset, tensor.numel(), name)
+
+    def wait_done(handle: bytes) -> None:
+        # A CPU tensor's later work runs on the host, not on a stream: the host waits.
+        array.__lpsync_wait__(handle)
+        array.__lpsync_sync__()
+
     return DeviceOperand(
-        array.__lpsync_device__(), array.__lpsync_sync__, t, array.__lpsync_ready__, allocation
+        array.__lpsync_device__(),
+        array.__lpsync_sync__,
+        t,
+        array.__lpsync_ready__,
+        allocation,
+        _per_process(wait_done),
     )

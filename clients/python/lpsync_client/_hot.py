@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lpsync_client import _ops, doorbell
-from lpsync_client._operands import DeviceRegistered, Operand, Registered, order_streams
+from lpsync_client._operands import DeviceRegistered, Operand, Registered, after_answer, order_streams
 from lpsync_client._order import InFlight, array_spans
 from lpsync_client._pending import Call, Latch
 from lpsync_client._rings import Ring, Rings
@@ -92,6 +92,7 @@ class HotPath:
     # From Buffers (_operands.py): operand resolution, and giving staging back.
     _operand: Callable[..., Operand]
     _recycle: Callable[[list[Operand]], None]
+    device_host_wait: bool  # answer device collectives once finished (issue 47: at enqueue)
 
     def _init_hot(self) -> None:
         """The hot path's state (Client.__init__ calls it before attaching)."""
@@ -210,6 +211,7 @@ class HotPath:
                     np.copyto(staging, source)
             if operands and operands[0].device is not None:
                 order_streams(request, operands)
+                request.stream_ordered &= not self.device_host_wait
         except BaseException:
             self._recycle(operands)
             raise
@@ -227,6 +229,7 @@ class HotPath:
                     if operand.copy_out is not None:
                         staging, source = operand.copy_out
                         np.copyto(source, staging)
+                after_answer(operands, r.response)
                 return result
             finally:
                 finished.set()

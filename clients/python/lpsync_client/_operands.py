@@ -15,7 +15,7 @@ import contextlib
 import queue
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +104,8 @@ class Operand:
     copy_out: tuple[np.ndarray, np.ndarray] | None = None
     scratch: Segment | None = None
     device: DeviceOperand | None = None  # a device array: its stream is ordered in _submit
+    # A stream-ordered call's: makes the submitter's stream wait on the done event.
+    wait_done: Callable[[bytes], None] | None = None
 
 
 def _release_later(client_ref: weakref.ref, handle: int) -> None:
@@ -136,10 +138,13 @@ def _reap_forever(dead: queue.SimpleQueue, client_ref: weakref.ref) -> None:
 def order_streams(request: pb.CollectiveRequest, operands: list[Operand]) -> None:
     """Device buffers: the input's current stream is ordered by an interprocess event the
     daemon's streams wait on (no host wait); an output on another device (or without IPC
-    events) waits on the host."""
+    events) waits on the host. Where every operand is on the input's device and its
+    framework can wait on the daemon's event, the request asks for a stream-ordered
+    answer (unless the client's ``device_host_wait``: Client._submit)."""
     first = operands[0].device
     assert first is not None
     request.ready_event = first.order()
+    together = True
     for other in operands[1:]:
         d = other.device
         if d is not None and not (
@@ -149,10 +154,28 @@ def order_streams(request: pb.CollectiveRequest, operands: list[Operand]) -> Non
             and d.info.device == first.info.device
         ):
             d.sync()
+            together = False
+    waiter = first.done_waiter
+    request.stream_ordered = bool(request.ready_event and together and waiter is not None)
+    if waiter is not None and request.stream_ordered:  # bound here: the submitter's stream
+        operands[0].wait_done = waiter()
+
+
+def after_answer(operands: list[Operand], response: pb.CollectiveResponse) -> None:
+    """A stream-ordered answer: the input's current stream waits on the daemon's done
+    event (the work was enqueued, not finished), so what the client queues next sees the
+    result; anything that reads it on the host synchronizes that stream first."""
+    if response.done_event and operands and operands[0].wait_done is not None:
+        operands[0].wait_done(response.done_event)
 
 
 class Buffers:
     """Client's buffers and registrations (its state is Client's, set in its __init__)."""
+
+    # Device collectives: False, the default, answers once the work is enqueued on the
+    # daemon's streams and orders the caller's current stream after it (a done event,
+    # issue 47 item 1); True answers once the work finished (a host wait in the daemon).
+    device_host_wait: bool = False
 
     session_id: str
     timeout: float
@@ -167,7 +190,7 @@ class Buffers:
     _dead: queue.SimpleQueue[int | threading.Event | None]
     _reaper: threading.Thread | None  # started by the first hold=False registration
     _scratch: dict[int, list[Segment]]
-    # The hot path's prepared requests (hot.py): forgotten when a segment goes, since an
+    # The hot path's prepared requests (_hot.py): forgotten when a segment goes, since an
     # address may come back in another one.
     _prepared: dict[tuple, Any]
     _armed: dict[tuple, Any]

@@ -247,6 +247,75 @@ class IpcEvent:
         return self.completed == self.recorded
 
 
+class OpenedEvent:
+    """The daemon's "done" event opened in this process (cudaIpcOpenEventHandle's
+    stand-in): its 8-byte record (u32 records made, u32 records completed) mapped from
+    the daemon's memfd. ``wait(stream)`` is cudaStreamWaitEvent: later work on ``stream``
+    waits for the latest record made before the call (none: no wait at all), sleeping on
+    the futex of the completed word. A daemon that exits first leaves the wait abandoned
+    (recorded in ``abandoned_waits``) rather than the stream stuck for ever."""
+
+    def __init__(self, handle: bytes) -> None:
+        try:
+            magic, pid, fd, inode = EVENT_HANDLE.unpack(handle)
+        except Exception:
+            raise InvalidArgumentError(f"not an emulated-device event handle ({len(handle)} bytes)") from None
+        if magic != EVENT_MAGIC:
+            raise InvalidArgumentError("not an emulated-device event handle (bad magic)")
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            if not os.readlink(path).startswith("/memfd:lpsync-event"):
+                raise InvalidArgumentError("the handle does not name an emulated-device event")
+            opened = os.open(path, os.O_RDWR)
+        except OSError as error:
+            raise InvalidArgumentError(f"cannot open the daemon's event: {error}") from None
+        try:
+            if os.fstat(opened).st_ino != inode:
+                raise InvalidArgumentError("the daemon no longer holds that event")
+            self._mmap = mmap.mmap(opened, 8)
+        finally:
+            os.close(opened)
+        self._words = np.frombuffer(self._mmap, np.uint32, 2)
+        self.pid = pid
+
+    def reached(self, generation: int) -> bool:
+        return (int(self._words[1]) - generation) & 0xFFFFFFFF < 0x80000000
+
+    def wait(self, stream: Stream) -> None:
+        generation = int(self._words[0])  # the latest record now, as cudaStreamWaitEvent
+        if generation == 0:
+            return
+        address = self._words.__array_interface__["data"][0] + 4
+
+        def waiter() -> None:
+            while not self.reached(generation):
+                try:
+                    os.kill(self.pid, 0)
+                except ProcessLookupError:
+                    abandoned_waits.append(f"daemon {self.pid} exited before its event completed")
+                    return
+                futex.wait(address, int(self._words[1]), 1.0)
+
+        stream.enqueue(waiter)
+
+
+abandoned_waits: list[str] = []  # stream waits on a daemon's event that could never complete
+_opened: dict[bytes, OpenedEvent] = {}
+_opened_lock = threading.Lock()
+
+
+def wait_event(handle: bytes, device: int = 0) -> None:
+    """Make ``device``'s current stream wait for the daemon's event ``handle`` (opened
+    once per handle: the daemon's events are pooled, so the same handles come back)."""
+    with _opened_lock:
+        event = _opened.get(handle)
+        if event is None:
+            if len(_opened) >= 256:  # the daemon's pools are smaller: a stale set
+                _opened.clear()
+            event = _opened[handle] = OpenedEvent(handle)
+    event.wait(current_stream(device))
+
+
 _ready_events: ReadyEvents[IpcEvent] = ReadyEvents()
 
 
@@ -397,6 +466,11 @@ class EmulatedArray:
         event = ready_event(self.device)
         event.record(current_stream(self.device))
         return event.handle
+
+    def __lpsync_wait__(self, handle: bytes) -> None:
+        """Order the device's current stream after the daemon's done event (a
+        stream-ordered collective's answer): cudaStreamWaitEvent's stand-in."""
+        wait_event(handle, self.device)
 
     def __repr__(self) -> str:
         return f"EmulatedArray({self.size} x {self.dtype_name} on emulated:{self.device})"

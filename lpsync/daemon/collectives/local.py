@@ -9,14 +9,17 @@ Chosen per collective and identical on every participant:
     thread per participant over the zero-copy inproc transport;
   * device spans: an allreduce up to ONESHOT_MAX_BYTES as one kernel per device (the
     tuner's device rule, lpsync.algorithms.oneshot; OneShot), else the chain over the
-    node's devices ordered by topology, run on streams (DeviceGroup); either after each
-    client's ready event.
+    node's devices ordered by topology, run on the job's own streams (DeviceGroup);
+    either after each client's ready event, which those streams wait on, and answered
+    once enqueued (stream-ordered: the reply carries a done event) or once finished.
 Plans are built once per key (plans.plan_key: spec, schedule, buffers) and reused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 from lpsync.algorithms import LinkModel, generate, select
@@ -28,9 +31,9 @@ from lpsync.daemon.collectives.plans import plan_key
 from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.collectives.views import buffers, facts, nccl_bytes, reduction
 from lpsync.daemon.device_registry import DeviceRegistry
-from lpsync.daemon.values import Outcome, Spec
+from lpsync.daemon.values import Arrival, Outcome, Spec
 from lpsync.engine import oneshot
-from lpsync.engine.device_group import DeviceGroup, StreamPlan
+from lpsync.engine.device_group import DeviceContext, DeviceGroup, Lanes, StreamPlan
 from lpsync.engine.group import LocalGroup
 from lpsync.engine.oneshot import OneShot, Refused
 from lpsync.errors import InvalidArgumentError
@@ -157,7 +160,7 @@ def on_devices(task: Task, devices: DeviceRegistry) -> tuple[str, int]:
         def build_oneshot() -> OneShot | Refused:
             reducing = reduction(spec, task.dtype, p)
             assert reducing is not None  # an allreduce
-            return oneshot.plan(devices.context, views, reducing)
+            return oneshot.plan(devices.context, views, reducing, lambda: _lanes(task, devices))
 
         # Buffers that refuse it (kind.oneshot_refusal) are remembered as such per key.
         found = task.job.plans.get(plan_key(spec, (ONESHOT, 1, "device"), task.arrivals), build_oneshot)
@@ -170,7 +173,11 @@ def on_devices(task: Task, devices: DeviceRegistry) -> tuple[str, int]:
     def build() -> DeviceGroup:
         schedule = generate(op, algorithm, p, spec.count, order.index(spec.root), chunks)
         return DeviceGroup(
-            devices.context, schedule, [views[r] for r in order], reduction(spec, task.dtype, p)
+            devices.context,
+            schedule,
+            [views[r] for r in order],
+            reduction(spec, task.dtype, p),
+            lanes=_lanes(task, devices),
         )
 
     group = task.job.plans.get(plan_key(spec, (algorithm, chunks, "device"), task.arrivals), build)
@@ -178,18 +185,100 @@ def on_devices(task: Task, devices: DeviceRegistry) -> tuple[str, int]:
     return algorithm, chunks
 
 
+def _lanes(task: Task, devices: DeviceRegistry) -> Lanes:
+    """The job's own streams for a plan (a client that never reaches its ready event
+    holds only its job's streams)."""
+    return Lanes(devices.context, (task.job.name,))
+
+
 def _run_on_devices(
     task: Task, devices: DeviceRegistry, plan: StreamPlan, views: list[tuple[Span, Span]], order: list[int]
 ) -> None:
-    """Run ``plan`` after the ready events of the participants (in ``order``: the plan's),
-    its clients' mappings kept open meanwhile."""
+    """Launch ``plan`` (in ``order``: the plan's participants) on the job's own streams;
+    the clients' mappings stay open until it finished there. Stream-ordered (issue 47,
+    item 1) where every participant asked for it and got a done event: the streams wait
+    for the clients' ready events (cudaStreamWaitEvent), and it is answered at once, each
+    reply carrying its done event; an error found later fails the job's next device
+    collective. Else the ready events are polled first and it is answered once finished
+    (its error, or its timeout, in the reply)."""
+    context, owner = devices.context, (task.job.name,)
+    earlier = context.take_failure(owner)
+    if earlier is not None:
+        raise type(earlier)(
+            f"an earlier device collective of this job failed after it was answered: {earlier}"
+        )
+    arrivals = [task.arrivals[r] for r in order]
+    deadline = time.monotonic() + task.timeout
     busy = devices.use([span.memory for pair in views for span in pair])
+    done = _done_events(context, arrivals, views, order)
+    ordered = all(d is not None for d in done) and devices.stream_ordered(busy)
+    if not ordered:  # not asked by all, or a buffer released meanwhile: answered once closed
+        _give_done(context, arrivals, done)
+        done = [None] * len(arrivals)
     try:
-        # A failed run returns only once its streams drained: the error is answered after
-        # the last write into the clients' memory, and the mappings close after that.
-        plan.run(time.monotonic() + task.timeout, [task.arrivals[r].ready for r in order])
-    finally:
-        devices.done(busy)
+        ready = [a.ready for a in arrivals]
+        if not ordered:
+            # Answered once finished: the ready events are polled first (the job's thread),
+            # so one never reached in time fails the collective before anything is queued.
+            for event in ready:
+                if event is not None:
+                    context.kind.wait_ready(event, deadline)
+            ready = []
+        events = [(i, d[0]) for i, d in enumerate(done) if d is not None]
+        launch = plan.launch(owner, deadline, ready, events)
+    except BaseException:
+        _give_done(context, arrivals, done)
+        devices.done(busy, ordered)
+        raise
+
+    def settled(error: object) -> None:
+        _give_done(context, arrivals, done)
+        devices.done(busy, ordered)  # never before the streams let go of the clients' memory
+
+    launch.then(settled)
+    if ordered:
+        for arrival, (_, handle) in zip(arrivals, cast("list[tuple[object, bytes]]", done), strict=True):
+            arrival.done = _with_done_event(arrival.done, handle)
+        launch.answered()
+        return
+    launch.wait(deadline)
+
+
+def _done_events(
+    context: DeviceContext, arrivals: list[Arrival], views: list[tuple[Span, Span]], order: list[int]
+) -> list[tuple[object, bytes] | None]:
+    """A done event per participant (plan order) where every one asked for stream order
+    (its output on its input's device: its stream waits on it there); else none at all
+    (the host waits, and answers once finished)."""
+    wanted = all(
+        a.stream_ordered and views[r][0].device == views[r][1].device
+        for a, r in zip(arrivals, order, strict=True)
+    )
+    if not wanted:
+        return [None] * len(arrivals)
+    done: list[tuple[object, bytes] | None] = []
+    for arrival, r in zip(arrivals, order, strict=True):
+        entry = context.done_events.take(arrival.handles[0][0], views[r][0].device)
+        if entry is None:  # the session has DONE_EVENTS out: this one waits on the host
+            _give_done(context, arrivals, done)
+            return [None] * len(arrivals)
+        done.append(entry)
+    return done
+
+
+def _give_done(context: DeviceContext, arrivals: list[Arrival], done: list) -> None:
+    for arrival, entry in zip(arrivals, done, strict=False):
+        if entry is not None:
+            context.done_events.give(arrival.handles[0][0], entry[0].device, entry)
+
+
+def _with_done_event(reply: Callable[[Outcome], None], handle: bytes) -> Callable[[Outcome], None]:
+    """The reply with the done event's handle, where it succeeded (enqueued)."""
+
+    def answer(outcome: Outcome) -> None:
+        reply(outcome if outcome.error is not None else dataclasses.replace(outcome, done_event=handle))
+
+    return answer
 
 
 def device_oneshot(forced: str, op: Collective, participants: int, nbytes: int, model: LinkModel) -> bool:

@@ -225,7 +225,16 @@ class Admission:
         self._known(session, key, (spec, timeout, data, out, tuple(handles)))
         done = holding_devices(self.devices, data, out, done)
         return Arrival(
-            session.rank, request.sequence, spec, timeout, data, out, tuple(handles), done, ready=ready
+            session.rank,
+            request.sequence,
+            spec,
+            timeout,
+            data,
+            out,
+            tuple(handles),
+            done,
+            ready=ready,
+            stream_ordered=request.stream_ordered and ready is not None,
         )
 
     @staticmethod

@@ -214,7 +214,10 @@ class Service(pb_grpc.LpSyncServicer):
         if outcome.error is not None:
             await _abort(context, outcome.error, outcome.buffer_state)
         return pb.CollectiveResponse(
-            algorithm=outcome.algorithm, chunks=outcome.chunks, seconds=outcome.seconds
+            algorithm=outcome.algorithm,
+            chunks=outcome.chunks,
+            seconds=outcome.seconds,
+            done_event=outcome.done_event,
         )
 
     async def Session(

@@ -38,6 +38,7 @@ def result(rid: int, outcome: Outcome) -> pb.SessionResponse:
             chunks=outcome.chunks,
             seconds=outcome.seconds,
             armed=_armed(outcome.armed),
+            done_event=outcome.done_event,
         ),
     )
     return pb.SessionResponse(request_id=rid, result=body)
@@ -45,7 +46,7 @@ def result(rid: int, outcome: Outcome) -> pb.SessionResponse:
 
 def result_bytes(rid: int, outcome: Outcome) -> bytes:
     """``result(rid, outcome)`` serialized (a failure through ``result`` itself)."""
-    if outcome.error is not None:
+    if outcome.error is not None or outcome.done_event:
         return result(rid, outcome).SerializeToString()
     return b"".join(
         (

@@ -138,6 +138,8 @@ class SessionTable:
         if self.devices is not None:
             for event in events:  # a stream still waiting on one gives up (kind.close_event)
                 self.devices.kind.close_event(event)
+            # Its done events: destroyed now, or once the collective holding one finished.
+            self.devices.context.done_events.drop(session.id)
         self._on_bytes(total)
         return buffers
 

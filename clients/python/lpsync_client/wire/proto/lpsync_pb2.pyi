@@ -134,7 +134,7 @@ class BufferRef(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class CollectiveRequest(_message.Message):
-    __slots__ = ("session_id", "sequence", "op", "dtype", "count", "root", "reduce_op", "algorithm", "timeout", "input", "output", "name", "ready_event")
+    __slots__ = ("session_id", "sequence", "op", "dtype", "count", "root", "reduce_op", "algorithm", "timeout", "input", "output", "name", "ready_event", "stream_ordered")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class CollectiveRequest(_message.Message):
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ORDERED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     sequence: int
     op: str
@@ -161,19 +162,22 @@ class CollectiveRequest(_message.Message):
     output: BufferRef
     name: str
     ready_event: bytes
-    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., op: _Optional[str] = ..., dtype: _Optional[str] = ..., count: _Optional[int] = ..., root: _Optional[int] = ..., reduce_op: _Optional[str] = ..., algorithm: _Optional[str] = ..., timeout: _Optional[float] = ..., input: _Optional[_Union[BufferRef, _Mapping]] = ..., output: _Optional[_Union[BufferRef, _Mapping]] = ..., name: _Optional[str] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
+    stream_ordered: bool
+    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., op: _Optional[str] = ..., dtype: _Optional[str] = ..., count: _Optional[int] = ..., root: _Optional[int] = ..., reduce_op: _Optional[str] = ..., algorithm: _Optional[str] = ..., timeout: _Optional[float] = ..., input: _Optional[_Union[BufferRef, _Mapping]] = ..., output: _Optional[_Union[BufferRef, _Mapping]] = ..., name: _Optional[str] = ..., ready_event: _Optional[bytes] = ..., stream_ordered: _Optional[bool] = ...) -> None: ...
 
 class CollectiveResponse(_message.Message):
-    __slots__ = ("algorithm", "chunks", "seconds", "armed")
+    __slots__ = ("algorithm", "chunks", "seconds", "armed", "done_event")
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     ARMED_FIELD_NUMBER: _ClassVar[int]
+    DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
     algorithm: str
     chunks: int
     seconds: float
     armed: Armed
-    def __init__(self, algorithm: _Optional[str] = ..., chunks: _Optional[int] = ..., seconds: _Optional[float] = ..., armed: _Optional[_Union[Armed, _Mapping]] = ...) -> None: ...
+    done_event: bytes
+    def __init__(self, algorithm: _Optional[str] = ..., chunks: _Optional[int] = ..., seconds: _Optional[float] = ..., armed: _Optional[_Union[Armed, _Mapping]] = ..., done_event: _Optional[bytes] = ...) -> None: ...
 
 class Armed(_message.Message):
     __slots__ = ("page", "plan", "generation")
