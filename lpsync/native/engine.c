@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <math.h>
 #include <stdlib.h>
@@ -283,6 +284,213 @@ static const char *index_messages(lpn_program *p) {
     return NULL;
 }
 
+/* ---------------------------------------------------------------- tiles */
+
+/* Bytes an op covers (its ranges' common length); parse checked that it does not wrap. */
+static uint64_t op_bytes(const lpn_op *o) { return o->kind == LPN_COPY ? o->n : o->n * ITEMSIZE[o->dtype]; }
+
+typedef struct {
+    uint64_t start, end; /* scratch offsets (space 0) or addresses (space 1) */
+    uint32_t space, write;
+} access_range;
+
+static int by_start(const void *x, const void *y) {
+    const access_range *a = x, *b = y;
+    if (a->space != b->space) return a->space < b->space ? -1 : 1;
+    return a->start < b->start ? -1 : a->start > b->start;
+}
+
+/* Sets program->tiled and ->span (engine.h): the ranges every op reads and writes, sorted,
+ * in clusters of overlapping ones; a cluster with a write must have one start. Stricter
+ * than it must be (two reads that overlap at different starts beside a write refuse it),
+ * never looser. -1: out of memory. */
+static int tileable(lpn_program *p, const uint64_t *bases) {
+    access_range *r = malloc((size_t)(p->nops ? p->nops : 1) * 3u * sizeof *r);
+    if (!r) return -1;
+    uint32_t n = 0, i;
+    int sound = 1;
+    p->span = 0;
+    for (i = 0; i < p->nops && sound; i++) {
+        const lpn_op *o = &p->ops[i];
+        uint64_t bytes = op_bytes(o);
+        if (bytes > p->span) p->span = bytes;
+        if (bytes == 0) continue;
+        uint32_t bufs[3] = {o->dst, o->a, o->b}, writes[3] = {1, 0, 0};
+        uint64_t offs[3] = {o->dst_off, o->a_off, o->b_off};
+        uint32_t k, touched = o->kind == LPN_COMBINE ? 3 : o->kind == LPN_COPY ? 2 : 1;
+        for (k = 0; k < touched; k++) {
+            uint64_t start = offs[k];
+            if (bufs[k] && __builtin_add_overflow(bases[bufs[k] - 1], offs[k], &start)) sound = 0;
+            if (__builtin_add_overflow(start, bytes, &r[n].end)) sound = 0;
+            r[n].start = start;
+            r[n].space = bufs[k] ? 1u : 0u;
+            r[n].write = writes[k];
+            n++;
+        }
+    }
+    if (sound && n) {
+        qsort(r, n, sizeof *r, by_start);
+        uint64_t end = r[0].end, start = r[0].start;
+        int write = (int)r[0].write, one_start = 1;
+        for (i = 1; i <= n; i++) {
+            if (i < n && r[i].space == r[i - 1].space && r[i].start < end) { /* the same cluster */
+                if (r[i].end > end) end = r[i].end;
+                write |= (int)r[i].write;
+                one_start &= r[i].start == start;
+                continue;
+            }
+            if (write && !one_start) sound = 0;
+            if (i == n) break;
+            start = r[i].start;
+            end = r[i].end;
+            write = (int)r[i].write;
+            one_start = 1;
+        }
+    }
+    free(r);
+    p->tiled = sound;
+    return 0;
+}
+
+/* Every op's bytes [lo, lo + tile) of its own range, in program order. */
+static void run_tile(const lpn_program *p, uint8_t *const *bufs, uint64_t lo, uint64_t tile) {
+    for (uint32_t i = 0; i < p->nops; i++) {
+        const lpn_op *o = &p->ops[i];
+        uint64_t bytes = op_bytes(o);
+        if (lo >= bytes) continue;
+        uint64_t len = bytes - lo < tile ? bytes - lo : tile, item = o->kind == LPN_COPY ? 1 : ITEMSIZE[o->dtype];
+        uint8_t *d = bufs[o->dst] + o->dst_off + lo;
+        switch (o->kind) {
+        case LPN_COPY: memmove(d, bufs[o->a] + o->a_off + lo, len); break;
+        case LPN_COMBINE:
+            lpn_combine(d, bufs[o->a] + o->a_off + lo, bufs[o->b] + o->b_off + lo, o->dtype, len / item, o->redop);
+            break;
+        case LPN_DIVIDE: lpn_divide(d, o->dtype, len / item, o->arg); break;
+        default: break;
+        }
+    }
+}
+
+/* One program's tiles, shared: each thread takes the next one until none is left. */
+typedef struct {
+    const lpn_program *program;
+    uint8_t *const *bufs;
+    uint64_t tile, ntiles;
+} tile_task;
+
+static void take_tiles(const tile_task *t, uint64_t *next) {
+    for (;;) {
+        uint64_t k = __atomic_fetch_add(next, 1u, __ATOMIC_RELAXED);
+        if (k >= t->ntiles) return;
+        run_tile(t->program, t->bufs, k * t->tile, t->tile);
+    }
+}
+
+/* Invariant: a worker touches a task only while counted in ``active``, which it joins
+ * under ``mu`` while the task is ``open``; the runner closes it under ``mu`` once its
+ * own take_tiles returned and ``active`` is 0, so no tile is running or left then. */
+struct lpn_pool {
+    pthread_mutex_t mu;
+    pthread_cond_t work, idle;
+    pthread_t *threads;
+    uint32_t workers, started, active;
+    int stopping, open;
+    uint64_t gen, next;
+    tile_task task;
+};
+
+static void timed_wait(pthread_cond_t *cv, pthread_mutex_t *mu) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += 1; /* bounded: the caller's loop looks again */
+    pthread_cond_timedwait(cv, mu, &ts);
+}
+
+static void *worker(void *arg) {
+    lpn_pool *pool = arg;
+    pthread_setname_np(pthread_self(), "lpsync-tiles");
+    pthread_mutex_lock(&pool->mu);
+    uint64_t seen = 0;
+    while (!pool->stopping) {
+        if (!pool->open || pool->gen == seen) {
+            timed_wait(&pool->work, &pool->mu);
+            continue;
+        }
+        seen = pool->gen;
+        tile_task task = pool->task;
+        pool->active++;
+        pthread_mutex_unlock(&pool->mu);
+        take_tiles(&task, &pool->next);
+        pthread_mutex_lock(&pool->mu);
+        if (--pool->active == 0) pthread_cond_broadcast(&pool->idle);
+    }
+    pthread_mutex_unlock(&pool->mu);
+    return NULL;
+}
+
+lpn_pool *lpn_pool_create(uint32_t workers) {
+    if (workers == 0) return NULL;
+    lpn_pool *pool = calloc(1, sizeof *pool);
+    if (!pool) return NULL;
+    pool->threads = calloc(workers, sizeof(pthread_t));
+    if (!pool->threads) {
+        free(pool);
+        return NULL;
+    }
+    pthread_mutex_init(&pool->mu, NULL);
+    pthread_cond_init(&pool->work, NULL);
+    pthread_cond_init(&pool->idle, NULL);
+    for (pool->started = 0; pool->started < workers; pool->started++)
+        if (pthread_create(&pool->threads[pool->started], NULL, worker, pool) != 0) break;
+    pool->workers = pool->started; /* fewer started: fewer take tiles */
+    if (pool->workers == 0) {
+        lpn_pool_destroy(pool);
+        return NULL;
+    }
+    return pool;
+}
+
+void lpn_pool_destroy(lpn_pool *pool) {
+    if (!pool) return;
+    pthread_mutex_lock(&pool->mu);
+    pool->stopping = 1;
+    pthread_cond_broadcast(&pool->work);
+    pthread_mutex_unlock(&pool->mu);
+    for (uint32_t i = 0; i < pool->started; i++) pthread_join(pool->threads[i], NULL);
+    pthread_cond_destroy(&pool->work);
+    pthread_cond_destroy(&pool->idle);
+    pthread_mutex_destroy(&pool->mu);
+    free(pool->threads);
+    free(pool);
+}
+
+uint32_t lpn_pool_workers(const lpn_pool *pool) { return pool ? pool->workers : 0; }
+
+void lpn_program_run_tiles(const lpn_program *program, uint8_t *const *bufs, uint64_t tile, lpn_pool *pool) {
+    if (!program->tiled || tile == 0 || program->span == 0) {
+        lpn_program_run(program, bufs);
+        return;
+    }
+    tile_task task = {program, bufs, tile, program->span / tile + (program->span % tile != 0)};
+    if (!pool || task.ntiles < 2) {
+        uint64_t next = 0;
+        take_tiles(&task, &next);
+        return;
+    }
+    pthread_mutex_lock(&pool->mu);
+    pool->task = task;
+    pool->next = 0;
+    pool->gen++;
+    pool->open = 1;
+    pthread_cond_broadcast(&pool->work);
+    pthread_mutex_unlock(&pool->mu);
+    take_tiles(&task, &pool->next);
+    pthread_mutex_lock(&pool->mu);
+    while (pool->active > 0) timed_wait(&pool->idle, &pool->mu); /* their last tiles */
+    pool->open = 0;
+    pthread_mutex_unlock(&pool->mu);
+}
+
 int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, const uint64_t *sizes,
                       uint32_t nbases, lpn_program *out, const char **why) {
     memset(out, 0, sizeof *out);
@@ -383,6 +591,10 @@ int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, co
     if (unindexed) {
         lpn_program_free(out);
         return *why = unindexed, -1;
+    }
+    if (!out->net && tileable(out, bases) < 0) {
+        lpn_program_free(out);
+        return *why = "out of memory", -1;
     }
     return 0;
 bad_buffer:
@@ -512,7 +724,7 @@ static void drop_net(lpn_engine *e) {
  * again once it has settled what failed). */
 static uint32_t run_plan(lpn_engine *e, lpn_plan *p, uint32_t seq) {
     if (!p->program.net) {
-        lpn_program_run(&p->program, p->bufs);
+        lpn_program_run_tiles(&p->program, p->bufs, e->tile, p->program.span >= e->parallel ? e->pool : NULL);
         return p->last_code = LPN_OK;
     }
     int failed = -1;
@@ -645,10 +857,63 @@ int lpn_engine_init(lpn_engine *e, uint8_t *page, size_t page_len, uint32_t slot
     memcpy(page, header, sizeof header);
     for (uint32_t c = 0; c < LPN_MAX_CHANNELS; c++) e->fds[c] = -1;
     e->failed_channel = -1;
+    e->tile = LPN_TILE;
+    e->parallel = LPN_PARALLEL;
     e->abort_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (e->abort_fd < 0) return *why = "no eventfd for aborts", -1;
     pthread_mutex_init(&e->mu, NULL);
     return 0;
+}
+
+int lpn_engine_tune(lpn_engine *e, uint64_t tile, uint64_t parallel, uint32_t threads, const char **why) {
+    if (tile % 64u || tile > LPN_MAX_SCRATCH) return *why = "a tile is a multiple of 64 bytes, at most 4 GiB", -1;
+    if (threads > LPN_MAX_SLOTS) return *why = "thread count out of range", -1;
+    pthread_mutex_lock(&e->mu);
+    int armed = e->pool != NULL;
+    if (!armed) {
+        e->tile = tile;
+        e->parallel = parallel;
+        e->threads = threads;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return armed ? (*why = "tuned after a plan that uses the threads was armed", -1) : 0;
+}
+
+/* The threads a run of ``p`` takes (lock held). */
+static uint32_t plan_threads(const lpn_engine *e, const lpn_plan *p) {
+    if (!p->armed) return 0;
+    if (p->program.net || !p->program.tiled || !e->tile || !e->pool || p->program.span < e->parallel) return 1;
+    uint64_t ntiles = p->program.span / e->tile + (p->program.span % e->tile != 0);
+    uint64_t threads = lpn_pool_workers(e->pool) + 1u;
+    return (uint32_t)(ntiles < threads ? ntiles : threads);
+}
+
+void lpn_engine_shape(lpn_engine *e, uint32_t index, uint64_t *tile, uint32_t *threads) {
+    *tile = 0;
+    *threads = 0;
+    if (index >= LPN_MAX_PLANS) return;
+    pthread_mutex_lock(&e->mu);
+    const lpn_plan *p = &e->plans[index];
+    if (p->armed && !p->program.net && p->program.tiled) *tile = e->tile;
+    *threads = plan_threads(e, p);
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* The pool, where a plan of ``program`` would use it and there is none yet (lock held):
+ * min(CPUs this process may run on, this node's participants) threads in all, or the
+ * tuned count. None started: the engine's thread runs every tile. */
+static void want_pool(lpn_engine *e, const lpn_program *program) {
+    if (e->pool || program->net || !program->tiled || !e->tile || program->span < e->parallel) return;
+    uint32_t threads = e->threads;
+    if (threads == 0) {
+        cpu_set_t cpus;
+        long online = sysconf(_SC_NPROCESSORS_ONLN);
+        threads = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? (uint32_t)CPU_COUNT(&cpus)
+                  : online > 0                                  ? (uint32_t)online
+                                                                : 1u;
+        if (threads > e->nactive) threads = e->nactive;
+    }
+    if (threads > 1) e->pool = lpn_pool_create(threads - 1u);
 }
 
 int lpn_engine_start(lpn_engine *e) {
@@ -677,6 +942,8 @@ static void release_plan(lpn_plan *p) {
 
 void lpn_engine_destroy(lpn_engine *e) {
     lpn_engine_stop(e);
+    lpn_pool_destroy(e->pool);
+    e->pool = NULL;
     for (uint32_t i = 0; i < LPN_MAX_PLANS; i++) release_plan(&e->plans[i]);
     for (uint32_t c = 0; c < LPN_MAX_CHANNELS; c++)
         if (e->fds[c] >= 0) close(e->fds[c]);
@@ -714,6 +981,7 @@ long lpn_engine_arm(lpn_engine *e, uint32_t index, const uint8_t *data, size_t l
     p->seconds = 0;
     memset(p->buckets, 0, sizeof p->buckets);
     p->armed = 1;
+    want_pool(e, &p->program);
     long gen = (long)p->gen;
     pthread_mutex_unlock(&e->mu);
     return gen;
