@@ -231,10 +231,11 @@ static PyObject *Engine_tune(EngineObject *self, PyObject *args) {
 static PyObject *Engine_shape(EngineObject *self, PyObject *args) {
     unsigned int index;
     if (check_open(self) || !PyArg_ParseTuple(args, "I", &index)) return NULL;
-    uint64_t tile;
+    uint64_t tile, scratch;
     uint32_t threads;
-    Py_BEGIN_ALLOW_THREADS lpn_engine_shape(&self->engine, index, &tile, &threads);
-    Py_END_ALLOW_THREADS return Py_BuildValue("(KI)", (unsigned long long)tile, threads);
+    Py_BEGIN_ALLOW_THREADS lpn_engine_shape(&self->engine, index, &tile, &threads, &scratch);
+    Py_END_ALLOW_THREADS return Py_BuildValue("(KIK)", (unsigned long long)tile, threads,
+                                              (unsigned long long)scratch);
 }
 
 static PyObject *Engine_failed_channel(EngineObject *self, PyObject *unused) {
@@ -320,11 +321,12 @@ static PyMethodDef Engine_methods[] = {
     {"failed_channel", (PyCFunction)Engine_failed_channel, METH_NOARGS,
      "failed_channel() -> int: the channel the last failed net run failed on (-1: none)"},
     {"tune", (PyCFunction)Engine_tune, METH_VARARGS,
-     "tune(tile, parallel, threads): before the first plan that uses threads is armed: tiles of tile "
+     "tune(tile, parallel, threads): before the first plan is armed: tiles of tile "
      "bytes (a multiple of 64; 0: op by op), programs of parallel bytes or more on threads threads "
      "(0: min(CPUs, participants))"},
     {"shape", (PyCFunction)Engine_shape, METH_VARARGS,
-     "shape(index) -> (tile, threads): how plan index runs (tile 0: op by op; threads 0: not armed)"},
+     "shape(index) -> (tile, threads, scratch): how plan index runs (tile 0: op by op; threads 0: not "
+     "armed) and its scratch's bytes"},
     {"stats", (PyCFunction)Engine_stats, METH_VARARGS, "stats(index) -> (calls, seconds, buckets)"},
     {"records", (PyCFunction)Engine_records, METH_NOARGS,
      "records() -> (answered, fallbacks, [(seq, plan, code, first, last, done)])"},

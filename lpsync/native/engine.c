@@ -291,7 +291,7 @@ static uint64_t op_bytes(const lpn_op *o) { return o->kind == LPN_COPY ? o->n : 
 
 typedef struct {
     uint64_t start, end; /* scratch offsets (space 0) or addresses (space 1) */
-    uint32_t space, write;
+    uint32_t space, write, op, which; /* which: the op's dst, a or b */
 } access_range;
 
 static int by_start(const void *x, const void *y) {
@@ -300,48 +300,70 @@ static int by_start(const void *x, const void *y) {
     return a->start < b->start ? -1 : a->start > b->start;
 }
 
-/* Sets program->tiled and ->span (engine.h): the ranges every op reads and writes, sorted,
- * in clusters of overlapping ones; a cluster with a write must have one start. Stricter
- * than it must be (two reads that overlap at different starts beside a write refuse it),
- * never looser. -1: out of memory. */
+/* Whether the first op to touch a cluster of ``n`` ranges (ending at ``end``) only
+ * writes it, all of it: then no tile reads what an earlier run or tile left there, and a
+ * thread's own tile of it gives the bytes the whole scratch would. */
+static int written_first(const access_range *r, uint32_t n, uint64_t end) {
+    uint32_t op = UINT32_MAX, j;
+    for (j = 0; j < n; j++)
+        if (r[j].op < op) op = r[j].op;
+    for (j = 0; j < n; j++)
+        if (r[j].op == op && (!r[j].write || r[j].end != end)) return 0;
+    return 1;
+}
+
+/* Sets program->tiled, ->span and the scratch's slots (engine.h): the ranges every op
+ * reads and writes, sorted, in clusters of overlapping ones; a cluster with a write must
+ * have one start. Stricter than it must be (two reads that overlap at different starts
+ * beside a write refuse it), never looser. Where every cluster of the scratch has one
+ * start and is written whole before it is read, each is a slot: a tile's part of it may
+ * live in a tile of its own. -1: out of memory. */
 static int tileable(lpn_program *p, const uint64_t *bases) {
     access_range *r = malloc((size_t)(p->nops ? p->nops : 1) * 3u * sizeof *r);
-    if (!r) return -1;
-    uint32_t n = 0, i;
-    int sound = 1;
+    p->slot = malloc((size_t)(p->nops ? p->nops : 1) * 3u * sizeof(uint32_t));
+    if (!r || !p->slot) {
+        free(r);
+        return -1;
+    }
+    memset(p->slot, 0xff, (size_t)(p->nops ? p->nops : 1) * 3u * sizeof(uint32_t));
+    uint32_t n = 0, i, slots = 0;
+    int sound = 1, slotted = 1;
     p->span = 0;
     for (i = 0; i < p->nops && sound; i++) {
         const lpn_op *o = &p->ops[i];
         uint64_t bytes = op_bytes(o);
         if (bytes > p->span) p->span = bytes;
         if (bytes == 0) continue;
-        uint32_t bufs[3] = {o->dst, o->a, o->b}, writes[3] = {1, 0, 0};
+        uint32_t bufs[3] = {o->dst, o->a, o->b};
         uint64_t offs[3] = {o->dst_off, o->a_off, o->b_off};
         uint32_t k, touched = o->kind == LPN_COMBINE ? 3 : o->kind == LPN_COPY ? 2 : 1;
         for (k = 0; k < touched; k++) {
-            uint64_t start = offs[k];
+            uint64_t start = offs[k], end = 0;
             if (bufs[k] && __builtin_add_overflow(bases[bufs[k] - 1], offs[k], &start)) sound = 0;
-            if (__builtin_add_overflow(start, bytes, &r[n].end)) sound = 0;
-            r[n].start = start;
-            r[n].space = bufs[k] ? 1u : 0u;
-            r[n].write = writes[k];
-            n++;
+            if (__builtin_add_overflow(start, bytes, &end)) sound = 0;
+            r[n++] = (access_range){start, end, bufs[k] ? 1u : 0u, k == 0, i, k};
         }
     }
     if (sound && n) {
         qsort(r, n, sizeof *r, by_start);
-        uint64_t end = r[0].end, start = r[0].start;
+        uint32_t first = 0; /* the cluster's first range */
+        uint64_t end = r[0].end;
         int write = (int)r[0].write, one_start = 1;
         for (i = 1; i <= n; i++) {
-            if (i < n && r[i].space == r[i - 1].space && r[i].start < end) { /* the same cluster */
+            if (i < n && r[i].space == r[first].space && r[i].start < end) { /* the same cluster */
                 if (r[i].end > end) end = r[i].end;
                 write |= (int)r[i].write;
-                one_start &= r[i].start == start;
+                one_start &= r[i].start == r[first].start;
                 continue;
             }
             if (write && !one_start) sound = 0;
+            if (r[first].space == 0) { /* a cluster of the scratch: a slot */
+                slotted &= one_start && written_first(r + first, i - first, end);
+                for (uint32_t j = first; j < i; j++) p->slot[r[j].op * 3u + r[j].which] = slots;
+                slots++;
+            }
             if (i == n) break;
-            start = r[i].start;
+            first = i;
             end = r[i].end;
             write = (int)r[i].write;
             one_start = 1;
@@ -349,21 +371,35 @@ static int tileable(lpn_program *p, const uint64_t *bases) {
     }
     free(r);
     p->tiled = sound;
+    p->slots = sound && slotted ? slots : 0;
+    if (!p->slots) { /* the whole scratch, as op by op */
+        free(p->slot);
+        p->slot = NULL;
+    }
     return 0;
 }
 
+/* Where access ``which`` of op ``i`` starts in tile ``lo``: its buffer's bytes, or its
+ * slot in this thread's tiles of the scratch (``local``). */
+static uint8_t *at(const lpn_program *p, uint8_t *const *bufs, uint8_t *local, uint64_t tile, uint32_t i,
+                   uint32_t which, uint32_t buf, uint64_t off, uint64_t lo) {
+    if (local && buf == 0) return local + (uint64_t)p->slot[i * 3u + which] * tile;
+    return bufs[buf] + off + lo;
+}
+
 /* Every op's bytes [lo, lo + tile) of its own range, in program order. */
-static void run_tile(const lpn_program *p, uint8_t *const *bufs, uint64_t lo, uint64_t tile) {
+static void run_tile(const lpn_program *p, uint8_t *const *bufs, uint8_t *local, uint64_t lo, uint64_t tile) {
     for (uint32_t i = 0; i < p->nops; i++) {
         const lpn_op *o = &p->ops[i];
         uint64_t bytes = op_bytes(o);
         if (lo >= bytes) continue;
         uint64_t len = bytes - lo < tile ? bytes - lo : tile, item = o->kind == LPN_COPY ? 1 : ITEMSIZE[o->dtype];
-        uint8_t *d = bufs[o->dst] + o->dst_off + lo;
+        uint8_t *d = at(p, bufs, local, tile, i, 0, o->dst, o->dst_off, lo);
         switch (o->kind) {
-        case LPN_COPY: memmove(d, bufs[o->a] + o->a_off + lo, len); break;
+        case LPN_COPY: memmove(d, at(p, bufs, local, tile, i, 1, o->a, o->a_off, lo), len); break;
         case LPN_COMBINE:
-            lpn_combine(d, bufs[o->a] + o->a_off + lo, bufs[o->b] + o->b_off + lo, o->dtype, len / item, o->redop);
+            lpn_combine(d, at(p, bufs, local, tile, i, 1, o->a, o->a_off, lo),
+                        at(p, bufs, local, tile, i, 2, o->b, o->b_off, lo), o->dtype, len / item, o->redop);
             break;
         case LPN_DIVIDE: lpn_divide(d, o->dtype, len / item, o->arg); break;
         default: break;
@@ -371,20 +407,32 @@ static void run_tile(const lpn_program *p, uint8_t *const *bufs, uint64_t lo, ui
     }
 }
 
+uint64_t lpn_program_tile_scratch(const lpn_program *program, uint64_t tile) {
+    return program->tiled ? (uint64_t)program->slots * tile : 0;
+}
+
 /* One program's tiles, shared: each thread takes the next one until none is left. */
 typedef struct {
     const lpn_program *program;
     uint8_t *const *bufs;
-    uint64_t tile, ntiles;
+    uint8_t *local; /* thread k's tiles of the scratch at local + k * per_thread; NULL: none */
+    uint64_t tile, ntiles, per_thread;
+    uint32_t threads; /* those with a number below it take tiles */
 } tile_task;
 
-static void take_tiles(const tile_task *t, uint64_t *next) {
+static void take_tiles(const tile_task *t, uint64_t *next, uint32_t thread) {
+    uint8_t *local = t->local ? t->local + thread * t->per_thread : NULL;
     for (;;) {
         uint64_t k = __atomic_fetch_add(next, 1u, __ATOMIC_RELAXED);
         if (k >= t->ntiles) return;
-        run_tile(t->program, t->bufs, k * t->tile, t->tile);
+        run_tile(t->program, t->bufs, local, k * t->tile, t->tile);
     }
 }
+
+typedef struct {
+    lpn_pool *pool;
+    uint32_t thread; /* 1, 2, ...: the caller of a run is 0 */
+} worker_arg;
 
 /* Invariant: a worker touches a task only while counted in ``active``, which it joins
  * under ``mu`` while the task is ``open``; the runner closes it under ``mu`` once its
@@ -393,6 +441,7 @@ struct lpn_pool {
     pthread_mutex_t mu;
     pthread_cond_t work, idle;
     pthread_t *threads;
+    worker_arg *args;
     uint32_t workers, started, active;
     int stopping, open;
     uint64_t gen, next;
@@ -407,7 +456,8 @@ static void timed_wait(pthread_cond_t *cv, pthread_mutex_t *mu) {
 }
 
 static void *worker(void *arg) {
-    lpn_pool *pool = arg;
+    lpn_pool *pool = ((worker_arg *)arg)->pool;
+    uint32_t thread = ((worker_arg *)arg)->thread;
     pthread_setname_np(pthread_self(), "lpsync-tiles");
     pthread_mutex_lock(&pool->mu);
     uint64_t seen = 0;
@@ -418,9 +468,10 @@ static void *worker(void *arg) {
         }
         seen = pool->gen;
         tile_task task = pool->task;
+        if (thread >= task.threads) continue; /* a run on fewer threads than the pool has */
         pool->active++;
         pthread_mutex_unlock(&pool->mu);
-        take_tiles(&task, &pool->next);
+        take_tiles(&task, &pool->next, thread);
         pthread_mutex_lock(&pool->mu);
         if (--pool->active == 0) pthread_cond_broadcast(&pool->idle);
     }
@@ -433,15 +484,20 @@ lpn_pool *lpn_pool_create(uint32_t workers) {
     lpn_pool *pool = calloc(1, sizeof *pool);
     if (!pool) return NULL;
     pool->threads = calloc(workers, sizeof(pthread_t));
-    if (!pool->threads) {
+    pool->args = calloc(workers, sizeof(worker_arg));
+    if (!pool->threads || !pool->args) {
+        free(pool->threads);
+        free(pool->args);
         free(pool);
         return NULL;
     }
     pthread_mutex_init(&pool->mu, NULL);
     pthread_cond_init(&pool->work, NULL);
     pthread_cond_init(&pool->idle, NULL);
-    for (pool->started = 0; pool->started < workers; pool->started++)
-        if (pthread_create(&pool->threads[pool->started], NULL, worker, pool) != 0) break;
+    for (pool->started = 0; pool->started < workers; pool->started++) {
+        pool->args[pool->started] = (worker_arg){pool, pool->started + 1u};
+        if (pthread_create(&pool->threads[pool->started], NULL, worker, &pool->args[pool->started]) != 0) break;
+    }
     pool->workers = pool->started; /* fewer started: fewer take tiles */
     if (pool->workers == 0) {
         lpn_pool_destroy(pool);
@@ -461,20 +517,25 @@ void lpn_pool_destroy(lpn_pool *pool) {
     pthread_cond_destroy(&pool->idle);
     pthread_mutex_destroy(&pool->mu);
     free(pool->threads);
+    free(pool->args);
     free(pool);
 }
 
 uint32_t lpn_pool_workers(const lpn_pool *pool) { return pool ? pool->workers : 0; }
 
-void lpn_program_run_tiles(const lpn_program *program, uint8_t *const *bufs, uint64_t tile, lpn_pool *pool) {
+void lpn_program_run_tiles(const lpn_program *program, uint8_t *const *bufs, uint64_t tile, lpn_pool *pool,
+                           uint8_t *local) {
     if (!program->tiled || tile == 0 || program->span == 0) {
         lpn_program_run(program, bufs);
         return;
     }
-    tile_task task = {program, bufs, tile, program->span / tile + (program->span % tile != 0)};
+    uint64_t ntiles = program->span / tile + (program->span % tile != 0);
+    uint32_t threads = pool ? pool->workers + 1u : 1u;
+    if (threads > ntiles) threads = (uint32_t)ntiles;
+    tile_task task = {program, bufs, program->slots ? local : NULL, tile, ntiles, program->slots * tile, threads};
     if (!pool || task.ntiles < 2) {
         uint64_t next = 0;
-        take_tiles(&task, &next);
+        take_tiles(&task, &next, 0);
         return;
     }
     pthread_mutex_lock(&pool->mu);
@@ -484,7 +545,7 @@ void lpn_program_run_tiles(const lpn_program *program, uint8_t *const *bufs, uin
     pool->open = 1;
     pthread_cond_broadcast(&pool->work);
     pthread_mutex_unlock(&pool->mu);
-    take_tiles(&task, &pool->next);
+    take_tiles(&task, &pool->next, 0);
     pthread_mutex_lock(&pool->mu);
     while (pool->active > 0) timed_wait(&pool->idle, &pool->mu); /* their last tiles */
     pool->open = 0;
@@ -614,6 +675,7 @@ void lpn_program_free(lpn_program *program) {
     free(program->msg);
     free(program->tx);
     free(program->rx);
+    free(program->slot);
     memset(program, 0, sizeof *program);
 }
 
@@ -724,7 +786,8 @@ static void drop_net(lpn_engine *e) {
  * again once it has settled what failed). */
 static uint32_t run_plan(lpn_engine *e, lpn_plan *p, uint32_t seq) {
     if (!p->program.net) {
-        lpn_program_run_tiles(&p->program, p->bufs, e->tile, p->program.span >= e->parallel ? e->pool : NULL);
+        lpn_program_run_tiles(&p->program, p->bufs, p->tile, p->threads > 1 ? e->pool : NULL,
+                              p->local ? p->bufs[0] : NULL);
         return p->last_code = LPN_OK;
     }
     int failed = -1;
@@ -869,33 +932,35 @@ int lpn_engine_tune(lpn_engine *e, uint64_t tile, uint64_t parallel, uint32_t th
     if (tile % 64u || tile > LPN_MAX_SCRATCH) return *why = "a tile is a multiple of 64 bytes, at most 4 GiB", -1;
     if (threads > LPN_MAX_SLOTS) return *why = "thread count out of range", -1;
     pthread_mutex_lock(&e->mu);
-    int armed = e->pool != NULL;
+    int armed = e->armed_once;
     if (!armed) {
         e->tile = tile;
         e->parallel = parallel;
         e->threads = threads;
     }
     pthread_mutex_unlock(&e->mu);
-    return armed ? (*why = "tuned after a plan that uses the threads was armed", -1) : 0;
+    return armed ? (*why = "tuned after a plan was armed", -1) : 0;
 }
 
-/* The threads a run of ``p`` takes (lock held). */
-static uint32_t plan_threads(const lpn_engine *e, const lpn_plan *p) {
-    if (!p->armed) return 0;
-    if (p->program.net || !p->program.tiled || !e->tile || !e->pool || p->program.span < e->parallel) return 1;
-    uint64_t ntiles = p->program.span / e->tile + (p->program.span % e->tile != 0);
+/* The threads a run of ``program`` takes (lock held). */
+static uint32_t program_threads(const lpn_engine *e, const lpn_program *program) {
+    if (program->net || !program->tiled || !e->tile || !e->pool || program->span < e->parallel) return 1;
+    uint64_t ntiles = program->span / e->tile + (program->span % e->tile != 0);
     uint64_t threads = lpn_pool_workers(e->pool) + 1u;
     return (uint32_t)(ntiles < threads ? ntiles : threads);
 }
 
-void lpn_engine_shape(lpn_engine *e, uint32_t index, uint64_t *tile, uint32_t *threads) {
-    *tile = 0;
+void lpn_engine_shape(lpn_engine *e, uint32_t index, uint64_t *tile, uint32_t *threads, uint64_t *scratch) {
+    *tile = *scratch = 0;
     *threads = 0;
     if (index >= LPN_MAX_PLANS) return;
     pthread_mutex_lock(&e->mu);
     const lpn_plan *p = &e->plans[index];
-    if (p->armed && !p->program.net && p->program.tiled) *tile = e->tile;
-    *threads = plan_threads(e, p);
+    if (p->armed) {
+        *tile = p->tile;
+        *threads = p->threads;
+        *scratch = p->scratch;
+    }
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -958,9 +1023,19 @@ long lpn_engine_arm(lpn_engine *e, uint32_t index, const uint8_t *data, size_t l
     if (!(timeout > 0) || timeout > 1e7) return *why = "timeout out of range", -1;
     lpn_program program;
     if (lpn_program_parse(data, len, bases, sizes, nbases, &program, why) != 0) return -1;
+    /* How it runs, fixed now (lpn_engine_tune refuses from here on): by tiles, on threads,
+     * each with its own tiles of the scratch where they take less than the whole. */
+    pthread_mutex_lock(&e->mu);
+    e->armed_once = 1;
+    want_pool(e, &program);
+    uint64_t tile = !program.net && program.tiled ? e->tile : 0;
+    uint32_t threads = program_threads(e, &program);
+    pthread_mutex_unlock(&e->mu);
+    uint64_t tiles = lpn_program_tile_scratch(&program, tile) * threads;
+    int local = tile && tiles && tiles < program.sizes[0];
     uint8_t **bufs = calloc(program.nbuf, sizeof(uint8_t *));
     /* The scratch: 64-byte aligned, at least one line so that it is never NULL. */
-    size_t scratch = (size_t)((program.sizes[0] + 63u) & ~(uint64_t)63u);
+    size_t scratch = (size_t)(((local ? tiles : program.sizes[0]) + 63u) & ~(uint64_t)63u);
     if (bufs) bufs[0] = aligned_alloc(64, scratch ? scratch : 64);
     if (!bufs || !bufs[0]) {
         free(bufs);
@@ -980,8 +1055,11 @@ long lpn_engine_arm(lpn_engine *e, uint32_t index, const uint8_t *data, size_t l
     p->calls = 0;
     p->seconds = 0;
     memset(p->buckets, 0, sizeof p->buckets);
+    p->tile = tile;
+    p->threads = threads;
+    p->local = local;
+    p->scratch = scratch;
     p->armed = 1;
-    want_pool(e, &p->program);
     long gen = (long)p->gen;
     pthread_mutex_unlock(&e->mu);
     return gen;

@@ -105,6 +105,12 @@ typedef struct {
      * result. Decided at parse, from the real addresses (in place, inputs are outputs). */
     int tiled;
     uint64_t span; /* the longest op's bytes: the tiles cover [0, span) */
+    /* A tiled program whose every range of the scratch is written and read at one start
+     * (each such range a slot) needs only ``slots`` tiles of scratch per thread: slot[3i +
+     * k] is the slot of op i's dst, a, b (k = 0, 1, 2) where that is the scratch. 0: the
+     * whole scratch (slot NULL). */
+    uint32_t slots;
+    uint32_t *slot;
 } lpn_program;
 
 /* Parse and check ``len`` bytes; 0 on success, else -1 with ``why`` set. The buffers are
@@ -129,9 +135,15 @@ void lpn_program_run(const lpn_program *program, uint8_t *const *bufs);
 /* The same, tile by tile where the program is ``tiled`` (else op by op): every op of tile
  * t before tile t+1, so what one op leaves in a tile of the scratch is still in the cache
  * when the next reads it. ``tile``: bytes, a multiple of 64 (0: op by op); ``pool``
- * (NULL: none) takes tiles too, each tile whole on one thread. The bytes written are
- * lpn_program_run's. */
-void lpn_program_run_tiles(const lpn_program *program, uint8_t *const *bufs, uint64_t tile, lpn_pool *pool);
+ * (NULL: none) takes tiles too, each tile whole on one thread. ``local`` (NULL: bufs[0],
+ * the whole scratch): lpn_program_tile_scratch bytes per thread (the caller's and each
+ * worker's), where each keeps its tile's slots of the scratch. The bytes written to every
+ * buffer but the scratch are lpn_program_run's. */
+void lpn_program_run_tiles(const lpn_program *program, uint8_t *const *bufs, uint64_t tile, lpn_pool *pool,
+                           uint8_t *local);
+/* A thread's tiles of the scratch for ``tile`` (0: it needs the whole scratch). With a
+ * pool, ``local`` holds one such area per thread that may take tiles: its workers + 1. */
+uint64_t lpn_program_tile_scratch(const lpn_program *program, uint64_t tile);
 /* Run any parsed program: net ops over ``fds`` (LPN_MAX_CHANNELS, -1 where none), their
  * headers carrying ``key`` and ``seq``; every wait bounded by ``timeout`` seconds from
  * now, and by ``abort_fd`` (-1: none) becoming readable (LPN_LOST). ``lowat``: each
@@ -154,7 +166,10 @@ typedef struct {
     uint64_t key;       /* net plans: the plan's identity in every message header */
     uint32_t last_code; /* the last run's result (LPN_OK ...) */
     lpn_program program;
-    uint8_t **bufs;     /* nbuf: bufs[0] the scratch */
+    uint8_t **bufs;     /* nbuf: bufs[0] the scratch (``local``: threads x its tiles of it) */
+    uint64_t tile, scratch; /* how it runs (0: op by op); the scratch's bytes */
+    uint32_t threads;
+    int local;
     /* Metrics, read by Python at a scrape: calls, seconds, a histogram over ``bounds``. */
     uint64_t calls;
     double seconds;
@@ -193,6 +208,7 @@ typedef struct {
      * ``threads`` threads (the engine's and a pool's) from ``parallel`` bytes on. */
     uint64_t tile, parallel;
     uint32_t threads;
+    int armed_once;
     lpn_pool *pool; /* made at the first plan armed that uses it; NULL: none (yet) */
 } lpn_engine;
 
@@ -209,8 +225,9 @@ int lpn_engine_start(lpn_engine *e); /* the doorbell thread */
  * 1: the engine's thread alone). 0, or -1 with ``why``. Tests set small ones so that
  * small programs take the tiled and threaded paths. */
 int lpn_engine_tune(lpn_engine *e, uint64_t tile, uint64_t parallel, uint32_t threads, const char **why);
-/* How plan ``index`` runs: its tile (0: op by op) and its threads (0: not armed). */
-void lpn_engine_shape(lpn_engine *e, uint32_t index, uint64_t *tile, uint32_t *threads);
+/* How plan ``index`` runs: its tile (0: op by op), its threads (0: not armed) and the
+ * bytes of its scratch. */
+void lpn_engine_shape(lpn_engine *e, uint32_t index, uint64_t *tile, uint32_t *threads, uint64_t *scratch);
 void lpn_engine_stop(lpn_engine *e); /* every pending ring falls back; joins the thread */
 void lpn_engine_destroy(lpn_engine *e);
 /* Arm plan ``index`` (disarming what it held); returns the generation clients ring with,

@@ -143,6 +143,7 @@ static const char *const LAYOUT_NAMES[LAYOUTS] = {"allreduce", "allreduce in pla
                                                    "allgather in place", "reduce_scatter reading across blocks",
                                                    "a copy shifted within the scratch"};
 static const int LAYOUT_TILED[LAYOUTS] = {1, 1, 1, 1, 0, 0}; /* what the parser must decide */
+static const uint32_t LAYOUT_SLOTS[LAYOUTS] = {1, 1, TP, 0, 0, 0}; /* ranges of the scratch, one start each */
 
 /* A layout's program, as program.direct compiles it (the last two: ones that may not run
  * by tiles). Buffers: 0 scratch, 1 + 2r input r, 2 + 2r output r. */
@@ -236,7 +237,8 @@ static void test_tiles(void) {
                         CHECK(0, "%s refused: %s", LAYOUT_NAMES[layout], why);
                         continue;
                     }
-                    CHECK(prog.tiled == LAYOUT_TILED[layout], "%s: tiled %d", LAYOUT_NAMES[layout], prog.tiled);
+                    CHECK(prog.tiled == LAYOUT_TILED[layout] && prog.slots == LAYOUT_SLOTS[layout],
+                          "%s: tiled %d, %u slots", LAYOUT_NAMES[layout], prog.tiled, prog.slots);
                     uint8_t *bufs[1 + 2 * TP];
                     bufs[0] = aligned_alloc(64, (sizes[0] + 63) & ~(uint64_t)63);
                     for (int i = 0; i < 2 * TP; i++) bufs[1 + i] = (uint8_t *)(uintptr_t)bases[i];
@@ -245,16 +247,21 @@ static void test_tiles(void) {
                     memcpy(ref_in, t_in, sizeof t_in);
                     memcpy(ref_out, t_out, sizeof t_out);
                     for (unsigned t = 0; t < sizeof tiles / sizeof tiles[0]; t++)
-                        for (int threaded = 0; threaded < 2; threaded++) {
-                            memcpy(t_in, t_in0, sizeof t_in);
-                            memcpy(t_out, t_out0, sizeof t_out);
-                            lpn_program_run_tiles(&prog, bufs, tiles[t], threaded ? pool : NULL);
-                            runs++;
-                            CHECK(!memcmp(t_in, ref_in, sizeof t_in) && !memcmp(t_out, ref_out, sizeof t_out),
-                                  "%s, type %u, reduction %u%s, tile %llu, %s: differs from the op-by-op run",
-                                  LAYOUT_NAMES[layout], dtype, redop, avg ? " avg" : "",
-                                  (unsigned long long)tiles[t], threaded ? "4 threads" : "1 thread");
-                        }
+                        for (int threaded = 0; threaded < 2; threaded++)
+                            for (int own = 0; own < 2; own++) { /* the whole scratch; each thread's tiles */
+                                uint64_t area = lpn_program_tile_scratch(&prog, tiles[t]) * (threaded ? 4u : 1u);
+                                uint8_t *local = own && area ? aligned_alloc(64, area) : NULL;
+                                memcpy(t_in, t_in0, sizeof t_in);
+                                memcpy(t_out, t_out0, sizeof t_out);
+                                lpn_program_run_tiles(&prog, bufs, tiles[t], threaded ? pool : NULL, local);
+                                free(local);
+                                runs++;
+                                CHECK(!memcmp(t_in, ref_in, sizeof t_in) && !memcmp(t_out, ref_out, sizeof t_out),
+                                      "%s, type %u, reduction %u%s, tile %llu, %s, %s: differs from the op-by-op run",
+                                      LAYOUT_NAMES[layout], dtype, redop, avg ? " avg" : "",
+                                      (unsigned long long)tiles[t], threaded ? "4 threads" : "1 thread",
+                                      own ? "tiles of the scratch" : "the whole scratch");
+                            }
                     free(bufs[0]);
                     lpn_program_free(&prog);
                 }
@@ -272,7 +279,9 @@ static void test_tiles(void) {
     for (int i = 0; i < 2 * TP; i++) bufs[1 + i] = (uint8_t *)(uintptr_t)bases[i];
     tiles_fill(LPN_I32);
     pool = lpn_pool_create(3);
-    lpn_program_run_tiles(&prog, bufs, 64, pool);
+    uint8_t *local = aligned_alloc(64, lpn_program_tile_scratch(&prog, 64) * 4u);
+    lpn_program_run_tiles(&prog, bufs, 64, pool, local);
+    free(local);
     lpn_pool_destroy(pool);
     for (uint32_t i = 0; i < TN; i++) {
         uint32_t want = 0;
@@ -367,7 +376,10 @@ static void test_parser(unsigned rounds, int seed) {
                 memcpy(want_out, outputs, sizeof outputs);
                 fill();
                 memset(bufs[0], 0, prog.sizes[0]);
-                lpn_program_run_tiles(&prog, bufs, 64, fuzz_pool);
+                uint64_t area = lpn_program_tile_scratch(&prog, 64) * 3u;
+                uint8_t *local = area ? aligned_alloc(64, area) : NULL;
+                lpn_program_run_tiles(&prog, bufs, 64, fuzz_pool, local);
+                free(local);
                 tiled += prog.tiled;
                 CHECK(!memcmp(want_in, inputs, sizeof inputs) && !memcmp(want_out, outputs, sizeof outputs),
                       "round %u: a %s run wrote other bytes than the op-by-op one", round,
@@ -688,16 +700,17 @@ static void test_doorbell(int tuned) {
     set_bases();
     long gen = lpn_engine_arm(&e, 3, b.bytes, b.len, bases, real_sizes, 2 * P, 5.0, 0, &why);
     CHECK(gen > 0, "arm: %s", why);
-    uint64_t tile;
+    uint64_t tile, scratch;
     uint32_t threads;
-    lpn_engine_shape(&e, 3, &tile, &threads);
-    if (tuned) {
-        CHECK(tile == 64 && threads == 3, "tuned shape: tile %llu, %u threads", (unsigned long long)tile, threads);
-        CHECK(lpn_engine_tune(&e, 128, 0, 2, &why) != 0, "tuned again once the threads run");
-    } else { /* 4000 bytes: below LPN_PARALLEL, one tile */
-        CHECK(tile == LPN_TILE && threads == 1, "default shape: tile %llu, %u threads", (unsigned long long)tile,
-              threads);
+    lpn_engine_shape(&e, 3, &tile, &threads, &scratch);
+    if (tuned) { /* each of the 3 threads its own 64-byte tile of the scratch */
+        CHECK(tile == 64 && threads == 3 && scratch == 3 * 64, "tuned shape: tile %llu, %u threads, scratch %llu",
+              (unsigned long long)tile, threads, (unsigned long long)scratch);
+    } else { /* 4000 bytes: below LPN_PARALLEL, one tile; the whole scratch (it is smaller than a tile) */
+        CHECK(tile == LPN_TILE && threads == 1 && scratch == 4032, "default shape: tile %llu, %u threads, scratch %llu",
+              (unsigned long long)tile, threads, (unsigned long long)scratch);
     }
+    CHECK(lpn_engine_tune(&e, 128, 0, 2, &why) != 0, "tuned again once a plan is armed");
     ringer rs[P];
     for (uint32_t seq = 1; seq <= 200; seq++) { /* armed runs */
         fill();

@@ -150,7 +150,7 @@ def test_numpy_and_engine_agree_with_the_reference(op, p: int, in_place: bool, t
                         data, bases, sizes = encoded
                         generation = engine.engine.arm(0, data, bases, sizes, 5.0)
                         if tune is not None and compiled.steps:  # every direct program runs by tiles
-                            assert engine.engine.shape(0) == (192, 3), (op, dtype, reduce_op)
+                            assert engine.engine.shape(0)[:2] == (192, 3), (op, dtype, reduce_op)
                         assert engine.engine.run(0, generation) == OK
                         assert (
                             engine.engine.run(0, generation + 1) == FALLBACK
@@ -204,7 +204,11 @@ def test_engine_defaults_at_a_few_mib(op: Collective, dtype: str, reduce_op: Red
                 data, bases, sizes = program.encode(compiled, views)  # type: ignore[misc]
                 generation = engine.engine.arm(0, data, bases, sizes, 5.0)
                 threads = min(len(os.sched_getaffinity(0)), p)
-                assert engine.engine.shape(0) == (ENGINE.TILE, threads)
+                tile, used, scratch = engine.engine.shape(0)
+                assert (tile, used) == (ENGINE.TILE, threads)
+                # Each thread keeps its tiles of the scratch (one per block reduced).
+                slots = p if op is Collective.REDUCE_SCATTER else 1
+                assert scratch == (threads * slots * tile if op in REDUCING else 0), scratch
                 assert engine.engine.run(0, generation) == OK
             finally:
                 engine.close()
@@ -213,6 +217,26 @@ def test_engine_defaults_at_a_few_mib(op: Collective, dtype: str, reduce_op: Red
             np.testing.assert_array_equal(pairs[r][1], expected, err_msg=f"{executor} rank {r}")
         outs.append(b"".join(out.tobytes() for _, out in pairs))
     assert outs[0] == outs[1], "engine and numpy differ"
+
+
+def test_scratch_is_bounded_at_256_mib() -> None:
+    """A 256 MiB allreduce (and reduce_scatter) of 4 armed: the engine's scratch is its
+    threads' tiles, not the message (buffers never touched: only their addresses count)."""
+    assert ENGINE is not None, "the native engine is not built"
+    p, count = 4, (256 << 20) // 4
+    pairs = [(np.empty(count, np.float32), np.empty(count, np.float32)) for _ in range(p)]
+    threads = min(len(os.sched_getaffinity(0)), p)
+    for op, slots in ((Collective.ALLREDUCE, 1), (Collective.REDUCE_SCATTER, p)):
+        block = count if op is Collective.ALLREDUCE else count // p
+        compiled = program.direct(op, 0, pairs, Reduction(ReduceOp.SUM, np.dtype(np.float32), p), block)
+        assert compiled.scratch == 256 << 20  # what numpy's run allocates
+        engine = _Engine(p)
+        try:
+            data, bases, sizes = program.encode(compiled, program.flatten(pairs))  # type: ignore[misc]
+            engine.engine.arm(0, data, bases, sizes, 5.0)
+            assert engine.engine.shape(0) == (ENGINE.TILE, threads, threads * slots * ENGINE.TILE)
+        finally:
+            engine.close()
 
 
 def test_nan_and_signed_zero_bits_agree() -> None:
