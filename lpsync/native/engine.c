@@ -4,6 +4,9 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <sched.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 #include <linux/futex.h>
 #include <math.h>
 #include <stdlib.h>
@@ -387,8 +390,40 @@ static uint8_t *at(const lpn_program *p, uint8_t *const *bufs, uint8_t *local, u
     return bufs[buf] + off + lo;
 }
 
+/* A copy into a participant's buffer that bypasses the cache (streaming stores): the
+ * lines are not read first, and a big message's outputs, which would not stay cached,
+ * do not push out the tile's scratch. Overlapping ranges and other machines: memmove. */
+static void copy_streaming(uint8_t *d, const uint8_t *s, uint64_t n) {
+#ifdef __SSE2__
+    if (n >= 1024 && (d >= s + n || s >= d + n)) {
+        uint64_t head = (16u - ((uintptr_t)d & 15u)) & 15u;
+        memcpy(d, s, head);
+        d += head;
+        s += head;
+        n -= head;
+        for (; n >= 64; n -= 64, d += 64, s += 64) {
+            __m128i w = _mm_loadu_si128((const __m128i *)s), x = _mm_loadu_si128((const __m128i *)(s + 16));
+            __m128i y = _mm_loadu_si128((const __m128i *)(s + 32)), z = _mm_loadu_si128((const __m128i *)(s + 48));
+            _mm_stream_si128((__m128i *)d, w);
+            _mm_stream_si128((__m128i *)(d + 16), x);
+            _mm_stream_si128((__m128i *)(d + 32), y);
+            _mm_stream_si128((__m128i *)(d + 48), z);
+        }
+    }
+#endif
+    memmove(d, s, n);
+}
+
+/* Streaming stores are weakly ordered: each thread fences them before it says it is done. */
+static void fence_streaming(void) {
+#ifdef __SSE2__
+    _mm_sfence();
+#endif
+}
+
 /* Every op's bytes [lo, lo + tile) of its own range, in program order. */
-static void run_tile(const lpn_program *p, uint8_t *const *bufs, uint8_t *local, uint64_t lo, uint64_t tile) {
+static void run_tile(const lpn_program *p, uint8_t *const *bufs, uint8_t *local, uint64_t lo, uint64_t tile,
+                     int stream) {
     for (uint32_t i = 0; i < p->nops; i++) {
         const lpn_op *o = &p->ops[i];
         uint64_t bytes = op_bytes(o);
@@ -396,7 +431,12 @@ static void run_tile(const lpn_program *p, uint8_t *const *bufs, uint8_t *local,
         uint64_t len = bytes - lo < tile ? bytes - lo : tile, item = o->kind == LPN_COPY ? 1 : ITEMSIZE[o->dtype];
         uint8_t *d = at(p, bufs, local, tile, i, 0, o->dst, o->dst_off, lo);
         switch (o->kind) {
-        case LPN_COPY: memmove(d, at(p, bufs, local, tile, i, 1, o->a, o->a_off, lo), len); break;
+        case LPN_COPY:
+            if (stream && o->dst != 0)
+                copy_streaming(d, at(p, bufs, local, tile, i, 1, o->a, o->a_off, lo), len);
+            else
+                memmove(d, at(p, bufs, local, tile, i, 1, o->a, o->a_off, lo), len);
+            break;
         case LPN_COMBINE:
             lpn_combine(d, at(p, bufs, local, tile, i, 1, o->a, o->a_off, lo),
                         at(p, bufs, local, tile, i, 2, o->b, o->b_off, lo), o->dtype, len / item, o->redop);
@@ -418,15 +458,17 @@ typedef struct {
     uint8_t *local; /* thread k's tiles of the scratch at local + k * per_thread; NULL: none */
     uint64_t tile, ntiles, per_thread;
     uint32_t threads; /* those with a number below it take tiles */
+    int stream;       /* copies into the participants' buffers with streaming stores */
 } tile_task;
 
 static void take_tiles(const tile_task *t, uint64_t *next, uint32_t thread) {
     uint8_t *local = t->local ? t->local + thread * t->per_thread : NULL;
     for (;;) {
         uint64_t k = __atomic_fetch_add(next, 1u, __ATOMIC_RELAXED);
-        if (k >= t->ntiles) return;
-        run_tile(t->program, t->bufs, local, k * t->tile, t->tile);
+        if (k >= t->ntiles) break;
+        run_tile(t->program, t->bufs, local, k * t->tile, t->tile, t->stream);
     }
+    if (t->stream) fence_streaming();
 }
 
 typedef struct {
@@ -524,7 +566,7 @@ void lpn_pool_destroy(lpn_pool *pool) {
 uint32_t lpn_pool_workers(const lpn_pool *pool) { return pool ? pool->workers : 0; }
 
 void lpn_program_run_tiles(const lpn_program *program, uint8_t *const *bufs, uint64_t tile, lpn_pool *pool,
-                           uint8_t *local) {
+                           uint8_t *local, int stream) {
     if (!program->tiled || tile == 0 || program->span == 0) {
         lpn_program_run(program, bufs);
         return;
@@ -532,7 +574,8 @@ void lpn_program_run_tiles(const lpn_program *program, uint8_t *const *bufs, uin
     uint64_t ntiles = program->span / tile + (program->span % tile != 0);
     uint32_t threads = pool ? pool->workers + 1u : 1u;
     if (threads > ntiles) threads = (uint32_t)ntiles;
-    tile_task task = {program, bufs, program->slots ? local : NULL, tile, ntiles, program->slots * tile, threads};
+    tile_task task = {program, bufs, program->slots ? local : NULL, tile, ntiles, program->slots * tile, threads,
+                      stream};
     if (!pool || task.ntiles < 2) {
         uint64_t next = 0;
         take_tiles(&task, &next, 0);
@@ -787,7 +830,7 @@ static void drop_net(lpn_engine *e) {
 static uint32_t run_plan(lpn_engine *e, lpn_plan *p, uint32_t seq) {
     if (!p->program.net) {
         lpn_program_run_tiles(&p->program, p->bufs, p->tile, p->threads > 1 ? e->pool : NULL,
-                              p->local ? p->bufs[0] : NULL);
+                              p->local ? p->bufs[0] : NULL, p->stream);
         return p->last_code = LPN_OK;
     }
     int failed = -1;
@@ -922,13 +965,15 @@ int lpn_engine_init(lpn_engine *e, uint8_t *page, size_t page_len, uint32_t slot
     e->failed_channel = -1;
     e->tile = LPN_TILE;
     e->parallel = LPN_PARALLEL;
+    e->stream = LPN_STREAM;
     e->abort_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (e->abort_fd < 0) return *why = "no eventfd for aborts", -1;
     pthread_mutex_init(&e->mu, NULL);
     return 0;
 }
 
-int lpn_engine_tune(lpn_engine *e, uint64_t tile, uint64_t parallel, uint32_t threads, const char **why) {
+int lpn_engine_tune(lpn_engine *e, uint64_t tile, uint64_t parallel, uint32_t threads, uint64_t stream,
+                    const char **why) {
     if (tile % 64u || tile > LPN_MAX_SCRATCH) return *why = "a tile is a multiple of 64 bytes, at most 4 GiB", -1;
     if (threads > LPN_MAX_SLOTS) return *why = "thread count out of range", -1;
     pthread_mutex_lock(&e->mu);
@@ -937,6 +982,7 @@ int lpn_engine_tune(lpn_engine *e, uint64_t tile, uint64_t parallel, uint32_t th
         e->tile = tile;
         e->parallel = parallel;
         e->threads = threads;
+        e->stream = stream;
     }
     pthread_mutex_unlock(&e->mu);
     return armed ? (*why = "tuned after a plan was armed", -1) : 0;
@@ -950,9 +996,11 @@ static uint32_t program_threads(const lpn_engine *e, const lpn_program *program)
     return (uint32_t)(ntiles < threads ? ntiles : threads);
 }
 
-void lpn_engine_shape(lpn_engine *e, uint32_t index, uint64_t *tile, uint32_t *threads, uint64_t *scratch) {
+void lpn_engine_shape(lpn_engine *e, uint32_t index, uint64_t *tile, uint32_t *threads, uint64_t *scratch,
+                      int *stream) {
     *tile = *scratch = 0;
     *threads = 0;
+    *stream = 0;
     if (index >= LPN_MAX_PLANS) return;
     pthread_mutex_lock(&e->mu);
     const lpn_plan *p = &e->plans[index];
@@ -960,6 +1008,7 @@ void lpn_engine_shape(lpn_engine *e, uint32_t index, uint64_t *tile, uint32_t *t
         *tile = p->tile;
         *threads = p->threads;
         *scratch = p->scratch;
+        *stream = p->stream;
     }
     pthread_mutex_unlock(&e->mu);
 }
@@ -1030,6 +1079,7 @@ long lpn_engine_arm(lpn_engine *e, uint32_t index, const uint8_t *data, size_t l
     want_pool(e, &program);
     uint64_t tile = !program.net && program.tiled ? e->tile : 0;
     uint32_t threads = program_threads(e, &program);
+    int stream = tile && program.span >= e->stream;
     pthread_mutex_unlock(&e->mu);
     uint64_t tiles = lpn_program_tile_scratch(&program, tile) * threads;
     int local = tile && tiles && tiles < program.sizes[0];
@@ -1058,6 +1108,7 @@ long lpn_engine_arm(lpn_engine *e, uint32_t index, const uint8_t *data, size_t l
     p->tile = tile;
     p->threads = threads;
     p->local = local;
+    p->stream = stream;
     p->scratch = scratch;
     p->armed = 1;
     long gen = (long)p->gen;

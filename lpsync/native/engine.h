@@ -137,10 +137,11 @@ void lpn_program_run(const lpn_program *program, uint8_t *const *bufs);
  * when the next reads it. ``tile``: bytes, a multiple of 64 (0: op by op); ``pool``
  * (NULL: none) takes tiles too, each tile whole on one thread. ``local`` (NULL: bufs[0],
  * the whole scratch): lpn_program_tile_scratch bytes per thread (the caller's and each
- * worker's), where each keeps its tile's slots of the scratch. The bytes written to every
- * buffer but the scratch are lpn_program_run's. */
+ * worker's), where each keeps its tile's slots of the scratch. ``stream``: copies into
+ * the participants' buffers bypass the cache (fenced before it returns). The bytes
+ * written to every buffer but the scratch are lpn_program_run's. */
 void lpn_program_run_tiles(const lpn_program *program, uint8_t *const *bufs, uint64_t tile, lpn_pool *pool,
-                           uint8_t *local);
+                           uint8_t *local, int stream);
 /* A thread's tiles of the scratch for ``tile`` (0: it needs the whole scratch). With a
  * pool, ``local`` holds one such area per thread that may take tiles: its workers + 1. */
 uint64_t lpn_program_tile_scratch(const lpn_program *program, uint64_t tile);
@@ -169,7 +170,7 @@ typedef struct {
     uint8_t **bufs;     /* nbuf: bufs[0] the scratch (``local``: threads x its tiles of it) */
     uint64_t tile, scratch; /* how it runs (0: op by op); the scratch's bytes */
     uint32_t threads;
-    int local;
+    int local, stream;
     /* Metrics, read by Python at a scrape: calls, seconds, a histogram over ``bounds``. */
     uint64_t calls;
     double seconds;
@@ -206,7 +207,7 @@ typedef struct {
     int lowat[LPN_MAX_CHANNELS]; /* each channel's SO_RCVLOWAT as net.c last set it */
     /* How local programs run (lpn_engine_tune): tile by tile where ``tiled``, and over
      * ``threads`` threads (the engine's and a pool's) from ``parallel`` bytes on. */
-    uint64_t tile, parallel;
+    uint64_t tile, parallel, stream;
     uint32_t threads;
     int armed_once;
     lpn_pool *pool; /* made at the first plan armed that uses it; NULL: none (yet) */
@@ -220,14 +221,20 @@ int lpn_engine_start(lpn_engine *e); /* the doorbell thread */
  * min(CPUs, this node's participants) threads. */
 #define LPN_TILE ((uint64_t)128 * 1024)
 #define LPN_PARALLEL ((uint64_t)1 << 20)
+/* ... and from LPN_STREAM bytes on copy into the participants' buffers with streaming
+ * stores (measured 1.3-2x on one core at 4-64 MiB: no read of each line before it is
+ * written; such outputs would not stay in the cache anyway). */
+#define LPN_STREAM ((uint64_t)4 << 20)
 /* Before the first arm: ``tile`` bytes (a multiple of 64; 0: op by op), programs of
  * ``parallel`` bytes or more on ``threads`` threads in all (0: min(CPUs, participants);
- * 1: the engine's thread alone). 0, or -1 with ``why``. Tests set small ones so that
- * small programs take the tiled and threaded paths. */
-int lpn_engine_tune(lpn_engine *e, uint64_t tile, uint64_t parallel, uint32_t threads, const char **why);
-/* How plan ``index`` runs: its tile (0: op by op), its threads (0: not armed) and the
- * bytes of its scratch. */
-void lpn_engine_shape(lpn_engine *e, uint32_t index, uint64_t *tile, uint32_t *threads, uint64_t *scratch);
+ * 1: the engine's thread alone), streaming stores from ``stream`` bytes. 0, or -1 with
+ * ``why``. Tests set small ones so that small programs take those paths. */
+int lpn_engine_tune(lpn_engine *e, uint64_t tile, uint64_t parallel, uint32_t threads, uint64_t stream,
+                    const char **why);
+/* How plan ``index`` runs: its tile (0: op by op), its threads (0: not armed), the
+ * bytes of its scratch and whether it streams. */
+void lpn_engine_shape(lpn_engine *e, uint32_t index, uint64_t *tile, uint32_t *threads, uint64_t *scratch,
+                      int *stream);
 void lpn_engine_stop(lpn_engine *e); /* every pending ring falls back; joins the thread */
 void lpn_engine_destroy(lpn_engine *e);
 /* Arm plan ``index`` (disarming what it held); returns the generation clients ring with,

@@ -218,7 +218,7 @@ static void tiles_fill(uint32_t dtype) {
 static void test_tiles(void) {
     lpn_pool *pool = lpn_pool_create(3);
     CHECK(pool && lpn_pool_workers(pool) == 3, "a pool of 3 workers");
-    uint64_t tiles[] = {64, 192, 1u << 20}; /* many tiles, an odd count of 3 lines, one tile */
+    uint64_t tiles[] = {64, 192, 1280, 1u << 20}; /* many, an odd count of lines, streamed copies, one */
     unsigned runs = 0;
     for (int layout = 0; layout < LAYOUTS; layout++)
         for (uint32_t dtype = LPN_F16; dtype < LPN_DTYPE_END; dtype++)
@@ -248,19 +248,20 @@ static void test_tiles(void) {
                     memcpy(ref_out, t_out, sizeof t_out);
                     for (unsigned t = 0; t < sizeof tiles / sizeof tiles[0]; t++)
                         for (int threaded = 0; threaded < 2; threaded++)
-                            for (int own = 0; own < 2; own++) { /* the whole scratch; each thread's tiles */
+                            for (int own = 0; own < 3; own++) { /* the whole scratch; each thread's tiles;
+                                                                  and streaming stores */
                                 uint64_t area = lpn_program_tile_scratch(&prog, tiles[t]) * (threaded ? 4u : 1u);
                                 uint8_t *local = own && area ? aligned_alloc(64, area) : NULL;
                                 memcpy(t_in, t_in0, sizeof t_in);
                                 memcpy(t_out, t_out0, sizeof t_out);
-                                lpn_program_run_tiles(&prog, bufs, tiles[t], threaded ? pool : NULL, local);
+                                lpn_program_run_tiles(&prog, bufs, tiles[t], threaded ? pool : NULL, local, own == 2);
                                 free(local);
                                 runs++;
                                 CHECK(!memcmp(t_in, ref_in, sizeof t_in) && !memcmp(t_out, ref_out, sizeof t_out),
                                       "%s, type %u, reduction %u%s, tile %llu, %s, %s: differs from the op-by-op run",
                                       LAYOUT_NAMES[layout], dtype, redop, avg ? " avg" : "",
                                       (unsigned long long)tiles[t], threaded ? "4 threads" : "1 thread",
-                                      own ? "tiles of the scratch" : "the whole scratch");
+                                      own == 2 ? "streamed" : own ? "tiles of the scratch" : "the whole scratch");
                             }
                     free(bufs[0]);
                     lpn_program_free(&prog);
@@ -280,7 +281,7 @@ static void test_tiles(void) {
     tiles_fill(LPN_I32);
     pool = lpn_pool_create(3);
     uint8_t *local = aligned_alloc(64, lpn_program_tile_scratch(&prog, 64) * 4u);
-    lpn_program_run_tiles(&prog, bufs, 64, pool, local);
+    lpn_program_run_tiles(&prog, bufs, 64, pool, local, 1);
     free(local);
     lpn_pool_destroy(pool);
     for (uint32_t i = 0; i < TN; i++) {
@@ -376,9 +377,9 @@ static void test_parser(unsigned rounds, int seed) {
                 memcpy(want_out, outputs, sizeof outputs);
                 fill();
                 memset(bufs[0], 0, prog.sizes[0]);
-                uint64_t area = lpn_program_tile_scratch(&prog, 64) * 3u;
+                uint64_t tile = round % 2 ? 64 : 1280, area = lpn_program_tile_scratch(&prog, tile) * 3u;
                 uint8_t *local = area ? aligned_alloc(64, area) : NULL;
-                lpn_program_run_tiles(&prog, bufs, 64, fuzz_pool, local);
+                lpn_program_run_tiles(&prog, bufs, tile, fuzz_pool, local, round % 3 == 0);
                 free(local);
                 tiled += prog.tiled;
                 CHECK(!memcmp(want_in, inputs, sizeof inputs) && !memcmp(want_out, outputs, sizeof outputs),
@@ -693,8 +694,8 @@ static void test_doorbell(int tuned) {
     double bounds[] = {1e-5, 1e-3, 1.0};
     CHECK(lpn_engine_init(&e, page, sizeof page, P, bounds, 3, &why) == 0, "init: %s", why);
     CHECK(lpn_engine_start(&e) == 0, "start");
-    CHECK(lpn_engine_tune(&e, 100, 0, 3, &why) != 0, "a tile of 100 bytes accepted");
-    if (tuned) CHECK(lpn_engine_tune(&e, 64, 0, 3, &why) == 0, "tune: %s", why);
+    CHECK(lpn_engine_tune(&e, 100, 0, 3, 0, &why) != 0, "a tile of 100 bytes accepted");
+    if (tuned) CHECK(lpn_engine_tune(&e, 1024, 0, 3, 0, &why) == 0, "tune: %s", why);
     blob b;
     allreduce_program(&b, LPN_SUM, LPN_F32, 4);
     set_bases();
@@ -702,15 +703,18 @@ static void test_doorbell(int tuned) {
     CHECK(gen > 0, "arm: %s", why);
     uint64_t tile, scratch;
     uint32_t threads;
-    lpn_engine_shape(&e, 3, &tile, &threads, &scratch);
-    if (tuned) { /* each of the 3 threads its own 64-byte tile of the scratch */
-        CHECK(tile == 64 && threads == 3 && scratch == 3 * 64, "tuned shape: tile %llu, %u threads, scratch %llu",
-              (unsigned long long)tile, threads, (unsigned long long)scratch);
+    int stream;
+    lpn_engine_shape(&e, 3, &tile, &threads, &scratch, &stream);
+    if (tuned) { /* 4 tiles of 1 KiB (streamed copies) on 3 threads, each its own tile of the scratch */
+        CHECK(tile == 1024 && threads == 3 && scratch == 3 * 1024 && stream,
+              "tuned shape: tile %llu, %u threads, scratch %llu, stream %d", (unsigned long long)tile, threads,
+              (unsigned long long)scratch, stream);
     } else { /* 4000 bytes: below LPN_PARALLEL, one tile; the whole scratch (it is smaller than a tile) */
-        CHECK(tile == LPN_TILE && threads == 1 && scratch == 4032, "default shape: tile %llu, %u threads, scratch %llu",
-              (unsigned long long)tile, threads, (unsigned long long)scratch);
+        CHECK(tile == LPN_TILE && threads == 1 && scratch == 4032 && !stream,
+              "default shape: tile %llu, %u threads, scratch %llu, stream %d", (unsigned long long)tile, threads,
+              (unsigned long long)scratch, stream);
     }
-    CHECK(lpn_engine_tune(&e, 128, 0, 2, &why) != 0, "tuned again once a plan is armed");
+    CHECK(lpn_engine_tune(&e, 128, 0, 2, 0, &why) != 0, "tuned again once a plan is armed");
     ringer rs[P];
     for (uint32_t seq = 1; seq <= 200; seq++) { /* armed runs */
         fill();

@@ -38,9 +38,14 @@ OPS = [
 ]
 REDUCING = {Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER}
 COUNT = 37  # elements per block: odd, so no vector loop ends evenly
-# How the engine runs them: its defaults (these programs are one tile, one thread), and
-# tiles of 192 bytes (3 lines) on 3 threads from 0 bytes on, over 1003-element blocks.
-TUNINGS = {"defaults": (None, COUNT), "tiled_threaded": ((192, 0, 3), 1003)}
+# How the engine runs them: its defaults (these programs are one tile, one thread); tiles
+# of 192 bytes (3 lines) on 3 threads from 0 bytes on, over 1003-element blocks; and tiles
+# of 1280 bytes, their copies out streamed (from 0 bytes on).
+TUNINGS = {
+    "defaults": (None, COUNT),
+    "tiled_threaded": ((192, 0, 3), 1003),
+    "streamed": ((1280, 0, 3, 0), 1003),
+}
 
 
 def _inputs(dtype: np.dtype, n: int, rank: int, rng: np.random.Generator) -> np.ndarray:
@@ -95,7 +100,7 @@ def _reference(op, p, root, reduce_op, inputs, dtype, count=COUNT):
 class _Engine:
     """An engine over an anonymous page, for arming and running programs directly."""
 
-    def __init__(self, slots: int, tuning: tuple[int, int, int] | None = None) -> None:
+    def __init__(self, slots: int, tuning: tuple[int, ...] | None = None) -> None:
         assert ENGINE is not None, "the native engine is not built"
         self.map = mmap.mmap(-1, 4096)
         self.page = np.frombuffer(self.map, np.uint8)
@@ -150,7 +155,13 @@ def test_numpy_and_engine_agree_with_the_reference(op, p: int, in_place: bool, t
                         data, bases, sizes = encoded
                         generation = engine.engine.arm(0, data, bases, sizes, 5.0)
                         if tune is not None and compiled.steps:  # every direct program runs by tiles
-                            assert engine.engine.shape(0)[:2] == (192, 3), (op, dtype, reduce_op)
+                            tile, threads, _, stream = engine.engine.shape(0)
+                            span = max(
+                                s.n * (1 if s.kind == program.COPY else dtype.itemsize)
+                                for s in compiled.steps
+                            )
+                            assert (tile, threads) == (tune[0], min(3, -(-span // tune[0]))), (op, dtype)
+                            assert stream == (len(tune) > 3), (op, dtype, reduce_op)
                         assert engine.engine.run(0, generation) == OK
                         assert (
                             engine.engine.run(0, generation + 1) == FALLBACK
@@ -204,8 +215,8 @@ def test_engine_defaults_at_a_few_mib(op: Collective, dtype: str, reduce_op: Red
                 data, bases, sizes = program.encode(compiled, views)  # type: ignore[misc]
                 generation = engine.engine.arm(0, data, bases, sizes, 5.0)
                 threads = min(len(os.sched_getaffinity(0)), p)
-                tile, used, scratch = engine.engine.shape(0)
-                assert (tile, used) == (ENGINE.TILE, threads)
+                tile, used, scratch, stream = engine.engine.shape(0)
+                assert (tile, used, stream) == (ENGINE.TILE, threads, False)  # 3 MiB: below STREAM
                 # Each thread keeps its tiles of the scratch (one per block reduced).
                 slots = p if op is Collective.REDUCE_SCATTER else 1
                 assert scratch == (threads * slots * tile if op in REDUCING else 0), scratch
@@ -234,7 +245,7 @@ def test_scratch_is_bounded_at_256_mib() -> None:
         try:
             data, bases, sizes = program.encode(compiled, program.flatten(pairs))  # type: ignore[misc]
             engine.engine.arm(0, data, bases, sizes, 5.0)
-            assert engine.engine.shape(0) == (ENGINE.TILE, threads, threads * slots * ENGINE.TILE)
+            assert engine.engine.shape(0) == (ENGINE.TILE, threads, threads * slots * ENGINE.TILE, True)
         finally:
             engine.close()
 
