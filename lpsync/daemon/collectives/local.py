@@ -19,6 +19,7 @@ Plans are built once per key (plans.plan_key: spec, schedule, buffers) and reuse
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 from lpsync.algorithms import LinkModel, generate, select
@@ -73,10 +74,11 @@ DEVICE_LINK = LinkModel.from_bandwidth(alpha=100e-6, bandwidth=100e9, shared_nic
 ONESHOT_MAX_BYTES = 256 * 1024
 
 
-def is_direct(spec: Spec, participants: int, native: bool = False) -> bool:
+def is_direct(spec: Spec, participants: int, native: Callable[[], bool] | None = None) -> bool:
     """Whether ``run`` takes the direct path for this spec (decided the same way there):
-    up to DIRECT_MAX_BYTES, and at every size where the job runs natively (``native``)
-    and the engine serves the program's element type and reduction."""
+    up to DIRECT_MAX_BYTES, and at every size where the engine serves the program's
+    element type and reduction and the job runs natively (``native()``, asked only then:
+    it makes the job's engine)."""
     if spec.op == Collective.BARRIER or spec.algorithm == DIRECT:
         return True
     if spec.algorithm:
@@ -85,12 +87,13 @@ def is_direct(spec: Spec, participants: int, native: bool = False) -> bool:
     if participants == 1 or nccl_bytes(spec.op, spec.count, itemsize, participants) <= DIRECT_MAX_BYTES:
         return True
     reducing = REDUCE_OP_OF[spec.reduce_op] if spec.op in REDUCING else None
-    return native and program.served(spec.dtype, reducing)
+    return native is not None and program.served(spec.dtype, reducing) and native()
 
 
-def runs_natively(task: Task) -> bool:
-    """Whether the task's job has an engine (made at its first use where it may)."""
-    return task.job.native_plans() is not None
+def runs_natively(task: Task) -> Callable[[], bool]:
+    """Whether the task's job has an engine (made at its first use where it may), asked
+    when called."""
+    return lambda: task.job.native_plans() is not None
 
 
 def is_inline(spec: Spec, participants: int) -> bool:
