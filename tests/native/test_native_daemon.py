@@ -168,7 +168,7 @@ def test_rank_that_dies_while_a_big_program_runs(native_daemon) -> None:
     name, code, message = r0["error"]
     assert (name, code) == ("AbortedError", "ABORTED"), r0
     assert "lost rank(s) 1 " in message or "rank 1 of job 'bigdies' left" in message, message
-    assert r0["seconds"] < 5.0, r0
+    assert r0["seconds"] < 10.0, r0  # its calls' timeout is 30 s: no call waited for it
 
 
 def test_released_buffer_disarms_and_the_new_one_sums(native_daemon) -> None:
