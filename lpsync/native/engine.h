@@ -216,9 +216,13 @@ typedef struct {
 int lpn_engine_init(lpn_engine *e, uint8_t *page, size_t page_len, uint32_t slots,
                     const double *bounds, uint32_t nbounds, const char **why);
 int lpn_engine_start(lpn_engine *e); /* the doorbell thread */
-/* Defaults, measured (docs/architecture.md, "The native steady-state path"): tiles of
- * LPN_TILE bytes; programs whose longest op has LPN_PARALLEL bytes or more run on
- * min(CPUs, this node's participants) threads. */
+/* Defaults (docs/architecture.md, "The native steady-state path"): tiles of LPN_TILE
+ * bytes (64-256 KiB measured alike); programs whose longest op has LPN_PARALLEL bytes or
+ * more run on min(CPUs, this node's participants) threads. That threshold is not a
+ * measured crossover: on the 2 shared cores measured, a second thread was neutral at
+ * 1-16 MiB (memory-bound) and faster at 64 MiB; from 1 MiB a run (>= 0.3 ms) pays for
+ * waking the workers, and where one core cannot draw the memory's bandwidth alone
+ * (servers) the threads pay from there. */
 #define LPN_TILE ((uint64_t)128 * 1024)
 #define LPN_PARALLEL ((uint64_t)1 << 20)
 /* ... and from LPN_STREAM bytes on copy into the participants' buffers with streaming
