@@ -214,6 +214,31 @@ static PyObject *Engine_activate(EngineObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Engine_tune(EngineObject *self, PyObject *args) {
+    unsigned long long tile, parallel, stream = LPN_STREAM;
+    unsigned int threads;
+    if (check_open(self) || !PyArg_ParseTuple(args, "KKI|K", &tile, &parallel, &threads, &stream)) return NULL;
+    const char *why = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = lpn_engine_tune(&self->engine, tile, parallel, threads, stream, &why);
+    Py_END_ALLOW_THREADS if (rc != 0) {
+        PyErr_SetString(PyExc_ValueError, why ? why : "cannot tune the engine");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_shape(EngineObject *self, PyObject *args) {
+    unsigned int index;
+    if (check_open(self) || !PyArg_ParseTuple(args, "I", &index)) return NULL;
+    uint64_t tile, scratch;
+    uint32_t threads;
+    int stream;
+    Py_BEGIN_ALLOW_THREADS lpn_engine_shape(&self->engine, index, &tile, &threads, &scratch, &stream);
+    Py_END_ALLOW_THREADS return Py_BuildValue("(KIKO)", (unsigned long long)tile, threads,
+                                              (unsigned long long)scratch, stream ? Py_True : Py_False);
+}
+
 static PyObject *Engine_failed_channel(EngineObject *self, PyObject *unused) {
     (void)unused;
     if (check_open(self)) return NULL;
@@ -296,6 +321,13 @@ static PyMethodDef Engine_methods[] = {
      "activate(flags: bytes): one flag per slot, set for this node's ranks"},
     {"failed_channel", (PyCFunction)Engine_failed_channel, METH_NOARGS,
      "failed_channel() -> int: the channel the last failed net run failed on (-1: none)"},
+    {"tune", (PyCFunction)Engine_tune, METH_VARARGS,
+     "tune(tile, parallel, threads, stream=STREAM): before the first plan is armed: tiles of tile "
+     "bytes (a multiple of 64; 0: op by op), programs of parallel bytes or more on threads threads "
+     "(0: min(CPUs, participants)), streaming stores from stream bytes"},
+    {"shape", (PyCFunction)Engine_shape, METH_VARARGS,
+     "shape(index) -> (tile, threads, scratch, stream): how plan index runs (tile 0: op by op; threads "
+     "0: not armed), its scratch's bytes, whether it copies out with streaming stores"},
     {"stats", (PyCFunction)Engine_stats, METH_VARARGS, "stats(index) -> (calls, seconds, buckets)"},
     {"records", (PyCFunction)Engine_records, METH_NOARGS,
      "records() -> (answered, fallbacks, [(seq, plan, code, first, last, done)])"},
@@ -337,6 +369,7 @@ PyMODINIT_FUNC PyInit__engine(void) {
         {"MAX_SLOTS", LPN_MAX_SLOTS},       {"MAX_PLANS", LPN_MAX_PLANS},     {"OK", LPN_OK},
         {"FALLBACK", LPN_FALLBACK},         {"VERSION", LPN_VERSION},         {"MAGIC", LPN_MAGIC},
         {"PROGRAM_MAGIC", LPN_PROGRAM_MAGIC}, {"OP_BYTES", sizeof(lpn_op)},   {"BUCKETS", LPN_BUCKETS},
+        {"TILE", (long)LPN_TILE},           {"PARALLEL", (long)LPN_PARALLEL}, {"STREAM", (long)LPN_STREAM},
     };
     for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)
         if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0) {

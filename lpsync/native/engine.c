@@ -3,6 +3,10 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 #include <linux/futex.h>
 #include <math.h>
 #include <stdlib.h>
@@ -283,6 +287,314 @@ static const char *index_messages(lpn_program *p) {
     return NULL;
 }
 
+/* ---------------------------------------------------------------- tiles */
+
+/* Bytes an op covers (its ranges' common length); parse checked that it does not wrap. */
+static uint64_t op_bytes(const lpn_op *o) { return o->kind == LPN_COPY ? o->n : o->n * ITEMSIZE[o->dtype]; }
+
+typedef struct {
+    uint64_t start, end; /* scratch offsets (space 0) or addresses (space 1) */
+    uint32_t space, write, op, which; /* which: the op's dst, a or b */
+} access_range;
+
+static int by_start(const void *x, const void *y) {
+    const access_range *a = x, *b = y;
+    if (a->space != b->space) return a->space < b->space ? -1 : 1;
+    return a->start < b->start ? -1 : a->start > b->start;
+}
+
+/* Whether the first op to touch a cluster of ``n`` ranges (ending at ``end``) only
+ * writes it, all of it: then no tile reads what an earlier run or tile left there, and a
+ * thread's own tile of it gives the bytes the whole scratch would. */
+static int written_first(const access_range *r, uint32_t n, uint64_t end) {
+    uint32_t op = UINT32_MAX, j;
+    for (j = 0; j < n; j++)
+        if (r[j].op < op) op = r[j].op;
+    for (j = 0; j < n; j++)
+        if (r[j].op == op && (!r[j].write || r[j].end != end)) return 0;
+    return 1;
+}
+
+/* Sets program->tiled, ->span and the scratch's slots (engine.h): the ranges every op
+ * reads and writes, sorted, in clusters of overlapping ones; a cluster with a write must
+ * have one start. Stricter than it must be (two reads that overlap at different starts
+ * beside a write refuse it), never looser. Where every cluster of the scratch has one
+ * start and is written whole before it is read, each is a slot: a tile's part of it may
+ * live in a tile of its own. -1: out of memory. */
+static int tileable(lpn_program *p, const uint64_t *bases) {
+    access_range *r = malloc((size_t)(p->nops ? p->nops : 1) * 3u * sizeof *r);
+    p->slot = malloc((size_t)(p->nops ? p->nops : 1) * 3u * sizeof(uint32_t));
+    if (!r || !p->slot) {
+        free(r);
+        return -1;
+    }
+    memset(p->slot, 0xff, (size_t)(p->nops ? p->nops : 1) * 3u * sizeof(uint32_t));
+    uint32_t n = 0, i, slots = 0;
+    int sound = 1, slotted = 1;
+    p->span = 0;
+    for (i = 0; i < p->nops && sound; i++) {
+        const lpn_op *o = &p->ops[i];
+        uint64_t bytes = op_bytes(o);
+        if (bytes > p->span) p->span = bytes;
+        if (bytes == 0) continue;
+        uint32_t bufs[3] = {o->dst, o->a, o->b};
+        uint64_t offs[3] = {o->dst_off, o->a_off, o->b_off};
+        uint32_t k, touched = o->kind == LPN_COMBINE ? 3 : o->kind == LPN_COPY ? 2 : 1;
+        for (k = 0; k < touched; k++) {
+            uint64_t start = offs[k], end = 0;
+            if (bufs[k] && __builtin_add_overflow(bases[bufs[k] - 1], offs[k], &start)) sound = 0;
+            if (__builtin_add_overflow(start, bytes, &end)) sound = 0;
+            r[n++] = (access_range){start, end, bufs[k] ? 1u : 0u, k == 0, i, k};
+        }
+    }
+    if (sound && n) {
+        qsort(r, n, sizeof *r, by_start);
+        uint32_t first = 0; /* the cluster's first range */
+        uint64_t end = r[0].end;
+        int write = (int)r[0].write, one_start = 1;
+        for (i = 1; i <= n; i++) {
+            if (i < n && r[i].space == r[first].space && r[i].start < end) { /* the same cluster */
+                if (r[i].end > end) end = r[i].end;
+                write |= (int)r[i].write;
+                one_start &= r[i].start == r[first].start;
+                continue;
+            }
+            if (write && !one_start) sound = 0;
+            if (r[first].space == 0) { /* a cluster of the scratch: a slot */
+                slotted &= one_start && written_first(r + first, i - first, end);
+                for (uint32_t j = first; j < i; j++) p->slot[r[j].op * 3u + r[j].which] = slots;
+                slots++;
+            }
+            if (i == n) break;
+            first = i;
+            end = r[i].end;
+            write = (int)r[i].write;
+            one_start = 1;
+        }
+    }
+    free(r);
+    p->tiled = sound;
+    p->slots = sound && slotted ? slots : 0;
+    if (!p->slots) { /* the whole scratch, as op by op */
+        free(p->slot);
+        p->slot = NULL;
+    }
+    return 0;
+}
+
+/* Where access ``which`` of op ``i`` starts in tile ``lo``: its buffer's bytes, or its
+ * slot in this thread's tiles of the scratch (``local``). */
+static uint8_t *at(const lpn_program *p, uint8_t *const *bufs, uint8_t *local, uint64_t tile, uint32_t i,
+                   uint32_t which, uint32_t buf, uint64_t off, uint64_t lo) {
+    if (local && buf == 0) return local + (uint64_t)p->slot[i * 3u + which] * tile;
+    return bufs[buf] + off + lo;
+}
+
+/* A copy into a participant's buffer that bypasses the cache (streaming stores): the
+ * lines are not read first, and a big message's outputs, which would not stay cached,
+ * do not push out the tile's scratch. Overlapping ranges and other machines: memmove. */
+static void copy_streaming(uint8_t *d, const uint8_t *s, uint64_t n) {
+#ifdef __SSE2__
+    if (n >= 1024 && (d >= s + n || s >= d + n)) {
+        uint64_t head = (16u - ((uintptr_t)d & 15u)) & 15u;
+        memcpy(d, s, head);
+        d += head;
+        s += head;
+        n -= head;
+        for (; n >= 64; n -= 64, d += 64, s += 64) {
+            __m128i w = _mm_loadu_si128((const __m128i *)s), x = _mm_loadu_si128((const __m128i *)(s + 16));
+            __m128i y = _mm_loadu_si128((const __m128i *)(s + 32)), z = _mm_loadu_si128((const __m128i *)(s + 48));
+            _mm_stream_si128((__m128i *)d, w);
+            _mm_stream_si128((__m128i *)(d + 16), x);
+            _mm_stream_si128((__m128i *)(d + 32), y);
+            _mm_stream_si128((__m128i *)(d + 48), z);
+        }
+    }
+#endif
+    memmove(d, s, n);
+}
+
+/* Streaming stores are weakly ordered: each thread fences them before it says it is done. */
+static void fence_streaming(void) {
+#ifdef __SSE2__
+    _mm_sfence();
+#endif
+}
+
+/* Every op's bytes [lo, lo + tile) of its own range, in program order. */
+static void run_tile(const lpn_program *p, uint8_t *const *bufs, uint8_t *local, uint64_t lo, uint64_t tile,
+                     int stream) {
+    for (uint32_t i = 0; i < p->nops; i++) {
+        const lpn_op *o = &p->ops[i];
+        uint64_t bytes = op_bytes(o);
+        if (lo >= bytes) continue;
+        uint64_t len = bytes - lo < tile ? bytes - lo : tile, item = o->kind == LPN_COPY ? 1 : ITEMSIZE[o->dtype];
+        uint8_t *d = at(p, bufs, local, tile, i, 0, o->dst, o->dst_off, lo);
+        switch (o->kind) {
+        case LPN_COPY:
+            if (stream && o->dst != 0)
+                copy_streaming(d, at(p, bufs, local, tile, i, 1, o->a, o->a_off, lo), len);
+            else
+                memmove(d, at(p, bufs, local, tile, i, 1, o->a, o->a_off, lo), len);
+            break;
+        case LPN_COMBINE:
+            lpn_combine(d, at(p, bufs, local, tile, i, 1, o->a, o->a_off, lo),
+                        at(p, bufs, local, tile, i, 2, o->b, o->b_off, lo), o->dtype, len / item, o->redop);
+            break;
+        case LPN_DIVIDE: lpn_divide(d, o->dtype, len / item, o->arg); break;
+        default: break;
+        }
+    }
+}
+
+uint64_t lpn_program_tile_scratch(const lpn_program *program, uint64_t tile) {
+    return program->tiled ? (uint64_t)program->slots * tile : 0;
+}
+
+/* One program's tiles, shared: each thread takes the next one until none is left. */
+typedef struct {
+    const lpn_program *program;
+    uint8_t *const *bufs;
+    uint8_t *local; /* thread k's tiles of the scratch at local + k * per_thread; NULL: none */
+    uint64_t tile, ntiles, per_thread;
+    uint32_t threads; /* those with a number below it take tiles */
+    int stream;       /* copies into the participants' buffers with streaming stores */
+} tile_task;
+
+static void take_tiles(const tile_task *t, uint64_t *next, uint32_t thread) {
+    uint8_t *local = t->local ? t->local + thread * t->per_thread : NULL;
+    for (;;) {
+        uint64_t k = __atomic_fetch_add(next, 1u, __ATOMIC_RELAXED);
+        if (k >= t->ntiles) break;
+        run_tile(t->program, t->bufs, local, k * t->tile, t->tile, t->stream);
+    }
+    if (t->stream) fence_streaming();
+}
+
+typedef struct {
+    lpn_pool *pool;
+    uint32_t thread; /* 1, 2, ...: the caller of a run is 0 */
+} worker_arg;
+
+/* Invariant: a worker touches a task only while counted in ``active``, which it joins
+ * under ``mu`` while the task is ``open``; the runner closes it under ``mu`` once its
+ * own take_tiles returned and ``active`` is 0, so no tile is running or left then. */
+struct lpn_pool {
+    pthread_mutex_t mu;
+    pthread_cond_t work, idle;
+    pthread_t *threads;
+    worker_arg *args;
+    uint32_t workers, started, active;
+    int stopping, open;
+    uint64_t gen, next;
+    tile_task task;
+};
+
+static void timed_wait(pthread_cond_t *cv, pthread_mutex_t *mu) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += 1; /* bounded: the caller's loop looks again */
+    pthread_cond_timedwait(cv, mu, &ts);
+}
+
+static void *worker(void *arg) {
+    lpn_pool *pool = ((worker_arg *)arg)->pool;
+    uint32_t thread = ((worker_arg *)arg)->thread;
+    pthread_setname_np(pthread_self(), "lpsync-tiles");
+    pthread_mutex_lock(&pool->mu);
+    uint64_t seen = 0;
+    while (!pool->stopping) {
+        if (!pool->open || pool->gen == seen) {
+            timed_wait(&pool->work, &pool->mu);
+            continue;
+        }
+        seen = pool->gen;
+        tile_task task = pool->task;
+        if (thread >= task.threads) continue; /* a run on fewer threads than the pool has */
+        pool->active++;
+        pthread_mutex_unlock(&pool->mu);
+        take_tiles(&task, &pool->next, thread);
+        pthread_mutex_lock(&pool->mu);
+        if (--pool->active == 0) pthread_cond_broadcast(&pool->idle);
+    }
+    pthread_mutex_unlock(&pool->mu);
+    return NULL;
+}
+
+lpn_pool *lpn_pool_create(uint32_t workers) {
+    if (workers == 0) return NULL;
+    lpn_pool *pool = calloc(1, sizeof *pool);
+    if (!pool) return NULL;
+    pool->threads = calloc(workers, sizeof(pthread_t));
+    pool->args = calloc(workers, sizeof(worker_arg));
+    if (!pool->threads || !pool->args) {
+        free(pool->threads);
+        free(pool->args);
+        free(pool);
+        return NULL;
+    }
+    pthread_mutex_init(&pool->mu, NULL);
+    pthread_cond_init(&pool->work, NULL);
+    pthread_cond_init(&pool->idle, NULL);
+    for (pool->started = 0; pool->started < workers; pool->started++) {
+        pool->args[pool->started] = (worker_arg){pool, pool->started + 1u};
+        if (pthread_create(&pool->threads[pool->started], NULL, worker, &pool->args[pool->started]) != 0) break;
+    }
+    pool->workers = pool->started; /* fewer started: fewer take tiles */
+    if (pool->workers == 0) {
+        lpn_pool_destroy(pool);
+        return NULL;
+    }
+    return pool;
+}
+
+void lpn_pool_destroy(lpn_pool *pool) {
+    if (!pool) return;
+    pthread_mutex_lock(&pool->mu);
+    pool->stopping = 1;
+    pthread_cond_broadcast(&pool->work);
+    pthread_mutex_unlock(&pool->mu);
+    for (uint32_t i = 0; i < pool->started; i++) pthread_join(pool->threads[i], NULL);
+    pthread_cond_destroy(&pool->work);
+    pthread_cond_destroy(&pool->idle);
+    pthread_mutex_destroy(&pool->mu);
+    free(pool->threads);
+    free(pool->args);
+    free(pool);
+}
+
+uint32_t lpn_pool_workers(const lpn_pool *pool) { return pool ? pool->workers : 0; }
+
+void lpn_program_run_tiles(const lpn_program *program, uint8_t *const *bufs, uint64_t tile, lpn_pool *pool,
+                           uint8_t *local, int stream) {
+    if (!program->tiled || tile == 0 || program->span == 0) {
+        lpn_program_run(program, bufs);
+        return;
+    }
+    uint64_t ntiles = program->span / tile + (program->span % tile != 0);
+    uint32_t threads = pool ? pool->workers + 1u : 1u;
+    if (threads > ntiles) threads = (uint32_t)ntiles;
+    tile_task task = {program, bufs, program->slots ? local : NULL, tile, ntiles, program->slots * tile, threads,
+                      stream};
+    if (!pool || task.ntiles < 2) {
+        uint64_t next = 0;
+        take_tiles(&task, &next, 0);
+        return;
+    }
+    pthread_mutex_lock(&pool->mu);
+    pool->task = task;
+    pool->next = 0;
+    pool->gen++;
+    pool->open = 1;
+    pthread_cond_broadcast(&pool->work);
+    pthread_mutex_unlock(&pool->mu);
+    take_tiles(&task, &pool->next, 0);
+    pthread_mutex_lock(&pool->mu);
+    while (pool->active > 0) timed_wait(&pool->idle, &pool->mu); /* their last tiles */
+    pool->open = 0;
+    pthread_mutex_unlock(&pool->mu);
+}
+
 int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, const uint64_t *sizes,
                       uint32_t nbases, lpn_program *out, const char **why) {
     memset(out, 0, sizeof *out);
@@ -384,6 +696,10 @@ int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, co
         lpn_program_free(out);
         return *why = unindexed, -1;
     }
+    if (!out->net && tileable(out, bases) < 0) {
+        lpn_program_free(out);
+        return *why = "out of memory", -1;
+    }
     return 0;
 bad_buffer:
     lpn_program_free(out);
@@ -402,6 +718,7 @@ void lpn_program_free(lpn_program *program) {
     free(program->msg);
     free(program->tx);
     free(program->rx);
+    free(program->slot);
     memset(program, 0, sizeof *program);
 }
 
@@ -512,7 +829,8 @@ static void drop_net(lpn_engine *e) {
  * again once it has settled what failed). */
 static uint32_t run_plan(lpn_engine *e, lpn_plan *p, uint32_t seq) {
     if (!p->program.net) {
-        lpn_program_run(&p->program, p->bufs);
+        lpn_program_run_tiles(&p->program, p->bufs, p->tile, p->threads > 1 ? e->pool : NULL,
+                              p->local ? p->bufs[0] : NULL, p->stream);
         return p->last_code = LPN_OK;
     }
     int failed = -1;
@@ -645,10 +963,71 @@ int lpn_engine_init(lpn_engine *e, uint8_t *page, size_t page_len, uint32_t slot
     memcpy(page, header, sizeof header);
     for (uint32_t c = 0; c < LPN_MAX_CHANNELS; c++) e->fds[c] = -1;
     e->failed_channel = -1;
+    e->tile = LPN_TILE;
+    e->parallel = LPN_PARALLEL;
+    e->stream = LPN_STREAM;
     e->abort_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (e->abort_fd < 0) return *why = "no eventfd for aborts", -1;
     pthread_mutex_init(&e->mu, NULL);
     return 0;
+}
+
+int lpn_engine_tune(lpn_engine *e, uint64_t tile, uint64_t parallel, uint32_t threads, uint64_t stream,
+                    const char **why) {
+    if (tile % 64u || tile > LPN_MAX_SCRATCH) return *why = "a tile is a multiple of 64 bytes, at most 4 GiB", -1;
+    if (threads > LPN_MAX_SLOTS) return *why = "thread count out of range", -1;
+    pthread_mutex_lock(&e->mu);
+    int armed = e->armed_once;
+    if (!armed) {
+        e->tile = tile;
+        e->parallel = parallel;
+        e->threads = threads;
+        e->stream = stream;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return armed ? (*why = "tuned after a plan was armed", -1) : 0;
+}
+
+/* The threads a run of ``program`` takes (lock held). */
+static uint32_t program_threads(const lpn_engine *e, const lpn_program *program) {
+    if (program->net || !program->tiled || !e->tile || !e->pool || program->span < e->parallel) return 1;
+    uint64_t ntiles = program->span / e->tile + (program->span % e->tile != 0);
+    uint64_t threads = lpn_pool_workers(e->pool) + 1u;
+    return (uint32_t)(ntiles < threads ? ntiles : threads);
+}
+
+void lpn_engine_shape(lpn_engine *e, uint32_t index, uint64_t *tile, uint32_t *threads, uint64_t *scratch,
+                      int *stream) {
+    *tile = *scratch = 0;
+    *threads = 0;
+    *stream = 0;
+    if (index >= LPN_MAX_PLANS) return;
+    pthread_mutex_lock(&e->mu);
+    const lpn_plan *p = &e->plans[index];
+    if (p->armed) {
+        *tile = p->tile;
+        *threads = p->threads;
+        *scratch = p->scratch;
+        *stream = p->stream;
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* The pool, where a plan of ``program`` would use it and there is none yet (lock held):
+ * min(CPUs this process may run on, this node's participants) threads in all, or the
+ * tuned count. None started: the engine's thread runs every tile. */
+static void want_pool(lpn_engine *e, const lpn_program *program) {
+    if (e->pool || program->net || !program->tiled || !e->tile || program->span < e->parallel) return;
+    uint32_t threads = e->threads;
+    if (threads == 0) {
+        cpu_set_t cpus;
+        long online = sysconf(_SC_NPROCESSORS_ONLN);
+        threads = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? (uint32_t)CPU_COUNT(&cpus)
+                  : online > 0                                  ? (uint32_t)online
+                                                                : 1u;
+        if (threads > e->nactive) threads = e->nactive;
+    }
+    if (threads > 1) e->pool = lpn_pool_create(threads - 1u);
 }
 
 int lpn_engine_start(lpn_engine *e) {
@@ -677,6 +1056,8 @@ static void release_plan(lpn_plan *p) {
 
 void lpn_engine_destroy(lpn_engine *e) {
     lpn_engine_stop(e);
+    lpn_pool_destroy(e->pool);
+    e->pool = NULL;
     for (uint32_t i = 0; i < LPN_MAX_PLANS; i++) release_plan(&e->plans[i]);
     for (uint32_t c = 0; c < LPN_MAX_CHANNELS; c++)
         if (e->fds[c] >= 0) close(e->fds[c]);
@@ -691,9 +1072,20 @@ long lpn_engine_arm(lpn_engine *e, uint32_t index, const uint8_t *data, size_t l
     if (!(timeout > 0) || timeout > 1e7) return *why = "timeout out of range", -1;
     lpn_program program;
     if (lpn_program_parse(data, len, bases, sizes, nbases, &program, why) != 0) return -1;
+    /* How it runs, fixed now (lpn_engine_tune refuses from here on): by tiles, on threads,
+     * each with its own tiles of the scratch where they take less than the whole. */
+    pthread_mutex_lock(&e->mu);
+    e->armed_once = 1;
+    want_pool(e, &program);
+    uint64_t tile = !program.net && program.tiled ? e->tile : 0;
+    uint32_t threads = program_threads(e, &program);
+    int stream = tile && program.span >= e->stream;
+    pthread_mutex_unlock(&e->mu);
+    uint64_t tiles = lpn_program_tile_scratch(&program, tile) * threads;
+    int local = tile && tiles && tiles < program.sizes[0];
     uint8_t **bufs = calloc(program.nbuf, sizeof(uint8_t *));
     /* The scratch: 64-byte aligned, at least one line so that it is never NULL. */
-    size_t scratch = (size_t)((program.sizes[0] + 63u) & ~(uint64_t)63u);
+    size_t scratch = (size_t)(((local ? tiles : program.sizes[0]) + 63u) & ~(uint64_t)63u);
     if (bufs) bufs[0] = aligned_alloc(64, scratch ? scratch : 64);
     if (!bufs || !bufs[0]) {
         free(bufs);
@@ -713,6 +1105,11 @@ long lpn_engine_arm(lpn_engine *e, uint32_t index, const uint8_t *data, size_t l
     p->calls = 0;
     p->seconds = 0;
     memset(p->buckets, 0, sizeof p->buckets);
+    p->tile = tile;
+    p->threads = threads;
+    p->local = local;
+    p->stream = stream;
+    p->scratch = scratch;
     p->armed = 1;
     long gen = (long)p->gen;
     pthread_mutex_unlock(&e->mu);

@@ -98,6 +98,19 @@ typedef struct {
     int net, star; /* has messages; they are a star's UP and DOWN (no schedule's) */
     uint32_t *msg, *tx, *rx;
     uint32_t tx_start[LPN_MAX_CHANNELS + 1], rx_start[LPN_MAX_CHANNELS + 1];
+    /* A program without messages whose ops may run tile by tile (lpn_program_run_tiles):
+     * wherever an op writes bytes that another op (or itself) reads or writes, both
+     * access them at the same position relative to their own range's start, so tile t
+     * (bytes [t*tile, (t+1)*tile) of every op's range) never needs another tile's
+     * result. Decided at parse, from the real addresses (in place, inputs are outputs). */
+    int tiled;
+    uint64_t span; /* the longest op's bytes: the tiles cover [0, span) */
+    /* A tiled program whose every range of the scratch is written and read at one start
+     * (each such range a slot) needs only ``slots`` tiles of scratch per thread: slot[3i +
+     * k] is the slot of op i's dst, a, b (k = 0, 1, 2) where that is the scratch. 0: the
+     * whole scratch (slot NULL). */
+    uint32_t slots;
+    uint32_t *slot;
 } lpn_program;
 
 /* Parse and check ``len`` bytes; 0 on success, else -1 with ``why`` set. The buffers are
@@ -109,8 +122,29 @@ typedef struct {
 int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, const uint64_t *sizes,
                       uint32_t nbases, lpn_program *out, const char **why);
 void lpn_program_free(lpn_program *program);
-/* Run a parsed program without net ops over ``bufs`` (nbuf pointers, bufs[0] the scratch). */
+/* Worker threads that share a tiled program's tiles with the thread that runs it; idle,
+ * they sleep on a condition variable (a bounded wait, re-armed each second). */
+typedef struct lpn_pool lpn_pool;
+/* ``workers`` threads besides the caller of each run; NULL where none could start. */
+lpn_pool *lpn_pool_create(uint32_t workers);
+void lpn_pool_destroy(lpn_pool *pool); /* joins its threads; NULL: nothing */
+uint32_t lpn_pool_workers(const lpn_pool *pool);
+/* Run a parsed program without net ops over ``bufs`` (nbuf pointers, bufs[0] the scratch):
+ * op by op. */
 void lpn_program_run(const lpn_program *program, uint8_t *const *bufs);
+/* The same, tile by tile where the program is ``tiled`` (else op by op): every op of tile
+ * t before tile t+1, so what one op leaves in a tile of the scratch is still in the cache
+ * when the next reads it. ``tile``: bytes, a multiple of 64 (0: op by op); ``pool``
+ * (NULL: none) takes tiles too, each tile whole on one thread. ``local`` (NULL: bufs[0],
+ * the whole scratch): lpn_program_tile_scratch bytes per thread (the caller's and each
+ * worker's), where each keeps its tile's slots of the scratch. ``stream``: copies into
+ * the participants' buffers bypass the cache (fenced before it returns). The bytes
+ * written to every buffer but the scratch are lpn_program_run's. */
+void lpn_program_run_tiles(const lpn_program *program, uint8_t *const *bufs, uint64_t tile, lpn_pool *pool,
+                           uint8_t *local, int stream);
+/* A thread's tiles of the scratch for ``tile`` (0: it needs the whole scratch). With a
+ * pool, ``local`` holds one such area per thread that may take tiles: its workers + 1. */
+uint64_t lpn_program_tile_scratch(const lpn_program *program, uint64_t tile);
 /* Run any parsed program: net ops over ``fds`` (LPN_MAX_CHANNELS, -1 where none), their
  * headers carrying ``key`` and ``seq``; every wait bounded by ``timeout`` seconds from
  * now, and by ``abort_fd`` (-1: none) becoming readable (LPN_LOST). ``lowat``: each
@@ -133,7 +167,10 @@ typedef struct {
     uint64_t key;       /* net plans: the plan's identity in every message header */
     uint32_t last_code; /* the last run's result (LPN_OK ...) */
     lpn_program program;
-    uint8_t **bufs;     /* nbuf: bufs[0] the scratch */
+    uint8_t **bufs;     /* nbuf: bufs[0] the scratch (``local``: threads x its tiles of it) */
+    uint64_t tile, scratch; /* how it runs (0: op by op); the scratch's bytes */
+    uint32_t threads;
+    int local, stream;
     /* Metrics, read by Python at a scrape: calls, seconds, a histogram over ``bounds``. */
     uint64_t calls;
     double seconds;
@@ -168,11 +205,40 @@ typedef struct {
     int failed_channel;        /* of the last failed net run, -1: none */
     int abort_fd;              /* an eventfd: lpn_engine_abort wakes a net run's waits */
     int lowat[LPN_MAX_CHANNELS]; /* each channel's SO_RCVLOWAT as net.c last set it */
+    /* How local programs run (lpn_engine_tune): tile by tile where ``tiled``, and over
+     * ``threads`` threads (the engine's and a pool's) from ``parallel`` bytes on. */
+    uint64_t tile, parallel, stream;
+    uint32_t threads;
+    int armed_once;
+    lpn_pool *pool; /* made at the first plan armed that uses it; NULL: none (yet) */
 } lpn_engine;
 
 int lpn_engine_init(lpn_engine *e, uint8_t *page, size_t page_len, uint32_t slots,
                     const double *bounds, uint32_t nbounds, const char **why);
 int lpn_engine_start(lpn_engine *e); /* the doorbell thread */
+/* Defaults (docs/architecture.md, "The native steady-state path"): tiles of LPN_TILE
+ * bytes (64-256 KiB measured alike); programs whose longest op has LPN_PARALLEL bytes or
+ * more run on min(CPUs, this node's participants) threads. That threshold is not a
+ * measured crossover: on the 2 shared cores measured, a second thread was neutral at
+ * 1-16 MiB (memory-bound) and faster at 64 MiB; from 1 MiB a run (>= 0.3 ms) pays for
+ * waking the workers, and where one core cannot draw the memory's bandwidth alone
+ * (servers) the threads pay from there. */
+#define LPN_TILE ((uint64_t)128 * 1024)
+#define LPN_PARALLEL ((uint64_t)1 << 20)
+/* ... and from LPN_STREAM bytes on copy into the participants' buffers with streaming
+ * stores (measured 1.3-2x on one core at 4-64 MiB: no read of each line before it is
+ * written; such outputs would not stay in the cache anyway). */
+#define LPN_STREAM ((uint64_t)4 << 20)
+/* Before the first arm: ``tile`` bytes (a multiple of 64; 0: op by op), programs of
+ * ``parallel`` bytes or more on ``threads`` threads in all (0: min(CPUs, participants);
+ * 1: the engine's thread alone), streaming stores from ``stream`` bytes. 0, or -1 with
+ * ``why``. Tests set small ones so that small programs take those paths. */
+int lpn_engine_tune(lpn_engine *e, uint64_t tile, uint64_t parallel, uint32_t threads, uint64_t stream,
+                    const char **why);
+/* How plan ``index`` runs: its tile (0: op by op), its threads (0: not armed), the
+ * bytes of its scratch and whether it streams. */
+void lpn_engine_shape(lpn_engine *e, uint32_t index, uint64_t *tile, uint32_t *threads, uint64_t *scratch,
+                      int *stream);
 void lpn_engine_stop(lpn_engine *e); /* every pending ring falls back; joins the thread */
 void lpn_engine_destroy(lpn_engine *e);
 /* Arm plan ``index`` (disarming what it held); returns the generation clients ring with,

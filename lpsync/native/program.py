@@ -75,8 +75,9 @@ class Program:
     def copy(self, dst: int, dst_off: int, src: int, src_off: int, nbytes: int) -> None:
         self.steps.append(Step(COPY, dst, dst_off, src, src_off, n=nbytes))
 
-    def combine(self, dst: int, a: int, b: int, elements: int) -> None:
-        self.steps.append(Step(COMBINE, dst, 0, a, 0, b, 0, elements))
+    def combine(self, dst: int, a: int, b: int, elements: int, offset: int = 0) -> None:
+        """dst = a (op) b over ``elements`` from byte ``offset`` of each."""
+        self.steps.append(Step(COMBINE, dst, offset, a, offset, b, offset, elements))
 
     def close(self, wait: bool = True) -> None:
         """Nothing to free (the plan cache closes what it evicts): no threads, no memory
@@ -96,26 +97,44 @@ class Program:
         for s in self.steps:
             if s.kind == COPY:
                 np.copyto(raw[s.dst][s.dst_off : s.dst_off + s.n], raw[s.a][s.a_off : s.a_off + s.n])
-            elif s.kind == COMBINE:
-                assert self.reduction is not None and typed is not None
-                t = typed
-                self.reduction.combine(t[s.a][: s.n], t[s.b][: s.n], t[s.dst][: s.n])  # type: ignore[index]
+                continue
+            assert self.reduction is not None and typed is not None
+            dst = _elements(typed, s.dst, s.dst_off, s.n)
+            if s.kind == COMBINE:
+                a, b = _elements(typed, s.a, s.a_off, s.n), _elements(typed, s.b, s.b_off, s.n)
+                self.reduction.combine(a, b, dst)
             else:
-                assert self.reduction is not None and typed is not None
-                self.reduction.finalize(typed[s.dst][: s.n])  # type: ignore[index]
+                self.reduction.finalize(dst)
+
+
+def _elements(typed: list[np.ndarray | None], buffer: int, offset: int, n: int) -> np.ndarray:
+    """``n`` elements of a typed buffer from byte ``offset``."""
+    view = typed[buffer]
+    assert view is not None
+    start = offset // view.itemsize
+    return view[start : start + n]
+
+
+def served(dtype: str, op: ReduceOp | None) -> bool:
+    """Whether the engine runs a program over ``dtype`` reducing with ``op`` (None: one
+    that only moves bytes, which it runs for any type)."""
+    if op is None:
+        return True
+    code = DTYPE_CODES.get(dtype, 0)
+    return bool(code) and not (REDOP_CODES[op] in _MIN_MAX and code in _FLOATS)
 
 
 def encode(program: Program, views: list[np.ndarray]) -> tuple[bytes, list[int], list[int]] | None:
     """(program bytes, addresses and sizes of the buffers but the scratch) for the engine;
-    None where it does not serve the program's element type."""
+    None where it does not serve the program's element type (``served``)."""
     dtype = redop = 0
     divisor = 1
     if program.reduction is not None:
-        dtype = DTYPE_CODES.get(program.reduction.dtype.name, 0)
+        if not served(program.reduction.dtype.name, program.reduction.op):
+            return None
+        dtype = DTYPE_CODES[program.reduction.dtype.name]
         redop = REDOP_CODES[program.reduction.op]
         divisor = program.reduction.participants
-        if not dtype or (redop in _MIN_MAX and dtype in _FLOATS):
-            return None
     ops = b"".join(
         _OP.pack(
             s.kind,
@@ -186,23 +205,29 @@ def direct(
                 program.copy(out(r), q * block, inp(q), r * block, block)
         return program
     assert reduction is not None
-    # Reduce into the scratch first: in place, the inputs are also the outputs.
-    nbytes, elements = first.nbytes, first.size
-    program.scratch = nbytes
-    program.copy(0, 0, inp(0), 0, nbytes)
-    for r in range(1, len(pairs)):
-        program.combine(0, 0, inp(r), elements)
-    if reduction.op is ReduceOp.AVG and reduction.participants > 1:
-        program.steps.append(Step(DIVIDE, 0, 0, n=elements))
-    if op is Collective.ALLREDUCE:
+    # Reduce into the scratch first: in place, the inputs are also the outputs. Each range
+    # of the scratch is written and read at one start (reduce_scatter: a group of steps
+    # per block), so that the engine may run the program tile by tile (engine.h).
+    program.scratch = first.nbytes
+    if op is Collective.REDUCE_SCATTER:
         for r in range(len(pairs)):
-            program.copy(out(r), 0, 0, 0, nbytes)
-    elif op is Collective.REDUCE:
-        program.copy(out(root), 0, 0, 0, nbytes)
-    else:  # reduce_scatter
-        for r in range(len(pairs)):
+            _reduce(program, len(pairs), r * block, count, reduction)
             program.copy(out(r), 0, 0, r * block, block)
+        return program
+    _reduce(program, len(pairs), 0, first.size, reduction)
+    targets = range(len(pairs)) if op is Collective.ALLREDUCE else [root]
+    for r in targets:
+        program.copy(out(r), 0, 0, 0, first.nbytes)
     return program
+
+
+def _reduce(program: Program, participants: int, offset: int, elements: int, reduction: Reduction) -> None:
+    """scratch[offset:] = every input's [offset:] reduced in rank order (then averaged)."""
+    program.copy(0, offset, 1, offset, elements * program.itemsize)
+    for r in range(1, participants):
+        program.combine(0, 0, 1 + 2 * r, elements, offset)
+    if reduction.op is ReduceOp.AVG and reduction.participants > 1:
+        program.steps.append(Step(DIVIDE, 0, offset, n=elements))
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:

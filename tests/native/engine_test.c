@@ -1,9 +1,13 @@
 /* The native engine under AddressSanitizer and UndefinedBehaviorSanitizer (make test-native).
  *
- * Runs without Python: programs against a reference written here, the doorbell with
- * threads as clients (armed runs, a disarm while a ring waits, a yield, a deadline, a
- * stop), and the program parser against every truncation and random corruption of valid
- * programs (a fuzz of its checks: nothing it accepts may reach past its buffers). */
+ * Runs without Python: programs against a reference written here, tiled and threaded runs
+ * against the op-by-op run (every type and reduction, in and out of place, sizes that are
+ * no multiple of the tile or of the threads; programs whose ops may not run by tiles
+ * recognised as such), the doorbell with threads as clients (armed runs, tiled and
+ * threaded ones too, a disarm while a ring waits, a yield, a deadline, a stop), and the
+ * program parser against every truncation and random corruption of valid programs (a fuzz
+ * of its checks: nothing it accepts may reach past its buffers, and what it accepts as
+ * tiled gives the op-by-op run's bytes on threads). */
 #include "../../lpsync/native/engine.h"
 
 #include <errno.h>
@@ -116,7 +120,6 @@ static void test_programs(void) {
     lpn_program_free(&prog);
 }
 
-/* ---- the parser: truncations and random corruptions of a valid program */
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static uint64_t next(void) {
     rng ^= rng << 13;
@@ -124,6 +127,180 @@ static uint64_t next(void) {
     rng ^= rng << 17;
     return rng;
 }
+
+/* ---- tiled and threaded runs (lpn_program_run_tiles) against the op-by-op run.
+ * TP participants of TN elements: no multiple of a tile, a block or the threads. */
+#define TP 4
+#define TN 1001
+#define TB 250 /* a block of the blocked layouts: TP * TB < TN */
+static uint8_t t_in[TP][TN * 8] __attribute__((aligned(64)));
+static uint8_t t_out[TP][TN * 8] __attribute__((aligned(64)));
+static uint8_t t_in0[TP][TN * 8], t_out0[TP][TN * 8]; /* the inputs, kept */
+static uint8_t ref_in[TP][TN * 8], ref_out[TP][TN * 8]; /* after the op-by-op run */
+
+enum layout { ALLREDUCE_OUT, ALLREDUCE_IN, REDUCE_SCATTER_BLOCKS, ALLGATHER_IN, REDUCE_SCATTER_SHARED, SHIFTED, LAYOUTS };
+static const char *const LAYOUT_NAMES[LAYOUTS] = {"allreduce", "allreduce in place", "reduce_scatter by block",
+                                                   "allgather in place", "reduce_scatter reading across blocks",
+                                                   "a copy shifted within the scratch"};
+static const int LAYOUT_TILED[LAYOUTS] = {1, 1, 1, 1, 0, 0}; /* what the parser must decide */
+static const uint32_t LAYOUT_SLOTS[LAYOUTS] = {1, 1, TP, 0, 0, 0}; /* ranges of the scratch, one start each */
+
+/* A layout's program, as program.direct compiles it (the last two: ones that may not run
+ * by tiles). Buffers: 0 scratch, 1 + 2r input r, 2 + 2r output r. */
+static void tiles_program(blob *b, enum layout layout, uint32_t dtype, uint32_t redop, int avg, uint64_t *sizes) {
+    static lpn_op ops[64];
+    uint32_t k = 0, item = lpn_itemsize(dtype), r, q;
+    uint64_t all = (uint64_t)TN * item, block = (uint64_t)TB * item;
+    for (r = 0; r < TP; r++) sizes[1 + 2 * r] = sizes[2 + 2 * r] = all;
+    sizes[0] = all;
+    switch (layout) {
+    case ALLREDUCE_OUT:
+    case ALLREDUCE_IN:
+    case SHIFTED:
+        ops[k++] = (lpn_op){LPN_COPY, 0, 0, 0, 1, 0, 0, 0, 0, all, 0};
+        for (r = 1; r < TP; r++) ops[k++] = (lpn_op){LPN_COMBINE, dtype, redop, 0, 0, 1 + 2 * r, 0, 0, 0, TN, 0};
+        if (avg) ops[k++] = (lpn_op){LPN_DIVIDE, dtype, redop, 0, 0, 0, 0, 0, 0, TN, TP};
+        if (layout == SHIFTED) ops[k++] = (lpn_op){LPN_COPY, 0, 0, 0, 0, 0, 0, 64, 0, all - 64, 0};
+        for (r = 0; r < TP; r++) ops[k++] = (lpn_op){LPN_COPY, 0, 0, 2 + 2 * r, 0, 0, 0, 0, 0, all, 0};
+        break;
+    case REDUCE_SCATTER_BLOCKS: /* per block: reduce it in the scratch at its offset, copy it out */
+        for (r = 0; r < TP; r++) {
+            uint64_t at = r * block;
+            ops[k++] = (lpn_op){LPN_COPY, 0, 0, 0, 1, 0, at, at, 0, block, 0};
+            for (q = 1; q < TP; q++) ops[k++] = (lpn_op){LPN_COMBINE, dtype, redop, 0, 0, 1 + 2 * q, at, at, at, TB, 0};
+            if (avg) ops[k++] = (lpn_op){LPN_DIVIDE, dtype, redop, 0, 0, 0, at, 0, 0, TB, TP};
+            ops[k++] = (lpn_op){LPN_COPY, 0, 0, 2 + 2 * r, 0, 0, 0, at, 0, block, 0};
+        }
+        break;
+    case REDUCE_SCATTER_SHARED: /* the whole reduction first, then every block out of it */
+        ops[k++] = (lpn_op){LPN_COPY, 0, 0, 0, 1, 0, 0, 0, 0, all, 0};
+        for (r = 1; r < TP; r++) ops[k++] = (lpn_op){LPN_COMBINE, dtype, redop, 0, 0, 1 + 2 * r, 0, 0, 0, TN, 0};
+        for (r = 0; r < TP; r++) ops[k++] = (lpn_op){LPN_COPY, 0, 0, 2 + 2 * r, 0, 0, 0, r * block, 0, block, 0};
+        break;
+    default: /* ALLGATHER_IN: output r is buffer r, its block r the input r (as the client lays it out) */
+        for (r = 0; r < TP; r++) sizes[1 + 2 * r] = block;
+        for (r = 0; r < TP; r++)
+            for (q = 0; q < TP; q++)
+                if (q != r) ops[k++] = (lpn_op){LPN_COPY, 0, 0, 2 + 2 * r, 1 + 2 * q, 0, q * block, 0, 0, block, 0};
+        break;
+    }
+    program(b, 1 + 2 * TP, sizes, k, ops);
+}
+
+static void tiles_bases(enum layout layout, uint32_t item, uint64_t *bases) {
+    for (uint32_t r = 0; r < TP; r++) {
+        bases[2 * r] = (uint64_t)(uintptr_t)t_in[r];
+        bases[2 * r + 1] = (uint64_t)(uintptr_t)t_out[r];
+        if (layout == ALLREDUCE_IN) bases[2 * r + 1] = bases[2 * r]; /* the input is the output */
+        if (layout == ALLGATHER_IN) bases[2 * r] = bases[2 * r + 1] + (uint64_t)r * TB * item;
+    }
+}
+
+/* Values that neither overflow nor turn NaN (bitwise comparable on every path). */
+static void tiles_fill(uint32_t dtype) {
+    for (uint32_t r = 0; r < TP; r++)
+        for (uint32_t i = 0; i < TN; i++) {
+            uint64_t x = next();
+            switch (dtype) {
+            case LPN_F16: ((uint16_t *)t_in[r])[i] = (uint16_t)((x & 0x83ffu) | ((10u + x % 10u) << 10)); break;
+            case LPN_BF16: ((uint16_t *)t_in[r])[i] = (uint16_t)((x & 0x807fu) | ((120u + x % 14u) << 7)); break;
+            case LPN_F32: ((float *)t_in[r])[i] = (float)((int64_t)(x % 20001u) - 10000) / 7.0f; break;
+            case LPN_F64: ((double *)t_in[r])[i] = (double)((int64_t)(x % 20001u) - 10000) / 7.0; break;
+            default: memcpy(t_in[r] + (size_t)i * lpn_itemsize(dtype), &x, lpn_itemsize(dtype)); break;
+            }
+        }
+    for (uint32_t r = 0; r < TP; r++) /* in place, an output holds inputs */
+        for (uint32_t i = 0; i < TN * 8; i++) t_out[r][i] = (uint8_t)(next() >> 24);
+    memcpy(t_in0, t_in, sizeof t_in);
+    memcpy(t_out0, t_out, sizeof t_out);
+}
+
+static void test_tiles(void) {
+    lpn_pool *pool = lpn_pool_create(3);
+    CHECK(pool && lpn_pool_workers(pool) == 3, "a pool of 3 workers");
+    uint64_t tiles[] = {64, 192, 1280, 1u << 20}; /* many, an odd count of lines, streamed copies, one */
+    unsigned runs = 0;
+    for (int layout = 0; layout < LAYOUTS; layout++)
+        for (uint32_t dtype = LPN_F16; dtype < LPN_DTYPE_END; dtype++)
+            for (uint32_t redop = LPN_SUM; redop < LPN_REDOP_END; redop++)
+                for (int avg = 0; avg < 2; avg++) {
+                    if ((redop >= LPN_MIN && dtype <= LPN_F64) || (avg && redop != LPN_SUM)) continue;
+                    if (layout == ALLGATHER_IN && (redop != LPN_SUM || avg)) continue; /* moves bytes only */
+                    blob b;
+                    uint64_t sizes[1 + 2 * TP], bases[2 * TP];
+                    const char *why = NULL;
+                    lpn_program prog;
+                    uint32_t item = lpn_itemsize(dtype);
+                    tiles_program(&b, (enum layout)layout, dtype, redop, avg, sizes);
+                    tiles_bases((enum layout)layout, item, bases);
+                    if (lpn_program_parse(b.bytes, b.len, bases, sizes + 1, 2 * TP, &prog, &why) != 0) {
+                        CHECK(0, "%s refused: %s", LAYOUT_NAMES[layout], why);
+                        continue;
+                    }
+                    CHECK(prog.tiled == LAYOUT_TILED[layout] && prog.slots == LAYOUT_SLOTS[layout],
+                          "%s: tiled %d, %u slots", LAYOUT_NAMES[layout], prog.tiled, prog.slots);
+                    uint8_t *bufs[1 + 2 * TP];
+                    bufs[0] = aligned_alloc(64, (sizes[0] + 63) & ~(uint64_t)63);
+                    for (int i = 0; i < 2 * TP; i++) bufs[1 + i] = (uint8_t *)(uintptr_t)bases[i];
+                    tiles_fill(dtype);
+                    lpn_program_run(&prog, bufs);
+                    memcpy(ref_in, t_in, sizeof t_in);
+                    memcpy(ref_out, t_out, sizeof t_out);
+                    for (unsigned t = 0; t < sizeof tiles / sizeof tiles[0]; t++)
+                        for (int threaded = 0; threaded < 2; threaded++)
+                            for (int own = 0; own < 3; own++) { /* the whole scratch; each thread's tiles;
+                                                                  and streaming stores */
+                                uint64_t area = lpn_program_tile_scratch(&prog, tiles[t]) * (threaded ? 4u : 1u);
+                                uint8_t *local = own && area ? aligned_alloc(64, area) : NULL;
+                                memcpy(t_in, t_in0, sizeof t_in);
+                                memcpy(t_out, t_out0, sizeof t_out);
+                                lpn_program_run_tiles(&prog, bufs, tiles[t], threaded ? pool : NULL, local, own == 2);
+                                free(local);
+                                runs++;
+                                CHECK(!memcmp(t_in, ref_in, sizeof t_in) && !memcmp(t_out, ref_out, sizeof t_out),
+                                      "%s, type %u, reduction %u%s, tile %llu, %s, %s: differs from the op-by-op run",
+                                      LAYOUT_NAMES[layout], dtype, redop, avg ? " avg" : "",
+                                      (unsigned long long)tiles[t], threaded ? "4 threads" : "1 thread",
+                                      own == 2 ? "streamed" : own ? "tiles of the scratch" : "the whole scratch");
+                            }
+                    free(bufs[0]);
+                    lpn_program_free(&prog);
+                }
+    lpn_pool_destroy(pool);
+    /* And one against a reference computed here: int32 sums wrap, 4 threads, 64-byte tiles. */
+    blob b;
+    uint64_t sizes[1 + 2 * TP], bases[2 * TP];
+    const char *why = NULL;
+    lpn_program prog;
+    tiles_program(&b, ALLREDUCE_OUT, LPN_I32, LPN_SUM, 0, sizes);
+    tiles_bases(ALLREDUCE_OUT, 4, bases);
+    CHECK(lpn_program_parse(b.bytes, b.len, bases, sizes + 1, 2 * TP, &prog, &why) == 0, "parse: %s", why);
+    uint8_t *bufs[1 + 2 * TP];
+    bufs[0] = aligned_alloc(64, (sizes[0] + 63) & ~(uint64_t)63);
+    for (int i = 0; i < 2 * TP; i++) bufs[1 + i] = (uint8_t *)(uintptr_t)bases[i];
+    tiles_fill(LPN_I32);
+    pool = lpn_pool_create(3);
+    uint8_t *local = aligned_alloc(64, lpn_program_tile_scratch(&prog, 64) * 4u);
+    lpn_program_run_tiles(&prog, bufs, 64, pool, local, 1);
+    free(local);
+    lpn_pool_destroy(pool);
+    for (uint32_t i = 0; i < TN; i++) {
+        uint32_t want = 0;
+        for (uint32_t r = 0; r < TP; r++) want += ((uint32_t *)t_in[r])[i];
+        for (uint32_t r = 0; r < TP; r++)
+            if (((uint32_t *)t_out[r])[i] != want) {
+                CHECK(0, "int32 sum at %u of rank %u: %u, want %u", i, r, ((uint32_t *)t_out[r])[i], want);
+                i = TN;
+                break;
+            }
+    }
+    free(bufs[0]);
+    lpn_program_free(&prog);
+    printf("tiles: %u tiled and threaded runs, every type and reduction, as op by op; an int32 sum as computed here\n",
+           runs);
+}
+
+/* ---- the parser: truncations and random corruptions of a valid program */
 
 static void net_program(int r);
 static blob net_blob[2];
@@ -155,7 +332,9 @@ static void test_parser(unsigned rounds, int seed) {
     uint8_t *bufs[1 + 2 * P];
     bufs[0] = aligned_alloc(64, 4096);
     for (int i = 0; i < 2 * P; i++) bufs[1 + i] = (uint8_t *)(uintptr_t)bases[i];
-    unsigned accepted = 0;
+    unsigned accepted = 0, tiled = 0;
+    lpn_pool *fuzz_pool = lpn_pool_create(2);
+    CHECK(fuzz_pool && lpn_pool_workers(fuzz_pool) == 2, "a pool of 2 workers");
     for (unsigned round = 0; round < rounds; round++) {
         bad = good;
         unsigned flips = 1 + (unsigned)(next() % 4);
@@ -190,8 +369,22 @@ static void test_parser(unsigned rounds, int seed) {
                 for (unsigned c = 0; c < LPN_MAX_CHANNELS; c++) fds[c] = -1;
                 uint32_t code = lpn_program_run_net(&prog, bufs, fds, 0, 0, 0.01, -1, NULL, &failed);
                 CHECK(code == LPN_LOST, "a program with messages and no channels ended %u", code);
-            } else {
+            } else { /* op by op, then by tiles of 64 bytes on 3 threads: the same bytes */
+                static float want_in[P][N], want_out[P][N];
+                memset(bufs[0], 0, prog.sizes[0]);
                 lpn_program_run(&prog, bufs);
+                memcpy(want_in, inputs, sizeof inputs);
+                memcpy(want_out, outputs, sizeof outputs);
+                fill();
+                memset(bufs[0], 0, prog.sizes[0]);
+                uint64_t tile = round % 2 ? 64 : 1280, area = lpn_program_tile_scratch(&prog, tile) * 3u;
+                uint8_t *local = area ? aligned_alloc(64, area) : NULL;
+                lpn_program_run_tiles(&prog, bufs, tile, fuzz_pool, local, round % 3 == 0);
+                free(local);
+                tiled += prog.tiled;
+                CHECK(!memcmp(want_in, inputs, sizeof inputs) && !memcmp(want_out, outputs, sizeof outputs),
+                      "round %u: a %s run wrote other bytes than the op-by-op one", round,
+                      prog.tiled ? "tiled" : "(refused) tiled");
             }
             if (bufs[0] != scratch) {
                 free(bufs[0]);
@@ -201,8 +394,10 @@ static void test_parser(unsigned rounds, int seed) {
         }
     }
     free(bufs[0]);
-    printf("parser (%s): %u corrupted programs, %u accepted and run inside their buffers\n",
-           seed ? "with messages" : "local", rounds, accepted);
+    lpn_pool_destroy(fuzz_pool);
+    printf("parser (%s): %u corrupted programs, %u accepted and run inside their buffers (%u of them tiled, "
+           "on 3 threads, as op by op)\n",
+           seed ? "with messages" : "local", rounds, accepted, tiled);
 }
 
 /* ---- net ops (net.c): two nodes over a socket pair, each on a thread. Node r's program
@@ -492,17 +687,34 @@ static void ring_all(ringer *rs, uint32_t n) {
     for (uint32_t i = 0; i < n; i++) pthread_join(t[i], NULL);
 }
 
-static void test_doorbell(void) {
+/* ``tuned``: every program by tiles of 64 bytes on 3 threads (the engine's and a pool's). */
+static void test_doorbell(int tuned) {
     lpn_engine e;
     const char *why = NULL;
     double bounds[] = {1e-5, 1e-3, 1.0};
     CHECK(lpn_engine_init(&e, page, sizeof page, P, bounds, 3, &why) == 0, "init: %s", why);
     CHECK(lpn_engine_start(&e) == 0, "start");
+    CHECK(lpn_engine_tune(&e, 100, 0, 3, 0, &why) != 0, "a tile of 100 bytes accepted");
+    if (tuned) CHECK(lpn_engine_tune(&e, 1024, 0, 3, 0, &why) == 0, "tune: %s", why);
     blob b;
     allreduce_program(&b, LPN_SUM, LPN_F32, 4);
     set_bases();
     long gen = lpn_engine_arm(&e, 3, b.bytes, b.len, bases, real_sizes, 2 * P, 5.0, 0, &why);
     CHECK(gen > 0, "arm: %s", why);
+    uint64_t tile, scratch;
+    uint32_t threads;
+    int stream;
+    lpn_engine_shape(&e, 3, &tile, &threads, &scratch, &stream);
+    if (tuned) { /* 4 tiles of 1 KiB (streamed copies) on 3 threads, each its own tile of the scratch */
+        CHECK(tile == 1024 && threads == 3 && scratch == 3 * 1024 && stream,
+              "tuned shape: tile %llu, %u threads, scratch %llu, stream %d", (unsigned long long)tile, threads,
+              (unsigned long long)scratch, stream);
+    } else { /* 4000 bytes: below LPN_PARALLEL, one tile; the whole scratch (it is smaller than a tile) */
+        CHECK(tile == LPN_TILE && threads == 1 && scratch == 4032 && !stream,
+              "default shape: tile %llu, %u threads, scratch %llu, stream %d", (unsigned long long)tile, threads,
+              (unsigned long long)scratch, stream);
+    }
+    CHECK(lpn_engine_tune(&e, 128, 0, 2, 0, &why) != 0, "tuned again once a plan is armed");
     ringer rs[P];
     for (uint32_t seq = 1; seq <= 200; seq++) { /* armed runs */
         fill();
@@ -556,11 +768,13 @@ static void test_doorbell(void) {
 int main(int argc, char **argv) {
     unsigned rounds = argc > 1 ? (unsigned)strtoul(argv[1], NULL, 10) : 200000;
     test_programs();
+    test_tiles();
     test_parser(rounds, 0);
     test_parser(rounds / 2, 1);
     test_net();
     test_star();
-    test_doorbell();
+    test_doorbell(0);
+    test_doorbell(1);
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);
         return 1;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -91,6 +92,40 @@ def repeat_then(rank: int, socket: str, world: int, job: str, then: str, timeout
             x[:] = 5
             client.allreduce(x)
             report["sum"] = x.tolist()
+    except lpsync_client.LpsyncError as error:
+        report["error"] = (type(error).__name__, error.code, str(error))
+    report["seconds"] = time.monotonic() - start
+    client.close()
+    return report
+
+
+def big_then_die(rank: int, socket: str, count: int, timeout: float = 30.0) -> dict:
+    """Two ranks arm an allreduce of ``count`` float32 (the engine runs it by tiles on its
+    threads); then both call it again and rank 1 exits without a word a moment after it
+    rang, while the engine runs the program or before: rank 0 calls on until an error.
+    What rank 0 saw: the calls that completed (and whether each summed right), the error
+    and how long it took."""
+    client = lpsync_client.connect(socket, job="bigdies", rank=rank, world_size=2, timeout=timeout)
+    x = client.zeros(count, "float32")
+    for i in range(3):
+        x[:] = rank + i
+        client.allreduce(x)
+        assert (x == 1 + 2 * i).all()
+    armed = bool(client._armed)
+    client.barrier()
+    if rank == 1:
+        x[:] = 1
+        threading.Thread(target=client.allreduce, args=(x,), daemon=True).start()
+        time.sleep(0.003)  # it rang; the engine runs the 4 passes over its memory now
+        os._exit(0)
+    report: dict = {"armed": armed, "completed": 0, "wrong": 0}
+    start = time.monotonic()
+    try:
+        for _ in range(10):
+            x[:] = 2
+            client.allreduce(x)
+            report["completed"] += 1
+            report["wrong"] += int(not (x == 3).all())
     except lpsync_client.LpsyncError as error:
         report["error"] = (type(error).__name__, error.code, str(error))
     report["seconds"] = time.monotonic() - start

@@ -3,7 +3,9 @@
 Chosen per collective and identical on every participant:
   * direct: host buffers up to DIRECT_MAX_BYTES, one participant, a barrier, or
     ``algorithm="direct"``: the flat program of lpsync/native/program.py, run with numpy,
-    then armed for the native engine where the job runs natively;
+    then armed for the native engine where the job runs natively; where it does, at every
+    size the engine serves (its tiles and threads beat the host pipeline there), and
+    above DIRECT_MAX_BYTES the engine runs the first call too;
   * a host pipeline: the tuner picks an algorithm and chunk count for local memory (or
     ``algorithm=`` forces one) and the engine's LocalGroup runs the schedule with one
     thread per participant over the zero-copy inproc transport;
@@ -29,7 +31,7 @@ from lpsync.algorithms.registry import DIRECT
 from lpsync.algorithms.tuner import chunks_for
 from lpsync.daemon.collectives.plans import plan_key
 from lpsync.daemon.collectives.task import Task
-from lpsync.daemon.collectives.views import buffers, facts, nccl_bytes, reduction
+from lpsync.daemon.collectives.views import REDUCING, buffers, facts, nccl_bytes, reduction
 from lpsync.daemon.device_registry import DeviceRegistry
 from lpsync.daemon.values import Arrival, Outcome, Spec
 from lpsync.engine import oneshot
@@ -40,15 +42,18 @@ from lpsync.errors import InvalidArgumentError
 from lpsync.memory.kind import Topology
 from lpsync.native import program
 from lpsync.native.program import Program
-from lpsync.types import BLOCKED, Collective, dtype_of
+from lpsync.types import BLOCKED, REDUCE_OP_OF, Collective, dtype_of
 
 if TYPE_CHECKING:
     import numpy as np
 
     from lpsync.memory.kind import Span
+    from lpsync.native.armed import Plan
 
-# Measured (docs/benchmarks.md, 4 ranks on 2 cores): one thread reducing every view beats
-# the thread-per-participant schedules up to 2 MiB; be/lp win from 4 MiB on.
+# Measured (docs/benchmarks.md, 4 ranks on 2 cores): numpy's one thread reducing every
+# view beats the thread-per-participant schedules up to 2 MiB; be/lp win from 4 MiB on.
+# Where the job runs natively, the engine's tiled, threaded run of the same program wins
+# at every size (docs/architecture.md, "The native steady-state path"): no cap there.
 DIRECT_MAX_BYTES = 2 * 1024 * 1024
 _BARRIER = Program(None, 1, 0)  # every participant arrived: nothing to move
 
@@ -71,14 +76,26 @@ DEVICE_LINK = LinkModel.from_bandwidth(alpha=100e-6, bandwidth=100e9, shared_nic
 ONESHOT_MAX_BYTES = 256 * 1024
 
 
-def is_direct(spec: Spec, participants: int) -> bool:
-    """Whether ``run`` takes the direct path for this spec (decided the same way there)."""
+def is_direct(spec: Spec, participants: int, native: Callable[[], bool] | None = None) -> bool:
+    """Whether ``run`` takes the direct path for this spec (decided the same way there):
+    up to DIRECT_MAX_BYTES, and at every size where the engine serves the program's
+    element type and reduction and the job runs natively (``native()``, asked only then:
+    it makes the job's engine)."""
     if spec.op == Collective.BARRIER or spec.algorithm == DIRECT:
         return True
     if spec.algorithm:
         return False
     itemsize = dtype_of(spec.dtype).itemsize
-    return participants == 1 or nccl_bytes(spec.op, spec.count, itemsize, participants) <= DIRECT_MAX_BYTES
+    if participants == 1 or nccl_bytes(spec.op, spec.count, itemsize, participants) <= DIRECT_MAX_BYTES:
+        return True
+    reducing = REDUCE_OP_OF[spec.reduce_op] if spec.op in REDUCING else None
+    return native is not None and program.served(spec.dtype, reducing) and native()
+
+
+def runs_natively(task: Task) -> Callable[[], bool]:
+    """Whether the task's job has an engine (made at its first use where it may), asked
+    when called."""
+    return lambda: task.job.native_plans() is not None
 
 
 def is_inline(spec: Spec, participants: int) -> bool:
@@ -110,25 +127,39 @@ def direct_program(task: Task) -> tuple[Program, list[np.ndarray]]:
     return task.job.plans.get(direct_key(task), build), program.flatten(pairs)
 
 
-def arm(task: Task, compiled: Program, views: list[np.ndarray]) -> Outcome:
-    """The direct path ran ``compiled``: arm it where the job runs natively, so that its
-    identical later calls ring the engine (the reply tells the clients)."""
-    job = task.job
-    armed = None
-    # Only what the direct path serves by size: a forced direct one over a big buffer would
-    # hold the engine's lock as long as it runs, and a disarm waits for that.
-    native = job.native_plans() if task.nbytes <= DIRECT_MAX_BYTES else None
-    if native is not None:
-        key = direct_key(task)
-        armed = native.find(key)
-        if armed is None:
-            _, _, nbytes, bus = facts(task.spec, task.participants)
-            series = (task.spec.op, DIRECT, task.spec.dtype, nbytes, bus)
-            handles = tuple(h for a in task.arrivals for h in a.handles)
-            armed = native.arm(key, compiled, views, task.timeout, handles, series, task.spec)
-    return Outcome(
-        algorithm=DIRECT, chunks=1, seconds=task.elapsed(), armed=armed.reply if armed is not None else None
-    )
+def direct(task: Task) -> Outcome:
+    """The direct path: its program run, then armed where the job runs natively, so that
+    its identical later calls ring the engine (the reply tells the clients). Above
+    DIRECT_MAX_BYTES it is armed first and the engine runs this call too: numpy's one
+    thread is the slowest way to run a big one; numpy runs what the engine does not."""
+    compiled, views = direct_program(task)
+    plan = None
+    if task.nbytes > DIRECT_MAX_BYTES:
+        plan = arm(task, compiled, views)
+        native = task.job.native
+        if plan is not None and (native is None or not native.run(plan)):
+            plan = None  # disarmed meanwhile (a buffer released): numpy runs it, then it arms again
+    if plan is None:
+        compiled.run(views)
+        plan = arm(task, compiled, views)
+    return Outcome(algorithm=DIRECT, chunks=1, seconds=task.elapsed(), armed=plan.reply if plan else None)
+
+
+def arm(task: Task, compiled: Program, views: list[np.ndarray]) -> Plan | None:
+    """``compiled`` armed (or found armed) in the job's engine; None where the job does not
+    run natively or the engine does not take it. At any size: the engine runs a big one
+    tiled and on threads (a disarm waits for a run of it, milliseconds at 256 MiB)."""
+    native = task.job.native_plans()
+    if native is None:
+        return None
+    key = direct_key(task)
+    armed = native.find(key)
+    if armed is None:
+        _, _, nbytes, bus = facts(task.spec, task.participants)
+        series = (task.spec.op, DIRECT, task.spec.dtype, nbytes, bus)
+        handles = tuple(h for a in task.arrivals for h in a.handles)
+        armed = native.arm(key, compiled, views, task.timeout, handles, series, task.spec)
+    return armed
 
 
 def on_host(task: Task) -> tuple[str, int]:

@@ -3,9 +3,10 @@
 Every runner has one signature, ``(task, context) -> Outcome``; ``choose`` names the row
 and nothing else learns which rows exist. Single node (no verdict):
   native     the direct path's plan is armed: the engine runs it (lpsync/native)
-  direct     host buffers up to DIRECT_MAX_BYTES, one participant, a barrier, or
-             algorithm="direct": one thread runs the flat program (native/program.py)
-             with numpy, then arms it
+  direct     host buffers up to DIRECT_MAX_BYTES (at every size where the job runs
+             natively and the engine serves the type), one participant, a barrier, or
+             algorithm="direct": the flat program (native/program.py) run with numpy
+             (above DIRECT_MAX_BYTES by the engine), then armed
   host       a host pipeline: the tuner's schedule on the engine's LocalGroup
   device     the chain over the node's devices, on streams
 Across nodes, after the verdict (path.py agreed it):
@@ -64,7 +65,7 @@ def choose(task: Task, context: Context) -> str:
         return "pipeline"
     if task.on_device:
         return "device"
-    if local.is_direct(task.spec, task.participants):
+    if local.is_direct(task.spec, task.participants, local.runs_natively(task)):
         native = task.job.native
         return "native" if native is not None and native.find(local.direct_key(task)) else "direct"
     return "host"
@@ -75,9 +76,7 @@ def run(task: Task, context: Context) -> Outcome:
 
 
 def _direct(task: Task, context: Context) -> Outcome:
-    program, views = local.direct_program(task)
-    program.run(views)
-    return local.arm(task, program, views)
+    return local.direct(task)
 
 
 def _native(task: Task, context: Context) -> Outcome:

@@ -1,11 +1,14 @@
 """The flat program of the direct path, run by numpy (the reference path) and by the
 native engine: both against an independent numpy reference, and bitwise against each
-other, over every op, element type, reduction, participant count and placement; and the
-engine's checks of a program against its buffers. Unit tier: no daemon."""
+other, over every op, element type, reduction, participant count and placement, op by
+op and by tiles on threads (tiny tiles, so that small buffers span many, none a multiple
+of the tile or of the threads; and the defaults at a few MiB); and the engine's checks of
+a program against its buffers. Unit tier: no daemon."""
 
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 
 import numpy as np
@@ -35,6 +38,14 @@ OPS = [
 ]
 REDUCING = {Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER}
 COUNT = 37  # elements per block: odd, so no vector loop ends evenly
+# How the engine runs them: its defaults (these programs are one tile, one thread); tiles
+# of 192 bytes (3 lines) on 3 threads from 0 bytes on, over 1003-element blocks; and tiles
+# of 1280 bytes, their copies out streamed (from 0 bytes on).
+TUNINGS = {
+    "defaults": (None, COUNT),
+    "tiled_threaded": ((192, 0, 3), 1003),
+    "streamed": ((1280, 0, 3, 0), 1003),
+}
 
 
 def _inputs(dtype: np.dtype, n: int, rank: int, rng: np.random.Generator) -> np.ndarray:
@@ -47,9 +58,8 @@ def _inputs(dtype: np.dtype, n: int, rank: int, rng: np.random.Generator) -> np.
     return values.astype(dtype)
 
 
-def _buffers(op, p, dtype, in_place, root, rng):
+def _buffers(op, p, dtype, in_place, root, rng, count=COUNT):
     """Each participant's buffers and their (input, output) views, as the daemon makes them."""
-    count = COUNT
     pairs, keep, originals = [], [], []
     for r in range(p):
         blocks_in, blocks_out = blocks(op, p, r, root)  # as the daemon sizes them
@@ -66,9 +76,8 @@ def _buffers(op, p, dtype, in_place, root, rng):
     return pairs, originals
 
 
-def _reference(op, p, root, reduce_op, inputs, dtype):
+def _reference(op, p, root, reduce_op, inputs, dtype, count=COUNT):
     """What the participants' outputs must hold, from their inputs alone (numpy)."""
-    count = COUNT
     if op in REDUCING:
         red = Reduction(reduce_op, dtype, p)
         acc = inputs[0].copy()
@@ -91,12 +100,14 @@ def _reference(op, p, root, reduce_op, inputs, dtype):
 class _Engine:
     """An engine over an anonymous page, for arming and running programs directly."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, tuning: tuple[int, ...] | None = None) -> None:
         assert ENGINE is not None, "the native engine is not built"
         self.map = mmap.mmap(-1, 4096)
         self.page = np.frombuffer(self.map, np.uint8)
         address = self.page.__array_interface__["data"][0]
         self.engine = ENGINE.Engine(self.page, address, 4096, slots, (1e-3, 1.0))
+        if tuning is not None:
+            self.engine.tune(*tuning)
 
     def close(self) -> None:
         self.engine.close()
@@ -112,12 +123,14 @@ def _dtypes():
 @pytest.mark.parametrize("op", OPS, ids=str)
 @pytest.mark.parametrize("p", [1, 2, 3, 5])
 @pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "out_of_place"])
-def test_numpy_and_engine_agree_with_the_reference(op, p: int, in_place: bool) -> None:
+@pytest.mark.parametrize("tuning", TUNINGS)
+def test_numpy_and_engine_agree_with_the_reference(op, p: int, in_place: bool, tuning: str) -> None:
     if in_place and op is Collective.ALLTOALL:
         pytest.skip("alltoall runs out of place only")
+    tune, count = TUNINGS[tuning]
     rng = np.random.default_rng([p, OPS.index(op), in_place])
     reduce_ops = list(ReduceOp) if op in REDUCING else [ReduceOp.SUM]
-    engine = _Engine(p)
+    engine = _Engine(p, tune)
     try:
         for dtype in _dtypes():
             for reduce_op in reduce_ops:
@@ -126,10 +139,10 @@ def test_numpy_and_engine_agree_with_the_reference(op, p: int, in_place: bool) -
                 for executor in ("numpy", "engine"):
                     state = np.random.default_rng([p, OPS.index(op), in_place, dtype.num]).bit_generator.state
                     rng.bit_generator.state = state
-                    pairs, originals = _buffers(op, p, dtype, in_place, root, rng)
+                    pairs, originals = _buffers(op, p, dtype, in_place, root, rng, count)
                     inputs = [inp.copy() for inp, _ in pairs]
                     reduction = Reduction(reduce_op, dtype, p) if op in REDUCING else None
-                    compiled = program.direct(op, root, pairs, reduction, COUNT)
+                    compiled = program.direct(op, root, pairs, reduction, count)
                     views = program.flatten(pairs)
                     encoded = program.encode(compiled, views)
                     float_min_max = (reduce_op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.kind == "f") or (
@@ -141,12 +154,20 @@ def test_numpy_and_engine_agree_with_the_reference(op, p: int, in_place: bool) -
                     else:
                         data, bases, sizes = encoded
                         generation = engine.engine.arm(0, data, bases, sizes, 5.0)
+                        if tune is not None and compiled.steps:  # every direct program runs by tiles
+                            tile, threads, _, stream = engine.engine.shape(0)
+                            span = max(
+                                s.n * (1 if s.kind == program.COPY else dtype.itemsize)
+                                for s in compiled.steps
+                            )
+                            assert (tile, threads) == (tune[0], min(3, -(-span // tune[0]))), (op, dtype)
+                            assert stream == (len(tune) > 3), (op, dtype, reduce_op)
                         assert engine.engine.run(0, generation) == OK
                         assert (
                             engine.engine.run(0, generation + 1) == FALLBACK
                         )  # a stale generation never runs
                     results.append([out.copy() for _, out in pairs])
-                    want = _reference(op, p, root, reduce_op, inputs, dtype)
+                    want = _reference(op, p, root, reduce_op, inputs, dtype, count)
                     for r, expected in want.items():
                         got = pairs[r][1]
                         np.testing.assert_array_equal(
@@ -160,6 +181,73 @@ def test_numpy_and_engine_agree_with_the_reference(op, p: int, in_place: bool) -
                     assert a.tobytes() == b.tobytes(), f"{op} {dtype} {reduce_op}: engine and numpy differ"
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize(
+    ("op", "dtype", "reduce_op"),
+    [
+        (Collective.ALLREDUCE, "float32", ReduceOp.SUM),
+        (Collective.REDUCE, "bfloat16", ReduceOp.AVG),
+        (Collective.REDUCE_SCATTER, "int32", ReduceOp.PROD),
+        (Collective.BROADCAST, "float64", ReduceOp.SUM),
+    ],
+    ids=str,
+)
+def test_engine_defaults_at_a_few_mib(op: Collective, dtype: str, reduce_op: ReduceOp) -> None:
+    """The engine's own tile and threads (min(CPUs, participants)) on programs past the
+    threshold, in place, blocks no multiple of the tile: numpy's bits."""
+    assert ENGINE is not None, "the native engine is not built"
+    p, dt = 4, DTYPES[dtype]
+    count = (3 << 20) // dt.itemsize + 5  # 3 MiB and a few elements per block
+    outs = []
+    for executor in ("numpy", "engine"):
+        rng = np.random.default_rng(7)
+        pairs, originals = _buffers(op, p, dt, True, 1, rng, count)
+        inputs = [x.copy() for x in originals]
+        reduction = Reduction(reduce_op, dt, p) if op in REDUCING else None
+        compiled = program.direct(op, 1, pairs, reduction, count)
+        views = program.flatten(pairs)
+        if executor == "numpy":
+            compiled.run(views)
+        else:
+            engine = _Engine(p)
+            try:
+                data, bases, sizes = program.encode(compiled, views)  # type: ignore[misc]
+                generation = engine.engine.arm(0, data, bases, sizes, 5.0)
+                threads = min(len(os.sched_getaffinity(0)), p)
+                tile, used, scratch, stream = engine.engine.shape(0)
+                assert (tile, used, stream) == (ENGINE.TILE, threads, False)  # 3 MiB: below STREAM
+                # Each thread keeps its tiles of the scratch (one per block reduced).
+                slots = p if op is Collective.REDUCE_SCATTER else 1
+                assert scratch == (threads * slots * tile if op in REDUCING else 0), scratch
+                assert engine.engine.run(0, generation) == OK
+            finally:
+                engine.close()
+        want = _reference(op, p, 1, reduce_op, inputs, dt, count)
+        for r, expected in want.items():
+            np.testing.assert_array_equal(pairs[r][1], expected, err_msg=f"{executor} rank {r}")
+        outs.append(b"".join(out.tobytes() for _, out in pairs))
+    assert outs[0] == outs[1], "engine and numpy differ"
+
+
+def test_scratch_is_bounded_at_256_mib() -> None:
+    """A 256 MiB allreduce (and reduce_scatter) of 4 armed: the engine's scratch is its
+    threads' tiles, not the message (buffers never touched: only their addresses count)."""
+    assert ENGINE is not None, "the native engine is not built"
+    p, count = 4, (256 << 20) // 4
+    pairs = [(np.empty(count, np.float32), np.empty(count, np.float32)) for _ in range(p)]
+    threads = min(len(os.sched_getaffinity(0)), p)
+    for op, slots in ((Collective.ALLREDUCE, 1), (Collective.REDUCE_SCATTER, p)):
+        block = count if op is Collective.ALLREDUCE else count // p
+        compiled = program.direct(op, 0, pairs, Reduction(ReduceOp.SUM, np.dtype(np.float32), p), block)
+        assert compiled.scratch == 256 << 20  # what numpy's run allocates
+        engine = _Engine(p)
+        try:
+            data, bases, sizes = program.encode(compiled, program.flatten(pairs))  # type: ignore[misc]
+            engine.engine.arm(0, data, bases, sizes, 5.0)
+            assert engine.engine.shape(0) == (ENGINE.TILE, threads, threads * slots * ENGINE.TILE, True)
+        finally:
+            engine.close()
 
 
 def test_nan_and_signed_zero_bits_agree() -> None:
