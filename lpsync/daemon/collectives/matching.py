@@ -149,6 +149,17 @@ class Job:
                         self._native = False  # not for this job: never asked again
         return self.native
 
+    def _remember(self, record: FlightRecord) -> None:
+        """Keep ``record`` in the flight recorder in sequence order (under the lock): the
+        engine's newer records may have been brought in before this one was answered."""
+        history = self.history
+        if not history or history[-1].sequence <= record.sequence:
+            history.append(record)
+            return
+        merged = sorted((*history, record), key=lambda r: r.sequence)
+        history.clear()
+        history.extend(merged[-self.recorder.size :])
+
     def native_finished(self) -> list[FlightRecord]:
         """Bring what the engine answered since the last call into the flight recorder
         (at a scrape and at ``lpsync status``: never per call); the records added."""
@@ -436,7 +447,7 @@ class Job:
         )
         with self.lock:
             self._active.pop(pending.sequence, None)
-            self.history.append(record)
+            self._remember(record)
             if error is None:
                 self.last_progress = time.time()
 
