@@ -149,7 +149,7 @@ class Job:
                         self._native = False  # not for this job: never asked again
         return self.native
 
-    def _remember(self, record: FlightRecord) -> None:
+    def _record_in_order(self, record: FlightRecord) -> None:
         """Keep ``record`` in the flight recorder in sequence order (under the lock): the
         engine's newer records may have been brought in before this one was answered."""
         history = self.history
@@ -447,7 +447,7 @@ class Job:
         )
         with self.lock:
             self._active.pop(pending.sequence, None)
-            self._remember(record)
+            self._record_in_order(record)
             if error is None:
                 self.last_progress = time.time()
 
