@@ -204,25 +204,26 @@ def test_multinode_status_names_the_node_not_heard_from(tmp_path: Path) -> None:
         cluster.stop_and_check()
 
 
+class Inline:  # a matching.JobRunner that runs each collective at once, keeping nothing
+    def dispatch(self, job: Job, pending: Pending, run: Callable[[], None]) -> None:
+        run()
+
+    def run(self, job: Job, pending: Pending) -> Outcome:
+        return Outcome()
+
+    def finished(self, job: Job, pending: Pending, outcome: Outcome) -> None:
+        pass
+
+    def failed_here(self, job: Job, pending: Pending, error: LpsyncError) -> None:
+        pass
+
+
 def test_one_stall_watch_per_job_warns_for_each_stalled_collective_once(caplog) -> None:
     """The job's one stall timer (matching.Job._stall_sweep): a collective opened while the
     watch waits for an earlier one is still checked at its own threshold, each is warned
     about once, one that finishes in time never, and the watch disarms when nothing is open."""
     watcher = Watcher()
     finished: list[int] = []
-
-    class Inline:  # a matching.JobRunner that runs each collective at once, keeping nothing
-        def dispatch(self, job: Job, pending: Pending, run: Callable[[], None]) -> None:
-            run()
-
-        def run(self, job: Job, pending: Pending) -> Outcome:
-            return Outcome()
-
-        def finished(self, job: Job, pending: Pending, outcome: Outcome) -> None:
-            pass
-
-        def failed_here(self, job: Job, pending: Pending, error: LpsyncError) -> None:
-            pass
 
     job = Job("sw", 2, watcher, Inline(), recorder=Recorder(stall_seconds=STALL))
 
@@ -249,5 +250,28 @@ def test_one_stall_watch_per_job_warns_for_each_stalled_collective_once(caplog) 
             time.sleep(STALL * 2)
             assert job._stall_watch is None  # nothing open: disarmed
             assert len([r for r in caplog.records if "has waited" in r.getMessage()]) == 2
+    finally:
+        watcher.stop()
+
+
+def test_an_arrival_stamped_before_the_one_that_opened_its_collective_opens_it(monkeypatch) -> None:
+    """Two ranks stamp their arrivals on their own threads, then take the job's lock: the one
+    stamped later may get there first. The collective opened at the earliest stamp, so no
+    stage of its record is negative (a cluster bench saw arriving = -48 us)."""
+    from lpsync.daemon.collectives import matching
+
+    watcher = Watcher()
+    stamps = iter([100.0, 99.9])  # rank 0 stamps at 100.0 and wins the lock; rank 1 at 99.9
+    real = time.monotonic
+    job = Job("early", 2, watcher, Inline(), recorder=Recorder())
+    spec = Spec("barrier", "float32", 0, 0, "", "", "")
+    try:
+        for rank in (0, 1):
+            monkeypatch.setattr(matching.time, "monotonic", lambda: next(stamps, None) or real())
+            job.submit(Arrival(rank, 1, spec, 30.0, None, None, (), lambda o: None))
+        monkeypatch.setattr(matching.time, "monotonic", real)
+        (record,) = job.history
+        assert all(seconds >= 0 for _, seconds in record.stages), record.stages
+        assert dict(record.arrivals) == {0: pytest.approx(0.1), 1: 0.0}
     finally:
         watcher.stop()

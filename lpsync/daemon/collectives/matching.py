@@ -293,6 +293,11 @@ class Job:
                     error = InvalidArgumentError(f"rank {arrival.rank} submitted collective #{seq} twice")
                 else:
                     pending.arrivals[arrival.rank] = arrival
+                    if arrival.at < pending.opened:
+                        # Stamped before the arrival that opened it, which reached the lock
+                        # first: the collective opened at the earliest (stages never < 0).
+                        pending.opened_wall -= pending.opened - arrival.at
+                        pending.opened = arrival.at
                     # Equal to the first arrival's spec: all agree (the first: no check).
                     same = arrival.spec is pending.spec or arrival.spec == pending.spec
                     error = None if same else self._check(pending)
