@@ -40,7 +40,18 @@ def test_every_case_bitwise_on_both_paths(tmp_path: Path) -> None:
     and numpy's."""
     assert native_engine() is not None, "the native engine is not built (the install builds it)"
     cases = every_case(WORLD, 29, root=1, seed=44)
-    outputs = {}
+    on, off = _on_and_off(tmp_path, cases)
+    assert on["path"] == "native"
+    # Every case but float min/max (left to numpy) is served: its 3rd and 4th calls.
+    served = sum(1 for c in cases if not (c[2] in ("min", "max") and c[1] in _FLOATS))
+    assert on["answered"] - on["fallbacks"] >= 2 * served, on
+    assert off["path"] == "python (--native off)" and off["answered"] == 0
+
+
+def _on_and_off(tmp_path: Path, cases: list) -> tuple[dict, dict]:
+    """Run ``cases`` on a daemon with --native on, then one with off; each against numpy,
+    the two bitwise alike. Rank 0's path info of each run."""
+    outputs, infos = {}, {}
     for native in ("on", "off"):
         daemon = _daemon(tmp_path / native, native)
         try:
@@ -49,16 +60,9 @@ def test_every_case_bitwise_on_both_paths(tmp_path: Path) -> None:
             daemon.stop_and_check()
         results = [r[0] for r in ranks]
         check_case_results(cases, results, WORLD, inputs_kept=True)
-        outputs[native] = results
-        info = ranks[0][1]
-        if native == "on":
-            assert info["path"] == "native"
-            # Every case but float min/max (left to numpy) is served: its 3rd and 4th calls.
-            served = sum(1 for c in cases if not (c[2] in ("min", "max") and c[1] in _FLOATS))
-            assert info["answered"] - info["fallbacks"] >= 2 * served, info
-        else:
-            assert info["path"] == "python (--native off)" and info["answered"] == 0
+        outputs[native], infos[native] = results, ranks[0][1]
     assert outputs["on"] == outputs["off"]
+    return infos["on"], infos["off"]
 
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
@@ -101,23 +105,10 @@ def test_big_collectives_bitwise_on_both_paths(tmp_path: Path) -> None:
     """Above 2 MiB, --native on runs the direct program in the engine (armed from the first
     call) and off the host pipeline: both numpy's answer, the same bits."""
     cases = _big_cases(WORLD, seed=45)
-    outputs = {}
-    for native in ("on", "off"):
-        daemon = _daemon(tmp_path / native, native)
-        try:
-            ranks = run_ranks(WORLD, workers.run_cases, daemon.socket, WORLD, cases, timeout=240)
-        finally:
-            daemon.stop_and_check()
-        results = [r[0] for r in ranks]
-        check_case_results(cases, results, WORLD, inputs_kept=True)
-        outputs[native] = results
-        info = ranks[0][1]
-        if native == "on":  # armed at the first call: the doorbell answers the later ones
-            assert info["path"] == "native"
-            assert info["answered"] - info["fallbacks"] >= 2 * len(cases), info
-        else:
-            assert info["answered"] == 0, info
-    assert outputs["on"] == outputs["off"]
+    on, off = _on_and_off(tmp_path, cases)
+    assert on["path"] == "native"  # armed at the first call: the doorbell answers the later ones
+    assert on["answered"] - on["fallbacks"] >= 2 * len(cases), on
+    assert off["answered"] == 0, off
 
 
 @pytest.fixture
