@@ -19,11 +19,16 @@ def test_the_floor_and_the_daemons_side_by_side() -> None:
         assert seconds > 0 and leaf > 0 and root > 0 and rank > 0, done.stdout
         # A leaf wakes at least for the request and for the verdict.
         assert switches >= 1.5, done.stdout
-    # The daemons make the same system calls and run their logic besides.
-    assert rows["lpsync"][1] > rows["floor"][1], done.stdout
-    # The client builds its request and parses its reply besides the same two calls.
-    assert rows["lpsync"][3] > rows["floor"][3], done.stdout
-    assert "# lpsync / floor: leaf" in done.stdout
+    # No order between the two is asserted: the native path brings a leaf's CPU down
+    # to the floor's, and which is lower on a given run is noise. The ratios printed
+    # must be the rows' own (rounded to whole microseconds in the table).
+    ratios = next(line for line in done.stdout.splitlines() if line.startswith("# lpsync / floor:"))
+    printed = dict(part.split()[:2] for part in ratios.split(":", 1)[1].split("(")[0].split(","))
+    for column, index in (("leaf", 1), ("rank", 3), ("time", 0)):
+        lpsync, floor = rows["lpsync"][index], rows["floor"][index]
+        # Each table cell is off by up to half a unit; the ratio by 0.005 more.
+        slack = (0.5 / lpsync + 0.5 / floor) * lpsync / floor + 0.006
+        assert abs(float(printed[column]) - lpsync / floor) <= slack, done.stdout
 
 
 def test_bad_arguments_are_refused() -> None:
