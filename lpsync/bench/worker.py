@@ -279,7 +279,8 @@ def run(
             call()
             wrong = count_wrong(op, [b.load() for b in held], rank, world, count, root)
             recent = client.status().recent if rank == 0 else []
-            mine = [r for r in recent if r.job == job]
+            # This size's own collective, not the barrier before it (the job's too).
+            mine = [r for r in recent if r.job == job and r.op != "barrier"]
             put(
                 {
                     "engine": "lpsync",
