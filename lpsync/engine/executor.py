@@ -92,11 +92,13 @@ class Plan:
                     f"{name} must be a contiguous 1-D array of {need} elements, got {arr.size} "
                     f"({type(arr).__name__})"
                 )
+        self.nbytes = 0  # the scratch this plan allocated: what a plan cache holds with it
         if len(buffers) > 2:
             tmp = buffers[2]
         else:
             tmp_bytes = schedule.tmp_elements * inp.dtype.itemsize
             tmp = memory.typed(memory.scratch("tmp", tmp_bytes), tmp_bytes, inp.dtype)
+            self.nbytes += tmp_bytes
         self.schedule, self.rank, self.dtype = schedule, rank, inp.dtype
         self.reduction, self.memory = reduction, memory
         bufs = (inp, out, tmp)
@@ -122,6 +124,7 @@ class Plan:
             receives = sum(1 for s in self._steps if s.kind in landing)
             window = min(receives, self._bouncer.window(chunk, window))
         self._staging = [memory.scratch(("slot", i), chunk) for i in range(window)] if chunk else []
+        self.nbytes += chunk * len(self._staging)
         self._staging_wire = [memory.wire(slot) for slot in self._staging]
 
     @functools.cached_property

@@ -113,6 +113,7 @@ class LocalGroup:
         self._pool = ThreadPoolExecutor(
             max_workers=max(1, len(self.plans)), thread_name_prefix="lpsync-local"
         )
+        self.nbytes = sum(plan.nbytes for plan in self.plans)  # scratch held while cached
 
     def _endpoint(self, fabric: InprocFabric, rank: int) -> Endpoint:
         if self.placement is None or self.remote is None:

@@ -19,6 +19,10 @@ from lpsync.daemon.values import Arrival, Spec
 from lpsync.engine.group import LocalGroup
 
 _CACHE_SIZE = 8  # plans per job; the least recently used beyond it are closed
+# Scratch held by a job's cached plans (a plan's ``nbytes``: TMP and receive slots). The
+# tuner's trials build a plan per candidate: at 64 MiB each held ~64 MiB more for as long
+# as it stayed cached. Beyond this the least recently used go, the newest always stays.
+_CACHE_BYTES = 256 << 20
 
 
 def plan_key(spec: Spec, schedule: tuple, arrivals: Sequence[Arrival], *extra: object) -> tuple:
@@ -114,11 +118,19 @@ class GroupCache:
         evicted = []
         with self._lock:
             self._groups[key] = group
-            while len(self._groups) > _CACHE_SIZE:
-                evicted.append(self._groups.popitem(last=False)[1])
+            held = sum(_nbytes(g) for g in self._groups.values())
+            while len(self._groups) > _CACHE_SIZE or (held > _CACHE_BYTES and len(self._groups) > 1):
+                old = self._groups.popitem(last=False)[1]
+                held -= _nbytes(old)
+                evicted.append(old)
         for old in evicted:
             old.close(wait=False)
         return group
+
+    def held_bytes(self) -> int:
+        """The scratch the cached plans hold now."""
+        with self._lock:
+            return sum(_nbytes(g) for g in self._groups.values())
 
     def forget(self, session_id: str, handle: int) -> None:
         """Drop the groups bound to a released buffer, so its memory can be unmapped."""
@@ -141,3 +153,9 @@ class GroupCache:
             group.close(wait=False)
         for mirror in mirrors:
             mirror.close()
+
+
+def _nbytes(plan: object) -> int:
+    """The scratch a cached plan holds; plans that do not say (one-node direct programs,
+    the hierarchy's and packed segments' own bounded pools) count nothing here."""
+    return int(getattr(plan, "nbytes", 0))
