@@ -217,6 +217,7 @@ class TcpEndpoint(MeshEndpoint):
                     if not _read_exactly(conn.sock, memoryview(data)):  # type: ignore[arg-type]
                         break
                     self._keep(conn, tag, data)
+                    del data
                 elif nbytes > request.keep.nbytes:
                     if not _discard(conn.sock, nbytes):
                         break
@@ -227,6 +228,7 @@ class TcpEndpoint(MeshEndpoint):
                         break
                     request.finish(None)
                 conn.heard, conn.in_message = time.monotonic(), False
+                del request  # not held while waiting for the next message (as in _write)
         except OSError as error:
             log.debug("rank %d: reading from rank %d: %s", self.rank, conn.rank, error)
         except Exception as error:  # e.g. a header announcing more bytes than memory holds
@@ -268,16 +270,26 @@ class TcpEndpoint(MeshEndpoint):
                 if conn.stopped:
                     return
                 pieces, request = conn.outbox[0]  # stays queued: later sends go behind it
-            try:
-                for piece in pieces:
-                    conn.sock.sendall(piece)
-            except OSError as error:
-                log.debug("rank %d: sending to rank %d: %s", self.rank, conn.rank, error)
-                conn.stop()  # the reader reports the loss (or the goodbye that preceded it)
+            sent = self._send_all(conn, pieces)
+            # Nothing of the message stays in this frame while it waits for the next one:
+            # its pieces are views of a client's buffer, which could not be unmapped.
+            del pieces
+            if not sent:
                 return
             with conn.out_lock:
                 conn.outbox.popleft()
             request.finish(None)
+            del request
+
+    def _send_all(self, conn: _Conn, pieces: list) -> bool:
+        try:
+            for piece in pieces:
+                conn.sock.sendall(piece)
+        except OSError as error:
+            log.debug("rank %d: sending to rank %d: %s", self.rank, conn.rank, error)
+            conn.stop()  # the reader reports the loss (or the goodbye that preceded it)
+            return False
+        return True
 
     # -- the Endpoint interface ----------------------------------------------------------
 
