@@ -346,9 +346,42 @@ static PyTypeObject EngineType = {
     .tp_methods = Engine_methods,
 };
 
+/* combine(out, a, b, dtype, redop): one COMBINE step over whole buffers of equal size
+ * (program.py checks the engine's float min and max against numpy's with it). */
+static PyObject *combine(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer d, a, b;
+    unsigned int dtype, redop;
+    if (!PyArg_ParseTuple(args, "w*y*y*II", &d, &a, &b, &dtype, &redop)) return NULL;
+    PyObject *result = NULL;
+    uint32_t item = lpn_itemsize(dtype);
+    if (item == 0 || redop == 0 || redop >= LPN_REDOP_END)
+        PyErr_SetString(PyExc_ValueError, "unknown type or reduction");
+    else if (a.len != d.len || b.len != d.len || d.len % item)
+        PyErr_SetString(PyExc_ValueError, "the buffers differ in size or are not whole elements");
+    else if (((uintptr_t)d.buf | (uintptr_t)a.buf | (uintptr_t)b.buf) % item)
+        PyErr_SetString(PyExc_ValueError, "a buffer is not aligned to its type");
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        lpn_combine(d.buf, a.buf, b.buf, dtype, (uint64_t)d.len / item, redop);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return result;
+}
+
+static PyMethodDef module_methods[] = {
+    {"combine", combine, METH_VARARGS,
+     "combine(out, a, b, dtype, redop): out = a (redop) b elementwise, as a program's COMBINE step"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, .m_name = "lpsync.native._engine",
-    .m_doc = "The native steady-state engine (engine.c)", .m_size = -1,
+    .m_doc = "The native steady-state engine (engine.c)", .m_size = -1, .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit__engine(void) {
@@ -370,6 +403,7 @@ PyMODINIT_FUNC PyInit__engine(void) {
         {"FALLBACK", LPN_FALLBACK},         {"VERSION", LPN_VERSION},         {"MAGIC", LPN_MAGIC},
         {"PROGRAM_MAGIC", LPN_PROGRAM_MAGIC}, {"OP_BYTES", sizeof(lpn_op)},   {"BUCKETS", LPN_BUCKETS},
         {"TILE", (long)LPN_TILE},           {"PARALLEL", (long)LPN_PARALLEL}, {"STREAM", (long)LPN_STREAM},
+        {"MAX_OPS", LPN_MAX_OPS},
     };
     for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)
         if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0) {

@@ -90,9 +90,7 @@ static uint16_t f2b(float f) {
 
 /* ---------------------------------------------------------------- reductions */
 
-/* Floats: sum and product only. numpy's min and max of floats differ by version and
- * element type in the zero sign and NaN they return; those stay on numpy (the parser
- * refuses them), so that both paths give the same bits. */
+/* Floats' sum and product; min and max are min_max_* below. */
 #define COMBINE_FLOAT(T)                                                              \
     static void combine_##T(T *d, const T *a, const T *b, uint64_t n, uint32_t op) { \
         uint64_t i;                                                                   \
@@ -103,6 +101,44 @@ static uint16_t f2b(float f) {
     }
 COMBINE_FLOAT(float)
 COMBINE_FLOAT(double)
+
+static float f32_of(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static double f64_of(uint64_t u) {
+    double f;
+    memcpy(&f, &u, 8);
+    return f;
+}
+
+/* Floats' min and max, numpy's bit for bit (docs/architecture.md, "Bitwise"): the result
+ * is always one operand's bits, never recomputed (a signalling NaN stays as it is); a
+ * NaN propagates, the first operand's where it is one, else the second's; on a tie (-0.0
+ * and +0.0) float16 gives the first operand (numpy's scalar half loop: a <= b ? a : b)
+ * and bfloat16, float32 and float64 the second (ml_dtypes' loop; numpy's SIMD loops, x86's
+ * minps/maxps: a < b ? a : b). program.py checks this against numpy once per process and
+ * leaves float min/max to numpy where they differ (another machine's numpy). */
+#define MIN_MAX(NAME, U, VALUE, TIE_FIRST)                                                        \
+    static void min_max_##NAME(U *d, const U *a, const U *b, uint64_t n, uint32_t op) {          \
+        uint64_t i;                                                                               \
+        if (op == LPN_MIN)                                                                        \
+            for (i = 0; i < n; i++) {                                                             \
+                U x = a[i], y = b[i];                                                             \
+                d[i] = isnan(VALUE(x)) || (TIE_FIRST ? VALUE(x) <= VALUE(y) : VALUE(x) < VALUE(y)) \
+                           ? x                                                                    \
+                           : y;                                                                   \
+            }                                                                                     \
+        else                                                                                      \
+            for (i = 0; i < n; i++) {                                                             \
+                U x = a[i], y = b[i];                                                             \
+                d[i] = isnan(VALUE(x)) || (TIE_FIRST ? VALUE(x) >= VALUE(y) : VALUE(x) > VALUE(y)) \
+                           ? x                                                                    \
+                           : y;                                                                   \
+            }                                                                                     \
+    }
 
 /* Integers wrap around as numpy's do: computed unsigned (signed overflow is undefined). */
 #define COMBINE_INT(T, U)                                                                     \
@@ -131,6 +167,10 @@ COMBINE_INT(uint8_t, uint32_t)
     }
 COMBINE_HALF(f16, h2f, f2h)
 COMBINE_HALF(bf16, b2f, f2b)
+MIN_MAX(f16, uint16_t, h2f, 1)
+MIN_MAX(bf16, uint16_t, b2f, 0)
+MIN_MAX(f32, uint32_t, f32_of, 0)
+MIN_MAX(f64, uint64_t, f64_of, 0)
 
 /* avg's last step: floats divided by the count (as the dtype holds it), integers floored. */
 void lpn_divide(uint8_t *p, uint32_t dtype, uint64_t n, uint64_t by) {
@@ -179,6 +219,15 @@ void lpn_divide(uint8_t *p, uint32_t dtype, uint64_t n, uint64_t by) {
 }
 
 void lpn_combine(uint8_t *d, const uint8_t *a, const uint8_t *b, uint32_t dtype, uint64_t n, uint32_t op) {
+    if (op >= LPN_MIN && dtype <= LPN_F64) {
+        switch (dtype) {
+        case LPN_F16: min_max_f16((uint16_t *)d, (const uint16_t *)a, (const uint16_t *)b, n, op); break;
+        case LPN_BF16: min_max_bf16((uint16_t *)d, (const uint16_t *)a, (const uint16_t *)b, n, op); break;
+        case LPN_F32: min_max_f32((uint32_t *)d, (const uint32_t *)a, (const uint32_t *)b, n, op); break;
+        default: min_max_f64((uint64_t *)d, (const uint64_t *)a, (const uint64_t *)b, n, op); break;
+        }
+        return;
+    }
     switch (dtype) {
     case LPN_F16: combine_f16((uint16_t *)d, (const uint16_t *)a, (const uint16_t *)b, n, op); break;
     case LPN_BF16: combine_bf16((uint16_t *)d, (const uint16_t *)a, (const uint16_t *)b, n, op); break;
@@ -215,9 +264,8 @@ static const char *check_net_op(const lpn_op *o, const uint64_t *sizes, uint32_t
         return NULL;
     }
     /* LPN_RECV_COMBINE */
-    if (o->dtype == 0 || o->dtype >= LPN_DTYPE_END || o->redop == 0 || o->redop >= LPN_REDOP_END ||
-        (o->redop >= LPN_MIN && o->dtype <= LPN_F64))
-        return "an op has an unknown kind, type or reduction, or one the engine leaves to numpy";
+    if (o->dtype == 0 || o->dtype >= LPN_DTYPE_END || o->redop == 0 || o->redop >= LPN_REDOP_END)
+        return "an op has an unknown kind, type or reduction";
     if (o->a >= nbuf) return "an op names a buffer the program does not have";
     uint64_t item = ITEMSIZE[o->dtype];
     if (o->n > UINT64_MAX / item) return "an op reaches past the end of its buffer";
@@ -671,7 +719,6 @@ int lpn_program_parse(const uint8_t *data, size_t len, const uint64_t *bases, co
         if (!fits(o->dst_off, bytes, out->sizes[o->dst])) goto bad_range;
         if (o->kind == LPN_COMBINE) {
             if (o->redop == 0 || o->redop >= LPN_REDOP_END) goto bad;
-            if (o->redop >= LPN_MIN && o->dtype <= LPN_F64) goto bad; /* float min/max: numpy's */
             if (o->a >= h.nbuf || o->b >= h.nbuf) goto bad_buffer;
             if (!fits(o->a_off, bytes, out->sizes[o->a]) || !fits(o->b_off, bytes, out->sizes[o->b]))
                 goto bad_range;
@@ -709,7 +756,7 @@ bad_range:
     return *why = "an op reaches past the end of its buffer", -1;
 bad:
     lpn_program_free(out);
-    return *why = "an op has an unknown kind, type or reduction, or one the engine leaves to numpy", -1;
+    return *why = "an op has an unknown kind, type or reduction", -1;
 }
 
 void lpn_program_free(lpn_program *program) {

@@ -13,14 +13,16 @@ view of participant r and 2 + 2r its output view (the same memory in place).
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
+from lpsync.native import engine as native_engine
 from lpsync.reduction import Reduction
-from lpsync.types import Collective, ReduceOp
+from lpsync.types import DTYPES, Collective, ReduceOp
 
 COPY, COMBINE, DIVIDE = 1, 2, 3
 # Messages between nodes (across.py compiles them; only the engine runs them, net.c):
@@ -44,11 +46,13 @@ DTYPE_CODES = {
     "uint8": 8,
 }
 REDOP_CODES = {ReduceOp.SUM: 1, ReduceOp.AVG: 1, ReduceOp.PROD: 2, ReduceOp.MIN: 3, ReduceOp.MAX: 4}
-# numpy's min and max of floats differ by version and element type in the zero sign and
-# the NaN they return: the engine leaves them to numpy (the same bits on both paths).
+# numpy's min and max of floats differ by element type (and by machine) in the zero sign
+# they give on a tie: the engine serves them where it gives this machine's numpy bits
+# (_min_max_agree), and leaves them to numpy elsewhere.
 _MIN_MAX = {REDOP_CODES[ReduceOp.MIN], REDOP_CODES[ReduceOp.MAX]}
 _FLOATS = {DTYPE_CODES[name] for name in ("float16", "bfloat16", "float32", "float64")}
 PROGRAM_MAGIC, VERSION = 0x504E504C, 1
+MAX_OPS = 65536  # engine.h's LPN_MAX_OPS: the most steps a program may have
 _HEADER = struct.Struct("<4I")
 _OP = struct.Struct("<6I5Q")  # engine.h's lpn_op: 64 bytes
 
@@ -121,7 +125,44 @@ def served(dtype: str, op: ReduceOp | None) -> bool:
     if op is None:
         return True
     code = DTYPE_CODES.get(dtype, 0)
-    return bool(code) and not (REDOP_CODES[op] in _MIN_MAX and code in _FLOATS)
+    if REDOP_CODES[op] in _MIN_MAX and code in _FLOATS:
+        return _min_max_agree(dtype)
+    return bool(code)
+
+
+@functools.cache
+def _min_max_agree(dtype: str) -> bool:
+    """Whether the engine's min and max of float ``dtype`` give numpy's bits here, over
+    every pair of a table of NaNs (quiet and signalling, both signs, with payloads),
+    signed zeros, infinities and numbers: engine.c follows numpy's rules as read on x86;
+    another machine's numpy (another SIMD) may tie or pick NaNs otherwise, and there
+    numpy keeps them. Once per process and type."""
+    module = native_engine()
+    if module is None:
+        return False
+    values = _special_floats(np.dtype(DTYPES[dtype]))
+    a, b = np.repeat(values, values.size), np.tile(values, values.size)
+    for op in (ReduceOp.MIN, ReduceOp.MAX):
+        want, got = np.empty_like(a), np.empty_like(a)
+        with np.errstate(invalid="ignore"):
+            Reduction(op, a.dtype, 2).combine(a, b, want)
+        module.combine(got, a, b, DTYPE_CODES[dtype], REDOP_CODES[op])
+        if want.tobytes() != got.tobytes():
+            return False
+    return True
+
+
+def _special_floats(dtype: np.dtype) -> np.ndarray:
+    """NaNs with several payloads (quiet and signalling, both signs), +-0, +-inf, the
+    smallest subnormal and a few numbers, as ``dtype``."""
+    bits = np.dtype(f"u{dtype.itemsize}")
+    numbers = np.array([0.0, -0.0, 1.0, -1.0, 2.5, -7.0, np.inf, -np.inf], np.float64).astype(dtype)
+    inf = int(numbers[6:7].view(bits)[0])
+    sign = 1 << (8 * dtype.itemsize - 1)
+    quiet = int(np.array([np.nan], np.float64).astype(dtype).view(bits)[0]) & ~inf & ~sign
+    nans = [inf | quiet, sign | inf | quiet, inf | quiet | 1, inf | 1, sign | inf | (quiet >> 1) | 5]
+    tiny = [1, sign | 1]  # the smallest subnormals
+    return np.concatenate([numbers, np.array(nans + tiny, bits).view(dtype)])
 
 
 def encode(program: Program, views: list[np.ndarray]) -> tuple[bytes, list[int], list[int]] | None:

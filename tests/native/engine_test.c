@@ -1,6 +1,7 @@
 /* The native engine under AddressSanitizer and UndefinedBehaviorSanitizer (make test-native).
  *
- * Runs without Python: programs against a reference written here, tiled and threaded runs
+ * Runs without Python: programs against a reference written here (float min and max over
+ * NaNs, signed zeros and infinities against numpy's rules too), tiled and threaded runs
  * against the op-by-op run (every type and reduction, in and out of place, sizes that are
  * no multiple of the tile or of the threads; programs whose ops may not run by tiles
  * recognised as such), the doorbell with threads as clients (armed runs, tiled and
@@ -215,6 +216,17 @@ static void tiles_fill(uint32_t dtype) {
     memcpy(t_out0, t_out, sizeof t_out);
 }
 
+/* Float min and max: the special values of min_max_specials (NaNs, +-0, infinities) at
+ * every third element of every input, so that ties and NaNs meet across the tiles. */
+static const uint64_t *specials_of(uint32_t dtype, uint32_t *count);
+static void tiles_specials(uint32_t dtype) {
+    uint32_t count, item = lpn_itemsize(dtype);
+    const uint64_t *table = specials_of(dtype, &count);
+    for (uint32_t r = 0; r < TP; r++)
+        for (uint32_t i = r; i < TN; i += 3) memcpy(t_in[r] + (size_t)i * item, &table[next() % count], item);
+    memcpy(t_in0, t_in, sizeof t_in);
+}
+
 static void test_tiles(void) {
     lpn_pool *pool = lpn_pool_create(3);
     CHECK(pool && lpn_pool_workers(pool) == 3, "a pool of 3 workers");
@@ -224,7 +236,7 @@ static void test_tiles(void) {
         for (uint32_t dtype = LPN_F16; dtype < LPN_DTYPE_END; dtype++)
             for (uint32_t redop = LPN_SUM; redop < LPN_REDOP_END; redop++)
                 for (int avg = 0; avg < 2; avg++) {
-                    if ((redop >= LPN_MIN && dtype <= LPN_F64) || (avg && redop != LPN_SUM)) continue;
+                    if (avg && redop != LPN_SUM) continue;
                     if (layout == ALLGATHER_IN && (redop != LPN_SUM || avg)) continue; /* moves bytes only */
                     blob b;
                     uint64_t sizes[1 + 2 * TP], bases[2 * TP];
@@ -243,6 +255,7 @@ static void test_tiles(void) {
                     bufs[0] = aligned_alloc(64, (sizes[0] + 63) & ~(uint64_t)63);
                     for (int i = 0; i < 2 * TP; i++) bufs[1 + i] = (uint8_t *)(uintptr_t)bases[i];
                     tiles_fill(dtype);
+                    if (redop >= LPN_MIN && dtype <= LPN_F64) tiles_specials(dtype);
                     lpn_program_run(&prog, bufs);
                     memcpy(ref_in, t_in, sizeof t_in);
                     memcpy(ref_out, t_out, sizeof t_out);
@@ -298,6 +311,87 @@ static void test_tiles(void) {
     lpn_program_free(&prog);
     printf("tiles: %u tiled and threaded runs, every type and reduction, as op by op; an int32 sum as computed here\n",
            runs);
+}
+
+/* ---- float min and max against numpy's rules, written here from the bits alone:
+ * a NaN operand wins, the first where both are (its bits, payload and all, signalling ones
+ * too); otherwise the smaller (min) or larger (max); where they compare equal (+0 and -0,
+ * or the same bits) float16 gives the first operand and bfloat16, float32 and float64 the
+ * second (numpy's half loop; ml_dtypes' and numpy's SIMD loops, as read on x86). */
+static const uint64_t F16_SPECIALS[] = {0x7e00, 0xfe00, 0x7e2b, 0x7c01, 0xfd55, 0x0000, 0x8000, 0x7c00,
+                                        0xfc00, 0x0001, 0x8001, 0x3c00, 0xbc00, 0x4000, 0x7bff, 0xc500};
+static const uint64_t BF16_SPECIALS[] = {0x7fc0, 0xffc0, 0x7fd3, 0x7f81, 0xffa5, 0x0000, 0x8000, 0x7f80,
+                                         0xff80, 0x0001, 0x8001, 0x3f80, 0xbf80, 0x4000, 0x7f7f, 0xc0a0};
+static const uint64_t F32_SPECIALS[] = {0x7fc00000, 0xffc00000, 0x7fc0abcd, 0x7f800001, 0xffa5a5a5, 0,
+                                        0x80000000, 0x7f800000, 0xff800000, 1, 0x80000001, 0x3f800000,
+                                        0xbf800000, 0x40000000, 0x7f7fffff, 0xc0a00000};
+static const uint64_t F64_SPECIALS[] = {
+    0x7ff8000000000000ull, 0xfff8000000000000ull, 0x7ff80000deadbeefull, 0x7ff0000000000001ull,
+    0xfff5a5a5a5a5a5a5ull, 0, 0x8000000000000000ull, 0x7ff0000000000000ull, 0xfff0000000000000ull, 1,
+    0x8000000000000001ull, 0x3ff0000000000000ull, 0xbff0000000000000ull, 0x4000000000000000ull,
+    0x7fefffffffffffffull, 0xc014000000000000ull};
+
+static const uint64_t *specials_of(uint32_t dtype, uint32_t *count) {
+    *count = 16;
+    return dtype == LPN_F16 ? F16_SPECIALS : dtype == LPN_BF16 ? BF16_SPECIALS : dtype == LPN_F32 ? F32_SPECIALS
+                                                                                                  : F64_SPECIALS;
+}
+
+/* The exponent's bits and the sign's of a float type. */
+static void float_bits(uint32_t dtype, uint64_t *exponent, uint64_t *sign) {
+    switch (dtype) {
+    case LPN_F16: *exponent = 0x7c00u, *sign = 0x8000u; break;
+    case LPN_BF16: *exponent = 0x7f80u, *sign = 0x8000u; break;
+    case LPN_F32: *exponent = 0x7f800000u, *sign = 0x80000000u; break;
+    default: *exponent = 0x7ff0000000000000ull, *sign = 0x8000000000000000ull; break;
+    }
+}
+
+static uint64_t min_max_reference(uint32_t dtype, uint32_t redop, uint64_t a, uint64_t b) {
+    uint64_t exponent, sign;
+    float_bits(dtype, &exponent, &sign);
+    uint64_t mantissa = (exponent - 1) & ~exponent & ~sign; /* the bits below the exponent */
+    int a_nan = (a & exponent) == exponent && (a & mantissa), b_nan = (b & exponent) == exponent && (b & mantissa);
+    if (a_nan) return a;
+    if (b_nan) return b;
+    /* Sign and magnitude as one ordered number; +0 and -0 are both 0. */
+    int64_t x = (int64_t)(a & ~sign), y = (int64_t)(b & ~sign);
+    if (a & sign) x = -x;
+    if (b & sign) y = -y;
+    if (x == y) return dtype == LPN_F16 ? a : b;
+    return (redop == LPN_MIN) == (x < y) ? a : b;
+}
+
+static void test_min_max(void) {
+    enum { K = 16 };
+    static uint8_t a[K * K * 8], b[K * K * 8], d[K * K * 8];
+    unsigned checked = 0;
+    for (uint32_t dtype = LPN_F16; dtype <= LPN_F64; dtype++) {
+        uint32_t count, item = lpn_itemsize(dtype);
+        const uint64_t *table = specials_of(dtype, &count);
+        for (uint32_t i = 0; i < K; i++)
+            for (uint32_t j = 0; j < K; j++) { /* every ordered pair */
+                memcpy(a + (size_t)(i * K + j) * item, &table[i], item);
+                memcpy(b + (size_t)(i * K + j) * item, &table[j], item);
+            }
+        for (uint32_t redop = LPN_MIN; redop <= LPN_MAX; redop++)
+            for (int in_place = 0; in_place < 2; in_place++) {
+                if (in_place) memcpy(d, a, sizeof a); /* d = d (op) b, as a program's accumulator */
+                lpn_combine(d, in_place ? d : a, b, dtype, K * K, redop);
+                for (uint32_t e = 0; e < K * K; e++) {
+                    uint64_t got = 0, want = min_max_reference(dtype, redop, table[e / K], table[e % K]);
+                    memcpy(&got, d + (size_t)e * item, item);
+                    checked++;
+                    if (got != want) {
+                        CHECK(0, "type %u %s(%#llx, %#llx)%s: %#llx, want %#llx", dtype, redop == LPN_MIN ? "min" : "max",
+                              (unsigned long long)table[e / K], (unsigned long long)table[e % K],
+                              in_place ? " in place" : "", (unsigned long long)got, (unsigned long long)want);
+                        break;
+                    }
+                }
+            }
+    }
+    printf("min/max: %u float pairs (NaNs, signed zeros, infinities) as numpy's rules give them\n", checked);
 }
 
 /* ---- the parser: truncations and random corruptions of a valid program */
@@ -768,6 +862,7 @@ static void test_doorbell(int tuned) {
 int main(int argc, char **argv) {
     unsigned rounds = argc > 1 ? (unsigned)strtoul(argv[1], NULL, 10) : 200000;
     test_programs();
+    test_min_max();
     test_tiles();
     test_parser(rounds, 0);
     test_parser(rounds / 2, 1);

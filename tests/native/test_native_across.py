@@ -19,7 +19,7 @@ from tests.native import workers
 
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
-KINDS = [("float32", "sum"), ("int32", "max"), ("float64", "avg"), ("int64", "prod")]
+KINDS = [("float32", "sum"), ("int32", "max"), ("float64", "avg"), ("int64", "prod"), ("bfloat16", "min")]
 
 
 def _cluster(tmp: Path, native: str, nodes: int = NODES) -> PeeredDaemons:

@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 
 import lpsync_client
+from lpsync.daemon.collectives.local import SCHEDULE_NATIVE_MAX_BYTES
+from lpsync.daemon.collectives.views import nccl_bytes
 from lpsync.native import engine as native_engine
-from lpsync.types import DTYPES, Collective
+from lpsync.types import DTYPES, Collective, ReduceOp
 from lpsync_client.wire.proto import lpsync_pb2 as pb
-from tests.collective_cases import check_case_results, every_case, in_elements
+from tests.collective_cases import check_case_results, every_case, in_elements, make_inputs
 from tests.daemon.harness import DaemonProcess, cli_status, run_ranks, shm_segments
 from tests.native import workers
 from tests.ports import free_ports
@@ -42,20 +44,29 @@ def test_every_case_bitwise_on_both_paths(tmp_path: Path) -> None:
     cases = every_case(WORLD, 29, root=1, seed=44)
     on, off = _on_and_off(tmp_path, cases)
     assert on["path"] == "native"
-    # Every case but float min/max (left to numpy) is served: its 3rd and 4th calls.
-    served = sum(1 for c in cases if not (c[2] in ("min", "max") and c[1] in _FLOATS))
-    assert on["answered"] - on["fallbacks"] >= 2 * served, on
+    # Every case is served (float min/max too): its 3rd and 4th calls.
+    assert on["answered"] - on["fallbacks"] >= 2 * len(cases), on
     assert off["path"] == "python (--native off)" and off["answered"] == 0
 
 
-def _on_and_off(tmp_path: Path, cases: list) -> tuple[dict, dict]:
-    """Run ``cases`` on a daemon with --native on, then one with off; each against numpy,
-    the two bitwise alike. Rank 0's path info of each run."""
+def _on_and_off(tmp_path: Path, cases: list, algorithms: list[str | None] | None = None) -> tuple[dict, dict]:
+    """Run ``cases`` (with ``algorithms`` forced, one per case) on a daemon with --native
+    on, then one with off; each against numpy, the two bitwise alike. Rank 0's path info
+    of each run."""
     outputs, infos = {}, {}
     for native in ("on", "off"):
         daemon = _daemon(tmp_path / native, native)
         try:
-            ranks = run_ranks(WORLD, workers.run_cases, daemon.socket, WORLD, cases, timeout=240)
+            ranks = run_ranks(
+                WORLD,
+                workers.run_cases,
+                daemon.socket,
+                WORLD,
+                cases,
+                workers.REPEATS,
+                algorithms,
+                timeout=240,
+            )
         finally:
             daemon.stop_and_check()
         results = [r[0] for r in ranks]
@@ -65,7 +76,6 @@ def _on_and_off(tmp_path: Path, cases: list) -> tuple[dict, dict]:
     return infos["on"], infos["off"]
 
 
-_FLOATS = ("float16", "bfloat16", "float32", "float64")
 MiB = 1 << 20
 # Above DIRECT_MAX_BYTES (2 MiB, nccl-tests' sizes): (op, dtype, reduce op, in place, root,
 # elements per block). Every block no multiple of the engine's tile or of its threads.
@@ -108,6 +118,97 @@ def test_big_collectives_bitwise_on_both_paths(tmp_path: Path) -> None:
     on, off = _on_and_off(tmp_path, cases)
     assert on["path"] == "native"  # armed at the first call: the doorbell answers the later ones
     assert on["answered"] - on["fallbacks"] >= 2 * len(cases), on
+    assert off["answered"] == 0, off
+
+
+# Per float type: NaNs (quiet with payloads, of both signs; signalling), +-0, +-inf, 1.
+SPECIALS = {
+    "float16": [0x7E01, 0xFE02, 0x7C03, 0x0000, 0x8000, 0x7C00, 0xFC00, 0x3C00],
+    "bfloat16": [0x7FC1, 0xFFC2, 0x7F83, 0x0000, 0x8000, 0x7F80, 0xFF80, 0x3F80],
+    "float32": [0x7FC00001, 0xFFC00002, 0x7F800003, 0, 0x80000000, 0x7F800000, 0xFF800000, 0x3F800000],
+    "float64": [
+        0x7FF8000000000001,
+        0xFFF8000000000002,
+        0x7FF0000000000003,
+        0,
+        0x8000000000000000,
+        0x7FF0000000000000,
+        0xFFF0000000000000,
+        0x3FF0000000000000,
+    ],
+}
+
+
+def _special_cases() -> list[tuple]:
+    """Float min and max of allreduce and reduce_scatter, in and out of place, over every
+    triple of SPECIALS (rank r holds the r-th of each): ties of -0 and +0, NaN against NaN
+    and against numbers, in every order of the ranks."""
+    assert WORLD == 3
+    cases = []
+    for dtype, table in SPECIALS.items():
+        values = np.array(table, f"u{DTYPES[dtype].itemsize}")
+        index = np.indices((len(table),) * WORLD).reshape(WORLD, -1)
+        count = index.shape[1]
+        for op, blocks in (("allreduce", 1), ("reduce_scatter", WORLD)):
+            for reduce_op in ("min", "max"):
+                for in_place in (False, True):
+                    inputs = [np.tile(values[index[r]], blocks).tobytes() for r in range(WORLD)]
+                    cases.append((op, dtype, reduce_op, in_place, 0, count, inputs))
+    return cases
+
+
+def test_float_min_max_run_armed_with_numpys_bits(tmp_path: Path) -> None:
+    """Float min and max over NaNs, signed zeros and infinities: the engine answers their
+    repeats (on), with the Python path's bits (off) and numpy's (np.minimum and np.maximum
+    in rank order, compared bitwise: NaN payloads and zero signs too)."""
+    cases = _special_cases()
+    on, off = _on_and_off(tmp_path, cases)
+    assert on["path"] == "native", on
+    assert on["answered"] - on["fallbacks"] >= 2 * len(cases), on
+    assert off["answered"] == 0, off
+
+
+# Forced algorithms on one node: (op, dtype, reduce op, in place, root, elements per
+# block, algorithm). Floats in [-1, 1] whose sums' bits depend on their order: on and off
+# agree only where the engine keeps the schedule's order.
+FORCED = [
+    ("allreduce", "float32", "sum", False, 0, 1001, "ring"),
+    ("allreduce", "float64", "avg", True, 0, 999, "lp"),
+    ("allreduce", "bfloat16", "max", False, 0, 513, "mst"),
+    ("allreduce", "float16", "sum", True, 0, 257, "be"),
+    ("reduce", "float32", "sum", False, 2, 1003, "lp"),
+    ("reduce", "float16", "min", True, 1, 301, "mst"),
+    ("broadcast", "float64", "sum", False, 1, 777, "lp"),
+    ("broadcast", "int32", "sum", True, 2, 100, "mst"),
+    ("allgather", "float32", "sum", False, 0, 211, "ring"),
+    ("reduce_scatter", "float32", "sum", True, 0, 333, "ring"),
+    ("reduce_scatter", "int64", "prod", False, 0, 65, "ring"),
+    ("gather", "uint8", "sum", False, 1, 97, "linear"),
+    ("scatter", "float32", "sum", True, 2, 50, "linear"),
+    ("alltoall", "int8", "sum", False, 0, 31, "pairwise"),
+    ("allreduce", "float32", "sum", False, 0, 3 * MiB // 4 + 5, "lp"),  # above 2 MiB, chunked
+    ("allreduce", "float32", "sum", True, 0, 17 * MiB // 4, "ring"),  # above the cap: not armed
+]
+
+
+def test_forced_algorithms_run_armed_in_their_own_order(tmp_path: Path) -> None:
+    """A forced algorithm on one node: its first call runs the host pipeline, which arms
+    the schedule compiled into one program; the engine answers the repeats (on), with the
+    host pipeline's bits (off: the same schedule on LocalGroup threads) and numpy's. Above
+    SCHEDULE_NATIVE_MAX_BYTES it stays on the host pipeline."""
+    rng = np.random.default_rng(46)
+    cases = []
+    for op, dtype, reduce_op, in_place, root, count, _ in FORCED:
+        inputs = make_inputs(Collective(op), WORLD, count, DTYPES[dtype], ReduceOp(reduce_op), rng, root)
+        cases.append((op, dtype, reduce_op, in_place, root, count, [x.tobytes() for x in inputs]))
+    on, off = _on_and_off(tmp_path, cases, [f[-1] for f in FORCED])
+    assert on["path"] == "native", on
+    armed = sum(
+        1 for c in cases if nccl_bytes(c[0], c[5], DTYPES[c[1]].itemsize, WORLD) <= SCHEDULE_NATIVE_MAX_BYTES
+    )
+    assert armed == len(cases) - 1
+    # Calls 3 and 4 of each armed case ring (the first plans, the second arms).
+    assert on["answered"] - on["fallbacks"] == 2 * armed, on
     assert off["answered"] == 0, off
 
 

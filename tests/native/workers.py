@@ -17,15 +17,24 @@ REPEATS = 4  # the first call plans, the second arms, the later ones ring the en
 
 
 def run_cases(
-    rank: int, socket: str, world: int, cases: list[tuple], repeats: int = REPEATS
+    rank: int,
+    socket: str,
+    world: int,
+    cases: list[tuple],
+    repeats: int = REPEATS,
+    algorithms: list[str | None] | None = None,
 ) -> tuple[list, dict]:
     """Each case (tests/collective_cases.every_case) REPEATS times on shared-memory buffers
-    made once (so the call repeats exactly), the inputs written afresh before each call;
-    per case this rank's output bytes and input bytes after the last call, and how the
-    calls went (how many the doorbell answered)."""
+    made once (so the call repeats exactly), the inputs written afresh before each call,
+    with ``algorithms``' algorithm for it forced (None: the daemon's choice); per case this
+    rank's output bytes and input bytes after the last call, and how the calls went (how
+    many the doorbell answered)."""
     results = []
+    forced = algorithms or [None] * len(cases)
     with lpsync_client.connect(socket, job="cases", rank=rank, world_size=world, timeout=60) as client:
-        for op, dtype, reduce_op, in_place, root, count, inputs in cases:
+        for (op, dtype, reduce_op, in_place, root, count, inputs), algorithm in zip(
+            cases, forced, strict=True
+        ):
             dt = numpy_dtype(dtype)
             mine = np.frombuffer(inputs[rank], dt)
             c = Collective(op)
@@ -33,7 +42,7 @@ def run_cases(
             start = in_place_buffer(c, rank, world, count, mine, root) if in_place else mine
             x = client.empty(start.size, dt) if (in_place or n_in) else None
             out = None if in_place or not n_out else client.empty(count * n_out, dt)
-            kwargs: dict = {"out": out}
+            kwargs: dict = {"out": out, "algorithm": algorithm}
             if op in ("allreduce", "reduce", "reduce_scatter"):
                 kwargs["op"] = reduce_op
             if op in ROOTED_OPS:

@@ -8,7 +8,11 @@ Chosen per collective and identical on every participant:
     above DIRECT_MAX_BYTES the engine runs the first call too;
   * a host pipeline: the tuner picks an algorithm and chunk count for local memory (or
     ``algorithm=`` forces one) and the engine's LocalGroup runs the schedule with one
-    thread per participant over the zero-copy inproc transport;
+    thread per participant over the zero-copy inproc transport; where the job runs
+    natively (then only a forced algorithm comes here), up to SCHEDULE_NATIVE_MAX_BYTES,
+    the schedule is then compiled into one program (native/across.py, every participant
+    on this node) and armed: its repeats ring the engine, in the schedule's own order of
+    reduction;
   * device spans: an allreduce up to ONESHOT_MAX_BYTES as one kernel per device (the
     tuner's device rule, lpsync.algorithms.oneshot; OneShot), else the chain over the
     node's devices ordered by topology, run on the job's own streams (DeviceGroup);
@@ -22,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from lpsync.algorithms import LinkModel, generate, select
@@ -40,15 +45,17 @@ from lpsync.engine.group import LocalGroup
 from lpsync.engine.oneshot import OneShot, Refused
 from lpsync.errors import InvalidArgumentError
 from lpsync.memory.kind import Topology
-from lpsync.native import program
-from lpsync.native.program import Program
+from lpsync.native import across, program
+from lpsync.native.program import MAX_OPS, Program
 from lpsync.types import BLOCKED, REDUCE_OP_OF, Collective, dtype_of
 
 if TYPE_CHECKING:
     import numpy as np
 
+    from lpsync.algorithms.schedule import Schedule
     from lpsync.memory.kind import Span
     from lpsync.native.armed import Plan
+    from lpsync.reduction import Reduction
 
 # Measured (docs/benchmarks.md, 4 ranks on 2 cores): numpy's one thread reducing every
 # view beats the thread-per-participant schedules up to 2 MiB; be/lp win from 4 MiB on.
@@ -56,6 +63,13 @@ if TYPE_CHECKING:
 # at every size (docs/architecture.md, "The native steady-state path"): no cap there.
 DIRECT_MAX_BYTES = 2 * 1024 * 1024
 _BARRIER = Program(None, 1, 0)  # every participant arrived: nothing to move
+
+# A host pipeline's schedule is armed up to this size (measured, docs/architecture.md,
+# "Forced algorithms"): the compiled program stages each message in its scratch (a second
+# pass over memory, and a scratch as large as the messages) where the LocalGroup's threads
+# hand spans over without a copy; at 1-16 MiB the engine was at par or faster (its tiles
+# and threads, no thread hand-offs), at 64 MiB 1.1-1.8x slower.
+SCHEDULE_NATIVE_MAX_BYTES = 16 * 1024 * 1024
 
 # Local memory as the tuner sees it: a thread hand-off per message, memcpy bandwidth,
 # and a link of its own between every pair of participants (no shared NIC).
@@ -127,6 +141,32 @@ def direct_program(task: Task) -> tuple[Program, list[np.ndarray]]:
     return task.job.plans.get(direct_key(task), build), program.flatten(pairs)
 
 
+@dataclass(frozen=True)
+class Route:
+    """How a single-node collective on host buffers runs: the direct program, or a host
+    pipeline's schedule (the tuner's, or the one the client forces), and the key its plan
+    (and its armed plan, where the job runs natively) is found under."""
+
+    direct: bool
+    algorithm: str
+    chunks: int
+    key: tuple
+
+
+def route(task: Task) -> Route:
+    """``task``'s Route, decided the same way wherever it is asked (runners.choose, the
+    native runner, the host pipeline)."""
+    if is_direct(task.spec, task.participants, runs_natively(task)):
+        return Route(True, DIRECT, 1, direct_key(task))
+    algorithm = task.spec.algorithm
+    if algorithm:
+        chunks = chunks_for(algorithm, task.participants, task.nbytes, LOCAL_LINK, op=task.op)
+    else:
+        choice = select(task.op, task.nbytes, task.participants, LOCAL_LINK)
+        algorithm, chunks = choice.algorithm, choice.chunks
+    return Route(False, algorithm, chunks, plan_key(task.spec, (algorithm, chunks), task.arrivals))
+
+
 def direct(task: Task) -> Outcome:
     """The direct path: its program run, then armed where the job runs natively, so that
     its identical later calls ring the engine (the reply tells the clients). Above
@@ -149,36 +189,80 @@ def arm(task: Task, compiled: Program, views: list[np.ndarray]) -> Plan | None:
     """``compiled`` armed (or found armed) in the job's engine; None where the job does not
     run natively or the engine does not take it. At any size: the engine runs a big one
     tiled and on threads (a disarm waits for a run of it, milliseconds at 256 MiB)."""
+    return _arm(task, direct_key(task), DIRECT, lambda: compiled, views)
+
+
+def _arm(
+    task: Task, key: tuple, algorithm: str, compiled: Callable[[], Program | None], views: list[np.ndarray]
+) -> Plan | None:
+    """The plan armed under ``key`` in the job's engine, armed now (``compiled()``: its
+    program, None where there is none) where it is not yet; None where the job does not
+    run natively or the engine does not take it."""
     native = task.job.native_plans()
     if native is None:
         return None
-    key = direct_key(task)
     armed = native.find(key)
     if armed is None:
+        built = compiled()
+        if built is None:
+            return None
         _, _, nbytes, bus = facts(task.spec, task.participants)
-        series = (task.spec.op, DIRECT, task.spec.dtype, nbytes, bus)
+        series = (task.spec.op, algorithm, task.spec.dtype, nbytes, bus)
         handles = tuple(h for a in task.arrivals for h in a.handles)
-        armed = native.arm(key, compiled, views, task.timeout, handles, series, task.spec)
+        armed = native.arm(key, built, views, task.timeout, handles, series, task.spec)
     return armed
 
 
-def on_host(task: Task) -> tuple[str, int]:
-    """A host pipeline: the tuner's (or the forced) schedule on a LocalGroup."""
+def on_host(task: Task) -> tuple[str, int, Plan | None]:
+    """A host pipeline: the tuner's (or the forced) schedule on a LocalGroup; then, where
+    the job runs natively and up to SCHEDULE_NATIVE_MAX_BYTES, that schedule compiled into
+    one program (native/across.py, its participants all on this node) and armed, so that
+    its identical later calls ring the engine: a forced algorithm keeps its own order of
+    reduction, bit for bit."""
     spec, op, p = task.spec, task.op, task.participants
     views = cast("list[tuple[np.ndarray, np.ndarray]]", [buffers(spec, a, p) for a in task.arrivals])  # host
-    algorithm = spec.algorithm
-    if algorithm:
-        chunks = chunks_for(algorithm, p, task.nbytes, LOCAL_LINK, op=op)
-    else:
-        choice = select(op, task.nbytes, p, LOCAL_LINK)
-        algorithm, chunks = choice.algorithm, choice.chunks
+    chosen = route(task)
+    algorithm, chunks = chosen.algorithm, chosen.chunks
 
     def build() -> LocalGroup:
         schedule = generate(op, algorithm, p, spec.count, spec.root, chunks)
         return LocalGroup(schedule, views, reduction(spec, task.dtype, p))
 
-    task.job.plans.get(plan_key(spec, (algorithm, chunks), task.arrivals), build).run(task.timeout)
-    return algorithm, chunks
+    group = task.job.plans.get(chosen.key, build)
+    group.run(task.timeout)
+
+    def compiled() -> Program | None:
+        """The schedule as one program, built once per key (None: too long for the engine)."""
+        return task.job.plans.get(
+            plan_key(spec, (algorithm, chunks, "program"), task.arrivals),
+            lambda: schedule_program(group.schedule, views, reduction(spec, task.dtype, p)),
+        ).program
+
+    if task.nbytes > SCHEDULE_NATIVE_MAX_BYTES:
+        return algorithm, chunks, None
+    return algorithm, chunks, _arm(task, chosen.key, algorithm, compiled, program.flatten(views))
+
+
+@dataclass
+class _Compiled:
+    """A schedule's program (None: none) as the plan cache holds it (it closes what it evicts)."""
+
+    program: Program | None
+
+    def close(self, wait: bool = True) -> None:
+        """Nothing to free."""
+
+
+def schedule_program(
+    schedule: Schedule, pairs: list[tuple[np.ndarray, np.ndarray]], reducing: Reduction | None
+) -> _Compiled:
+    """A single-node schedule compiled as one node's part (native/across.py: its walk
+    orders the participants' rows so that every receive follows its send, each message
+    staged in the scratch at its send); None where the engine cannot hold its ops."""
+    if schedule.num_ops > MAX_OPS:
+        return _Compiled(None)
+    node = across.compile_node(schedule, (0,) * schedule.participants, 0, pairs, reducing)
+    return _Compiled(node.program if node is not None else None)
 
 
 def on_devices(task: Task, devices: DeviceRegistry) -> tuple[str, int]:

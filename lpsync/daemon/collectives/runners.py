@@ -2,12 +2,14 @@
 
 Every runner has one signature, ``(task, context) -> Outcome``; ``choose`` names the row
 and nothing else learns which rows exist. Single node (no verdict):
-  native     the direct path's plan is armed: the engine runs it (lpsync/native)
+  native     the collective's plan is armed (the direct program's, or a host pipeline's
+             schedule compiled): the engine runs it (lpsync/native)
   direct     host buffers up to DIRECT_MAX_BYTES (at every size where the job runs
              natively and the engine serves the type), one participant, a barrier, or
              algorithm="direct": the flat program (native/program.py) run with numpy
              (above DIRECT_MAX_BYTES by the engine), then armed
-  host       a host pipeline: the tuner's schedule on the engine's LocalGroup
+  host       a host pipeline: the tuner's (or the forced) schedule on the engine's
+             LocalGroup, then armed where the job runs natively
   device     the chain over the node's devices, on streams
 Across nodes, after the verdict (path.py agreed it):
   packed     every node on devices, a blocked op: packed segments (packed.py)
@@ -65,10 +67,11 @@ def choose(task: Task, context: Context) -> str:
         return "pipeline"
     if task.on_device:
         return "device"
-    if local.is_direct(task.spec, task.participants, local.runs_natively(task)):
-        native = task.job.native
-        return "native" if native is not None and native.find(local.direct_key(task)) else "direct"
-    return "host"
+    route = local.route(task)
+    native = task.job.native
+    if native is not None and native.find(route.key):
+        return "native"
+    return "direct" if route.direct else "host"
 
 
 def run(task: Task, context: Context) -> Outcome:
@@ -81,17 +84,19 @@ def _direct(task: Task, context: Context) -> Outcome:
 
 def _native(task: Task, context: Context) -> Outcome:
     """A general-path call of an armed plan (a fallback, an async call): the engine runs
-    it on this thread; disarmed meanwhile, numpy does."""
+    it on this thread; disarmed meanwhile, the direct path or the host pipeline does."""
+    route = local.route(task)
     native = task.job.native
-    plan = native.find(local.direct_key(task)) if native is not None else None
+    plan = native.find(route.key) if native is not None else None
     if native is None or plan is None or not native.run(plan):
-        return _direct(task, context)
-    return Outcome(algorithm=local.DIRECT, chunks=1, seconds=task.elapsed(), armed=plan.reply)
+        return _direct(task, context) if route.direct else _host(task, context)
+    return Outcome(algorithm=route.algorithm, chunks=route.chunks, seconds=task.elapsed(), armed=plan.reply)
 
 
 def _host(task: Task, context: Context) -> Outcome:
-    algorithm, chunks = local.on_host(task)
-    return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed())
+    algorithm, chunks, plan = local.on_host(task)
+    armed = plan.reply if plan is not None else None
+    return Outcome(algorithm=algorithm, chunks=chunks, seconds=task.elapsed(), armed=armed)
 
 
 def _device(task: Task, context: Context) -> Outcome:

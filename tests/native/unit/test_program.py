@@ -52,10 +52,16 @@ def _inputs(dtype: np.dtype, n: int, rank: int, rng: np.random.Generator) -> np.
     if np.issubdtype(dtype, np.integer):
         info = np.iinfo(dtype)
         return rng.integers(max(info.min, -100), min(info.max, 100), n, endpoint=True).astype(dtype)
-    values = rng.standard_normal(n) * 10
-    if n:
-        values[rank % n] = -0.0  # signed zeros through min/max
-    return values.astype(dtype)
+    values = (rng.standard_normal(n) * 10).astype(dtype)
+    if n > 2:
+        values[rank % n] = -0.0  # signed zeros through min/max, against +0.0 ties
+        values[(rank + 1) % n] = 0.0
+        # A quiet NaN of this rank's own payload, where other ranks hold numbers or theirs.
+        bits = values.view(f"u{dtype.itemsize}")
+        inf = int(np.array([np.inf], dtype).view(bits.dtype)[0])
+        quiet = int(np.array([np.nan], dtype).view(bits.dtype)[0]) & ~inf
+        bits[(3 * rank + 2) % n] = inf | quiet | (rank + 1)
+    return values
 
 
 def _buffers(op, p, dtype, in_place, root, rng, count=COUNT):
@@ -97,6 +103,11 @@ def _reference(op, p, root, reduce_op, inputs, dtype, count=COUNT):
     return {r: np.concatenate([inputs[q][r * count : (r + 1) * count] for q in range(p)]) for r in range(p)}
 
 
+def _bits(values: np.ndarray) -> np.ndarray:
+    """The elements' bits (NaN payloads and zero signs compare too)."""
+    return np.ascontiguousarray(values).view(f"u{values.dtype.itemsize}")
+
+
 class _Engine:
     """An engine over an anonymous page, for arming and running programs directly."""
 
@@ -120,6 +131,7 @@ def _dtypes():
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # float16 products
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN inputs
 @pytest.mark.parametrize("op", OPS, ids=str)
 @pytest.mark.parametrize("p", [1, 2, 3, 5])
 @pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "out_of_place"])
@@ -145,10 +157,7 @@ def test_numpy_and_engine_agree_with_the_reference(op, p: int, in_place: bool, t
                     compiled = program.direct(op, root, pairs, reduction, count)
                     views = program.flatten(pairs)
                     encoded = program.encode(compiled, views)
-                    float_min_max = (reduce_op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.kind == "f") or (
-                        reduce_op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.name == "bfloat16"
-                    )
-                    assert (encoded is None) == (op in REDUCING and float_min_max), "served or left to numpy"
+                    assert encoded is not None, f"{dtype} {reduce_op}: every type and reduction is served"
                     if executor == "numpy" or encoded is None:
                         compiled.run(views)
                     else:
@@ -170,8 +179,10 @@ def test_numpy_and_engine_agree_with_the_reference(op, p: int, in_place: bool, t
                     want = _reference(op, p, root, reduce_op, inputs, dtype, count)
                     for r, expected in want.items():
                         got = pairs[r][1]
-                        np.testing.assert_array_equal(
-                            got, expected, err_msg=f"{executor} {op} {dtype} {reduce_op} rank {r}"
+                        np.testing.assert_array_equal(  # bitwise: NaN payloads and zero signs too
+                            _bits(got),
+                            _bits(expected),
+                            err_msg=f"{executor} {op} {dtype} {reduce_op} rank {r}",
                         )
                     if not in_place:  # out of place the inputs are only read
                         for r, (inp, _) in enumerate(pairs):
@@ -225,7 +236,7 @@ def test_engine_defaults_at_a_few_mib(op: Collective, dtype: str, reduce_op: Red
                 engine.close()
         want = _reference(op, p, 1, reduce_op, inputs, dt, count)
         for r, expected in want.items():
-            np.testing.assert_array_equal(pairs[r][1], expected, err_msg=f"{executor} rank {r}")
+            np.testing.assert_array_equal(_bits(pairs[r][1]), _bits(expected), err_msg=f"{executor} rank {r}")
         outs.append(b"".join(out.tobytes() for _, out in pairs))
     assert outs[0] == outs[1], "engine and numpy differ"
 
@@ -253,7 +264,7 @@ def test_scratch_is_bounded_at_256_mib() -> None:
 def test_nan_and_signed_zero_bits_agree() -> None:
     """NaN, infinities, signed zeros and overflow: the engine's sums, products and averages
     give numpy's bits (float16 and bfloat16 rounded to nearest even as numpy and
-    ml_dtypes do); float min and max are left to numpy."""
+    ml_dtypes do); float min and max too (test_float_min_max_bits_are_numpys)."""
     engine = _Engine(2)
     try:
         for dtype in _dtypes():
@@ -278,6 +289,58 @@ def test_nan_and_signed_zero_bits_agree() -> None:
                 assert outs[0] == outs[1], f"{dtype} {reduce_op}"
     finally:
         engine.close()
+
+
+# Bit patterns per float type (an independent table, not program.py's probe): quiet NaNs
+# of both signs, with payloads, signalling NaNs of both signs, +-0, +-inf, the smallest
+# subnormals of both signs, and numbers (1, -1, 2, the largest finite).
+SPECIAL_BITS = {
+    "float16": [0x7E00, 0xFE00, 0x7E2B, 0x7C01, 0xFD55, 0x0000, 0x8000, 0x7C00, 0xFC00, 0x0001, 0x8001,
+                0x3C00, 0xBC00, 0x4000, 0x7BFF],
+    "bfloat16": [0x7FC0, 0xFFC0, 0x7FD3, 0x7F81, 0xFFA5, 0x0000, 0x8000, 0x7F80, 0xFF80, 0x0001, 0x8001,
+                 0x3F80, 0xBF80, 0x4000, 0x7F7F],
+    "float32": [0x7FC00000, 0xFFC00000, 0x7FC0ABCD, 0x7F800001, 0xFFA5A5A5, 0, 0x80000000, 0x7F800000,
+                0xFF800000, 1, 0x80000001, 0x3F800000, 0xBF800000, 0x40000000, 0x7F7FFFFF],
+    "float64": [0x7FF8000000000000, 0xFFF8000000000000, 0x7FF80000DEADBEEF, 0x7FF0000000000001,
+                0xFFF5A5A5A5A5A5A5, 0, 0x8000000000000000, 0x7FF0000000000000, 0xFFF0000000000000, 1,
+                0x8000000000000001, 0x3FF0000000000000, 0xBFF0000000000000, 0x4000000000000000,
+                0x7FEFFFFFFFFFFFFF],
+}  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", list(SPECIAL_BITS))
+@pytest.mark.parametrize("tuning", TUNINGS)
+def test_float_min_max_bits_are_numpys(dtype: str, tuning: str) -> None:
+    """min and max over 3 participants of every triple of SPECIAL_BITS (NaN payloads and
+    signs, signalling NaNs, signed zeros, infinities): numpy's bits (np.minimum and
+    np.maximum in rank order), by the engine op by op and by tiles on threads, in place
+    and out of place; and the engine serves them."""
+    dt = DTYPES[dtype]
+    table = np.array(SPECIAL_BITS[dtype], f"u{dt.itemsize}").view(dt)
+    k, p = table.size, 3
+    index = np.indices((k, k, k)).reshape(3, -1)  # participant r's values: table[index[r]]
+    for reduce_op, ufunc in ((ReduceOp.MIN, np.minimum), (ReduceOp.MAX, np.maximum)):
+        assert program.served(dtype, reduce_op), f"{dtype} {reduce_op} left to numpy"
+        want = table[index[0]]
+        with np.errstate(invalid="ignore"):
+            for r in range(1, p):
+                want = ufunc(want, table[index[r]])
+        for in_place in (False, True):
+            engine = _Engine(p, TUNINGS[tuning][0])
+            try:
+                inputs = [table[index[r]].copy() for r in range(p)]
+                pairs = [(x, x if in_place else np.zeros_like(x)) for x in inputs]
+                compiled = program.direct(Collective.ALLREDUCE, 0, pairs, Reduction(reduce_op, dt, p), k**3)
+                views = program.flatten(pairs)
+                data, bases, sizes = program.encode(compiled, views)  # type: ignore[misc]
+                assert engine.engine.run(0, engine.engine.arm(0, data, bases, sizes, 5.0)) == OK
+            finally:
+                engine.close()
+            for r, (_, out) in enumerate(pairs):
+                np.testing.assert_array_equal(
+                    _bits(out), _bits(want), err_msg=f"{dtype} {reduce_op} in_place={in_place} rank {r}"
+                )
 
 
 def test_engine_refuses_programs_that_reach_outside_their_buffers() -> None:
