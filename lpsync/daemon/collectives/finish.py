@@ -54,7 +54,7 @@ class Finish:
     def agreed(
         self, task: Task, agreed: Verdict | None, ride: Ride | None
     ) -> Outcome | Later[Outcome] | None:
-        """``task``'s verdict came (None: it lands on a reader, ``landing``): the call
+        """``task``'s verdict came (None: it lands on a reader, ``landed``): the call
         runs, or the agreement finished it (``rides``; ``ride`` the data that rode): its
         Outcome, armed where every node offered to. None: the call runs on the general
         path (runners.py)."""
