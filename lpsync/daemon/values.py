@@ -40,6 +40,7 @@ class NodeLayout:
     # Derived once (a job asks for them on every collective); not part of equality.
     nodes: int = field(init=False, compare=False)  # nodes 0..nodes-1 serve the job
     local_ranks: tuple[int, ...] = field(init=False, compare=False)  # this node's, ascending
+    local_text: str = field(init=False, compare=False)  # them as messages name them: ranks_text
     by_node: tuple[int, ...] = field(init=False, compare=False)  # node 0's ranks, node 1's...
     node_major: bool = field(init=False, compare=False)  # by_node is rank order
     daemons: tuple[int, ...] = field(init=False, compare=False)  # daemon(n) of every node n
@@ -48,6 +49,7 @@ class NodeLayout:
         by_node = tuple(sorted(range(len(self.node_of)), key=lambda r: (self.node_of[r], r)))
         object.__setattr__(self, "nodes", max(self.node_of) + 1)
         object.__setattr__(self, "local_ranks", self.ranks_of(self.node))
+        object.__setattr__(self, "local_text", ranks_text(self.local_ranks))
         object.__setattr__(self, "by_node", by_node)
         object.__setattr__(self, "node_major", by_node == tuple(range(len(by_node))))
         nodes = range(max(self.node_of) + 1)

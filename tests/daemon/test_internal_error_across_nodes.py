@@ -15,16 +15,16 @@ from tests.daemon.multinode_workers import attempt, one_allreduce
 _FAULT = """
 import lpsync.daemon.collectives.small as small
 
-_part = small.SmallCollective._part  # each node's part, made as its SmallCollective is
+_ride = small._ride  # each node's Ride, made with its part as it rides
 
 
-def part(self):
-    if self.count == 8:
+def ride(task, arrivals):
+    if task.spec.count == 8:
         raise RuntimeError("injected fault")
-    return _part(self)
+    return _ride(task, arrivals)
 
 
-small.SmallCollective._part = part
+small._ride = ride
 """
 
 

@@ -11,9 +11,10 @@ Two shapes, both deterministic (every node computes or receives the same verdict
     sends its verdict down the same tree: 2(P-1) messages in 2*ceil(log2 P) hops, where
     an all-to-all costs P(P-1) (56 at 8 nodes). On the 2-core emulated cluster CPU per
     message is what limits, so fewer messages win (docs/benchmarks.md).
-A small collective (small.py) adds its data: each message carries the sender's folded
-part (up) or the result (down; for reduce and gather only towards the root's node, the
-other subtrees take the verdict alone).
+A small collective (small.py) adds its data, a Ride (ride.py): each message carries the
+sender's folded part (up) or the result (down; for reduce and gather only towards the
+root's node, the other subtrees take the verdict alone). The parts a node receives are
+folded in one call (``_folded``), once all are in.
 
 One entry, ``agree(side, link)``, for every branch of the multi-node path (path.py):
 a node brings its summary, or the error that failed the call there (no mesh: announced
@@ -34,6 +35,7 @@ import functools
 import json
 import logging
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn, cast
@@ -42,9 +44,9 @@ import numpy as np
 
 from lpsync.algorithms import LinkModel
 from lpsync.daemon.collectives.matching import Job
-from lpsync.daemon.collectives.small import SMALL_MAX_BYTES, SmallCollective
+from lpsync.daemon.collectives.ride import SMALL_MAX_BYTES, Ride
 from lpsync.daemon.peers.plane import Link, PeerPlane
-from lpsync.daemon.values import SPEC_FIELDS, Later, Pending, Spec, ranks_text
+from lpsync.daemon.values import SPEC_FIELDS, Pending, Spec
 from lpsync.errors import (
     AbortedError,
     CollectiveTimeoutError,
@@ -75,7 +77,7 @@ EXCHANGE_MAX_NODES = 2  # up to this many nodes, every node sends to every other
 @dataclass(frozen=True)
 class Verdict:
     model: LinkModel
-    result: np.ndarray | None  # a small collective's result (small.py); None otherwise
+    result: np.ndarray | None  # a small collective's result (ride.py); None otherwise
     use: tuple[str, int] | None = None  # node 0's (algorithm, chunks), learning.py
     trial: bool = False  # node 0 times this run
     # (node, sequence, seconds) of earlier trials, where the summaries were judged
@@ -225,14 +227,11 @@ def _go_summary(job: Job, spec: Spec, link: Link, extras: tuple[tuple[str, Any],
 
 
 def _ranks(job: Job) -> str:
-    """This node's ranks of ``job`` as error messages name them ('ranks 0, 2-3'): any set,
-    since a job's ranks need not be node-major; bounded, for the summary's size."""
-    return _ranks_of(tuple(job.local_ranks))
-
-
-@functools.lru_cache(maxsize=256)
-def _ranks_of(ranks: tuple[int, ...]) -> str:
-    text = ranks_text(ranks)
+    """This node's ranks of ``job`` as error messages name them ('ranks 0, 2-3'; any set,
+    since a job's ranks need not be node-major: NodeLayout.local_text); bounded, for the
+    summary's size."""
+    assert job.layout is not None
+    text = job.layout.local_text
     return text if len(text) <= _RANKS_CHARS else text[:_RANKS_CHARS] + "..."
 
 
@@ -407,17 +406,19 @@ class Side:
     # native_across.py's ("native"): hashable, the summary is cached
     offers: tuple[tuple[str, Any], ...] = ()
     error: LpsyncError | None = None  # the call failed on this node: every node fails it
-    small: SmallCollective | None = None  # the collective whose data rides (small.py)
-    later: bool = False  # it may finish where the verdict lands (a leaf's reader)
+    ride: Ride | None = None  # the collective whose data rides (small.py, ride.py)
+    # Where it may finish where the verdict lands (a leaf's reader): called there, once,
+    # with the Verdict or the error (finish.py's)
+    landed: Callable[[Verdict | Exception], None] | None = None
 
 
-def agree(side: Side, link: Link | PeerPlane) -> Verdict | Later[Verdict | Exception]:
+def agree(side: Side, link: Link | PeerPlane) -> Verdict | None:
     """The agree stage: this node's part in ``side``'s agreement and the verdict that
     every node reaches alike, raised where it is an error. The one entry for every
     branch of the multi-node path:
       - a go side: the Verdict (carrying the result of a collective that rides it), or,
-        where ``side.later`` allows and this node is a leaf that can (agree_later), a
-        Later the verdict's reader fills;
+        where ``side.landed`` is given and this node is a leaf that can (agree_later),
+        None: the verdict's reader hands it to ``side.landed``;
       - a failed side (``side.error``): its summary carries the error, so that the nodes
         that run the call fail it at once instead of timing out; raises ``side.error``
         after its part (whatever the verdict: it names this error or an earlier node's).
@@ -427,9 +428,9 @@ def agree(side: Side, link: Link | PeerPlane) -> Verdict | Later[Verdict | Excep
         _fail(side, link, side.error)
     assert isinstance(link, Link) and side.spec is not None
     mine = _go_summary(side.job, side.spec, link, side.offers)
-    if side.later and (later := agree_later(side, link, mine)) is not None:
-        return later
-    return _agree(side.job, side.pending, link, side.deadline, mine, side.small, side.tags)
+    if side.landed is not None and agree_later(side, link, mine):
+        return None
+    return _agree(side.job, side.pending, link, side.deadline, mine, side.ride, side.tags)
 
 
 def _fail(side: Side, link: Link | PeerPlane, error: LpsyncError) -> NoReturn:
@@ -452,19 +453,19 @@ def _agree(
     link: Link,
     deadline: float,
     mine: Summary,
-    small: SmallCollective | None,
+    ride: Ride | None,
     tags: tuple[int, int],
 ) -> Verdict:
     """Run this node's side of the agreement; raises the verdict's error on every node
     alike. ``mine`` is this node's summary (_go_summary() or failure_summary());
-    ``small`` carries a small collective's data (its result comes back in the Verdict)."""
+    ``ride`` carries a small collective's data (its result comes back in the Verdict)."""
     assert job.layout is not None
     nodes = job.layout.nodes
     up, down = tags
-    part = small.part if small is not None and "error" not in mine.fields else None
+    part = ride.part if ride is not None and "error" not in mine.fields else None
     if nodes <= EXCHANGE_MAX_NODES:
-        return _exchange(job, pending, link, deadline, mine, small, part, up)
-    return _tree(job, pending, link, deadline, mine, small, part, up, down)
+        return _exchange(job, pending, link, deadline, mine, ride, part, up)
+    return _tree(job, pending, link, deadline, mine, ride, part, up, down)
 
 
 class _Incoming:
@@ -516,28 +517,28 @@ def _too_large(peer: int) -> str:
     )
 
 
-def agree_later(side: Side, link: Link, mine: Summary) -> Later[Verdict | Exception] | None:
+def agree_later(side: Side, link: Link, mine: Summary) -> bool:
     """_agree() on a leaf of the tree whose connection to its parent takes callbacks (a
     Channel: the TCP backend's, whose reader calls back, and UCX's, whose progress thread
     does): send the summary with this node's part and leave the verdict to the thread that
     receives it, so that the collective finishes there and no thread is woken to learn of
-    it. The Later brings the Verdict, or the error _agree() would raise: the
-    verdict's, or the mesh's when it breaks or the deadline passes (the heartbeat
-    watchdog expires the wait). None where this node is not such a leaf: call _agree().
-    ``side.small``: the collective riding the agreement; None for a barrier (the
-    agreement is all of it)."""
-    job, pending, deadline, small = side.job, side.pending, side.deadline, side.small
-    assert job.layout is not None
+    it. That thread calls ``side.landed`` once with the Verdict, or the error _agree()
+    would raise: the verdict's, or the mesh's when it breaks or the deadline passes (the
+    heartbeat watchdog expires the wait; whichever comes first). False where this node is
+    not such a leaf: call _agree(). ``side.ride``: the collective riding the agreement;
+    None for a barrier (the agreement is all of it)."""
+    job, pending, deadline, ride, hand = side.job, side.pending, side.deadline, side.ride, side.landed
+    assert job.layout is not None and hand is not None
     nodes, node = job.layout.nodes, job.layout.node
     if node == 0 or nodes <= EXCHANGE_MAX_NODES:
-        return None
+        return False
     shape = _shape(nodes, link.agreement_radix, node)
     channel_of = getattr(link.endpoint, "channel", None)
     channel = None if shape.kids or channel_of is None else channel_of(shape.parent)
     if channel is None:
-        return None
+        return False
     up, down = side.tags
-    later: Later[Verdict | Exception] = Later()
+    once = threading.Lock()  # the reader and the watchdog may both come: the first hands it on
     buf = np.empty(_VERDICT_MESSAGE, np.uint8)
     posted: list[Any] = []  # the verdict's receive, once posted
 
@@ -556,29 +557,30 @@ def agree_later(side: Side, link: Link, mine: Summary) -> Later[Verdict | Except
         link.unwatch(key)
         try:
             error = failed(request) if request.error is not None else None
-            value: Verdict | Exception = error or _leaf_verdict(shape.parent, buf, small)
+            value: Verdict | Exception = error or _leaf_verdict(shape.parent, buf, ride)
         except Exception as unexpected:  # a malformed verdict: what _agree() would raise
             value = unexpected
         try:
-            later.set(value)  # the collective finishes here
+            if once.acquire(blocking=False):
+                hand(value)  # the collective finishes here
         except Exception:  # the reader serves the whole connection: it must go on
             log.exception("finishing a collective on its verdict's reader failed")
 
     def expire() -> None:  # on the watchdog, past the deadline
-        if posted and (error := failed(posted[0])) is not None:
-            later.set(error)
+        if posted and (error := failed(posted[0])) is not None and once.acquire(blocking=False):
+            hand(error)
 
     key = link.watch(deadline, expire)
     pending.waiting_nodes = (0,)
-    message = encode(mine.alone, small.part if small else None)
+    message = encode(mine.alone, ride.part if ride else None)
     # Both on the connection's channel: a send that fails (the mesh broke) fails the
     # posted receive too, which reports it through ``landed``.
     posted.append(channel.post((down << channel.shift) | channel.recv_bits, buf, landed))
     channel.send((up << channel.shift) | channel.send_bits, message, None)
-    return later
+    return True
 
 
-def _leaf_verdict(parent: int, buf: np.ndarray, small: SmallCollective | None) -> Verdict | LpsyncError:
+def _leaf_verdict(parent: int, buf: np.ndarray, ride: Ride | None) -> Verdict | LpsyncError:
     """What _tree makes of a leaf's verdict message in ``buf``: the go verdict carrying
     the result, or the verdict's error."""
     try:
@@ -588,7 +590,7 @@ def _leaf_verdict(parent: int, buf: np.ndarray, small: SmallCollective | None) -
         return _error({"error": ["INVALID_ARGUMENT", _unreadable(parent, error)]})
     if "error" in verdict:
         return _error(verdict)
-    return _go(raw).carrying(_as(small, payload) if small is not None else None)
+    return _go(raw).carrying(_as(ride, payload) if ride is not None else None)
 
 
 def _exchange(
@@ -597,7 +599,7 @@ def _exchange(
     link: Link,
     deadline: float,
     mine: Summary,
-    small: SmallCollective | None,
+    ride: Ride | None,
     part: np.ndarray | None,
     tag: int,
 ) -> Verdict:
@@ -623,12 +625,9 @@ def _exchange(
     judged = _judged_from(mine, incoming)  # every node judges: the same go verdict
     verdict = judge(summaries, pending.sequence, job.name, job.layout.daemon) if judged is None else judged[0]
     result = None
-    if small is not None and "error" not in verdict:
+    if ride is not None and "error" not in verdict:
         # A go verdict: every node sent its part (this one's too, no error here).
-        acc = _as(small, cast(np.ndarray, parts[0]))
-        for n in range(1, nodes):
-            acc = small.fold(acc, _as(small, cast(np.ndarray, parts[n])))
-        result = small.finish(acc)
+        result = _folded(ride, [cast(np.ndarray, parts[n]) for n in range(nodes)], True)
     if judged is None:
         return _apply(verdict, result, summaries)
     return judged[2].carrying(result)
@@ -641,8 +640,17 @@ def _judged_from(mine: Summary, incoming: list[_Incoming]) -> tuple[dict[str, An
     return _judged(raws) if all(raws) else None
 
 
-def _as(small: SmallCollective, part: np.ndarray) -> np.ndarray:
-    return part if part.dtype == small.dtype else part.view(small.dtype)
+def _as(ride: Ride, part: np.ndarray) -> np.ndarray:
+    return part if part.dtype == ride.dtype else part.view(ride.dtype)
+
+
+def _folded(ride: Ride, parts: list[np.ndarray], finish: bool) -> np.ndarray:
+    """The parts a node has (its own, then each received one, in node order) folded into
+    what it sends on; ``finish``: the result (ride.py). The one place the agreement
+    hands a ride its data, whichever shape (exchange, tree)."""
+    for i, part in enumerate(parts):
+        parts[i] = _as(ride, part)
+    return ride.folded(parts, finish)
 
 
 def _tree(
@@ -651,7 +659,7 @@ def _tree(
     link: Link,
     deadline: float,
     mine: Summary,
-    small: SmallCollective | None,
+    ride: Ride | None,
     part: np.ndarray | None,
     up: int,
     down: int,
@@ -662,7 +670,10 @@ def _tree(
     kids = shape.kids
     incoming = [_Incoming(link, kid, up, size) for kid, size in zip(kids, shape.kid_bytes, strict=True)]
     verdict_in = _Incoming(link, shape.parent, down, _VERDICT_MESSAGE) if node else None
-    summaries, acc = [mine.fields], part
+    summaries = [mine.fields]
+    # This node's part and each kid's, folded once all are in; None: nothing to fold
+    # (no ride, this node failed, or a kid sent what cannot be folded).
+    parts = None if part is None else [part]
     header: dict[str, Any] | bytes  # a received header, then the one sent up
     message: _Incoming | np.ndarray  # a kid's message, then the one sent down
     pending.waiting_nodes = shape.waiting[0]
@@ -670,15 +681,15 @@ def _tree(
         got = message.take(deadline)
         if isinstance(got, str):
             summaries.append({"node": kid, "ranks": "ranks unknown", "error": ["INVALID_ARGUMENT", got]})
-            acc = None
+            parts = None
             continue
         header, payload, _ = got
         theirs = header["summaries"]
         summaries.extend(theirs)
-        if acc is not None:
-            assert small is not None
-            # Another collective's data cannot be folded: the verdict will be a mismatch.
-            acc = small.fold(acc, _as(small, payload)) if _same_data(mine.alone, message.raw) else None
+        if parts is not None and _same_data(mine.alone, message.raw):
+            parts.append(payload)
+        else:  # another collective's data cannot be folded: the verdict will be a mismatch
+            parts = None
         pending.waiting_nodes = shape.waiting[i + 1]
     base = None  # the go verdict read once (_judged, _go), where there is one
     if node == 0:
@@ -688,12 +699,13 @@ def _tree(
         else:
             verdict, said = judge(summaries, pending.sequence, job.name, job.layout.daemon), None
         result = None
-        if small is not None and "error" not in verdict:
-            assert acc is not None  # every node agreed, so every node sent its part
-            result = small.finish(acc)
+        if ride is not None and "error" not in verdict:
+            assert parts is not None  # every node agreed, so every node sent its part
+            result = _folded(ride, parts, True)
         message = encode(said or {"verdict": verdict}, result)
     else:
         header = mine.alone if not kids else {"summaries": summaries}
+        acc = _folded(ride, parts, False) if ride is not None and parts is not None else None
         sent = link.endpoint.send(shape.parent, up, encode(header, acc))
         pending.waiting_nodes = (0,)
         assert verdict_in is not None
@@ -706,12 +718,12 @@ def _tree(
         else:
             header, payload, message = got  # forwarded as it came
             verdict = header["verdict"]
-            result = _as(small, payload) if small is not None and "error" not in verdict else None
+            result = _as(ride, payload) if ride is not None and "error" not in verdict else None
     messages = [message] * len(kids)
-    if kids and small is not None and result is not None and result.size and not small.everywhere:
+    if kids and ride is not None and result is not None and result.size and not ride.everywhere:
         # Reduce and gather: the result only down the subtree of the root's node; the
         # others take the verdict alone (on 8 nodes, 1 of node 0's 7 copies of it).
-        there = job.layout.node_of[small.root]
+        there = job.layout.node_of[ride.root]
         bare = encode(verdict_in.raw if verdict_in is not None else said or {"verdict": verdict})
         messages = [
             message if kid <= there < end else bare for kid, end in zip(kids, shape.ends, strict=True)

@@ -3,22 +3,25 @@ node reports alike.
 
 A collective the agreement finishes (a barrier, or a small one whose data rode it) is
 finished here from its verdict: on the calling thread, or where the verdict lands
-(agreement.py's leaves: the TCP reader, UCX's progress thread). A failed one reports
-what broke: an internal error breaks the mesh, so that the other nodes fail it now
-instead of at their timeout; a broken mesh says what broke it (a lost peer, a timeout).
-Either way this call's part in node 0's learning is undone (learning.py).
+(agreement.py's leaves: the TCP reader, UCX's progress thread, which call ``landed``).
+One that runs on the general path leaves here running (runners.py). A failed one
+reports what broke: an internal error breaks the mesh, so that the other nodes fail it
+now instead of at their timeout; a broken mesh says what broke it (a lost peer, a
+timeout). Either way this call's part in node 0's learning is undone (learning.py), and
+a call that failed on this node's thread drops the job's armed channels
+(native_across.py), which a ride that rode the agreement then arms.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lpsync.daemon.collectives import native_across
 from lpsync.daemon.collectives.agreement import EXCHANGE_MAX_NODES, Verdict
 from lpsync.daemon.collectives.learning import Learner
 from lpsync.daemon.collectives.planning import Proposal
-from lpsync.daemon.collectives.small import SmallCollective
+from lpsync.daemon.collectives.ride import Ride
 from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.peers.plane import Link, PeerPlane
 from lpsync.daemon.values import RUNNING, Later, Outcome
@@ -36,80 +39,82 @@ _MAY_HAVE_FINISHED = (
 
 @dataclass
 class Finish:
-    """What finishing ``task`` needs: its plane and link, node 0's learner, this node's
-    last trial time (``last``, taken for the summary) and its proposal (None: not made
-    yet)."""
+    """What finishing a task needs beside it: its plane and link, node 0's learner (the
+    job's), this node's proposal (None: not made yet), whether it rides the agreement
+    (``rides``: a barrier, or a Ride's data) and the Outcome a reader brings where the
+    verdict lands there (``landed``)."""
 
-    task: Task
     plane: PeerPlane
     link: Link
     learner: Learner
-    last: tuple[int, float] | None = None
     proposal: Proposal | None = None
+    rides: bool = False
+    later: Later[Outcome] = field(default_factory=Later)
 
     def agreed(
-        self, agreed: Verdict | Later[Verdict | Exception], ride: bool, small: SmallCollective | None
+        self, task: Task, agreed: Verdict | None, ride: Ride | None
     ) -> Outcome | Later[Outcome] | None:
-        """The verdict came: node 0 learns the trial times it carries, and the call runs.
-        A collective the agreement finishes (``ride``: a barrier, or ``small`` riding it)
-        is finished here: its Outcome, or a Later that the verdict's reader fills where
-        the verdict lands (``agreed`` a Later: agreement.py's leaves). None: the call
-        runs on the general path (runners.py)."""
-        if isinstance(agreed, Later):
-            return self._later(small, agreed)
-        if not ride:
-            self._running(agreed)
-            return None
-        task, outcome = self.task, self._ridden(small, agreed)
-        if small is not None and not task.on_device:  # armed where every node offered
-            outcome.armed = native_across.after_ride(task, self.plane, agreed)
+        """``task``'s verdict came (None: it lands on a reader, ``landed``): the call
+        runs, or the agreement finished it (``rides``; ``ride`` the data that rode): its
+        Outcome, armed where every node offered to. None: the call runs on the general
+        path (runners.py)."""
+        if agreed is None:
+            return self.later
+        outcome = self._ran(task, agreed, ride)
+        if outcome is not None:  # armed where every node offered to (a ride on host buffers)
+            outcome.armed = self._after(task, agreed, ride)
         return outcome
 
-    def _running(self, verdict: Verdict) -> None:
-        """Node 0 takes the trial times the other nodes reported in their summaries."""
+    def _ran(self, task: Task, verdict: Verdict, ride: Ride | None) -> Outcome | None:
+        """Node 0 takes the trial times the other nodes reported in their summaries, and
+        the call runs; one the agreement finished has its result written (``ride``)."""
         for node, sequence, seconds in verdict.reports:
             self.learner.report(node, sequence, seconds)
-        self.task.pending.enter(RUNNING)
-
-    def _ridden(self, small: SmallCollective | None, verdict: Verdict) -> Outcome:
-        """A collective the agreement finished (with the result of one riding it,
-        ``small``; None: a barrier): write the result."""
-        self._running(verdict)
-        task = self.task
-        if small is None:
+        task.pending.enter(RUNNING)
+        if not self.rides:
+            return None
+        if ride is None:  # a barrier: the agreement was all of it
             return Outcome(algorithm="exchange", chunks=1, seconds=task.elapsed())
         assert verdict.result is not None and task.job.layout is not None
-        small.write(verdict.result)
+        ride.write(verdict.result)
         shape = "exchange" if task.job.layout.nodes <= EXCHANGE_MAX_NODES else "tree"
         return Outcome(algorithm=shape, chunks=1, seconds=task.elapsed())
 
-    def _later(self, small: SmallCollective | None, agreed: Later[Verdict | Exception]) -> Later[Outcome]:
-        """``_ridden`` where the verdict lands (never armed: no node offered to)."""
-        finished: Later[Outcome] = Later()
+    def landed(self, task: Task, ride: Ride | None, verdict: Verdict | Exception) -> None:
+        """``agreed`` where the verdict lands, on the reader that agreement.agree_later
+        hands it to (never armed: no node offered to); ``later`` brings the Outcome."""
+        try:
+            if isinstance(verdict, Exception):
+                raise verdict
+            outcome = self._ran(task, verdict, ride)
+            assert outcome is not None  # only a riding collective's verdict lands later
+        except Exception as error:  # on a reader thread: every error becomes the outcome
+            outcome = Outcome(self._reported(task, error))
+        self.later.set(outcome)
 
-        def then(verdict: Verdict | Exception) -> None:
-            try:
-                if isinstance(verdict, Exception):
-                    raise verdict
-                outcome = self._ridden(small, verdict)
-            except Exception as error:  # on a reader thread: every error becomes the outcome
-                outcome = Outcome(self.failed(error))
-            finished.set(outcome)
+    def failed(self, task: Task, error: Exception) -> LpsyncError:
+        """The error ``task``, which failed across nodes with ``error`` on this node's
+        thread, reports (``_reported``); the job's armed channels start afresh."""
+        reported = self._reported(task, error)
+        self._after(task, None, None)
+        return reported
 
-        agreed.then(then)
-        return finished
+    def _after(self, task: Task, verdict: Verdict | None, ride: Ride | None) -> tuple[str, int, int] | None:
+        """The finish stage's one look at armed plans after the call (native_across.py):
+        ``task``'s ride armed (``verdict``), or, failed (None), the job's channels gone."""
+        return native_across.after(task, self.plane, verdict, ride)
 
-    def failed(self, error: Exception) -> LpsyncError:
+    def _reported(self, task: Task, error: Exception) -> LpsyncError:
         """The error a collective that failed across nodes with ``error`` reports: an
         internal error breaks the mesh; a broken mesh says what broke it (a lost peer, a
         timeout); anything else is ``error`` itself. Undoes this call's part in node 0's
         learning."""
-        task, link, learner = self.task, self.link, self.learner
+        link, learner, proposal = self.link, self.learner, self.proposal
         job, pending = task.job, task.pending
-        if self.proposal is not None and self.proposal.trial:
+        if proposal is not None and proposal.trial:
             learner.abandon(pending.sequence)
-        if self.last is not None:
-            learner.ran(*self.last)  # node 0 may not have it: it goes again with the next one
+        if proposal is not None and proposal.last is not None:
+            learner.ran(*proposal.last)  # node 0 may not have it: it goes again with the next one
         if not isinstance(error, LpsyncError):
             return _internal(task, link, error)
         if link.error is not None and not isinstance(error, MismatchError):

@@ -96,8 +96,9 @@ def _keep(size: _Size) -> Choice:
 
 
 class Learner:
-    """One job's learning on one node: node 0 chooses (``choose``, ``issued``, ``report``),
-    every node keeps the time of its latest trial to report (``ran``, ``take_last``)."""
+    """One job's learning on one node (the job makes it: matching.Job.place): node 0
+    chooses (``choose``, ``report``), every node keeps the time of its latest trial to
+    report (``ran``, ``take_last``)."""
 
     def __init__(self, nodes: int) -> None:
         self.nodes = nodes
@@ -108,9 +109,16 @@ class Learner:
         self._last: tuple[int, float] | None = None  # this node's latest trial: (seq, s)
 
     # -- node 0 --------------------------------------------------------------------------
-    def choose(self, key: Key, predict: Callable[[], list[Choice]]) -> tuple[Choice, bool]:
-        """What to run for ``key`` and whether it is a trial. ``predict()``: the model's
-        candidates (``candidates``), asked the first time ``key`` is seen."""
+    def choose(self, key: Key, predict: Callable[[], list[Choice]], sequence: int) -> tuple[Choice, bool]:
+        """What collective ``sequence`` runs for ``key`` and whether it is a trial (then
+        handed out: ``report`` times it). ``predict()``: the model's candidates
+        (``candidates``), asked the first time ``key`` is seen."""
+        choice, trial = self._choose(key, predict)
+        if trial:
+            self._issued(sequence, key, choice)
+        return choice, trial
+
+    def _choose(self, key: Key, predict: Callable[[], list[Choice]]) -> tuple[Choice, bool]:
         with self._lock:
             size = self._sizes.get(key)
             if size is None:
@@ -131,7 +139,7 @@ class Learner:
             # Every trial handed out, some not timed yet: the model's pick meanwhile.
             return min(size.shortlist, key=lambda c: c.seconds), False
 
-    def issued(self, sequence: int, key: Key, choice: Choice) -> None:
+    def _issued(self, sequence: int, key: Key, choice: Choice) -> None:
         """Node 0 runs trial ``sequence`` of ``choice``."""
         with self._lock:
             self._pending[sequence] = (key, _pick(choice), {})

@@ -134,7 +134,8 @@ class Job:
         self.native: ArmedPlans | None = None
         self.native_retry_at = 0.0  # no armed plans across nodes before (native_across.py)
         self._native = native
-        self.learner: Learner | None = None  # multi-node: what node 0 learned (learning.py)
+        # Multi-node: what node 0 learned (learning.py), one per layout (path.py uses it).
+        self.learner: Learner | None = Learner(layout.nodes) if layout is not None else None
         # For metrics (read at scrape time): the unix time the job last completed a
         # collective (its creation before that).
         self.last_progress = time.time()
@@ -219,6 +220,8 @@ class Job:
             self.native.drop_net()
             self.native.activate(layout.local_ranks if layout is not None else range(self.world_size))
         with self.lock:
+            if layout is None or self.learner is None or layout != self.layout:
+                self.learner = Learner(layout.nodes) if layout is not None else None
             self.layout = layout
             self.local_ranks = layout.local_ranks if layout is not None else range(self.world_size)
 

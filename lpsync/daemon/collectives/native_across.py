@@ -1,10 +1,12 @@
 """Armed plans across nodes: when a multi-node collective may run natively, and how.
 
-The general path's summary offers it (``offer``) where this node could: the engine is
+The general path's summary offers it (``_offer``) where this node could: the engine is
 built and the job may run natively (--native), the peer transport is TCP (the engine's
 channels are TCP sockets), the buffers are host memory, and the collective is pipelined
-(not a barrier). Where every node offered, the verdict
-carries every node's channel address; after a run that succeeded (``after_run``):
+(not a barrier): ``before``, the multi-node path's one look at armed plans before the
+agreement. Where every node offered, the verdict carries every node's channel address;
+after a run that succeeded (``after_run``: the pipeline's; ``after``: a small
+collective's that rode the agreement, the finish stage's one look after it):
   - channels not connected everywhere: each node connects the job's (a lower node dials
     every higher one, peers/native_channels.py); the next identical call's verdict says
     they are;
@@ -16,6 +18,7 @@ Node 0's trials of a schedule (learning.py) are not armed: an armed plan is the 
 A node whose ranks take the general path for a call while the job has channels says so
 first (``notice``): armed peers fall back at once, nothing written (the engine's GO
 round), and the call runs on the general path everywhere, which names any difference.
+A call that failed across nodes drops the job's channels (``after`` without a verdict).
 An armed run that failed after its GO round (a peer lost, a timeout, a message of
 another call) is ``failure``'s: the engine records the code and the node, the ranks send
 the call the general way, and it fails there with the error of docs/reliability.md,
@@ -33,20 +36,22 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from lpsync.algorithms import generate, select
+from lpsync.algorithms.cost import busbw_factor
 from lpsync.algorithms.schedule import Schedule
 from lpsync.daemon.collectives.plans import plan_key
 from lpsync.daemon.collectives.task import Task
-from lpsync.daemon.collectives.views import buffers, facts, reduction
+from lpsync.daemon.collectives.views import buffers, reduction
 from lpsync.errors import CollectiveTimeoutError, LpsyncError, MismatchError, UnavailableError
 from lpsync.native import LOST, MISMATCH, TIMEOUT
 from lpsync.native import engine as native_engine
-from lpsync.native.across import MAX_NODES, STAR_OPS, NodeProgram, compile_node, star
+from lpsync.native.across import MAX_NODES, STAR_OPS, compile_node, star
 from lpsync.reduction import Reduction
 from lpsync.transport.addresses import PeerAddress
 from lpsync.types import Collective
 
 if TYPE_CHECKING:
     from lpsync.daemon.collectives.agreement import Verdict
+    from lpsync.daemon.collectives.ride import Ride
     from lpsync.daemon.peers.plane import PeerPlane
 
 log = logging.getLogger("lpsync.daemon")
@@ -70,10 +75,10 @@ def before(task: Task, plane: PeerPlane) -> LpsyncError | tuple[tuple[str, Any],
         drop(task)
         return failed
     notice(task)
-    return offer(task, plane)
+    return _offer(task, plane)
 
 
-def offer(task: Task, plane: PeerPlane) -> tuple[tuple[str, Any], ...]:
+def _offer(task: Task, plane: PeerPlane) -> tuple[tuple[str, Any], ...]:
     """This node's summary field: ("native", (host, port, channels connected)), or none."""
     job = task.job
     layout = job.layout
@@ -109,86 +114,95 @@ def drop(task: Task) -> None:
         task.job.native.drop_net()
 
 
-def after_ride(task: Task, plane: PeerPlane, verdict: Verdict) -> tuple[str, int, int] | None:
-    """After a small collective that rode the agreement: armed as a star on the GO round
-    (its native twin, lpsync/native/across.py), or for the ops a star does not serve as
-    the schedule the tuner picks on the agreed link model (the same on every node)."""
-    layout = task.job.layout
-    if not verdict.native or layout is None:
+Armed = tuple[str, int, int]  # the reply's (doorbell page, plan, generation)
+Views = list[tuple[np.ndarray, np.ndarray]]
+ViewsOf = Callable[[], tuple[Views, Reduction | None]]  # asked only to compile a new plan
+
+
+def after(task: Task, plane: PeerPlane, verdict: Verdict | None, ride: Ride | None) -> Armed | None:
+    """This node's armed side of a call after it (finish.py: the path's one look at it
+    there): a call that failed (``verdict`` None) drops the job's channels (``drop``); a
+    small collective that rode the agreement (``ride``, host buffers) is armed as a star
+    on the GO round (its native twin, lpsync/native/across.py), or for the ops a star
+    does not serve as the schedule the tuner picks on the agreed link model (the same on
+    every node)."""
+    if verdict is None:
+        drop(task)
         return None
-    if task.op in STAR_OPS:
-        spec = task.spec
-
-        def compile_star(views: Views, reduce: Reduction | None) -> NodeProgram | None:
-            return star(task.op, spec.count, spec.root, layout.node_of, layout.node, views, reduce)
-
-        return _arm_or_connect(task, plane, verdict, "star", 1, compile_star)
-    choice = select(task.op, task.nbytes, task.participants, verdict.model)
-    schedule = generate(
-        task.op, choice.algorithm, task.participants, task.spec.count, task.spec.root, choice.chunks
-    )
-    return after_run(task, plane, verdict, schedule, choice.algorithm, choice.chunks)
+    if ride is None or task.on_device or not _armable(task, plane, verdict):
+        return None
+    return _arm(task, verdict, None, lambda: (ride.buffers, ride.reduction))
 
 
 def after_run(
     task: Task, plane: PeerPlane, verdict: Verdict, schedule: Schedule, algorithm: str, chunks: int
-) -> tuple[str, int, int] | None:
-    """After a run of ``schedule`` that succeeded: connect the channels or arm its plan,
-    as the verdict allows; the Armed reply (page, plan, generation) once armed."""
-    layout = task.job.layout
-    if layout is None:
+) -> Armed | None:
+    """After a run of ``schedule`` that succeeded (runners.py's pipeline, host buffers):
+    connect the channels or arm its plan, as the verdict allows; the Armed reply once
+    armed."""
+    if not _armable(task, plane, verdict):
         return None
 
-    def compile_schedule(views: Views, reduce: Reduction | None) -> NodeProgram | None:
-        return compile_node(schedule, layout.node_of, layout.node, views, reduce)
-
-    return _arm_or_connect(task, plane, verdict, algorithm, chunks, compile_schedule)
-
-
-Views = list[tuple[np.ndarray, np.ndarray]]
-
-
-def _arm_or_connect(
-    task: Task,
-    plane: PeerPlane,
-    verdict: Verdict,
-    algorithm: str,
-    chunks: int,
-    compile_program: Callable[[Views, Reduction | None], NodeProgram | None],
-) -> tuple[str, int, int] | None:
-    job, layout, native = task.job, task.job.layout, task.job.native
-    if not verdict.native or verdict.trial or native is None or layout is None:
-        return None
-    if not verdict.native_ready:
-        _connect(task, plane, verdict)
-        return None
-    key = plan_key(task.spec, ("across", algorithm, chunks), task.arrivals)
-    plan = native.find(key)
-    if plan is None:
+    def views_of() -> tuple[Views, Reduction | None]:
         p = task.participants
         views = cast("Views", [buffers(task.spec, a, p) for a in task.arrivals])
-        compiled = compile_program(views, reduction(task.spec, task.dtype, p))
+        return views, reduction(task.spec, task.dtype, p)
+
+    return _arm(task, verdict, (schedule, algorithm, chunks), views_of)
+
+
+def _armable(task: Task, plane: PeerPlane, verdict: Verdict) -> bool:
+    """Whether the call may be armed now: every node offered, not one of node 0's trials
+    (an armed plan is the settled one), and the job's channels connected everywhere;
+    where they are not, each node connects them now (``_connect``) and the next identical
+    call's verdict says they are."""
+    if not verdict.native or verdict.trial or task.job.native is None or task.job.layout is None:
+        return False
+    if not verdict.native_ready:
+        _connect(task, plane, verdict)
+        return False
+    return True
+
+
+def _arm(
+    task: Task, verdict: Verdict, ran: tuple[Schedule, str, int] | None, views_of: ViewsOf
+) -> Armed | None:
+    """Arm this node's part of the call's plan (``ran``: the schedule that ran, with its
+    algorithm and chunks; None: a ride's, a star or the tuner's pick), compiled the first
+    time; the Armed reply."""
+    job, layout, native, spec = task.job, task.job.layout, task.job.native, task.spec
+    assert layout is not None and native is not None
+    if ran is not None:
+        schedule, algorithm, chunks = ran
+    elif task.op in STAR_OPS:
+        schedule, algorithm, chunks = None, "star", 1
+    else:
+        choice = select(task.op, task.nbytes, task.participants, verdict.model)
+        schedule, algorithm, chunks = None, choice.algorithm, choice.chunks
+    key = plan_key(spec, ("across", algorithm, chunks), task.arrivals)
+    plan = native.find(key)
+    if plan is None:
+        views, reduce = views_of()
+        if algorithm == "star":
+            compiled = star(task.op, spec.count, spec.root, layout.node_of, layout.node, views, reduce)
+        else:
+            if schedule is None:
+                schedule = generate(task.op, algorithm, task.participants, spec.count, spec.root, chunks)
+            compiled = compile_node(schedule, layout.node_of, layout.node, views, reduce)
         if compiled is None:
             return None
-        _, _, nbytes, bus = facts(task.spec, p)
-        series = (task.spec.op, algorithm, task.spec.dtype, nbytes, bus)
+        series = (spec.op, algorithm, spec.dtype, task.nbytes, busbw_factor(task.op, task.participants))
         handles = tuple(h for a in task.arrivals for h in a.handles)
         flat = [v for pair in views for v in pair]
-        plan = native.arm(
-            key,
-            compiled.program,
-            flat,
-            task.timeout,
-            handles,
-            series,
-            task.spec,
-            net_key=_identity(job.name, task.spec, algorithm, chunks, layout.node_of),
-        )
+        # The plan's key in every message header: the same on every node, never 0.
+        text = repr((job.name, tuple(spec), algorithm, chunks, layout.node_of)).encode()
+        net_key = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") or 1
+        plan = native.arm(key, compiled.program, flat, task.timeout, handles, series, spec, net_key=net_key)
         if plan is None:
             return None
         log.info(
             "collective armed across nodes",
-            extra={"job": job.name, "op": task.spec.op, "algorithm": algorithm, "count": task.spec.count},
+            extra={"job": job.name, "op": spec.op, "algorithm": algorithm, "count": spec.count},
         )
     return plan.reply
 
@@ -252,9 +266,3 @@ def _connect(task: Task, plane: PeerPlane, verdict: Verdict) -> None:
             error,
             extra={"job": job.name},
         )
-
-
-def _identity(job: str, spec: Any, algorithm: str, chunks: int, node_of: tuple[int, ...]) -> int:
-    """The plan's key in every message header: the same on every node, never 0."""
-    text = repr((job, tuple(spec), algorithm, chunks, node_of)).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") or 1

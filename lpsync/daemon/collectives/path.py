@@ -26,12 +26,12 @@ out their timeout, which breaks the mesh anyway; it breaks the mesh at once inst
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from dataclasses import replace
+from typing import Any
 
 from lpsync.daemon.collectives import agreement, hierarchy, native_across, planning, runners, small
 from lpsync.daemon.collectives.finish import Finish
-from lpsync.daemon.collectives.learning import Learner
 from lpsync.daemon.collectives.matching import Job
 from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.device_registry import DeviceRegistry
@@ -60,12 +60,12 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
     the one call for every branch) -> select and run (the agreement itself where the data
     rides it, else runners.py by the verdict) -> finish (finish.py). Each stage is
     called from here alone and none calls back."""
-    job, pending = task.job, task.pending
-    assert job.layout is not None
+    job, pending, learner = task.job, task.pending, task.job.learner
+    assert job.layout is not None and learner is not None
     deadline = time.monotonic() + task.timeout
-    # The agreement's tags, made once here and handed down (lpsync.transport.tags).
-    side = agreement.Side(job, pending, agreement_tags(job.name, pending.sequence), deadline)
+    tags = agreement_tags(job.name, pending.sequence)  # made once here, handed down
     where: Link | PeerPlane = plane
+    failed: LpsyncError | None = None  # this node's own failure: every node fails the call
     finish: Finish | None = None
     try:
         where = link = plane.link(deadline).for_job(job.layout.cluster)
@@ -73,42 +73,64 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
         # No mesh (lost, or rebuilt while this waited): nodes whose new mesh is up by the
         # time their ranks arrive would wait out their timeout for this node's part; the
         # agreement owes it to the next mesh.
-        side = replace(side, error=error)
+        failed = error
     try:
-        if side.error is None:
+        # matched -> what this node brings: its armed side (native_across.py), its
+        # devices' segment (hierarchy.py), whether its data rides the agreement (small.py).
+        brought: tuple[tuple[str, Any], ...] = ()
+        if failed is None:
             armed = native_across.before(task, plane)
             if isinstance(armed, LpsyncError):
                 # Its armed run failed here: it fails on every node; the nodes that run
                 # it on the general path learn it, bounded (an armed node never comes).
-                side = replace(side, error=armed, deadline=time.monotonic() + _NOTIFY_TIMEOUT)
+                failed, deadline = armed, time.monotonic() + _NOTIFY_TIMEOUT
             else:
-                if job.learner is None:
-                    job.learner = Learner(job.layout.nodes)
+                finish = Finish(plane, link, learner)
+                brought = hierarchy.offer(task, devices) + armed
+                # Finished once agreed: a barrier, or a collective whose data rides.
+                finish.rides = task.op is Collective.BARRIER or small.rides(task)
+        rides = finish is not None and finish.rides
+        with small.riding(task, devices, deadline) if rides else contextlib.nullcontext() as ride:
+            landed = None
+            if finish is not None:
                 # What node 0 learned (learning.py), and an earlier trial's time for it.
-                finish = Finish(task, plane, link, job.learner, job.learner.take_last())
-                finish.proposal = planning.propose(task, finish.learner, link, finish.last)
-                offers = finish.proposal.extras + hierarchy.offer(task, devices) + armed
-                side = replace(side, spec=task.spec, offers=offers)
-        # Finished once agreed: a barrier, or a collective whose data rides the agreement.
-        rides = side.error is None and (task.op is Collective.BARRIER or small.rides(task))
-        # On this thread where it may be armed (arming may connect sockets) or is staged
-        # from devices (the staging ends with this block); else where the verdict lands.
-        later = rides and not task.on_device and all(name != "native" for name, _ in side.offers)
-        with small.riding(task, devices, deadline) if rides else contextlib.nullcontext() as riding:
-            agreed = agreement.agree(replace(side, small=riding, later=later), where)
+                finish.proposal = planning.propose(task, learner, link, rides)
+                brought = finish.proposal.extras + brought
+                # On this thread where it may be armed (arming may connect sockets) or
+                # is staged from devices (the staging ends with this block); else where
+                # the verdict lands (finish.landed, on that thread).
+                if rides and not task.on_device and all(name != "native" for name, _ in brought):
+                    landed = functools.partial(finish.landed, task, ride)
+            # -> agreed (every branch: a node that failed brings its error instead)
+            spec = task.spec if failed is None else None
+            agreed = agreement.agree(
+                agreement.Side(
+                    job,
+                    pending,
+                    tags,
+                    deadline,
+                    spec=spec,
+                    offers=brought,
+                    error=failed,
+                    ride=ride,
+                    landed=landed,
+                ),
+                where,
+            )
             assert finish is not None  # a failed side raised its error
-            finished = finish.agreed(agreed, rides, riding)
+            # -> finished, where the agreement was all of it (a barrier, a ride)
+            finished = finish.agreed(task, agreed, ride)
             if finished is not None:
                 return finished
-        assert not isinstance(agreed, Later)  # only a riding collective's verdict lands later
+        # -> selected and run by the verdict (runners.py); its Outcome is the finish
+        assert agreed is not None  # only a riding collective's verdict lands later
         steps = planning.tag_base(job.name, pending.sequence)  # the schedule's message tags
-        context = runners.Context(devices, link, agreed, finish.learner, deadline, steps, plane)
+        context = runners.Context(devices, link, agreed, learner, deadline, steps, plane)
         return runners.run(task, context)
     except Exception as error:
         if finish is None:  # this node's own failure, told to the others: raised as it is
             raise
-        native_across.drop(task)  # a failed call: the job's channels start afresh
-        reported = finish.failed(error)
+        reported = finish.failed(task, error)  # a failed call: the job's channels start afresh
         if reported is error:
             raise
         raise reported from (error if not isinstance(error, LpsyncError) else None)

@@ -20,7 +20,6 @@ from lpsync.algorithms.tuner import chunks_for
 from lpsync.daemon.collectives.hierarchy import HIERARCHICAL
 from lpsync.daemon.collectives.learning import Key, Learner, candidates
 from lpsync.daemon.collectives.plans import plan_key
-from lpsync.daemon.collectives.small import rides
 from lpsync.daemon.collectives.staging import Staged
 from lpsync.daemon.collectives.task import Task
 from lpsync.daemon.collectives.views import buffers, reduction
@@ -43,35 +42,40 @@ class Proposal:
 
     extras: tuple[tuple[str, Any], ...]  # the summary's learning fields ("use", "trial", "last")
     trial: bool  # node 0 times this run
+    last: tuple[int, float] | None  # this node's latest trial (sequence, seconds), reported
 
 
-def learns(task: Task) -> bool:
+def learns(task: Task, rides: bool) -> bool:
     """Node 0 picks (and times) the schedule: a pipelined collective, algorithm not forced,
-    and not one that device buffers run in hierarchy.py's segments (picked per segment)."""
+    not one whose data rides the agreement (``rides``, small.rides), and not one that
+    device buffers run in hierarchy.py's segments (picked per segment)."""
     return (
         task.op is not Collective.BARRIER
         and not task.spec.algorithm
-        and not rides(task)
+        and not rides
         and not (task.on_device and task.op in HIERARCHICAL)
     )
 
 
-def propose(task: Task, learner: Learner, link: Link, last: tuple[int, float] | None) -> Proposal:
-    """This node's learning fields; ``last``: its latest trial's (sequence, seconds)."""
+def propose(task: Task, learner: Learner, link: Link, rides: bool) -> Proposal:
+    """This node's learning fields (learning.py, the job's ``learner``): its latest
+    trial's time for node 0, and on node 0 what every node runs."""
     assert task.job.layout is not None
+    chooses = task.job.layout.node == 0 and learns(task, rides)
+    key = _key(task)
+    last = learner.take_last()
     extras: list[tuple[str, Any]] = []
     if last is not None:
         extras.append(("last", last))  # a trial's time for node 0 (learning.py)
     trial = False
-    if task.job.layout.node == 0 and learns(task):
+    if chooses:
         model = link.model
         assert model is not None
-        key = _key(task)
-        choice, trial = learner.choose(key, lambda: candidates(task.op, key[1], task.participants, model))
+        choice, trial = learner.choose(
+            key, lambda: candidates(task.op, key[1], task.participants, model), task.pending.sequence
+        )
         extras += [("use", (choice.algorithm, choice.chunks)), ("trial", trial)]
-        if trial:
-            learner.issued(task.pending.sequence, key, choice)
-    return Proposal(tuple(extras), trial)
+    return Proposal(tuple(extras), trial, last)
 
 
 def _key(task: Task) -> Key:

@@ -138,3 +138,65 @@ def test_the_agreement_takes_its_tags_from_above() -> None:
         (1, "lpsync.transport.tags"),
         (1, "lpsync.transport.tags.SPEC"),
     ]
+
+
+def _importers(name: str) -> set[str]:
+    """The modules under lpsync/ (paths relative to it) that import ``name``."""
+    found = set()
+    for module in sorted(PACKAGE.rglob("*.py")):
+        dotted = ".".join(module.relative_to(PACKAGE.parent).with_suffix("").parts)
+        package = dotted if module.name == "__init__.py" else dotted.rpartition(".")[0]
+        if imports_of(name, module.read_text(), package):
+            found.add(str(module.relative_to(PACKAGE)))
+    return found
+
+
+def test_armed_plans_are_looked_at_before_the_agreement_after_it_and_after_a_run() -> None:
+    # path.py: native_across.before; finish.py: native_across.after (a ride armed, or a
+    # failure's channels dropped); runners.py: after_run, the pipeline's.
+    assert _importers("lpsync.daemon.collectives.native_across") == {
+        "daemon/collectives/path.py",
+        "daemon/collectives/finish.py",
+        "daemon/collectives/runners.py",
+    }
+    calls = {
+        (node.func.attr, function.name)
+        for function in ast.walk(ast.parse((COLLECTIVES / "finish.py").read_text()))
+        if isinstance(function, ast.FunctionDef)
+        for node in ast.walk(function)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "native_across"
+    }
+    assert calls == {("after", "_after")}  # one call, from one function of the finish stage
+
+
+def test_a_rides_data_is_folded_by_the_agreement_and_written_by_the_finish() -> None:
+    # The agreement hands a Ride its parts (ride.py) and knows nothing of small.py (which
+    # decides what rides and makes each node's part); nor of values.Later: a verdict
+    # that lands on a reader goes to a plain callback (Side.landed).
+    agreement = (COLLECTIVES / "agreement.py").read_text()
+    package = "lpsync.daemon.collectives"
+    assert imports_of("lpsync.daemon.collectives.small", agreement, package) == []
+    assert imports_of("lpsync.daemon.collectives.ride", agreement, package)
+    assert imports_of("lpsync.daemon.values.Later", agreement, package) == []
+    assert _importers("lpsync.daemon.collectives.ride") == {
+        "daemon/collectives/agreement.py",
+        "daemon/collectives/finish.py",
+        "daemon/collectives/native_across.py",  # for type checks: a Ride's views are armed
+        "daemon/collectives/small.py",
+    }
+
+
+def test_a_jobs_learner_is_made_by_the_job() -> None:
+    made = {}
+    for module in sorted(PACKAGE.rglob("*.py")):
+        calls = [
+            node.lineno
+            for node in ast.walk(ast.parse(module.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Learner"
+        ]
+        if calls:
+            made[str(module.relative_to(PACKAGE))] = len(calls)
+    assert made == {"daemon/collectives/matching.py": 2}  # made with the job, or its new layout

@@ -33,10 +33,9 @@ def _run(learner: Learner, nodes: int, calls: int) -> list[tuple[str, bool]]:
             for node in range(nodes):
                 learner.report(node, last, MEASURED[seen[-1][0]] + node * 1e-3)
             last = None
-        choice, trial = learner.choose(KEY, lambda: PREDICTED)
+        choice, trial = learner.choose(KEY, lambda: PREDICTED, sequence)  # a trial is handed out
         seen.append((choice.algorithm, trial))
         if trial:
-            learner.issued(sequence, KEY, choice)
             last = sequence
     return seen
 
@@ -59,24 +58,21 @@ def test_a_near_tie_goes_to_the_fewest_chunks() -> None:
     measured = {8: 0.566 * (1 + NEAR * 0.8), 4: 0.566 * (1 + NEAR * 1.5), 16: 0.566}
     learner = Learner(nodes=1)
     for sequence in range(3 * TRIALS):
-        choice, trial = learner.choose(KEY, lambda: predicted)
+        choice, trial = learner.choose(KEY, lambda: predicted, sequence)
         assert trial
-        learner.issued(sequence, KEY, choice)
         learner.report(0, sequence, measured[choice.chunks])
     assert learner.learned(KEY) == predicted[0]
     # Without the 8-chunk candidate, 16 chunks is the only one within reach.
     learner = Learner(nodes=1)
     for sequence in range(2 * TRIALS):
-        choice, _ = learner.choose(KEY, lambda: predicted[1:])
-        learner.issued(sequence, KEY, choice)
+        choice, _ = learner.choose(KEY, lambda: predicted[1:], sequence)
         learner.report(0, sequence, measured[choice.chunks])
     assert learner.learned(KEY) == predicted[2]
 
 
 def test_the_slowest_node_counts() -> None:
     learner = Learner(nodes=2)
-    learner.choose(KEY, lambda: PREDICTED)
-    learner.issued(7, KEY, PREDICTED[2])
+    assert learner.choose(KEY, lambda: PREDICTED, 7) == (PREDICTED[2], True)  # trial 7
     learner.report(0, 7, 0.001)
     assert learner._pending  # node 1 has not reported yet
     learner.report(1, 7, 0.005)
@@ -85,22 +81,22 @@ def test_the_slowest_node_counts() -> None:
 
 def test_a_failed_trial_is_handed_out_again_and_unknown_reports_are_ignored() -> None:
     learner = Learner(nodes=2)
-    first, trial = learner.choose(KEY, lambda: PREDICTED)
+    first, trial = learner.choose(KEY, lambda: PREDICTED, 1)
     assert trial
-    learner.issued(1, KEY, first)
     learner.abandon(1)
     learner.report(0, 1, 0.1)  # too late: ignored
     assert learner._sizes[KEY].issued[(first.algorithm, first.chunks)] == 0
-    again, trial = learner.choose(KEY, lambda: PREDICTED)
+    again, trial = learner.choose(KEY, lambda: PREDICTED, 2)
     assert trial and again == first
 
 
 def test_one_candidate_in_reach_is_taken_without_trials() -> None:
     learner = Learner(nodes=4)
     choice, trial = learner.choose(
-        ("allreduce", 4 << 20), lambda: [Choice("ring", 1, 1.0), Choice("mst", 1, 9.0)]
+        ("allreduce", 4 << 20), lambda: [Choice("ring", 1, 1.0), Choice("mst", 1, 9.0)], 0
     )
     assert (choice.algorithm, trial) == ("ring", False)
+    assert not learner._pending  # no trial handed out
 
 
 def test_every_node_reports_its_latest_trial_once() -> None:
@@ -124,5 +120,5 @@ def test_pipelined_candidates_come_with_half_and_twice_their_chunks() -> None:
     assert all((64 << 20) // c.chunks >= MIN_VARIANT_CHUNK for c in found)
     # The shortlist stays bounded whatever the model offers.
     learner = Learner(nodes=8)
-    learner.choose(("broadcast", 64 << 20), lambda: found)
+    learner.choose(("broadcast", 64 << 20), lambda: found, 0)
     assert len(learner._sizes[("broadcast", 64 << 20)].shortlist) <= MAX_CANDIDATES
