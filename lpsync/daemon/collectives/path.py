@@ -126,7 +126,7 @@ def _across_nodes(task: Task, plane: PeerPlane, devices: DeviceRegistry | None) 
         assert agreed is not None  # only a riding collective's verdict lands later
         steps = planning.tag_base(job.name, pending.sequence)  # the schedule's message tags
         context = runners.Context(devices, link, agreed, learner, deadline, steps, plane)
-        return runners.run(task, context)
+        return runners.run_across(task, context)
     except Exception as error:
         if finish is None:  # this node's own failure, told to the others: raised as it is
             raise

@@ -60,11 +60,8 @@ Runner = Callable[[Task, Context], Outcome]
 
 def choose(task: Task, context: Context) -> str:
     """The row of the table that runs ``task``."""
-    verdict = context.verdict
-    if verdict is not None:
-        if verdict.segment:  # every node's participants are on devices: bounded staging
-            return "packed" if task.op in packed.PACKED else "hierarchy"
-        return "pipeline"
+    if context.verdict is not None:
+        return across(task, context.verdict)
     if task.on_device:
         return "device"
     route = local.route(task)
@@ -74,8 +71,21 @@ def choose(task: Task, context: Context) -> str:
     return "direct" if route.direct else "host"
 
 
+def across(task: Task, verdict: Verdict) -> str:
+    """The row that runs ``task`` across nodes, by the verdict every node reached."""
+    if verdict.segment:  # every node's participants are on devices: bounded staging
+        return "packed" if task.op in packed.PACKED else "hierarchy"
+    return "pipeline"
+
+
 def run(task: Task, context: Context) -> Outcome:
     return RUNNERS[choose(task, context)](task, context)
+
+
+def run_across(task: Task, context: Context) -> Outcome:
+    """``run`` where the path is across nodes (path.py): only the rows after a verdict."""
+    assert context.verdict is not None
+    return RUNNERS[across(task, context.verdict)](task, context)
 
 
 def _direct(task: Task, context: Context) -> Outcome:
