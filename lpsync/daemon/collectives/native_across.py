@@ -204,6 +204,7 @@ def _arm(
             "collective armed across nodes",
             extra={"job": job.name, "op": spec.op, "algorithm": algorithm, "count": spec.count},
         )
+        job.plans.drop_others(key)
     return plan.reply
 
 

@@ -132,6 +132,16 @@ class GroupCache:
         with self._lock:
             return sum(_nbytes(g) for g in self._groups.values())
 
+    def drop_others(self, key: tuple) -> None:
+        """Close the plans of ``key``'s collective on the same buffers (its spec, where each
+        participant's buffers are): once a collective is armed, its general-path plans (the
+        tuner's trials among them) only hold memory; a fallback builds its plan again."""
+        with self._lock:
+            same = [k for k in self._groups if k[0] == key[0] and k[2] == key[2]]
+            groups = [self._groups.pop(k) for k in same]
+        for group in groups:
+            group.close(wait=False)
+
     def forget(self, session_id: str, handle: int) -> None:
         """Drop the groups bound to a released buffer, so its memory can be unmapped."""
         with self._lock:

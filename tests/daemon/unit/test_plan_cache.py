@@ -83,3 +83,18 @@ def test_a_local_group_counts_its_tmp_and_receive_slots() -> None:
             expected += schedule.tmp_elements * 4 + 4 * max(reduced, default=0) * RECV_WINDOW
         assert group.nbytes == expected > schedule.tmp_elements * 4 * p
     assert set(threading.enumerate()) <= before
+
+
+def test_arming_drops_the_general_plans_of_the_same_collective_on_the_same_buffers() -> None:
+    cache = GroupCache()
+    spec, other_spec, here, there = "spec", "other", ((1, 2),), ((3, 4),)
+    trials = [_Held(1) for _ in range(3)]
+    for chunks, plan in enumerate(trials):  # the tuner's trials: (spec, schedule, where, ...)
+        cache.get((spec, ("lp", chunks), here, 7, ("s", 1)), lambda plan=plan: plan)
+    elsewhere = _Held(1)  # the same spec on other buffers (another bucket), and another op
+    cache.get((spec, ("lp", 1), there, 7, ("s", 2)), lambda: elsewhere)
+    other = _Held(1)
+    cache.get((other_spec, ("lp", 1), here, 7, ("s", 1)), lambda: other)
+    cache.drop_others((spec, ("across", "lp", 1), here, ("s", 1)))
+    assert all(p.closed for p in trials) and not elsewhere.closed and not other.closed
+    assert cache.held_bytes() == 2
