@@ -105,8 +105,10 @@ def _digits(options: DemoOptions, tmp: Path) -> list[str]:
         return []
     saved = tmp / "digits.npz"
     if not saved.exists():
-        from sklearn.datasets import load_digits
-
+        try:
+            from sklearn.datasets import load_digits  # type: ignore[import-untyped]
+        except ImportError:
+            raise DemoError("the digits come from scikit-learn: pip install -e '.[torch]'") from None
         data = load_digits()
         np.savez(saved, images=data.images, target=data.target)
     return ["--digits", str(saved)]
