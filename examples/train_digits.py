@@ -46,15 +46,21 @@ class Net(nn.Module):
         return self.fc2(torch.relu(self.fc1(x.flatten(1))))
 
 
-def digits(test_size: int = 297) -> tuple[torch.Tensor, ...]:
+def digits(saved: str | None = None, test_size: int = 297) -> tuple[torch.Tensor, ...]:
     """(train x, train y, test x, test y): 1797 8x8 images scaled to [0, 1], split by a
-    fixed permutation."""
-    from sklearn.datasets import load_digits
+    fixed permutation. ``saved``: the same images and targets from an .npz (``lpsync demo``
+    writes one for all its trainers: scikit-learn's import costs each ~1 CPU-s)."""
+    if saved:
+        with np.load(saved) as data:
+            images, target = data["images"], data["target"]
+    else:
+        from sklearn.datasets import load_digits
 
-    data = load_digits()
-    order = np.random.default_rng(0).permutation(len(data.target))
-    x = torch.tensor(data.images[order] / 16.0, dtype=torch.float32).unsqueeze(1)
-    y = torch.tensor(data.target[order], dtype=torch.int64)
+        loaded = load_digits()
+        images, target = loaded.images, loaded.target
+    order = np.random.default_rng(0).permutation(len(target))
+    x = torch.tensor(images[order] / 16.0, dtype=torch.float32).unsqueeze(1)
+    y = torch.tensor(target[order], dtype=torch.int64)
     return x[test_size:], y[test_size:], x[:test_size], y[:test_size]
 
 
@@ -109,6 +115,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world", type=int, default=1, help="with --single: the ranks to imitate")
     p.add_argument("--save", help="write the final parameters here (.npy)")
     p.add_argument("--report", help="write the per-epoch figures here (JSON, rank 0)")
+    p.add_argument("--digits", help="the digits from this .npz (images, target) instead of scikit-learn")
     return p.parse_args(argv)
 
 
@@ -120,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         dist.init_process_group("gloo")  # torchrun's env; DDP's own bookkeeping uses it
         rank, world = dist.get_rank(), dist.get_world_size()
-    train_x, train_y, test_x, test_y = digits()
+    train_x, train_y, test_x, test_y = digits(args.digits)
     torch.manual_seed(0)
     model = Net()
     net: nn.Module = model

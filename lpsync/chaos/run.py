@@ -1,6 +1,6 @@
 """A chaos run: trainers keep checking collectives while daemons, clients and links fail.
 
-    sudo lpsync chaos --seconds 60 --seed 1 [--json]      (lpsync/commands/chaos.py)
+    sudo lpsync chaos --seconds 60 [--faults N] --seed 1 [--json]      (lpsync/commands/chaos.py)
 
 On an emulated cluster (default 4 nodes x 2 ranks, plain TCP peers) every trainer runs
 allreduces and broadcasts whose results it checks against numpy on every call
@@ -240,7 +240,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 chaos.start()
                 end = time.monotonic() + args.seconds
-                while time.monotonic() < end:
+                while time.monotonic() < end and not (
+                    args.faults and chaos.record.faults.total() >= args.faults
+                ):
                     time.sleep(chaos.rng.uniform(0.5, 2.0))  # quiet: the job trains
                     chaos.one_fault()
             finally:

@@ -22,6 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seconds", type=float, default=60.0, help="how long faults are injected (default 60)"
     )
+    parser.add_argument(
+        "--faults",
+        type=int,
+        default=0,
+        help="stop after this many faults, even before --seconds (default 0: no limit)",
+    )
     parser.add_argument("--seed", type=int, default=1, help="the schedule's seed (default 1)")
     parser.add_argument("--nodes", type=int, default=4, help="emulated nodes (default 4)")
     parser.add_argument("--per-node", type=int, default=2, help="trainers per node (default 2)")
@@ -74,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         header = (
             f"chaos: {args.nodes} nodes x {args.per_node} ranks, {args.transport}, "
-            f"{args.seconds:g} s, seed {args.seed}, "
+            f"{args.seconds:g} s{f' or {args.faults} faults' if args.faults else ''}, seed {args.seed}, "
             f"heartbeat timeout {args.heartbeat_timeout:g} s, collective timeout {args.timeout:g} s"
         )
         print(table(summary, header))

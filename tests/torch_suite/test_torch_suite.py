@@ -71,7 +71,20 @@ def test_the_quick_selection_has_no_regression_against_the_list(tmp_path: Path):
     """Both backends, world size 2, one local daemon; a regression fails with the runner's
     report (the lpsync failure's reason, and results.json and the logs in the output)."""
     t0 = time.monotonic()
-    command = ["-m", "tests.torch_suite.runner", "--quick", "--world-sizes", "2", "--out", str(tmp_path)]
+    # One worker per backend: a worker's start (torch's suite imported by it and again by its
+    # forkserver, ~11 CPU-s on 2 cores) costs more than the whole selection's tests (~0.5 s
+    # each); the default --shard 16 started two per backend.
+    shard = ["--shard", str(len(runner.QUICK))]
+    command = [
+        "-m",
+        "tests.torch_suite.runner",
+        "--quick",
+        "--world-sizes",
+        "2",
+        *shard,
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run(
         [sys.executable, *command],
         cwd=runner.ROOT,
