@@ -1,0 +1,42 @@
+"""A repeated send/recv is answered by the engine, like a collective (docs/architecture.md,
+"The native steady-state path"): two ranks on one daemon with --native on, blocking and
+asynchronous calls on the same buffers, and plain numpy arrays, every message against
+numpy; each pair job's repeats rung from its third call; the main client's released
+buffer unmapped by the daemon at once, and the pair jobs' copies once the client closed.
+With --native off the same calls are right and nothing is armed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lpsync.native import engine as native_engine
+from tests.daemon.harness import DaemonProcess, run_ranks
+from tests.daemon.p2p_workers import repeated_pair
+
+CALLS = 6
+
+
+@pytest.mark.parametrize("native", ["on", "off"])
+def test_a_repeated_send_recv_is_answered_by_the_engine(tmp_path: Path, native: str) -> None:
+    if native == "on":
+        assert native_engine() is not None, "the native engine is not built (the install builds it)"
+    daemon = DaemonProcess(tmp_path, "--native", native)
+    try:
+        results = run_ranks(2, repeated_pair, daemon.socket, daemon.pid, f"p2p-{native}", CALLS, timeout=120)
+    finally:
+        daemon.stop_and_check()
+    for rank, found in enumerate(results):
+        assert found["wrong"] == [], (rank, found["wrong"])
+        assert found["main_mapped"] and found["main_left"] == [], (rank, found)
+        assert found["owned"] >= 4 and found["all_left"] == [], (rank, found)  # x, 3 pair copies
+        jobs = found["jobs"]
+        pairs = {f"p2p-{native}/p2p/0>1/{tag}" for tag in (0, 5, 9)}
+        assert pairs <= set(jobs), jobs
+        for job in pairs:
+            path, answered, armed = jobs[job]
+            if native == "on":  # calls 3..CALLS rang (both ranks' status: the same daemon)
+                assert path.startswith("native") and answered >= CALLS - 2 and armed >= 1, (job, jobs[job])
+            else:
+                assert answered == 0 and armed == 0, (job, jobs[job])
