@@ -167,13 +167,16 @@ def mapped_segments(pid: int) -> set[str]:
     return {line.split("/dev/shm/", 1)[1].split()[0] for line in lines if "/dev/shm/lpsync-" in line}
 
 
-def repeated_pair(rank: int, socket: str, daemon_pid: int, job: str, calls: int) -> dict:
+def repeated_pair(rank: int, sockets: list[str], pids: list[int], port: int, job: str, calls: int) -> dict:
     """Rank 0 sends, rank 1 receives, ``calls`` times on the same buffers (blocking, then
     asynchronous, then blocking through plain numpy arrays), each message checked against
     numpy; then the main client's buffers are released and, after the client closed, what
-    the daemon still maps of them and of the pair jobs' copies."""
+    its daemon (``sockets[rank]``, process ``pids[rank]``) still maps of them and of the
+    pair jobs' copies."""
     found: dict = {"wrong": []}
-    with lpsync_client.connect(socket, job=job, rank=rank, world_size=2, timeout=30) as c:
+    daemon_pid = pids[rank]
+    store = _store(rank, 2, port)
+    with lpsync_client.connect(sockets[rank], job=job, rank=rank, world_size=2, store=store, timeout=30) as c:
         x = c.zeros(6, "float32")  # in the main client's shared memory
         plain = np.zeros(1000, np.int64)  # in none
         for call in range(calls):

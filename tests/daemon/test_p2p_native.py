@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from lpsync.native import engine as native_engine
-from tests.daemon.harness import DaemonProcess, run_ranks
+from tests.daemon.harness import DaemonProcess, PeeredDaemons, run_ranks
 from tests.daemon.p2p_workers import repeated_pair
+from tests.ports import free_ports
 
 CALLS = 6
 
@@ -24,9 +25,30 @@ def test_a_repeated_send_recv_is_answered_by_the_engine(tmp_path: Path, native: 
         assert native_engine() is not None, "the native engine is not built (the install builds it)"
     daemon = DaemonProcess(tmp_path, "--native", native)
     try:
-        results = run_ranks(2, repeated_pair, daemon.socket, daemon.pid, f"p2p-{native}", CALLS, timeout=120)
+        sockets, pids = [daemon.socket] * 2, [daemon.pid] * 2
+        results = run_ranks(
+            2, repeated_pair, sockets, pids, free_ports(1)[0], f"p2p-{native}", CALLS, timeout=120
+        )
     finally:
         daemon.stop_and_check()
+    _check(results, native)
+
+
+def test_a_repeated_send_recv_across_daemons_is_answered_by_their_engines(tmp_path: Path) -> None:
+    """Each rank on its own daemon (TCP peers): the pair jobs span both, and their repeats
+    run as the daemons' armed node programs."""
+    cluster = PeeredDaemons(tmp_path, 2, "--peer-transport", "tcp", "--native", "on")
+    try:
+        pids = [d.pid for d in cluster.daemons if d is not None]
+        results = run_ranks(
+            2, repeated_pair, cluster.sockets, pids, free_ports(1)[0], "p2p-on", CALLS, timeout=180
+        )
+    finally:
+        assert not (unclean := cluster.stop()), "\n".join(unclean)
+    _check(results, "on")
+
+
+def _check(results: list[dict], native: str) -> None:
     for rank, found in enumerate(results):
         assert found["wrong"] == [], (rank, found["wrong"])
         assert found["main_mapped"] and found["main_left"] == [], (rank, found)
@@ -36,7 +58,7 @@ def test_a_repeated_send_recv_is_answered_by_the_engine(tmp_path: Path, native: 
         assert pairs <= set(jobs), jobs
         for job in pairs:
             path, answered, armed = jobs[job]
-            if native == "on":  # calls 3..CALLS rang (both ranks' status: the same daemon)
+            if native == "on":  # calls 3..CALLS rang (each rank's status: its daemon's count)
                 assert path.startswith("native") and answered >= CALLS - 2 and armed >= 1, (job, jobs[job])
             else:
                 assert answered == 0 and armed == 0, (job, jobs[job])
