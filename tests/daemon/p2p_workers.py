@@ -169,10 +169,10 @@ def mapped_segments(pid: int) -> set[str]:
 
 def repeated_pair(rank: int, sockets: list[str], pids: list[int], port: int, job: str, calls: int) -> dict:
     """Rank 0 sends, rank 1 receives, ``calls`` times on the same buffers (blocking, then
-    asynchronous, then blocking through plain numpy arrays), each message checked against
-    numpy; then the main client's buffers are released and, after the client closed, what
-    its daemon (``sockets[rank]``, process ``pids[rank]``) still maps of them and of the
-    pair jobs' copies."""
+    asynchronous, then blocking through plain numpy arrays, then messages of six shapes
+    in turn), each message checked against numpy; then the main client's buffers are
+    released and, after the client closed, what its daemon (``sockets[rank]``, process
+    ``pids[rank]``) still maps of them and of the pair jobs' copies."""
     found: dict = {"wrong": []}
     daemon_pid = pids[rank]
     store = _store(rank, 2, port)
@@ -209,6 +209,12 @@ def repeated_pair(rank: int, sockets: list[str], pids: list[int], port: int, job
                 c.recv(plain, 0, tag=9)
                 if not np.array_equal(plain, want):
                     found["wrong"].append(("plain", call, plain[:4].tolist()))
+        for call in range(2 * 6):  # 6 shapes in turn: more than a pair job keeps copies of
+            want = np.arange(call % 6 + 1, dtype=np.float64) - call
+            got = want.copy() if rank == 0 else np.zeros_like(want)
+            c.send(got, 1, tag=11) if rank == 0 else c.recv(got, 0, tag=11)
+            if not np.array_equal(got, want):
+                found["wrong"].append(("shapes", call, got.tolist()))
         status = c.status()
         found["jobs"] = {
             j.job: (j.path, j.native_answered - j.native_fallbacks, j.armed_plans)
@@ -235,3 +241,30 @@ def _still_mapped(pid: int, segments: set[str]) -> list[str]:
     while (left := segments & mapped_segments(pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return sorted(left)
+
+
+def armed_then(rank: int, socket: str, job: str, then: str) -> tuple[str, float] | None:
+    """Four messages 0 -> 1 on the same arrays (the last two rung), then ``then``: "dies"
+    (rank 0 exits instead of sending the fifth) or "size" (rank 1 receives the fifth into
+    an array of another size). Rank 1's error (rank 0's too for "size") and how long it
+    took to come."""
+    import os
+
+    with lpsync_client.connect(socket, job=job, rank=rank, world_size=2, timeout=60) as c:
+        x = c.zeros(8, "float32")
+        for call in range(4):
+            x[:] = call if rank == 0 else -1
+            c.send(x, 1) if rank == 0 else c.recv(x, 0)
+            assert np.all(x == call), (call, x)
+        c.barrier()
+        if then == "dies" and rank == 0:
+            os._exit(0)
+        started = time.monotonic()
+        try:
+            if rank == 0:
+                c.send(x, 1)
+            else:
+                c.recv(x if then == "dies" else c.zeros(6, "float32"), 0)
+            return "no error", 0.0
+        except lpsync_client.LpsyncError as error:
+            return f"{type(error).__name__}: {error}", time.monotonic() - started

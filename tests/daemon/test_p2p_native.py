@@ -3,17 +3,19 @@
 asynchronous calls on the same buffers, and plain numpy arrays, every message against
 numpy; each pair job's repeats rung from its third call; the main client's released
 buffer unmapped by the daemon at once, and the pair jobs' copies once the client closed.
-With --native off the same calls are right and nothing is armed."""
+With --native off the same calls are right and nothing is armed. After a pair is armed,
+a sender that dies and a receive of another size fail as they do on the general path."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from lpsync.native import engine as native_engine
 from tests.daemon.harness import DaemonProcess, PeeredDaemons, run_ranks
-from tests.daemon.p2p_workers import repeated_pair
+from tests.daemon.p2p_workers import armed_then, repeated_pair
 from tests.ports import free_ports
 
 CALLS = 6
@@ -62,3 +64,26 @@ def _check(results: list[dict], native: str) -> None:
                 assert path.startswith("native") and answered >= CALLS - 2 and armed >= 1, (job, jobs[job])
             else:
                 assert answered == 0 and armed == 0, (job, jobs[job])
+
+
+def test_an_armed_receive_whose_sender_dies_fails_at_once(tmp_path: Path) -> None:
+    daemon = DaemonProcess(tmp_path, "--native", "on")
+    try:
+        (result,) = [r for r in run_ranks(2, armed_then, daemon.socket, "p2p-dies", "dies", dies=(0,)) if r]
+    finally:
+        daemon.stop_and_check()
+    message, seconds = result
+    assert message.startswith("AbortedError") and re.search(r"rank(\(s\))? 0\b", message), message
+    assert seconds < 5.0, seconds
+
+
+def test_an_armed_pair_receiving_another_size_fails_both_sides(tmp_path: Path) -> None:
+    daemon = DaemonProcess(tmp_path, "--native", "on")
+    try:
+        results = run_ranks(2, armed_then, daemon.socket, "p2p-size", "size")
+    finally:
+        daemon.stop_and_check()
+    for rank, (message, seconds) in enumerate(results):
+        assert message.startswith("MismatchError"), (rank, message)
+        assert "count" in message and "8" in message and "6" in message, message
+        assert seconds < 5.0, seconds

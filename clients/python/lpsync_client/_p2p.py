@@ -68,12 +68,11 @@ class _Pair:
             self._busy = True
             copy = self._copies.get(key)
         if copy is not None:
+            self._copies[key] = self._copies.pop(key)  # the most recently used last
             return copy
         try:
-            if len(self._copies) >= _COPIES_KEPT:
-                for old in self._copies.values():  # the plans on them go with them
-                    self.client.release(old)
-                self._copies.clear()
+            if len(self._copies) >= _COPIES_KEPT:  # the least recently used goes (its plan too)
+                self.client.release(self._copies.pop(next(iter(self._copies))))
             copy = self._copies[key] = self.client.empty(x.shape, x.dtype)
         except BaseException:
             self.give_back()
