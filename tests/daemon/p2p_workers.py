@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -156,3 +157,114 @@ def any_source(rank: int, world: int, sockets: list[str], port: int, job: str) -
                     failures.append(f"tag 8: {error} after {time.monotonic() - started:.1f} s")
         c.barrier()
     return failures
+
+
+def mapped_segments(pid: int) -> set[str]:
+    """The /dev/shm segments of lpsync mapped into process ``pid`` now (an unlinked one
+    stays listed, " (deleted)", while it is mapped)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        lines = maps.read().splitlines()
+    return {line.split("/dev/shm/", 1)[1].split()[0] for line in lines if "/dev/shm/lpsync-" in line}
+
+
+def repeated_pair(rank: int, sockets: list[str], pids: list[int], port: int, job: str, calls: int) -> dict:
+    """Rank 0 sends, rank 1 receives, ``calls`` times on the same buffers (blocking, then
+    asynchronous, then blocking through plain numpy arrays, then messages of six shapes
+    in turn), each message checked against numpy; then the main client's buffers are
+    released and, after the client closed, what its daemon (``sockets[rank]``, process
+    ``pids[rank]``) still maps of them and of the pair jobs' copies."""
+    found: dict = {"wrong": []}
+    daemon_pid = pids[rank]
+    store = _store(rank, 2, port)
+    with lpsync_client.connect(sockets[rank], job=job, rank=rank, world_size=2, store=store, timeout=30) as c:
+        x = c.zeros(6, "float32")  # in the main client's shared memory
+        plain = np.zeros(1000, np.int64)  # in none
+        for call in range(calls):
+            want = np.arange(6, dtype=np.float32) * (call + 1) - 0.5
+            if rank == 0:
+                x[:] = want
+                c.send(x, 1)
+            else:
+                x[:] = -1
+                c.recv(x, 0)
+                if not np.array_equal(x, want):
+                    found["wrong"].append(("blocking", call, x.tolist()))
+        for call in range(calls):  # asynchronous (what torch's isend/irecv call), tag 5
+            want = np.arange(6, dtype=np.float32) + 100 * call
+            if rank == 0:
+                x[:] = want
+                c.send_async(x, 1, tag=5).result(30)
+            else:
+                x[:] = -1
+                c.recv_async(x, 0, tag=5).result(30)
+                if not np.array_equal(x, want):
+                    found["wrong"].append(("async", call, x.tolist()))
+        for call in range(calls):  # a numpy array the client does not own, tag 9
+            want = np.arange(1000, dtype=np.int64) * (call + 3)
+            if rank == 0:
+                plain[:] = want
+                c.send(plain, 1, tag=9)
+            else:
+                plain[:] = 0
+                c.recv(plain, 0, tag=9)
+                if not np.array_equal(plain, want):
+                    found["wrong"].append(("plain", call, plain[:4].tolist()))
+        for call in range(2 * 6):  # 6 shapes in turn: more than a pair job keeps copies of
+            want = np.arange(call % 6 + 1, dtype=np.float64) - call
+            got = want.copy() if rank == 0 else np.zeros_like(want)
+            c.send(got, 1, tag=11) if rank == 0 else c.recv(got, 0, tag=11)
+            if not np.array_equal(got, want):
+                found["wrong"].append(("shapes", call, got.tolist()))
+        status = c.status()
+        found["jobs"] = {
+            j.job: (j.path, j.native_answered - j.native_fallbacks, j.armed_plans)
+            for j in status.jobs
+            if "/p2p/" in j.job
+        }
+        # This rank's segments (the main client's, its pair jobs' copies, any scratch): the
+        # ones this process maps too; and the one x lies in.
+        own = mapped_segments(os.getpid())
+        segment = c._find(x)[0].mapping.name
+        found["main_mapped"] = segment in mapped_segments(daemon_pid)
+        c.release(x)
+        del x
+        found["main_left"] = _still_mapped(daemon_pid, {segment})
+        c.barrier()
+    found["all_left"] = _still_mapped(daemon_pid, own)
+    found["owned"] = len(own)
+    return found
+
+
+def _still_mapped(pid: int, segments: set[str]) -> list[str]:
+    """Which of ``segments`` process ``pid`` still maps after 5 s (none: at once)."""
+    deadline = time.monotonic() + 5.0
+    while (left := segments & mapped_segments(pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return sorted(left)
+
+
+def armed_then(rank: int, socket: str, job: str, then: str) -> tuple[str, float] | None:
+    """Four messages 0 -> 1 on the same arrays (the last two rung), then ``then``: "dies"
+    (rank 0 exits instead of sending the fifth) or "size" (rank 1 receives the fifth into
+    an array of another size). Rank 1's error (rank 0's too for "size") and how long it
+    took to come."""
+    import os
+
+    with lpsync_client.connect(socket, job=job, rank=rank, world_size=2, timeout=60) as c:
+        x = c.zeros(8, "float32")
+        for call in range(4):
+            x[:] = call if rank == 0 else -1
+            c.send(x, 1) if rank == 0 else c.recv(x, 0)
+            assert np.all(x == call), (call, x)
+        c.barrier()
+        if then == "dies" and rank == 0:
+            os._exit(0)
+        started = time.monotonic()
+        try:
+            if rank == 0:
+                c.send(x, 1)
+            else:
+                c.recv(x if then == "dies" else c.zeros(6, "float32"), 0)
+            return "no error", 0.0
+        except lpsync_client.LpsyncError as error:
+            return f"{type(error).__name__}: {error}", time.monotonic() - started

@@ -216,7 +216,13 @@ def blocking(start: Callable[Concatenate[Any, P], Future]) -> Callable[Concatena
         timeout = args[at] if len(args) > at else kwargs.get("timeout")
         begin = getattr(self, start.__name__)  # (an override of the async call counts)
         if op.p2p:
-            result = self._wait(begin(*args, **kwargs), timeout)
+            here = self._here
+            here.p2p_now = True  # send/recv: answered on this thread (_p2p.py, ``now``)
+            try:
+                future = begin(*args, **kwargs)
+            finally:
+                here.p2p_now = False
+            result = self._wait(future, timeout)
         else:
             result = self._blocking(lambda: begin(*args, **kwargs), timeout)
         return None if drop else result

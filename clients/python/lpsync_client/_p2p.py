@@ -17,6 +17,14 @@ source as spoken for) and then receives from that rank as above. A tag's any-sou
 receives run one at a time, in the order issued, each probe after the previous one's
 receives were issued: MPI's matching order.
 
+A host array is copied through an array of the pair's own shared memory (``_Pair``),
+the same one each time for the same dtype and shape: the pair's request then repeats, and
+from its third call a blocking send or receive rings the engine's doorbell like a
+collective (an asynchronous one queues a ring). The user's array itself is unknown to the
+pair's session (the daemon keeps buffers per session), and a scratch segment taken anew
+each call would never repeat. A call made while the pair's copy is in use by an earlier
+one of the same pair goes the old way (staged through scratch).
+
 A device array is registered on the pair's own session as the framework adapters
 register theirs (lpsync_client._adapt: weakly, released once the array is collected), not
 for good: the caller cannot release it from a session it never sees.
@@ -30,9 +38,50 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from lpsync_client._device import is_device_array
+from lpsync_client._pending import Call
 from lpsync_client.errors import InvalidArgumentError, LpsyncError, UnavailableError
 from lpsync_client.wire.pairs import MAX_TAG, pair_job
+
+_COPIES_KEPT = 4  # a pair's arrays to copy host messages through, by (dtype, shape)
+
+
+class _Pair:
+    """One pair job's client and the arrays of its own shared memory that host messages
+    are copied through (a repeated request: armed, answered by the engine)."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self._copies: dict[tuple, np.ndarray] = {}
+        self._busy = False  # a call is using a copy now
+        self._lock = threading.Lock()
+
+    def take(self, x: np.ndarray) -> np.ndarray | None:
+        """The pair's array for a message like ``x``, now this call's; None while an
+        earlier call uses one (that call's data is still in it)."""
+        key = (x.dtype, x.shape)
+        with self._lock:
+            if self._busy:
+                return None
+            self._busy = True
+            copy = self._copies.get(key)
+        if copy is not None:
+            self._copies[key] = self._copies.pop(key)  # the most recently used last
+            return copy
+        try:
+            if len(self._copies) >= _COPIES_KEPT:  # the least recently used goes (its plan too)
+                self.client.release(self._copies.pop(next(iter(self._copies))))
+            copy = self._copies[key] = self.client.empty(x.shape, x.dtype)
+        except BaseException:
+            self.give_back()
+            raise
+        return copy
+
+    def give_back(self) -> None:
+        with self._lock:
+            self._busy = False
 
 
 class PairJobs:
@@ -49,7 +98,7 @@ class PairJobs:
         self._any: dict[int, ThreadPoolExecutor] = {}  # by tag: its any-source receives, in order
         self._closed = False
 
-    def _pair(self, src: int, dst: int, tag: int):
+    def _pair(self, src: int, dst: int, tag: int) -> _Pair:
         peer = dst if src == self.rank else src
         if not 0 <= peer < self.world_size or peer == self.rank:
             raise InvalidArgumentError(
@@ -61,36 +110,35 @@ class PairJobs:
             pair = self._pairs.get((src, dst, tag))
             if pair is None:
                 job = pair_job(self.job, src, dst, tag)
-                pair = self._open(job, 0 if self.rank == src else 1, [self._node_of(src), self._node_of(dst)])
-                self._pairs[(src, dst, tag)] = pair
+                client = self._open(
+                    job, 0 if self.rank == src else 1, [self._node_of(src), self._node_of(dst)]
+                )
+                pair = self._pairs[(src, dst, tag)] = _Pair(client)
         return pair
 
-    def send(self, x, peer: int, tag: int, timeout: float | None) -> Future:
-        return self._move(self._pair(self.rank, peer, tag), x, timeout)
+    def send(self, x, peer: int, tag: int, timeout: float | None, now: bool = False) -> Future:
+        """``now``: the caller waits for it at once (a blocking send): answered on this
+        thread, the Future returned done."""
+        return self._move(self._pair(self.rank, peer, tag), x, timeout, now, sending=True)
 
-    def recv(self, x, peer: int, tag: int, timeout: float | None) -> Future:
-        return self._move(self._pair(peer, self.rank, tag), x, timeout)
+    def recv(self, x, peer: int, tag: int, timeout: float | None, now: bool = False) -> Future:
+        return self._move(self._pair(peer, self.rank, tag), x, timeout, now, sending=False)
 
     @staticmethod
-    def _move(pair, x, timeout: float | None) -> Future:
-        held = None
-        if is_device_array(x):
-            held = pair.ensure_registered(x)
-        try:
-            future = pair.broadcast_async(x, root=0, timeout=timeout)
-        except BaseException:
-            if held is not None:
-                _release_quietly(pair, held)
-            raise
-        if held is not None:  # an array it could not tie the registration to: for the call
-            future.add_done_callback(lambda _: _release_quietly(pair, held))
-        return future
+    def _move(pair: _Pair, x, timeout: float | None, now: bool, sending: bool) -> Future:
+        if type(x) is np.ndarray and x.size and (sending or x.flags.writeable):
+            copy = pair.take(x)
+            if copy is not None:
+                return _through(pair, copy, x, timeout, now, sending)
+        return _staged(pair.client, x, timeout)
 
     def issued(self, tag: int) -> dict[int, int]:
         """By source: the receives from it with ``tag`` this rank has issued (the last
         sequence number of that pair job), which a probe counts as spoken for."""
         with self._lock:
-            pairs = [(s, pair) for (s, d, t), pair in self._pairs.items() if d == self.rank and t == tag]
+            pairs = [
+                (s, pair.client) for (s, d, t), pair in self._pairs.items() if d == self.rank and t == tag
+            ]
         return {src: pair._sequence for src, pair in pairs if pair._sequence}
 
     def any_source(self, tag: int, receive: Callable[[], tuple[int, Future | None]]) -> Future:
@@ -139,9 +187,72 @@ class PairJobs:
         for queue in queues:
             queue.shutdown(wait=False, cancel_futures=True)
         for pair in pairs:
-            pair.close()
+            pair.client.close()
 
 
 def _release_quietly(pair, registered) -> None:
     with contextlib.suppress(LpsyncError):  # the pair's session ended: released with it
         pair.release(registered)
+
+
+def _staged(pair, x, timeout: float | None) -> Future:
+    """``x`` moved as it is: staged through the pair's scratch, or a device array
+    registered on the pair's session for the call."""
+    held = None
+    if is_device_array(x):
+        held = pair.ensure_registered(x)
+    try:
+        future = pair.broadcast_async(x, root=0, timeout=timeout)
+    except BaseException:
+        if held is not None:
+            _release_quietly(pair, held)
+        raise
+    if held is not None:  # an array it could not tie the registration to: for the call
+        future.add_done_callback(lambda _: _release_quietly(pair, held))
+    return future
+
+
+def _through(
+    pair: _Pair, copy: np.ndarray, x: np.ndarray, timeout: float | None, now: bool, sending: bool
+) -> Future:
+    """``x`` moved through the pair's own array ``copy`` (taken: given back when done)."""
+    client = pair.client
+    if not now:
+        try:
+            if sending:
+                np.copyto(copy, x)
+            inner = client.broadcast_async(copy, root=0, timeout=timeout)
+        except BaseException:
+            pair.give_back()
+            raise
+        outer = Call()
+        outer.on_cancel = inner.cancel  # the caller's cancel reaches the daemon as before
+
+        def done(f: Future) -> None:
+            if f.cancelled():
+                pair.give_back()
+                outer.cancel()
+                return
+            try:
+                error = f.exception()
+                if error is None and not sending:
+                    np.copyto(x, copy)
+            except BaseException as failure:
+                error = failure
+            finally:
+                pair.give_back()
+            outer.set_exception(error) if error is not None else outer.set_result(x)
+
+        inner.add_done_callback(done)
+        return outer
+    try:
+        if sending:
+            np.copyto(copy, x)
+        client._blocking(lambda: client.broadcast_async(copy, root=0, timeout=timeout), timeout)
+        if not sending:
+            np.copyto(x, copy)
+    finally:
+        pair.give_back()
+    answered: Future = Future()
+    answered.set_result(x)
+    return answered

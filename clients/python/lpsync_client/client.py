@@ -273,10 +273,10 @@ class Client(Buffers, HotPath):
         return self._start("barrier", None, None, timeout=timeout, name=name)
 
     def send_async(self, x, dst: int, tag: int = 0, timeout: float | None = None) -> Future:
-        return self._p2p.send(x, dst, tag, timeout)
+        return self._p2p.send(x, dst, tag, timeout, getattr(self._here, "p2p_now", False))
 
     def recv_async(self, x, src: int, tag: int = 0, timeout: float | None = None) -> Future:
-        return self._p2p.recv(x, src, tag, timeout)
+        return self._p2p.recv(x, src, tag, timeout, getattr(self._here, "p2p_now", False))
 
     def recv_any_async(self, x, tag: int = 0, timeout: float | None = None) -> Future:
         """A Future of the sending rank; ``x`` holds its message once it completes."""
