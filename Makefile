@@ -18,7 +18,8 @@ JOBS ?= 4
 
 # The native engine's sources: the install builds it (pyproject.toml), and an edit to them
 # installs again so that the tests never run a stale engine.
-NATIVE := lpsync/native/engine.c lpsync/native/net.c lpsync/native/engine.h lpsync/native/_engine.c
+NATIVE := lpsync/native/kernels.c lpsync/native/program.c lpsync/native/engine.c lpsync/native/net.c \
+	lpsync/native/engine.h lpsync/native/_engine.c
 CC ?= gcc
 
 $(BIN)/.installed: pyproject.toml clients/python/pyproject.toml $(NATIVE)
@@ -61,7 +62,8 @@ test: lint bytecode test-native
 test-native: $(NATIVE) tests/native/engine_test.c
 	mkdir -p out
 	$(CC) -O1 -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -fsanitize=address,undefined \
-		-fno-sanitize-recover=all -fno-omit-frame-pointer lpsync/native/engine.c lpsync/native/net.c \
+		-fno-sanitize-recover=all -fno-omit-frame-pointer lpsync/native/kernels.c lpsync/native/program.c \
+		lpsync/native/engine.c lpsync/native/net.c \
 		tests/native/engine_test.c -o out/engine_test -lpthread -lm
 	out/engine_test 200000
 

@@ -1,4 +1,4 @@
-"""The native steady-state path: armed plans run in compiled code (engine.c).
+"""The native steady-state path: armed plans run in compiled code (lpsync/native/*.c).
 
 Python keeps the policy: a collective runs once on the general path, its plan is
 compiled into a flat program (program.py) and armed (armed.py); identical later calls

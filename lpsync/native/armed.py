@@ -8,7 +8,7 @@ thread runs the program and answers them, without Python. A multi-node job's pag
 slot per rank of the job, of which the engine serves this node's (``local``); its
 channels (one socket per other node) are the engine's once handed over (``connect``).
 
-What disarms (engine.c: waiting rings fall back, and the clients send their request the
+What disarms (engine.c, the doorbell: waiting rings fall back, and the clients send their request the
 general way, where the daemon answers with the errors of docs/reliability.md): a buffer
 of the plan released (``forget``), a rank that leaves the job (``disarm_all``), the job's
 end or the daemon's stop (``close``), a plan evicted for a newer one (MAX_PLANS per job,

@@ -154,7 +154,7 @@ uint64_t lpn_program_tile_scratch(const lpn_program *program, uint64_t tile);
 uint32_t lpn_program_run_net(const lpn_program *program, uint8_t *const *bufs, const int *fds,
                              uint64_t key, uint32_t seq, double timeout, int abort_fd, int *lowat,
                              int *failed);
-/* The element operations the two runners share (engine.c). */
+/* The element operations the two runners share (kernels.c). */
 void lpn_combine(uint8_t *d, const uint8_t *a, const uint8_t *b, uint32_t dtype, uint64_t n, uint32_t op);
 void lpn_divide(uint8_t *p, uint32_t dtype, uint64_t n, uint64_t by);
 uint32_t lpn_itemsize(uint32_t dtype);

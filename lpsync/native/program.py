@@ -3,7 +3,7 @@
 The direct path (collectives/direct.py) compiles what it does into a Program (copy,
 combine, divide over byte ranges of the participants' views and a scratch buffer) and
 runs it here with numpy: that is the reference (``--native off``). An armed plan runs the
-same Program, encoded (``encode``), in the native engine (engine.c), which checks every
+same Program, encoded (``encode``), in the native engine (program.c), which checks every
 range against the buffers once, when it is armed. One compiler, two executors: the
 engine executes programs and never plans.
 
@@ -134,7 +134,7 @@ def served(dtype: str, op: ReduceOp | None) -> bool:
 def _min_max_agree(dtype: str) -> bool:
     """Whether the engine's min and max of float ``dtype`` give numpy's bits here, over
     every pair of a table of NaNs (quiet and signalling, both signs, with payloads),
-    signed zeros, infinities and numbers: engine.c follows numpy's rules as read on x86;
+    signed zeros, infinities and numbers: kernels.c follows numpy's rules as read on x86;
     another machine's numpy (another SIMD) may tie or pick NaNs otherwise, and there
     numpy keeps them. Once per process and type."""
     module = native_engine()
