@@ -255,7 +255,8 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         """Run a call that ``_fits`` on the quick path: after the group's earlier
         collectives on overlapping memory (as _run), ``call(flat, operand)`` on its staging;
         lpsync's errors raised as _run raises them."""
-        self._in_flight.wait_before(_spans(tensors), self._bound)
+        if not self._in_flight.idle():  # (spans cost more than the rest of a small call)
+            self._in_flight.wait_before(_spans(tensors), self._bound)
         try:
             self._quick.run(dtype, numel, call)
         except LpsyncError as error:
