@@ -81,9 +81,14 @@ def _profiler(path: str) -> Any:
     return cProfile.Profile()
 
 
+def _group_client(group: Any) -> Any:
+    """The lpsync Client of ``group`` (the default group: the ProcessGroupLpsync itself)."""
+    return group.client
+
+
 def _paths(group: Any) -> str:
     """The daemon's word on this job's path (``lpsync status``: native, armed, answered)."""
-    client = group.client  # the default group is the ProcessGroupLpsync itself
+    client = _group_client(group)
     return "; ".join(
         f"{j.job}: path {j.path!r}, {j.armed_plans} armed, {j.native_answered} answered by the engine "
         f"({j.native_fallbacks} sent back)"
@@ -108,7 +113,7 @@ def _rank(rank: int, procs: int, socket: str, port: int, args: argparse.Namespac
         calls = {
             "lpsync": torch_call,
             "gloo": torch_call,
-            "client": _client_call(args.op, dist.group.WORLD.client, numel, procs),
+            "client": _client_call(args.op, _group_client(dist.group.WORLD), numel, procs),
         }
         rounds: dict[str, list[tuple[float, float]]] = {e: [] for e in ENGINES}
         profile = _profiler(args.profile if rank == 0 else "")

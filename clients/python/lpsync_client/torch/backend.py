@@ -434,7 +434,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
     # this backend does not serve: hence their type: ignore[override].
     def allreduce(  # type: ignore[override]  # (tensors, opts): see above
         self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions | None = None
-    ) -> LpsyncWork:
+    ) -> LpsyncWork | DoneWork:
         op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
         if len(tensors) == 1 and self._fits(opts, tensors, tensors[0].numel(), tensors[0].dtype):
             t = tensors[0].detach().view(-1)
@@ -499,7 +499,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
 
     def broadcast(  # type: ignore[override]  # (tensors, opts): see above
         self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions | None = None
-    ) -> LpsyncWork:
+    ) -> LpsyncWork | DoneWork:
         root = opts.rootRank if opts is not None else 0
         quick = self._rooted_here("broadcast", tensors, root, "", opts)
         if quick is not None:
@@ -513,7 +513,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
 
     def reduce(  # type: ignore[override]  # (tensors, opts): see above
         self, tensors: list[torch.Tensor], opts: dist.ReduceOptions | None = None
-    ) -> LpsyncWork:
+    ) -> LpsyncWork | DoneWork:
         root = opts.rootRank if opts is not None else 0
         op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
         quick = self._rooted_here("reduce", tensors, root, op, opts)
@@ -574,10 +574,10 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         per_input = [[output_lists[r][j] for r in range(self.size())] for j in range(len(inputs))]
         return self.allgather(per_input, inputs, opts)
 
-    def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork:
+    def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork | DoneWork:
         return self.all_gather_single_coalesced([output], [inp], opts)
 
-    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork:
+    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork | DoneWork:
         return self.all_gather_single_coalesced([output], [inp], opts)
 
     def all_gather_single_coalesced(
@@ -624,7 +624,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None
-    ) -> LpsyncWork:
+    ) -> LpsyncWork | DoneWork:
         return self.all_gather_single_coalesced(outputs, inputs, opts)
 
     def reduce_scatter(  # type: ignore[override]  # (tensors, opts): see above
@@ -642,10 +642,14 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         inputs = [i for ins in input_lists for i in ins]
         return self._run("reduce_scatter", outputs, pieces, inputs, opts=opts)
 
-    def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork:
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, inp: torch.Tensor, opts=None
+    ) -> LpsyncWork | DoneWork:
         return self.reduce_scatter_single_coalesced([output], [inp], opts)
 
-    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork:
+    def reduce_scatter_single(
+        self, output: torch.Tensor, inp: torch.Tensor, opts=None
+    ) -> LpsyncWork | DoneWork:
         return self.reduce_scatter_single_coalesced([output], [inp], opts)
 
     def reduce_scatter_single_coalesced(
@@ -691,7 +695,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None
-    ) -> LpsyncWork:
+    ) -> LpsyncWork | DoneWork:
         return self.reduce_scatter_single_coalesced(outputs, inputs, opts)
 
     def barrier(self, opts=None) -> LpsyncWork | DoneWork:
