@@ -33,7 +33,8 @@ PIECES_IN_FLIGHT of one call at a time; one work completes when all have.
 This module is the process group's face: torch's methods, their argument checks, and
 each op written as one description of its pieces (a Piecewise: what is cut, the blocks
 staged, what is copied in and out). The one runner of such pieces is _runner.py, the
-staging pools _staging.py, the work _work.py.
+staging pools _staging.py, the work _work.py. A small synchronous op on one contiguous
+host tensor skips the pieces: _quick.py runs it on the caller's thread, armed.
 """
 
 from __future__ import annotations
