@@ -252,14 +252,20 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         dtype: torch.dtype,
         numel: int,
         call: Callable[[torch.Tensor, Any], object],
-    ) -> DoneWork:
+    ) -> DoneWork | None:
         """Run a call that ``_fits`` on the quick path: after the group's earlier
         collectives on overlapping memory (as _run), ``call(flat, operand)`` on its staging;
-        lpsync's errors raised as _run raises them."""
+        lpsync's errors raised as _run raises them. None where the daemon refused the
+        staging as over its buffer limit, learned now (_pieces.learn): nothing was written,
+        and the caller runs the op the general way, in pieces."""
         if not self._in_flight.idle():  # (spans cost more than the rest of a small call)
             self._in_flight.wait_before(_spans(tensors), self._bound)
         try:
             self._quick.run(dtype, numel, call)
+        except ResourceExhaustedError as error:
+            if learn(self.client, error):
+                return None
+            raise dist_error(op, error) from error
         except LpsyncError as error:
             raise dist_error(op, error) from error
         return DoneWork(op, outputs)
@@ -446,7 +452,9 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                 self.client.allreduce(operand, op=reduce_op, timeout=self._timeout)
                 t.copy_(flat)
 
-            return self._answer_here("all_reduce", tensors, tensors, t.dtype, t.numel(), call)
+            work = self._answer_here("all_reduce", tensors, tensors, t.dtype, t.numel(), call)
+            if work is not None:
+                return work
 
         def pieces(work: LpsyncWork) -> None:
             for t in tensors:
@@ -599,9 +607,11 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                 self.client.allgather(operand, timeout=self._timeout)
                 out.copy_(flat)
 
-            return self._answer_here(
+            work = self._answer_here(
                 "all_gather_into_tensor", [*outputs, *inputs], outputs, out.dtype, out.numel(), call
             )
+            if work is not None:
+                return work
 
         def pieces(work: LpsyncWork) -> None:
             for out, inp in zip(outputs, inputs, strict=True):
@@ -673,9 +683,11 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                 self.client.reduce_scatter(operand, op=reduce_op, timeout=self._timeout)
                 out.copy_(flat[mine])
 
-            return self._answer_here(
+            work = self._answer_here(
                 "reduce_scatter_tensor", [*outputs, *inputs], outputs, inp.dtype, inp.numel(), call
             )
+            if work is not None:
+                return work
 
         def pieces(work: LpsyncWork) -> None:
             for out, inp in zip(outputs, inputs, strict=True):
