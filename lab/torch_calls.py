@@ -4,13 +4,15 @@
 with the default group on lpsync and a gloo group over the same ranks, run ``--iters``
 synchronous calls of ``--op`` (``dist.all_reduce`` by default) on ``--bytes`` (float32,
 each rank's share) on each, in ``--rounds`` rounds that alternate lpsync and gloo (a
-noisy machine disturbs both alike). Prints the median over rounds of the slowest rank's
-time per call and the mean rank's CPU per call, and lpsync / gloo. What a framework's
+noisy machine disturbs both alike), and a third engine, "client": the same op by the
+lpsync group's own Client on shared-memory arrays (its armed call with no backend above
+it). Prints the median over rounds of the slowest rank's time per call and the mean
+rank's CPU per call, lpsync / gloo, and lpsync - client (what the backend adds). What a framework's
 small synchronous op costs through the backend: the tensor staged into shared memory,
 the collective, the work torch waits for.
 
     python -m lab.torch_calls --procs 2 --iters 2000 [--bytes 4] [--rounds 5] \
-        [--op all_reduce|broadcast|all_gather|reduce_scatter|barrier]
+        [--op all_reduce|broadcast|all_gather|reduce_scatter|barrier] [--profile FILE] [--status]
 """
 
 from __future__ import annotations
