@@ -4,13 +4,15 @@
 with the default group on lpsync and a gloo group over the same ranks, run ``--iters``
 synchronous calls of ``--op`` (``dist.all_reduce`` by default) on ``--bytes`` (float32,
 each rank's share) on each, in ``--rounds`` rounds that alternate lpsync and gloo (a
-noisy machine disturbs both alike). Prints the median over rounds of the slowest rank's
-time per call and the mean rank's CPU per call, and lpsync / gloo. What a framework's
+noisy machine disturbs both alike), and a third engine, "client": the same op by the
+lpsync group's own Client on shared-memory arrays (its armed call with no backend above
+it). Prints the median over rounds of the slowest rank's time per call and the mean
+rank's CPU per call, lpsync / gloo, and lpsync - client (what the backend adds). What a framework's
 small synchronous op costs through the backend: the tensor staged into shared memory,
 the collective, the work torch waits for.
 
     python -m lab.torch_calls --procs 2 --iters 2000 [--bytes 4] [--rounds 5] \
-        [--op all_reduce|broadcast|all_gather|reduce_scatter|barrier]
+        [--op all_reduce|broadcast|all_gather|reduce_scatter|barrier] [--profile FILE] [--status]
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from lab.ranks import spawn_ranks, torchrun_env
 from lpsync.demo.local_cluster import DemoError, LocalCluster
 from lpsync.transport.ports import free_ports
 
-ENGINES = ("lpsync", "gloo")
+# "client": the same op by the lpsync group's own Client on arrays in its shared memory
+# (the armed call with no backend above it): what the backend adds is lpsync - client.
+ENGINES = ("lpsync", "gloo", "client")
 OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")  # torch's *_tensor forms
 
 
@@ -51,6 +55,50 @@ def _call(op: str, t: Any, procs: int) -> Callable[[Any], object]:
     return lambda group: dist.all_reduce(t, group=group)
 
 
+def _client_call(op: str, client: Any, numel: int, procs: int) -> Callable[[Any], object]:
+    """``op`` by ``client`` itself on shared-memory arrays made once (the group is ignored)."""
+    if op == "barrier":
+        return lambda group: client.barrier()
+    x = client.empty(numel, "float32")
+    x[:] = 1
+    if op == "broadcast":
+        return lambda group: client.broadcast(x, root=0)
+    if op == "all_gather":
+        every = client.empty(procs * numel, "float32")
+        return lambda group: client.allgather(x, out=every)
+    if op == "reduce_scatter":
+        every = client.empty(procs * numel, "float32")
+        every[:] = 1
+        return lambda group: client.reduce_scatter(every, out=x)
+    return lambda group: client.allreduce(x)
+
+
+def _profiler(path: str) -> Any:
+    """A cProfile.Profile for rank 0's timed lpsync calls when ``path`` is set (its times
+    are inflated by the profiler: compare functions, not totals)."""
+    if not path:
+        return None
+    import cProfile
+
+    return cProfile.Profile()
+
+
+def _group_client(group: Any) -> Any:
+    """The lpsync Client of ``group`` (the default group: the ProcessGroupLpsync itself)."""
+    return group.client
+
+
+def _paths(group: Any) -> str:
+    """The daemon's word on this job's path (``lpsync status``: native, armed, answered)."""
+    client = _group_client(group)
+    return "; ".join(
+        f"{j.job}: path {j.path!r}, {j.armed_plans} armed, {j.native_answered} answered by the engine "
+        f"({j.native_fallbacks} sent back)"
+        for j in client.status().jobs
+        if j.job == client.job
+    )
+
+
 def _rank(rank: int, procs: int, socket: str, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
     torchrun_env(rank, procs, port, socket, f"torch-calls-{port}")
     try:
@@ -61,20 +109,35 @@ def _rank(rank: int, procs: int, socket: str, port: int, args: argparse.Namespac
 
         torch.set_num_threads(1)
         dist.init_process_group("lpsync")
-        groups = {"lpsync": None, "gloo": dist.new_group(backend="gloo")}
-        call = _call(args.op, torch.ones(max(1, args.bytes // 4)), procs)
+        groups = {"lpsync": None, "gloo": dist.new_group(backend="gloo"), "client": None}
+        numel = max(1, args.bytes // 4)
+        torch_call = _call(args.op, torch.ones(numel), procs)
+        calls = {
+            "lpsync": torch_call,
+            "gloo": torch_call,
+            "client": _client_call(args.op, _group_client(dist.group.WORLD), numel, procs),
+        }
         rounds: dict[str, list[tuple[float, float]]] = {e: [] for e in ENGINES}
+        profile = _profiler(args.profile if rank == 0 else "")
         for _ in range(args.rounds):
             for engine in ENGINES:
-                group = groups[engine]
+                group, call = groups[engine], calls[engine]
                 for _ in range(args.warmup):
                     call(group)
                 dist.barrier(group=groups["gloo"])
+                if profile is not None and engine == "lpsync":
+                    profile.enable()
                 cpu, start = time.process_time(), time.perf_counter()
                 for _ in range(args.iters):
                     call(group)
                 seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+                if profile is not None:
+                    profile.disable()
                 rounds[engine].append((seconds / args.iters, cpu / args.iters))
+        if profile is not None:
+            profile.dump_stats(args.profile)
+        if args.status and rank == 0:
+            print(_paths(dist.group.WORLD), file=sys.stderr)
         dist.destroy_process_group()
         out.put((rank, rounds, ""))
     except Exception as error:  # reported, not lost with the process
@@ -117,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--bytes", type=int, default=4, help="each rank's tensor in bytes, float32 (default 4)"
     )
+    parser.add_argument(
+        "--profile", default="", help="rank 0's timed lpsync calls under cProfile, into this file"
+    )
+    parser.add_argument("--status", action="store_true", help="rank 0 prints the daemon's status at the end")
     parser.add_argument("--op", choices=OPS, default="all_reduce", help="the call (default all_reduce)")
     args = parser.parse_args(argv)
     if args.procs < 2 or args.iters < 1 or args.rounds < 1 or args.warmup < 0 or args.bytes < 4:
@@ -135,8 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     median = {e: [statistics.median(v[i] for v in rounds[e]) for i in (0, 1)] for e in ENGINES}
     for engine in ENGINES:
         print(f"{engine:8s} {median[engine][0] * 1e6:15.0f} {median[engine][1] * 1e6:19.0f}")
-    ratios = [statistics.median(a[i] / b[i] for a, b in zip(*rounds.values(), strict=True)) for i in (0, 1)]
+    ratios = [
+        statistics.median(a[i] / b[i] for a, b in zip(rounds["lpsync"], rounds["gloo"], strict=True))
+        for i in (0, 1)
+    ]
     print(f"# lpsync / gloo (median of rounds): time {ratios[0]:.2f}x, CPU {ratios[1]:.2f}x")
+    added = [
+        statistics.median(a[i] - c[i] for a, c in zip(rounds["lpsync"], rounds["client"], strict=True))
+        for i in (0, 1)
+    ]
+    print(
+        f"# lpsync - client (the backend's own share, median of rounds): time {added[0] * 1e6:.0f} us, "
+        f"CPU {added[1] * 1e6:.0f} us"
+    )
     return 0
 
 

@@ -60,6 +60,12 @@ class InFlight:
         for done in earlier:
             done.wait(bound)
 
+    def idle(self) -> bool:
+        """Whether nothing tracked is in flight any more (wait_before would not wait)."""
+        with self._lock:
+            self._works = [(done, s) for done, s in self._works if not done.is_set()]
+            return not self._works
+
     def add(self, done: Latch, touched: list[Span]) -> None:
         """Track a collective until ``done`` is set (once its results were copied out)."""
         if touched and not done.is_set():

@@ -91,3 +91,59 @@ def test_a_refused_submit_gives_the_staging_back(daemon) -> None:
     with pytest.raises(dist.DistBackendError, match="lpsync all_reduce failed"):
         pg.allreduce([t], _opts())
     assert pg._pool._free_bytes == t.nbytes
+
+
+def _sync(opts):
+    opts.asyncOp = False  # torch's synchronous call: it waits for the work at once
+    return opts
+
+
+def test_a_synchronous_op_is_answered_on_its_staging_by_the_engine(client) -> None:
+    """A small synchronous all_reduce takes the quick path: the same staging buffer and
+    operand every call (no registration, no view made per call), its work complete when
+    returned, and from its second call the daemon's engine answers it (the doorbell)."""
+    pg = ProcessGroupLpsync(client, 0, 1, 30.0)
+    t = torch.arange(6, dtype=torch.float32)
+    pg.allreduce([t], _sync(_opts())).wait()
+    segments, (staged,) = len(client._segments), pg._pool._free.values()
+    operand = pg._pool.views(staged, torch.float32)[1]
+    (job,) = [j for j in client.status().jobs if j.job == client.job]
+    before = job.native_answered
+    for i in range(20):
+        t.copy_(torch.arange(6, dtype=torch.float32) * i)
+        work = pg.allreduce([t], _sync(_opts(dist.ReduceOp.MAX)))
+        assert work.is_completed() and work.is_success() and work.exception() is None
+        assert work.wait() is True and work.get_future().value()[0] is t
+        torch.testing.assert_close(t, torch.arange(6, dtype=torch.float32) * i)  # one rank: itself
+    assert len(client._segments) == segments  # no registration per call
+    assert list(pg._pool._free.values()) == [staged] and pg._pool.views(staged, torch.float32)[1] is operand
+    (job,) = [j for j in client.status().jobs if j.job == client.job]
+    # The first calls of the MAX plan go the general way until a reply says it is armed.
+    assert job.native_answered - before >= 18 and job.native_fallbacks == 0, job.path
+
+
+def test_a_synchronous_op_over_the_buffer_limit_runs_in_pieces(tmp_path) -> None:
+    """A daemon whose buffers are smaller than a synchronous op's staging refuses it: the
+    quick path learns the limit and the op runs the general way, in pieces, correctly;
+    lpsync's errors on the quick path are torch's (DistBackendError with the message)."""
+    from lpsync_client.torch._pieces import buffer_limit
+    from tests.daemon.harness import DaemonProcess
+
+    daemon = DaemonProcess(tmp_path, "--max-buffer-bytes", "4096")
+    c = lpsync_client.connect(daemon.socket, job="staging-limit", rank=0, world_size=1)
+    try:
+        pg = ProcessGroupLpsync(c, 0, 1, 30.0)
+        t = torch.arange(3000, dtype=torch.float32)  # 12000 B of staging
+        assert pg.allreduce([t], _sync(_opts())).wait() is True
+        torch.testing.assert_close(t, torch.arange(3000, dtype=torch.float32))
+        assert buffer_limit(c) == 4096
+        small = torch.ones(4)
+        pg.allreduce([small], _sync(_opts()))  # on the quick path: its staging is pooled
+        free = pg._pool._free_bytes
+        c.close()  # the session ends under the group
+        with pytest.raises(dist.DistBackendError, match="lpsync all_reduce failed"):
+            pg.allreduce([small], _sync(_opts()))
+        assert pg._pool._free_bytes == free  # the staging is back, not lost
+    finally:
+        c.close()
+        daemon.stop_and_check()

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -666,3 +667,85 @@ def sync_ops_answered_here(rank: int, world: int, sockets: list[str], per_node: 
         counts[kind] = answered[0]
     dist.destroy_process_group()
     return {"answered": counts, "wrong": wrong}
+
+
+def sync_ops_armed(rank: int, world: int, sockets: list[str], per_node: int, port: int) -> dict:
+    """30 calls each of synchronous all_reduce, broadcast, reduce, all_gather_into_tensor,
+    reduce_scatter_tensor (float32 and int64, fresh values every call) and barrier: every
+    result against numpy's over every rank's inputs and gloo's (bitwise), how many of this
+    rank's calls its job's doorbell answered (Client._ring said OK), and the daemon's count
+    of the job's collectives its engine answered (and sent back) around each kind."""
+    from lpsync_client import doorbell
+    from lpsync_client.client import Client
+
+    rung = [0]
+    ring = Client._ring
+
+    def counted(self, *args):
+        code = ring(self, *args)
+        rung[0] += code == doorbell.OK
+        return code
+
+    Client._ring = counted  # type: ignore[method-assign]  # this rank process only
+    gloo = init(rank, world, sockets, per_node, port)
+    client = dist.group.WORLD.client  # lpsync's
+
+    def engine() -> tuple[int, int]:
+        dist.barrier(group=gloo)  # every rank's calls of the kind are done
+        (job,) = [j for j in client.status().jobs if j.job == client.job]
+        return job.native_answered, job.native_fallbacks
+
+    def inputs(r: int, i: int, dtype: torch.dtype, n: int) -> np.ndarray:
+        """Rank r's input of call i: small integers, exact in any summation order."""
+        return (
+            np.random.default_rng([r, i, n])
+            .integers(-50, 50, n)
+            .astype(torch.empty(0, dtype=dtype).numpy().dtype)
+        )
+
+    results: dict[str, tuple[int, int, int]] = {}
+    wrong: list[str] = []
+    n, calls = 5, 30
+    for kind in ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "barrier"):
+        for dtype in (torch.float32, torch.int64) if kind != "barrier" else (None,):
+            tag = f"{kind} {dtype}"
+            rung[0], (answered, sent_back) = 0, engine()
+            for i in range(calls):
+                if dtype is None:
+                    dist.barrier()
+                    continue
+                size = n * world if kind == "reduce_scatter" else n
+                every = [inputs(r, i, dtype, size) for r in range(world)]
+                mine, total = every[rank], np.sum(every, axis=0)
+                if kind == "all_reduce":
+                    want, got, ref = total, torch.from_numpy(mine.copy()), torch.from_numpy(mine.copy())
+                    dist.all_reduce(got)
+                    dist.all_reduce(ref, group=gloo)
+                elif kind in ("broadcast", "reduce"):
+                    got, ref = torch.from_numpy(mine.copy()), torch.from_numpy(mine.copy())
+                    if kind == "broadcast":
+                        want = every[1]
+                        dist.broadcast(got, src=1)
+                        dist.broadcast(ref, src=1, group=gloo)
+                    else:
+                        want = total if rank == 0 else mine
+                        dist.reduce(got, dst=0)
+                        dist.reduce(ref, dst=0, group=gloo)
+                elif kind == "all_gather":
+                    want = np.concatenate(every)
+                    got, ref = torch.empty(world * n, dtype=dtype), torch.empty(world * n, dtype=dtype)
+                    dist.all_gather_into_tensor(got, torch.from_numpy(mine))
+                    dist.all_gather_into_tensor(ref, torch.from_numpy(mine), group=gloo)
+                else:
+                    want = total[rank * n : (rank + 1) * n]
+                    got, ref = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+                    dist.reduce_scatter_tensor(got, torch.from_numpy(mine))
+                    dist.reduce_scatter_tensor(ref, torch.from_numpy(mine), group=gloo)
+                if kind == "reduce" and rank != 0:  # gloo leaves partial sums there; lpsync the input
+                    ref = got
+                if not (np.array_equal(got.numpy(), want) and torch.equal(got, ref)):
+                    wrong.append(f"{tag} #{i}: {got.tolist()} != numpy {want.tolist()} / gloo {ref.tolist()}")
+            after = engine()
+            results[tag] = (rung[0], after[0] - answered, after[1] - sent_back)
+    dist.destroy_process_group()
+    return {"results": results, "wrong": wrong}

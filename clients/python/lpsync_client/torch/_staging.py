@@ -44,6 +44,19 @@ class StagingPool:
         self._free: OrderedDict[int, Any] = OrderedDict()  # id -> array, LRU order
         self._free_bytes = 0
         self._lock = threading.Lock()
+        # Each pooled buffer's typed views, made once (dropped with the buffer): the client
+        # then sees the same operand object call after call, which its prepared request
+        # (and the plan the daemon armed) is found by without a lookup of the address.
+        self._views: dict[tuple[int, torch.dtype], tuple[torch.Tensor, Any]] = {}
+
+    def views(self, raw: Any, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+        """(a typed flat torch view, what the client takes) of ``raw``, a buffer of this
+        pool owned by the caller: see Staged."""
+        key = (id(raw), dtype)
+        found = self._views.get(key)
+        if found is None:
+            found = self._views[key] = _typed(raw, dtype, self.where is not None)
+        return found
 
     def acquire(self, nbytes: int) -> Any:
         with self._lock:
@@ -65,6 +78,8 @@ class StagingPool:
                 _, old = self._free.popitem(last=False)
                 self._free_bytes -= old.nbytes
                 evicted.append(old)
+                for dtype in DTYPES:
+                    self._views.pop((id(old), dtype), None)
         for old in evicted:
             # The session may be gone: then the daemon has freed it already.
             with contextlib.suppress(LpsyncError):
@@ -86,6 +101,17 @@ class DevicePool(StagingPool):
         return raw
 
 
+def _typed(raw: Any, dtype: torch.dtype, on_device: bool) -> tuple[torch.Tensor, Any]:
+    """``raw`` (a pool's buffer) as a flat torch tensor of ``dtype``, and as the client takes
+    it (see Staged)."""
+    if on_device:
+        flat = raw.view(dtype)
+        return flat, flat.view(torch.uint8) if dtype == torch.bool else flat
+    flat = torch.from_numpy(raw).view(dtype)
+    np_dtype = DTYPES[dtype]
+    return flat, flat if np_dtype is None else raw.view(np_dtype)
+
+
 class Staged:
     """One tensor's staging: a typed flat torch view of a pool buffer, and what the client
     takes (in shared memory: numpy, or a torch view for bfloat16, which numpy lacks; on a
@@ -94,14 +120,7 @@ class Staged:
     def __init__(self, pool: StagingPool, dtype: torch.dtype, numel: int) -> None:
         self.pool = pool
         self.raw = pool.acquire(numel * dtype.itemsize)
-        self.operand: Any
-        if pool.where is not None:
-            self.flat = self.raw.view(dtype)
-            self.operand = self.flat.view(torch.uint8) if dtype == torch.bool else self.flat
-            return
-        self.flat = torch.from_numpy(self.raw).view(dtype)
-        np_dtype = DTYPES[dtype]
-        self.operand = self.flat if np_dtype is None else self.raw.view(np_dtype)
+        self.flat, self.operand = pool.views(self.raw, dtype)
 
     def give_back(self) -> None:
         """Return the buffer to its pool. CUDA: after the copies out that this thread queued

@@ -143,3 +143,40 @@ class LpsyncWork(dist.Work):
         if self.source is None:
             raise dist.DistBackendError(f"lpsync {self._op}: no source rank (not a receive from any source)")
         return self.source
+
+
+class DoneWork(dist.Work):
+    """The handle of a synchronous op answered before it was returned (the backend's quick
+    path, _quick.py): complete and successful; its future is made only if asked for."""
+
+    def __init__(self, op: str, outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._op, self._outputs = op, outputs
+        self._future: torch.futures.Future | None = None
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            self._future = torch.futures.Future()
+            self._future.set_result(self._outputs)
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        return self._outputs
+
+    def synchronize(self) -> None:
+        pass
+
+    def _source_rank(self) -> int:
+        raise dist.DistBackendError(f"lpsync {self._op}: no source rank (not a receive from any source)")

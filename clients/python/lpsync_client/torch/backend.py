@@ -33,7 +33,8 @@ PIECES_IN_FLIGHT of one call at a time; one work completes when all have.
 This module is the process group's face: torch's methods, their argument checks, and
 each op written as one description of its pieces (a Piecewise: what is cut, the blocks
 staged, what is copied in and out). The one runner of such pieces is _runner.py, the
-staging pools _staging.py, the work _work.py.
+staging pools _staging.py, the work _work.py. A small synchronous op on one contiguous
+host tensor skips the pieces: _quick.py runs it on the caller's thread, armed.
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ from lpsync_client.client import Client
 from lpsync_client.errors import LpsyncError, ResourceExhaustedError
 from lpsync_client.torch._client import Where, empty_on, on_device_path
 from lpsync_client.torch._pieces import buffer_limit, learn
+from lpsync_client.torch._quick import ANSWER_HERE_BYTES, Quick
 from lpsync_client.torch._runner import PIECES_IN_FLIGHT as PIECES_IN_FLIGHT  # (the docstring names it)
 from lpsync_client.torch._runner import Piecewise, Runner
 from lpsync_client.torch._staging import DTYPES, DevicePool, Staged, StagingPool
-from lpsync_client.torch._work import LpsyncWork, dist_error
+from lpsync_client.torch._work import DoneWork, LpsyncWork, dist_error
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
@@ -116,11 +118,6 @@ def _op_for(dtype: torch.dtype, op: str) -> str:
     return _BOOL_OPS[op]
 
 
-# A synchronous op of at most this many bytes is answered on the caller's thread (_run);
-# a larger one is split into pieces meant to be in flight together.
-ANSWER_HERE_BYTES = 1 << 20
-
-
 def _small(tensors: Iterable[torch.Tensor]) -> bool:
     return sum(t.numel() * t.element_size() for t in tensors) <= ANSWER_HERE_BYTES
 
@@ -164,6 +161,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         self._device_pools: dict[Where, DevicePool] = {}  # made on first use per device
         self._in_flight = InFlight()  # what its staged collectives still touch
         self._runner = Runner(client, self._staging_bytes, self._stage)  # every op's pieces
+        self._quick = Quick(client, self._pool, self._staging_bytes)  # small synchronous ops
         self._bound = 2 * timeout + 30  # the client's own bound on an unanswered collective
         self._closed = False
         self._group_name = cast("GroupName", "")  # GroupName is a NewType of str
@@ -241,6 +239,36 @@ class ProcessGroupLpsync(dist.ProcessGroup):
                 self.client.answer_next_here(False)
         self._in_flight.add(work.finished, touched)
         return work.seal()
+
+    def _fits(self, opts: Any, tensors: Sequence[torch.Tensor], numel: int, dtype: torch.dtype) -> bool:
+        """Whether a call takes the quick path (_quick.py): synchronous, small, host."""
+        return not self._closed and self._quick.fits(opts, tensors, numel * dtype.itemsize)
+
+    def _answer_here(
+        self,
+        op: str,
+        tensors: Sequence[torch.Tensor],
+        outputs: list[torch.Tensor],
+        dtype: torch.dtype,
+        numel: int,
+        call: Callable[[torch.Tensor, Any], object],
+    ) -> DoneWork | None:
+        """Run a call that ``_fits`` on the quick path: after the group's earlier
+        collectives on overlapping memory (as _run), ``call(flat, operand)`` on its staging;
+        lpsync's errors raised as _run raises them. None where the daemon refused the
+        staging as over its buffer limit, learned now (_pieces.learn): nothing was written,
+        and the caller runs the op the general way, in pieces."""
+        if not self._in_flight.idle():  # (spans cost more than the rest of a small call)
+            self._in_flight.wait_before(_spans(tensors), self._bound)
+        try:
+            self._quick.run(dtype, numel, call)
+        except ResourceExhaustedError as error:
+            if learn(self.client, error):
+                return None
+            raise dist_error(op, error) from error
+        except LpsyncError as error:
+            raise dist_error(op, error) from error
+        return DoneWork(op, outputs)
 
     def _flat_out(self, work: LpsyncWork, t: torch.Tensor, where: Where | None = None) -> torch.Tensor:
         """A flat view of ``t`` that pieces can write to; for a strided ``t``, a contiguous
@@ -413,8 +441,20 @@ class ProcessGroupLpsync(dist.ProcessGroup):
     # this backend does not serve: hence their type: ignore[override].
     def allreduce(  # type: ignore[override]  # (tensors, opts): see above
         self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions | None = None
-    ) -> LpsyncWork:
+    ) -> LpsyncWork | DoneWork:
         op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
+        if len(tensors) == 1 and self._fits(opts, tensors, tensors[0].numel(), tensors[0].dtype):
+            t = tensors[0].detach().view(-1)
+            reduce_op = _op_for(t.dtype, op)
+
+            def call(flat: torch.Tensor, operand: Any) -> None:
+                flat.copy_(t)
+                self.client.allreduce(operand, op=reduce_op, timeout=self._timeout)
+                t.copy_(flat)
+
+            work = self._answer_here("all_reduce", tensors, tensors, t.dtype, t.numel(), call)
+            if work is not None:
+                return work
 
         def pieces(work: LpsyncWork) -> None:
             for t in tensors:
@@ -468,8 +508,11 @@ class ProcessGroupLpsync(dist.ProcessGroup):
 
     def broadcast(  # type: ignore[override]  # (tensors, opts): see above
         self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions | None = None
-    ) -> LpsyncWork:
+    ) -> LpsyncWork | DoneWork:
         root = opts.rootRank if opts is not None else 0
+        quick = self._rooted_here("broadcast", tensors, root, "", opts)
+        if quick is not None:
+            return quick
 
         def pieces(work: LpsyncWork) -> None:
             for t in tensors:
@@ -479,15 +522,44 @@ class ProcessGroupLpsync(dist.ProcessGroup):
 
     def reduce(  # type: ignore[override]  # (tensors, opts): see above
         self, tensors: list[torch.Tensor], opts: dist.ReduceOptions | None = None
-    ) -> LpsyncWork:
+    ) -> LpsyncWork | DoneWork:
         root = opts.rootRank if opts is not None else 0
         op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
+        quick = self._rooted_here("reduce", tensors, root, op, opts)
+        if quick is not None:
+            return quick
 
         def pieces(work: LpsyncWork) -> None:
             for t in tensors:
                 self._rooted_piece(work, "reduce", t, root, op)
 
         return self._run("reduce", tensors, pieces, opts=opts)
+
+    def _rooted_here(
+        self, kind: str, tensors: list[torch.Tensor], root: int, op: str, opts: Any
+    ) -> DoneWork | None:
+        """broadcast or reduce of one tensor on the quick path (_rooted_piece's copies:
+        the sending ranks' in, the receiving ranks' out); None where it does not fit."""
+        if len(tensors) != 1 or not 0 <= root < self.size():
+            return None
+        if not self._fits(opts, tensors, tensors[0].numel(), tensors[0].dtype):
+            return None
+        t = tensors[0].detach().view(-1)
+        at_root = self.rank() == root
+        sends, receives = kind == "reduce" or at_root, (kind == "broadcast") != at_root
+        reduce_op = _op_for(t.dtype, op) if kind == "reduce" else ""
+
+        def call(flat: torch.Tensor, operand: Any) -> None:
+            if sends:
+                flat.copy_(t)
+            if kind == "broadcast":
+                self.client.broadcast(operand, root=root, timeout=self._timeout)
+            else:
+                self.client.reduce(operand, root=root, op=reduce_op, timeout=self._timeout)
+            if receives:
+                t.copy_(flat)
+
+        return self._answer_here(kind, tensors, tensors, t.dtype, t.numel(), call)
 
     def allgather(  # type: ignore[override]  # (tensors, opts): see above
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: object = None
@@ -511,15 +583,36 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         per_input = [[output_lists[r][j] for r in range(self.size())] for j in range(len(inputs))]
         return self.allgather(per_input, inputs, opts)
 
-    def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork:
+    def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork | DoneWork:
         return self.all_gather_single_coalesced([output], [inp], opts)
 
-    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork:
+    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork | DoneWork:
         return self.all_gather_single_coalesced([output], [inp], opts)
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None
-    ) -> LpsyncWork:
+    ) -> LpsyncWork | DoneWork:
+        p = self.size()
+        if (
+            len(outputs) == len(inputs) == 1
+            and outputs[0].numel() == inputs[0].numel() * p
+            and outputs[0].dtype == inputs[0].dtype
+            and self._fits(opts, [outputs[0], inputs[0]], outputs[0].numel(), outputs[0].dtype)
+        ):
+            out, inp = outputs[0].detach().view(-1), inputs[0].detach().view(-1)
+            mine = slice(self.rank() * inp.numel(), (self.rank() + 1) * inp.numel())
+
+            def call(flat: torch.Tensor, operand: Any) -> None:
+                flat[mine].copy_(inp)  # the staging holds every rank's block, in place
+                self.client.allgather(operand, timeout=self._timeout)
+                out.copy_(flat)
+
+            work = self._answer_here(
+                "all_gather_into_tensor", [*outputs, *inputs], outputs, out.dtype, out.numel(), call
+            )
+            if work is not None:
+                return work
+
         def pieces(work: LpsyncWork) -> None:
             for out, inp in zip(outputs, inputs, strict=True):
                 if out.numel() != inp.numel() * self.size() or not out.is_contiguous():
@@ -542,7 +635,7 @@ class ProcessGroupLpsync(dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None
-    ) -> LpsyncWork:
+    ) -> LpsyncWork | DoneWork:
         return self.all_gather_single_coalesced(outputs, inputs, opts)
 
     def reduce_scatter(  # type: ignore[override]  # (tensors, opts): see above
@@ -560,16 +653,41 @@ class ProcessGroupLpsync(dist.ProcessGroup):
         inputs = [i for ins in input_lists for i in ins]
         return self._run("reduce_scatter", outputs, pieces, inputs, opts=opts)
 
-    def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork:
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, inp: torch.Tensor, opts=None
+    ) -> LpsyncWork | DoneWork:
         return self.reduce_scatter_single_coalesced([output], [inp], opts)
 
-    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> LpsyncWork:
+    def reduce_scatter_single(
+        self, output: torch.Tensor, inp: torch.Tensor, opts=None
+    ) -> LpsyncWork | DoneWork:
         return self.reduce_scatter_single_coalesced([output], [inp], opts)
 
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None
-    ) -> LpsyncWork:
+    ) -> LpsyncWork | DoneWork:
         op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
+        p = self.size()
+        if (
+            len(outputs) == len(inputs) == 1
+            and inputs[0].numel() == outputs[0].numel() * p
+            and outputs[0].dtype == inputs[0].dtype
+            and self._fits(opts, [outputs[0], inputs[0]], inputs[0].numel(), inputs[0].dtype)
+        ):
+            out, inp = outputs[0].detach().view(-1), inputs[0].detach().view(-1)
+            mine = slice(self.rank() * out.numel(), (self.rank() + 1) * out.numel())
+            reduce_op = _op_for(out.dtype, op)
+
+            def call(flat: torch.Tensor, operand: Any) -> None:
+                flat.copy_(inp)  # the staging holds every rank's p blocks; this rank's comes back
+                self.client.reduce_scatter(operand, op=reduce_op, timeout=self._timeout)
+                out.copy_(flat[mine])
+
+            work = self._answer_here(
+                "reduce_scatter_tensor", [*outputs, *inputs], outputs, inp.dtype, inp.numel(), call
+            )
+            if work is not None:
+                return work
 
         def pieces(work: LpsyncWork) -> None:
             for out, inp in zip(outputs, inputs, strict=True):
@@ -590,10 +708,16 @@ class ProcessGroupLpsync(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None
-    ) -> LpsyncWork:
+    ) -> LpsyncWork | DoneWork:
         return self.reduce_scatter_single_coalesced(outputs, inputs, opts)
 
-    def barrier(self, opts=None) -> LpsyncWork:
+    def barrier(self, opts=None) -> LpsyncWork | DoneWork:
+        if opts is not None and not opts.asyncOp and not self._closed:  # nothing to stage
+            try:
+                self.client.barrier(timeout=self._timeout)
+            except LpsyncError as error:
+                raise dist_error("barrier", error) from error
+            return DoneWork("barrier", [])
         return self._run("barrier", [], self._barrier_piece, opts=opts)
 
     # -- what lpsync does not offer: a clear error, never a hang -----------------------------
