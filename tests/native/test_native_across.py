@@ -73,10 +73,11 @@ def test_another_collective_on_one_node_fails_every_rank_as_a_mismatch_in_second
 
 
 def test_a_rank_that_dies_fails_the_armed_call_on_every_node_at_once(tmp_path: Path) -> None:
-    """Rank 1 (node 0) exits while the others ring: node 0 fails the call (ABORTED) and
-    tells the GO round's root, so node 1's ranks, waiting on it in their engine, fall
-    back and hear the same error, within seconds, not their 30 s timeout (the chaos
-    run's killed trainer)."""
+    """Rank 1 (node 0) exits while the others ring: node 0 fails the call (ABORTED) and,
+    before it answers rank 0 (whose detach may end the job and close its channels),
+    sends a NOTICE on the GO round, so node 1's ranks, waiting on it in their engine,
+    fall back and hear the same error, within seconds, not their 30 s timeout (the
+    chaos run's killed trainer)."""
     cluster = _cluster(tmp_path, "on")
     try:
         sockets = [str(d.socket) for d in cluster.daemons if d is not None]
@@ -100,7 +101,9 @@ def test_a_rank_that_dies_fails_the_armed_call_on_every_node_at_once(tmp_path: P
         name, code, message = r["error"]
         assert (name, code) == ("AbortedError", "ABORTED"), r
         assert "rank(s) 1" in message or "rank 1 of job 'dies' left" in message, message
-        assert r["seconds"] < 0.5 + 3.0 + 1.0, r  # rank 1 dies 0.5 s in; within the heartbeat bound
+        # Rank 1 dies 0.5 s in; the others hear it in about the heartbeat bound (3 s), far
+        # from their 30 s timeout (the margin: a loaded 2-core CI machine).
+        assert r["seconds"] < 0.5 + 3.0 + 6.0, r
 
 
 def test_asynchronous_calls_ring_too_in_order_with_blocking_and_new_ones(tmp_path: Path) -> None:

@@ -165,6 +165,11 @@ class Conductor:
         """A multi-node job's other nodes hear of it (path.notify_failure), on a worker
         thread: it takes this node's part in the agreement, which waits for theirs."""
         if job.layout is not None and self._plane is not None:
+            if job.native is not None:
+                # Armed peers wait in the GO round: they fall back to hear it. Said before
+                # this node's ranks are answered: a rank that detaches then may end the
+                # job, closing its channels, and the peers would hear a lost channel.
+                job.native.notice(pending.sequence, job.layout.node)
             self.pool.submit(path.notify_failure, job, pending, error, self._plane)
 
     def native_plans(self, job: Job) -> ArmedPlans | None:

@@ -143,8 +143,6 @@ def notify_failure(job: Job, pending: Pending, error: LpsyncError, plane: PeerPl
     Best effort: without a mesh there is nothing to tell."""
     if job.layout is None:
         return
-    if job.native is not None:  # armed peers wait in the GO round: they fall back to hear it
-        job.native.notice(pending.sequence, job.layout.node)
     try:
         link = plane.link(time.monotonic()).for_job(job.layout.cluster)
     except LpsyncError:
