@@ -14,7 +14,7 @@ UNIT := tests/algorithms tests/engine tests/memory tests/daemon/unit tests/trans
 # Workers for the whole suite: most tests wait on daemons, sockets and timeouts, not on CPU.
 JOBS ?= 4
 
-.PHONY: demo test check unit lint bytecode bench fuzz clean image test-deploy test-native test-slurm
+.PHONY: demo test suite check unit lint bytecode bench fuzz clean image test-deploy test-native test-slurm
 
 # The native engine's sources: the install builds it (pyproject.toml), and an edit to them
 # installs again so that the tests never run a stale engine.
@@ -53,7 +53,13 @@ check: bytecode
 unit: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile $(UNIT)
 
-test: lint bytecode test-native
+# The checks, the sanitizer lane and the suite side by side: each check is one process for
+# about a minute, which the suite's workers absorb, instead of a minute before the suite
+# starts; a failed check fails `make test` when the suite ends. -Oline keeps lines whole.
+test: bytecode
+	$(MAKE) --no-print-directory -j3 -Oline lint test-native suite
+
+suite: $(BIN)/.installed bytecode
 	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=30
 
 # The native engine alone under AddressSanitizer and UndefinedBehaviorSanitizer: programs
