@@ -1,7 +1,7 @@
 # Two entry points for a fresh machine; both create or reuse .venv in the checkout.
 #   make demo   the main job (lpsync demo): a two-node cluster on this machine trains a CNN
 #               on scikit-learn's digits through the DDP hook, beside one process and gloo
-#   make test   lint, format, types, then the whole test suite in parallel (<= 8 min)
+#   make test   lint, format, types and the sanitizer lane beside the whole suite (<= 8 min)
 #   make check  the fast lane for every edit: lint, format, types and the unit tier (<= 60 s)
 PYTHON ?= python3
 VENV := .venv
@@ -11,10 +11,10 @@ BIN := $(VENV)/bin
 # goes into its package's unit/ folder (tests/daemon/unit, tests/transport/unit, tests/client/unit).
 UNIT := tests/algorithms tests/engine tests/memory tests/daemon/unit tests/transport/unit tests/client/unit \
 	tests/native/unit tests/lab/unit
-# Workers for the whole suite: most tests wait on daemons, sockets and timeouts, not on CPU.
+# Workers for the whole suite: four keep two cores busy throughout (six were no faster).
 JOBS ?= 4
 
-.PHONY: demo test suite check unit lint bytecode bench fuzz clean image test-deploy test-native test-slurm
+.PHONY: demo test suite checks check unit lint bytecode bench fuzz clean image test-deploy test-native test-slurm
 
 # The native engine's sources: the install builds it (pyproject.toml), and an edit to them
 # installs again so that the tests never run a stale engine.
@@ -49,15 +49,20 @@ lint: $(BIN)/.installed
 check: bytecode
 	$(MAKE) --no-print-directory -j2 -Otarget lint unit
 
-# Two workers: the unit tier is CPU work (~60 CPU-s), so one process would be the lane's floor.
+# Three workers on two cores: a few unit tests wait (threads, timeouts), and three took 76-84 s
+# where two took 89-92 s (2026-12-07).
 unit: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile $(UNIT)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile $(UNIT)
 
-# The checks, the sanitizer lane and the suite side by side: each check is one process for
-# about a minute, which the suite's workers absorb, instead of a minute before the suite
-# starts; a failed check fails `make test` when the suite ends. -Oline keeps lines whole.
+# The checks and the sanitizer lane beside the suite: each is one process for about a
+# minute, which the suite's workers absorb, instead of a minute before the suite starts; a
+# failed check fails `make test` when the suite ends. The suite prints as it goes; each
+# check prints its output whole when it ends (-Otarget).
 test: bytecode
-	$(MAKE) --no-print-directory -j3 -Oline lint test-native suite
+	$(MAKE) --no-print-directory -j3 suite checks
+
+checks:
+	$(MAKE) --no-print-directory -Otarget lint test-native
 
 suite: $(BIN)/.installed bytecode
 	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=30
