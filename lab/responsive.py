@@ -23,7 +23,6 @@ import json
 import multiprocessing as mp
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -140,7 +139,7 @@ def stalled(socket: str, stop) -> None:
 
 
 # -- measurement --------------------------------------------------------------------------
-def _start_daemon(tmp: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+def _start_daemon(tmp: Path, extra: tuple[str, ...] = ()) -> tuple[launch.Process, str]:
     daemon = launch.Daemon(str(tmp / "lpsync.sock"), *extra, log=tmp / "daemon.log")
     return daemon.proc, daemon.socket
 

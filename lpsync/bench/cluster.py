@@ -291,6 +291,7 @@ def _start_daemons(
             start_new_session=True,
             wait=False,
         )
+        assert isinstance(started.proc, subprocess.Popen)  # launch.Daemon's own spawn
         daemons.append(_Node(started.proc, socket, log))
     deadline = time.monotonic() + _START_TIMEOUT + _START_PER_NODE * max(0, spec.nodes - 8)
     for node, d in enumerate(daemons):

@@ -14,11 +14,24 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from lpsync.errors import LpsyncError
 
 START_TIMEOUT = 30.0  # seconds for a daemon to serve after its process started
+
+
+class Process(Protocol):
+    """What this module asks of a daemon's process: a Popen, or what Daemon._spawn returns."""
+
+    pid: int
+    returncode: int | None
+    args: Any
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int | None: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
 
 
 class DaemonStartError(LpsyncError):
@@ -100,14 +113,12 @@ class Daemon:
         lifeline, self._lifeline = os.pipe()  # the write end: closed by _close_files (stop, kill)
         _WITH_LIFELINES.add(self)
         try:
-            self.proc = subprocess.Popen(
+            self.proc: Process = self._spawn(
                 [*wrap, *command(socket, "--lifeline-fd", str(lifeline), *flags)],
-                stdout=self._log,
-                stderr=subprocess.STDOUT if self._log is not None else None,
+                lifeline=lifeline,
+                env=env,
                 cwd=cwd,
-                env=dict(env) if env is not None else None,
                 start_new_session=start_new_session,
-                pass_fds=(lifeline,),
             )
         except BaseException:
             self._close_files()
@@ -121,6 +132,28 @@ class Daemon:
             except BaseException:
                 self.kill()
                 raise
+
+    def _spawn(
+        self,
+        argv: list[str],
+        *,
+        lifeline: int,
+        env: Mapping[str, str] | None,
+        cwd: str | Path | None,
+        start_new_session: bool,
+    ) -> Process:
+        """Start the daemon's process (a Popen, or an object with Popen's pid, returncode,
+        poll, wait, send_signal and kill; the test harness forks daemons from a preloaded
+        process this way). ``lifeline``: the pipe's read end that ``argv`` names."""
+        return subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT if self._log is not None else None,
+            cwd=cwd,
+            env=dict(env) if env is not None else None,
+            start_new_session=start_new_session,
+            pass_fds=(lifeline,),
+        )
 
     def wait_serving(self, deadline: float) -> None:
         """Return once the daemon serves; DaemonStartError if it exits or ``deadline`` passes."""
@@ -212,13 +245,15 @@ def stop_together(daemons: Sequence[Daemon], timeout: float = 20.0) -> list[int 
     return codes
 
 
-def reaped(proc: subprocess.Popen[Any]) -> bool:
+def reaped(proc: Process) -> bool:
     """Whether ``proc`` has ended (reaped here if so), without Popen's wait lock: a Ctrl-C
     that lands inside Popen.wait or poll just after the lock is taken leaves it held for
     good (CPython's subprocess takes it outside its try), and every later wait or poll
     then reports a dead process as running."""
     if proc.returncode is not None:
         return True
+    if not isinstance(proc, subprocess.Popen):  # not this process's child (Daemon._spawn)
+        return proc.poll() is not None
     try:
         pid, status = os.waitpid(proc.pid, os.WNOHANG)
     except ChildProcessError:  # reaped already
@@ -229,7 +264,7 @@ def reaped(proc: subprocess.Popen[Any]) -> bool:
     return True
 
 
-def wait_reaped(proc: subprocess.Popen[Any], timeout: float) -> bool:
+def wait_reaped(proc: Process, timeout: float) -> bool:
     """Wait up to ``timeout`` seconds for ``proc`` to end (reaped, lock-free); whether it did."""
     deadline = time.monotonic() + timeout
     while not reaped(proc):

@@ -19,16 +19,25 @@ from pathlib import Path
 
 from lpsync.daemon import launch
 from lpsync.transport.ports import free_ports
+from tests.daemon import zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 START_TIMEOUT = 20.0  # seconds for a test's daemon to serve
+_AT_EXEC = ("PYTHON", "LD_", "MALLOC_")  # environment read when a process starts, not after
 
 
 class DaemonProcess(launch.Daemon):
     """A daemon for a test: its own socket in ``tmp``, a DEBUG log there, the repository as
-    its working directory. ``wrap``: a command prefix that execs it (``ip netns exec NS``)."""
+    its working directory. ``wrap``: a command prefix that execs it (``ip netns exec NS``).
+
+    It is forked from a process that imported the daemon already (tests/daemon/zygote.py:
+    ~0.4 CPU-s less per daemon); ``preforked=False`` (or LPSYNC_TEST_EXEC_DAEMONS=1) execs
+    ``python -m lpsync.cli daemon`` instead, where the test is about the process itself
+    (its command line, Popen's own wait). A wrapped daemon is always exec'd, and so is one
+    whose ``env`` sets what only an interpreter's start reads (PYTHONPATH with a
+    sitecustomize, LD_PRELOAD)."""
 
     def __init__(
         self,
@@ -37,7 +46,14 @@ class DaemonProcess(launch.Daemon):
         env: dict[str, str] | None = None,
         wrap: tuple[str, ...] = (),
         wait: bool = True,
+        preforked: bool = True,
     ) -> None:
+        self._preforked = (
+            preforked
+            and not wrap
+            and not os.environ.get("LPSYNC_TEST_EXEC_DAEMONS")
+            and not any(name.startswith(_AT_EXEC) for name in env or {})
+        )
         super().__init__(
             str(tmp / "lpsync.sock"),
             "--log-level",
@@ -49,6 +65,19 @@ class DaemonProcess(launch.Daemon):
             cwd=ROOT,
             start_timeout=START_TIMEOUT,
             wait=wait,
+        )
+
+    def _spawn(self, argv: list[str], *, lifeline: int, env, cwd, start_new_session: bool) -> launch.Process:
+        if not self._preforked:
+            spawn = super()._spawn
+            return spawn(argv, lifeline=lifeline, env=env, cwd=cwd, start_new_session=start_new_session)
+        return zygote.ForkedProcess(
+            argv,
+            lifeline=lifeline,
+            log=self._log.fileno() if self._log is not None else None,
+            env=env or os.environ,
+            cwd=cwd or os.getcwd(),
+            new_session=start_new_session,
         )
 
     def stop_and_check(self) -> None:

@@ -260,7 +260,7 @@ def test_stop_reaps_a_daemon_whose_wait_lock_an_interrupt_left_held(tmp_path: Pa
     """A Ctrl-C inside Popen.wait or poll, just after it took its lock, leaves the lock held
     (the demo saw it in CI): every later wait timed out on a daemon that had exited, so a
     stop cost its whole timeout and raised. launch.Daemon reaps without the lock."""
-    d = DaemonProcess(tmp_path)
+    d = DaemonProcess(tmp_path, preforked=False)  # this process's child, reaped by Popen
     assert d.proc._waitpid_lock.acquire(False)  # as the interrupted wait left it
     assert d.alive()
     start = time.monotonic()

@@ -186,6 +186,7 @@ def test_the_cluster_secret_never_shows(tmp_path: Path) -> None:
                     str(metrics[node]),
                     *how,
                     env={"LPSYNC_SECRET": secret} if node == 0 else {},
+                    preforked=False,  # exec'd: its own command line is read below
                 )
             )
         (tmp_path / "other").mkdir()
