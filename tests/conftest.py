@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 import pytest
 
 from tests.daemon.harness import DaemonProcess
+
+# One OpenMP thread in this process and every one it starts (set before torch is imported):
+# torch's default of one per core spins its idle threads between ops, and four workers'
+# trainers on two cores spun away ~1.2 CPU-s per training rank (measured on the DDP tests).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture

@@ -112,7 +112,21 @@ def shm_segments(pid: int | None = None) -> list[str]:
 # two of imports, which was a large share of the suite's CPU on 2 cores. The server only
 # imports (no threads, no channels), so forking from it is safe; each child takes the
 # test's environment and working directory as a spawned one would.
-_PRELOAD = ["numpy", "grpc", "lpsync_client.client", "torch", "lpsync_client.torch", "tests.daemon.harness"]
+# torch's distributed pieces too: DDP's or FSDP's first use imports ~800 more modules
+# (DTensor, dynamo, sympy), ~1.8 CPU-s in every rank that trains.
+_PRELOAD = [
+    "numpy",
+    "grpc",
+    "lpsync_client.client",
+    "torch",
+    "lpsync_client.torch",
+    "torch.nn.parallel",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.algorithms.ddp_comm_hooks",
+    "torch._dynamo",
+    "tests.daemon.harness",
+]
 
 
 @functools.cache
