@@ -27,19 +27,19 @@ def daemon(tmp_path: Path):
 
 
 # The order files start in under `make test` (--dist loadfile --no-loadscope-reorder): the
-# files most of whose time is one or two long tests (CPU-s per file run alone, or
-# wall where it says s, 2026-12-07) first, each beside one of the files with the most tests;
-# then the rest, most tests first. pytest-xdist's own order (most tests first) started the
-# one-test 67-s chaos file last, alone at the end (9 min 04 s that run); all the long
-# files first ran four heavy torch files at once and each took 1.5x longer (9 min 18 s).
+# files most of whose time is one or two long tests first (their longest test's wall in a
+# whole run of the suite, 2026-12-07 night), each beside one of the files with the most
+# tests; then the rest, most tests first. pytest-xdist's own order (most tests first)
+# started the one-test chaos file last, alone at the end; all the long files first ran
+# four heavy torch files at once and each took 1.5x longer.
 LONG_FEW = (
-    "tests/training/test_examples.py",  # ~108 CPU-s, 6 tests
-    "tests/training/test_torch_training.py",  # 93 s
-    "tests/test_paper.py",  # ~60 CPU-s, mostly one fixture
-    "tests/training/test_demo.py",  # ~67 CPU-s, one test most of it
-    "tests/bench/test_bench_models.py",  # ~51 CPU-s, 60 s alone
-    "tests/cluster/test_chaos.py",  # ~49 s, one test
-    "tests/torch_suite/test_torch_suite.py",  # ~37 s, one test
+    "tests/training/test_examples.py",  # 6 tests under torchrun, the longest 49 s
+    "tests/training/test_torch_training.py",  # 17 s
+    "tests/test_paper.py",  # 122 s, its fixture
+    "tests/training/test_demo.py",  # 79 s
+    "tests/bench/test_bench_models.py",  # 43 s
+    "tests/cluster/test_chaos.py",  # 51 s
+    "tests/torch_suite/test_torch_suite.py",  # 75 s
 )
 
 
