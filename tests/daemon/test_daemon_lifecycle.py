@@ -525,3 +525,22 @@ def test_no_trigger_socket_falls_back_to_grpc(tmp_path: Path) -> None:
             lpsync_client.connect(d.socket, job="nt2", rank=0, world_size=1, trigger="socket")
     finally:
         d.stop_and_check()
+
+
+@pytest.mark.parametrize("preforked", [True, False])
+def test_a_forked_daemon_ends_as_an_execd_one(tmp_path: Path, preforked: bool) -> None:
+    """The suite's daemons fork from a preloaded zygote (tests/daemon/zygote.py): its
+    daemon refuses a bad setting with the same exit code and log, stops on SIGTERM with
+    0, reports a SIGKILL as one, and stops when its launcher's lifeline closes."""
+    with pytest.raises(launch.DaemonStartError, match=r"exited \(2\) before serving:\n(.|\n)*--no-such-flag"):
+        DaemonProcess(tmp_path, "--no-such-flag", preforked=preforked)
+    d = DaemonProcess(tmp_path, preforked=preforked)
+    assert isinstance(d.proc, subprocess.Popen) is not preforked
+    assert d.stop() == 0 and not Path(d.socket).exists()
+    d = DaemonProcess(tmp_path, preforked=preforked)
+    d.proc.send_signal(signal.SIGKILL)
+    assert d.wait_stopped(10) == -signal.SIGKILL
+    d = DaemonProcess(tmp_path, preforked=preforked)
+    d._forget_lifeline()  # as if this process had died: the daemon stops by itself
+    assert d.wait_stopped(20) == 0, d.tail()
+    assert shm_segments(d.pid) == [] and not Path(d.socket).exists()
