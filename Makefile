@@ -38,6 +38,11 @@ demo: $(BIN)/.installed bytecode
 bytecode: $(BIN)/.installed
 	$(BIN)/python -m compileall -q -j 0 lpsync lab clients/python/lpsync_client tests examples
 
+# pytest keeps each test module as it rewrote its asserts in __pycache__, unless the
+# environment sets PYTHONDONTWRITEBYTECODE: then every worker of every run parsed and
+# rewrote all of them again (~6 CPU-s of a worker's ~14-s collection of the suite).
+KEEP_REWRITES := PYTHONDONTWRITEBYTECODE=
+
 lint: $(BIN)/.installed
 	$(BIN)/ruff check lpsync lab tests clients examples scripts protos deploy
 	$(BIN)/ruff format --check lpsync lab tests clients examples scripts protos deploy
@@ -52,7 +57,7 @@ check: bytecode
 # Three workers on two cores: a few unit tests wait (threads, timeouts), and three took 76-84 s
 # where two took 89-92 s (2026-12-07).
 unit: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile $(UNIT)
+	$(KEEP_REWRITES) $(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile $(UNIT)
 
 # The checks and the sanitizer lane beside the suite: each is one process for about a
 # minute, which the suite's workers absorb, instead of a minute before the suite starts; a
@@ -65,7 +70,7 @@ checks:
 	$(MAKE) --no-print-directory -Otarget lint test-native
 
 suite: $(BIN)/.installed bytecode
-	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=30
+	$(KEEP_REWRITES) $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=30
 
 # The native engine alone under AddressSanitizer and UndefinedBehaviorSanitizer: programs
 # against a reference, the doorbell with threads as clients (fallbacks, disarm, deadline,
