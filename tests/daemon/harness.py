@@ -295,10 +295,14 @@ class PeeredDaemons:
     def stop(self) -> list[str]:
         """Stop every daemon; the failures of those that did not exit cleanly (0)."""
         live = [(node, d) for node, d in enumerate(self.daemons) if d is not None]
-        for _, daemon in live:  # every thread's stack into the logs, for post-mortems
-            if daemon.proc.poll() is None:
-                daemon.proc.send_signal(signal.SIGUSR1)
-        time.sleep(0.05)  # delivered before the SIGTERM that follows (a lower signal number)
+        # Stopped on the way out of a failing test: every thread's stack into the logs, for
+        # the post-mortem. Only then: a dump races the daemon's running threads, and one
+        # UCX daemon died of SIGSEGV in the middle of its dump (2026-12-07).
+        if sys.exc_info()[0] is not None:
+            for _, daemon in live:
+                if daemon.proc.poll() is None:
+                    daemon.proc.send_signal(signal.SIGUSR1)
+            time.sleep(0.05)  # delivered before the SIGTERM that follows (a lower signal number)
         killed = [daemon.proc.poll() == -signal.SIGKILL for _, daemon in live]  # by a test, on purpose
         codes = launch.stop_together([daemon for _, daemon in live])
         unclean = [
