@@ -23,11 +23,43 @@ from lpsync.daemon.launch import reaped
 from lpsync.demo.local_cluster import DemoError, LocalCluster, clean_env, tail
 from lpsync.transport.ports import free_ports
 
-# float32 rounding over five epochs at lr 0.05: the ranks' mean of means against the
-# combined batch's mean, and the order each bucket is reduced in (the algorithm the daemons
-# pick): 6.3e-7 (gloo 6.0e-7) on 2026-12-07; a real error is far larger. At lr 0.1 the
-# same rounding grew to 0.26 (train_digits.py says why)
+# The parameters of two trainings that differ only by float32 rounding: the order each
+# bucket is summed in (the algorithm the daemons pick; gloo's ring) and the ranks' mean of
+# means against one process's mean over the combined batch. The training amplifies that
+# rounding, and by how much depends on the CPU's kernels and on the batch: the default run
+# (4 ranks, 5 epochs) 6.3e-7 from one process on one machine (2026-12-07), 1.2e-5 on
+# another (2026-12-08); 2 ranks of 16 samples 1.1e-3 after one epoch and 0.08 after two,
+# gloo's as lpsync's (a combined batch of 32 trains on the edge of stability). A real error
+# is far larger. At lr 0.1 the default run's grew to 0.26 (train_digits.py says why).
 EQUIVALENCE_BOUND = 1e-4
+
+
+@dataclass(frozen=True)
+class Differences:
+    """The largest parameter differences of the three trainings."""
+
+    lpsync_single: float  # lpsync against one process on the combined batch
+    gloo_single: float  # DDP over gloo against the same one process
+    lpsync_gloo: float
+
+    @classmethod
+    def between(cls, lpsync: np.ndarray, single: np.ndarray, gloo: np.ndarray) -> Differences:
+        def worst(a: np.ndarray, b: np.ndarray) -> float:
+            return float(np.abs(a - b).max())
+
+        return cls(worst(lpsync, single), worst(gloo, single), worst(lpsync, gloo))
+
+    def kept(self) -> bool:
+        """BSP-SGD's result is kept: lpsync trained as DDP over gloo did (to rounding) and
+        is no further from one process than gloo is. One process is the mathematical
+        reference, but what any data-parallel float32 training drifts from it by is the
+        training's own (gloo measures it), not the collectives'."""
+        return (
+            self.lpsync_gloo <= EQUIVALENCE_BOUND
+            and self.lpsync_single <= self.gloo_single + EQUIVALENCE_BOUND
+        )
+
+
 # seconds a launcher has to stop its trainers on SIGTERM, and then to go after SIGKILL
 STOP_GRACE = 15.0
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
@@ -74,11 +106,12 @@ def run(options: DemoOptions) -> int:
         single = _single(options, tmp, world)
         say(f"== the same {world} trainers, DDP over gloo")
         gloo = _torchrun(options, cluster, tmp, "gloo")
-        worst = _summary(lpsync, single, gloo, cluster)
-        if worst > EQUIVALENCE_BOUND:
+        differences = _summary(lpsync, single, gloo, cluster)
+        if not differences.kept():
             say(
-                f"FAILED: the parameters differ by {worst:.2e} > {EQUIVALENCE_BOUND:g} from the "
-                "one-process run"
+                f"FAILED: lpsync's parameters differ by {differences.lpsync_gloo:.2e} from gloo's and "
+                f"by {differences.lpsync_single:.2e} from one process's (gloo's: "
+                f"{differences.gloo_single:.2e}; rounding: {EQUIVALENCE_BOUND:g})"
             )
             return 1
         return 0
@@ -299,12 +332,15 @@ def _result(tmp: Path, tag: str) -> dict[str, Any]:
 
 def _summary(
     lpsync: dict[str, Any], single: dict[str, Any], gloo: dict[str, Any], cluster: LocalCluster
-) -> float:
-    """Print the comparison; returns the largest lpsync - one-process difference."""
+) -> Differences:
+    """Print the comparison; returns the parameters' differences."""
     n = lpsync["params"].size
-    to_single = float(np.abs(lpsync["params"] - single["params"]).max())
-    to_gloo = float(np.abs(lpsync["params"] - gloo["params"]).max())
-    gloo_single = float(np.abs(gloo["params"] - single["params"]).max())
+    differences = Differences.between(lpsync["params"], single["params"], gloo["params"])
+    to_single, to_gloo, gloo_single = (
+        differences.lpsync_single,
+        differences.lpsync_gloo,
+        differences.gloo_single,
+    )
     say("")
     say("== results")
     say(f"RQ4, BSP-SGD's result kept: largest parameter difference over {n} parameters")
@@ -329,4 +365,4 @@ def _summary(
         f"{100 * last['accuracy']:.1f}%"
     )
     say("metrics: " + ", ".join(node.metrics_url for node in cluster.nodes))
-    return to_single
+    return differences
