@@ -17,7 +17,7 @@ UNIT := tests/algorithms tests/engine tests/memory tests/daemon/unit tests/trans
 # 558 s); five took 525 s against four's 558-585 s (2026-12-07 night, CONTRIBUTING.md).
 JOBS ?= 5
 
-.PHONY: demo test suite checks check unit lint bytecode bench fuzz clean image test-deploy test-native test-slurm
+.PHONY: demo test suite rewrites checks check unit lint bytecode bench fuzz clean image test-deploy test-native test-slurm
 
 # The native engine's sources: the install builds it (pyproject.toml), and an edit to them
 # installs again so that the tests never run a stale engine.
@@ -25,10 +25,21 @@ NATIVE := lpsync/native/kernels.c lpsync/native/program.c lpsync/native/engine.c
 	lpsync/native/engine.h lpsync/native/_engine.c
 CC ?= gcc
 
+# The install: uv, where it installs (~30 s on a fresh clone against pip's 68-80 s: pip
+# unpacks and compiles torch, jax and UCX one wheel after another), else pip. uv reads
+# none of pip's configuration, so pip's find-links (where a machine keeps a local torch
+# wheel, as this project's machines do) are handed to it.
+EXTRAS := '.[test,torch,deploy]'
+FIND_LINKS = $(foreach d,$(shell $(BIN)/python -m pip config get global.find-links 2>/dev/null),--find-links $(d))
+
 $(BIN)/.installed: pyproject.toml clients/python/pyproject.toml $(NATIVE)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,torch,deploy]' -e clients/python
+	if $(BIN)/python -m pip install -q uv; then \
+		$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode $(FIND_LINKS) \
+			-e $(EXTRAS) -e clients/python; \
+	else \
+		$(BIN)/python -m pip install -q -e $(EXTRAS) -e clients/python; \
+	fi
 	touch $@
 
 demo: $(BIN)/.installed bytecode
@@ -72,8 +83,15 @@ test: bytecode
 checks:
 	$(MAKE) --no-print-directory -Otarget lint test-native
 
-suite: $(BIN)/.installed bytecode
+suite: $(BIN)/.installed bytecode rewrites
 	$(KEEP_REWRITES) $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=30
+
+# On a fresh clone the suite's five workers would each rewrite every test module's asserts
+# at once (~7 CPU-s each, KEEP_REWRITES above): one collection writes them first, beside
+# lint. Skipped once they are there (pytest rewrites an edited module again by itself).
+rewrites: bytecode
+	$(if $(wildcard tests/__pycache__/conftest.*-pytest-*.pyc),,\
+		$(KEEP_REWRITES) $(BIN)/python -m pytest -q --collect-only -p no:cacheprovider >/dev/null)
 
 # The native engine alone under AddressSanitizer and UndefinedBehaviorSanitizer: programs
 # against a reference, the doorbell with threads as clients (fallbacks, disarm, deadline,
