@@ -25,21 +25,21 @@ NATIVE := lpsync/native/kernels.c lpsync/native/program.c lpsync/native/engine.c
 	lpsync/native/engine.h lpsync/native/_engine.c
 CC ?= gcc
 
-# The install: uv, where it installs (~30 s on a fresh clone against pip's 68-80 s: pip
-# unpacks and compiles torch, jax and UCX one wheel after another), else pip. uv reads
-# none of pip's configuration, so pip's find-links (where a machine keeps a local torch
-# wheel, as this project's machines do) are handed to it.
+# The install: uv where it installs and resolves (~30 s on a fresh clone against pip's
+# 68-80 s: pip unpacks and compiles torch, jax and UCX one wheel after another), else pip.
+# uv reads none of pip's configuration, so pip's find-links (where a machine keeps a local
+# torch wheel, as this project's machines do) are handed to it; without them uv would take
+# PyPI's CUDA torch, which no ucxx-cu12 resolves beside, and pip installs instead.
 EXTRAS := '.[test,torch,deploy]'
-FIND_LINKS = $(foreach d,$(shell $(BIN)/python -m pip config get global.find-links 2>/dev/null),--find-links $(d))
 
 $(BIN)/.installed: pyproject.toml clients/python/pyproject.toml $(NATIVE)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	if $(BIN)/python -m pip install -q uv; then \
-		$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode $(FIND_LINKS) \
-			-e $(EXTRAS) -e clients/python; \
-	else \
-		$(BIN)/python -m pip install -q -e $(EXTRAS) -e clients/python; \
-	fi
+	set --; for link in $$($(BIN)/python -m pip config get global.find-links 2>/dev/null); do \
+		set -- "$$@" --find-links "$$link"; done; \
+	{ $(BIN)/python -m pip install -q uv \
+	  && $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode "$$@" \
+		-e $(EXTRAS) -e clients/python; } \
+	|| $(BIN)/python -m pip install -q -e $(EXTRAS) -e clients/python
 	touch $@
 
 demo: $(BIN)/.installed bytecode
