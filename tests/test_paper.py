@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 from lpsync.demo.job import Differences
+from tests.installed import skip_unless_installed
 
-pytest.importorskip("matplotlib")
-pytest.importorskip("torch")
-pytest.importorskip("sklearn")
+skip_unless_installed("matplotlib", "torch", "sklearn")
 
 PNG = b"\x89PNG\r\n\x1a\n"
 TINY = [

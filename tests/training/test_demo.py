@@ -10,12 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from lpsync.demo.job import Differences
+from tests.installed import skip_unless_installed
 
-pytest.importorskip("ucxx")
-pytest.importorskip("sklearn")
+skip_unless_installed("ucxx", "sklearn")
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = [sys.executable, "-m", "lpsync.cli", "demo", "--epochs", "1"]

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon.harness import DaemonProcess
+from tests.daemon.harness import DaemonProcess, run_ranks
 from tests.ports import free_ports
+from tests.training.trainers import example_as_rank
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 LAST_LINE = {
@@ -32,11 +33,10 @@ def test_example_runs_under_torchrun(daemon: DaemonProcess, example: str) -> Non
 def test_the_moe_layer_trains_as_on_gloo(daemon: DaemonProcess) -> None:
     """Tokens move to their expert and back with uneven all_to_all_single: the losses
     equal gloo's bit for bit (nothing is reduced on the way but the router's 2-rank sum)."""
+    args = ("--steps", "10")
     lines = {
-        backend: _torchrun(daemon, "moe_all_to_all", "--backend", backend, "--steps", "10")
-        .strip()
-        .splitlines()[-1]
-        for backend in ("lpsync", "gloo")
+        "lpsync": _last_line(_torchrun(daemon, "moe_all_to_all", *args)),
+        "gloo": _last_line(_on_gloo("moe_all_to_all", *args)),
     }
     assert lines["lpsync"].startswith("lpsync: final loss of 2 ranks"), lines
     assert lines["lpsync"].split(" ranks ")[1] == lines["gloo"].split(" ranks ")[1], lines
@@ -47,14 +47,28 @@ def test_pipeline_stages_train_as_on_gloo(daemon: DaemonProcess) -> None:
     activations and gradients): every loss equals gloo's bit for bit. Three stages, not the
     docstring's four: the middle stage already receives from one peer and sends to the other
     in both directions; a fourth adds a second such stage and two torch processes (~10 CPU-s)."""
+    args = ("--steps", "3")
     lines = {
-        backend: _torchrun(daemon, "pipeline_parallel", "--backend", backend, "--steps", "3", procs=3)
-        .strip()
-        .splitlines()[-1]
-        for backend in ("lpsync", "gloo")
+        "lpsync": _last_line(_torchrun(daemon, "pipeline_parallel", *args, procs=3)),
+        "gloo": _last_line(_on_gloo("pipeline_parallel", *args, procs=3)),
     }
     assert lines["lpsync"].startswith("lpsync losses: gpipe"), lines
     assert lines["lpsync"].split(" losses: ")[1] == lines["gloo"].split(" losses: ")[1], lines
+
+
+def _last_line(output: str) -> str:
+    return output.strip().splitlines()[-1]
+
+
+def _on_gloo(example: str, *args: str, procs: int = 2) -> str:
+    """What the example printed on gloo, the reference: its ranks fork from the suite's
+    server that has torch imported (run_ranks) and take torchrun's variables, instead of
+    a torchrun of their own (its agent and every rank's import of torch: ~6 CPU-s)."""
+    (port,) = free_ports(1)
+    script = str(EXAMPLES / f"{example}.py")
+    gloo = [*args, "--backend", "gloo"]
+    printed = run_ranks(procs, example_as_rank, script, gloo, procs, port, timeout=240)
+    return "".join(printed)
 
 
 def _torchrun(daemon: DaemonProcess, example: str, *args: str, procs: int = 2) -> str:

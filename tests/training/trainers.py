@@ -7,8 +7,12 @@ training on the combined batches ends."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import runpy
 import signal
+import sys
 import time
 
 import numpy as np
@@ -234,3 +238,23 @@ def hook_does_not_block(rank: int, world: int, socket: str, job: str, port: int)
     finally:
         client.close()
         dist.destroy_process_group()
+
+
+def example_as_rank(rank: int, script: str, args: list[str], world: int, port: int) -> str:
+    """Run the example ``script`` in this process as torchrun's rank ``rank`` of ``world``
+    on one node runs it (the variables torchrun sets that the process group reads, its
+    argv); what it printed."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    sys.argv = [script, *args]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        runpy.run_path(script, run_name="__main__")
+    return printed.getvalue()
