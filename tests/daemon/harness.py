@@ -138,6 +138,15 @@ def _context() -> mp.context.BaseContext:
     return ctx
 
 
+def helper_context() -> mp.context.BaseContext:
+    """Where a test starts helper processes of its own (Process, Pool, Event, Queue): forked
+    from the server run_ranks uses, which has numpy, grpc, the client and torch imported (a
+    spawned interpreter cost ~0.4 CPU-s each, 76 a run), or spawned under LPSYNC_TEST_SPAWN.
+    A child starts with the server's environment and working directory (the test's when
+    the server started): what a test set since, it passes to its helper explicitly."""
+    return _context()
+
+
 _STACKS = []  # the file a hanging rank writes its stacks to, kept open for faulthandler
 
 

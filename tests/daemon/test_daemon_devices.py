@@ -4,7 +4,6 @@ client processes registering emulated device arrays, results checked against num
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from tests.collective_cases import (
     reference,
     rotating_cases,
 )
-from tests.daemon.harness import DaemonProcess, PeeredDaemons, run_ranks
+from tests.daemon.harness import DaemonProcess, PeeredDaemons, helper_context, run_ranks
 
 
 def _daemon(tmp_path: Path, devices: str) -> DaemonProcess:
@@ -115,7 +114,7 @@ def test_ipc_cache_opens_an_allocation_once(emu):
 
 def test_client_killed_while_registered_frees_everything(emu, tmp_path):
     threads = _threads(emu.pid)
-    ctx = mp.get_context("spawn")
+    ctx = helper_context()
     for attempt in range(3):
         ready = tmp_path / f"ready{attempt}"
         proc = ctx.Process(target=device_workers.register_and_sleep, args=(attempt, emu.socket, str(ready)))
@@ -336,7 +335,7 @@ def test_a_client_killed_mid_cross_node_collective_leaks_nothing(tmp_path):
         allreduce_is_correct("before")  # makes the staging streams, which stay
         pids = [d.pid for d in daemons.daemons]
         threads = [_threads(pid) for pid in pids]
-        ctx = mp.get_context("spawn")
+        ctx = helper_context()
         ready = tmp_path / "submitted"
         ranks = [
             ctx.Process(
@@ -407,7 +406,7 @@ def test_a_client_killed_mid_collective_is_closed_only_after_the_streams_drain(t
     same devices serve a new job."""
     proc = _daemon(tmp_path, "emulated:2,bw=10000000")  # 10 MB/s: 8 MB copies take ~1 s
     try:
-        ctx = mp.get_context("spawn")
+        ctx = helper_context()
         ready = tmp_path / "submitted"
         ranks = [
             ctx.Process(target=device_workers.slow_allreduce, args=(r, proc.socket, 2, "slow", str(ready)))

@@ -3,7 +3,6 @@ requests, wrong token, job isolation."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import lpsync_client
 from lpsync.daemon.launch import serving
 from lpsync_client.wire.proto import lpsync_pb2 as pb
 from lpsync_client.wire.proto import lpsync_pb2_grpc as pb_grpc
-from tests.daemon.harness import DaemonProcess, run_ranks, shm_segments
+from tests.daemon.harness import DaemonProcess, helper_context, run_ranks, shm_segments
 from tests.daemon.workers import attach_and_wait, isolated, mismatch
 
 
@@ -45,7 +44,7 @@ def test_missing_rank_deadline_names_it(daemon) -> None:
 
 @pytest.mark.parametrize("trigger", ["grpc", "socket"])
 def test_killed_client_aborts_others_and_frees_buffers(daemon, trigger: str) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = helper_context()
     ready = ctx.Event()
     victim = ctx.Process(target=attach_and_wait, args=(1, daemon.socket, "kill", 2, ready, 120.0, trigger))
     victim.start()

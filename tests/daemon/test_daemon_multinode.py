@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.daemon.harness import PeeredDaemons, run_ranks
+from tests.daemon.harness import PeeredDaemons, helper_context, run_ranks
 from tests.daemon.multinode_workers import (
     cases_on_nodes,
     late_barrier,
@@ -132,9 +132,8 @@ def _fault_while_running(
 ) -> tuple[list[Any], float]:
     """Every rank runs collectives until one fails; once they are going, ``fault()``
     strikes. (Each rank's (kind, at, done, message), the monotonic time of the fault.)"""
-    import multiprocessing as mp
 
-    ready = mp.get_context("spawn").Event()
+    ready = helper_context().Event()
     box: dict[str, Any] = {}
 
     def clients() -> None:
@@ -352,13 +351,12 @@ def test_sigterm_does_not_drain_a_collective_whose_ranks_are_gone(tmp_path: Path
     waiting for a node that never joins. On SIGTERM the daemon drains collectives only
     while a session is attached to take their results: with none, it exits at once
     instead of waiting out the drain (10 s; the other nodes may be draining too)."""
-    import multiprocessing as mp
 
     from tests.daemon.multinode_workers import allreduce_alone
 
     cluster = start_cluster(tmp_path, 2, transport="tcp")
     try:
-        ctx = mp.get_context("spawn")
+        ctx = helper_context()
         attached = ctx.Event()
         rank = ctx.Process(target=allreduce_alone, args=(cluster.sockets[0], "orphan", attached))
         rank.start()

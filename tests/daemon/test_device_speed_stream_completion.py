@@ -9,7 +9,6 @@ never reaches it holds only its job."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -21,7 +20,7 @@ import pytest
 import lpsync_client
 from lpsync.engine.device_group import DONE_EVENTS
 from lpsync_client import emulated
-from tests.daemon.harness import DaemonProcess, run_ranks
+from tests.daemon.harness import DaemonProcess, helper_context, run_ranks
 
 COUNT = 1 << 20  # 4 MiB of float32: over the one-shot cap, so the chain's copies run (slowed)
 ROUNDS = 12
@@ -188,7 +187,7 @@ def other_job(rank: int, socket: str) -> list[float]:
 
 def test_a_client_that_never_gets_ready_blocks_only_its_job(tmp_path: Path):
     daemon = DaemonProcess(tmp_path, "--devices", "emulated:2")
-    ctx = mp.get_context("spawn")
+    ctx = helper_context()
     submitted, answered = tmp_path / "submitted", tmp_path / "answered"
     stuck = ctx.Process(target=stuck_rank, args=(1, daemon.socket, str(submitted)))
     peer_result = ctx.Queue()

@@ -13,7 +13,7 @@ import tests.daemon.hierarchy_workers as workers
 from lpsync.algorithms.registry import algorithms_for
 from lpsync.types import Collective
 from tests.collective_cases import check_case_results, rotating_cases
-from tests.daemon.harness import MemoryPeak, PeeredDaemons, run_ranks
+from tests.daemon.harness import MemoryPeak, PeeredDaemons, helper_context, run_ranks
 from tests.ports import free_ports
 
 HIERARCHICAL = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter")
@@ -149,7 +149,6 @@ def test_a_peer_daemon_killed_mid_collective_fails_it_and_leaks_nothing(tmp_path
     UnavailableError instead of hanging, node 0 closes every IPC mapping once its streams
     drained, keeps no extra threads, and serves a correct hierarchical allreduce with node 1
     once it is back."""
-    import multiprocessing as mp
 
     from tests.daemon.test_daemon_devices import _device_rows, _threads
 
@@ -164,7 +163,7 @@ def test_a_peer_daemon_killed_mid_collective_fails_it_and_leaks_nothing(tmp_path
         assert node0 is not None
         before = _threads(node0.pid)
         ready = tmp_path / "submitted"
-        ctx = mp.get_context("spawn")
+        ctx = helper_context()
         ranks = [
             ctx.Process(target=workers.allreduce_until_lost, args=(r, daemons.sockets, node_of, str(ready)))
             for r in range(4)

@@ -23,7 +23,7 @@ from lpsync.transport.auth import (
     authenticate_server_socket,
     client_handshake,
 )
-from tests.daemon.harness import DaemonProcess, run_ranks
+from tests.daemon.harness import DaemonProcess, helper_context, run_ranks
 from tests.daemon.security_workers import allreduces, ucx_garbage
 from tests.ports import free_ports
 
@@ -33,9 +33,7 @@ SECRET = "hostile-test-secret"
 
 
 def _spawn(target, *args, timeout: float = 60.0):
-    import multiprocessing as mp
-
-    with mp.get_context("spawn").Pool(1) as pool:
+    with helper_context().Pool(1) as pool:
         return pool.apply_async(target, args).get(timeout)
 
 

@@ -5,7 +5,6 @@ results."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import socket
 import threading
 import time
@@ -20,7 +19,7 @@ import lpsync_client
 from lpsync.daemon.launch import serving
 from lpsync_client.wire.proto import lpsync_pb2 as pb
 from lpsync_client.wire.proto import lpsync_pb2_grpc as pb_grpc
-from tests.daemon.harness import DaemonProcess, run_ranks, shm_segments
+from tests.daemon.harness import DaemonProcess, helper_context, run_ranks, shm_segments
 from tests.daemon.overload_workers import churn, pending_partner, steady
 from tests.daemon.probes import health_seconds, usage
 
@@ -72,7 +71,7 @@ def test_attach_detach_churn(tmp_path: Path) -> None:
 
 def _pending_job(sock: str, n: int, job: str) -> tuple[list, list[str]]:
     """Rank 0 (here) submits ``n`` collectives before rank 1 (a process) submits any."""
-    ctx = mp.get_context("spawn")
+    ctx = helper_context()
     go = ctx.Event()
     outcome: dict[str, list] = {}
     partner = threading.Thread(

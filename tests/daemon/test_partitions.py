@@ -6,7 +6,6 @@ link returns the mesh heals by itself: the same clients' next collectives are co
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import secrets
 import shutil
@@ -19,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.daemon.harness import DaemonProcess, run_ranks, shm_segments
+from tests.daemon.harness import DaemonProcess, helper_context, run_ranks, shm_segments
 from tests.daemon.multinode_workers import attempt, through_partition, until_unavailable
 from tests.daemon.security_workers import allreduces
 
@@ -110,7 +109,7 @@ def net(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", faults.MODES)
 def test_a_cut_node_is_unavailable_everywhere_and_the_mesh_heals(net: NetCluster, mode: str) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = helper_context()
     ready, cut_done, healed = ctx.Event(), ctx.Event(), ctx.Event()
     box: dict[str, Any] = {}
 
@@ -184,7 +183,7 @@ def test_a_cut_while_data_moves_fails_every_rank_within_the_bound(net: NetCluste
     rank of every node fails with UNAVAILABLE within the heartbeat bound, nobody hangs, and
     once the link is back the mesh heals, every node's status names each node's outcome
     of the cut collective alike, and a job's collectives are correct again."""
-    ctx = mp.get_context("spawn")
+    ctx = helper_context()
     ready = ctx.Event()
     box: dict[str, Any] = {}
 

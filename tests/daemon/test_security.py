@@ -6,7 +6,6 @@ metrics."""
 from __future__ import annotations
 
 import base64
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -24,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import lpsync_client
 from lpsync.daemon import launch
 from lpsync_client.wire.proto import lpsync_pb2 as pb
-from tests.daemon.harness import ROOT, DaemonProcess, cli_status, run_ranks, shm_segments
+from tests.daemon.harness import ROOT, DaemonProcess, cli_status, helper_context, run_ranks, shm_segments
 from tests.daemon.security_workers import allreduces, as_user
 from tests.ports import free_ports
 
@@ -32,7 +31,7 @@ NOBODY = 65534
 
 
 def _spawn(target, *args, timeout: float = 60.0):
-    ctx = mp.get_context("spawn")
+    ctx = helper_context()
     with ctx.Pool(1) as pool:
         return pool.apply_async(target, args).get(timeout)
 

@@ -24,7 +24,7 @@ from lpsync.native import engine as native_engine
 from lpsync.types import DTYPES, Collective, ReduceOp
 from lpsync_client.wire.proto import lpsync_pb2 as pb
 from tests.collective_cases import check_case_results, every_case, in_elements, make_inputs
-from tests.daemon.harness import DaemonProcess, cli_status, run_ranks, shm_segments
+from tests.daemon.harness import DaemonProcess, cli_status, helper_context, run_ranks, shm_segments
 from tests.native import workers
 from tests.ports import free_ports
 
@@ -271,7 +271,7 @@ def test_released_buffer_disarms_and_the_new_one_sums(native_daemon) -> None:
 
 def test_killed_daemon_fails_the_ringing_rank(tmp_path: Path) -> None:
     daemon = _daemon(tmp_path, "on")
-    ctx = mp.get_context("spawn")
+    ctx = helper_context()
     ready = ctx.Queue()
     results = ctx.Queue()
 

@@ -4,7 +4,6 @@ wrong secret, timeouts, idle CPU, a rebuild on the same runtime."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import time
@@ -19,6 +18,7 @@ import pytest
 
 from lpsync.types import Collective, ReduceOp
 from tests.collective_cases import assert_matches, reference
+from tests.daemon.harness import helper_context
 from tests.transport.ucx_worker import Case, case_inputs, participant
 
 pytest.importorskip("ucxx")
@@ -26,7 +26,7 @@ pytest.importorskip("ucxx")
 from tests.ports import free_ports
 
 SECRET = b"test cluster secret"
-SPAWN = multiprocessing.get_context("spawn")
+HELPERS = helper_context()
 
 
 def peers_for(n: int, host: str = "127.0.0.1") -> str:
@@ -43,10 +43,10 @@ def participants(
     **kwargs: Any,
 ) -> Iterator[tuple[Any, list[Any]]]:
     """Start n spawned participants; always reaped (killed if still alive) on the way out."""
-    queue = SPAWN.Queue()
+    queue = HELPERS.Queue()
     peers = peers_for(n)
     procs = [
-        SPAWN.Process(
+        HELPERS.Process(
             target=participant,
             daemon=True,
             args=(r, peers, (secrets or [SECRET] * n)[r], cases, queue, (modes or ["run"] * n)[r]),
@@ -232,10 +232,10 @@ def test_survivor_rebuilds_on_its_runtime_with_a_restarted_peer(transport: str) 
         Case("allreduce", "lp", 10_001, chunks=4, seed=31),
         Case("broadcast", "lp", 1 << 18, root=1, chunks=4, seed=32),
     ]
-    queue = SPAWN.Queue()
+    queue = HELPERS.Queue()
     peers = peers_for(2)
     procs = [
-        SPAWN.Process(
+        HELPERS.Process(
             target=participant,
             args=(rank, peers, SECRET, cases, queue, mode),
             kwargs={"transport": transport},
@@ -245,9 +245,9 @@ def test_survivor_rebuilds_on_its_runtime_with_a_restarted_peer(transport: str) 
     ]
     # The replacement starts now and waits: the rebuild is timed without its start-up
     # (spawning and importing took 10-19 s with a CPU hog on the one core).
-    go = SPAWN.Event()
+    go = HELPERS.Event()
     procs.append(
-        SPAWN.Process(
+        HELPERS.Process(
             target=participant,
             args=(1, peers, SECRET, cases, queue),
             kwargs={"go": go, "transport": transport},
