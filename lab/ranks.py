@@ -8,9 +8,9 @@ import os
 from collections.abc import Callable
 
 
-def torchrun_env(rank: int, procs: int, port: int, socket: str, job: str) -> None:
+def torchrun_env(rank: int, procs: int, port: int, socket: str | None = None, job: str | None = None) -> None:
     """This process's environment as torchrun would set it for ``rank`` of ``procs`` on
-    one node, with its daemon's socket and the job's name."""
+    one node, with its daemon's socket and the job's name where given."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(procs),
@@ -18,9 +18,11 @@ def torchrun_env(rank: int, procs: int, port: int, socket: str, job: str) -> Non
         LOCAL_WORLD_SIZE=str(procs),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        LPSYNC_SOCKET=socket,
-        LPSYNC_JOB=job,
     )
+    if socket is not None:
+        os.environ["LPSYNC_SOCKET"] = socket
+    if job is not None:
+        os.environ["LPSYNC_JOB"] = job
 
 
 def spawn_ranks(target: Callable[..., None], args: list[tuple], timeout: float) -> list:

@@ -11,7 +11,6 @@ DistributedOptimizer step, on a model whose gradients average exactly."""
 from __future__ import annotations
 
 import hashlib
-import os
 from datetime import timedelta
 
 import numpy as np
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from lab.ranks import torchrun_env
 from tests.daemon.harness import DaemonProcess, run_ranks
 from tests.ports import free_ports
 
@@ -67,15 +67,7 @@ def test_ddp_step_with_a_bucket_over_the_limit_equals_gloo(results: list[dict]) 
 
 
 def ranks(rank: int, world: int, socket: str, port: int) -> dict:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        LPSYNC_SOCKET=socket,
-    )
+    torchrun_env(rank, world, port, socket)
     import lpsync_client
     import lpsync_client.torch as lpt
     from lpsync_client.errors import ResourceExhaustedError

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lpsync_client
 import lpsync_client.torch as lpt
+from lab.ranks import torchrun_env
 
 BATCH = 8  # per rank and step
 
@@ -244,15 +245,7 @@ def example_as_rank(rank: int, script: str, args: list[str], world: int, port: i
     """Run the example ``script`` in this process as torchrun's rank ``rank`` of ``world``
     on one node runs it (the variables torchrun sets that the process group reads, its
     argv); what it printed."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        GROUP_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    torchrun_env(rank, world, port)
     sys.argv = [script, *args]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
