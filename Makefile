@@ -25,11 +25,19 @@ NATIVE := lpsync/native/kernels.c lpsync/native/program.c lpsync/native/engine.c
 	lpsync/native/engine.h lpsync/native/_engine.c
 CC ?= gcc
 
-# The install: uv where it installs and resolves (~30 s on a fresh clone against pip's
-# 68-80 s: pip unpacks and compiles torch, jax and UCX one wheel after another), else pip.
-# uv reads none of pip's configuration, so pip's find-links (where a machine keeps a local
-# torch wheel, as this project's machines do) are handed to it; without them uv would take
-# PyPI's CUDA torch, which no ucxx-cu12 resolves beside, and pip installs instead.
+# Every process these targets start writes the bytecode of what it imports, also where
+# the environment sets PYTHONDONTWRITEBYTECODE (this project's machines do): else every
+# daemon, rank and trainer compiled what it imported from source again (lpsync ~0.1 CPU-s,
+# torch ~3) and every pytest worker rewrote every test module's asserts (~6 CPU-s).
+export PYTHONDONTWRITEBYTECODE :=
+
+# The install: uv where it installs and resolves, else pip. uv reads none of pip's
+# configuration, so pip's find-links (where a machine keeps a local torch wheel, as this
+# project's machines do) are handed to it; without them uv would take PyPI's CUDA torch,
+# which no ucxx-cu12 resolves beside, and pip installs instead. Neither compiles what it
+# installs: the packages' bytecode is written as they are first imported (all of
+# site-packages: 35 s, 59 CPU-s on 2 cores; what the suite imports: a few CPU-s). uv: ~15 s
+# on a fresh clone, where pip took 68-80 s, compiling.
 EXTRAS := '.[test,torch,deploy]'
 
 $(BIN)/.installed: pyproject.toml clients/python/pyproject.toml $(NATIVE)
@@ -37,25 +45,18 @@ $(BIN)/.installed: pyproject.toml clients/python/pyproject.toml $(NATIVE)
 	set --; for link in $$($(BIN)/python -m pip config get global.find-links 2>/dev/null); do \
 		set -- "$$@" --find-links "$$link"; done; \
 	{ $(BIN)/python -m pip install -q uv \
-	  && $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode "$$@" \
-		-e $(EXTRAS) -e clients/python; } \
-	|| $(BIN)/python -m pip install -q -e $(EXTRAS) -e clients/python
+	  && $(BIN)/uv pip install -q --python $(BIN)/python "$$@" -e $(EXTRAS) -e clients/python; } \
+	|| $(BIN)/python -m pip install -q --no-compile -e $(EXTRAS) -e clients/python
 	touch $@
 
 demo: $(BIN)/.installed bytecode
 	$(BIN)/lpsync demo
 
-# The checkout's own bytecode, written before the processes start: where the environment
-# sets PYTHONDONTWRITEBYTECODE, every process the suite starts (325 daemons, ranks,
-# trainers) compiled lpsync from source again, ~0.1 s of CPU each (CONTRIBUTING.md).
-# Edits are safe: a .pyc records its source's mtime and size, and a stale one is ignored.
+# The checkout's own bytecode, written once before the processes start instead of by
+# each of the first ones to import a module at once. Edits are safe: a .pyc records its
+# source's mtime and size, and a stale one is ignored.
 bytecode: $(BIN)/.installed
 	$(BIN)/python -m compileall -q -j 0 lpsync lab clients/python/lpsync_client tests examples
-
-# pytest keeps each test module as it rewrote its asserts in __pycache__, unless the
-# environment sets PYTHONDONTWRITEBYTECODE: then every worker of every run parsed and
-# rewrote all of them again (~6 CPU-s of a worker's ~14-s collection of the suite).
-KEEP_REWRITES := PYTHONDONTWRITEBYTECODE=
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check lpsync lab tests clients examples scripts protos deploy
@@ -71,7 +72,7 @@ check: bytecode
 # Three workers on two cores: a few unit tests wait (threads, timeouts), and three took 76-84 s
 # where two took 89-92 s (2026-12-07).
 unit: $(BIN)/.installed
-	$(KEEP_REWRITES) $(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile $(UNIT)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile $(UNIT)
 
 # The checks and the sanitizer lane beside the suite: each is one process for about a
 # minute, which the suite's workers absorb, instead of a minute before the suite starts; a
@@ -84,14 +85,15 @@ checks:
 	$(MAKE) --no-print-directory -Otarget lint test-native
 
 suite: $(BIN)/.installed bytecode rewrites
-	$(KEEP_REWRITES) $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=30
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=30
 
 # On a fresh clone the suite's five workers would each rewrite every test module's asserts
-# at once (~7 CPU-s each, KEEP_REWRITES above): one collection writes them first, beside
-# lint. Skipped once they are there (pytest rewrites an edited module again by itself).
+# at once (~7 CPU-s each), and compile what they import (torch, hypothesis, grpc): one
+# collection writes both first, beside lint. Skipped once the rewritten modules are there
+# (pytest rewrites an edited module again by itself).
 rewrites: bytecode
 	$(if $(wildcard tests/__pycache__/conftest.*-pytest-*.pyc),,\
-		$(KEEP_REWRITES) $(BIN)/python -m pytest -q --collect-only -p no:cacheprovider >/dev/null)
+		$(BIN)/python -m pytest -q --collect-only -p no:cacheprovider >/dev/null)
 
 # The native engine alone under AddressSanitizer and UndefinedBehaviorSanitizer: programs
 # against a reference, the doorbell with threads as clients (fallbacks, disarm, deadline,
