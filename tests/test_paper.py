@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from lpsync.demo.job import Differences
 from tests.installed import skip_unless_installed
 
 skip_unless_installed("matplotlib", "torch", "sklearn")
@@ -54,17 +53,14 @@ def test_the_report_answers_every_research_question(quick) -> None:
     # RQ3: resnet50's step, lpsync and gloo, both mixes
     for mix in ("ddp-buckets", "per-tensor"):
         assert re.search(rf"\| resnet50 \| {mix} \| \d+ \| 97\.5 MiB \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", text)
-    # RQ4: the differences are printed and the result is kept (the demo's verdict): lpsync
-    # trained as gloo did, and is no further than gloo from one process
-    diff = re.search(
-        r"Largest parameter difference, lpsync vs one process: (\S+)\*\* over [\d,]+ parameters "
-        r"\(gloo vs one process: (\S+); lpsync vs gloo: (\S+);",
+    # RQ4: the differences are printed and the result is kept (the demo's verdict)
+    assert re.search(
+        r"Largest parameter difference, lpsync vs one process: \S+\*\* over [\d,]+ parameters "
+        r"\(gloo vs one process: \S+; lpsync vs gloo: \S+;",
         text,
     )
-    assert diff is not None, text
-    lpsync_single, gloo_single, lpsync_gloo = map(float, diff.groups())
-    assert Differences(lpsync_single, gloo_single, lpsync_gloo).kept(), diff.group(0)
-    assert "RQ4: lpsync's parameters differ" not in text
+    assert re.search(r"The demo's verdict: (equal to rounding|rounding grown by the training)", text), text
+    assert "BSP-SGD's result was not kept" not in text
     # RQ5: the tuner's picks and the gain for both of resnet50's mixes
     for mix in ("parameters", "ddp-buckets"):
         gains = r"\| [\d.]+x \| [\d.]+x \| .+ \| [\d.]+x \|"
