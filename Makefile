@@ -2,9 +2,9 @@
 #   make demo   the main job (lpsync demo): a two-node cluster on this machine trains a CNN
 #               on scikit-learn's digits through the DDP hook, beside one process and gloo
 #   make test   lint, format, types and the sanitizer lane beside the whole suite (budget 8 min;
-#               7 min 49 s on a fresh 2-core clone, install included, CONTRIBUTING.md)
+#               7.5-10 min on a fresh 2-core clone, install included, CONTRIBUTING.md)
 #   make check  the fast lane for every edit: lint, format, types and the unit tier (budget 60 s;
-#               50-56 s)
+#               50-57 s)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
