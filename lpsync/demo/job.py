@@ -378,17 +378,12 @@ def _summary(
     """Print the comparison; returns the differences."""
     n = lpsync["params"].size
     differences = Differences.between(lpsync["params"], single["params"], gloo["params"], (lpsync, gloo))
-    to_single, to_gloo, gloo_single = (
-        differences.lpsync_single,
-        differences.lpsync_gloo,
-        differences.gloo_single,
-    )
     say("")
     say("== results")
     say(f"RQ4, BSP-SGD's result kept: largest parameter difference over {n} parameters")
     say(
-        f"   lpsync x{lpsync['world']} vs one process: {to_single:.2e}   "
-        f"(gloo vs one process: {gloo_single:.2e}; lpsync vs gloo: {to_gloo:.2e})"
+        f"   lpsync x{lpsync['world']} vs one process: {differences.lpsync_single:.2e}   "
+        f"(gloo vs one process: {differences.gloo_single:.2e}; lpsync vs gloo: {differences.lpsync_gloo:.2e})"
     )
     say(f"   {differences.explained()}")
     say("RQ3, step time (median per epoch; comm = the buckets' collectives in flight, overlapping backward)")

@@ -42,8 +42,9 @@ def run(ctx: Run) -> Section:
     ctx.results["demo"] = demo
     world = demo["lpsync"]["world"]
     params = demo["lpsync"]["params"]
-    lpsync, single, gloo = (demo[tag]["params"] for tag in ("lpsync", "single", "gloo"))
-    diff = Differences.between(lpsync, single, gloo, (demo["lpsync"], demo["gloo"]))
+    diff = Differences.between(
+        params, demo["single"]["params"], demo["gloo"]["params"], (demo["lpsync"], demo["gloo"])
+    )
     last = {tag: demo[tag]["epochs"][-1] for tag, *_ in RUNS}
     section.lines += [
         f"A CNN ({params.size:,} parameters) trained for {o.epochs} epochs on scikit-learn's digits with "

@@ -130,21 +130,18 @@ _PRELOAD = [
 
 
 @functools.cache
-def _context() -> mp.context.BaseContext:
+def helper_context() -> mp.context.BaseContext:
+    """Where run_ranks and the tests start processes of their own (Process, Pool, Event,
+    Queue): forked from a server that has numpy, grpc, the client and torch imported (a
+    spawned interpreter cost ~0.4 CPU-s each, 76 helpers a run), or spawned under
+    LPSYNC_TEST_SPAWN. A child starts with the server's environment and working directory
+    (the test's when the server started): run_ranks hands its ranks the test's current
+    ones; a helper gets what a test set since explicitly."""
     if os.environ.get("LPSYNC_TEST_SPAWN"):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
-
-
-def helper_context() -> mp.context.BaseContext:
-    """Where a test starts helper processes of its own (Process, Pool, Event, Queue): forked
-    from the server run_ranks uses, which has numpy, grpc, the client and torch imported (a
-    spawned interpreter cost ~0.4 CPU-s each, 76 a run), or spawned under LPSYNC_TEST_SPAWN.
-    A child starts with the server's environment and working directory (the test's when
-    the server started): what a test set since, it passes to its helper explicitly."""
-    return _context()
 
 
 _STACKS = []  # the file a hanging rank writes its stacks to, kept open for faulthandler
@@ -180,7 +177,7 @@ def run_ranks(world: int, target, *args, timeout: float = 90.0, dies: tuple[int,
 
     Raises AssertionError with the child's traceback if one fails, and kills stragglers.
     """
-    ctx = _context()
+    ctx = helper_context()
     queue = ctx.Queue()
     env, cwd = dict(os.environ), os.getcwd()
     stacks = tempfile.mkdtemp(prefix="lpsync-ranks-")
