@@ -49,10 +49,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lpsync {args.command}: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        # Stopped and cleaned up: a later SIGINT must not turn exit 130 into death by the
-        # signal while the interpreter shuts down (its handler is the default by then). The
-        # demo's test saw one arrive there twice in ~10 runs; where it came from is unknown.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
         print(f"lpsync {args.command}: interrupted", file=sys.stderr)
         return 130
 
